@@ -1,0 +1,498 @@
+"""Typed run configuration: one JSON file, one dataclass per section, validated before any work.
+
+Sections: model, data, train, eval, checkpoint, tracking (typed here) and deepspeed (a plain dict handed
+to deepspeed.initialize as is; only the keys this project relies on are checked). Every problem is
+reported as one ``ConfigError`` line that names the key and says what to do.
+
+Standard library only: every other package may import this module.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message is one line naming the key and the fix."""
+
+
+@dataclass
+class ModelConfig:
+    """Transformer-XL hyper-parameters (names follow Dai et al. 2019 and its reference code)."""
+
+    vocab_size: int | None = None
+    """Vocabulary size. null: taken from the prepared corpus' manifest (a mismatch there is an error)."""
+    n_layer: int = 2
+    """Number of Transformer-XL layers."""
+    d_model: int = 128
+    """Hidden size of the residual stream."""
+    n_head: int = 4
+    """Number of attention heads."""
+    d_head: int = 32
+    """Size of one attention head (n_head * d_head need not equal d_model)."""
+    d_inner: int = 512
+    """Hidden size of the position-wise feed-forward network."""
+    d_embed: int | None = None
+    """Embedding size of the first (head) cluster; null: d_model."""
+    div_val: int = 1
+    """Adaptive input/softmax: each further cluster's embedding size is divided by div_val."""
+    cutoffs: list[int] = field(default_factory=list)
+    """Adaptive softmax cluster boundaries, strictly increasing, each below vocab_size; [] = plain softmax."""
+    tie_weight: bool = True
+    """Share the adaptive softmax output embeddings with the adaptive input embeddings."""
+    tie_projs: list[bool] | None = None
+    """Per cluster, share the softmax projection with the input projection; null: the reference default
+    ([false] + [true] * len(cutoffs))."""
+    pre_lnorm: bool = False
+    """Layer norm before each sub-layer instead of after (post-LN is the paper's default)."""
+    untie_r: bool = True
+    """Each layer has its own u (r_w_bias) and v (r_r_bias); false: all layers share one pair."""
+    tgt_len: int = 64
+    """Training segment length (tokens predicted per stream per step)."""
+    mem_len: int = 64
+    """Training memory length: hidden states kept from previous segments (0 = no recurrence)."""
+    clamp_len: int = -1
+    """Relative distances beyond clamp_len use clamp_len's position embedding; <= 0 disables clamping."""
+    same_length: bool = False
+    """Every query attends to the same number of keys (the paper's evaluation trick)."""
+    dropout: float = 0.1
+    """Dropout on embeddings, residual branches and the feed-forward network."""
+    dropatt: float = 0.0
+    """Dropout on attention probabilities."""
+    init_std: float = 0.02
+    """Standard deviation of the normal initialization of weights."""
+    proj_init_std: float = 0.01
+    """Standard deviation of the normal initialization of the adaptive projections."""
+    layer_norm_epsilon: float = 1e-5
+    """Epsilon of every layer norm."""
+
+    def resolved_d_embed(self) -> int:
+        return self.d_model if self.d_embed is None else self.d_embed
+
+    def resolved_tie_projs(self) -> list[bool]:
+        if self.tie_projs is None:
+            return [False] + [True] * len(self.cutoffs)
+        return list(self.tie_projs)
+
+
+@dataclass
+class DataConfig:
+    """Where the prepared corpus is and how the training streams are read."""
+
+    path: str = "data/shakespeare"
+    """Folder written by `python -m data_prep prepare` (holds manifest.json)."""
+    train_split: str = "train"
+    """Split used for training."""
+    valid_split: str = "valid"
+    """Split used for periodic evaluation."""
+    test_split: str = "test"
+    """Split used for the final evaluation."""
+    roll: bool = False
+    """Start each epoch at a seeded offset so segment boundaries differ between epochs (reproducibly)."""
+    seed: int = 0
+    """Seed of the per-epoch offsets when roll is on."""
+
+
+@dataclass
+class TrainConfig:
+    """The training loop. Batch sizes and the optimizer live in the deepspeed section (one owner)."""
+
+    max_steps: int = 100
+    """Optimizer steps of the whole run; the LR schedule spans exactly these."""
+    exit_step: int | None = None
+    """Save a checkpoint and exit cleanly after this step (the schedule still spans max_steps)."""
+    seed: int = 1234
+    """Seed of weight initialization and dropout."""
+    log_interval: int = 1
+    """Print a progress line every this many steps (metrics go to MLflow every step)."""
+
+
+@dataclass
+class EvalConfig:
+    """Evaluation with long memory (its own lengths, as in the paper)."""
+
+    interval: int = 0
+    """Evaluate on the valid split every this many steps; 0 = only at the end."""
+    tgt_len: int = 64
+    """Evaluation segment length."""
+    mem_len: int = 64
+    """Evaluation memory length (the paper uses far longer memories at test time)."""
+    clamp_len: int = -1
+    """Evaluation clamp_len; <= 0 disables clamping."""
+    same_length: bool = True
+    """Evaluation same_length."""
+    n_streams: int | None = None
+    """Parallel evaluation streams; null: the world size (one stream per rank). Must be a multiple of the
+    world size. Results depend on n_streams, not on the world size."""
+    max_segments: int | None = None
+    """Stop each evaluation after this many segments per stream (null: the whole split)."""
+    at_end: bool = True
+    """Evaluate on the test split when training ends."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Sharded checkpoints: DeepSpeed's files plus one state file per rank."""
+
+    dir: str = "runs/checkpoints"
+    """Folder of checkpoint tags and the `latest` file."""
+    interval: int = 0
+    """Save every this many steps; 0 = only at the end (and on SIGTERM/SIGUSR1 or exit_step)."""
+    keep: int = 3
+    """Keep the newest this many tags (0 = keep all)."""
+
+
+@dataclass
+class TrackingConfig:
+    """MLflow, on rank 0 only."""
+
+    enabled: bool = True
+    """Log to MLflow."""
+    uri: str | None = None
+    """Tracking URI; null: MLFLOW_TRACKING_URI, else a local sqlite store under runs/."""
+    experiment: str | None = None
+    """Experiment name; null: MLFLOW_EXPERIMENT_NAME, else 'txl-dist'."""
+    run_name: str | None = None
+    """Run name shown in the MLflow UI; null: MLflow picks one."""
+    system_metrics: bool = True
+    """Log CPU/GPU/memory system metrics alongside the run."""
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    deepspeed: dict[str, Any] = field(default_factory=dict)
+    """Handed to deepspeed.initialize unchanged (after gradient_accumulation_steps is derived)."""
+
+    # Derived values are methods, not stored fields: they cannot go stale.
+    def n_streams(self) -> int:
+        """S: the global batch in sequences is the number of parallel token streams."""
+        return int(self.deepspeed["train_batch_size"])
+
+    def micro_batch(self) -> int:
+        return int(self.deepspeed["train_micro_batch_size_per_gpu"])
+
+    def gradient_accumulation_steps(self, world_size: int) -> int:
+        return check_batch_layout(self.n_streams(), self.micro_batch(), world_size)
+
+    def eval_streams(self, world_size: int) -> int:
+        n = world_size if self.eval.n_streams is None else self.eval.n_streams
+        if n % world_size:
+            raise ConfigError(
+                f"eval.n_streams: {n} streams cannot be split over {world_size} ranks; "
+                f"use a multiple of {world_size}")
+        return n
+
+    def deepspeed_config(self, world_size: int) -> dict[str, Any]:
+        """The deepspeed section with the values that follow from the world size filled in."""
+        ds = copy.deepcopy(self.deepspeed)
+        ds["gradient_accumulation_steps"] = self.gradient_accumulation_steps(world_size)
+        return ds
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def digest(self) -> str:
+        """sha256 of what decides the numbers of a run (not where its files or metrics go)."""
+        d = self.to_dict()
+        for volatile in ("checkpoint", "tracking"):
+            d.pop(volatile)
+        d["train"].pop("exit_step")
+        d["train"].pop("log_interval")
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "eval": EvalConfig,
+    "checkpoint": CheckpointConfig,
+    "tracking": TrackingConfig,
+}
+
+
+def check_batch_layout(n_streams: int, micro_batch: int, world_size: int) -> int:
+    """Gradient accumulation steps g with micro_batch * g * world_size == n_streams, or a ConfigError."""
+    if world_size < 1:
+        raise ConfigError(f"world size must be >= 1, got {world_size}")
+    per_rank, rest = divmod(n_streams, world_size)
+    if rest:
+        raise ConfigError(
+            f"deepspeed.train_batch_size: {n_streams} streams cannot be split over {world_size} ranks; "
+            f"use a world size that divides {n_streams}")
+    accumulation, rest = divmod(per_rank, micro_batch)
+    if rest:
+        raise ConfigError(
+            f"deepspeed.train_micro_batch_size_per_gpu: {micro_batch} does not divide the {per_rank} "
+            f"streams of each of {world_size} ranks (train_batch_size {n_streams})")
+    return accumulation
+
+
+# ----------------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Read a JSON config, apply `section.key=value` overrides, validate, return typed sections."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"config file {path}: invalid JSON at line {e.lineno} col {e.colno}: {e.msg}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {path}: the top level must be a JSON object of sections")
+    for item in overrides:
+        apply_override(raw, item)
+    return config_from_dict(raw)
+
+
+def config_from_dict(raw: dict[str, Any]) -> RunConfig:
+    known = list(SECTIONS) + ["deepspeed"]
+    for key in raw:
+        if key not in known:
+            raise ConfigError(f"unknown section '{key}'{_suggest(key, known)}; sections are {', '.join(known)}")
+    sections = {name: _build(cls, raw.get(name, {}), name) for name, cls in SECTIONS.items()}
+    deepspeed = raw.get("deepspeed", {})
+    if not isinstance(deepspeed, dict):
+        raise ConfigError("deepspeed: must be a JSON object (DeepSpeed's own config)")
+    cfg = RunConfig(deepspeed=copy.deepcopy(deepspeed), **sections)
+    validate(cfg)
+    return cfg
+
+
+def apply_override(raw: dict[str, Any], item: str) -> None:
+    """Apply one `section.key[.subkey]=value` override; value is JSON when it parses, else a string."""
+    key, sep, text = item.partition("=")
+    key = key.strip()
+    if not sep or "." not in key:
+        raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. train.max_steps=20")
+    parts = key.split(".")
+    section = parts[0]
+    if section not in SECTIONS and section != "deepspeed":
+        known = list(SECTIONS) + ["deepspeed"]
+        raise ConfigError(f"--set {key}: unknown section '{section}'{_suggest(section, known)}")
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = text
+    node = raw
+    for p in parts[:-1]:
+        child = node.setdefault(p, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {key}: '{p}' is not a section but a value")
+        node = child
+    if section in SECTIONS and len(parts) == 2:
+        ftype = _field_types(SECTIONS[section]).get(parts[1])
+        if ftype is not None:
+            value = _coerce_text(value, text, ftype)
+    node[parts[-1]] = value
+
+
+def _coerce_text(value: Any, text: str, ftype: Any) -> Any:
+    """`--set data.path=123` means the string '123' for a string field."""
+    if _accepts(ftype, str) and not isinstance(value, str) and not (value is None and _accepts(ftype, type(None))):
+        return text
+    return value
+
+
+def _accepts(ftype: Any, t: type) -> bool:
+    args = typing.get_args(ftype) if _is_union(ftype) else (ftype,)
+    return t in args
+
+
+def _is_union(t: Any) -> bool:
+    return typing.get_origin(t) in (typing.Union, types.UnionType)
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _build(cls: type, raw: Any, section: str):
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{section}: must be a JSON object, got {type(raw).__name__}")
+    types_ = _field_types(cls)
+    for key in raw:
+        if key not in types_:
+            raise ConfigError(f"unknown key '{section}.{key}'{_suggest(key, list(types_))}")
+    values = {k: _check_type(v, types_[k], f"{section}.{k}") for k, v in raw.items()}
+    return cls(**values)
+
+
+def _check_type(value: Any, ftype: Any, key: str) -> Any:
+    ok, converted = _convert(value, ftype)
+    if not ok:
+        raise ConfigError(f"{key}: expected {_type_name(ftype)}, got {json.dumps(value)}")
+    return converted
+
+
+def _convert(value: Any, ftype: Any) -> tuple[bool, Any]:
+    if _is_union(ftype):
+        for arm in typing.get_args(ftype):
+            ok, v = _convert(value, arm)
+            if ok:
+                return True, v
+        return False, None
+    origin = typing.get_origin(ftype)
+    if ftype is type(None):
+        return value is None, None
+    if ftype is bool:
+        return isinstance(value, bool), value
+    if ftype is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if ftype is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return ok, float(value) if ok else None
+    if ftype is str:
+        return isinstance(value, str), value
+    if origin is list:
+        (item,) = typing.get_args(ftype)
+        if not isinstance(value, list):
+            return False, None
+        out = []
+        for v in value:
+            ok, c = _convert(v, item)
+            if not ok:
+                return False, None
+            out.append(c)
+        return True, out
+    if origin is Literal:
+        return value in typing.get_args(ftype), value
+    if origin is dict or ftype is dict:
+        return isinstance(value, dict), value
+    raise TypeError(f"config field type {ftype} not supported")
+
+
+def _type_name(ftype: Any) -> str:
+    if _is_union(ftype):
+        return " or ".join(_type_name(a) for a in typing.get_args(ftype))
+    if ftype is type(None):
+        return "null"
+    if typing.get_origin(ftype) is list:
+        return f"a list of {_type_name(typing.get_args(ftype)[0])}"
+    if typing.get_origin(ftype) is Literal:
+        return "one of " + ", ".join(json.dumps(a) for a in typing.get_args(ftype))
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(ftype, str(ftype))
+
+
+def _suggest(word: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+# ----------------------------------------------------------------------------------------------------
+# Validation: consistency between values, before any work starts.
+
+
+def validate(cfg: RunConfig) -> None:
+    validate_model(cfg.model)
+    t, e, c = cfg.train, cfg.eval, cfg.checkpoint
+    _positive("train.max_steps", t.max_steps)
+    _positive("train.log_interval", t.log_interval)
+    if t.exit_step is not None and not 0 < t.exit_step <= t.max_steps:
+        raise ConfigError(f"train.exit_step: {t.exit_step} must be in 1..train.max_steps ({t.max_steps}) or null")
+    _positive("eval.tgt_len", e.tgt_len)
+    _non_negative("eval.mem_len", e.mem_len)
+    _non_negative("eval.interval", e.interval)
+    if e.n_streams is not None:
+        _positive("eval.n_streams", e.n_streams)
+    if e.max_segments is not None:
+        _positive("eval.max_segments", e.max_segments)
+    _non_negative("checkpoint.interval", c.interval)
+    _non_negative("checkpoint.keep", c.keep)
+    validate_deepspeed(cfg.deepspeed, cfg.train.max_steps)
+
+
+def validate_model(m: ModelConfig) -> None:
+    for key in ("n_layer", "d_model", "n_head", "d_head", "d_inner", "div_val", "tgt_len"):
+        _positive(f"model.{key}", getattr(m, key))
+    _non_negative("model.mem_len", m.mem_len)
+    if m.d_embed is not None:
+        _positive("model.d_embed", m.d_embed)
+    for key in ("dropout", "dropatt"):
+        p = getattr(m, key)
+        if not 0.0 <= p < 1.0:
+            raise ConfigError(f"model.{key}: {p} must be in [0, 1)")
+    for key in ("init_std", "proj_init_std", "layer_norm_epsilon"):
+        _positive(f"model.{key}", getattr(m, key))
+    if m.vocab_size is not None:
+        _positive("model.vocab_size", m.vocab_size)
+    check_cutoffs(m.cutoffs, m.vocab_size)
+    if m.tie_projs is not None and len(m.tie_projs) != len(m.cutoffs) + 1:
+        raise ConfigError(
+            f"model.tie_projs: needs one entry per cluster ({len(m.cutoffs) + 1} for cutoffs {m.cutoffs}), "
+            f"got {len(m.tie_projs)}")
+    if m.div_val > 1:
+        d_embed = m.resolved_d_embed()
+        smallest = d_embed // m.div_val ** len(m.cutoffs)
+        if smallest < 1:
+            raise ConfigError(
+                f"model.div_val: {m.div_val} shrinks the last cluster's embedding below 1 "
+                f"(d_embed {d_embed}, {len(m.cutoffs)} cutoffs); lower div_val or raise d_embed")
+
+
+def check_cutoffs(cutoffs: list[int], vocab_size: int | None) -> None:
+    prev = 0
+    for c in cutoffs:
+        if c <= prev:
+            raise ConfigError(f"model.cutoffs: {cutoffs} must be strictly increasing and positive")
+        prev = c
+    if vocab_size is not None and cutoffs and cutoffs[-1] >= vocab_size:
+        raise ConfigError(
+            f"model.cutoffs: every cutoff must be below vocab_size {vocab_size}, got {cutoffs}")
+
+
+def validate_deepspeed(ds: dict[str, Any], max_steps: int) -> None:
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu"):
+        v = ds.get(key)
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ConfigError(f"deepspeed.{key}: must be a positive integer, got {json.dumps(v)}")
+    if "gradient_accumulation_steps" in ds:
+        raise ConfigError(
+            "deepspeed.gradient_accumulation_steps: do not set it; it follows from train_batch_size / "
+            "(train_micro_batch_size_per_gpu * world size), so one config runs on any world size")
+    s, m = ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"]
+    if s % m:
+        raise ConfigError(
+            f"deepspeed.train_micro_batch_size_per_gpu: {m} does not divide train_batch_size {s}")
+    stage = ds.get("zero_optimization", {}).get("stage", 0)
+    if stage not in (0, 1, 2, 3):
+        raise ConfigError(f"deepspeed.zero_optimization.stage: must be 0, 1, 2 or 3, got {json.dumps(stage)}")
+    if ds.get("bf16", {}).get("enabled") and ds.get("fp16", {}).get("enabled"):
+        raise ConfigError("deepspeed.bf16.enabled and deepspeed.fp16.enabled: enable at most one")
+    sched = ds.get("scheduler")
+    if sched is not None:
+        total = sched.get("params", {}).get("total_num_steps")
+        if total is not None and total != max_steps:
+            raise ConfigError(
+                f"deepspeed.scheduler.params.total_num_steps: {total} differs from train.max_steps {max_steps}; "
+                "leave it out and it follows train.max_steps")
+
+
+def _positive(key: str, v: float) -> None:
+    if v <= 0:
+        raise ConfigError(f"{key}: must be > 0, got {v}")
+
+
+def _non_negative(key: str, v: float) -> None:
+    if v < 0:
+        raise ConfigError(f"{key}: must be >= 0, got {v}")
