@@ -1,0 +1,139 @@
+"""The typed configuration: every shipped preset loads, overrides are typed, bad values are refused early."""
+import json
+from pathlib import Path
+
+import pytest
+
+from txl_dist.config import (
+    ConfigError,
+    RunConfig,
+    check_batch_layout,
+    config_from_dict,
+    load_config,
+)
+
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.json"))
+
+
+def minimal(**sections) -> dict:
+    raw = {"deepspeed": {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2}}
+    for name, values in sections.items():
+        raw.setdefault(name, {}).update(values)
+    return raw
+
+
+def test_every_shipped_preset_loads_and_validates():
+    names = {p.stem for p in CONFIGS}
+    assert {"tiny", "ptb", "wt103_base", "large", "enwik8_large"} <= names
+    for path in CONFIGS:
+        cfg = load_config(path)
+        assert isinstance(cfg, RunConfig)
+        # One config runs unchanged on any world size that divides S.
+        for world_size in (1, 2):
+            ds = cfg.deepspeed_config(world_size)
+            assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds[
+                "gradient_accumulation_steps"] * world_size
+
+
+def test_paper_presets_have_the_paper_shapes():
+    base = load_config(CONFIGS[0].parent / "wt103_base.json").model
+    assert (base.n_layer, base.d_model, base.n_head, base.d_head, base.d_inner) == (16, 410, 10, 41, 2100)
+    assert (base.tgt_len, base.mem_len) == (150, 150)
+    large = load_config(CONFIGS[0].parent / "large.json")
+    m = large.model
+    assert (m.n_layer, m.d_model, m.n_head, m.d_head, m.d_inner) == (18, 1024, 16, 64, 4096)
+    assert (m.tgt_len, m.mem_len, m.dropout, m.dropatt, m.div_val) == (384, 384, 0.2, 0.2, 4)
+    assert (large.eval.tgt_len, large.eval.mem_len, large.eval.clamp_len) == (128, 1600, 1000)
+    assert large.deepspeed["bf16"]["enabled"] and large.deepspeed["zero_optimization"]["stage"] >= 1
+    assert "activation_checkpointing" in large.deepspeed
+    e = load_config(CONFIGS[0].parent / "enwik8_large.json").model
+    assert (e.n_layer, e.d_model, e.n_head, e.d_head, e.d_inner, e.tgt_len, e.mem_len) == (
+        24, 1024, 8, 128, 3072, 768, 768)
+
+
+def test_overrides_are_typed_and_reach_nested_deepspeed_keys(tmp_path):
+    cfg = load_config(CONFIGS[0].parent / "tiny.json", [
+        "train.max_steps=20",
+        "deepspeed.zero_optimization.stage=3",
+        "data.path=/data/ptb",
+        "checkpoint.dir=123",
+        "checkpoint.interval=5",
+        "eval.interval=7",
+        "model.cutoffs=[500,1500]",
+        "model.same_length=true",
+        "tracking.uri=null",
+    ])
+    assert cfg.train.max_steps == 20
+    assert cfg.deepspeed["zero_optimization"]["stage"] == 3
+    assert cfg.data.path == "/data/ptb"
+    assert cfg.checkpoint.dir == "123"  # a string field keeps digits as text
+    assert (cfg.checkpoint.interval, cfg.eval.interval) == (5, 7)
+    assert cfg.model.cutoffs == [500, 1500] and cfg.model.same_length is True
+    assert cfg.tracking.uri is None
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.n_layers=3"], "unknown key 'model.n_layers' (did you mean 'n_layer'?)"),
+    (["modle.n_layer=3"], "unknown section 'modle' (did you mean 'model'?)"),
+    (["model.n_layer=three"], "model.n_layer: expected an integer"),
+    (["model.dropout=true"], "model.dropout: expected a number"),
+    (["model.cutoffs=[2000,1000]"], "model.cutoffs"),
+    (["model.vocab_size=1500", "model.cutoffs=[1000,2000]"], "below vocab_size 1500"),
+    (["model.tgt_len=0"], "model.tgt_len: must be > 0"),
+    (["model.mem_len=-1"], "model.mem_len: must be >= 0"),
+    (["deepspeed.train_micro_batch_size_per_gpu=3"], "does not divide train_batch_size 8"),
+    (["deepspeed.gradient_accumulation_steps=2"], "deepspeed.gradient_accumulation_steps: do not set it"),
+    (["train.exit_step=500"], "train.exit_step"),
+    (["deepspeed.scheduler.params.total_num_steps=7"], "differs from train.max_steps"),
+    (["train.max_steps"], "expected section.key=value"),
+])
+def test_bad_values_are_refused_with_one_line_naming_the_key(overrides, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(CONFIGS[0].parent / "tiny.json", overrides)
+    text = str(info.value)
+    assert message in text
+    assert "\n" not in text
+
+
+def test_batch_layout_follows_from_world_size():
+    assert check_batch_layout(8, 2, 1) == 4
+    assert check_batch_layout(8, 2, 2) == 2
+    assert check_batch_layout(8, 2, 4) == 1
+    with pytest.raises(ConfigError, match="cannot be split over 3 ranks"):
+        check_batch_layout(8, 2, 3)
+    with pytest.raises(ConfigError, match="does not divide"):
+        check_batch_layout(8, 4, 4)
+
+
+def test_eval_streams_must_divide_over_ranks():
+    cfg = config_from_dict(minimal(eval={"n_streams": 4}))
+    assert cfg.eval_streams(2) == 4
+    with pytest.raises(ConfigError, match="eval.n_streams"):
+        cfg.eval_streams(3)
+    assert config_from_dict(minimal()).eval_streams(3) == 3
+
+
+def test_digest_ignores_where_files_go_but_not_what_is_computed():
+    a = config_from_dict(minimal())
+    b = config_from_dict(minimal(checkpoint={"dir": "elsewhere"}, train={"exit_step": 3}))
+    c = config_from_dict(minimal(model={"d_model": 64}))
+    assert a.digest() == b.digest() != c.digest()
+
+
+def test_bad_files_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{\"model\": {")
+    with pytest.raises(ConfigError, match="invalid JSON at line 1"):
+        load_config(bad)
+    bad.write_text(json.dumps([1, 2]))
+    with pytest.raises(ConfigError, match="top level must be a JSON object"):
+        load_config(bad)
+
+
+def test_tie_projs_default_and_length_check():
+    cfg = config_from_dict(minimal(model={"cutoffs": [10, 20]}))
+    assert cfg.model.resolved_tie_projs() == [False, True, True]
+    with pytest.raises(ConfigError, match="model.tie_projs: needs one entry per cluster"):
+        config_from_dict(minimal(model={"cutoffs": [10, 20], "tie_projs": [True]}))
