@@ -1,0 +1,232 @@
+"""Token files: the Arrow IPC writer used by data_prep and the memory-mapped reader used by the loader.
+
+A token file is an Arrow IPC *file* (random access, footer at the end) with one column "tokens" of
+uint16 or int32 and any number of record batches. Reading memory-maps the file, so a slice that lies
+inside one record batch is a numpy view of the page cache: no copy, no read of the rest of the file.
+"""
+from __future__ import annotations
+
+import bisect
+import hashlib
+import io
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import pyarrow as pa
+
+from .manifest import DTYPES, CorpusError, FileEntry, Manifest, sha256_file
+
+COLUMN = "tokens"
+_ARROW_TYPES = {"uint16": pa.uint16(), "int32": pa.int32()}
+
+
+def token_schema(dtype: str) -> pa.Schema:
+    """The one-column schema of a token file."""
+    if dtype not in _ARROW_TYPES:
+        raise ValueError(f"token dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    return pa.schema([(COLUMN, _ARROW_TYPES[dtype])])
+
+
+class _HashingSink(io.RawIOBase):
+    """A write-only file that hashes what passes through, so the writer needs no second read pass."""
+
+    def __init__(self, f: Any):
+        super().__init__()
+        self._f = f
+        self.sha256 = hashlib.sha256()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        self.sha256.update(b)
+        return self._f.write(b)
+
+
+class ArrowTokenWriter:
+    """Write one token file: `.write(tokens)` appends a record batch; `.close()` -> (n_tokens, sha256).
+
+    The data goes to `path + '.tmp'`, fsynced and renamed to `path` on close, so a crash never leaves a
+    file that looks complete. Leaving the `with` block on an exception removes the temporary file.
+    """
+
+    def __init__(self, path: str | os.PathLike, dtype: str):
+        self.path = Path(path)
+        self.tmp_path = Path(f"{self.path}.tmp")
+        self.dtype = dtype
+        self.schema = token_schema(dtype)
+        self._np_dtype = np.dtype(dtype)
+        self._info = np.iinfo(self._np_dtype)
+        self.n_tokens = 0
+        self._file = open(self.tmp_path, "wb")
+        self._sink = _HashingSink(self._file)
+        self._writer = pa.ipc.new_file(self._sink, self.schema)
+        self._result: tuple[int, str] | None = None
+
+    def write(self, tokens: np.ndarray) -> None:
+        """Append `tokens` (1-D integer array, values must fit the dtype) as one record batch."""
+        if self._result is not None:
+            raise ValueError(f"{self.path}: write() after close()")
+        tokens = np.asarray(tokens)
+        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+            raise ValueError(f"{self.path}: tokens must be a 1-D integer array, got {tokens.dtype} {tokens.shape}")
+        if tokens.size == 0:
+            return
+        if tokens.dtype != self._np_dtype:
+            lo, hi = int(tokens.min()), int(tokens.max())
+            if lo < self._info.min or hi > self._info.max:
+                raise ValueError(f"{self.path}: token ids {lo}..{hi} do not fit {self.dtype}")
+            tokens = tokens.astype(self._np_dtype)
+        batch = pa.record_batch([pa.array(tokens)], schema=self.schema)
+        self._writer.write_batch(batch)
+        self.n_tokens += tokens.size
+
+    def close(self) -> tuple[int, str]:
+        """Finish the file, rename it into place, return (n_tokens, sha256 of the file). Idempotent."""
+        if self._result is None:
+            self._writer.close()
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            os.replace(self.tmp_path, self.path)
+            self._result = (self.n_tokens, self._sink.sha256.hexdigest())
+        return self._result
+
+    def abort(self) -> None:
+        """Drop the partial file (nothing is renamed into place)."""
+        if self._result is None:
+            self._file.close()
+            self.tmp_path.unlink(missing_ok=True)
+            self._result = (0, "")
+
+    def __enter__(self) -> ArrowTokenWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+class _OpenFile:
+    """One memory-mapped token file and the global-stream offsets of its record batches."""
+
+    def __init__(self, entry: FileEntry, path: Path, dtype: str, verify: bool):
+        if not path.is_file():
+            raise CorpusError(f"{path}: corpus file is missing (listed in the manifest); re-run prepare")
+        if verify and (got := sha256_file(path)) != entry.sha256:
+            raise CorpusError(f"{path}: sha256 {got[:12]}... differs from the manifest's {entry.sha256[:12]}...: "
+                              "the file is corrupt, truncated or replaced; re-run prepare")
+        try:
+            self._mmap = pa.memory_map(str(path), "r")
+            reader = pa.ipc.open_file(self._mmap)
+            batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
+        except (pa.ArrowException, OSError) as e:
+            raise CorpusError(f"{path}: not a readable Arrow IPC file (truncated or corrupt): "
+                              f"{str(e).splitlines()[0]}") from None
+        if reader.schema != token_schema(dtype):
+            raise CorpusError(f"{path}: schema is ({reader.schema.to_string(show_schema_metadata=False)}"
+                              f"), expected one column '{COLUMN}' of {dtype}".replace("\n", ", "))
+        # Views into the mapped file: to_numpy on a null-free primitive column never copies.
+        self.arrays = [b.column(0).to_numpy(zero_copy_only=True) for b in batches if b.num_rows]
+        starts = [entry.first_token]
+        for a in self.arrays:
+            starts.append(starts[-1] + len(a))
+        if starts[-1] - entry.first_token != entry.n_tokens:
+            raise CorpusError(f"{path}: holds {starts[-1] - entry.first_token} tokens, the manifest says "
+                              f"{entry.n_tokens}; re-run prepare")
+        self.starts = starts  # starts[i] = global index of arrays[i][0]; starts[-1] = end of the file
+
+    def close(self) -> None:
+        self.arrays = []
+        self._mmap.close()
+
+
+class TokenReader:
+    """Random access to a split's global stream; opens (and verifies) a file only when first touched.
+
+    `read(start, stop)` returns the tokens [start, stop) in the file dtype: a zero-copy view when the
+    range lies inside one record batch, else one concatenated copy. With `verify` (default) a file's
+    sha256 is checked when it is opened, which reads the file once; data_prep's inspect may turn it off.
+    """
+
+    def __init__(self, corpus_dir: str | os.PathLike, manifest: Manifest, split: str, *, verify: bool = True):
+        if split not in manifest.splits:
+            raise CorpusError(f"{Path(corpus_dir) / 'manifest.json'}: no split '{split}'; "
+                              f"the corpus has {', '.join(sorted(manifest.splits))}")
+        self.corpus_dir = Path(corpus_dir)
+        self.split = split
+        self.entry = manifest.splits[split]
+        self.n_tokens = self.entry.n_tokens
+        self.dtype = manifest.dtype
+        self.verify = verify
+        self._file_starts = [f.first_token for f in self.entry.files]
+        self._open: dict[int, _OpenFile] = {}
+        self.files_opened: list[str] = []
+        """Manifest paths of the files opened so far, in opening order."""
+
+    def file_indices(self, start: int, stop: int) -> range:
+        """Indices (into the split's file list) of the files overlapping tokens [start, stop)."""
+        self._check_range(start, stop)
+        if start == stop:
+            return range(0)
+        first = bisect.bisect_right(self._file_starts, start) - 1
+        last = bisect.bisect_right(self._file_starts, stop - 1) - 1
+        return range(first, last + 1)
+
+    def open_range(self, start: int, stop: int) -> list[str]:
+        """Open (and verify) every file overlapping [start, stop) now; returns their manifest paths."""
+        indices = self.file_indices(start, stop)
+        for i in indices:
+            self._file(i)
+        return [self.entry.files[i].path for i in indices]
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Tokens [start, stop) of the split's stream, in the file dtype (a view when possible)."""
+        pieces = list(self.chunks(start, stop))
+        if len(pieces) == 1:
+            return pieces[0]
+        return np.concatenate(pieces) if pieces else np.empty(0, dtype=self.dtype)
+
+    def chunks(self, start: int, stop: int) -> Iterator[np.ndarray]:
+        """Tokens [start, stop) as consecutive zero-copy views, one per record batch touched.
+
+        Streaming a large range this way (relayout, verify) needs no memory beyond the page cache.
+        """
+        self._check_range(start, stop)
+        pos = start
+        while pos < stop:
+            f = self._file(bisect.bisect_right(self._file_starts, pos) - 1)
+            b = bisect.bisect_right(f.starts, pos) - 1
+            base = f.starts[b]
+            end = min(stop, f.starts[b + 1])
+            yield f.arrays[b][pos - base:end - base]
+            pos = end
+
+    def close(self) -> None:
+        """Unmap every open file (views returned by read() must not be used afterwards)."""
+        for f in self._open.values():
+            f.close()
+        self._open.clear()
+
+    def __enter__(self) -> TokenReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _file(self, i: int) -> _OpenFile:
+        f = self._open.get(i)
+        if f is None:
+            entry = self.entry.files[i]
+            f = _OpenFile(entry, self.corpus_dir / entry.path, self.dtype, self.verify)
+            self._open[i] = f
+            self.files_opened.append(entry.path)
+        return f
+
+    def _check_range(self, start: int, stop: int) -> None:
+        if not 0 <= start <= stop <= self.n_tokens:
+            raise IndexError(f"split '{self.split}': token range [{start}, {stop}) is outside [0, {self.n_tokens})")

@@ -1,0 +1,48 @@
+"""The corpus format: the one contract between data_prep/ (writer) and the loader (reader).
+
+Import everything about the on-disk format from here. A corpus folder OUT holds
+
+    OUT/manifest.json         written last, atomically (write_manifest)
+    OUT/tokenizer.model       the SentencePiece model, its sha256 in the manifest
+    OUT/<split>/NNNNN.arrow   Arrow IPC files, one column "tokens" (token_dtype(vocab_size)); file k holds
+                              the split's global-stream tokens [first_token, first_token + n_tokens)
+
+A split's global stream is its documents in input order, each followed by eod_id. A run cuts it into S
+streams of L = n_tokens // S tokens; rank r of W owns streams [r*S/W, (r+1)*S/W), one contiguous block
+(rank_token_range). Files are cut at the rank blocks of the layout hint (file_boundaries), so in the
+planned run each rank opens only its own files; any W dividing S can still read them.
+
+The definitions live in manifest.py (schema, layout arithmetic), arrow_io.py (writer, reader) and
+verify.py; this module is the single import point.
+"""
+from __future__ import annotations
+
+from .arrow_io import COLUMN, ArrowTokenWriter, TokenReader, token_schema
+from .manifest import (
+    DTYPES,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MANIFEST_FILE,
+    CorpusError,
+    FileEntry,
+    Layout,
+    Manifest,
+    SplitEntry,
+    TokenizerEntry,
+    check_relative_path,
+    file_boundaries,
+    rank_token_range,
+    read_manifest,
+    sha256_file,
+    stream_length,
+    token_dtype,
+    write_manifest,
+)
+from .verify import verify_corpus
+
+__all__ = [
+    "COLUMN", "DTYPES", "FORMAT_NAME", "FORMAT_VERSION", "MANIFEST_FILE",
+    "ArrowTokenWriter", "CorpusError", "FileEntry", "Layout", "Manifest", "SplitEntry", "TokenReader",
+    "TokenizerEntry", "check_relative_path", "file_boundaries", "rank_token_range", "read_manifest",
+    "sha256_file", "stream_length", "token_dtype", "token_schema", "verify_corpus", "write_manifest",
+]

@@ -1,0 +1,267 @@
+"""StreamLoader: a rank's contiguous block of streams, read as ordered, resumable Transformer-XL windows.
+
+A split's global stream is cut into S streams of L = n_tokens // S tokens; rank r of W owns streams
+[r*S/W, (r+1)*S/W) (see format.rank_token_range). Gradient accumulation splits those streams, not time:
+with g = S / (m * W) micro steps per optimizer step, micro step i of a step reads the rank's local
+streams [i*m, (i+1)*m) at the same time position, so every stream advances by tgt_len tokens per
+optimizer step and its mems line up from one segment to the next.
+
+Window k of epoch e covers stream tokens [o_e + k*T, o_e + (k+1)*T + 1): input_ids are the first T of
+them, labels the last T (the next tokens). o_e = 0, or with `roll` a seeded offset in [0, T) drawn per
+epoch, the same for all streams so they all wrap together. The first window of each epoch has reset set:
+the mems of those streams must be cleared, the text before it is not their context.
+
+The position is the same on every rank (epoch, window, micro step), so a state saved by any rank resumes
+any world size that divides S, at an optimizer-step boundary.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from .arrow_io import TokenReader
+from .manifest import CorpusError, read_manifest, sha256_file
+
+STATE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro step of one rank: windows of m streams at the same time position."""
+
+    input_ids: np.ndarray
+    """int64 [m, T]: tokens [position, position + T) of each stream."""
+    labels: np.ndarray
+    """int64 [m, T]: the next tokens, [position + 1, position + T + 1)."""
+    stream_ids: np.ndarray
+    """int64 [m]: GLOBAL stream ids (mems are keyed by these; they do not depend on the world size)."""
+    micro_step: int
+    """Index of this micro batch within its optimizer step, 0..g-1."""
+    step: int
+    """Optimizer step index since the first epoch (counts across epochs)."""
+    epoch: int
+    """Pass over the streams, from 0."""
+    reset: np.ndarray
+    """bool [m]: this window starts a new pass over the stream; clear its mems before using them."""
+    position: int
+    """Offset inside each stream of input_ids[:, 0]."""
+
+
+class StreamLoader:
+    """Ordered, resumable Transformer-XL windows over one rank's block of a prepared split.
+
+    Iterating yields one MicroBatch per micro step, in order: step 0 micro 0..g-1, step 1, ... The
+    loader is stateful: iterating again continues where the last iteration stopped, and state_dict()
+    always describes the next micro batch. `epochs=None` runs forever; `partial_last` (for evaluation,
+    not with roll) adds one shorter last window per epoch so that every token of each stream except its
+    first is predicted exactly once. `verify` checks the sha256 of the tokenizer and of the rank's files
+    when the loader is built (one read of the rank's block); turn it off only for data already verified.
+    """
+
+    def __init__(self, corpus_dir: str | os.PathLike, split: str, *, rank: int, world_size: int, n_streams: int,
+                 micro_batch: int, tgt_len: int, roll: bool = False, seed: int = 0, epochs: int | None = None,
+                 partial_last: bool = False, verify: bool = True):
+        _check_layout(rank, world_size, n_streams, micro_batch, tgt_len)
+        if epochs is not None and epochs < 1:
+            raise ValueError(f"epochs must be >= 1 or None (forever), got {epochs}")
+        if roll and partial_last:
+            raise ValueError("partial_last (evaluation: every token once) cannot be combined with roll; turn roll off")
+        if seed < 0:
+            raise ValueError(f"seed must be >= 0, got {seed}")
+        self.corpus_dir = Path(corpus_dir)
+        self.manifest = read_manifest(self.corpus_dir)
+        self.digest = self.manifest.digest()
+        self.split, self.rank, self.world_size = split, rank, world_size
+        self.n_streams, self.micro_batch, self.tgt_len = n_streams, micro_batch, tgt_len
+        self.roll, self.seed, self.epochs, self.partial_last = roll, seed, epochs, partial_last
+        if verify:
+            self._verify_tokenizer()
+        self.reader = TokenReader(self.corpus_dir, self.manifest, split, verify=verify)  # names unknown splits
+        n_tokens = self.reader.n_tokens
+        self.stream_len = n_tokens // n_streams
+        """L: tokens per stream."""
+        need = 2 * tgt_len if roll else tgt_len + 1  # with roll, the latest offset must still fit one window
+        if self.stream_len < need:
+            raise ValueError(
+                f"split '{split}' of {self.corpus_dir}: {n_tokens} tokens give {n_streams} streams of "
+                f"{self.stream_len} tokens, too short for {'roll with ' if roll else ''}tgt_len {tgt_len} "
+                f"(needs {need}); use fewer streams or a shorter tgt_len")
+        self.accumulation_steps = n_streams // (micro_batch * world_size)
+        """g: micro steps per optimizer step."""
+        per_rank = n_streams // world_size
+        self.stream_ids = np.arange(rank * per_rank, (rank + 1) * per_rank, dtype=np.int64)
+        """GLOBAL ids of this rank's streams, in local order."""
+        self.block = (int(self.stream_ids[0]) * self.stream_len, int(self.stream_ids[-1] + 1) * self.stream_len)
+        """Global-stream tokens [start, stop) owned by this rank."""
+        # Open (and verify) the rank's files now: a bad file fails the start, not step 10,000.
+        self.reader.open_range(*self.block)
+        self._stream_starts = [int(s) * self.stream_len for s in self.stream_ids]
+        self._epoch_cache: dict[int, tuple[int, int]] = {}
+        self._epoch = self._window = self._micro = self._step = 0
+
+    # ------------------------------------------------------------------------------------------------
+    # Epoch geometry
+
+    def epoch_offset(self, epoch: int) -> int:
+        """o_e: where epoch e's first window starts in every stream (0 unless roll)."""
+        return self._epoch_geometry(epoch)[0]
+
+    def steps_in_epoch(self, epoch: int) -> int:
+        """Optimizer steps (= windows per stream) of epoch e; with roll it may be one less than offset 0 gives."""
+        return self._epoch_geometry(epoch)[1]
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Optimizer steps of an epoch starting at offset 0 (every epoch without roll)."""
+        full, rest = divmod(self.stream_len - 1, self.tgt_len)
+        return full + int(self.partial_last and rest > 0)
+
+    def _epoch_geometry(self, epoch: int) -> tuple[int, int]:
+        geo = self._epoch_cache.get(epoch)
+        if geo is None:
+            offset = int(np.random.default_rng([self.seed, epoch]).integers(self.tgt_len)) if self.roll else 0
+            full, rest = divmod(self.stream_len - 1 - offset, self.tgt_len)
+            geo = (offset, full + int(self.partial_last and rest > 0))
+            self._epoch_cache[epoch] = geo
+        return geo
+
+    # ------------------------------------------------------------------------------------------------
+    # Iteration
+
+    def __iter__(self) -> Iterator[MicroBatch]:
+        while not self.finished:
+            batch = self._micro_batch(self._epoch, self._window, self._micro)
+            self._advance()  # before yielding: state_dict() after k batches names batch k+1
+            yield batch
+
+    @property
+    def finished(self) -> bool:
+        """True once `epochs` epochs have been yielded (never with epochs=None)."""
+        return self.epochs is not None and self._epoch >= self.epochs
+
+    @property
+    def files_opened(self) -> list[str]:
+        """Manifest paths of the files this loader has opened (only those overlapping its block)."""
+        return list(self.reader.files_opened)
+
+    def _micro_batch(self, epoch: int, window: int, micro: int) -> MicroBatch:
+        offset = self.epoch_offset(epoch)
+        position = offset + window * self.tgt_len
+        t = min(self.tgt_len, self.stream_len - 1 - position)  # < tgt_len only for the partial last window
+        m = self.micro_batch
+        rows = slice(micro * m, (micro + 1) * m)
+        buf = np.empty((m, t + 1), dtype=np.int64)  # [m, T+1]
+        for j, start in enumerate(self._stream_starts[rows]):
+            buf[j] = self.reader.read(start + position, start + position + t + 1)  # zero-copy read, one cast
+        return MicroBatch(
+            input_ids=np.ascontiguousarray(buf[:, :-1]),  # [m, T]
+            labels=np.ascontiguousarray(buf[:, 1:]),  # [m, T]
+            stream_ids=self.stream_ids[rows].copy(),  # [m]
+            micro_step=micro, step=self._step, epoch=epoch,
+            reset=np.full(m, window == 0, dtype=np.bool_),  # [m]; all streams wrap together
+            position=position,
+        )
+
+    def _advance(self) -> None:
+        self._micro += 1
+        if self._micro < self.accumulation_steps:
+            return
+        self._micro = 0
+        self._window += 1
+        self._step += 1
+        # An epoch with no window cannot happen (stream_len checked), but loop rather than assume.
+        while not self.finished and self._window >= self.steps_in_epoch(self._epoch):
+            self._epoch += 1
+            self._window = 0
+
+    # ------------------------------------------------------------------------------------------------
+    # Resume
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position of the next micro batch plus what it is only valid for (JSON-serializable)."""
+        return {
+            "version": STATE_VERSION,
+            "epoch": self._epoch, "window": self._window, "micro_step": self._micro, "step": self._step,
+            "position": None if self.finished else self.epoch_offset(self._epoch) + self._window * self.tgt_len,
+            "split": self.split, "digest": self.digest,
+            "n_streams": self.n_streams, "stream_len": self.stream_len, "tgt_len": self.tgt_len,
+            "roll": self.roll, "seed": self.seed, "partial_last": self.partial_last,
+            "world_size": self.world_size, "micro_batch": self.micro_batch,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a saved position; refuses (one line) a state this loader cannot continue exactly."""
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            got = state.get("version") if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"loader state: version {got!r} is not {STATE_VERSION}; "
+                             "it was not saved by this StreamLoader")
+        missing = [k for k in self.state_dict() if k not in state]
+        if missing:
+            raise ValueError(f"loader state: '{missing[0]}' is missing")
+        for key, why in (("digest", "it was saved for another corpus (or another preparation of it)"),
+                         ("split", "it was saved for another split"),
+                         ("n_streams", "keep train_batch_size (the number of streams) when resuming"),
+                         ("stream_len", "the stream length differs: another corpus or number of streams"),
+                         ("tgt_len", "keep tgt_len when resuming"),
+                         ("roll", "keep data.roll when resuming"),
+                         ("seed", "keep data.seed when resuming (it decides the epoch offsets)"),
+                         ("partial_last", "keep partial_last when resuming")):
+            if state[key] != getattr(self, key):
+                raise ValueError(
+                    f"loader state: {key} is {state[key]!r} but this loader has {getattr(self, key)!r}; {why}")
+        epoch, window, micro, step = (state[k] for k in ("epoch", "window", "micro_step", "step"))
+        if micro and (state["world_size"], state["micro_batch"]) != (self.world_size, self.micro_batch):
+            raise ValueError(
+                f"loader state: saved mid-step (micro step {micro}) with world size {state['world_size']} and micro "
+                f"batch {state['micro_batch']}, but this loader has {self.world_size} and {self.micro_batch}; "
+                "resume another layout only from an optimizer-step boundary")
+        if not all(isinstance(v, int) and v >= 0 for v in (epoch, window, micro, step)):
+            raise ValueError(f"loader state: epoch/window/micro_step/step must be integers >= 0, got "
+                             f"{epoch!r}/{window!r}/{micro!r}/{step!r}")
+        done = self.epochs is not None and epoch >= self.epochs
+        if not done and (window >= self.steps_in_epoch(epoch) or micro >= self.accumulation_steps):
+            raise ValueError(f"loader state: window {window}, micro step {micro} do not exist in epoch {epoch} "
+                             f"({self.steps_in_epoch(epoch)} windows, {self.accumulation_steps} micro steps)")
+        self._epoch, self._window, self._micro, self._step = epoch, window, micro, step
+
+    # ------------------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Unmap the rank's files."""
+        self.reader.close()
+
+    def __enter__(self) -> StreamLoader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _verify_tokenizer(self) -> None:
+        tok = self.manifest.tokenizer
+        path = self.corpus_dir / tok.file
+        if not path.is_file():
+            raise CorpusError(f"{path}: tokenizer model is missing; re-run prepare or copy the model back")
+        if sha256_file(path) != tok.sha256:
+            raise CorpusError(f"{path}: sha256 differs from the manifest's {tok.sha256[:12]}...: this is not the "
+                              "tokenizer the corpus was made with; re-run prepare")
+
+
+def _check_layout(rank: int, world_size: int, n_streams: int, micro_batch: int, tgt_len: int) -> None:
+    """One line per impossible layout, naming the numbers and what would work."""
+    for name, v in (("world_size", world_size), ("n_streams", n_streams), ("micro_batch", micro_batch),
+                    ("tgt_len", tgt_len)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
+    if n_streams % world_size:
+        raise ValueError(f"{n_streams} streams cannot be split over {world_size} ranks; "
+                         f"use a world size that divides {n_streams}")
+    if (n_streams // world_size) % micro_batch:
+        raise ValueError(f"micro_batch {micro_batch} does not divide the {n_streams // world_size} streams of each "
+                         f"of {world_size} ranks ({n_streams} streams); n_streams must be a multiple of "
+                         "micro_batch * world_size")

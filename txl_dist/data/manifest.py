@@ -1,0 +1,340 @@
+"""manifest.json: the schema of a prepared corpus, its validation, and the rank-block arithmetic.
+
+A corpus folder holds `manifest.json`, `tokenizer.model` and `<split>/NNNNN.arrow` files. Each split is
+ONE global token stream (documents in input order, each followed by eod_id) stored as consecutive Arrow
+files. A run cuts the stream into S streams of L = n_tokens // S tokens; rank r of W owns the contiguous
+block of streams [r*S/W, (r+1)*S/W). Everything here is plain Python (no pyarrow) so that reading a
+manifest is cheap.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath, PureWindowsPath
+from typing import Any
+
+FORMAT_NAME = "txl-dist-corpus"
+FORMAT_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+DTYPES = ("uint16", "int32")
+
+
+class CorpusError(ValueError):
+    """A problem with a prepared corpus; the message is one line naming the file and what is wrong."""
+
+
+@dataclass
+class FileEntry:
+    """One Arrow file: the split's global-stream tokens [first_token, first_token + n_tokens)."""
+
+    path: str
+    """Relative POSIX path inside the corpus folder, e.g. 'train/00000.arrow'."""
+    first_token: int
+    """Index in the split's global stream of the file's first token."""
+    n_tokens: int
+    """Number of tokens in the file."""
+    sha256: str
+    """sha256 of the file's bytes."""
+
+
+@dataclass
+class Layout:
+    """The run layout the files were cut for (a hint: any world size dividing n_streams can read them)."""
+
+    world_size: int
+    n_streams: int
+
+
+@dataclass
+class SplitEntry:
+    """One split (train/valid/test): counts, the layout hint, and its files in stream order."""
+
+    n_tokens: int
+    """Tokens in the split's global stream (eod ids included)."""
+    n_documents: int
+    """Documents; each is followed by one eod id in the stream."""
+    n_bytes: int
+    """UTF-8 bytes of the documents' text (for bits per byte)."""
+    n_chars: int
+    """Characters of the documents' text (for bits per character)."""
+    layout: Layout
+    files: list[FileEntry] = field(default_factory=list)
+
+
+@dataclass
+class TokenizerEntry:
+    """The SentencePiece model the tokens were made with."""
+
+    file: str
+    """Relative path of the model inside the corpus folder (normally 'tokenizer.model')."""
+    sha256: str
+    vocab_size: int
+    model_type: str
+    """SentencePiece model type: unigram, bpe, char or word."""
+    eod_id: int
+    """End-of-document id, appended after every document."""
+    unk_id: int
+    bos_id: int
+    """-1 when the tokenizer has none (the same convention as SentencePiece)."""
+    pad_id: int
+    """-1 when the tokenizer has none."""
+
+
+@dataclass
+class Manifest:
+    """Everything a reader needs to trust and locate the tokens of a corpus folder."""
+
+    tokenizer: TokenizerEntry
+    dtype: str
+    """'uint16' when vocab_size <= 65535, else 'int32' (see token_dtype)."""
+    splits: dict[str, SplitEntry]
+    provenance: dict[str, Any]
+    """How the corpus was made (created, tool, command, args, inputs); not part of digest()."""
+    format: str = FORMAT_NAME
+    version: int = FORMAT_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object written to manifest.json (format and version first)."""
+        d = dataclasses.asdict(self)
+        return {"format": d.pop("format"), "version": d.pop("version"), **d}
+
+    @classmethod
+    def from_dict(cls, d: Any, source: str = MANIFEST_FILE) -> Manifest:
+        """Validate a parsed manifest.json; `source` names the file in error messages."""
+        return _parse_manifest(d, source)
+
+    def digest(self) -> str:
+        """sha256 over the canonical JSON without provenance: identifies the tokens (and their files)."""
+        d = self.to_dict()
+        d.pop("provenance")
+        return hashlib.sha256(_canonical_json(d)).hexdigest()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Reading and writing manifest.json
+
+
+def read_manifest(corpus_dir: str | os.PathLike) -> Manifest:
+    """Read and validate `corpus_dir/manifest.json`; CorpusError names the file on anything wrong."""
+    corpus_dir = Path(corpus_dir)
+    path = corpus_dir / MANIFEST_FILE
+    if not corpus_dir.is_dir():
+        raise CorpusError(
+            f"{corpus_dir}: corpus folder does not exist; run `python -m data_prep prepare --out {corpus_dir}`")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise CorpusError(
+            f"{path} is missing: {corpus_dir} is not a prepared corpus (or preparation did not finish); "
+            "run `python -m data_prep prepare`") from None
+    except UnicodeDecodeError:
+        raise CorpusError(f"{path}: not UTF-8 text; the manifest is corrupt, re-run prepare") from None
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CorpusError(f"{path}: invalid JSON at line {e.lineno} col {e.colno}: {e.msg}") from None
+    manifest = Manifest.from_dict(raw, str(path))
+    # Lexical checks in from_dict cannot see symlinks; resolve every path against the folder itself.
+    root = corpus_dir.resolve()
+    paths = [manifest.tokenizer.file] + [f.path for s in manifest.splits.values() for f in s.files]
+    for rel in paths:
+        if not (corpus_dir / rel).resolve().is_relative_to(root):
+            raise CorpusError(f"{path}: '{rel}' resolves outside the corpus folder {corpus_dir} (a symlink?); "
+                              "every file must live inside it")
+    return manifest
+
+
+def write_manifest(corpus_dir: str | os.PathLike, manifest: Manifest) -> Path:
+    """Validate and write `corpus_dir/manifest.json` atomically (temporary file + os.replace)."""
+    corpus_dir = Path(corpus_dir)
+    path = corpus_dir / MANIFEST_FILE
+    d = manifest.to_dict()
+    Manifest.from_dict(d, str(path))  # never write a manifest that read_manifest would refuse
+    text = json.dumps(d, indent=2) + "\n"
+    fd, tmp = tempfile.mkstemp(prefix=".manifest.", suffix=".tmp", dir=corpus_dir)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _canonical_json(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Small helpers shared by the writer (data_prep) and the reader
+
+
+def token_dtype(vocab_size: int) -> str:
+    """The on-disk token dtype for a vocabulary: 'uint16' when vocab_size <= 65535, else 'int32'."""
+    if not isinstance(vocab_size, int) or vocab_size < 1:
+        raise ValueError(f"vocab_size must be a positive integer, got {vocab_size!r}")
+    return "uint16" if vocab_size <= 65535 else "int32"
+
+
+def sha256_file(path: str | os.PathLike, chunk_bytes: int = 1 << 22) -> str:
+    """Hex sha256 of a file's bytes, read in chunks (constant memory)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def stream_length(n_tokens: int, n_streams: int) -> int:
+    """L: tokens per stream when a split of n_tokens is cut into n_streams equal streams (rest unused)."""
+    if n_streams < 1:
+        raise ValueError(f"n_streams must be >= 1, got {n_streams}")
+    if n_tokens < 0:
+        raise ValueError(f"n_tokens must be >= 0, got {n_tokens}")
+    return n_tokens // n_streams
+
+
+def rank_token_range(n_tokens: int, n_streams: int, world_size: int, rank: int) -> tuple[int, int]:
+    """Global-stream tokens [start, stop) of rank's block: streams [rank*S/W, (rank+1)*S/W) of length L."""
+    if world_size < 1 or n_streams % world_size:
+        raise ValueError(f"{n_streams} streams cannot be split over {world_size} ranks; "
+                         f"use a world size that divides {n_streams}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
+    block = n_streams // world_size * stream_length(n_tokens, n_streams)
+    return rank * block, (rank + 1) * block
+
+
+def file_boundaries(n_tokens: int, layout: Layout) -> list[int]:
+    """Cut points 0 = b0 < b1 < ... < bk = n_tokens: one file per rank block of `layout`.
+
+    The tokens past S*L (never trained on) get a file of their own, so no rank of the planned run opens
+    a file it does not need. Empty pieces are dropped (e.g. when n_tokens < n_streams).
+    """
+    cuts = [rank_token_range(n_tokens, layout.n_streams, layout.world_size, r)[1]
+            for r in range(layout.world_size)]
+    out = [0]
+    for b in cuts + [n_tokens]:
+        if b > out[-1]:
+            out.append(b)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# Validation of a parsed manifest.json (one line per problem, naming the file and the key)
+
+
+def check_relative_path(rel: Any, source: str, key: str) -> str:
+    """A manifest path must be relative, POSIX, and stay inside the corpus folder."""
+    if not isinstance(rel, str) or not rel:
+        raise CorpusError(f"{source}: {key} must be a non-empty relative path, got {json.dumps(rel)}")
+    if PurePosixPath(rel).is_absolute() or PureWindowsPath(rel).is_absolute() or PureWindowsPath(rel).drive:
+        raise CorpusError(f"{source}: {key} '{rel}' is an absolute path; paths must be relative to the corpus folder")
+    if "\\" in rel or ".." in PurePosixPath(rel).parts:
+        raise CorpusError(f"{source}: {key} '{rel}' points outside the corpus folder; "
+                          "paths must be relative POSIX paths without '..'")
+    return rel
+
+
+class _Fields:
+    """Typed access to one JSON object of the manifest, with errors that name the key."""
+
+    def __init__(self, d: Any, source: str, where: str, known: tuple[str, ...]):
+        self.source, self.where = source, where
+        if not isinstance(d, dict):
+            raise CorpusError(f"{source}: {where or 'the top level'} must be a JSON object, got {type(d).__name__}")
+        for k in d:
+            if k not in known:
+                raise CorpusError(f"{source}: unknown key '{self._name(k)}'; expected {', '.join(known)}")
+        missing = [k for k in known if k not in d]
+        if missing:
+            raise CorpusError(f"{source}: '{self._name(missing[0])}' is missing")
+        self.d = d
+
+    def _name(self, key: str) -> str:
+        return f"{self.where}.{key}" if self.where else key
+
+    def int(self, key: str, lo: int | None = 0) -> int:
+        v = self.d[key]
+        if not isinstance(v, int) or isinstance(v, bool) or (lo is not None and v < lo):
+            raise CorpusError(f"{self.source}: {self._name(key)} must be an integer >= {lo}, got {json.dumps(v)}")
+        return v
+
+    def str(self, key: str) -> str:
+        v = self.d[key]
+        if not isinstance(v, str) or not v:
+            raise CorpusError(f"{self.source}: {self._name(key)} must be a non-empty string, got {json.dumps(v)}")
+        return v
+
+    def sha(self, key: str) -> str:
+        v = self.str(key)
+        if len(v) != 64 or any(c not in "0123456789abcdef" for c in v):
+            raise CorpusError(f"{self.source}: {self._name(key)} must be a lowercase hex sha256, got {json.dumps(v)}")
+        return v
+
+
+def _parse_manifest(d: Any, source: str) -> Manifest:
+    top = _Fields(d, source, "", ("format", "version", "tokenizer", "dtype", "splits", "provenance"))
+    if d["format"] != FORMAT_NAME:
+        raise CorpusError(f"{source}: format is {json.dumps(d['format'])}, not '{FORMAT_NAME}'; "
+                          "not a corpus written by `python -m data_prep prepare`")
+    if d["version"] != FORMAT_VERSION:
+        raise CorpusError(f"{source}: corpus format version {json.dumps(d['version'])} is not supported "
+                          f"(this reader knows version {FORMAT_VERSION}); re-run prepare with this version")
+    tokenizer = _parse_tokenizer(d["tokenizer"], source)
+    dtype = top.str("dtype")
+    if dtype != token_dtype(tokenizer.vocab_size):
+        raise CorpusError(f"{source}: dtype '{dtype}' does not match vocab_size {tokenizer.vocab_size} "
+                          f"(expected '{token_dtype(tokenizer.vocab_size)}')")
+    if not isinstance(d["splits"], dict) or not d["splits"]:
+        raise CorpusError(f"{source}: splits must be a non-empty JSON object of split name -> split")
+    splits = {name: _parse_split(s, source, name) for name, s in d["splits"].items()}
+    if not isinstance(d["provenance"], dict):
+        raise CorpusError(f"{source}: provenance must be a JSON object")
+    return Manifest(tokenizer=tokenizer, dtype=dtype, splits=splits, provenance=d["provenance"])
+
+
+def _parse_tokenizer(d: Any, source: str) -> TokenizerEntry:
+    t = _Fields(d, source, "tokenizer", tuple(f.name for f in dataclasses.fields(TokenizerEntry)))
+    vocab_size = t.int("vocab_size", lo=1)
+    ids = {k: t.int(k, lo=0 if k in ("eod_id", "unk_id") else -1) for k in ("eod_id", "unk_id", "bos_id", "pad_id")}
+    for k, v in ids.items():
+        if v >= vocab_size:
+            raise CorpusError(f"{source}: tokenizer.{k} {v} is not below vocab_size {vocab_size}")
+    return TokenizerEntry(file=check_relative_path(d["file"], source, "tokenizer.file"), sha256=t.sha("sha256"),
+                          vocab_size=vocab_size, model_type=t.str("model_type"), **ids)
+
+
+def _parse_split(d: Any, source: str, name: str) -> SplitEntry:
+    where = f"splits.{name}"
+    s = _Fields(d, source, where, tuple(f.name for f in dataclasses.fields(SplitEntry)))
+    counts = {k: s.int(k) for k in ("n_tokens", "n_documents", "n_bytes", "n_chars")}
+    lay = _Fields(d["layout"], source, f"{where}.layout", ("world_size", "n_streams"))
+    layout = Layout(world_size=lay.int("world_size", lo=1), n_streams=lay.int("n_streams", lo=1))
+    if layout.n_streams % layout.world_size:
+        raise CorpusError(f"{source}: {where}.layout: world_size {layout.world_size} does not divide "
+                          f"n_streams {layout.n_streams}")
+    if not isinstance(d["files"], list):
+        raise CorpusError(f"{source}: {where}.files must be a JSON list")
+    files, expect = [], 0
+    for i, fd in enumerate(d["files"]):
+        f = _Fields(fd, source, f"{where}.files[{i}]", ("path", "first_token", "n_tokens", "sha256"))
+        entry = FileEntry(path=check_relative_path(fd["path"], source, f"{where}.files[{i}].path"),
+                          first_token=f.int("first_token"), n_tokens=f.int("n_tokens", lo=1), sha256=f.sha("sha256"))
+        if entry.first_token != expect:
+            raise CorpusError(f"{source}: {where}.files[{i}] ('{entry.path}') starts at token {entry.first_token}, "
+                              f"expected {expect}: the files must tile the stream in order")
+        expect += entry.n_tokens
+        files.append(entry)
+    if expect != counts["n_tokens"]:
+        raise CorpusError(f"{source}: {where}: the files hold {expect} tokens but n_tokens is {counts['n_tokens']}")
+    if len({f.path for f in files}) != len(files):
+        raise CorpusError(f"{source}: {where}.files lists the same path twice")
+    return SplitEntry(layout=layout, files=files, **counts)

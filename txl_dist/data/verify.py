@@ -1,0 +1,59 @@
+"""verify_corpus: re-check a prepared corpus end to end (checksums, counts, token ids)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .arrow_io import TokenReader
+from .manifest import CorpusError, read_manifest, sha256_file
+
+
+def verify_corpus(corpus_dir: str | os.PathLike, check_tokens: bool = True) -> dict[str, Any]:
+    """Re-check a corpus folder; CorpusError naming the file on the first problem, else statistics.
+
+    Checks: the manifest's schema and paths, the tokenizer file's sha256, every Arrow file's sha256,
+    schema and token count. With `check_tokens` it also scans the tokens: every id is in [0, vocab_size),
+    and a split of n documents holds at least n eod ids and ends with one (each document is followed by
+    eod_id; the text itself may contain the eod piece, so more are allowed).
+    """
+    corpus_dir = Path(corpus_dir)
+    manifest = read_manifest(corpus_dir)
+    tok = manifest.tokenizer
+    tok_path = corpus_dir / tok.file
+    if not tok_path.is_file():
+        raise CorpusError(f"{tok_path}: tokenizer model is missing; re-run prepare or copy the model back")
+    if (got := sha256_file(tok_path)) != tok.sha256:
+        raise CorpusError(f"{tok_path}: sha256 {got[:12]}... differs from the manifest's {tok.sha256[:12]}...: "
+                          "this is not the tokenizer the corpus was made with")
+    stats: dict[str, Any] = {"digest": manifest.digest(), "vocab_size": tok.vocab_size, "dtype": manifest.dtype,
+                             "splits": {}}
+    for name, split in manifest.splits.items():
+        s: dict[str, Any] = {"n_tokens": split.n_tokens, "n_documents": split.n_documents,
+                             "n_bytes": split.n_bytes, "n_chars": split.n_chars, "n_files": len(split.files)}
+        with TokenReader(corpus_dir, manifest, name, verify=True) as reader:
+            counts = np.zeros(tok.vocab_size, dtype=np.int64) if check_tokens else None
+            last = None
+            for entry in split.files:
+                path = corpus_dir / entry.path
+                # One record batch at a time (zero-copy views): memory stays flat for any file size.
+                for tokens in reader.chunks(entry.first_token, entry.first_token + entry.n_tokens):
+                    if counts is None:
+                        break  # opening the file (first chunk) verified its checksum, schema and count
+                    lo, hi = int(tokens.min()), int(tokens.max())
+                    if lo < 0 or hi >= tok.vocab_size:
+                        bad = lo if lo < 0 else hi
+                        raise CorpusError(f"{path}: token id {bad} is outside [0, {tok.vocab_size}) of the tokenizer")
+                    counts += np.bincount(tokens, minlength=tok.vocab_size)
+                    last = int(tokens[-1])
+        if counts is not None:
+            n_eod = int(counts[tok.eod_id])
+            if n_eod < split.n_documents or (split.n_documents and last != tok.eod_id):
+                where = corpus_dir / split.files[-1].path if split.files else corpus_dir / "manifest.json"
+                raise CorpusError(f"{where}: split '{name}' has {split.n_documents} documents but {n_eod} eod ids "
+                                  f"(id {tok.eod_id}) and ends with {last}: every document must end with eod_id")
+            s.update(n_eod=n_eod, n_distinct=int(np.count_nonzero(counts)))
+        stats["splits"][name] = s
+    return stats
