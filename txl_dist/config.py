@@ -278,6 +278,13 @@ def config_from_dict(raw: dict[str, Any]) -> RunConfig:
     return cfg
 
 
+def model_config_from_dict(raw: dict[str, Any]) -> ModelConfig:
+    """A type-checked, validated ModelConfig from the JSON object of a `model` section."""
+    cfg = _build(ModelConfig, raw, "model")
+    validate_model(cfg)
+    return cfg
+
+
 def apply_override(raw: dict[str, Any], item: str) -> None:
     """Apply one `section.key[.subkey]=value` override; value is JSON when it parses, else a string."""
     key, sep, text = item.partition("=")

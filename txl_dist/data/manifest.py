@@ -12,10 +12,11 @@ import dataclasses
 import hashlib
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
+
+from txl_dist.atomic import atomic_write
 
 FORMAT_NAME = "txl-dist-corpus"
 FORMAT_VERSION = 1
@@ -149,22 +150,12 @@ def read_manifest(corpus_dir: str | os.PathLike) -> Manifest:
 
 
 def write_manifest(corpus_dir: str | os.PathLike, manifest: Manifest) -> Path:
-    """Validate and write `corpus_dir/manifest.json` atomically (temporary file + os.replace)."""
+    """Validate and write `corpus_dir/manifest.json` atomically."""
     corpus_dir = Path(corpus_dir)
     path = corpus_dir / MANIFEST_FILE
     d = manifest.to_dict()
     Manifest.from_dict(d, str(path))  # never write a manifest that read_manifest would refuse
-    text = json.dumps(d, indent=2) + "\n"
-    fd, tmp = tempfile.mkstemp(prefix=".manifest.", suffix=".tmp", dir=corpus_dir)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, json.dumps(d, indent=2) + "\n")
     return path
 
 

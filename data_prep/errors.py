@@ -1,0 +1,6 @@
+"""The one error type of the data_prep jobs."""
+from __future__ import annotations
+
+
+class PrepError(Exception):
+    """Bad input or a failed step; the message is one line that names the thing and says what to do."""

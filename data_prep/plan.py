@@ -1,0 +1,149 @@
+"""Which document goes to which split and which shard: the plan every pass of a prepare job follows.
+
+Inputs come as groups: `--train`, `--valid`, `--test` each name their split's documents; with
+`--valid-fraction` / `--test-fraction`, whole documents of the --train inputs are held out (a seeded random
+choice of document indices, so every shard process and every re-run picks the same ones). Within a split,
+documents keep their input order. `--shard i/n` gives shard i the i-th of n contiguous document ranges of
+every split, so concatenating the shards' streams in shard order rebuilds each split's global stream.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+
+from data_prep.errors import PrepError
+from data_prep.sources import TEXT, ReadOptions, Source, count_documents, iter_documents
+
+SPLITS = ("train", "valid", "test")
+
+
+@dataclass
+class InputGroup:
+    """Documents read in one run of inputs: all go to `split`, except the held-out ones."""
+
+    split: str
+    sources: list[Source]
+    holdout: dict[str, np.ndarray] = field(default_factory=dict)
+    """Held-out split name -> sorted document indices (within this group) that go there instead."""
+
+
+@dataclass
+class Plan:
+    """The input groups, each split's document count, and this shard's document range per split."""
+
+    groups: list[InputGroup]
+    n_documents: dict[str, int]
+    shard: tuple[int, int] = (0, 1)
+
+    def doc_range(self, split: str) -> tuple[int, int]:
+        """This shard's documents [lo, hi) of `split` (contiguous; the shards tile the split in order)."""
+        i, n = self.shard
+        total = self.n_documents[split]
+        return i * total // n, (i + 1) * total // n
+
+    @property
+    def splits(self) -> list[str]:
+        """Split names in the order train, valid, test (those present)."""
+        return [s for s in SPLITS if s in self.n_documents]
+
+
+def make_plan(inputs: dict[str, list[Source]], fractions: dict[str, float], opts: ReadOptions, *,
+              seed: int = 0, shard: tuple[int, int] = (0, 1), count: bool = True, progress=None) -> Plan:
+    """Build the plan: count documents (only when needed) and pick held-out documents.
+
+    `inputs` maps split -> sources (train required); `fractions` maps a held-out split -> fraction of the
+    training inputs' documents. Counting reads the inputs once (cheap: no tokenizing) unless every input is
+    one-document-per-file text, or neither shards nor fractions need the counts (`count=False`);
+    `progress(n)` is called as documents are counted.
+    """
+    if "train" not in inputs:
+        raise PrepError("no training input: pass --train FILES")
+    for split, frac in fractions.items():
+        if split in inputs:
+            raise PrepError(f"--{split} and --{split}-fraction both given; use one of them")
+        if not 0.0 <= frac < 1.0:
+            raise PrepError(f"--{split}-fraction {frac} must be in [0, 1)")
+    fractions = {s: f for s, f in fractions.items() if f > 0}
+    need_counts = count or bool(fractions) or shard[1] > 1
+    groups, counts = [], {}
+    for split in SPLITS:
+        if split not in inputs:
+            continue
+        group = InputGroup(split, inputs[split])
+        n = count_documents(group.sources, opts, progress) if need_counts else -1
+        if split == "train" and fractions:
+            group.holdout = _pick_holdout(n, fractions, seed)
+            for held, idx in group.holdout.items():
+                counts[held] = len(idx)
+            n -= sum(len(idx) for idx in group.holdout.values())
+            if n < 1:
+                raise PrepError(f"holding out {', '.join(fractions)} leaves no training document; "
+                                "use smaller fractions or more documents")
+        counts[split] = n
+        groups.append(group)
+    return Plan(groups, counts, shard)
+
+
+def _pick_holdout(n_docs: int, fractions: dict[str, float], seed: int) -> dict[str, np.ndarray]:
+    sizes = {s: max(1, round(f * n_docs)) for s, f in fractions.items()}
+    rng = np.random.default_rng(seed)
+    # choice without replacement draws only the k indices it needs when k << n_docs
+    picked = rng.choice(n_docs, size=min(sum(sizes.values()), n_docs), replace=False)
+    out, at = {}, 0
+    for split in SPLITS:
+        if split in sizes:
+            out[split] = np.sort(picked[at:at + sizes[split]])
+            at += sizes[split]
+    return out
+
+
+def routed_documents(plan: Plan, opts: ReadOptions, splits: Sequence[str] | None = None
+                     ) -> Iterator[tuple[str, str, pa.Array]]:
+    """Yield (split, label, documents) batches of this shard, in input order; only `splits` if given."""
+    wanted = set(plan.splits if splits is None else splits)
+    sharded = plan.shard[1] > 1
+    for group in plan.groups:
+        targets = {group.split, *group.holdout} & wanted
+        if not targets:
+            continue
+        ranges = {s: plan.doc_range(s) for s in targets} if sharded else {}
+        seen = dict.fromkeys(targets, 0)  # documents of each split passed so far
+        sources, first_doc = group.sources, 0
+        if sharded and not group.holdout and all(s.kind == TEXT for s in sources) and not opts.line_docs:
+            # one document per file: the shard's range is a slice of the files, the rest is never read
+            lo, hi = ranges[group.split]
+            sources, first_doc = sources[lo:hi], lo
+            seen[group.split] = lo
+        doc = first_doc
+        for label, docs in iter_documents(sources, opts):
+            for split, part in _split_batch(group, docs, doc, targets):
+                start = seen[split]
+                seen[split] += len(part)
+                lo, hi = ranges.get(split, (0, seen[split]))
+                a, b = max(lo - start, 0), min(hi - start, len(part))
+                if a < b:
+                    yield split, label, part.slice(a, b - a) if (a, b) != (0, len(part)) else part
+            doc += len(docs)
+            if sharded and all(seen[s] >= ranges[s][1] for s in targets):
+                break  # this shard's documents are all read
+
+
+def _split_batch(group: InputGroup, docs: pa.Array, first: int, targets: set[str]
+                 ) -> Iterator[tuple[str, pa.Array]]:
+    if not group.holdout:
+        yield group.split, docs
+        return
+    idx = np.arange(first, first + len(docs))
+    where = np.zeros(len(docs), dtype=np.int8)  # 0: the group's split, k: k-th held-out split
+    names = [group.split, *group.holdout]
+    for k, held in enumerate(group.holdout.values(), start=1):
+        pos = np.searchsorted(held, idx).clip(max=max(len(held) - 1, 0))
+        where[(held[pos] == idx) if len(held) else np.zeros(len(idx), bool)] = k
+    for k, name in enumerate(names):
+        if name in targets:
+            mask = where == k
+            if mask.any():
+                yield name, docs if mask.all() else docs.filter(pa.array(mask))

@@ -1,0 +1,326 @@
+"""The `prepare`, `train-tokenizer` and `finalize` jobs.
+
+prepare = check and hash inputs -> plan (splits, hold-out, shard ranges) -> tokenizer (train or copy) ->
+tokenize in parallel into one stream file per split (a shard folder) -> lay the stream(s) out as the corpus.
+With `--shard i/n` a process stops after its shard folder; `finalize` then lays all shards out. Every
+output appears atomically (built in a temporary folder, renamed at the end).
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from data_prep.atomic import atomic_dir
+from data_prep.encode import Encoded, Encoder
+from data_prep.errors import PrepError
+from data_prep.layout import SplitWriter, check_fits, iter_token_file, split_layouts
+from data_prep.plan import SPLITS, Plan, make_plan, routed_documents
+from data_prep.shards import ShardInfo, SplitPart, find_shards, shard_name, write_shard_info
+from data_prep.sources import FORMATS, ReadOptions, Source, resolve_sources, scan_sources, source_files
+from data_prep.tokenizer import (
+    TOKENIZER_FILE,
+    TrainerOptions,
+    check_trainer_options,
+    describe_tokenizer,
+    train_tokenizer,
+    training_sentences,
+)
+from txl_dist import __version__
+from txl_dist.data.format import (
+    ArrowTokenWriter,
+    Layout,
+    Manifest,
+    SplitEntry,
+    sha256_file,
+    token_dtype,
+    write_manifest,
+)
+
+
+@dataclass
+class InputSpec:
+    """What a job reads: file patterns per split, hold-out fractions, how files become documents."""
+
+    train: list[str]
+    valid: list[str] = field(default_factory=list)
+    test: list[str] = field(default_factory=list)
+    valid_fraction: float = 0.0
+    test_fraction: float = 0.0
+    seed: int = 0
+    """Seed of the held-out document choice (and of the tokenizer's sentence sample)."""
+    format: str = "auto"
+    read: ReadOptions = field(default_factory=ReadOptions)
+
+    def resolve(self) -> dict[str, list[Source]]:
+        """split -> sources; every pattern must match (checked before any work)."""
+        if self.format not in FORMATS:
+            raise PrepError(f"--format {self.format!r}: choose one of {', '.join(FORMATS)}")
+        if not self.train:
+            raise PrepError("no training input: pass --train FILES")
+        given = {"train": self.train, "valid": self.valid, "test": self.test}
+        return {s: resolve_sources(p, f"--{s}", self.format) for s, p in given.items() if p}
+
+    def fractions(self) -> dict[str, float]:
+        """Held-out split -> fraction of the training inputs' documents (only those asked for)."""
+        return {s: f for s, f in (("valid", self.valid_fraction), ("test", self.test_fraction)) if f}
+
+    def plan_key(self) -> dict[str, Any]:
+        """The options that decide which tokens come out (shards of one job must agree on them)."""
+        return {"format": self.format, "line_docs": self.read.line_docs, "text_field": self.read.text_field,
+                "errors": self.read.errors, "valid_fraction": self.valid_fraction,
+                "test_fraction": self.test_fraction, "seed": self.seed}
+
+
+def provenance(command: Sequence[str] | None, args: dict[str, Any] | None, **extra: Any) -> dict[str, Any]:
+    """How an output was made: time, tool, command line, arguments, and job-specific entries."""
+    return {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "tool": f"txl-dist {__version__}",
+            "command": list(command) if command is not None else [sys.executable, "-m", "data_prep", *sys.argv[1:]],
+            "args": args or {}, **extra}
+
+
+MAX_LISTED_INPUTS = 1000
+"""A split with more input files than this is summarised in the provenance (count, bytes, one digest)."""
+
+
+def provenance_inputs(inputs: dict[str, list[dict]]) -> list[dict[str, Any]]:
+    """The manifest's provenance.inputs: [{split, path, bytes, sha256}], one entry per file or per large split."""
+    out = []
+    for split, entries in inputs.items():
+        if len(entries) <= MAX_LISTED_INPUTS:
+            out += [{"split": split, **e} for e in entries]
+        else:
+            digest = hashlib.sha256("".join(e["sha256"] for e in entries).encode()).hexdigest()
+            out.append({"split": split, "path": f"{entries[0]['path']} ... {entries[-1]['path']}",
+                        "files": len(entries), "bytes": sum(e["bytes"] for e in entries),
+                        "sha256": digest, "sha256_of": "the files' sha256 hex digests, concatenated in order"})
+    return out
+
+
+@dataclass
+class _Job:
+    """State shared by the steps of one prepare run."""
+
+    spec: InputSpec
+    opts: ReadOptions
+    sources: dict[str, list[Source]]
+    work: Path
+    progress: bool
+    inputs: dict[str, list[dict]] = field(default_factory=dict)
+
+
+def prepare(spec: InputSpec, out: str | os.PathLike, *, tokenizer_model: str | os.PathLike | None = None,
+            eod_piece: str | None = None, trainer: TrainerOptions | None = None, num_proc: int = 1,
+            world_size: int = 1, n_streams: int = 1, eval_streams: int | None = None,
+            shard: tuple[int, int] | None = None, overwrite: bool = False, work_dir: str | os.PathLike | None = None,
+            command: Sequence[str] | None = None, args: dict[str, Any] | None = None,
+            progress: bool = True) -> Path:
+    """Prepare a corpus at `out` (or, with shard=(i, n), shard i's folder under `out`); returns its path."""
+    sources = spec.resolve()
+    trainer = trainer or TrainerOptions()
+    if num_proc < 1:
+        raise PrepError(f"--num-proc must be >= 1, got {num_proc}")
+    if tokenizer_model is None:
+        check_trainer_options(trainer)
+        if shard is not None and shard[1] > 1:
+            raise PrepError("--shard needs --tokenizer-model: every shard must use the same tokenizer "
+                            "(train one first with `python -m data_prep train-tokenizer`)")
+    else:
+        describe_tokenizer(tokenizer_model, eod_piece)  # refuse a bad model or eod piece before any work
+    splits = [s for s in SPLITS if s in sources or s in spec.fractions()]
+    layouts = split_layouts(splits, world_size, n_streams, eval_streams)
+    out = Path(out)
+    target = out / shard_name(*shard) if shard is not None else out
+    if work_dir is not None:
+        Path(work_dir).mkdir(parents=True, exist_ok=True)
+    with atomic_dir(target, overwrite) as tmp:
+        work = Path(tempfile.mkdtemp(prefix=".work-", dir=work_dir or tmp))
+        try:
+            job = _Job(spec, _read_options(spec.read, work), sources, work, progress)
+            shard_dir = tmp if shard is not None else work / shard_name(0, 1)
+            shard_dir.mkdir(exist_ok=True)
+            info = _tokenize_shard(job, shard_dir, shard or (0, 1), tokenizer_model, eod_piece, trainer, num_proc,
+                                   command, args)
+            if shard is None:
+                build_corpus([(shard_dir, info)], tmp, layouts, info.provenance, progress)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    return target
+
+
+def train_tokenizer_job(spec: InputSpec, out: str | os.PathLike, trainer: TrainerOptions, *,
+                        overwrite: bool = False, progress: bool = True, verbose: bool = False) -> Path:
+    """Train a tokenizer on the training documents of `spec` (held-out documents excluded) into file `out`."""
+    sources = spec.resolve()
+    check_trainer_options(trainer)
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise PrepError(f"{out} already exists; pass --overwrite to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{out.name}.tmp-", dir=out.parent) as tmp:
+        job = _Job(spec, _read_options(spec.read, Path(tmp)), sources, Path(tmp), progress)
+        with tqdm(desc="count documents", unit=" docs", disable=not progress, file=sys.stderr, leave=False) as bar:
+            plan = make_plan(sources, spec.fractions(), job.opts, seed=spec.seed, count=False, progress=bar.update)
+        model = _train(job, plan, Path(tmp) / TOKENIZER_FILE, trainer, verbose)
+        os.replace(model, out)
+    return out
+
+
+def finalize(parts_dir: str | os.PathLike, out: str | os.PathLike, *, world_size: int = 1, n_streams: int = 1,
+             eval_streams: int | None = None, overwrite: bool = False, command: Sequence[str] | None = None,
+             args: dict[str, Any] | None = None, progress: bool = True) -> Path:
+    """Lay the shards of `parts_dir` out as the corpus `out` (cheap: copies tokens, no tokenizing)."""
+    shards = find_shards(parts_dir)
+    layouts = split_layouts(shards[0][1].splits, world_size, n_streams, eval_streams)
+    prov = provenance(command, args, inputs=shards[0][1].provenance.get("inputs", []),
+                      shards=[info.provenance for _, info in shards])
+    with atomic_dir(out, overwrite) as tmp:
+        build_corpus(shards, tmp, layouts, prov, progress)
+    return Path(out)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Steps
+
+
+def _read_options(read: ReadOptions, work: Path) -> ReadOptions:
+    # datasets must never reach the network, nor leave files behind: its cache goes into the job's temporary
+    # folder unless the user chose one.
+    os.environ["HF_DATASETS_OFFLINE"] = "1"
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    if read.cache_dir is None and not os.environ.get("HF_DATASETS_CACHE"):
+        read = dataclasses.replace(read, cache_dir=work / "hf-cache")
+    return read
+
+
+def _scan(job: _Job) -> None:
+    """Hash and check every input once (provenance + early errors on empty or undecodable files)."""
+    total = sum(p.stat().st_size for ss in job.sources.values() for s in ss for p in source_files(s))
+    with tqdm(total=total, unit="B", unit_scale=True, desc="check inputs", disable=not job.progress,
+              file=sys.stderr) as bar:
+        for split, sources in job.sources.items():
+            job.inputs[split] = scan_sources(sources, job.opts, progress=bar.update)
+
+
+def _train(job: _Job, plan: Plan, model_path: Path, trainer: TrainerOptions, verbose: bool = False) -> Path:
+    trainer = dataclasses.replace(trainer, seed=job.spec.seed)
+    bar = tqdm(desc="tokenizer: read training text", unit=" docs", disable=not job.progress, file=sys.stderr)
+
+    def documents():
+        for _, _, docs in routed_documents(plan, job.opts, splits=["train"]):
+            bar.update(len(docs))
+            yield from docs.to_pylist()
+        bar.close()
+        if job.progress:
+            print(f"tokenizer: training {trainer.model_type} sentencepiece, vocab {trainer.vocab_size} ...",
+                  file=sys.stderr)
+
+    return train_tokenizer(training_sentences(documents()), model_path, trainer, verbose)
+
+
+def _tokenize_shard(job: _Job, shard_dir: Path, shard: tuple[int, int], tokenizer_model, eod_piece,
+                    trainer: TrainerOptions, num_proc: int, command, args) -> ShardInfo:
+    """Steps of one shard: scan, plan, tokenizer, tokenize every split into shard_dir/<split>.arrow."""
+    _scan(job)
+    prov = provenance(command, args, inputs=provenance_inputs(job.inputs))
+    with tqdm(desc="count documents", unit=" docs", disable=not job.progress, file=sys.stderr, leave=False) as bar:
+        plan = make_plan(job.sources, job.spec.fractions(), job.opts, seed=job.spec.seed, shard=shard,
+                         count=shard[1] > 1, progress=bar.update)
+    model_path = shard_dir / TOKENIZER_FILE
+    if tokenizer_model is not None:
+        shutil.copyfile(tokenizer_model, model_path)
+        prov["tokenizer"] = {"source": str(tokenizer_model)}
+    else:
+        _train(job, plan, model_path, dataclasses.replace(trainer, num_threads=num_proc))
+        prov["tokenizer"] = {"trained": dataclasses.asdict(dataclasses.replace(trainer, seed=job.spec.seed))}
+    tok = describe_tokenizer(model_path, eod_piece)
+    dtype = token_dtype(tok.vocab_size)
+
+    writers = {s: ArrowTokenWriter(shard_dir / f"{s}.arrow", dtype) for s in plan.splits}
+    counts = {s: [0, 0, 0] for s in plan.splits}  # documents, bytes, chars
+    total = sum(e["bytes"] for s in job.inputs.values() for e in s) // shard[1]  # about this shard's share
+    bar = tqdm(total=total or None, unit="B", unit_scale=True, desc="tokenize", disable=not job.progress,
+               file=sys.stderr)
+
+    def sink(split: str, enc: Encoded) -> None:
+        writers[split].write(enc.tokens)
+        c = counts[split]
+        c[0], c[1], c[2] = c[0] + enc.n_documents, c[1] + enc.n_bytes, c[2] + enc.n_chars
+        bar.update(enc.n_bytes)
+
+    try:
+        with Encoder(str(model_path), tok.eod_id, dtype, num_proc) as encoder:
+            encoder.run(((s, docs) for s, _, docs in routed_documents(plan, job.opts)), sink)
+        results = {s: w.close() for s, w in writers.items()}
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        raise
+    finally:
+        bar.close()
+    parts = {}
+    for s in plan.splits:
+        lo, hi = plan.doc_range(s) if shard[1] > 1 else (0, counts[s][0])
+        if counts[s][0] != hi - lo:
+            raise PrepError(f"split {s}: read {counts[s][0]} documents, planned {hi - lo}; "
+                            "did an input change while the job ran?")
+        n_tokens, sha = results[s]
+        parts[s] = SplitPart(f"{s}.arrow", n_tokens, counts[s][0], counts[s][1], counts[s][2], sha, [lo, hi])
+    plan_key = {"inputs": {s: [{"bytes": e["bytes"], "sha256": e["sha256"]} for e in entries]
+                           for s, entries in job.inputs.items()},
+                "options": job.spec.plan_key(), "n_documents": plan.n_documents if shard[1] > 1 else None}
+    info = ShardInfo(shard[0], shard[1], tok, dtype, parts, plan_key, prov)
+    write_shard_info(shard_dir, info)
+    return info
+
+
+def build_corpus(shards: list[tuple[Path, ShardInfo]], dest: Path, layouts: dict[str, Layout],
+                 prov: dict[str, Any], progress: bool = True) -> Manifest:
+    """Concatenate the shards' streams split by split into dest/<split>/NNNNN.arrow + tokenizer + manifest."""
+    first_dir, first = shards[0]
+    tok = first.tokenizer
+    shutil.copyfile(first_dir / TOKENIZER_FILE, dest / TOKENIZER_FILE)
+    if sha256_file(dest / TOKENIZER_FILE) != tok.sha256:
+        raise PrepError(f"{first_dir / TOKENIZER_FILE}: sha256 differs from its shard.json; the shard is damaged")
+    splits = {}
+    for split in (s for s in SPLITS if s in first.splits):
+        parts = [(d, info.splits[split]) for d, info in shards]
+        expect = 0
+        for d, part in parts:
+            if part.doc_range[0] != expect:
+                raise PrepError(f"{d}: split {split} starts at document {part.doc_range[0]}, expected {expect}")
+            expect = part.doc_range[1]
+        n_tokens = sum(p.n_tokens for _, p in parts)
+        if n_tokens == 0:  # a shard may hold no document of a split, the whole job may not
+            raise PrepError(f"split {split} has no documents; give it inputs")
+        check_fits(split, n_tokens, layouts[split], str(first_dir.parent if len(shards) > 1 else "prepare"))
+        writer = SplitWriter(dest, split, n_tokens, layouts[split], first.dtype, tok.vocab_size)
+        with tqdm(total=n_tokens, unit=" tok", unit_scale=True, desc=f"layout {split}", disable=not progress,
+                  file=sys.stderr) as bar:
+            try:
+                for d, part in parts:
+                    for chunk in iter_token_file(d / part.file, part.sha256):
+                        writer.write(chunk, str(d / part.file))
+                        bar.update(len(chunk))
+                files = writer.close()
+            except BaseException:
+                writer.abort()
+                raise
+        splits[split] = SplitEntry(n_tokens=n_tokens, n_documents=sum(p.n_documents for _, p in parts),
+                                   n_bytes=sum(p.n_bytes for _, p in parts),
+                                   n_chars=sum(p.n_chars for _, p in parts), layout=layouts[split], files=files)
+    manifest = Manifest(tokenizer=tok, dtype=first.dtype, splits=splits, provenance=prov)
+    write_manifest(dest, manifest)
+    return manifest
+

@@ -1,0 +1,56 @@
+"""`relayout`: re-cut a corpus' files for another (world size, streams) without re-tokenizing."""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from data_prep.atomic import atomic_dir
+from data_prep.errors import PrepError
+from data_prep.layout import SplitWriter, check_fits, iter_token_file, split_layouts
+from data_prep.prepare import provenance
+from txl_dist.data.format import Manifest, SplitEntry, read_manifest, sha256_file, write_manifest
+
+
+def relayout(corpus_dir: str | os.PathLike, *, world_size: int, n_streams: int, eval_streams: int | None = None,
+             command: Sequence[str] | None = None, args: dict[str, Any] | None = None,
+             progress: bool = True) -> Manifest:
+    """Rewrite the corpus in place with files cut for the new layout; the token streams stay identical.
+
+    The new corpus is built beside the old one and swapped in at the end; every old file's sha256 is checked
+    as it is copied, so a damaged corpus is refused rather than re-blessed with fresh checksums.
+    """
+    corpus_dir = Path(corpus_dir)
+    manifest = read_manifest(corpus_dir)
+    tok = manifest.tokenizer
+    tok_path = corpus_dir / tok.file
+    if not tok_path.is_file() or sha256_file(tok_path) != tok.sha256:
+        raise PrepError(f"{tok_path}: missing or its sha256 differs from the manifest; not the corpus' tokenizer")
+    layouts = split_layouts(manifest.splits, world_size, n_streams, eval_streams)
+    for name, split in manifest.splits.items():
+        check_fits(name, split.n_tokens, layouts[name], str(corpus_dir))
+    splits = {}
+    with atomic_dir(corpus_dir, overwrite=True) as tmp:
+        (tmp / tok.file).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(tok_path, tmp / tok.file)
+        for name, split in manifest.splits.items():
+            writer = SplitWriter(tmp, name, split.n_tokens, layouts[name], manifest.dtype, tok.vocab_size)
+            with tqdm(total=split.n_tokens, unit=" tok", unit_scale=True, desc=f"relayout {name}",
+                      disable=not progress, file=sys.stderr) as bar:
+                for entry in split.files:
+                    for chunk in iter_token_file(corpus_dir / entry.path, entry.sha256):
+                        writer.write(chunk, str(corpus_dir / entry.path))
+                        bar.update(len(chunk))
+                files = writer.close()
+            splits[name] = SplitEntry(split.n_tokens, split.n_documents, split.n_bytes, split.n_chars,
+                                      layouts[name], files)
+        prov = dict(manifest.provenance)
+        prov["relayout"] = [*prov.get("relayout", []), provenance(command, args)]
+        new = Manifest(tokenizer=tok, dtype=manifest.dtype, splits=splits, provenance=prov)
+        write_manifest(tmp, new)
+    return new

@@ -1,0 +1,82 @@
+"""`verify` and `inspect`: what a prepared corpus holds, as readable text."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from data_prep.layout import split_layouts
+from data_prep.tokenizer import load_processor
+from txl_dist.data.format import Manifest, TokenReader, rank_token_range, read_manifest, stream_length, verify_corpus
+
+
+def verify_report(corpus_dir: str | os.PathLike) -> str:
+    """Re-check every checksum, count and token id (format.verify_corpus); a summary when all is well."""
+    stats = verify_corpus(corpus_dir, check_tokens=True)
+    lines = [f"OK {corpus_dir}: digest {stats['digest']}, vocab {stats['vocab_size']}, dtype {stats['dtype']}"]
+    for name, s in stats["splits"].items():
+        lines.append(f"  {name}: {s['n_tokens']:,} tokens, {s['n_documents']:,} documents, {s['n_bytes']:,} bytes, "
+                     f"{s['n_files']} files, {s['n_eod']:,} eod, {s['n_distinct']:,} distinct ids")
+    return "\n".join(lines)
+
+
+def inspect_report(corpus_dir: str | os.PathLike, *, world_size: int | None = None, n_streams: int | None = None,
+                   eval_streams: int | None = None, samples: int = 2, sample_tokens: int = 40) -> str:
+    """Statistics, the rank blocks of a layout and decoded samples, as text.
+
+    The layout is each split's own hint unless world_size / n_streams / eval_streams are given: then the
+    train split is cut into n_streams and the others into eval_streams (default: the world size) streams,
+    as `prepare` would. Files are not checksummed here
+    (run verify for that); only the files holding the samples are read.
+    """
+    corpus_dir = Path(corpus_dir)
+    m = read_manifest(corpus_dir)
+    tok = m.tokenizer
+    sp = load_processor(corpus_dir / tok.file)
+    lines = [f"corpus {corpus_dir} (format {m.format} v{m.version}, digest {m.digest()[:16]}...)",
+             f"tokenizer {tok.file}: {tok.model_type}, vocab {tok.vocab_size}, dtype {m.dtype}, "
+             f"eod {tok.eod_id} {sp.id_to_piece(tok.eod_id)!r}, unk {tok.unk_id}, sha256 {tok.sha256[:16]}...",
+             f"made {m.provenance.get('created', '?')} by {m.provenance.get('tool', '?')}"]
+    layouts = {n: s.layout for n, s in m.splits.items()}
+    if (world_size, n_streams, eval_streams) != (None, None, None):
+        hint = m.splits["train"].layout if "train" in m.splits else next(iter(layouts.values()))
+        layouts = split_layouts(m.splits, world_size or hint.world_size, n_streams or hint.n_streams, eval_streams)
+    for name, s in m.splits.items():
+        lines.append(f"split {name}: {s.n_tokens:,} tokens, {s.n_documents:,} documents, {s.n_bytes:,} bytes, "
+                     f"{s.n_chars:,} chars; {s.n_tokens / max(s.n_documents, 1):,.1f} tokens/document, "
+                     f"{s.n_bytes / max(s.n_tokens, 1):.2f} bytes/token; {len(s.files)} files cut for "
+                     f"world size {s.layout.world_size}, {s.layout.n_streams} streams")
+        layout = layouts[name]
+        lines.extend(_blocks(m, corpus_dir, name, layout.world_size, layout.n_streams, sp, samples, sample_tokens))
+    return "\n".join(lines)
+
+
+def _blocks(m: Manifest, corpus_dir: Path, name: str, w: int, n_streams: int, sp, samples: int,
+            sample_tokens: int) -> list[str]:
+    s = m.splits[name]
+    length = stream_length(s.n_tokens, n_streams)
+    out = [f"  rank blocks for world size {w}, {n_streams} streams of {length:,} tokens "
+           f"({s.n_tokens - n_streams * length:,} tokens past S*L unused):"]
+    with TokenReader(corpus_dir, m, name, verify=False) as reader:
+        for r in range(w):
+            start, stop = rank_token_range(s.n_tokens, n_streams, w, r)
+            files = [s.files[i].path for i in reader.file_indices(start, stop)]
+            first = r * n_streams // w
+            out.append(f"    rank {r}: tokens [{start:,}, {stop:,}), streams [{first}, {first + n_streams // w}), "
+                       f"files {', '.join(files) or '-'}")
+            if r < samples and stop > start:
+                ids = reader.read(start, min(stop, start + sample_tokens)).tolist()
+                out.append(f"      sample: {_decode(sp, ids, m.tokenizer.eod_id)!r}")
+    return out
+
+
+def _decode(sp, ids: list[int], eod_id: int) -> str:
+    """Decoded text with every eod shown as <eod> (SentencePiece decodes control pieces to nothing)."""
+    pieces, cur = [], []
+    for i in ids:
+        if i == eod_id:
+            pieces.append(sp.decode(cur) + "<eod>")
+            cur = []
+        else:
+            cur.append(i)
+    pieces.append(sp.decode(cur))
+    return "".join(pieces)

@@ -1,0 +1,250 @@
+"""Input documents: resolve --train/--valid/--test patterns, check and hash the files, read through `datasets`.
+
+Formats (chosen per file from its name, or forced with --format):
+  text     one document per file, or one per line with --line-docs (PTB, WikiText); newlines are
+           normalised by Python's universal-newline reading ("\\r\\n" -> "\\n")
+  json     JSON Lines (.jsonl/.json/.ndjson) with a text field (--text-field, default "text")
+  parquet  (.parquet/.pq) with a text field
+  arrow    a folder written by `datasets.Dataset.save_to_disk` with a text field
+
+Documents are streamed (`load_dataset(..., streaming=True)`, `load_from_disk` is memory-mapped) in Arrow
+batches, so no whole corpus is ever held in memory. `datasets` runs offline with its cache under the job's
+temporary folder unless HF_DATASETS_CACHE is set.
+"""
+from __future__ import annotations
+
+import codecs
+import glob
+import hashlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+
+from data_prep.errors import PrepError
+
+TEXT, JSON, PARQUET, ARROW = "text", "json", "parquet", "arrow"
+FORMATS = ("auto", TEXT, JSON, PARQUET, ARROW)
+_SUFFIX_KIND = {".jsonl": JSON, ".json": JSON, ".ndjson": JSON, ".parquet": PARQUET, ".pq": PARQUET}
+_CHUNK = 1 << 22
+
+
+@dataclass(frozen=True)
+class Source:
+    """One input: a file, or a save_to_disk folder (kind 'arrow')."""
+
+    path: Path
+    kind: str
+
+
+@dataclass(frozen=True)
+class ReadOptions:
+    """How input files become documents."""
+
+    line_docs: bool = False
+    """Plain text: every line is a document (else every file is one)."""
+    text_field: str = "text"
+    """The field holding the text in JSON Lines, Parquet and save_to_disk inputs."""
+    errors: str = "strict"
+    """Undecodable bytes in plain text: 'strict' refuses the file, 'replace' substitutes U+FFFD."""
+    cache_dir: Path | None = None
+    """datasets' cache folder; None: datasets' own default (HF_DATASETS_CACHE)."""
+
+
+def resolve_sources(patterns: Sequence[str], option: str, fmt: str = "auto") -> list[Source]:
+    """Expand files and globs (sorted, in the order given) into Sources; errors name the option and pattern."""
+    sources: list[Source] = []
+    for pattern in patterns:
+        path = Path(pattern)
+        if path.exists():
+            paths = [path]
+        elif glob.has_magic(pattern):
+            paths = [Path(p) for p in sorted(glob.glob(pattern, recursive=True))]
+            if not paths:
+                raise PrepError(f"{option} {pattern!r}: no file matches this pattern")
+        else:
+            raise PrepError(f"{option} {pattern}: no such file or folder")
+        for p in paths:
+            sources.append(_source(p, option, fmt))
+    seen: set[Path] = set()
+    for s in sources:
+        key = s.path.resolve()
+        if key in seen:
+            raise PrepError(f"{option}: {s.path} is given twice; each input may appear once")
+        seen.add(key)
+    return sources
+
+
+def _source(path: Path, option: str, fmt: str) -> Source:
+    if path.is_dir():
+        saved = (path / "state.json").is_file() or (path / "dataset_info.json").is_file()
+        if fmt not in ("auto", ARROW) or not saved:
+            raise PrepError(f"{option} {path}: is a folder but not a `save_to_disk` dataset; "
+                            "give files or a glob such as DIR/*.txt")
+        return Source(path, ARROW)
+    if fmt == ARROW:
+        raise PrepError(f"{option} {path}: --format arrow expects a `save_to_disk` folder, got a file")
+    kind = fmt if fmt != "auto" else _SUFFIX_KIND.get(path.suffix.lower(), TEXT)
+    return Source(path, kind)
+
+
+def source_files(source: Source) -> list[Path]:
+    """The files that make up a source (one, or every file of a save_to_disk folder)."""
+    if source.kind != ARROW:
+        return [source.path]
+    return sorted(p for p in source.path.rglob("*") if p.is_file())
+
+
+def scan_sources(sources: Sequence[Source], opts: ReadOptions, progress=None) -> list[dict]:
+    """Hash every input file and check it before any work: not empty, valid UTF-8 for text and JSON Lines.
+
+    Returns the provenance entries [{path, bytes, sha256}]. `progress(n_bytes)` is called as bytes are read.
+    An invalid byte is reported with the file and its byte offset (plain text with errors='replace' is
+    exempt: the bytes are replaced when read).
+    """
+    entries = []
+    for source in sources:
+        for path in source_files(source):
+            check = source.kind == JSON or (source.kind == TEXT and opts.errors == "strict")
+            hint = "; pass --errors replace to substitute U+FFFD" if source.kind == TEXT else ""
+            size, digest = _hash_and_check(path, check, hint, progress)
+            if size == 0 and source.kind != ARROW:
+                raise PrepError(f"input {path} is empty; remove it or give it text")
+            entries.append({"path": str(path), "bytes": size, "sha256": digest})
+    return entries
+
+
+def _hash_and_check(path: Path, check_utf8: bool, hint: str, progress=None) -> tuple[int, str]:
+    h = hashlib.sha256()
+    decoder = codecs.getincrementaldecoder("utf-8")("strict")
+    offset = 0
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(_CHUNK):
+                h.update(chunk)
+                if check_utf8:
+                    _check_chunk(decoder, chunk, offset, path, hint)
+                offset += len(chunk)
+                if progress is not None:
+                    progress(len(chunk))
+    except OSError as e:
+        raise PrepError(f"input {path}: cannot be read ({e.strerror})") from None
+    if check_utf8:
+        tail = len(decoder.getstate()[0])  # bytes of an unfinished character at the end of the file
+        try:
+            decoder.decode(b"", final=True)
+        except UnicodeDecodeError:
+            raise PrepError(f"input {path}: invalid UTF-8 at byte offset {offset - tail} "
+                            f"(the file ends inside a character){hint}") from None
+    return offset, h.hexdigest()
+
+
+def _check_chunk(decoder: codecs.IncrementalDecoder, chunk: bytes, offset: int, path: Path, hint: str) -> None:
+    """Feed one chunk (starting at byte `offset`) to the incremental decoder; name the first bad byte."""
+    pending = len(decoder.getstate()[0])  # bytes of a character split across the previous chunk boundary
+    try:
+        decoder.decode(chunk)
+    except UnicodeDecodeError as e:
+        raise PrepError(f"input {path}: invalid UTF-8 at byte offset {offset - pending + e.start}{hint}") from None
+
+
+
+# ----------------------------------------------------------------------------------------------------
+# Reading documents
+
+
+def iter_documents(sources: Sequence[Source], opts: ReadOptions, batch_rows: int = 1024
+                   ) -> Iterator[tuple[str, pa.Array]]:
+    """Yield (label, string array) batches of documents, in input order; label names the file(s).
+
+    Consecutive plain-text files are read by one `load_dataset` call (per-call overhead matters for many
+    small files); every other input is read on its own so that an error can name it.
+    """
+    i = 0
+    while i < len(sources):
+        j = i + 1
+        if sources[i].kind == TEXT:
+            while j < len(sources) and sources[j].kind == TEXT:
+                j += 1
+        group = sources[i:j]
+        label = str(group[0].path) if len(group) == 1 else f"{group[0].path} .. {group[-1].path} ({len(group)} files)"
+        rows = 1 if group[0].kind == TEXT and not opts.line_docs else batch_rows
+        n_rows = 0
+        for column in _read_group(group, opts, rows, label):
+            if column.null_count:
+                raise PrepError(f"input {label}: {column.null_count} document(s) have no text "
+                                f"(null {opts.text_field!r}); drop them or fill them in")
+            n_rows += len(column)
+            yield label, column
+        if group[0].kind == TEXT and not opts.line_docs and n_rows != len(group):
+            # datasets silently skips a data file it cannot match; never lose a document quietly.
+            raise PrepError(f"input {label}: read {n_rows} documents from {len(group)} files; "
+                            "a file was skipped by the reader")
+        if n_rows == 0:
+            raise PrepError(f"input {label}: holds no documents; remove it or give it text")
+        i = j
+
+
+def count_documents(sources: Sequence[Source], opts: ReadOptions, progress=None) -> int:
+    """Number of documents the sources hold (a cheap pass: no tokenizing, no Python strings).
+
+    `progress(n)` is called as documents are counted.
+    """
+    if all(s.kind == TEXT for s in sources) and not opts.line_docs:
+        return len(sources)
+    n = 0
+    for _, column in iter_documents(sources, opts, batch_rows=8192):
+        n += len(column)
+        if progress is not None:
+            progress(len(column))
+    return n
+
+
+def _read_group(group: Sequence[Source], opts: ReadOptions, batch_rows: int, label: str) -> Iterator[pa.Array]:
+    import datasets  # heavy import, only in the commands that read inputs
+
+    kind = group[0].kind
+    cache = str(opts.cache_dir) if opts.cache_dir else None
+    try:
+        if kind == ARROW:
+            ds = datasets.load_from_disk(str(group[0].path))
+            if isinstance(ds, datasets.DatasetDict):
+                raise PrepError(f"input {label}: is a DatasetDict ({', '.join(ds)}); "
+                                "give the folder of one split, e.g. {label}/train")
+            _check_field(ds.column_names, opts.text_field, label)
+            ds = ds.select_columns([opts.text_field])
+        else:
+            # glob.escape: datasets treats data_files as patterns; a '[' in a file name would match nothing.
+            files = [glob.escape(str(s.path.resolve())) for s in group]
+            kwargs = {}
+            if kind == TEXT:
+                kwargs = {"sample_by": "line" if opts.line_docs else "document",
+                          "encoding_errors": opts.errors}
+            elif kind == PARQUET:
+                kwargs = {"columns": [opts.text_field]}
+            ds = datasets.load_dataset(kind, data_files=files, split="train", streaming=True, cache_dir=cache,
+                                       **kwargs)
+        for table in ds.with_format("arrow").iter(batch_size=batch_rows):
+            if kind == TEXT:
+                column = table.column("text")
+            else:
+                _check_field(table.column_names, opts.text_field, label)
+                column = table.column(opts.text_field)
+            if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+                raise PrepError(f"input {label}: field {opts.text_field!r} holds {column.type}, not text; "
+                                "pass --text-field NAME of a string field")
+            yield column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    except PrepError:
+        raise
+    except UnicodeDecodeError as e:
+        raise PrepError(f"input {label}: invalid UTF-8 ({e.reason}); pass --errors replace") from None
+    except (ValueError, OSError, pa.ArrowException, datasets.exceptions.DatasetsError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise PrepError(f"input {label}: cannot be read as {kind} ({first})") from None
+
+
+def _check_field(names: Sequence[str], field: str, label: str) -> None:
+    if field not in names:
+        raise PrepError(f"input {label}: no field {field!r} (fields: {', '.join(names)}); "
+                        "pass --text-field NAME")

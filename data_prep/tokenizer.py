@@ -1,0 +1,157 @@
+"""SentencePiece: train a model on the training split, or describe one given with --tokenizer-model.
+
+A trained model has unk_id 0 and an end-of-document control piece "<eod>" (SentencePiece's eos slot, id 1);
+no bos or pad. A control piece is never produced by encoding text, so an eod id in the stream always marks
+a document end. Training reads a random sample of sentences (lines of the training documents), so its
+memory depends on --tokenizer-sample, not on the corpus size.
+"""
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import sentencepiece as spm
+
+from data_prep.errors import PrepError
+from txl_dist.data.format import TokenizerEntry, sha256_file
+
+MODEL_TYPES = ("unigram", "bpe", "char", "word")
+EOD_PIECE = "<eod>"
+TOKENIZER_FILE = "tokenizer.model"
+# Lines are cut to this many characters for training: SentencePiece skips longer sentences entirely.
+_MAX_SENTENCE_CHARS = 4096
+
+
+@dataclass(frozen=True)
+class TrainerOptions:
+    """How the tokenizer is trained (see `prepare --help`)."""
+
+    vocab_size: int = 4096
+    model_type: str = "unigram"
+    sample_sentences: int = 1_000_000
+    """SentencePiece input_sentence_size: sentences sampled (uniformly, seeded) from the training split."""
+    byte_fallback: bool | None = None
+    """Unknown characters become UTF-8 byte pieces; None: on for unigram and bpe (the only types supporting it)."""
+    character_coverage: float = 0.9995
+    normalization: str = "nmt_nfkc"
+    """SentencePiece normalization rule: nmt_nfkc, nfkc, nmt_nfkc_cf, nfkc_cf or identity."""
+    seed: int = 0
+    num_threads: int = 1
+
+    def resolved_byte_fallback(self) -> bool:
+        """Byte fallback as it will be used."""
+        return self.model_type in ("unigram", "bpe") if self.byte_fallback is None else self.byte_fallback
+
+
+def check_trainer_options(opts: TrainerOptions) -> None:
+    """Refuse impossible settings before reading any input."""
+    if opts.model_type not in MODEL_TYPES:
+        raise PrepError(f"--model-type {opts.model_type!r}: choose one of {', '.join(MODEL_TYPES)}")
+    if opts.byte_fallback and opts.model_type not in ("unigram", "bpe"):
+        raise PrepError(f"--byte-fallback works with unigram and bpe models, not {opts.model_type}; "
+                        "drop it or pass --no-byte-fallback")
+    low = 2 + (256 if opts.resolved_byte_fallback() else 0) + 1
+    if opts.vocab_size < low:
+        raise PrepError(f"--vocab-size {opts.vocab_size} is too small: the special pieces"
+                        f"{' and 256 byte pieces' if opts.resolved_byte_fallback() else ''} need {low - 1}; "
+                        f"use at least {low}")
+    if opts.sample_sentences < 1:
+        raise PrepError(f"--tokenizer-sample must be >= 1, got {opts.sample_sentences}")
+
+
+def training_sentences(documents: Iterable[str]) -> Iterator[str]:
+    """The sentences SentencePiece trains on: the non-empty lines of each document, long lines cut."""
+    for doc in documents:
+        for line in doc.split("\n"):
+            while len(line) > _MAX_SENTENCE_CHARS:
+                cut = line.rfind(" ", 0, _MAX_SENTENCE_CHARS)
+                cut = cut if cut > 0 else _MAX_SENTENCE_CHARS
+                yield line[:cut]
+                line = line[cut:]
+            if line.strip():
+                yield line
+
+
+def train_tokenizer(sentences: Iterable[str], out: str | os.PathLike, opts: TrainerOptions,
+                    verbose: bool = False) -> Path:
+    """Train a SentencePiece model on `sentences` (sampled down to opts.sample_sentences) and write it to out."""
+    check_trainer_options(opts)
+    spm.set_random_generator_seed(opts.seed)
+    model = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(sentences), model_writer=model,
+            vocab_size=opts.vocab_size, model_type=opts.model_type,
+            input_sentence_size=opts.sample_sentences, shuffle_input_sentence=True,
+            max_sentence_length=4 * _MAX_SENTENCE_CHARS,
+            byte_fallback=opts.resolved_byte_fallback(), character_coverage=opts.character_coverage,
+            normalization_rule_name=opts.normalization,
+            unk_id=0, eos_id=1, eos_piece=EOD_PIECE, bos_id=-1, pad_id=-1,
+            num_threads=opts.num_threads, minloglevel=0 if verbose else 2)
+    except (RuntimeError, OSError) as e:
+        raise PrepError(f"sentencepiece training failed: {_sp_message(e)}") from None
+    out = Path(out)
+    out.write_bytes(model.getvalue())
+    return out
+
+
+def _sp_message(e: Exception) -> str:
+    """SentencePiece's error text on one line, without the C++ source location, in this CLI's option names."""
+    text = " ".join(str(e).split())
+    if text.lower().startswith("internal:") and "] " in text:
+        text = text.split("] ", 1)[1]
+    for theirs, ours in (("Please set it to a value <=", "use --vocab-size <="),
+                         ("Increase vocab_size", "increase --vocab-size"),
+                         ("--character_coverage option", "--character-coverage")):
+        text = text.replace(theirs, ours)
+    return text
+
+
+def load_processor(path: str | os.PathLike) -> spm.SentencePieceProcessor:
+    """Load a SentencePiece model; a one-line error names the file when it is not one."""
+    path = Path(path)
+    if not path.is_file():
+        raise PrepError(f"tokenizer {path}: no such file")
+    sp = spm.SentencePieceProcessor()
+    try:
+        sp.load(str(path))
+    except (RuntimeError, OSError) as e:
+        raise PrepError(f"tokenizer {path}: not a SentencePiece model ({_sp_message(e)})") from None
+    return sp
+
+
+def describe_tokenizer(path: str | os.PathLike, eod_piece: str | None = None) -> TokenizerEntry:
+    """The manifest entry of a model file: sha256, vocabulary size, type and special ids.
+
+    The end-of-document id is the model's eos piece, or `eod_piece` when given (a model without eos needs it).
+    """
+    path = Path(path)
+    sp = load_processor(path)
+    if eod_piece is not None:
+        eod_id = sp.piece_to_id(eod_piece)
+        if eod_id == sp.unk_id() and eod_piece != sp.id_to_piece(sp.unk_id()):
+            raise PrepError(f"tokenizer {path}: --eod-piece {eod_piece!r} is not in its vocabulary")
+    else:
+        eod_id = sp.eos_id()
+        if eod_id < 0:
+            raise PrepError(f"tokenizer {path} has no eos piece to end documents with; "
+                            "pass --eod-piece PIECE naming one of its control pieces")
+    return TokenizerEntry(file=TOKENIZER_FILE, sha256=sha256_file(path), vocab_size=sp.get_piece_size(),
+                          model_type=model_type(path), eod_id=eod_id, unk_id=sp.unk_id(), bos_id=sp.bos_id(),
+                          pad_id=sp.pad_id())
+
+
+def model_type(path: str | os.PathLike) -> str:
+    """unigram, bpe, word or char, read from the model's trainer spec."""
+    # sentencepiece ships the protobuf schema of its model file; protobuf comes with mlflow.
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    proto = pb.ModelProto()
+    try:
+        proto.ParseFromString(Path(path).read_bytes())
+    except Exception as e:  # protobuf's DecodeError is not exported under a stable name
+        raise PrepError(f"tokenizer {path}: cannot parse the model file ({e})") from None
+    return pb.TrainerSpec.ModelType.Name(proto.trainer_spec.model_type).lower()

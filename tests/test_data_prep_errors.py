@@ -1,0 +1,251 @@
+"""data_prep refuses bad input with one clear line and a non-zero exit, and never leaves half-written output:
+missing, empty or undecodable inputs, bad options, incomplete shards; damaged corpora (corrupt or truncated
+Arrow files, a manifest path outside the folder, a replaced tokenizer, out-of-range token ids).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import sentencepiece as spm
+
+from data_prep.cli import main
+from txl_dist.data.format import read_manifest, sha256_file
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(*argv) -> None:
+    assert main([str(a) for a in argv]) == 0
+
+
+def fail(capsys, *argv) -> str:
+    """Run a command that must fail; return its one error line."""
+    capsys.readouterr()
+    assert main([str(a) for a in argv]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+def untouched(parent: Path, names: set[str]) -> bool:
+    """The folder holds exactly `names`: no output appeared, no temporary folder was left behind."""
+    return {p.name for p in parent.iterdir()} == names
+
+
+@pytest.fixture(scope="module")
+def plays(tmp_path_factory) -> list[Path]:
+    raw = tmp_path_factory.mktemp("raw") / "shakespeare"
+    run("fetch-corpus", "shakespeare", raw)
+    return sorted((raw / "train").glob("*.txt"))[:3]
+
+
+@pytest.fixture(scope="module")
+def model(plays, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tok") / "bpe.model"
+    run("train-tokenizer", "--out", out, "--train", *plays, "--vocab-size", 400, "--model-type", "bpe", "--quiet")
+    return out
+
+
+@pytest.fixture(scope="module")
+def base_corpus(plays, model, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("base") / "corpus"
+    run("prepare", "--out", out, "--train", *plays[:2], "--valid", plays[2], "--tokenizer-model", model,
+        "--world-size", 2, "--n-streams", 4, "--num-proc", 1, "--quiet")
+    return out
+
+
+@pytest.fixture
+def corpus(base_corpus, tmp_path) -> Path:
+    """A fresh copy of the small corpus, to damage."""
+    return Path(shutil.copytree(base_corpus, tmp_path / "corpus"))
+
+
+def prepare_args(out, model, *inputs, extra=()):
+    return ["prepare", "--out", out, "--tokenizer-model", model, "--num-proc", 1, "--quiet", *extra,
+            "--train", *inputs]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Bad inputs to prepare
+
+
+def test_missing_input_and_unmatched_glob(model, tmp_path, capsys):
+    msg = fail(capsys, *prepare_args(tmp_path / "out", model, tmp_path / "nope.txt"))
+    assert "nope.txt" in msg and "no such file" in msg
+    msg = fail(capsys, *prepare_args(tmp_path / "out", model, tmp_path / "none" / "*.txt"))
+    assert "none/*.txt" in msg and "no file matches" in msg
+    assert untouched(tmp_path, set())
+
+
+def test_empty_input(model, plays, tmp_path, capsys):
+    (tmp_path / "empty.txt").write_text("")
+    msg = fail(capsys, *prepare_args(tmp_path / "out", model, plays[0], tmp_path / "empty.txt"))
+    assert "empty.txt" in msg and "empty" in msg
+    assert untouched(tmp_path, {"empty.txt"})
+
+
+@pytest.mark.parametrize("before", [b"Good text.\n" * 100, b"a" * ((4 << 20) - 1) + "\u00e9".encode() + b"b" * 10],
+                         ids=["small", "past-a-read-chunk"])
+def test_undecodable_bytes_name_file_and_offset(model, tmp_path, capsys, before):
+    data = before + b"\xff and more text\n"
+    (tmp_path / "bad.txt").write_bytes(data)
+    msg = fail(capsys, *prepare_args(tmp_path / "out", model, tmp_path / "bad.txt"))
+    offset = data.index(b"\xff")
+    assert "bad.txt" in msg and f"byte offset {offset}" in msg and "--errors replace" in msg
+    assert untouched(tmp_path, {"bad.txt"})
+
+
+def test_errors_replace_substitutes_undecodable_bytes(model, tmp_path):
+    data = b"The quality of mercy \xff is not strained.\n"
+    (tmp_path / "bad.txt").write_bytes(data)
+    run(*prepare_args(tmp_path / "out", model, tmp_path / "bad.txt", extra=["--errors", "replace"]))
+    sp = spm.SentencePieceProcessor(model_file=str(model))
+    want = sp.encode(data.decode("utf-8", errors="replace")) + [sp.eos_id()]
+    got = pa.ipc.open_file(str(tmp_path / "out/train/00000.arrow")).read_all().column(0).to_numpy()
+    np.testing.assert_array_equal(got, want)
+
+
+def test_undecodable_json_lines(model, tmp_path, capsys):
+    data = b'{"text": "fine"}\n{"text": "caf\xe9"}\n'
+    (tmp_path / "bad.jsonl").write_bytes(data)
+    msg = fail(capsys, *prepare_args(tmp_path / "out", model, tmp_path / "bad.jsonl"))
+    offset = data.index(b"\xe9")
+    assert "bad.jsonl" in msg and f"byte offset {offset}" in msg
+
+
+def test_missing_or_non_text_field(model, tmp_path, capsys):
+    (tmp_path / "a.jsonl").write_text(json.dumps({"body": "text"}) + "\n")
+    msg = fail(capsys, *prepare_args(tmp_path / "out", model, tmp_path / "a.jsonl"))
+    assert "a.jsonl" in msg and "'text'" in msg and "--text-field" in msg
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "n.parquet")
+    msg = fail(capsys, *prepare_args(tmp_path / "out", model, tmp_path / "n.parquet"))
+    assert "n.parquet" in msg and "not text" in msg
+    (tmp_path / "null.jsonl").write_text('{"text": "a"}\n{"text": null}\n')
+    msg = fail(capsys, *prepare_args(tmp_path / "out", model, tmp_path / "null.jsonl"))
+    assert "null.jsonl" in msg and "no text" in msg
+
+
+def test_bad_tokenizer_and_options(model, plays, tmp_path, capsys):
+    p = plays[0]
+    assert "no such file" in fail(capsys, *prepare_args(tmp_path / "o", tmp_path / "none.model", p))
+    msg = fail(capsys, *prepare_args(tmp_path / "o", p, p))  # a text file is not a model
+    assert p.name in msg and "not a SentencePiece model" in msg
+    msg = fail(capsys, *prepare_args(tmp_path / "o", model, p, extra=["--world-size", 3, "--n-streams", 8]))
+    assert "--n-streams 8" in msg and "--world-size 3" in msg
+    msg = fail(capsys, "prepare", "--out", tmp_path / "o", "--train", p, "--shard", "0/2", "--quiet")
+    assert "--tokenizer-model" in msg
+    msg = fail(capsys, *prepare_args(tmp_path / "o", model, p, extra=["--shard", "2/2"]))
+    assert "--shard '2/2'" in msg
+    msg = fail(capsys, *prepare_args(tmp_path / "o", model, p, extra=["--valid", p, "--valid-fraction", "0.1"]))
+    assert "--valid-fraction" in msg
+    msg = fail(capsys, "prepare", "--out", tmp_path / "o", "--train", p, "--model-type", "char", "--byte-fallback")
+    assert "--byte-fallback" in msg
+    msg = fail(capsys, "prepare", "--out", tmp_path / "o", "--train", p, "--vocab-size", 60000, "--model-type", "bpe",
+               "--quiet", "--num-proc", 1)
+    assert "vocab" in msg.lower()
+    assert untouched(tmp_path, set())
+
+
+def test_existing_output_is_refused_and_failures_keep_it(base_corpus, model, plays, tmp_path, capsys):
+    out = Path(shutil.copytree(base_corpus, tmp_path / "out"))
+    before = read_manifest(out).digest()
+    msg = fail(capsys, *prepare_args(out, model, plays[0]))
+    assert str(out) in msg and "--overwrite" in msg
+    # a run that fails after tokenizing (the split is too small for its streams) leaves the old corpus as it was
+    msg = fail(capsys, *prepare_args(out, model, plays[0], extra=["--overwrite", "--n-streams", 10 ** 8]))
+    assert "fewer than its 100000000 streams" in msg
+    assert read_manifest(out).digest() == before and untouched(tmp_path, {"out"})
+    run(*prepare_args(out, model, plays[0], extra=["--overwrite"]))
+    assert read_manifest(out).splits["train"].n_documents == 1 and untouched(tmp_path, {"out"})
+
+
+def test_finalize_refuses_incomplete_or_mixed_shards(model, plays, tmp_path, capsys):
+    run(*prepare_args(tmp_path / "parts", model, *plays[:2], extra=["--shard", "0/2"]))
+    msg = fail(capsys, "finalize", tmp_path / "parts", "--out", tmp_path / "c")
+    assert "shard-00001-of-00002 is missing" in msg and "--shard 1/2" in msg
+    run(*prepare_args(tmp_path / "parts", model, plays[0], plays[2], extra=["--shard", "1/2"]))
+    msg = fail(capsys, "finalize", tmp_path / "parts", "--out", tmp_path / "c")
+    assert "shard-00001-of-00002" in msg and "other inputs" in msg
+    assert untouched(tmp_path, {"parts"})
+
+
+# ----------------------------------------------------------------------------------------------------
+# Damaged corpora are refused by verify (and relayout), naming the file
+
+
+def test_verify_accepts_the_intact_corpus(corpus, capsys):
+    run("verify", corpus)
+    assert "OK" in capsys.readouterr().out
+
+
+def test_corrupt_arrow_file(corpus, capsys):
+    path = corpus / "train/00001.arrow"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    assert "train/00001.arrow" in fail(capsys, "verify", corpus)
+    # relayout must not re-bless damaged tokens with fresh checksums
+    assert "train/00001.arrow" in fail(capsys, "relayout", corpus, "--world-size", 1, "--n-streams", 2, "--quiet")
+    assert path.read_bytes() == bytes(data) and untouched(corpus.parent, {"corpus"})
+
+
+def test_truncated_arrow_file(corpus, capsys):
+    path = corpus / "train/00000.arrow"
+    path.write_bytes(path.read_bytes()[:1000])
+    assert "train/00000.arrow" in fail(capsys, "verify", corpus)
+    assert "train/00000.arrow" in fail(capsys, "inspect", corpus)  # inspect skips checksums, still names it
+
+
+def test_manifest_path_outside_the_folder(corpus, capsys):
+    manifest = json.loads((corpus / "manifest.json").read_text())
+    manifest["splits"]["train"]["files"][0]["path"] = "../outside.arrow"
+    (corpus / "manifest.json").write_text(json.dumps(manifest))
+    msg = fail(capsys, "verify", corpus)
+    assert "manifest.json" in msg and "../outside.arrow" in msg
+
+
+def test_tokenizer_mismatch(corpus, plays, tmp_path, capsys):
+    # a real model of the same size, trained on other text: loads fine, but is not the corpus' tokenizer
+    run("train-tokenizer", "--out", tmp_path / "other.model", "--train", plays[2], "--vocab-size", 400,
+        "--model-type", "bpe", "--quiet")
+    shutil.copy(tmp_path / "other.model", corpus / "tokenizer.model")
+    msg = fail(capsys, "verify", corpus)
+    assert "tokenizer.model" in msg and "sha256" in msg
+    assert "tokenizer.model" in fail(capsys, "relayout", corpus, "--world-size", 1, "--n-streams", 2, "--quiet")
+
+
+def test_out_of_range_token_id(corpus, capsys):
+    manifest = json.loads((corpus / "manifest.json").read_text())
+    vocab = manifest["tokenizer"]["vocab_size"]
+    entry = manifest["splits"]["valid"]["files"][1]
+    path = corpus / entry["path"]
+    tokens = pa.ipc.open_file(str(path)).read_all().column(0).to_numpy().copy()
+    tokens[5] = vocab  # fits uint16, but no such token
+    with pa.ipc.new_file(str(path), pa.schema([("tokens", pa.uint16())])) as w:
+        w.write_batch(pa.record_batch([pa.array(tokens)], names=["tokens"]))
+    entry["sha256"] = sha256_file(path)  # a consistent checksum: only the id range can catch it
+    (corpus / "manifest.json").write_text(json.dumps(manifest))
+    msg = fail(capsys, "verify", corpus)
+    assert entry["path"] in msg and str(vocab) in msg
+    msg = fail(capsys, "relayout", corpus, "--world-size", 1, "--n-streams", 2, "--quiet")
+    assert entry["path"] in msg and "outside" in msg
+
+
+def test_cli_exit_codes_in_a_subprocess(corpus):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    ok = subprocess.run([sys.executable, "-m", "data_prep", "verify", str(corpus)], env=env, capture_output=True,
+                        text=True)
+    assert ok.returncode == 0 and ok.stdout.startswith("OK"), ok.stderr
+    (corpus / "tokenizer.model").write_bytes(b"not a model")
+    bad = subprocess.run([sys.executable, "-m", "data_prep", "verify", str(corpus)], env=env, capture_output=True,
+                         text=True)
+    assert bad.returncode == 1 and bad.stderr.count("\n") == 1 and "tokenizer.model" in bad.stderr
