@@ -1,0 +1,303 @@
+"""HF format import/export without transformers: config mapping, refusals, file layouts, round trips, CLI.
+
+Parity against the real HuggingFace implementation is in test_interop_parity.py; these tests need no
+reference venv.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from txl_dist.config import ConfigError, ModelConfig
+from txl_dist.interop import (
+    HFFormatError,
+    from_hf,
+    hf_config_from_model_config,
+    hf_state_dict,
+    load_native,
+    model_config_from_hf,
+    save_native,
+    to_hf,
+)
+from txl_dist.interop.__main__ import main
+from txl_dist.model import TransformerXL
+
+SMALL = dict(vocab_size=53, n_layer=2, d_model=16, n_head=2, d_head=8, d_inner=24, tgt_len=5, mem_len=4,
+             dropout=0.0)
+CONFIGS = {
+    "plain": ModelConfig(**SMALL),
+    "div1_cutoffs_projs": ModelConfig(**SMALL, cutoffs=[7, 20], d_embed=12, tie_projs=[True, False, True]),
+    "div2_untied": ModelConfig(**SMALL, cutoffs=[7, 20], div_val=2, d_embed=24, tie_weight=False,
+                               tie_projs=[False, False, True], untie_r=False, pre_lnorm=True, same_length=True,
+                               clamp_len=3),
+}
+
+
+def small_model(cfg: ModelConfig, seed: int = 0) -> TransformerXL:
+    torch.manual_seed(seed)
+    model = TransformerXL(cfg)
+    with torch.no_grad():  # non-zero biases too, so a dropped or swapped tensor shows
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model.eval()
+
+
+def outputs(model: TransformerXL, seed: int = 1) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, model_vocab(model), (2, 11), generator=gen)
+    res, mems = [], None
+    with torch.no_grad():
+        for s in range(2):
+            out = model(tokens[:, s * 5:(s + 1) * 5], labels=tokens[:, s * 5 + 1:(s + 1) * 5 + 1], mems=mems)
+            mems = out.mems
+            res += [out.nll, *out.mems]
+    return res
+
+
+def model_vocab(model: TransformerXL) -> int:
+    return model.config.vocab_size
+
+
+def assert_same_model(a: TransformerXL, b: TransformerXL) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), k
+    for x, y in zip(outputs(a), outputs(b)):
+        assert torch.equal(x, y)
+
+
+# ------------------------------------------------------------------------------------------------
+# config.json <-> ModelConfig
+
+# What TransfoXLConfig() of transformers 4.37.2 writes with its defaults (the transfo-xl-wt103 shape),
+# with the old `n_token` spelling of the vocabulary size that early configs on the hub use.
+WT103_LIKE = {
+    "adaptive": True, "architectures": ["TransfoXLLMHeadModel"], "attn_type": 0, "clamp_len": 1000,
+    "cutoffs": [20000, 40000, 200000], "d_embed": 1024, "d_head": 64, "d_inner": 4096, "d_model": 1024,
+    "div_val": 4, "dropatt": 0.0, "dropout": 0.1, "eos_token_id": 0, "init": "normal", "init_range": 0.01,
+    "init_std": 0.02, "layer_norm_epsilon": 1e-05, "mem_len": 1600, "model_type": "transfo-xl",
+    "n_head": 16, "n_layer": 18, "pre_lnorm": False, "proj_init_std": 0.01, "same_length": True,
+    "sample_softmax": -1, "tgt_len": 128, "tie_projs": [False, True, True, True], "untie_r": True,
+    "n_token": 267735,
+}
+
+
+def test_wt103_style_config_maps_field_by_field():
+    cfg = model_config_from_hf(WT103_LIKE)
+    assert (cfg.vocab_size, cfg.n_layer, cfg.d_model, cfg.d_embed, cfg.n_head, cfg.d_head, cfg.d_inner) == (
+        267735, 18, 1024, 1024, 16, 64, 4096)
+    assert (cfg.div_val, cfg.cutoffs, cfg.tie_projs, cfg.tie_weight) == (
+        4, [20000, 40000, 200000], [False, True, True, True], True)
+    assert (cfg.mem_len, cfg.clamp_len, cfg.same_length, cfg.tgt_len, cfg.pre_lnorm, cfg.untie_r) == (
+        1600, 1000, True, 128, False, True)
+
+
+def test_missing_keys_take_hf_defaults():
+    cfg = model_config_from_hf({"model_type": "transfo-xl", "vocab_size": 300000, "proj_share_all_but_first": False})
+    # HF 4.37.2 defaults: d_embed 1024 even though it is a separate key, div_val 4, 3 cutoffs, tied weights.
+    assert (cfg.d_model, cfg.d_embed, cfg.div_val, cfg.cutoffs) == (1024, 1024, 4, [20000, 40000, 200000])
+    assert cfg.tie_projs == [False, False, False, False] and cfg.tie_weight is True
+    assert cfg.tgt_len == ModelConfig().tgt_len  # not an HF field: ours
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_hf_config_round_trip(name):
+    cfg = CONFIGS[name]
+    back = model_config_from_hf(json.loads(json.dumps(hf_config_from_model_config(cfg))))
+    want = dataclasses.replace(cfg, d_embed=cfg.resolved_d_embed(), tie_projs=cfg.resolved_tie_projs())
+    assert back == want
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"attn_type": 2}, "attn_type 2"),
+    ({"sample_softmax": 1000}, "sample_softmax 1000"),
+    ({"adaptive": False}, "adaptive is false"),
+    ({"model_type": "gpt2"}, "model_type is 'gpt2'"),
+    ({"tie_projs": [False, True]}, "tie_projs"),
+    ({"d_model": "1024"}, "'d_model' must be an integer"),
+    ({"div_val": 4096}, "div_val"),
+    ({"cutoffs": [40000, 20000, 200000]}, "cutoffs"),
+])
+def test_unsupported_or_bad_hf_settings_are_refused_in_one_line(change, words):
+    with pytest.raises(ConfigError) as err:
+        model_config_from_hf({**WT103_LIKE, **change})
+    msg = str(err.value)
+    assert words in msg and "\n" not in msg
+
+
+def test_adaptive_false_without_cutoffs_is_a_plain_softmax():
+    cfg = model_config_from_hf({**WT103_LIKE, "adaptive": False, "cutoffs": [], "tie_projs": [False]})
+    assert cfg.cutoffs == []
+
+
+# ------------------------------------------------------------------------------------------------
+# weights: round trips through the HF layout
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_to_hf_then_from_hf_gives_back_the_same_model(tmp_path, name):
+    model = small_model(CONFIGS[name])
+    to_hf(model, tmp_path / "hf")
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", "model.safetensors"]
+    with safe_open(tmp_path / "hf" / "model.safetensors", "pt") as f:
+        assert f.metadata() == {"format": "pt"}  # from_pretrained refuses a file without it
+    back = from_hf(tmp_path / "hf")
+    assert not back.training
+    assert back.config == dataclasses.replace(
+        model.config, d_embed=model.config.resolved_d_embed(), tie_projs=model.config.resolved_tie_projs())
+    assert_same_model(model, back)
+
+
+def test_tied_weights_are_written_once_like_save_pretrained(tmp_path):
+    tied = hf_state_dict(small_model(CONFIGS["div1_cutoffs_projs"]))
+    untied = hf_state_dict(small_model(CONFIGS["div2_untied"]))
+    # tie_weight: the softmax weights are the embeddings; tie_projs [T, F, T] with d_embed != d_model and
+    # div_val 1: clusters 0 and 2 reuse the input projection, cluster 1 has its own.
+    assert "crit.out_layers.0.weight" not in tied and "crit.out_layers.0.bias" in tied
+    assert "crit.out_projs.1" in tied and not {"crit.out_projs.0", "crit.out_projs.2"} & set(tied)
+    assert {f"crit.out_layers.{i}.weight" for i in range(3)} <= set(untied)
+    assert "crit.out_projs.2" not in untied and {"crit.out_projs.0", "crit.out_projs.1"} <= set(untied)
+    # untie_r false: one shared pair at the top, as HF's safetensors save keeps it.
+    assert "transformer.r_w_bias" in untied and "transformer.layers.0.dec_attn.r_w_bias" not in untied
+
+
+def _hf_folder(tmp_path: Path, cfg: ModelConfig) -> tuple[TransformerXL, Path]:
+    model = small_model(cfg)
+    return model, to_hf(model, tmp_path / "hf")
+
+
+def test_reads_pytorch_model_bin_with_the_duplicates_torch_save_keeps(tmp_path):
+    model, src = _hf_folder(tmp_path, CONFIGS["div2_untied"])
+    tensors = load_file(src / "model.safetensors")
+    # A .bin written by save_pretrained(safe_serialization=False) also holds every shared copy.
+    for i in range(2):
+        tensors[f"transformer.layers.{i}.dec_attn.r_w_bias"] = tensors["transformer.r_w_bias"]
+        tensors[f"transformer.layers.{i}.dec_attn.r_r_bias"] = tensors["transformer.r_r_bias"]
+    tensors["crit.out_projs.2"] = tensors["transformer.word_emb.emb_projs.2"]
+    (src / "model.safetensors").unlink()
+    torch.save(tensors, src / "pytorch_model.bin")
+    assert_same_model(model, from_hf(src))
+
+
+def test_reads_sharded_safetensors(tmp_path):
+    model, src = _hf_folder(tmp_path, CONFIGS["div1_cutoffs_projs"])
+    tensors = load_file(src / "model.safetensors")
+    (src / "model.safetensors").unlink()
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for shard, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, src / shard, metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {k: shard for shard, keys in shards.items() for k in keys}}
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert_same_model(model, from_hf(src))
+
+
+def test_a_tied_copy_that_disagrees_is_refused(tmp_path):
+    _, src = _hf_folder(tmp_path, CONFIGS["div1_cutoffs_projs"])
+    tensors = load_file(src / "model.safetensors")
+    tensors["crit.out_layers.0.weight"] = tensors["transformer.word_emb.emb_layers.0.weight"] + 1.0
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(HFFormatError, match="crit.out_layers.0.weight.*tied"):
+        from_hf(src)
+
+
+def test_missing_unexpected_and_misshapen_tensors_are_refused(tmp_path):
+    _, src = _hf_folder(tmp_path, CONFIGS["plain"])
+    good = load_file(src / "model.safetensors")
+    cases = [
+        ({k: v for k, v in good.items() if k != "transformer.layers.1.dec_attn.o_net.weight"},
+         "missing.*transformer.layers.1.dec_attn.o_net.weight"),
+        ({**good, "transformer.layers.2.dec_attn.o_net.weight": good["crit.out_layers.0.bias"].clone()},
+         "unexpected.*transformer.layers.2.dec_attn.o_net.weight"),
+        ({**good, "crit.out_layers.0.bias": torch.zeros(7)}, r"crit.out_layers.0.bias.*\(7,\).*\(53,\)"),
+    ]
+    for tensors, pattern in cases:
+        save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+        with pytest.raises(HFFormatError, match=pattern):
+            from_hf(src)
+
+
+def test_folder_without_weights_or_config_is_refused(tmp_path):
+    with pytest.raises(HFFormatError, match="config.json does not exist"):
+        from_hf(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(hf_config_from_model_config(CONFIGS["plain"])))
+    with pytest.raises(HFFormatError, match="no weights found"):
+        from_hf(tmp_path)
+
+
+def test_half_precision_hf_weights_load_as_float32(tmp_path):
+    model, src = _hf_folder(tmp_path, CONFIGS["plain"])
+    tensors = {k: v.to(torch.bfloat16) for k, v in load_file(src / "model.safetensors").items()}
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    back = from_hf(src)
+    assert all(p.dtype == torch.float32 for p in back.parameters())
+    for k, v in back.state_dict().items():
+        assert torch.equal(v, model.state_dict()[k].to(torch.bfloat16).float()), k
+
+
+def test_bfloat16_model_exports_float32(tmp_path):
+    model = small_model(CONFIGS["div1_cutoffs_projs"])
+    to_hf(model.to(torch.bfloat16), tmp_path / "hf")
+    tensors = load_file(tmp_path / "hf" / "model.safetensors")
+    assert {v.dtype for v in tensors.values()} == {torch.float32}
+    back = from_hf(tmp_path / "hf")
+    for k, v in back.state_dict().items():
+        assert torch.equal(v, model.state_dict()[k].float()), k
+
+
+# ------------------------------------------------------------------------------------------------
+# native folder and CLI
+
+
+def test_native_round_trip(tmp_path):
+    model = small_model(CONFIGS["div2_untied"])
+    save_native(model, tmp_path / "native")
+    assert sorted(p.name for p in (tmp_path / "native").iterdir()) == ["model.safetensors", "model_config.json"]
+    assert json.loads((tmp_path / "native" / "model_config.json").read_text()) == dataclasses.asdict(model.config)
+    assert_same_model(model, load_native(tmp_path / "native"))
+
+
+def test_cli_to_hf_and_back(tmp_path, capsys):
+    model = small_model(CONFIGS["div1_cutoffs_projs"])
+    save_native(model, tmp_path / "native")
+    assert main(["to-hf", str(tmp_path / "native"), str(tmp_path / "hf")]) == 0
+    assert main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "native2")]) == 0
+    assert_same_model(model, load_native(tmp_path / "native2"))
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_cli_runs_as_a_module(tmp_path):
+    model = small_model(CONFIGS["plain"])
+    save_native(model, tmp_path / "native")
+    proc = subprocess.run([sys.executable, "-m", "txl_dist.interop", "to-hf", str(tmp_path / "native"),
+                           str(tmp_path / "hf")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert_same_model(model, from_hf(tmp_path / "hf"))
+
+
+def test_cli_bad_source_is_one_line_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["from-hf", str(tmp_path / "nowhere"), str(tmp_path / "out")])
+    assert exit_info.value.code != 0
+    err = capsys.readouterr().err.strip()
+    assert "config.json does not exist" in err and "\n" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_config_that_our_model_cannot_build_is_one_line_error(tmp_path, capsys):
+    src = to_hf(small_model(CONFIGS["plain"]), tmp_path / "hf")
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "sample_softmax": 64}))
+    with pytest.raises(SystemExit):
+        main(["from-hf", str(src), str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "sample_softmax 64" in err and "\n" not in err

@@ -1,0 +1,44 @@
+"""CLI: convert between HuggingFace Transformer-XL folders and our native model folders.
+
+    python -m txl_dist.interop from-hf SRC_DIR OUT_DIR   HF save_pretrained folder -> native folder
+    python -m txl_dist.interop to-hf SRC OUT_DIR         native folder -> HF folder (from_pretrained loads it)
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from txl_dist.interop.convert import from_hf, to_hf
+from txl_dist.interop.native import load_native, save_native
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line interface."""
+    parser = argparse.ArgumentParser(prog="python -m txl_dist.interop", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("from-hf", help="HF TransfoXLLMHeadModel folder -> native folder")
+    p.add_argument("src_dir", help="folder written by save_pretrained (config.json + weights)")
+    p.add_argument("out_dir", help="native folder to write (model_config.json + model.safetensors)")
+    p = sub.add_parser("to-hf", help="native folder -> HF TransfoXLLMHeadModel folder")
+    p.add_argument("src", help="native folder (model_config.json + model.safetensors)")
+    p.add_argument("out_dir", help="folder to write (config.json + model.safetensors)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one conversion; bad input exits with a one-line error."""
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "from-hf":
+            out = save_native(from_hf(args.src_dir), args.out_dir)
+        else:
+            out = to_hf(load_native(args.src), args.out_dir)
+    except (ValueError, OSError) as e:  # ConfigError and HFFormatError are ValueErrors; all one-liners
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""Tensor names and tying between our TransformerXL and HF's TransfoXLLMHeadModel (transformers 4.37.2).
+
+Both follow the Transformer-XL reference code, so every tensor maps one to one with the same layout
+(projections are [d_model, d_emb_i] on both sides; the adaptive softmax's cluster rows are in the same,
+natural order: HF's forward uses head column cutoffs[0] + i - 1 for cluster i, as we do). Only names differ:
+
+    ours                                 HF
+    word_emb.*                           transformer.word_emb.*
+    layers.L.attn.*                      transformer.layers.L.dec_attn.*
+    layers.L.pos_ff.fc_in / fc_out       transformer.layers.L.pos_ff.CoreNet.0 / CoreNet.3
+    layers.L.pos_ff.layer_norm           transformer.layers.L.pos_ff.layer_norm
+    r_w_bias, r_r_bias (untie_r false)   transformer.r_w_bias, transformer.r_r_bias
+    crit.*                               crit.*
+    (computed on the fly)                transformer.pos_emb.inv_freq (a saved buffer)
+
+Tied tensors (tie_weight, tie_projs, the shared r biases) are one Parameter in our model. HF's
+save_pretrained keeps one copy in safetensors and every copy in pytorch_model.bin; we read either (the
+copies must agree) and write one, as save_pretrained does.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+
+from txl_dist.interop.hf_files import HFFormatError
+from txl_dist.model import TransformerXL
+
+INV_FREQ = "transformer.pos_emb.inv_freq"
+
+# (our pattern, HF replacement) and the inverse; applied first match wins.
+_OURS_TO_HF = [
+    (r"^word_emb\.", "transformer.word_emb."),
+    (r"^layers\.(\d+)\.attn\.", r"transformer.layers.\1.dec_attn."),
+    (r"^layers\.(\d+)\.pos_ff\.fc_in\.", r"transformer.layers.\1.pos_ff.CoreNet.0."),
+    (r"^layers\.(\d+)\.pos_ff\.fc_out\.", r"transformer.layers.\1.pos_ff.CoreNet.3."),
+    (r"^layers\.(\d+)\.pos_ff\.layer_norm\.", r"transformer.layers.\1.pos_ff.layer_norm."),
+    (r"^(r_w_bias|r_r_bias)$", r"transformer.\1"),
+    (r"^crit\.", "crit."),
+]
+
+
+def hf_name(ours: str) -> str:
+    """The HF state-dict name of one of our tensor names."""
+    for pattern, repl in _OURS_TO_HF:
+        name, n = re.subn(pattern, repl, ours)
+        if n:
+            return name
+    raise KeyError(f"no HF name for model tensor {ours!r}; txl_dist/interop/weights.py needs a rule for it")
+
+
+def inv_freq(d_model: int) -> torch.Tensor:
+    """HF's PositionalEmbedding buffer (saved with the weights): 1 / 10000 ** (arange(0, d, 2) / d), [d/2]."""
+    return 1 / (10000 ** (torch.arange(0.0, d_model, 2.0) / d_model))
+
+
+def tied_groups(model: TransformerXL) -> list[list[str]]:
+    """Our state-dict names grouped by the tensor they hold (a tied Parameter has several names)."""
+    by_param: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_param.setdefault(id(p), []).append(name)
+    group_of = {name: names for names in by_param.values() for name in names}
+    groups, seen = [], set()
+    for name in model.state_dict():
+        group = group_of.get(name, [name])  # buffers are their own group
+        if group[0] not in seen:
+            seen.add(group[0])
+            groups.append(group)
+    return groups
+
+
+def _hf_aliases(model: TransformerXL, group: list[str]) -> list[str]:
+    """Every HF name that holds this group's tensor, the one save_pretrained keeps first."""
+    names = [hf_name(n) for n in group]
+    if group[0] in ("r_w_bias", "r_r_bias"):  # untie_r false: HF's layers all point at the shared pair
+        names += [f"transformer.layers.{i}.dec_attn.{group[0]}" for i in range(model.n_layer)]
+    return names
+
+
+def hf_state_dict(model: TransformerXL) -> dict[str, torch.Tensor]:
+    """Our model's tensors under HF names, each tied tensor once (as save_pretrained writes safetensors)."""
+    state = model.state_dict()
+    out = {hf_name(group[0]): state[group[0]] for group in tied_groups(model)}
+    out[INV_FREQ] = inv_freq(model.d_model)
+    return out
+
+
+def load_hf_state_dict(model: TransformerXL, tensors: dict[str, torch.Tensor], source: str) -> None:
+    """Copy HF-named tensors into `model` (built from the matching config); strict about names and shapes.
+
+    A tied tensor may come as any subset of its HF copies (at least one); copies that disagree are refused.
+    """
+    ours = model.state_dict()
+    loaded: dict[str, torch.Tensor] = {}
+    used = {INV_FREQ}
+    missing = []
+    for group in tied_groups(model):
+        aliases = _hf_aliases(model, group)
+        used.update(aliases)
+        present = [a for a in aliases if a in tensors]
+        if not present:
+            missing.append(aliases[0])
+            continue
+        value = tensors[present[0]]
+        want = tuple(ours[group[0]].shape)
+        for a in present:
+            if tuple(tensors[a].shape) != want:
+                raise HFFormatError(
+                    f"{source}: tensor {a} has shape {tuple(tensors[a].shape)} but config.json implies {want}; "
+                    "the weights do not belong to this config")
+            if not torch.equal(tensors[a], value):
+                raise HFFormatError(
+                    f"{source}: tensor {a} differs from {present[0]} although config.json says they are tied "
+                    "(tie_word_embeddings / tie_projs / untie_r); fix the config or the weights")
+        for name in group:
+            loaded[name] = value
+    if missing:
+        raise HFFormatError(f"{source}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''} "
+                            f"({len(missing)} in all) that config.json implies")
+    unexpected = sorted(set(tensors) - used)
+    if unexpected:
+        raise HFFormatError(f"{source}: unexpected tensors {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''} "
+                            f"({len(unexpected)} in all) that config.json does not imply")
+    model.load_state_dict(loaded, strict=True)

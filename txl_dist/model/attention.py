@@ -1,0 +1,267 @@
+"""Relative multi-head attention of Transformer-XL ("RelPartialLearnable", Dai et al. 2019, section 3.3).
+
+score[i, j] = (q_i + u) . k_j + (q_i + v) . r_{i-j}, with u = r_w_bias, v = r_r_bias and r the projected
+sinusoid embedding of the distance between query i and key j.
+
+Three interchangeable implementations take the same arguments and return the same attention vectors:
+- `rel_attention_reference`: plain einsum + the reference code's rel-shift; the test oracle.
+- `rel_attention_matmul`: contiguous head-major layouts, batched matmuls, a free rel-shift, fp32 softmax
+  under bf16/fp16. The fastest on CPU (bench/bench_attention.py).
+- `rel_attention_sdpa`: torch's scaled_dot_product_attention with the position term as an additive float
+  mask (the memory-efficient kernel on CUDA). Slower on CPU (FACTS.md), unmeasured on GPU: opt-in only.
+
+Shapes: B batch, T query length (the segment), K = mlen + T key length, H heads, D head size.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+AttentionFn = Callable[..., torch.Tensor]
+
+
+def build_attn_mask(qlen: int, mlen: int, mem_len: int, same_length: bool,
+                    device: torch.device | None = None) -> torch.Tensor:
+    """Bool [qlen, mlen + qlen], True where query i may NOT attend key j (exactly the reference code).
+
+    Key j is masked for query i when j > i + mlen (the future). With same_length, keys that fall out of a
+    window of the configured mem_len (not the actual mlen) are masked too, so every query sees the same
+    number of keys.
+    """
+    klen = mlen + qlen
+    ones = torch.ones(qlen, klen, dtype=torch.bool, device=device)
+    mask = torch.triu(ones, diagonal=1 + mlen)                                     # [T, K]
+    if same_length:
+        mask_len = klen - mem_len
+        mask_shift_len = qlen - mask_len if mask_len > 0 else qlen
+        mask = mask | torch.tril(ones, diagonal=-mask_shift_len)                   # [T, K]
+    return mask
+
+
+def attn_bias_from_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bool mask [T, K] -> additive bias [T, K]: 0 where visible, -inf where masked (built once per forward)."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask, float("-inf"))
+
+
+def rel_shift(x: torch.Tensor) -> torch.Tensor:
+    """The reference rel-shift on [..., T, K] scores whose column p holds distance K-1-p.
+
+    Returns [..., T, K] whose entry [i, j] holds x[i, j + T - 1 - i], i.e. the term for distance
+    (i + K - T) - j between query i and key j. Entries with j > i + K - T (the masked future) hold junk,
+    exactly as in the reference code (pad a zero column in front, fold, drop the first row).
+    """
+    *lead, qlen, klen = x.shape
+    padded = F.pad(x, (1, 0))                                                      # [..., T, K+1]
+    padded = padded.view(*lead, klen + 1, qlen)                                    # [..., K+1, T]
+    return padded[..., 1:, :].reshape(*lead, qlen, klen)                           # [..., T, K]
+
+
+def _split_heads_reference(q: torch.Tensor, kv: torch.Tensor, n_head: int):
+    bsz, qlen, _ = q.shape
+    klen = kv.shape[1]
+    head_q = q.view(bsz, qlen, n_head, -1)                                        # [B, T, H, D]
+    head_k, head_v = kv.view(bsz, klen, 2, n_head, -1).unbind(2)                  # [B, K, H, D] each
+    return head_q, head_k, head_v
+
+
+def rel_attention_reference(q: torch.Tensor, kv: torch.Tensor, r_head_k: torch.Tensor,
+                            r_w_bias: torch.Tensor, r_r_bias: torch.Tensor, attn_bias: torch.Tensor,
+                            dropatt: float = 0.0, training: bool = False) -> torch.Tensor:
+    """Relative attention written plainly, as the reference code does it (the oracle for the fast paths).
+
+    q: [B, T, H*D] queries of the segment; kv: [B, K, 2*H*D] keys then values of memory + segment;
+    r_head_k: [K, H*D] projected position embeddings for distances K-1 .. 0; r_w_bias, r_r_bias: [H, D];
+    attn_bias: [T, K] additive (0 or -inf). Returns attention vectors [B, T, H*D].
+    """
+    n_head, d_head = r_w_bias.shape
+    head_q, head_k, head_v = _split_heads_reference(q, kv, n_head)
+    head_r = r_head_k.view(-1, n_head, d_head)                                    # [K, H, D]
+    ac = torch.einsum("bind,bjnd->bnij", head_q + r_w_bias, head_k)                # [B, H, T, K]
+    bd = rel_shift(torch.einsum("bind,jnd->bnij", head_q + r_r_bias, head_r))     # [B, H, T, K]
+    scores = (ac + bd) * d_head ** -0.5 + attn_bias                                # [B, H, T, K]
+    probs = F.softmax(scores.float(), dim=-1).to(q.dtype)                         # [B, H, T, K]
+    probs = F.dropout(probs, dropatt, training)
+    attn_vec = torch.einsum("bnij,bjnd->bind", probs, head_v)                      # [B, T, H, D]
+    return attn_vec.reshape(attn_vec.shape[0], attn_vec.shape[1], -1)             # [B, T, H*D]
+
+
+def _head_major(q: torch.Tensor, kv: torch.Tensor, n_head: int):
+    """Queries [H, B, T, D] and keys/values [H, B, K, D], contiguous: one copy each."""
+    bsz, qlen, _ = q.shape
+    klen = kv.shape[1]
+    head_q = q.view(bsz, qlen, n_head, -1).permute(2, 0, 1, 3).contiguous()       # [H, B, T, D]
+    head_kv = kv.view(bsz, klen, 2, n_head, -1).permute(2, 3, 0, 1, 4).contiguous()  # [2, H, B, K, D]
+    head_k, head_v = head_kv.unbind(0)  # unbind: its backward stacks, indexing would zero-fill twice
+    return head_q, head_k, head_v
+
+
+def _position_scores(q_r: torch.Tensor, r_head_k: torch.Tensor, klen: int) -> torch.Tensor:
+    """Rel-shifted position term [H*B, T, K] from q_r = (q + v) * scale [H, B, T, D], for free.
+
+    r gets one extra all-zero distance row, so the raw scores are [H, B*T, K+1]. With rows of K+1 entries,
+    the shifted entry [i, j] = raw[i, j + T - 1 - i] sits at flat offset i*K + j + T - 1 of each [T, K+1]
+    block: the shifted [T, K] matrix is the contiguous stretch starting at T - 1, so a narrow + view gives
+    it (no copy, no as_strided overlap). Positions past the diagonal + mlen read junk and are masked.
+    """
+    n_head, bsz, qlen, d_head = q_r.shape
+    head_r = r_head_k.view(klen, n_head, d_head)                                  # [K, H, D]
+    head_r = F.pad(head_r, (0, 0, 0, 0, 0, 1)).permute(1, 2, 0)                   # [H, D, K+1]
+    raw = torch.bmm(q_r.reshape(n_head, bsz * qlen, d_head), head_r)             # [H, B*T, K+1]
+    raw = raw.view(n_head * bsz, qlen * (klen + 1))                               # [H*B, T*(K+1)]
+    return raw.narrow(1, qlen - 1, qlen * klen).view(n_head * bsz, qlen, klen)    # [H*B, T, K]
+
+
+def rel_attention_matmul(q: torch.Tensor, kv: torch.Tensor, r_head_k: torch.Tensor,
+                         r_w_bias: torch.Tensor, r_r_bias: torch.Tensor, attn_bias: torch.Tensor,
+                         dropatt: float = 0.0, training: bool = False) -> torch.Tensor:
+    """Fast relative attention (same arguments and result as `rel_attention_reference`).
+
+    Head-major [H, B, T, D] layouts make the position term one large matmul per head (B*T query rows
+    against the K+1 distances, no broadcast copy of r per batch row) and every other product a plain
+    bmm over H*B; the content term accumulates onto the shifted position term in one baddbmm; the mask
+    is added in place (its backward is free); softmax runs in float32 when inputs are bf16/fp16.
+    """
+    n_head, d_head = r_w_bias.shape
+    bsz, qlen, _ = q.shape
+    klen = kv.shape[1]
+    scale = d_head ** -0.5
+    head_q, head_k, head_v = _head_major(q, kv, n_head)                           # [H,B,T,D], [H,B,K,D] x2
+    q_w = (head_q + r_w_bias[:, None, None]) * scale                              # [H, B, T, D]
+    q_r = (head_q + r_r_bias[:, None, None]) * scale                              # [H, B, T, D]
+    bd = _position_scores(q_r, r_head_k, klen)                                    # [H*B, T, K]
+    scores = torch.baddbmm(bd, q_w.view(n_head * bsz, qlen, d_head),
+                           head_k.view(n_head * bsz, klen, d_head).transpose(1, 2))  # [H*B, T, K]
+    scores.add_(attn_bias)
+    if scores.dtype in (torch.float16, torch.bfloat16):
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)  # [H*B, T, K]
+    else:
+        probs = F.softmax(scores, dim=-1)                                          # [H*B, T, K]
+    probs = F.dropout(probs, dropatt, training)
+    attn_vec = torch.bmm(probs, head_v.view(n_head * bsz, klen, d_head))          # [H*B, T, D]
+    attn_vec = attn_vec.view(n_head, bsz, qlen, d_head).permute(1, 2, 0, 3)        # [B, T, H, D] (view)
+    return attn_vec.reshape(bsz, qlen, n_head * d_head)                           # [B, T, H*D]
+
+
+def rel_attention_sdpa(q: torch.Tensor, kv: torch.Tensor, r_head_k: torch.Tensor,
+                       r_w_bias: torch.Tensor, r_r_bias: torch.Tensor, attn_bias: torch.Tensor,
+                       dropatt: float = 0.0, training: bool = False) -> torch.Tensor:
+    """Relative attention through F.scaled_dot_product_attention (same arguments and result).
+
+    The content term is SDPA's own q.k product with q + u; the rel-shifted position term plus the causal
+    mask go in as an additive float mask. Meant for CUDA's memory-efficient kernel; opt-in.
+    """
+    n_head, d_head = r_w_bias.shape
+    bsz, qlen, _ = q.shape
+    klen = kv.shape[1]
+    scale = d_head ** -0.5
+    head_q, head_k, head_v = _head_major(q, kv, n_head)                           # [H,B,T,D], [H,B,K,D] x2
+    q_r = (head_q + r_r_bias[:, None, None]) * scale                              # [H, B, T, D]
+    bd = _position_scores(q_r, r_head_k, klen) + attn_bias                        # [H*B, T, K]
+    # SDPA treats dims 0 and 1 as batch and heads; head-major [H, B, ...] is as good as [B, H, ...].
+    attn_vec = F.scaled_dot_product_attention(
+        head_q + r_w_bias[:, None, None], head_k, head_v,
+        attn_mask=bd.view(n_head, bsz, qlen, klen),
+        dropout_p=dropatt if training else 0.0, scale=scale)                      # [H, B, T, D]
+    return attn_vec.permute(1, 2, 0, 3).reshape(bsz, qlen, n_head * d_head)        # [B, T, H*D]
+
+
+ATTN_IMPLS: dict[str, AttentionFn] = {
+    "reference": rel_attention_reference,
+    "matmul": rel_attention_matmul,
+    "sdpa": rel_attention_sdpa,
+}
+"""Attention implementations by name; `TransformerXL.attn_impl` picks one ("auto": see AUTO_ATTN_IMPL)."""
+
+AUTO_ATTN_IMPL: dict[str, str] = {"cpu": "matmul"}
+"""What "auto" means per device type, by measurement (bench/bench_attention.py). CUDA was not measured
+(no GPU where this was written): it falls back to "matmul" until someone measures "sdpa" there."""
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_has_native_bf16() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return True  # unknown: keep the default
+
+
+def resolve_attn_impl(name: str, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
+    """The implementation name that `name` ("auto" or one of ATTN_IMPLS) means on `device` for `dtype`."""
+    if name == "auto":
+        # Measured: on a CPU without native bf16 (AVX2 only) bf16 bmm runs ~10x slower than fp32, and SDPA's
+        # CPU kernel (which does its products blockwise in fp32) beats the matmul path 1.7-3x; with native
+        # bf16 (AMX, FACTS.md) SDPA loses.
+        if device.type == "cpu" and dtype == torch.bfloat16 and not _cpu_has_native_bf16():
+            return "sdpa"
+        return AUTO_ATTN_IMPL.get(device.type, "matmul")
+    if name not in ATTN_IMPLS:
+        raise ValueError(f"attn_impl {name!r} is unknown; use 'auto' or one of {', '.join(ATTN_IMPLS)}")
+    return name
+
+
+class QKVProjection(nn.Linear):
+    """One bias-free weight [3*H*D, d_model] (rows: q, k, v). Queries come from the segment only, keys and
+    values from memory + segment, which skips the reference code's query rows for the memory.
+
+    Slicing the weight inside this module's own forward keeps ZeRO-3 happy (it gathers a module's
+    parameters when that module runs, also when activation checkpointing recomputes it).
+    """
+
+    def __init__(self, d_model: int, n_head: int, d_head: int):
+        super().__init__(d_model, 3 * n_head * d_head, bias=False)
+
+    def forward(self, cat: torch.Tensor, qlen: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cat [B, K, d_model] -> q [B, T, H*D] (last T positions), kv [B, K, 2*H*D]."""
+        hd = self.out_features // 3
+        q = F.linear(cat[:, cat.shape[1] - qlen:], self.weight[:hd])              # [B, T, H*D]
+        kv = F.linear(cat, self.weight[hd:])                                       # [B, K, 2*H*D]
+        return q, kv
+
+
+class RelPartialLearnableMultiHeadAttn(nn.Module):
+    """The attention sub-layer: projections, relative attention, output projection, residual + LayerNorm.
+
+    untie_r: this layer owns its r_w_bias (u) and r_r_bias (v) [n_head, d_head]; otherwise the caller passes
+    the pair shared by all layers.
+    """
+
+    def __init__(self, d_model: int, n_head: int, d_head: int, dropout: float, dropatt: float,
+                 pre_lnorm: bool, layer_norm_epsilon: float, untie_r: bool):
+        super().__init__()
+        self.n_head = n_head
+        self.d_head = d_head
+        self.dropatt = dropatt
+        self.pre_lnorm = pre_lnorm
+        self.qkv_net = QKVProjection(d_model, n_head, d_head)
+        self.r_net = nn.Linear(d_model, n_head * d_head, bias=False)
+        self.o_net = nn.Linear(n_head * d_head, d_model, bias=False)
+        self.layer_norm = nn.LayerNorm(d_model, eps=layer_norm_epsilon)
+        self.drop = nn.Dropout(dropout)
+        if untie_r:
+            self.r_w_bias = nn.Parameter(torch.empty(n_head, d_head))
+            self.r_r_bias = nn.Parameter(torch.empty(n_head, d_head))
+        else:
+            self.r_w_bias = self.r_r_bias = None
+
+    def forward(self, h: torch.Tensor, pos_emb: torch.Tensor, mem: torch.Tensor | None,
+                attn_bias: torch.Tensor, attn_fn: AttentionFn,
+                r_w_bias: torch.Tensor | None = None, r_r_bias: torch.Tensor | None = None) -> torch.Tensor:
+        """h [B, T, d_model], pos_emb [K, d_model], mem [B, mlen, d_model] or None -> [B, T, d_model]."""
+        r_w_bias = self.r_w_bias if self.r_w_bias is not None else r_w_bias
+        r_r_bias = self.r_r_bias if self.r_r_bias is not None else r_r_bias
+        qlen = h.shape[1]
+        cat = h if mem is None or mem.shape[1] == 0 else torch.cat([mem, h], dim=1)  # [B, K, d_model]
+        if self.pre_lnorm:
+            cat = self.layer_norm(cat)
+        q, kv = self.qkv_net(cat, qlen)                                            # [B,T,H*D], [B,K,2*H*D]
+        r_head_k = self.r_net(pos_emb)                                             # [K, H*D]
+        attn_vec = attn_fn(q, kv, r_head_k, r_w_bias, r_r_bias, attn_bias,
+                           self.dropatt, self.training)                            # [B, T, H*D]
+        attn_out = self.drop(self.o_net(attn_vec))                                 # [B, T, d_model]
+        if self.pre_lnorm:
+            return h + attn_out
+        return self.layer_norm(h + attn_out)

@@ -1,0 +1,173 @@
+"""Projected adaptive log-softmax (Grave et al. 2017; Transformer-XL reference code), log-probs in float32.
+
+The head scores the shortlist (tokens below cutoffs[0]) plus one logit per tail cluster; cluster i
+(1-based) is head column cutoffs[0] + i - 1 (natural order). A token of cluster i has
+log p = head_logprob[cluster column] + tail_logprob_i[token - cutoff_ends[i]].
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+TailMode = Literal["auto", "dense", "gather"]
+
+DENSE_TAIL_MAX_RATIO = 0.25
+"""'auto' scores the tails densely when that costs at most this fraction of the head's FLOPs (see
+ProjectedAdaptiveLogSoftmax.tail_mode)."""
+
+
+class ProjectedAdaptiveLogSoftmax(nn.Module):
+    """Adaptive softmax over vocab_size tokens from d_model hidden states.
+
+    div_val == 1: one output layer [vocab_size, d_embed] (+ bias), sliced per cluster; a projection per
+    cluster [d_model, d_embed] only when d_model != d_embed. div_val > 1: cluster i has its own output layer
+    of width d_embed // div_val**i and projection [d_model, d_emb_i]. Tying to the input embedding is done
+    by the owner (TransformerXL) by sharing Parameters.
+
+    tail_mode picks how tail clusters are scored for the NLL:
+    - "dense": every token through every tail, then a select by cluster. No host sync at all (good for
+      GPUs and graph capture), but FLOPs grow with the tails' size.
+    - "gather": only the tokens of each cluster go through its tail; one host sync for all clusters
+      together (one bincount(...).tolist()), none per cluster.
+    - "auto" (default): "dense" when the dense tails cost at most DENSE_TAIL_MAX_RATIO of the head (see
+      dense_tail_cost_ratio) and the tensors are not on the CPU, where a sync costs nothing; else "gather".
+    """
+
+    def __init__(self, vocab_size: int, d_embed: int, d_model: int, cutoffs: list[int], div_val: int):
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.d_model = d_model
+        self.div_val = div_val
+        self.cutoff_ends = [0] + list(cutoffs) + [vocab_size]
+        self.shortlist_size = self.cutoff_ends[1]
+        self.n_clusters = len(cutoffs)
+        self.tail_mode: TailMode = "auto"
+        if self.n_clusters:
+            self.cluster_weight = nn.Parameter(torch.empty(self.n_clusters, d_embed))
+            self.cluster_bias = nn.Parameter(torch.empty(self.n_clusters))
+        self.out_layers = nn.ModuleList()
+        # Projections [d_model, d_emb_i], applied as hidden @ proj (the input embedding's F.linear transposed).
+        self.out_projs = nn.ParameterList()
+        self.d_embs = []
+        if div_val == 1:
+            self.out_layers.append(nn.Linear(d_embed, vocab_size))
+            self.d_embs = [d_embed] * (self.n_clusters + 1)
+            if d_model != d_embed:
+                for _ in range(self.n_clusters + 1):
+                    self.out_projs.append(nn.Parameter(torch.empty(d_model, d_embed)))
+        else:
+            for i in range(self.n_clusters + 1):
+                d_emb_i = d_embed // div_val ** i
+                self.d_embs.append(d_emb_i)
+                self.out_layers.append(nn.Linear(d_emb_i, self.cutoff_ends[i + 1] - self.cutoff_ends[i]))
+                self.out_projs.append(nn.Parameter(torch.empty(d_model, d_emb_i)))
+
+    # ------------------------------------------------------------------------------------------------
+    # Parameters of one cluster
+
+    def _cluster_params(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(weight [n_i, d_emb_i], bias [n_i], proj [d_model, d_emb_i] or None) of cluster i; the head (i=0)
+        gets the cluster logits appended as its last n_clusters rows."""
+        if self.div_val == 1:
+            lo, hi = self.cutoff_ends[i], self.cutoff_ends[i + 1]
+            weight = self.out_layers[0].weight[lo:hi]
+            bias = self.out_layers[0].bias[lo:hi]
+        else:
+            weight, bias = self.out_layers[i].weight, self.out_layers[i].bias
+        if i == 0 and self.n_clusters:
+            weight = torch.cat([weight, self.cluster_weight], dim=0)               # [S + C, d_emb_0]
+            bias = torch.cat([bias, self.cluster_bias], dim=0)                      # [S + C]
+        proj = self.out_projs[i] if len(self.out_projs) else None
+        return weight, bias, proj
+
+    def _logits(self, hidden: torch.Tensor, i: int) -> torch.Tensor:
+        """hidden [N, d_model] -> float32 logits [N, n_i] of cluster i (the head: [N, S + C])."""
+        weight, bias, proj = self._cluster_params(i)
+        if proj is not None:
+            hidden = hidden @ proj                                                 # [N, d_emb_i]
+        # The matmul runs in the compute dtype; log-softmax and everything after it in float32.
+        return F.linear(hidden, weight, bias).float()                             # [N, n_i]
+
+    # ------------------------------------------------------------------------------------------------
+    # Costs and the tail strategy
+
+    def dense_tail_cost_ratio(self) -> float:
+        """FLOPs per token of scoring every tail densely, divided by the head's FLOPs per token."""
+        def cost(i: int, n_out: int) -> int:
+            proj = self.d_model * self.d_embs[i] if len(self.out_projs) else 0
+            return proj + self.d_embs[i] * n_out
+        head = cost(0, self.shortlist_size + self.n_clusters)
+        tails = sum(cost(i, self.cutoff_ends[i + 1] - self.cutoff_ends[i]) for i in range(1, self.n_clusters + 1))
+        return tails / head
+
+    def resolved_tail_mode(self, device: torch.device) -> str:
+        """"dense" or "gather": what tail_mode means for tensors on `device`."""
+        if self.tail_mode not in ("auto", "dense", "gather"):
+            raise ValueError(f"tail_mode {self.tail_mode!r} is unknown; use 'auto', 'dense' or 'gather'")
+        if self.tail_mode != "auto":
+            return self.tail_mode
+        if device.type != "cpu" and self.dense_tail_cost_ratio() <= DENSE_TAIL_MAX_RATIO:
+            return "dense"
+        return "gather"
+
+    # ------------------------------------------------------------------------------------------------
+    # NLL and full log-probabilities
+
+    def forward(self, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """hidden [N, d_model], target [N] -> float32 NLL [N] (natural order)."""
+        if hidden.shape[:-1] != target.shape:
+            raise ValueError(f"adaptive softmax: hidden {tuple(hidden.shape)} and target {tuple(target.shape)} "
+                             "must agree on the token dimension")
+        head_logits = self._logits(hidden, 0)                                      # [N, S + C]
+        if not self.n_clusters:
+            return F.cross_entropy(head_logits, target, reduction="none")         # [N]
+        # Cluster id per token from python-int comparisons: no small tensor to copy to the device.
+        cluster = sum((target >= c).long() for c in self.cutoff_ends[1:-1])        # [N] 0 = head
+        # Head column: the token itself in the shortlist, else its cluster's logit.
+        head_target = torch.where(cluster == 0, target, self.shortlist_size + cluster - 1)  # [N]
+        nll = F.cross_entropy(head_logits, head_target, reduction="none")          # [N]
+        if self.resolved_tail_mode(hidden.device) == "dense":
+            return nll + self._tail_nll_dense(hidden, target, cluster)
+        return nll + self._tail_nll_gather(hidden, target, cluster)
+
+    def _tail_nll_dense(self, hidden: torch.Tensor, target: torch.Tensor, cluster: torch.Tensor) -> torch.Tensor:
+        tail_nll = torch.zeros(target.shape, dtype=torch.float32, device=target.device)  # [N]
+        for i in range(1, self.n_clusters + 1):
+            lo, hi = self.cutoff_ends[i], self.cutoff_ends[i + 1]
+            local = (target - lo).clamp(0, hi - lo - 1)                            # [N]
+            nll_i = F.cross_entropy(self._logits(hidden, i), local, reduction="none")  # [N]
+            tail_nll = tail_nll + torch.where(cluster == i, nll_i, 0.0)            # [N]
+        return tail_nll
+
+    def _tail_nll_gather(self, hidden: torch.Tensor, target: torch.Tensor, cluster: torch.Tensor) -> torch.Tensor:
+        # The one host sync: how many tokens each cluster has, for all clusters at once.
+        counts = torch.bincount(cluster, minlength=self.n_clusters + 1).tolist()
+        order = torch.argsort(cluster, stable=True)                                # [N] head tokens first
+        groups = order.split(counts)
+        indices, values = [], []
+        for i in range(1, self.n_clusters + 1):
+            if counts[i] == 0:
+                continue
+            idx = groups[i]                                                        # [n_i]
+            local = target.index_select(0, idx) - self.cutoff_ends[i]              # [n_i]
+            logits = self._logits(hidden.index_select(0, idx), i)                  # [n_i, size_i]
+            indices.append(idx)
+            values.append(F.cross_entropy(logits, local, reduction="none"))        # [n_i]
+        tail_nll = torch.zeros(target.shape, dtype=torch.float32, device=target.device)  # [N]
+        if not indices:
+            return tail_nll
+        return tail_nll.index_copy(0, torch.cat(indices), torch.cat(values))      # [N]
+
+    def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, d_model] -> float32 log-probabilities of the whole vocabulary [N, vocab_size]."""
+        head_logprob = F.log_softmax(self._logits(hidden, 0), dim=-1)              # [N, S + C]
+        if not self.n_clusters:
+            return head_logprob
+        parts = [head_logprob[:, :self.shortlist_size]]                            # [N, S]
+        for i in range(1, self.n_clusters + 1):
+            cluster_logprob = head_logprob[:, self.shortlist_size + i - 1, None]   # [N, 1]
+            parts.append(cluster_logprob + F.log_softmax(self._logits(hidden, i), dim=-1))  # [N, size_i]
+        return torch.cat(parts, dim=-1)                                            # [N, vocab_size]
