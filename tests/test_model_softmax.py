@@ -122,3 +122,16 @@ def test_model_log_probs_match_nll():
         log_probs = model.log_probs(out.hidden)
     assert log_probs.shape == (2, 5, VOCAB)
     torch.testing.assert_close(-log_probs.gather(-1, labels[..., None]).squeeze(-1), out.nll, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("tail_mode", ["gather", "dense"])
+def test_every_parameter_gets_a_gradient_when_a_cluster_has_no_token(tail_mode):
+    # Data-parallel gradient reduction needs the same set of gradients on every rank, whatever tokens a
+    # rank's micro batch happens to hold.
+    torch.manual_seed(0)
+    model = TransformerXL(ModelConfig(vocab_size=64, n_layer=1, d_model=16, n_head=2, d_head=8, d_inner=32,
+                                      cutoffs=[32, 48], div_val=2))
+    model.crit.tail_mode = tail_mode
+    x = torch.randint(0, 32, (2, 8))  # head tokens only: both tail clusters are empty
+    model(x, labels=x).nll.mean().backward()
+    assert [n for n, p in model.named_parameters() if p.grad is None] == []

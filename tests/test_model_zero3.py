@@ -19,8 +19,10 @@ import torch
 import deepspeed
 from deepspeed.utils import safe_get_full_grad
 from txl_dist.config import ModelConfig
+from txl_dist.engine import skip_shm_comm_build
 from txl_dist.model import TransformerXL
 
+skip_shm_comm_build()  # a fresh machine would JIT-build an op that training never uses
 cfg = ModelConfig(vocab_size=50, n_layer=2, d_model=32, n_head=2, d_head=8, d_inner=48, cutoffs=[10, 25],
                   div_val=2, untie_r=False, dropout=0.0, init_std=0.3, proj_init_std=0.3)
 torch.manual_seed(0)

@@ -148,17 +148,15 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         order = torch.argsort(cluster, stable=True)                                # [N] head tokens first
         groups = order.split(counts)
         indices, values = [], []
+        # An empty cluster still runs (on zero rows): its parameters must get a (zero) gradient on every
+        # rank, or data-parallel gradient reduction (ZeRO 2/3 buckets) sees different sizes per rank.
         for i in range(1, self.n_clusters + 1):
-            if counts[i] == 0:
-                continue
             idx = groups[i]                                                        # [n_i]
             local = target.index_select(0, idx) - self.cutoff_ends[i]              # [n_i]
             logits = self._logits(hidden.index_select(0, idx), i)                  # [n_i, size_i]
             indices.append(idx)
             values.append(F.cross_entropy(logits, local, reduction="none"))        # [n_i]
         tail_nll = torch.zeros(target.shape, dtype=torch.float32, device=target.device)  # [N]
-        if not indices:
-            return tail_nll
         return tail_nll.index_copy(0, torch.cat(indices), torch.cat(values))      # [N]
 
     def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:

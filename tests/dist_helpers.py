@@ -1,0 +1,245 @@
+"""Test helpers: run a function on W real processes joined in a gloo process group; tiny corpora,
+configs and training jobs for those processes.
+
+The processes come from a forkserver that has imported torch, deepspeed and the project once, so a
+multi-process check costs a fork, not ~10-20 s of imports per rank. Each child gets the environment a
+launcher would give it (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and
+OMP_NUM_THREADS=1 (2 cores, 2 ranks), runs `fn(*args)` and sends back its return value or its traceback.
+
+The target must be importable by name (a module-level function of a test module or of this one).
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+from txl_dist.tracking import Tracker
+
+REPO = Path(__file__).resolve().parents[1]
+PRELOAD = ["torch", "torch._dynamo", "deepspeed", "numpy", "pyarrow", "txl_dist.engine", "txl_dist.trainer"]
+_ctx = None
+
+
+def context():
+    """The shared forkserver context (started on first use, preloaded with the heavy imports)."""
+    global _ctx
+    if _ctx is None:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)
+        _ctx = ctx
+    return _ctx
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """What torchrun would set for this rank on one machine."""
+    return {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+
+
+def _child(fn: Callable[..., Any], args: tuple, env: dict[str, str], results) -> None:
+    os.environ.update(env)
+    import torch
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+    rank = int(env["RANK"])
+    try:
+        out = fn(*args)
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+        raise SystemExit(1)
+    # Pickled here, by value: a tensor sent as is would travel as a shared-memory handle that dies with us.
+    results.put((rank, "ok", pickle.dumps(out)))
+
+
+class RankFailed(AssertionError):
+    """A rank raised or died; the message holds its traceback."""
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0) -> list[Any]:
+    """Run `fn(*args)` on `world_size` ranks; their return values in rank order, or RankFailed with the
+    first traceback (the other ranks are killed: they may be waiting in a collective for the failed one)."""
+    ctx = context()
+    port = free_port()
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_child, args=(fn, args, rank_env(rank, world_size, port), results))
+             for rank in range(world_size)]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(out) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RankFailed(f"ranks {sorted(set(range(world_size)) - set(out))} did not finish in {timeout:.0f} s")
+            try:
+                rank, status, value = results.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in out and p.exitcode not in (None, 0)]
+                if dead:
+                    raise RankFailed(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}") from None
+                continue
+            if status == "error":
+                raise RankFailed(f"rank {rank} failed:\n{value}")
+            out[rank] = pickle.loads(value)
+        for p in procs:
+            p.join(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    return [out[r] for r in range(world_size)]
+
+
+def venv_bin(name: str) -> str:
+    """An executable of the interpreter's venv (torchrun, deepspeed)."""
+    return str(Path(sys.executable).parent / name)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Small corpora and configs for training tests
+
+
+def learnable_stream(n_tokens: int, vocab_size: int, seed: int) -> "np.ndarray":
+    """Tokens a tiny model can learn from: random 'sentences' of a small phrase book, EOD (3) between."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    phrases = [rng.integers(4, vocab_size, size=rng.integers(3, 9)) for _ in range(12)]
+    out: list[int] = []
+    while len(out) < n_tokens:
+        for k in rng.integers(0, len(phrases), size=rng.integers(2, 6)):
+            out.extend(phrases[k].tolist())
+        out.append(3)
+    tokens = np.asarray(out[:n_tokens], dtype=np.int64)
+    tokens[-1] = 3
+    return tokens
+
+
+def write_corpus(root: Path, splits: dict, vocab_size: int = 64, layout=(2, 4)) -> Path:
+    """A prepared corpus folder (manifest, tokenizer file, Arrow files) through the public format API."""
+    from txl_dist.data import (ArrowTokenWriter, FileEntry, Layout, Manifest, SplitEntry, TokenizerEntry,
+                               file_boundaries, token_dtype, write_manifest)
+    from txl_dist.data.format import sha256_file
+
+    root.mkdir(parents=True, exist_ok=True)
+    # The loader checks the tokenizer file's sha256 only; training never opens it.
+    (root / "tokenizer.model").write_bytes(b"test tokenizer " + str(vocab_size).encode())
+    dtype = token_dtype(vocab_size)
+    entries = {}
+    for name, tokens in splits.items():
+        (root / name).mkdir(exist_ok=True)
+        cuts = file_boundaries(len(tokens), Layout(*layout))
+        files = []
+        for k, (a, b) in enumerate(zip(cuts, cuts[1:])):
+            rel = f"{name}/{k:05d}.arrow"
+            with ArrowTokenWriter(root / rel, dtype) as w:
+                w.write(tokens[a:b])
+            n, sha = w.close()
+            files.append(FileEntry(path=rel, first_token=a, n_tokens=n, sha256=sha))
+        entries[name] = SplitEntry(n_tokens=len(tokens), n_documents=int((tokens == 3).sum()),
+                                   n_bytes=6 * len(tokens), n_chars=5 * len(tokens), layout=Layout(*layout),
+                                   files=files)
+    tok = TokenizerEntry(file="tokenizer.model", sha256=sha256_file(root / "tokenizer.model"),
+                         vocab_size=vocab_size, model_type="unigram", eod_id=3, unk_id=0, bos_id=-1, pad_id=-1)
+    write_manifest(root, Manifest(tokenizer=tok, dtype=dtype, splits=entries,
+                                  provenance={"created": "2025-01-01T00:00:00Z", "tool": "tests"}))
+    return root
+
+
+def tiny_config(corpus: Path, ckpt_dir: Path, **sections) -> dict:
+    """A raw run config for a 2-layer, d_model 32 model on `corpus`; `sections` update it per section."""
+    import copy
+
+    raw = {
+        "model": {"n_layer": 2, "d_model": 32, "n_head": 2, "d_head": 16, "d_inner": 64, "cutoffs": [32],
+                  "div_val": 2, "tgt_len": 8, "mem_len": 8, "dropout": 0.1},
+        "data": {"path": str(corpus)},
+        "train": {"max_steps": 4, "seed": 11, "log_interval": 1},
+        "eval": {"interval": 0, "tgt_len": 8, "mem_len": 16, "n_streams": 2, "max_segments": 3},
+        "checkpoint": {"dir": str(ckpt_dir), "interval": 0, "keep": 2},
+        "tracking": {"enabled": False},
+        "deepspeed": {
+            "train_batch_size": 4, "train_micro_batch_size_per_gpu": 1, "gradient_clipping": 1.0,
+            "zero_optimization": {"stage": 0},
+            "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.0, "torch_adam": True}},
+            "scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 2, "warmup_type": "linear"}},
+            "steps_per_print": 10**9,
+        },
+    }
+    raw = copy.deepcopy(raw)
+    for section, values in sections.items():
+        raw[section] = _merge(raw.get(section, {}), values)
+    return raw
+
+
+def _merge(base: dict, update: dict) -> dict:
+    out = dict(base)
+    for k, v in update.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# Training jobs inside test ranks
+
+
+class Recorder(Tracker):
+    """A tracker that keeps the metrics in memory (every rank computes the same all-reduced numbers)."""
+
+    def __init__(self):
+        self.metrics: dict[int, dict[str, float]] = {}
+
+    def log_metrics(self, metrics, step):
+        self.metrics.setdefault(step, {}).update(metrics)
+
+
+def train_job(raw: dict, resume: str = "auto") -> dict:
+    """One training job on this rank (the process group is already up); its per-step losses and exit code."""
+    from txl_dist import distributed, trainer
+    from txl_dist.config import config_from_dict
+
+    env = distributed.discover()
+    t = trainer.build(config_from_dict(raw), env, resume=resume)
+    t.tracker = Recorder()
+    try:
+        code = t.train()
+    finally:
+        t.evaluator.close()
+        t.loader.close()
+    losses = {s: m["train/loss"] for s, m in t.tracker.metrics.items() if "train/loss" in m}
+    return {"code": code, "losses": losses, "step": t.step, "tokens_seen": t.tokens_seen,
+            "metrics": t.tracker.metrics}
+
+
+def train_jobs(jobs: list[tuple[dict, str]]) -> list[dict]:
+    """Several training jobs in a row on this rank, in one process group (DeepSpeed caches its groups)."""
+    from txl_dist import distributed
+
+    env = distributed.discover()
+    distributed.setup_logging(env)
+    distributed.init_process_group(env)
+    try:
+        return [train_job(raw, resume) for raw, resume in jobs]
+    finally:
+        distributed.destroy_process_group()
+
+

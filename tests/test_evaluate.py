@@ -1,0 +1,136 @@
+"""Distributed evaluation: 1 and 2 ranks give the same numbers, which equal a plain one-process computation
+with the exported fp32 weights; every token of each eval stream but its first is predicted once."""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from dist_helpers import learnable_stream, run_ranks, tiny_config, train_jobs, write_corpus
+from txl_dist.config import EvalConfig
+
+VOCAB = 64
+VALID_TOKENS = 2 * 40  # 2 eval streams of 40 tokens: 4 full windows of 8 and a last one of 7
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A 2-rank ZeRO-1 fp32 checkpoint after 3 steps (so eval on 1 rank needs the universal conversion)."""
+    root = tmp_path_factory.mktemp("evaluate")
+    corpus = write_corpus(root / "corpus", {"train": learnable_stream(4 * 49, VOCAB, 0),
+                                            "valid": learnable_stream(VALID_TOKENS, VOCAB, 1),
+                                            "test": learnable_stream(VALID_TOKENS, VOCAB, 2)}, vocab_size=VOCAB)
+    raw = tiny_config(corpus, root / "ckpt", train={"max_steps": 5, "exit_step": 3},
+                      deepspeed={"zero_optimization": {"stage": 1}})
+    run_ranks(train_jobs, 2, [(raw, "none")])
+    return corpus, root / "ckpt"
+
+
+def _eval_main(argv):
+    from launch.eval import main
+
+    return main(argv)
+
+
+def _reference(model, tokens: np.ndarray, n_streams: int, cfg: EvalConfig) -> tuple[float, int]:
+    """Sum of NLL and count, stream by stream, window by window (incl. the partial last one), in one process."""
+    L = len(tokens) // n_streams
+    nll, count = 0.0, 0
+    saved = model.mem_len, model.clamp_len, model.same_length
+    model.mem_len, model.clamp_len, model.same_length = cfg.mem_len, cfg.clamp_len, cfg.same_length
+    with torch.no_grad():
+        for s in range(n_streams):
+            stream = torch.from_numpy(tokens[s * L:(s + 1) * L]).view(1, -1)  # [1, L]
+            mems = None
+            starts = list(range(0, L - 1, cfg.tgt_len))
+            if cfg.max_segments is not None:
+                starts = starts[:cfg.max_segments]
+            for a in starts:
+                b = min(a + cfg.tgt_len, L - 1)
+                out = model(stream[:, a:b], labels=stream[:, a + 1:b + 1], mems=mems)
+                mems = out.mems
+                nll += out.nll.double().sum().item()
+                count += out.nll.numel()
+    model.mem_len, model.clamp_len, model.same_length = saved
+    return nll, count
+
+
+def test_one_and_two_ranks_agree_with_a_plain_computation(trained, tmp_path):
+    from launch.export import export
+
+    corpus, ckpt = trained
+    sets = ["--set", "eval.max_segments=null", "--set", "eval.mem_len=12"]
+    out1, out2 = tmp_path / "w1.json", tmp_path / "w2.json"
+    assert run_ranks(_eval_main, 1, ["--checkpoint", str(ckpt), "--split", "valid", "--output", str(out1), *sets]) == [0]
+    assert run_ranks(_eval_main, 2, ["--checkpoint", str(ckpt), "--split", "valid", "--output", str(out2), *sets]) == [0, 0]
+    one, two = json.loads(out1.read_text()), json.loads(out2.read_text())
+    assert (one["world_size"], two["world_size"], one["eval_streams"], two["eval_streams"]) == (1, 2, 2, 2)
+    assert one["tokens"] == two["tokens"]
+    for key in ("loss", "perplexity", "bits_per_byte", "bits_per_char"):
+        np.testing.assert_allclose(one[key], two[key], rtol=1e-6, err_msg=key)
+    assert (ckpt / "step_00000003_universal").is_dir()  # 1 rank read the 2-rank ZeRO-1 checkpoint
+
+    # Independently: the exported fp32 weights, one stream at a time, no DeepSpeed, no all-reduce.
+    model = export(str(ckpt), str(tmp_path / "native"))
+    cfg = EvalConfig(tgt_len=8, mem_len=12, clamp_len=-1, same_length=True, n_streams=2, max_segments=None)
+    nll, count = _reference(model, _valid_tokens(corpus), 2, cfg)
+    assert one["tokens"] == count == 2 * (VALID_TOKENS // 2 - 1)  # every token but each stream's first
+    _assert_numbers(one, nll, count)
+
+
+def test_max_segments_stops_each_stream_early(trained, tmp_path):
+    from launch.export import export
+    from txl_dist.evaluate import Evaluator
+
+    corpus, ckpt = trained
+    model = export(str(ckpt), str(tmp_path / "native"))
+    cfg = EvalConfig(tgt_len=8, mem_len=12, clamp_len=-1, same_length=True, n_streams=2, max_segments=3)
+    evaluator = Evaluator(corpus, cfg, rank=0, world_size=1, n_streams=2)
+    first = evaluator.evaluate(model, "valid")
+    again = evaluator.evaluate(model, "valid")  # each evaluation starts at the split's beginning
+    evaluator.close()
+    assert model.mem_len == 8 and model.same_length is False  # the model's own settings came back
+    nll, count = _reference(model, _valid_tokens(corpus), 2, cfg)
+    assert first["tokens"] == count == 2 * 3 * 8
+    _assert_numbers(first, nll, count)
+    assert again == first
+
+
+def _assert_numbers(result: dict, nll: float, count: int) -> None:
+    np.testing.assert_allclose(result["loss"], nll / count, rtol=1e-5)
+    np.testing.assert_allclose(result["perplexity"], math.exp(nll / count), rtol=1e-5)
+    # The test corpus declares 6 bytes and 5 characters per token.
+    np.testing.assert_allclose(result["bits_per_byte"], nll / count / math.log(2) / 6, rtol=1e-5)
+    np.testing.assert_allclose(result["bits_per_char"], nll / count / math.log(2) / 5, rtol=1e-5)
+
+
+def _valid_tokens(corpus) -> np.ndarray:
+    from txl_dist.data import StreamLoader
+
+    with StreamLoader(corpus, "valid", rank=0, world_size=1, n_streams=1, micro_batch=1, tgt_len=8) as loader:
+        return np.asarray(loader.reader.read(0, VALID_TOKENS), dtype=np.int64)
+
+
+def test_eval_settings_are_restored_after_evaluation():
+    from txl_dist.evaluate import eval_settings
+
+    model = torch.nn.Module()
+    model.mem_len, model.clamp_len, model.same_length = 8, -1, False
+    model.train()
+    with eval_settings(model, EvalConfig(mem_len=100, clamp_len=50, same_length=True)):
+        assert (model.mem_len, model.clamp_len, model.same_length, model.training) == (100, 50, True, False)
+    assert (model.mem_len, model.clamp_len, model.same_length, model.training) == (8, -1, False, True)
+
+
+def test_summarize_converts_nats_to_bits_per_token_byte_and_char():
+    from txl_dist.evaluate import summarize
+
+    r = summarize(nll_sum=2 * math.log(2) * 10, tokens=10, n_tokens=100, n_bytes=400, n_chars=200)
+    assert r["bits_per_token"] == pytest.approx(2.0)
+    assert r["bits_per_byte"] == pytest.approx(0.5) and r["bits_per_char"] == pytest.approx(1.0)
+    assert r["perplexity"] == pytest.approx(4.0)
+    with pytest.raises(ValueError, match="predicted no token"):
+        summarize(0.0, 0, n_tokens=1, n_bytes=1, n_chars=1)

@@ -1,0 +1,177 @@
+"""The entry points under real launchers: deepspeed, torchrun, an srun-style environment; SIGTERM mid-run;
+one MLflow run (on a real server) continued across the restarts; export of the result."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+
+from dist_helpers import REPO, free_port, learnable_stream, run_ranks, tiny_config, venv_bin, write_corpus
+from mlflow_server import mlflow_server  # noqa: F401  (pytest finds the fixture by name)
+from txl_dist.checkpoint import read_latest, read_run_info, rank_file
+
+VOCAB = 64
+MAX_STEPS = 30
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("launch") / "corpus"
+    return write_corpus(root, {"train": learnable_stream(4 * 49, VOCAB, 0), "valid": learnable_stream(80, VOCAB, 1),
+                               "test": learnable_stream(80, VOCAB, 2)}, vocab_size=VOCAB)
+
+
+def _launcher_env() -> dict[str, str]:
+    """The test process's environment minus what a launcher sets (and OMP_NUM_THREADS: we set it)."""
+    drop = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT",
+            "OMP_NUM_THREADS"}
+    return {k: v for k, v in os.environ.items() if k not in drop} | {"DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
+
+
+class Launch:
+    """A launcher command in its own process group; its output collected line by line."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str] | None = None):
+        self.cmd = cmd
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env or _launcher_env(), stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, text: str, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not any(text in line for line in self.lines):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise AssertionError(f"never printed {text!r}:\n{self.output[-4000:]}")
+            time.sleep(0.05)
+
+    def wait(self, timeout: float = 300.0) -> int:
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"{' '.join(self.cmd)} did not finish in {timeout:.0f} s:\n{self.output[-4000:]}")
+        self._reader.join(10)
+        return code
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def worker(self, rank: int) -> psutil.Process:
+        """The training process of `rank` among the launcher's descendants."""
+        for p in psutil.Process(self.proc.pid).children(recursive=True):
+            try:
+                if "launch/train.py" in " ".join(p.cmdline()) and p.environ().get("RANK") == str(rank):
+                    return p
+            except psutil.NoSuchProcess:
+                continue
+        raise AssertionError(f"no worker with RANK={rank} under {self.cmd[0]}")
+
+
+def _train_main(argv):
+    from launch.train import main
+
+    return main(argv)
+
+
+def test_deepspeed_then_torchrun_with_sigterm_then_resume_one_mlflow_run(corpus, tmp_path, mlflow_server):  # noqa: F811
+    from mlflow import MlflowClient
+
+    ckpt = tmp_path / "ckpt"
+    experiment = f"launch-{tmp_path.name}"
+    raw = tiny_config(corpus, ckpt, train={"max_steps": MAX_STEPS, "log_interval": 1},
+                      deepspeed={"zero_optimization": {"stage": 1}},
+                      tracking={"enabled": True, "uri": mlflow_server.uri, "experiment": experiment,
+                                "system_metrics": False})
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps(raw))
+    script = str(REPO / "launch" / "train.py")
+
+    # 1. The deepspeed launcher, 2 CPU ranks, OMP_NUM_THREADS unset; a planned stop at step 2.
+    ds = Launch([venv_bin("deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), script,
+                 "--config", str(config), "--set", "train.exit_step=2"])
+    assert ds.wait() == 0, ds.output[-4000:]
+    assert "world size 2 (deepspeed, 1 thread(s) per rank)" in ds.output
+    assert sum("step 2/2 | loss" in line for line in ds.lines) == 1  # rank 0 alone prints
+    assert read_latest(ckpt) == "step_00000002"
+
+    # 2. torchrun resumes (auto); SIGTERM to rank 1 only: both ranks agree, save at the next step, exit 0.
+    tr = Launch([venv_bin("torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()), script,
+                 "--config", str(config)])
+    tr.wait_for(f"step 4/{MAX_STEPS} | loss")
+    tr.worker(1).send_signal(signal.SIGTERM)
+    assert tr.wait() == 0, tr.output[-4000:]
+    assert "resumed from" in tr.output and "stopping after step" in tr.output
+    stopped = read_run_info(ckpt / read_latest(ckpt))["step"]
+    assert 4 <= stopped < MAX_STEPS, tr.output[-4000:]
+    tag = ckpt / read_latest(ckpt)
+    assert rank_file(tag, 0).is_file() and rank_file(tag, 1).is_file() and (tag / "txl_state" / "run.json").is_file()
+
+    # 3. Resume again (here from a fork of the test process) and run to the end: final eval on test.
+    assert run_ranks(_train_main, 2, ["--config", str(config)], timeout=600) == [0, 0]
+    assert read_latest(ckpt) == f"step_{MAX_STEPS:08d}"
+    info = read_run_info(ckpt / read_latest(ckpt))
+
+    # One MLflow run across the three jobs, its steps continuing, finished, with the final evaluation.
+    client = MlflowClient(mlflow_server.uri)
+    exp = client.get_experiment_by_name(experiment)
+    runs = client.search_runs([exp.experiment_id])
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    run_id = runs[0].info.run_id
+    assert info["mlflow_run_id"] == run_id
+    history = client.get_metric_history(run_id, "train/loss")
+    assert sorted(m.step for m in history) == list(range(1, MAX_STEPS + 1))
+    assert [m.step for m in client.get_metric_history(run_id, "test/loss")] == [MAX_STEPS]
+    for key in ("train/lr", "train/grad_norm", "train/tokens_per_s", "train/tokens_seen", "train/step_time_s",
+                "train/memory_peak_mib", "valid/loss", "test/bits_per_byte"):
+        assert client.get_metric_history(run_id, key), key
+    assert runs[0].data.params["model.d_model"] == "32"
+    artifacts = {a.path for a in client.list_artifacts(run_id)} | {a.path for a in client.list_artifacts(run_id, "data")}
+    assert {"final_eval.json", "config.resolved.json", "data/manifest.json", "data/tokenizer.model"} <= artifacts
+
+
+def test_srun_style_environment(corpus, tmp_path):
+    """Two plain processes that know only SLURM_* variables, as srun starts them."""
+    ckpt = tmp_path / "ckpt"
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps(tiny_config(corpus, ckpt, train={"max_steps": 2},
+                                             eval={"at_end": False})))
+    port = str(free_port())
+    procs = []
+    for rank in (0, 1):
+        env = _launcher_env() | {"SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(rank),
+                                 "SLURM_NODEID": "0", "SLURM_TASKS_PER_NODE": "2",
+                                 "SLURM_LAUNCH_NODE_IPADDR": "127.0.0.1", "MASTER_PORT": port}
+        procs.append(Launch([sys.executable, "launch/train.py", "--config", str(config), "--log-all-ranks"], env))
+    codes = [p.wait() for p in procs]
+    assert codes == [0, 0], procs[0].output[-3000:] + procs[1].output[-3000:]
+    assert "world size 2 (slurm, 1 thread(s) per rank)" in procs[0].output
+    assert "[rank 1] " in procs[1].output  # --log-all-ranks: rank 1 prints too, prefixed
+    assert read_run_info(ckpt / read_latest(ckpt))["world_size"] == 2
+
+
+def test_config_errors_exit_2_with_one_line(corpus, tmp_path):
+    from launch.train import main
+
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps(tiny_config(corpus, tmp_path / "ckpt")))
+    assert main(["--config", str(config), "--set", "train.max_stepz=3"]) == 2

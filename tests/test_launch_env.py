@@ -1,0 +1,127 @@
+"""Rank discovery for the deepspeed launcher, torchrun and srun; threads per rank; rank-0 logging."""
+import logging
+import os
+import stat
+
+import pytest
+import torch
+
+from txl_dist import distributed
+from txl_dist.distributed import DistEnv, LaunchError, discover
+
+
+def test_torchrun_environment():
+    env = discover({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                    "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "1234"})
+    assert env == DistEnv(3, 4, 1, 2, "10.0.0.5", 1234, "torchrun")
+    assert not env.is_main
+
+
+def test_deepspeed_launcher_environment():
+    # The deepspeed launcher names the local world LOCAL_SIZE (and passes --local_rank, see test_launch).
+    env = discover({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_SIZE": "2",
+                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"})
+    assert (env.rank, env.world_size, env.local_rank, env.local_world_size, env.launcher) == (1, 2, 1, 2, "deepspeed")
+
+
+def test_slurm_environment_with_launch_node_address():
+    env = discover({"SLURM_PROCID": "5", "SLURM_NTASKS": "6", "SLURM_LOCALID": "2", "SLURM_NODEID": "1",
+                    "SLURM_TASKS_PER_NODE": "3(x2)", "SLURM_LAUNCH_NODE_IPADDR": "192.168.1.7"})
+    assert env == DistEnv(5, 6, 2, 3, "192.168.1.7", distributed.DEFAULT_MASTER_PORT, "slurm")
+
+
+def test_slurm_port_follows_the_job_id_unless_given():
+    base = {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "MASTER_ADDR": "n1", "SLURM_JOB_ID": "123456"}
+    assert discover(base).master_port == 20000 + 123456 % 20000
+    assert discover(base | {"MASTER_PORT": "4321"}).master_port == 4321
+
+
+def test_slurm_tasks_per_node_uneven():
+    env = discover({"SLURM_PROCID": "4", "SLURM_NTASKS": "5", "SLURM_LOCALID": "0", "SLURM_NODEID": "2",
+                    "SLURM_TASKS_PER_NODE": "2(x2),1", "MASTER_ADDR": "n1"})
+    assert env.local_world_size == 1 and env.master_addr == "n1"
+
+
+def test_slurm_first_node_from_scontrol(tmp_path, monkeypatch):
+    # A stand-in scontrol on PATH: prints the expansion the real one would, and records its arguments.
+    log = tmp_path / "args"
+    fake = tmp_path / "scontrol"
+    fake.write_text(f"#!/bin/sh\necho \"$@\" > {log}\nprintf 'node7\\nnode8\\n'\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    env = discover({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0",
+                    "SLURM_JOB_NODELIST": "node[7-8]", "MASTER_PORT": "4000"})
+    assert env.master_addr == "node7" and env.master_port == 4000
+    assert log.read_text().split() == ["show", "hostnames", "node[7-8]"]
+
+
+def test_no_launcher_is_a_world_of_one():
+    assert discover({}) == DistEnv(0, 1, 0, 1, "127.0.0.1", distributed.DEFAULT_MASTER_PORT, "single")
+
+
+@pytest.mark.parametrize("environ, message", [
+    ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x' is not an integer"),
+    ({"RANK": "2", "WORLD_SIZE": "2"}, "rank 2 is outside 0..1"),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2"}, "set MASTER_ADDR"),
+])
+def test_bad_environments_are_refused_in_one_line(environ, message):
+    with pytest.raises(LaunchError, match=message) as info:
+        discover(environ)
+    assert "\n" not in str(info.value)
+
+
+def test_threads_are_shared_out_unless_omp_num_threads_is_set():
+    before = torch.get_num_threads()
+    try:
+        cores = len(os.sched_getaffinity(0))
+        env = DistEnv(0, 2, 0, 2, "127.0.0.1", 1, "deepspeed")
+        assert distributed.configure_threads(env, environ={}) == max(1, cores // 2)
+        torch.set_num_threads(1)
+        assert distributed.configure_threads(env, environ={"OMP_NUM_THREADS": "1"}) == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_collectives_work_without_a_process_group():
+    t = torch.tensor([1.0, 2.0])
+    assert distributed.all_reduce_sum(t) is t and t.tolist() == [1.0, 2.0]
+    assert distributed.any_rank(True) and not distributed.any_rank(False)
+    assert distributed.broadcast_object({"a": 1}) == {"a": 1}
+    assert distributed.gather_objects(3) == [3]
+
+
+def test_only_rank_zero_logs_info_unless_all_ranks():
+    main = distributed.setup_logging(DistEnv(0, 2, 0, 2, "h", 1, "torchrun"))
+    assert main.isEnabledFor(logging.INFO)
+    other = distributed.setup_logging(DistEnv(1, 2, 1, 2, "h", 1, "torchrun"))
+    assert not other.isEnabledFor(logging.INFO) and other.isEnabledFor(logging.WARNING)
+    loud = distributed.setup_logging(DistEnv(1, 2, 1, 2, "h", 1, "torchrun"), log_all_ranks=True)
+    assert loud.isEnabledFor(logging.INFO)
+    assert "[rank 1]" in loud.handlers[0].formatter._fmt
+
+
+def _start_up_fails_on_rank_1():
+    env = distributed.discover()
+    distributed.init_process_group(env)
+    try:
+        def check():
+            if env.rank == 1:
+                raise ValueError("rank 1's data file is corrupt")
+            return "ok"
+
+        distributed.together(check)
+        return "went on"
+    except LaunchError as e:
+        return f"LaunchError: {e}"
+    except ValueError as e:
+        return f"ValueError: {e}"
+    finally:
+        distributed.destroy_process_group()
+
+
+def test_a_start_up_failure_on_one_rank_stops_all_ranks():
+    from dist_helpers import run_ranks
+
+    rank0, rank1 = run_ranks(_start_up_fails_on_rank_1, 2)
+    assert rank0.startswith("LaunchError: another rank failed while starting")
+    assert rank1 == "ValueError: rank 1's data file is corrupt"

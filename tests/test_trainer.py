@@ -1,0 +1,236 @@
+"""The training loop on 2 real gloo ranks: exact resume (ZeRO 0-3, fp32 and bf16), elastic resume (2 -> 1 and
+1 -> 2 ranks), per-rank mems that match a one-process computation and reset at the wrap, refusals before
+training starts."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from dist_helpers import learnable_stream, run_ranks, tiny_config, train_jobs, write_corpus
+from txl_dist.checkpoint import CheckpointError, read_latest, read_run_info, rank_file
+from txl_dist.config import ConfigError, config_from_dict
+
+VOCAB = 64
+TRAIN_TOKENS = 4 * 49  # S = 4 streams of L = 49: 6 windows of tgt_len 8 per epoch
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("trainer") / "corpus"
+    return write_corpus(root, {"train": learnable_stream(TRAIN_TOKENS, VOCAB, 0),
+                               "valid": learnable_stream(80, VOCAB, 1), "test": learnable_stream(80, VOCAB, 2)},
+                        vocab_size=VOCAB)
+
+
+def _variant(corpus, ckpt, stage, bf16, **sections):
+    ds = {"zero_optimization": {"stage": stage}}
+    if bf16:
+        ds["bf16"] = {"enabled": True}
+    return tiny_config(corpus, ckpt, deepspeed=ds, **sections)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Exact resume
+
+
+def test_exact_resume_is_bitwise_for_zero_0_to_3_fp32_and_bf16(corpus, tmp_path):
+    n, k = 4, 2
+    jobs, names = [], []
+    for stage in (0, 1, 2, 3):
+        for bf16 in (False, True):
+            name = f"zero{stage}_{'bf16' if bf16 else 'fp32'}"
+            straight = _variant(corpus, tmp_path / name / "straight", stage, bf16, train={"max_steps": n})
+            first = _variant(corpus, tmp_path / name / "resumed", stage, bf16, train={"max_steps": n, "exit_step": k})
+            second = _variant(corpus, tmp_path / name / "resumed", stage, bf16, train={"max_steps": n})
+            jobs += [(straight, "none"), (first, "auto"), (second, "auto")]
+            names.append(name)
+    rank0, rank1 = run_ranks(train_jobs, 2, jobs, timeout=900)
+    for i, name in enumerate(names):
+        straight, first, second = rank0[3 * i: 3 * i + 3]
+        assert [r["code"] for r in (straight, first, second)] == [0, 0, 0], name
+        assert sorted(straight["losses"]) == list(range(1, n + 1)), name
+        assert sorted(first["losses"]) == list(range(1, k + 1)), name  # stopped at exit_step
+        assert sorted(second["losses"]) == list(range(k + 1, n + 1)), name  # continued, not restarted
+        resumed = {**first["losses"], **second["losses"]}
+        assert resumed == straight["losses"], f"{name}: {resumed} != {straight['losses']}"  # bitwise
+        assert second["tokens_seen"] == straight["tokens_seen"] == n * 4 * 8
+        # The loss is the mean over all ranks' tokens: rank 1 logged exactly rank 0's numbers.
+        assert rank1[3 * i]["losses"] == straight["losses"], name
+        # The run learns (so the equality above compares moving numbers); the LR schedule resumed too.
+        assert straight["losses"][n] != straight["losses"][1], name
+        lrs = [straight["metrics"][s]["train/lr"] for s in range(1, n + 1)]
+        assert [{**first["metrics"], **second["metrics"]}[s]["train/lr"] for s in range(1, n + 1)] == lrs, name
+        assert max(lrs) > 0, name
+        assert all(straight["metrics"][s]["train/grad_norm"] > 0 for s in range(1, n + 1)), name
+    ckpt = tmp_path / "zero2_bf16" / "resumed"
+    assert read_latest(ckpt) == "step_00000004"
+    info = read_run_info(ckpt / "step_00000004")
+    assert (info["step"], info["world_size"], info["zero_stage"], info["n_streams"]) == (4, 2, 2, 4)
+    assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_00000002", "step_00000004"]  # keep 2
+
+
+# ----------------------------------------------------------------------------------------------------
+# Elastic resume
+
+
+def test_elastic_resume_2_to_1_and_1_to_2_ranks_continues_the_loss(corpus, tmp_path):
+    n, k = 4, 2
+    common = dict(model={"dropout": 0.0}, deepspeed={"zero_optimization": {"stage": 2}})
+
+    def cfg(ckpt, **train):
+        return tiny_config(corpus, tmp_path / ckpt, train={"max_steps": n, **train}, **common)
+
+    two = run_ranks(train_jobs, 2, [(cfg("straight2"), "none"), (cfg("from2", exit_step=k), "none")])[0]
+    one = run_ranks(train_jobs, 1, [(cfg("from2"), "auto"), (cfg("straight1"), "none"),
+                               (cfg("from1", exit_step=k), "none")])[0]
+    back = run_ranks(train_jobs, 2, [(cfg("from1"), "auto")])[0]
+    straight2, _, resumed_on_1, straight1, _ = two + one
+    (resumed_on_2,) = back
+    assert resumed_on_1["code"] == resumed_on_2["code"] == 0
+    assert sorted(resumed_on_1["losses"]) == sorted(resumed_on_2["losses"]) == [3, 4]
+    for step in (3, 4):
+        np.testing.assert_allclose(resumed_on_1["losses"][step], straight2["losses"][step], rtol=1e-4)
+        np.testing.assert_allclose(resumed_on_2["losses"][step], straight1["losses"][step], rtol=1e-4)
+    # The loss does not depend on the world size (same streams, same weights): 1 and 2 ranks agree.
+    for step in range(1, n + 1):
+        np.testing.assert_allclose(straight1["losses"][step], straight2["losses"][step], rtol=1e-5)
+    # The ZeRO-2 shards went through DeepSpeed's universal checkpoint, made once, beside the tag.
+    assert (tmp_path / "from2" / "step_00000002_universal" / "zero").is_dir()
+    assert (tmp_path / "from1" / "step_00000002_universal" / "zero").is_dir()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Per-rank mems
+
+
+def _reference_mems(model, stream_tokens: np.ndarray, windows: list[int], tgt_len: int):
+    """Run the model over windows of the given streams (one batch), carrying mems; the final mems."""
+    mems = None
+    with torch.no_grad():
+        for w in windows:
+            x = torch.from_numpy(stream_tokens[:, w * tgt_len:(w + 1) * tgt_len])  # [n, T]
+            y = torch.from_numpy(stream_tokens[:, w * tgt_len + 1:(w + 1) * tgt_len + 1])  # [n, T]
+            mems = model(x, labels=y, mems=mems).mems
+    return mems
+
+
+def test_each_rank_holds_the_mems_of_its_own_streams_and_resets_them_at_the_wrap(corpus, tmp_path):
+    from txl_dist.model import TransformerXL
+    from txl_dist.trainer import resolve_model_config
+
+    ckpt = tmp_path / "ckpt"
+    # lr 0 and no dropout: the weights stay those of step 0 and the mems are a function of the tokens.
+    sections = dict(model={"dropout": 0.0},
+                    deepspeed={"optimizer": {"type": "AdamW", "params": {"lr": 0.0, "torch_adam": True}}})
+    at_6 = tiny_config(corpus, ckpt, train={"max_steps": 8, "exit_step": 6}, **sections)
+    at_7 = tiny_config(corpus, ckpt, train={"max_steps": 8, "exit_step": 7}, **sections)
+    run_ranks(train_jobs, 2, [(at_6, "none"), (at_7, "auto")])
+
+    cfg = resolve_model_config(config_from_dict(at_6), VOCAB, str(corpus))
+    model = TransformerXL(cfg.model)
+    weights = torch.load(ckpt / "step_00000006" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    model.load_state_dict(weights)
+    model.eval()
+    tokens = _train_tokens(corpus)
+    L, T = TRAIN_TOKENS // 4, cfg.model.tgt_len
+    streams = tokens[:4 * L].reshape(4, L)  # [S, L]
+    assert (L - 1) // T == 6  # windows per epoch: step 7 starts epoch 1
+
+    for rank, own in ((0, [0, 1]), (1, [2, 3])):
+        saved_6 = torch.load(rank_file(ckpt / "step_00000006", rank), weights_only=True)["mems"]["mems"]
+        saved_7 = torch.load(rank_file(ckpt / "step_00000007", rank), weights_only=True)["mems"]["mems"]
+        assert sorted(saved_6) == sorted(saved_7) == own  # a rank keeps its own streams, keyed globally
+        carried = _reference_mems(model, streams[own], [0, 1, 2, 3, 4, 5], T)  # this rank's streams alone
+        fresh = _reference_mems(model, streams[own], [0], T)  # epoch 1, window 0, empty memory
+        continued = _reference_mems(model, streams[own], [0, 1, 2, 3, 4, 5, 0], T)  # what no reset would give
+        for layer in range(cfg.model.n_layer):
+            for j, s in enumerate(own):
+                torch.testing.assert_close(saved_6[s][layer], carried[layer][j], rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(saved_7[s][layer], fresh[layer][j], rtol=1e-5, atol=1e-5)
+                assert saved_7[s][layer].shape[0] == T  # only the new window: mem_len 8 = T
+                if layer > 0:  # mems[0] is the embedding output: the same with or without context
+                    assert not torch.allclose(saved_7[s][layer], continued[layer][j], atol=1e-3)
+
+
+def _train_tokens(corpus) -> np.ndarray:
+    from txl_dist.data import StreamLoader
+
+    with StreamLoader(corpus, "train", rank=0, world_size=1, n_streams=1, micro_batch=1, tgt_len=8) as loader:
+        return np.asarray(loader.reader.read(0, TRAIN_TOKENS), dtype=np.int64)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Refused before training starts (no process group, no engine: the checks come first)
+
+
+def _env(world_size=1):
+    from txl_dist.distributed import DistEnv
+
+    return DistEnv(0, world_size, 0, world_size, "127.0.0.1", 1, "single")
+
+
+def _fake_checkpoint(ckpt, corpus, **changes):
+    """A tag whose run.json is a real one from this corpus with some fields changed."""
+    from txl_dist.data import read_manifest
+
+    m = read_manifest(corpus)
+    cfg = config_from_dict(tiny_config(corpus, ckpt))
+    tag = ckpt / "step_00000002"
+    (tag / "txl_state").mkdir(parents=True)
+    cfg_dict = cfg.to_dict()
+    cfg_dict["model"]["vocab_size"] = VOCAB
+    info = {"version": 1, "tag": tag.name, "step": 2, "tokens_seen": 64, "n_streams": 4, "stream_len": 49,
+            "world_size": 2, "zero_stage": 0, "config_digest": cfg.digest(), "config": cfg_dict,
+            "manifest_digest": m.digest(), "tokenizer_sha256": m.tokenizer.sha256, "vocab_size": VOCAB,
+            "mlflow_run_id": None}
+    info.update(changes)
+    (tag / "txl_state" / "run.json").write_text(json.dumps(info))
+    (ckpt / "latest").write_text(tag.name + "\n")
+    return ckpt
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"tokenizer_sha256": "0" * 64}, "prepared with another tokenizer"),
+    ({"manifest_digest": "f" * 64}, "the prepared data differs"),
+    ({"n_streams": 8}, "train_batch_size .the number of streams. is 4, the checkpoint has 8"),
+    ({"zero_stage": 2}, "ZeRO stage 0 differs from the checkpoint's 2"),
+])
+def test_resume_from_an_incompatible_checkpoint_is_refused(corpus, tmp_path, changes, message):
+    from txl_dist import trainer
+
+    ckpt = _fake_checkpoint(tmp_path / "ckpt", corpus, **changes)
+    with pytest.raises(CheckpointError, match=message) as info:
+        trainer.build(config_from_dict(tiny_config(corpus, ckpt)), _env(), resume="auto")
+    assert "\n" not in str(info.value)
+
+
+def test_changed_model_settings_are_refused_on_resume(corpus, tmp_path):
+    from txl_dist import trainer
+
+    ckpt = _fake_checkpoint(tmp_path / "ckpt", corpus)
+    raw = tiny_config(corpus, ckpt, model={"d_inner": 128})
+    with pytest.raises(CheckpointError, match="model settings differ: model.d_inner"):
+        trainer.build(config_from_dict(raw), _env(), resume="auto")
+
+
+@pytest.mark.parametrize("world_size, sections, error, message", [
+    (3, {}, ConfigError, "4 streams cannot be split over 3 ranks"),
+    (1, {"model": {"vocab_size": 100}}, ConfigError, "model.vocab_size: 100 differs from the tokenizer"),
+    (1, {"model": {"cutoffs": [80]}}, ConfigError, "every cutoff must be below vocab_size 64"),
+])
+def test_layout_and_vocabulary_mismatches_are_refused(corpus, tmp_path, world_size, sections, error, message):
+    from txl_dist import trainer
+
+    raw = tiny_config(corpus, tmp_path / "ckpt", **sections)
+    with pytest.raises(error, match=message):
+        trainer.build(config_from_dict(raw), _env(world_size), resume="none")
+
+
+def test_resume_path_that_is_no_checkpoint_is_refused(corpus, tmp_path):
+    from txl_dist import trainer
+
+    with pytest.raises(CheckpointError, match="not a checkpoint folder"):
+        trainer.build(config_from_dict(tiny_config(corpus, tmp_path / "ckpt")), _env(), resume=str(tmp_path))

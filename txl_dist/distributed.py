@@ -1,0 +1,250 @@
+"""Who am I in the job: rank and world discovery for the deepspeed launcher, torchrun and srun; the process
+group; the few collectives the trainer needs; CPU threads per rank; rank-0-only logging.
+
+No deepspeed here (ARCHITECTURE.md): deepspeed.initialize finds the process group already initialized.
+Every collective helper also works with a world of one and no process group.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import subprocess
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_MASTER_PORT = 29500
+LOGGER_NAME = "txl_dist"
+T = TypeVar("T")
+
+
+class LaunchError(RuntimeError):
+    """The environment does not describe a usable job; the message names the variable and the fix."""
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """This process's place in the job, read from the launcher's environment."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    launcher: str
+    """'torchrun', 'deepspeed' (both set RANK/WORLD_SIZE/LOCAL_RANK), 'slurm' (srun) or 'single'."""
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the one that prints, logs to MLflow and writes shared files."""
+        return self.rank == 0
+
+
+def discover(environ: Mapping[str, str] | None = None) -> DistEnv:
+    """Read rank, world size and rendezvous address from the launcher's environment variables.
+
+    torchrun and the deepspeed launcher set RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT (torchrun:
+    LOCAL_WORLD_SIZE, deepspeed: LOCAL_SIZE). Under srun they are taken from SLURM_PROCID/SLURM_NTASKS/
+    SLURM_LOCALID; the address from SLURM_LAUNCH_NODE_IPADDR, else the first node of SLURM_JOB_NODELIST
+    (`scontrol show hostnames`); the port from MASTER_PORT, else 20000 + SLURM_JOB_ID % 20000. No
+    launcher at all: a world of one on 127.0.0.1.
+    """
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        launcher = "deepspeed" if "LOCAL_SIZE" in env and "LOCAL_WORLD_SIZE" not in env else "torchrun"
+        rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
+        local_rank = _int(env, "LOCAL_RANK", default=rank)
+        local_world = _int(env, "LOCAL_WORLD_SIZE", default=_int(env, "LOCAL_SIZE", default=world))
+        addr = env.get("MASTER_ADDR", "127.0.0.1")
+    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        launcher = "slurm"
+        rank, world = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS")
+        local_rank = _int(env, "SLURM_LOCALID", default=0)
+        local_world = _slurm_tasks_on_this_node(env)
+        addr = env.get("MASTER_ADDR") or env.get("SLURM_LAUNCH_NODE_IPADDR") or _first_slurm_node(env)
+    else:
+        launcher, rank, world, local_rank, local_world, addr = "single", 0, 1, 0, 1, "127.0.0.1"
+        addr = env.get("MASTER_ADDR", addr)
+    # Under Slurm, jobs sharing a node need distinct ports: derive one from the job id unless given.
+    default_port = DEFAULT_MASTER_PORT
+    if launcher == "slurm" and env.get("SLURM_JOB_ID", "").isdigit():
+        default_port = 20000 + int(env["SLURM_JOB_ID"]) % 20000
+    port = _int(env, "MASTER_PORT", default=default_port)
+    if not 0 <= rank < world:
+        raise LaunchError(f"rank {rank} is outside 0..{world - 1} (world size {world}); check the launcher's variables")
+    if not 0 <= local_rank < local_world:
+        raise LaunchError(f"local rank {local_rank} is outside 0..{local_world - 1}; check LOCAL_RANK / SLURM_LOCALID")
+    return DistEnv(rank, world, local_rank, local_world, addr, port, launcher)
+
+
+def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
+    value = env.get(name)
+    if value is None:
+        if default is None:
+            raise LaunchError(f"{name} is not set; start the job with deepspeed, torchrun or srun")
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise LaunchError(f"{name}={value!r} is not an integer") from None
+
+
+def _slurm_tasks_on_this_node(env: Mapping[str, str]) -> int:
+    """Tasks on this node: SLURM_NTASKS_PER_NODE, else this node's entry of SLURM_TASKS_PER_NODE ('2(x3),1')."""
+    if "SLURM_NTASKS_PER_NODE" in env:
+        return _int(env, "SLURM_NTASKS_PER_NODE")
+    spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    if not spec:
+        return 1
+    counts: list[int] = []
+    for part in spec.split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not m:
+            raise LaunchError(f"SLURM_TASKS_PER_NODE={spec!r}: cannot parse '{part}'")
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    node = _int(env, "SLURM_NODEID", default=0)
+    return counts[node] if node < len(counts) else counts[-1]
+
+
+def _first_slurm_node(env: Mapping[str, str]) -> str:
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if not nodelist:
+        raise LaunchError("under srun without SLURM_LAUNCH_NODE_IPADDR or SLURM_JOB_NODELIST: set MASTER_ADDR")
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                             check=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise LaunchError(f"`scontrol show hostnames {nodelist}` failed ({e}); set MASTER_ADDR") from None
+    hosts = out.split()
+    if not hosts:
+        raise LaunchError(f"`scontrol show hostnames {nodelist}` printed no host; set MASTER_ADDR")
+    return hosts[0]
+
+
+def export(env: DistEnv) -> None:
+    """Put the job's coordinates into os.environ in the names torch.distributed and DeepSpeed read."""
+    os.environ.update({
+        "RANK": str(env.rank), "WORLD_SIZE": str(env.world_size), "LOCAL_RANK": str(env.local_rank),
+        "LOCAL_WORLD_SIZE": str(env.local_world_size), "MASTER_ADDR": env.master_addr,
+        "MASTER_PORT": str(env.master_port),
+    })
+
+
+def configure_threads(env: DistEnv, environ: Mapping[str, str] | None = None) -> int:
+    """Threads per rank = this machine's cores / local ranks, unless OMP_NUM_THREADS says otherwise.
+
+    The deepspeed launcher does not set OMP_NUM_THREADS; 2 threads per rank on 2 cores ran ~7x slower
+    (FACTS.md), so the cores are shared out here. Returns the thread count in use.
+    """
+    environ = os.environ if environ is None else environ
+    if "OMP_NUM_THREADS" not in environ:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        torch.set_num_threads(max(1, cores // env.local_world_size))
+    return torch.get_num_threads()
+
+
+def device_for(env: DistEnv) -> torch.device:
+    """cuda:<local rank> when CUDA is there, else the CPU."""
+    return torch.device("cuda", env.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def init_process_group(env: DistEnv, timeout_s: float = 1800.0) -> None:
+    """Join the job's process group (gloo on CPU, nccl on CUDA); a no-op when already initialized."""
+    if dist.is_initialized():
+        return
+    export(env)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(env.local_rank)
+    dist.init_process_group(backend, init_method="env://", rank=env.rank, world_size=env.world_size,
+                            timeout=timedelta(seconds=timeout_s))
+
+
+def destroy_process_group() -> None:
+    """Leave the process group (at the end of main, so a process can exit or start another job)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _active() -> bool:
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks, in place; returns the tensor."""
+    if _active():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def any_rank(flag: bool, device: torch.device | str = "cpu") -> bool:
+    """True on every rank when `flag` is true on at least one (all ranks must call it)."""
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)  # [1]
+    if _active():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """`obj` of rank `src` on every rank (picklable objects only)."""
+    if not _active():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's `obj`, in rank order, on every rank."""
+    if not _active():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def together(fn: Callable[[], T]) -> T:
+    """Run `fn` on every rank; if it raises on any rank, raise on all of them (collective).
+
+    The rank that failed raises its own error; the others raise LaunchError. So no rank goes on into a
+    collective that a failed rank will never join (and waits there until the timeout).
+    """
+    error: Exception | None = None
+    try:
+        result = fn()
+    except Exception as e:  # re-raised below, after the ranks agree
+        error = e
+    if any_rank(error is not None):
+        if error is not None:
+            raise error
+        raise LaunchError("another rank failed while starting (its message says why); stopping this one too")
+    return result
+
+
+def barrier() -> None:
+    """Wait for every rank."""
+    if _active():
+        dist.barrier()
+
+
+def setup_logging(env: DistEnv, log_all_ranks: bool = False, level: int = logging.INFO) -> logging.Logger:
+    """The project's logger: rank 0 prints (others only warnings and errors) unless log_all_ranks.
+
+    DeepSpeed's own INFO chatter is muted to warnings on every rank: the progress lines are ours.
+    """
+    logger = logging.getLogger(LOGGER_NAME)
+    logger.handlers.clear()
+    handler = logging.StreamHandler()
+    prefix = f"[rank {env.rank}] " if log_all_ranks and env.world_size > 1 else ""
+    handler.setFormatter(logging.Formatter(f"%(asctime)s {prefix}%(message)s", datefmt="%H:%M:%S"))
+    logger.addHandler(handler)
+    logger.propagate = False
+    logger.setLevel(level if env.is_main or log_all_ranks else logging.WARNING)
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    return logger

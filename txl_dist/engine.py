@@ -1,0 +1,136 @@
+"""The DeepSpeed engine: the only call to deepspeed.initialize in the project.
+
+What the engine owns: ZeRO stages 0-3 (stage 3 builds the model inside deepspeed.zero.Init), bf16 / fp16 /
+fp32 (the engine casts the model; mems then travel in the model's dtype), activation checkpointing of the
+Transformer-XL layers with deepspeed.checkpointing.checkpoint, gradient accumulation (derived from the world
+size), gradient clipping, the LR schedule and the optimizer, all from the config's deepspeed section.
+
+The optimizer: `"type": "AdamW"` with `"torch_adam": true` in its params makes DeepSpeed 0.19.8 build
+torch.optim.AdamW (engine.get_optimizer_configuration checks torch_adam before anything else), which needs
+no JIT op build; it also serves ZeRO-Offload (`offload_optimizer.device: cpu`) because a config-built
+optimizer skips the client-optimizer check. Without torch_adam DeepSpeed picks FusedAdam (a ~50 s JIT
+build on CPU) or, with offload, DeepSpeedCPUAdam (~57 s build, faster steps on big models).
+
+fp16 on a CPU: DeepSpeed refuses it ("Type fp16 is not supported on your device") unless oneDNN has fp16
+kernels (torch.ops.mkldnn._is_mkldnn_fp16_supported(), AVX512-FP16/AMX-FP16); bf16 is the CPU's fast path.
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import deepspeed
+import torch
+from deepspeed.accelerator import get_accelerator
+from torch import nn
+
+from .config import RunConfig
+
+# Schedulers of DeepSpeed whose params include total_num_steps (WarmupLR has none).
+_SCHEDULERS_WITH_TOTAL = ("WarmupDecayLR", "WarmupCosineLR")
+
+
+def deepspeed_config(cfg: RunConfig, world_size: int, *, load_universal: bool = False) -> dict[str, Any]:
+    """The deepspeed section as handed to deepspeed.initialize for this world size.
+
+    gradient_accumulation_steps = S / (micro batch * W); the scheduler's total_num_steps follows
+    train.max_steps when left out; `load_universal` makes load_checkpoint read a universal checkpoint
+    (elastic resume), which DeepSpeed must know before initialize.
+    """
+    ds = cfg.deepspeed_config(world_size)
+    sched = ds.get("scheduler")
+    if sched is not None and sched.get("type") in _SCHEDULERS_WITH_TOTAL:
+        sched.setdefault("params", {}).setdefault("total_num_steps", cfg.train.max_steps)
+    if load_universal:
+        ds.setdefault("checkpoint", {})["load_universal"] = True
+    return ds
+
+
+def zero_stage(ds_config: dict[str, Any]) -> int:
+    """The ZeRO stage of a deepspeed config (0 when absent)."""
+    return int(ds_config.get("zero_optimization", {}).get("stage", 0))
+
+
+def model_dtype(ds_config: dict[str, Any]) -> torch.dtype:
+    """The dtype the engine casts the model to (and so the dtype of the mems)."""
+    if ds_config.get("bf16", {}).get("enabled"):
+        return torch.bfloat16
+    if ds_config.get("fp16", {}).get("enabled"):
+        return torch.float16
+    return torch.float32
+
+
+def build_engine(model_fn: Callable[[], nn.Module], ds_config: dict[str, Any], *, seed: int):
+    """Build the model (seeded: the same weights on every rank and every world size) and its engine.
+
+    `model_fn()` returns the model; under ZeRO-3 it runs inside deepspeed.zero.Init so that no rank ever
+    holds all the weights. Returns the DeepSpeedEngine (`engine(...)`, `engine.backward`, `engine.step`).
+    """
+    skip_shm_comm_build()
+    # DeepSpeed's ZeRO calls these torch collectives at every step; the deprecation is theirs to fix and
+    # would print twice per step and rank.
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+    # DeepSpeed's comm layer must know the process group before zero.Init reads the world size from it
+    # (otherwise it sees a world of one and refuses the batch layout).
+    deepspeed.init_distributed()
+    ds_config = copy.deepcopy(ds_config)  # deepspeed.initialize pops keys from it
+    torch.manual_seed(seed)
+    if zero_stage(ds_config) == 3:
+        with deepspeed.zero.Init(config_dict_or_path=ds_config):
+            model = model_fn()
+        # zero.Init partitions each submodule's weights as soon as that submodule is built, so the
+        # initialization a parent runs at the end of its __init__ (TransformerXL.reset_parameters) drew
+        # nothing into the partitions, and the RNG is not where it would be without zero.Init. Initialize
+        # again on the gathered weights from a reseeded RNG (one full gather, once, at start-up).
+        with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
+            _reinitialize(model, seed)
+    else:
+        model = model_fn()
+        _reinitialize(model, seed)  # the same draws as under ZeRO-3: weights depend on the seed alone
+    if "activation_checkpointing" in ds_config:
+        deepspeed.checkpointing.configure(None, deepspeed_config=ds_config)
+        model.set_activation_checkpointing(deepspeed.checkpointing.checkpoint)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    return engine
+
+
+def _reinitialize(model: nn.Module, seed: int) -> None:
+    if hasattr(model, "reset_parameters"):
+        torch.manual_seed(seed)
+        model.reset_parameters()
+
+
+def global_grad_norm(engine) -> float | None:
+    """The 2-norm of the whole (data-parallel averaged) gradient, before clipping.
+
+    DeepSpeed reports it after engine.step() at ZeRO 1-3 and under its bf16/fp16 optimizers; a plain
+    fp32 stage-0 engine reports None (FACTS.md). There the gradients are complete and identical on every
+    rank once the last micro batch's backward has run, so call this BEFORE engine.step(): it computes the
+    norm itself when DeepSpeed will not, and returns None when DeepSpeed will (read it after the step with
+    engine.get_global_grad_norm()).
+    """
+    if engine.zero_optimization_stage() > 0 or engine.bfloat16_enabled() or engine.fp16_enabled():
+        return None
+    grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+    if not grads:
+        return None
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
+
+
+def skip_shm_comm_build() -> None:
+    """Do not JIT-build DeepSpeed's shared-memory comm op on CPU (58 s to minutes on a fresh machine).
+
+    DeepSpeed 0.19.8 builds `deepspeed_shm_comm` in TorchBackend.__init__ whenever the op is marked
+    compatible, but only inference_all_reduce (tensor-parallel inference) uses it; training collectives
+    go to gloo. There is no environment switch; deepspeed.ops keeps its compatibility table in one module
+    dict that later lookups read (its own comment says edits persist), so marking the op incompatible
+    there makes build_shm_op return None. Must run before the first deepspeed.init_distributed.
+    """
+    if get_accelerator().device_name() != "cpu":
+        return
+    import deepspeed.ops
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
+    deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False

@@ -1,0 +1,111 @@
+"""Distributed perplexity with long memory (the paper's evaluation).
+
+Evaluation has its own tgt_len, mem_len, clamp_len and same_length; they are set on the model for the
+evaluation and restored after. The split is cut into eval.n_streams streams (default: one per rank); each
+rank evaluates its contiguous block of them, all its streams in one batch, carrying their mems from segment
+to segment, and predicts every token of each stream except the first exactly once (partial last window).
+Sums of NLL and token counts are all-reduced in float64, so the numbers depend on the number of streams,
+not on the world size.
+
+Bits per byte / per character convert the per-token loss with the split's token/byte and token/char
+ratios from the manifest (n_tokens / n_bytes): the cost of the whole text at the model's per-token rate.
+"""
+from __future__ import annotations
+
+import math
+import os
+from contextlib import contextmanager
+from typing import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from . import distributed
+from .config import EvalConfig
+from .data import StreamLoader
+from .memory import MemoryBank
+
+
+class Evaluator:
+    """Evaluates a model on any split of one corpus; builds (and verifies) each split's loader once."""
+
+    def __init__(self, corpus_dir: str | os.PathLike, eval_cfg: EvalConfig, *, rank: int, world_size: int,
+                 n_streams: int, device: torch.device | str = "cpu", splits: Iterable[str] = ()):
+        """`splits` are opened (and verified) now, so that a split too short for the evaluation's streams
+        fails the start of a run, not its first evaluation hours later; others open on first use."""
+        if n_streams % world_size:
+            raise ValueError(f"eval streams: {n_streams} cannot be split over {world_size} ranks; "
+                             f"use a multiple of {world_size} (eval.n_streams)")
+        self.corpus_dir, self.cfg = corpus_dir, eval_cfg
+        self.rank, self.world_size, self.n_streams = rank, world_size, n_streams
+        self.device = torch.device(device)
+        self._loaders: dict[str, tuple[StreamLoader, dict]] = {}
+        for split in splits:
+            self._loader(split)
+
+    def _loader(self, split: str) -> StreamLoader:
+        if split not in self._loaders:
+            loader = StreamLoader(self.corpus_dir, split, rank=self.rank, world_size=self.world_size,
+                                  n_streams=self.n_streams, micro_batch=self.n_streams // self.world_size,
+                                  tgt_len=self.cfg.tgt_len, epochs=1, partial_last=True)
+            self._loaders[split] = (loader, loader.state_dict())
+        loader, start = self._loaders[split]
+        loader.load_state_dict(start)  # every evaluation reads the split from its beginning
+        return loader
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, split: str) -> dict[str, float]:
+        """loss, perplexity, bits per token/byte/char and the token count, the same on every rank (collective)."""
+        loader = self._loader(split)
+        bank = MemoryBank()
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # [nll sum, tokens]
+        with eval_settings(model, self.cfg):
+            for segment, mb in enumerate(loader):
+                if self.cfg.max_segments is not None and segment >= self.cfg.max_segments:
+                    break
+                input_ids = torch.from_numpy(mb.input_ids).to(self.device)  # [n, T]
+                labels = torch.from_numpy(mb.labels).to(self.device)  # [n, T]
+                out = model(input_ids, labels=labels, mems=bank.get(mb.stream_ids, mb.reset))
+                bank.put(mb.stream_ids, out.mems)
+                sums[0] += out.nll.double().sum()
+                sums[1] += out.nll.numel()
+        distributed.all_reduce_sum(sums)
+        nll, tokens = sums.tolist()
+        split_info = loader.manifest.splits[split]
+        return summarize(nll, int(tokens), n_tokens=split_info.n_tokens, n_bytes=split_info.n_bytes,
+                         n_chars=split_info.n_chars)
+
+    def close(self) -> None:
+        """Unmap the splits' files."""
+        for loader, _ in self._loaders.values():
+            loader.close()
+        self._loaders.clear()
+
+
+def summarize(nll_sum: float, tokens: int, *, n_tokens: int, n_bytes: int, n_chars: int) -> dict[str, float]:
+    """The evaluation numbers from a sum of NLL (nats) over `tokens` predicted tokens."""
+    if tokens <= 0:
+        raise ValueError("evaluation predicted no token; the split is too short for its eval streams")
+    loss = nll_sum / tokens
+    bits = loss / math.log(2)
+    return {
+        "loss": loss,
+        "perplexity": math.exp(min(loss, 700.0)),  # exp overflows a float past ~709
+        "bits_per_token": bits,
+        "bits_per_byte": bits * n_tokens / n_bytes if n_bytes else float("nan"),
+        "bits_per_char": bits * n_tokens / n_chars if n_chars else float("nan"),
+        "tokens": float(tokens),
+    }
+
+
+@contextmanager
+def eval_settings(model: nn.Module, cfg: EvalConfig) -> Iterator[None]:
+    """The model in eval mode with the evaluation's mem_len, clamp_len and same_length; restored after."""
+    saved = (model.mem_len, model.clamp_len, model.same_length, model.training)
+    model.mem_len, model.clamp_len, model.same_length = cfg.mem_len, cfg.clamp_len, cfg.same_length
+    model.eval()
+    try:
+        yield
+    finally:
+        model.mem_len, model.clamp_len, model.same_length = saved[:3]
+        model.train(saved[3])
