@@ -136,33 +136,10 @@ def learnable_stream(n_tokens: int, vocab_size: int, seed: int) -> "np.ndarray":
 
 def write_corpus(root: Path, splits: dict, vocab_size: int = 64, layout=(2, 4)) -> Path:
     """A prepared corpus folder (manifest, tokenizer file, Arrow files) through the public format API."""
-    from txl_dist.data import (ArrowTokenWriter, FileEntry, Layout, Manifest, SplitEntry, TokenizerEntry,
-                               file_boundaries, token_dtype, write_manifest)
-    from txl_dist.data.format import sha256_file
+    from corpus_helpers import make_corpus
+    from txl_dist.data import Layout
 
-    root.mkdir(parents=True, exist_ok=True)
-    # The loader checks the tokenizer file's sha256 only; training never opens it.
-    (root / "tokenizer.model").write_bytes(b"test tokenizer " + str(vocab_size).encode())
-    dtype = token_dtype(vocab_size)
-    entries = {}
-    for name, tokens in splits.items():
-        (root / name).mkdir(exist_ok=True)
-        cuts = file_boundaries(len(tokens), Layout(*layout))
-        files = []
-        for k, (a, b) in enumerate(zip(cuts, cuts[1:])):
-            rel = f"{name}/{k:05d}.arrow"
-            with ArrowTokenWriter(root / rel, dtype) as w:
-                w.write(tokens[a:b])
-            n, sha = w.close()
-            files.append(FileEntry(path=rel, first_token=a, n_tokens=n, sha256=sha))
-        entries[name] = SplitEntry(n_tokens=len(tokens), n_documents=int((tokens == 3).sum()),
-                                   n_bytes=6 * len(tokens), n_chars=5 * len(tokens), layout=Layout(*layout),
-                                   files=files)
-    tok = TokenizerEntry(file="tokenizer.model", sha256=sha256_file(root / "tokenizer.model"),
-                         vocab_size=vocab_size, model_type="unigram", eod_id=3, unk_id=0, bos_id=-1, pad_id=-1)
-    write_manifest(root, Manifest(tokenizer=tok, dtype=dtype, splits=entries,
-                                  provenance={"created": "2025-01-01T00:00:00Z", "tool": "tests"}))
-    return root
+    return make_corpus(root, splits, Layout(*layout), vocab_size, bytes_per_token=6, chars_per_token=5)
 
 
 def tiny_config(corpus: Path, ckpt_dir: Path, **sections) -> dict:

@@ -1,7 +1,6 @@
 """The corpus format (txl_dist.data.format): manifest round trip, rank arithmetic, Arrow files, refusals.
 
-`make_corpus` is also used by the loader tests: it writes a real corpus folder from a synthetic token
-stream with the format's own writer (no tokenizer needed: the format treats tokenizer.model as bytes).
+Corpora come from corpus_helpers.make_corpus: a synthetic token stream through the format's own writer.
 """
 from __future__ import annotations
 
@@ -32,50 +31,7 @@ from txl_dist.data.format import (
     write_manifest,
 )
 
-EOD = 3
-
-
-def synthetic_stream(n_tokens: int, vocab_size: int = 1000, seed: int = 0, mean_doc: int = 40) -> np.ndarray:
-    """Random ids in [4, vocab) cut into documents, each ending with EOD (the stream ends with one)."""
-    rng = np.random.default_rng(seed)
-    tokens = rng.integers(4, vocab_size, size=n_tokens)
-    tokens[rng.random(n_tokens) < 1 / mean_doc] = EOD
-    tokens[-1] = EOD
-    return tokens
-
-
-def make_corpus(root: Path, splits: dict[str, np.ndarray], layout: Layout = Layout(2, 8), vocab_size: int = 1000,
-                batch_tokens: int | None = None) -> Path:
-    """Write a corpus folder: files cut by file_boundaries(layout), record batches of batch_tokens."""
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "tokenizer.model").write_bytes(b"stand-in for a SentencePiece model " + str(vocab_size).encode())
-    dtype = token_dtype(vocab_size)
-    entries = {}
-    for name, tokens in splits.items():
-        (root / name).mkdir(exist_ok=True)
-        cuts = file_boundaries(len(tokens), layout)
-        files = []
-        for k, (a, b) in enumerate(zip(cuts, cuts[1:])):
-            rel = f"{name}/{k:05d}.arrow"
-            step = batch_tokens or (b - a)
-            with ArrowTokenWriter(root / rel, dtype) as w:
-                for s in range(a, b, step):
-                    w.write(tokens[s:min(b, s + step)])
-            n, sha = w.close()
-            files.append(FileEntry(path=rel, first_token=a, n_tokens=n, sha256=sha))
-        entries[name] = SplitEntry(n_tokens=len(tokens), n_documents=int(np.sum(tokens == EOD)),
-                                   n_bytes=5 * len(tokens), n_chars=4 * len(tokens), layout=layout, files=files)
-    tok = TokenizerEntry(file="tokenizer.model", sha256=sha256_file(root / "tokenizer.model"), vocab_size=vocab_size,
-                         model_type="unigram", eod_id=EOD, unk_id=0, bos_id=-1, pad_id=-1)
-    write_manifest(root, Manifest(tokenizer=tok, dtype=dtype, splits=entries,
-                                  provenance={"created": "2025-01-01T00:00:00Z", "tool": "test"}))
-    return root
-
-
-def _edit_manifest(root: Path, edit) -> None:
-    d = json.loads((root / "manifest.json").read_text())
-    edit(d)
-    (root / "manifest.json").write_text(json.dumps(d))
+from corpus_helpers import EOD, edit_manifest, flip_bytes, make_corpus, synthetic_stream
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -125,7 +81,7 @@ def test_token_dtype_and_int32_files(tmp_path):
 ])
 def test_manifest_schema_errors_name_the_file(tmp_path, edit, message):
     root = make_corpus(tmp_path / "c", {"train": synthetic_stream(1003)})
-    _edit_manifest(root, edit)
+    edit_manifest(root, edit)
     with pytest.raises(CorpusError, match=message) as e:
         read_manifest(root)
     assert str(root / "manifest.json") in str(e.value) and "\n" not in str(e.value)
@@ -134,7 +90,7 @@ def test_manifest_schema_errors_name_the_file(tmp_path, edit, message):
 @pytest.mark.parametrize("bad", ["../x.arrow", "train/../../x.arrow", "/tmp/x.arrow", "C:\\x.arrow"])
 def test_path_outside_the_folder_is_refused(tmp_path, bad):
     root = make_corpus(tmp_path / "c", {"train": synthetic_stream(1003)})
-    _edit_manifest(root, lambda d: d["splits"]["train"]["files"][0].update(path=bad))
+    edit_manifest(root, lambda d: d["splits"]["train"]["files"][0].update(path=bad))
     with pytest.raises(CorpusError, match="manifest.json") as e:
         read_manifest(root)
     assert bad in str(e.value)
@@ -270,17 +226,10 @@ def test_verify_corpus_stats(tmp_path):
     assert stats["splits"]["test"]["n_files"] == 2
 
 
-def _flip_bytes(path: Path) -> None:
-    data = bytearray(path.read_bytes())
-    mid = len(data) // 2
-    data[mid:mid + 4] = bytes(b ^ 0xFF for b in data[mid:mid + 4])
-    path.write_bytes(bytes(data))
-
-
 def test_corrupt_file_is_refused(tmp_path):
     root = make_corpus(tmp_path / "c", {"train": synthetic_stream(1003)})
     bad = root / "train" / "00001.arrow"
-    _flip_bytes(bad)
+    flip_bytes(bad)
     with pytest.raises(CorpusError, match="differs from the manifest") as e:
         verify_corpus(root)
     assert str(bad) in str(e.value)
@@ -311,7 +260,7 @@ def test_missing_file_and_wrong_count_are_refused(tmp_path):
 
     def swap(d):
         d["splits"]["train"]["files"][1]["sha256"] = sha256_file(root / "train" / "00001.arrow")
-    _edit_manifest(root, swap)
+    edit_manifest(root, swap)
     with pytest.raises(CorpusError, match="00001.arrow: holds 3 tokens, the manifest says 500"):
         verify_corpus(root)
 

@@ -90,7 +90,19 @@ def test_collectives_work_without_a_process_group():
     assert distributed.gather_objects(3) == [3]
 
 
-def test_only_rank_zero_logs_info_unless_all_ranks():
+@pytest.fixture
+def restore_logging():
+    """setup_logging configures process-wide loggers; put them back for the tests that follow."""
+    loggers = [logging.getLogger(distributed.LOGGER_NAME), logging.getLogger("DeepSpeed")]
+    saved = [(lg.handlers[:], lg.level, lg.propagate) for lg in loggers]
+    yield
+    for lg, (handlers, level, propagate) in zip(loggers, saved):
+        lg.handlers[:] = handlers
+        lg.setLevel(level)
+        lg.propagate = propagate
+
+
+def test_only_rank_zero_logs_info_unless_all_ranks(restore_logging):
     main = distributed.setup_logging(DistEnv(0, 2, 0, 2, "h", 1, "torchrun"))
     assert main.isEnabledFor(logging.INFO)
     other = distributed.setup_logging(DistEnv(1, 2, 1, 2, "h", 1, "torchrun"))

@@ -11,7 +11,7 @@ import os
 
 import numpy as np
 import pytest
-from test_data_format import _edit_manifest, _flip_bytes, make_corpus, synthetic_stream
+from corpus_helpers import edit_manifest, flip_bytes, make_corpus, synthetic_stream
 
 from txl_dist.data import CorpusError, Layout, StreamLoader
 
@@ -259,7 +259,7 @@ def test_bad_files_are_refused_at_open_naming_the_file(tmp_path):
     tokens = synthetic_stream(N_TOKENS, seed=3)
     root = make_corpus(tmp_path / "c", {"train": tokens}, layout=Layout(2, 8))
     rank1 = root / "train" / "00001.arrow"
-    _flip_bytes(rank1)
+    flip_bytes(rank1)
     with pytest.raises(CorpusError, match=f"{rank1}: sha256 .* corrupt"):
         loader(root, rank=1, world_size=2)
     loader(root, rank=0, world_size=2).close()  # rank 0 never touches the damaged file
@@ -269,6 +269,6 @@ def test_bad_files_are_refused_at_open_naming_the_file(tmp_path):
     (root / "tokenizer.model").write_bytes(b"a different model")
     with pytest.raises(CorpusError, match="tokenizer.model: sha256 differs"):
         loader(root, rank=0, world_size=2)
-    _edit_manifest(root, lambda d: d["splits"]["train"]["files"][0].update(path="../x.arrow"))
+    edit_manifest(root, lambda d: d["splits"]["train"]["files"][0].update(path="../x.arrow"))
     with pytest.raises(CorpusError, match="manifest.json: .*'../x.arrow' points outside the corpus folder"):
         loader(root, rank=0, world_size=2)

@@ -1,0 +1,81 @@
+"""Corpus folders for tests: a synthetic token stream written through the format's own public writer.
+
+No tokenizer is needed: the format treats tokenizer.model as bytes (only its sha256 is checked).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from txl_dist.data.format import (
+    ArrowTokenWriter,
+    FileEntry,
+    Layout,
+    Manifest,
+    SplitEntry,
+    TokenizerEntry,
+    file_boundaries,
+    sha256_file,
+    token_dtype,
+    write_manifest,
+)
+
+EOD = 3
+
+
+def synthetic_stream(n_tokens: int, vocab_size: int = 1000, seed: int = 0, mean_doc: int = 40) -> np.ndarray:
+    """Random ids in [4, vocab) cut into documents, each ending with EOD (the stream ends with one)."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(4, vocab_size, size=n_tokens)
+    tokens[rng.random(n_tokens) < 1 / mean_doc] = EOD
+    tokens[-1] = EOD
+    return tokens
+
+
+def make_corpus(root: Path, splits: dict[str, np.ndarray], layout: Layout = Layout(2, 8), vocab_size: int = 1000,
+                batch_tokens: int | None = None, bytes_per_token: int = 5, chars_per_token: int = 4) -> Path:
+    """Write a corpus folder: files cut by file_boundaries(layout), record batches of batch_tokens.
+
+    The manifest's byte and character counts are bytes_per_token / chars_per_token times the token count.
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "tokenizer.model").write_bytes(b"stand-in for a SentencePiece model " + str(vocab_size).encode())
+    dtype = token_dtype(vocab_size)
+    entries = {}
+    for name, tokens in splits.items():
+        (root / name).mkdir(exist_ok=True)
+        cuts = file_boundaries(len(tokens), layout)
+        files = []
+        for k, (a, b) in enumerate(zip(cuts, cuts[1:])):
+            rel = f"{name}/{k:05d}.arrow"
+            step = batch_tokens or (b - a)
+            with ArrowTokenWriter(root / rel, dtype) as w:
+                for s in range(a, b, step):
+                    w.write(tokens[s:min(b, s + step)])
+            n, sha = w.close()
+            files.append(FileEntry(path=rel, first_token=a, n_tokens=n, sha256=sha))
+        entries[name] = SplitEntry(n_tokens=len(tokens), n_documents=int(np.sum(tokens == EOD)),
+                                   n_bytes=bytes_per_token * len(tokens),
+                                   n_chars=chars_per_token * len(tokens), layout=layout, files=files)
+    tok = TokenizerEntry(file="tokenizer.model", sha256=sha256_file(root / "tokenizer.model"), vocab_size=vocab_size,
+                         model_type="unigram", eod_id=EOD, unk_id=0, bos_id=-1, pad_id=-1)
+    write_manifest(root, Manifest(tokenizer=tok, dtype=dtype, splits=entries,
+                                  provenance={"created": "2025-01-01T00:00:00Z", "tool": "test"}))
+    return root
+
+
+def edit_manifest(root: Path, edit) -> None:
+    """Change manifest.json in place with `edit(dict)`, bypassing validation (to test the reader's checks)."""
+    d = json.loads((root / "manifest.json").read_text())
+    edit(d)
+    (root / "manifest.json").write_text(json.dumps(d))
+
+
+def flip_bytes(path: Path) -> None:
+    """Corrupt a file in its middle, keeping its size."""
+    data = bytearray(path.read_bytes())
+    mid = len(data) // 2
+    data[mid:mid + 4] = bytes(b ^ 0xFF for b in data[mid:mid + 4])
+    path.write_bytes(bytes(data))
