@@ -5,6 +5,7 @@ so laying out or re-laying out a corpus needs little memory whatever its size.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -75,7 +76,8 @@ class SplitWriter:
     """Writes one split's global stream as files `<split>/NNNNN.arrow` cut at the boundaries of a layout.
 
     `write(tokens, source)` appends tokens in stream order (source names where they came from, for errors);
-    `close()` checks the total and returns the manifest's file entries.
+    `close()` checks the total and returns the manifest's file entries and the split's tokens_sha256, hashed
+    while writing (the stream is read once, whatever the number of files).
     """
 
     def __init__(self, corpus_dir: Path, split: str, n_tokens: int, layout: Layout, dtype: str, vocab_size: int):
@@ -86,6 +88,7 @@ class SplitWriter:
         self.files: list[FileEntry] = []
         self.pos = 0
         self._writer: ArrowTokenWriter | None = None
+        self._tokens_hash = hashlib.sha256()
         self._buf: list[np.ndarray] = []
         self._buf_len = 0
 
@@ -116,7 +119,7 @@ class SplitWriter:
     def _flush(self, end_of_file: bool) -> None:
         if self._buf_len:
             if self._writer is None:
-                self._writer = ArrowTokenWriter(self.corpus_dir / self._path(), self.dtype)
+                self._writer = ArrowTokenWriter(self.corpus_dir / self._path(), self.dtype, self._tokens_hash)
             self._writer.write(np.concatenate(self._buf) if len(self._buf) > 1 else self._buf[0])
             self.pos += self._buf_len
             self._buf, self._buf_len = [], 0
@@ -128,12 +131,12 @@ class SplitWriter:
     def _path(self) -> str:
         return f"{self.split}/{len(self.files):05d}.arrow"
 
-    def close(self) -> list[FileEntry]:
-        """Finish the last file; the stream must hold exactly n_tokens."""
+    def close(self) -> tuple[list[FileEntry], str]:
+        """Finish the last file; the stream must hold exactly n_tokens. Returns (files, tokens_sha256)."""
         self._flush(end_of_file=True)
         if self.pos != self.n_tokens:
             raise PrepError(f"split {self.split}: got {self.pos} tokens, expected {self.n_tokens}")
-        return self.files
+        return self.files, self._tokens_hash.hexdigest()
 
     def abort(self) -> None:
         """Drop the file being written."""

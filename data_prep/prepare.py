@@ -313,13 +313,14 @@ def build_corpus(shards: list[tuple[Path, ShardInfo]], dest: Path, layouts: dict
                     for chunk in iter_token_file(d / part.file, part.sha256):
                         writer.write(chunk, str(d / part.file))
                         bar.update(len(chunk))
-                files = writer.close()
+                files, tokens_sha256 = writer.close()
             except BaseException:
                 writer.abort()
                 raise
         splits[split] = SplitEntry(n_tokens=n_tokens, n_documents=sum(p.n_documents for _, p in parts),
                                    n_bytes=sum(p.n_bytes for _, p in parts),
-                                   n_chars=sum(p.n_chars for _, p in parts), layout=layouts[split], files=files)
+                                   n_chars=sum(p.n_chars for _, p in parts), tokens_sha256=tokens_sha256,
+                                   layout=layouts[split], files=files)
     manifest = Manifest(tokenizer=tok, dtype=first.dtype, splits=splits, provenance=prov)
     write_manifest(dest, manifest)
     return manifest

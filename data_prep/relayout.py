@@ -1,6 +1,7 @@
 """`relayout`: re-cut a corpus' files for another (world size, streams) without re-tokenizing."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import sys
@@ -14,7 +15,7 @@ from data_prep.atomic import atomic_dir
 from data_prep.errors import PrepError
 from data_prep.layout import SplitWriter, check_fits, iter_token_file, split_layouts
 from data_prep.prepare import provenance
-from txl_dist.data.format import Manifest, SplitEntry, read_manifest, sha256_file, write_manifest
+from txl_dist.data.format import Manifest, read_manifest, sha256_file, write_manifest
 
 
 def relayout(corpus_dir: str | os.PathLike, *, world_size: int, n_streams: int, eval_streams: int | None = None,
@@ -23,7 +24,9 @@ def relayout(corpus_dir: str | os.PathLike, *, world_size: int, n_streams: int, 
     """Rewrite the corpus in place with files cut for the new layout; the token streams stay identical.
 
     The new corpus is built beside the old one and swapped in at the end; every old file's sha256 is checked
-    as it is copied, so a damaged corpus is refused rather than re-blessed with fresh checksums.
+    as it is copied, so a damaged corpus is refused rather than re-blessed with fresh checksums. The copy's
+    tokens_sha256 (hashed while writing) must equal the manifest's: digest() then stays the same, so
+    checkpoints made on the old layout resume on the new one.
     """
     corpus_dir = Path(corpus_dir)
     manifest = read_manifest(corpus_dir)
@@ -46,9 +49,13 @@ def relayout(corpus_dir: str | os.PathLike, *, world_size: int, n_streams: int, 
                     for chunk in iter_token_file(corpus_dir / entry.path, entry.sha256):
                         writer.write(chunk, str(corpus_dir / entry.path))
                         bar.update(len(chunk))
-                files = writer.close()
-            splits[name] = SplitEntry(split.n_tokens, split.n_documents, split.n_bytes, split.n_chars,
-                                      layouts[name], files)
+                files, tokens_sha256 = writer.close()
+            if tokens_sha256 != split.tokens_sha256:
+                raise PrepError(f"{corpus_dir / 'manifest.json'}: split {name}: the copied tokens hash to "
+                                f"{tokens_sha256[:12]}... but the manifest's tokens_sha256 is "
+                                f"{split.tokens_sha256[:12]}...: the manifest does not describe these tokens; "
+                                "re-run prepare")
+            splits[name] = dataclasses.replace(split, layout=layouts[name], files=files)
         prov = dict(manifest.provenance)
         prov["relayout"] = [*prov.get("relayout", []), provenance(command, args)]
         new = Manifest(tokenizer=tok, dtype=manifest.dtype, splits=splits, provenance=prov)

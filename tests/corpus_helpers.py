@@ -4,6 +4,7 @@ No tokenizer is needed: the format treats tokenizer.model as bytes (only its sha
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -38,7 +39,8 @@ def make_corpus(root: Path, splits: dict[str, np.ndarray], layout: Layout = Layo
                 batch_tokens: int | None = None, bytes_per_token: int = 5, chars_per_token: int = 4) -> Path:
     """Write a corpus folder: files cut by file_boundaries(layout), record batches of batch_tokens.
 
-    The manifest's byte and character counts are bytes_per_token / chars_per_token times the token count.
+    The manifest's byte and character counts are bytes_per_token / chars_per_token times the token count;
+    tokens_sha256 is computed here from the tokens themselves (an oracle independent of the writers).
     """
     root.mkdir(parents=True, exist_ok=True)
     (root / "tokenizer.model").write_bytes(b"stand-in for a SentencePiece model " + str(vocab_size).encode())
@@ -58,12 +60,18 @@ def make_corpus(root: Path, splits: dict[str, np.ndarray], layout: Layout = Layo
             files.append(FileEntry(path=rel, first_token=a, n_tokens=n, sha256=sha))
         entries[name] = SplitEntry(n_tokens=len(tokens), n_documents=int(np.sum(tokens == EOD)),
                                    n_bytes=bytes_per_token * len(tokens),
-                                   n_chars=chars_per_token * len(tokens), layout=layout, files=files)
+                                   n_chars=chars_per_token * len(tokens), tokens_sha256=tokens_sha256(tokens, dtype),
+                                   layout=layout, files=files)
     tok = TokenizerEntry(file="tokenizer.model", sha256=sha256_file(root / "tokenizer.model"), vocab_size=vocab_size,
                          model_type="unigram", eod_id=EOD, unk_id=0, bos_id=-1, pad_id=-1)
     write_manifest(root, Manifest(tokenizer=tok, dtype=dtype, splits=entries,
                                   provenance={"created": "2025-01-01T00:00:00Z", "tool": "test"}))
     return root
+
+
+def tokens_sha256(tokens: np.ndarray, dtype: str) -> str:
+    """The manifest's tokens_sha256 by its definition: sha256 of the whole stream as little-endian dtype bytes."""
+    return hashlib.sha256(np.asarray(tokens).astype(np.dtype(dtype).newbyteorder("<")).tobytes()).hexdigest()
 
 
 def edit_manifest(root: Path, edit) -> None:

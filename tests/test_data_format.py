@@ -4,6 +4,7 @@ Corpora come from corpus_helpers.make_corpus: a synthetic token stream through t
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -31,7 +32,7 @@ from txl_dist.data.format import (
     write_manifest,
 )
 
-from corpus_helpers import EOD, edit_manifest, flip_bytes, make_corpus, synthetic_stream
+from corpus_helpers import EOD, edit_manifest, flip_bytes, make_corpus, synthetic_stream, tokens_sha256
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -46,13 +47,31 @@ def test_manifest_round_trip_and_digest(tmp_path):
     assert Manifest.from_dict(m.to_dict()) == m
     assert m.splits["train"].files[0] == FileEntry(**raw["splits"]["train"]["files"][0])
     assert m.dtype == "uint16" and m.splits["valid"].n_tokens == 300
-    # The digest identifies the tokens: provenance does not count, a file checksum does.
+    # The digest identifies the tokens: provenance and the files do not count, the tokens' hash does.
     other = Manifest.from_dict({**m.to_dict(), "provenance": {"created": "later"}})
     assert other.digest() == m.digest()
     d = m.to_dict()
     d["splits"]["train"]["files"][1]["sha256"] = "0" * 64
+    assert Manifest.from_dict(d).digest() == m.digest()
+    d["splits"]["train"]["tokens_sha256"] = "0" * 64
     assert Manifest.from_dict(d).digest() != m.digest()
+    assert m.splits["train"].tokens_sha256 == tokens_sha256(synthetic_stream(1003), "uint16")
     assert not [p for p in root.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_digest_identifies_the_tokens_not_their_files(tmp_path):
+    # relayout re-cuts the files for another world size: checkpoints must still resume on the result.
+    tokens = synthetic_stream(1003)
+    splits = {"train": tokens, "valid": synthetic_stream(300, seed=1)}
+    a = read_manifest(make_corpus(tmp_path / "a", splits, layout=Layout(2, 8)))
+    b = read_manifest(make_corpus(tmp_path / "b", splits, layout=Layout(4, 16), batch_tokens=37))
+    assert [f.n_tokens for f in a.splits["train"].files] != [f.n_tokens for f in b.splits["train"].files]
+    assert a.digest() == b.digest()
+    changed = tokens.copy()
+    changed[500] = changed[500] % 999 + 4  # another id in [4, vocab), same counts
+    c = read_manifest(make_corpus(tmp_path / "c", {**splits, "train": changed}, layout=Layout(2, 8)))
+    assert c.digest() != a.digest()
+    assert c.splits["train"].n_tokens == a.splits["train"].n_tokens
 
 
 def test_token_dtype_and_int32_files(tmp_path):
@@ -62,6 +81,8 @@ def test_token_dtype_and_int32_files(tmp_path):
     root = make_corpus(tmp_path / "c", {"train": tokens}, vocab_size=70000)
     m = read_manifest(root)
     assert m.dtype == "int32"
+    assert m.splits["train"].tokens_sha256 == hashlib.sha256(tokens.astype("<i4").tobytes()).hexdigest()
+    verify_corpus(root)  # the reader's hash of int32 files agrees
     with TokenReader(root, m, "train") as r:
         np.testing.assert_array_equal(r.read(0, 500), tokens)
     with pytest.raises(CorpusError, match="dtype 'uint16' does not match vocab_size 70000"):
@@ -78,6 +99,9 @@ def test_token_dtype_and_int32_files(tmp_path):
     (lambda d: d["splits"]["train"]["layout"].update(world_size=3), "world_size 3 does not divide n_streams 8"),
     (lambda d: d["tokenizer"].update(eod_id=1000), "eod_id 1000 is not below vocab_size 1000"),
     (lambda d: d["tokenizer"].update(sha256="xyz"), "tokenizer.sha256 must be a lowercase hex sha256"),
+    (lambda d: d["splits"]["train"].pop("tokens_sha256"), "'splits.train.tokens_sha256' is missing"),
+    (lambda d: d["splits"]["train"].update(tokens_sha256="A" * 64),
+     "splits.train.tokens_sha256 must be a lowercase hex sha256"),
 ])
 def test_manifest_schema_errors_name_the_file(tmp_path, edit, message):
     root = make_corpus(tmp_path / "c", {"train": synthetic_stream(1003)})
@@ -270,6 +294,15 @@ def test_tokenizer_mismatch_is_refused(tmp_path):
     (root / "tokenizer.model").write_bytes(b"another tokenizer")
     with pytest.raises(CorpusError, match="tokenizer.model: sha256 .* not the tokenizer the corpus was made with"):
         verify_corpus(root)
+
+
+def test_wrong_tokens_sha256_is_refused_naming_the_split(tmp_path):
+    root = make_corpus(tmp_path / "c", {"train": synthetic_stream(1003), "valid": synthetic_stream(300, seed=1)})
+    edit_manifest(root, lambda d: d["splits"]["valid"].update(tokens_sha256="0" * 64))
+    with pytest.raises(CorpusError, match="split 'valid': its tokens hash to .* but tokens_sha256 is 000000") as e:
+        verify_corpus(root)
+    assert str(root / "manifest.json") in str(e.value) and "\n" not in str(e.value)
+    assert verify_corpus(root, check_tokens=False)["splits"]["valid"]["n_tokens"] == 300  # the hash needs a scan
 
 
 def test_a_split_must_end_with_eod(tmp_path):

@@ -8,6 +8,8 @@ pyarrow (and with the format's TokenReader for the rank blocks).
 """
 from __future__ import annotations
 
+import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -21,6 +23,7 @@ import pytest
 import sentencepiece as spm
 
 from data_prep.cli import main
+from txl_dist.data import StreamLoader
 from txl_dist.data.format import TokenReader, read_manifest, sha256_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -195,6 +198,39 @@ def test_relayout_keeps_every_token(corpus, expected, tmp_path):
         np.testing.assert_array_equal(rank_blocks_concatenated(copy, "train", s, w), expected["train"][: s * (n // s)])
     run("verify", copy)
     assert no_leftovers(tmp_path)
+
+
+def test_relayout_keeps_the_digest_and_a_loader_resumes(corpus, expected, tmp_path):
+    # The point of relayout is elastic resume: a checkpoint's loader state (and run.json's digest) made on
+    # the old files must load on the re-cut ones and continue with the same batches.
+    copy = tmp_path / "relaid"
+    shutil.copytree(corpus, copy)
+    before = read_manifest(copy)
+    for split in ("train", "valid", "test"):
+        want = hashlib.sha256(expected[split].astype("<u2").tobytes()).hexdigest()
+        assert before.splits[split].tokens_sha256 == want
+    kw = dict(world_size=2, n_streams=8, micro_batch=2, tgt_len=16, roll=True, seed=3)
+    states, straight = [], []
+    for rank in range(2):
+        with StreamLoader(copy, "train", rank=rank, **kw) as ld:
+            list(itertools.islice(ld, 6))  # 3 optimizer steps of 2 micro steps
+            states.append(json.loads(json.dumps(ld.state_dict())))
+            straight.append(list(itertools.islice(ld, 4)))
+    run("relayout", copy, "--world-size", 4, "--n-streams", 16, "--eval-streams", 4, "--quiet")
+    after = read_manifest(copy)
+    assert [f.path for f in after.splits["train"].files] != [f.path for f in before.splits["train"].files]
+    assert after.digest() == before.digest()
+    for split, entry in after.splits.items():
+        assert entry.tokens_sha256 == before.splits[split].tokens_sha256
+    for rank in range(2):
+        with StreamLoader(copy, "train", rank=rank, **kw) as ld:
+            ld.load_state_dict(states[rank])
+            got = list(itertools.islice(ld, 4))
+        for x, y in zip(got, straight[rank], strict=True):
+            np.testing.assert_array_equal(x.input_ids, y.input_ids)
+            np.testing.assert_array_equal(x.labels, y.labels)
+            np.testing.assert_array_equal(x.stream_ids, y.stream_ids)
+            assert (x.step, x.micro_step, x.position) == (y.step, y.micro_step, y.position)
 
 
 # ----------------------------------------------------------------------------------------------------

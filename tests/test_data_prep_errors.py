@@ -240,6 +240,17 @@ def test_out_of_range_token_id(corpus, capsys):
     assert entry["path"] in msg and "outside" in msg
 
 
+def test_wrong_tokens_sha256(corpus, capsys):
+    # every file intact, but the manifest does not describe these tokens: relayout must not carry it over
+    manifest = json.loads((corpus / "manifest.json").read_text())
+    manifest["splits"]["valid"]["tokens_sha256"] = "0" * 64
+    (corpus / "manifest.json").write_text(json.dumps(manifest))
+    assert "split 'valid'" in fail(capsys, "verify", corpus)
+    msg = fail(capsys, "relayout", corpus, "--world-size", 1, "--n-streams", 2, "--quiet")
+    assert "manifest.json" in msg and "split valid" in msg and "tokens_sha256" in msg
+    assert json.loads((corpus / "manifest.json").read_text()) == manifest and untouched(corpus.parent, {"corpus"})
+
+
 def test_cli_exit_codes_in_a_subprocess(corpus):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     ok = subprocess.run([sys.executable, "-m", "data_prep", "verify", str(corpus)], env=env, capture_output=True,

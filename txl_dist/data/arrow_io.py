@@ -29,6 +29,15 @@ def token_schema(dtype: str) -> pa.Schema:
     return pa.schema([(COLUMN, _ARROW_TYPES[dtype])])
 
 
+def update_tokens_sha256(h: Any, tokens: np.ndarray, dtype: str) -> None:
+    """Feed tokens to a running split tokens_sha256 (hashlib object): raw little-endian bytes in `dtype`.
+
+    Hashing the values, not the file bytes, makes the result independent of files and record batches.
+    The caller guarantees the values fit `dtype` (the cast is unchecked).
+    """
+    h.update(np.ascontiguousarray(tokens, dtype=np.dtype(dtype).newbyteorder("<")).data)
+
+
 class _HashingSink(io.RawIOBase):
     """A write-only file that hashes what passes through, so the writer needs no second read pass."""
 
@@ -50,9 +59,11 @@ class ArrowTokenWriter:
 
     The data goes to `path + '.tmp'`, fsynced and renamed to `path` on close, so a crash never leaves a
     file that looks complete. Leaving the `with` block on an exception removes the temporary file.
+    `tokens_hash` (a hashlib object, optional) is fed every token written (update_tokens_sha256), so a
+    caller can hash a split's stream across all its files while writing them.
     """
 
-    def __init__(self, path: str | os.PathLike, dtype: str):
+    def __init__(self, path: str | os.PathLike, dtype: str, tokens_hash: Any = None):
         self.path = Path(path)
         self.tmp_path = Path(f"{self.path}.tmp")
         self.dtype = dtype
@@ -60,6 +71,7 @@ class ArrowTokenWriter:
         self._np_dtype = np.dtype(dtype)
         self._info = np.iinfo(self._np_dtype)
         self.n_tokens = 0
+        self._tokens_hash = tokens_hash
         self._file = open(self.tmp_path, "wb")
         self._sink = _HashingSink(self._file)
         self._writer = pa.ipc.new_file(self._sink, self.schema)
@@ -79,6 +91,8 @@ class ArrowTokenWriter:
             if lo < self._info.min or hi > self._info.max:
                 raise ValueError(f"{self.path}: token ids {lo}..{hi} do not fit {self.dtype}")
             tokens = tokens.astype(self._np_dtype)
+        if self._tokens_hash is not None:
+            update_tokens_sha256(self._tokens_hash, tokens, self.dtype)
         batch = pa.record_batch([pa.array(tokens)], schema=self.schema)
         self._writer.write_batch(batch)
         self.n_tokens += tokens.size

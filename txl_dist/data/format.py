@@ -17,7 +17,7 @@ verify.py; this module is the single import point.
 """
 from __future__ import annotations
 
-from .arrow_io import COLUMN, ArrowTokenWriter, TokenReader, token_schema
+from .arrow_io import COLUMN, ArrowTokenWriter, TokenReader, token_schema, update_tokens_sha256
 from .manifest import (
     DTYPES,
     FORMAT_NAME,
@@ -44,5 +44,6 @@ __all__ = [
     "COLUMN", "DTYPES", "FORMAT_NAME", "FORMAT_VERSION", "MANIFEST_FILE",
     "ArrowTokenWriter", "CorpusError", "FileEntry", "Layout", "Manifest", "SplitEntry", "TokenReader",
     "TokenizerEntry", "check_relative_path", "file_boundaries", "rank_token_range", "read_manifest",
-    "sha256_file", "stream_length", "token_dtype", "token_schema", "verify_corpus", "write_manifest",
+    "sha256_file", "stream_length", "token_dtype", "token_schema", "update_tokens_sha256", "verify_corpus",
+    "write_manifest",
 ]

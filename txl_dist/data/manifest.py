@@ -62,6 +62,11 @@ class SplitEntry:
     """UTF-8 bytes of the documents' text (for bits per byte)."""
     n_chars: int
     """Characters of the documents' text (for bits per character)."""
+    tokens_sha256: str
+    """sha256 of the whole global stream as raw little-endian bytes in the manifest dtype, in stream order.
+
+    It does not depend on how the stream is cut into files or record batches, so digest() can identify the
+    tokens while `relayout` re-cuts the files (see update_tokens_sha256 in arrow_io.py)."""
     layout: Layout
     files: list[FileEntry] = field(default_factory=list)
 
@@ -109,10 +114,19 @@ class Manifest:
         return _parse_manifest(d, source)
 
     def digest(self) -> str:
-        """sha256 over the canonical JSON without provenance: identifies the tokens (and their files)."""
-        d = self.to_dict()
-        d.pop("provenance")
+        """sha256 identifying the TOKENS: format, version, tokenizer, dtype, and per split its counts and
+        tokens_sha256 (canonical JSON).
+
+        Not the files, the layout hint nor provenance: `relayout` re-cuts the files for another world size
+        without changing a token, and a checkpoint (run.json, loader state) must still resume on the result.
+        """
+        d = {"format": self.format, "version": self.version, "tokenizer": dataclasses.asdict(self.tokenizer),
+             "dtype": self.dtype,
+             "splits": {name: {k: getattr(s, k) for k in _DIGEST_SPLIT_KEYS} for name, s in self.splits.items()}}
         return hashlib.sha256(_canonical_json(d)).hexdigest()
+
+
+_DIGEST_SPLIT_KEYS = ("n_tokens", "n_documents", "n_bytes", "n_chars", "tokens_sha256")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -328,4 +342,4 @@ def _parse_split(d: Any, source: str, name: str) -> SplitEntry:
         raise CorpusError(f"{source}: {where}: the files hold {expect} tokens but n_tokens is {counts['n_tokens']}")
     if len({f.path for f in files}) != len(files):
         raise CorpusError(f"{source}: {where}.files lists the same path twice")
-    return SplitEntry(layout=layout, files=files, **counts)
+    return SplitEntry(tokens_sha256=s.sha("tokens_sha256"), layout=layout, files=files, **counts)

@@ -1,13 +1,14 @@
 """verify_corpus: re-check a prepared corpus end to end (checksums, counts, token ids)."""
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .arrow_io import TokenReader
+from .arrow_io import TokenReader, update_tokens_sha256
 from .manifest import CorpusError, read_manifest, sha256_file
 
 
@@ -16,8 +17,9 @@ def verify_corpus(corpus_dir: str | os.PathLike, check_tokens: bool = True) -> d
 
     Checks: the manifest's schema and paths, the tokenizer file's sha256, every Arrow file's sha256,
     schema and token count. With `check_tokens` it also scans the tokens: every id is in [0, vocab_size),
-    and a split of n documents holds at least n eod ids and ends with one (each document is followed by
-    eod_id; the text itself may contain the eod piece, so more are allowed).
+    each split's stream hashes to its tokens_sha256 (what digest() stands for), and a split of n documents
+    holds at least n eod ids and ends with one (each document is followed by eod_id; the text itself may
+    contain the eod piece, so more are allowed).
     """
     corpus_dir = Path(corpus_dir)
     manifest = read_manifest(corpus_dir)
@@ -35,6 +37,7 @@ def verify_corpus(corpus_dir: str | os.PathLike, check_tokens: bool = True) -> d
                              "n_bytes": split.n_bytes, "n_chars": split.n_chars, "n_files": len(split.files)}
         with TokenReader(corpus_dir, manifest, name, verify=True) as reader:
             counts = np.zeros(tok.vocab_size, dtype=np.int64) if check_tokens else None
+            tokens_hash = hashlib.sha256()
             last = None
             for entry in split.files:
                 path = corpus_dir / entry.path
@@ -47,8 +50,13 @@ def verify_corpus(corpus_dir: str | os.PathLike, check_tokens: bool = True) -> d
                         bad = lo if lo < 0 else hi
                         raise CorpusError(f"{path}: token id {bad} is outside [0, {tok.vocab_size}) of the tokenizer")
                     counts += np.bincount(tokens, minlength=tok.vocab_size)
+                    update_tokens_sha256(tokens_hash, tokens, manifest.dtype)
                     last = int(tokens[-1])
         if counts is not None:
+            if (got := tokens_hash.hexdigest()) != split.tokens_sha256:
+                raise CorpusError(f"{corpus_dir / 'manifest.json'}: split '{name}': its tokens hash to {got[:12]}... "
+                                  f"but tokens_sha256 is {split.tokens_sha256[:12]}...: the manifest does not describe "
+                                  "these tokens; re-run prepare")
             n_eod = int(counts[tok.eod_id])
             if n_eod < split.n_documents or (split.n_documents and last != tok.eod_id):
                 where = corpus_dir / split.files[-1].path if split.files else corpus_dir / "manifest.json"
