@@ -83,7 +83,7 @@ def test_overrides_are_typed_and_reach_nested_deepspeed_keys(tmp_path):
     (["model.mem_len=-1"], "model.mem_len: must be >= 0"),
     (["deepspeed.train_micro_batch_size_per_gpu=3"], "does not divide train_batch_size 8"),
     (["deepspeed.gradient_accumulation_steps=2"], "deepspeed.gradient_accumulation_steps: do not set it"),
-    (["train.exit_step=500"], "train.exit_step"),
+    (["train.exit_step=50000"], "train.exit_step"),
     (["deepspeed.scheduler.params.total_num_steps=7"], "differs from train.max_steps"),
     (["train.max_steps"], "expected section.key=value"),
 ])
