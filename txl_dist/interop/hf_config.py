@@ -64,6 +64,15 @@ def _float(raw: Mapping[str, Any], key: str) -> float:
     return float(v)
 
 
+# ModelConfig fields whose config.json key has the same name and meaning in HF 4.37.2, with their JSON type.
+SAME_NAME_FIELDS = {
+    "vocab_size": int, "n_layer": int, "d_model": int, "n_head": int, "d_head": int, "d_inner": int,
+    "div_val": int, "pre_lnorm": bool, "untie_r": bool, "mem_len": int, "clamp_len": int, "same_length": bool,
+    "dropout": float, "dropatt": float, "init_std": float, "proj_init_std": float, "layer_norm_epsilon": float,
+}
+_READERS = {int: _int, bool: _bool, float: _float}
+
+
 def model_config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     """Translate a TransfoXLLMHeadModel config.json (as a dict) into a validated ModelConfig.
 
@@ -106,28 +115,12 @@ def model_config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
             f"cutoffs {cutoffs}); fix tie_projs")
     tgt_len = hf.get("tgt_len")  # not an HF field; the original code's configs carry it, and so do ours
     cfg = ModelConfig(
-        vocab_size=_int(raw, "vocab_size"),
-        n_layer=_int(raw, "n_layer"),
-        d_model=_int(raw, "d_model"),
-        n_head=_int(raw, "n_head"),
-        d_head=_int(raw, "d_head"),
-        d_inner=_int(raw, "d_inner"),
+        **{key: _READERS[kind](raw, key) for key, kind in SAME_NAME_FIELDS.items()},
         d_embed=_int(raw, "d_embed"),
-        div_val=_int(raw, "div_val"),
         cutoffs=list(cutoffs),
         tie_weight=_bool(raw, "tie_word_embeddings"),
         tie_projs=list(tie_projs),
-        pre_lnorm=_bool(raw, "pre_lnorm"),
-        untie_r=_bool(raw, "untie_r"),
         tgt_len=tgt_len if isinstance(tgt_len, int) and tgt_len > 0 else ModelConfig.tgt_len,
-        mem_len=_int(raw, "mem_len"),
-        clamp_len=_int(raw, "clamp_len"),
-        same_length=_bool(raw, "same_length"),
-        dropout=_float(raw, "dropout"),
-        dropatt=_float(raw, "dropatt"),
-        init_std=_float(raw, "init_std"),
-        proj_init_std=_float(raw, "proj_init_std"),
-        layer_norm_epsilon=_float(raw, "layer_norm_epsilon"),
     )
     try:
         validate_model(cfg)
@@ -147,31 +140,15 @@ def hf_config_from_model_config(cfg: ModelConfig, extra: Mapping[str, Any] | Non
     hf: dict[str, Any] = {
         "architectures": [HF_ARCHITECTURE],
         "model_type": HF_MODEL_TYPE,
-        "vocab_size": cfg.vocab_size,
-        "cutoffs": list(cfg.cutoffs),
-        "d_model": cfg.d_model,
+        **{key: getattr(cfg, key) for key in SAME_NAME_FIELDS},
         "d_embed": cfg.resolved_d_embed(),
-        "n_head": cfg.n_head,
-        "d_head": cfg.d_head,
-        "d_inner": cfg.d_inner,
-        "div_val": cfg.div_val,
-        "pre_lnorm": cfg.pre_lnorm,
-        "n_layer": cfg.n_layer,
-        "mem_len": cfg.mem_len,
-        "clamp_len": cfg.clamp_len,
-        "same_length": cfg.same_length,
+        "cutoffs": list(cfg.cutoffs),
         "tie_projs": cfg.resolved_tie_projs(),
         "tie_word_embeddings": cfg.tie_weight,
         "attn_type": 0,
         "sample_softmax": -1,
         "adaptive": True,
-        "dropout": cfg.dropout,
-        "dropatt": cfg.dropatt,
-        "untie_r": cfg.untie_r,
         "init": "normal",
-        "init_std": cfg.init_std,
-        "proj_init_std": cfg.proj_init_std,
-        "layer_norm_epsilon": cfg.layer_norm_epsilon,
         "tgt_len": cfg.tgt_len,
         "torch_dtype": "float32",
         "transformers_version": HF_VERSION,
