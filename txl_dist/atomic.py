@@ -1,33 +1,41 @@
 """Atomic file writes: a reader sees the old file or the whole new one, never a torn one.
 
-Standard library only, so every package (data, checkpoint, data_prep) can share it.
+Standard library only, so every package (data, checkpoint, interop, data_prep) can share it.
 """
 from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
-def atomic_write(path: str | os.PathLike, data: str | bytes) -> Path:
-    """Write `data` to `path` via a temporary file in the same folder, fsync, then os.replace.
-
-    The file gets the usual permissions (0666 minus the umask), not mkstemp's private 0600.
-    """
+@contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path beside `path` for any writer (torch.save, safetensors, ...); on success it is
+    fsynced, given the usual permissions (0666 minus the umask, not mkstemp's private 0600) and renamed over
+    `path`; on failure it is removed and `path` is left as it was."""
     path = Path(path)
-    payload = data.encode("utf-8") if isinstance(data, str) else data
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(payload)
-            f.flush()
+        yield tmp
+        with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~current_umask())
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
-    return path
+
+
+def atomic_write(path: str | os.PathLike, data: str | bytes) -> Path:
+    """Write text (UTF-8) or bytes to `path` atomically."""
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
+    return Path(path)
 
 
 def current_umask() -> int:

@@ -22,7 +22,6 @@ import random
 import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +31,7 @@ import numpy as np
 import torch
 
 from . import distributed
+from .atomic import atomic_path, atomic_write
 
 LATEST = "latest"
 STATE_DIR = "txl_state"
@@ -59,34 +59,6 @@ def step_of(tag: str) -> int | None:
 def rank_file(tag_dir: Path, rank: int) -> Path:
     """Where rank `rank` keeps its state in a tag."""
     return Path(tag_dir) / STATE_DIR / f"rank-{rank:05d}.pt"
-
-
-# ----------------------------------------------------------------------------------------------------
-# Atomic files
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _atomic_torch_save(obj: Any, path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        torch.save(obj, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -154,13 +126,14 @@ def save(engine, ckpt_dir: str | os.PathLike, step: int, *, rank: int, rank_stat
         (tag_dir / STATE_DIR).mkdir(parents=True)
     distributed.barrier()
     engine.save_checkpoint(str(ckpt_dir), tag=tag, save_latest=False)
-    _atomic_torch_save(rank_state, rank_file(tag_dir, rank))
+    with atomic_path(rank_file(tag_dir, rank)) as tmp:
+        torch.save(rank_state, tmp)
     if rank == 0:
         info = dict(run_info, version=RUN_INFO_VERSION, tag=tag, step=step)
-        _atomic_write_text(tag_dir / STATE_DIR / RUN_FILE, json.dumps(info, indent=2, sort_keys=True) + "\n")
+        atomic_write(tag_dir / STATE_DIR / RUN_FILE, json.dumps(info, indent=2, sort_keys=True) + "\n")
     distributed.barrier()  # every rank's files are on disk
     if rank == 0:
-        _atomic_write_text(ckpt_dir / LATEST, tag + "\n")
+        atomic_write(ckpt_dir / LATEST, tag + "\n")
         prune(ckpt_dir, keep)
     distributed.barrier()  # nobody goes on (or exits) before `latest` names the new tag
     return tag_dir

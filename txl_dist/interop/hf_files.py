@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from txl_dist.atomic import atomic_path, atomic_write
+
 CONFIG_NAME = "config.json"
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
@@ -71,6 +73,7 @@ def write_hf_folder(out_dir: str | Path, config: dict[str, Any], tensors: dict[s
     # safetensors refuses tensors that share storage (tied weights): each name gets its own copy here, and
     # the caller leaves tied copies out as save_pretrained does.
     plain = {k: v.detach().to("cpu", torch.float32).contiguous().clone() for k, v in tensors.items()}
-    save_file(plain, out / SAFE_WEIGHTS, metadata={"format": "pt"})
-    (out / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    with atomic_path(out / SAFE_WEIGHTS) as tmp:
+        save_file(plain, tmp, metadata={"format": "pt"})
+    atomic_write(out / CONFIG_NAME, json.dumps(config, indent=2, sort_keys=True) + "\n")
     return out

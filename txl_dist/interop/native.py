@@ -11,6 +11,7 @@ from pathlib import Path
 
 from safetensors.torch import load_model, save_model
 
+from txl_dist.atomic import atomic_path, atomic_write
 from txl_dist.config import ConfigError, ModelConfig, model_config_from_dict
 from txl_dist.model import TransformerXL
 
@@ -39,8 +40,9 @@ def save_native(model: TransformerXL, out_dir: str | Path) -> Path:
     """Write model_config.json + model.safetensors of `model` into out_dir (created if needed)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    save_model(model, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
-    (out / MODEL_CONFIG_NAME).write_text(json.dumps(dataclasses.asdict(model.config), indent=2) + "\n")
+    with atomic_path(out / WEIGHTS_NAME) as tmp:
+        save_model(model, str(tmp), metadata={"format": "pt"})
+    atomic_write(out / MODEL_CONFIG_NAME, json.dumps(dataclasses.asdict(model.config), indent=2) + "\n")
     return out
 
 
