@@ -11,6 +11,7 @@ through the universal conversion, as for training). Rank 0 prints the result as 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 from pathlib import Path
@@ -48,7 +49,7 @@ def evaluate_checkpoint(checkpoint: str, config: str | None, overrides: list[str
     tag_dir = ckpt.resolve_resume(checkpoint, checkpoint)
     run_info = ckpt.read_run_info(tag_dir)
     if config is None:
-        raw = json.loads(json.dumps(run_info["config"]))
+        raw = copy.deepcopy(run_info["config"])  # apply_override edits it in place
         for item in overrides:
             apply_override(raw, item)
         cfg = config_from_dict(raw)

@@ -250,18 +250,25 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     """Read a JSON config, apply `section.key=value` overrides, validate, return typed sections."""
     raw: dict[str, Any] = {}
     if path is not None:
-        path = Path(path)
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} does not exist") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"config file {path}: invalid JSON at line {e.lineno} col {e.colno}: {e.msg}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"config file {path}: the top level must be a JSON object of sections")
+        raw = read_json_object(path, label=f"config file {path}", object_hint=" of sections")
     for item in overrides:
         apply_override(raw, item)
     return config_from_dict(raw)
+
+
+def read_json_object(path: str | Path, *, error: type[Exception] = ConfigError, label: str | None = None,
+                     missing_hint: str = "", object_hint: str = "") -> dict[str, Any]:
+    """A JSON file whose top level is an object, or `error` with one line naming the file (as `label`)."""
+    label = str(path) if label is None else label
+    try:
+        raw = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise error(f"{label} does not exist{missing_hint}") from None
+    except json.JSONDecodeError as e:
+        raise error(f"{label}: invalid JSON at line {e.lineno} col {e.colno}: {e.msg}") from None
+    if not isinstance(raw, dict):
+        raise error(f"{label}: the top level must be a JSON object{object_hint}")
+    return raw
 
 
 def config_from_dict(raw: dict[str, Any]) -> RunConfig:

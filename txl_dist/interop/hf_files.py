@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from txl_dist.atomic import atomic_path, atomic_write
+from txl_dist.config import read_json_object
 
 CONFIG_NAME = "config.json"
 SAFE_WEIGHTS = "model.safetensors"
@@ -28,16 +29,8 @@ class HFFormatError(ValueError):
 
 def read_hf_config(src_dir: str | Path) -> dict[str, Any]:
     """config.json of a save_pretrained folder as a dict."""
-    path = Path(src_dir) / CONFIG_NAME
-    try:
-        raw = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise HFFormatError(f"{path} does not exist; pass a folder written by save_pretrained") from None
-    except json.JSONDecodeError as e:
-        raise HFFormatError(f"{path}: invalid JSON at line {e.lineno} col {e.colno}: {e.msg}") from None
-    if not isinstance(raw, dict):
-        raise HFFormatError(f"{path}: the top level must be a JSON object")
-    return raw
+    return read_json_object(Path(src_dir) / CONFIG_NAME, error=HFFormatError,
+                            missing_hint="; pass a folder written by save_pretrained")
 
 
 def _load_one(path: Path) -> dict[str, torch.Tensor]:

@@ -12,7 +12,7 @@ from pathlib import Path
 from safetensors.torch import load_model, save_model
 
 from txl_dist.atomic import atomic_path, atomic_write
-from txl_dist.config import ConfigError, ModelConfig, model_config_from_dict
+from txl_dist.config import ConfigError, ModelConfig, model_config_from_dict, read_json_object
 from txl_dist.model import TransformerXL
 
 MODEL_CONFIG_NAME = "model_config.json"
@@ -22,14 +22,8 @@ WEIGHTS_NAME = "model.safetensors"
 def read_model_config(src_dir: str | Path) -> ModelConfig:
     """The validated ModelConfig of a native folder."""
     path = Path(src_dir) / MODEL_CONFIG_NAME
-    try:
-        raw = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(
-            f"{path} does not exist; pass a folder written by save_native or `python -m txl_dist.interop from-hf`"
-        ) from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: invalid JSON at line {e.lineno} col {e.colno}: {e.msg}") from None
+    raw = read_json_object(path, missing_hint="; pass a folder written by save_native or "
+                                              "`python -m txl_dist.interop from-hf`")
     cfg = model_config_from_dict(raw)
     if cfg.vocab_size is None:
         raise ConfigError(f"{path}: model.vocab_size is null; a saved model needs its vocabulary size")
