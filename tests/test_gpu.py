@@ -35,29 +35,21 @@ def no_tf32():
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
+TOLERANCES = {torch.float32: dict(rtol=0, atol=1e-4), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("impl", ["matmul", "sdpa", "auto"])
 @pytest.mark.parametrize("same_length", [False, True])
-def test_cuda_attention_equals_reference_fp32(impl, same_length):
-    model = make_model(same_length=same_length).eval()
+def test_cuda_attention_equals_reference(impl, same_length, dtype):
+    model = make_model(same_length=same_length).eval().to(dtype)
     ids = torch.randint(0, 500, (3, 33), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     with torch.no_grad():
         model.attn_impl = "reference"
         expected = two_segments(model, ids)
         model.attn_impl = impl
         got = two_segments(model, ids)
-    torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
-
-
-@pytest.mark.parametrize("impl", ["matmul", "sdpa"])
-def test_cuda_attention_bf16_close_to_reference(impl):
-    model = make_model().eval().to(torch.bfloat16)
-    ids = torch.randint(0, 500, (3, 33), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
-    with torch.no_grad():
-        model.attn_impl = "reference"
-        expected = two_segments(model, ids)
-        model.attn_impl = impl
-        got = two_segments(model, ids)
-    torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got, expected, **TOLERANCES[dtype])
 
 
 def test_cuda_dense_and_gather_tails_agree():
