@@ -69,8 +69,8 @@ def discover(environ: Mapping[str, str] | None = None) -> DistEnv:
         local_world = _slurm_tasks_on_this_node(env)
         addr = env.get("MASTER_ADDR") or env.get("SLURM_LAUNCH_NODE_IPADDR") or _first_slurm_node(env)
     else:
-        launcher, rank, world, local_rank, local_world, addr = "single", 0, 1, 0, 1, "127.0.0.1"
-        addr = env.get("MASTER_ADDR", addr)
+        launcher, rank, world, local_rank, local_world = "single", 0, 1, 0, 1
+        addr = env.get("MASTER_ADDR", "127.0.0.1")
     # Under Slurm, jobs sharing a node need distinct ports: derive one from the job id unless given.
     default_port = DEFAULT_MASTER_PORT
     if launcher == "slurm" and env.get("SLURM_JOB_ID", "").isdigit():
