@@ -14,6 +14,7 @@ import numpy as np
 import pyarrow as pa
 
 from data_prep.errors import PrepError
+from txl_dist.streams import streams_per_rank
 from txl_dist.data.format import (
     ArrowTokenWriter,
     FileEntry,
@@ -33,11 +34,7 @@ def split_layouts(splits: Iterable[str], world_size: int, n_streams: int, eval_s
     """The layout hint of each split: train is cut for (W, S), the evaluation splits for (W, eval_streams)."""
     eval_streams = world_size if eval_streams is None else eval_streams
     for name, streams in (("--n-streams", n_streams), ("--eval-streams", eval_streams)):
-        if world_size < 1 or streams < 1:
-            raise PrepError(f"--world-size {world_size} and {name} {streams} must be >= 1")
-        if streams % world_size:
-            raise PrepError(f"{name} {streams} cannot be split over --world-size {world_size} ranks; "
-                            f"use a world size that divides {streams}")
+        streams_per_rank(streams, world_size, streams=name, ranks="ranks (--world-size)", error=PrepError)
     return {s: Layout(world_size, n_streams if s == "train" else eval_streams) for s in splits}
 
 

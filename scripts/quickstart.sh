@@ -23,7 +23,7 @@ if [ ! -f "$DATA/manifest.json" ]; then
 fi
 
 "$ROOT/.venv/bin/deepspeed" --num_gpus "$RANKS" launch/train.py --config configs/tiny.json \
-    --set data.path="$DATA" --set checkpoint.dir="$RUN_DIR/checkpoints" "$@"
+    --set data.path="$DATA" --set run.dir="$RUN_DIR" "$@"
 
 "$ROOT/.venv/bin/deepspeed" --num_gpus "$RANKS" launch/eval.py --config configs/tiny.json \
     --set data.path="$DATA" --checkpoint "$RUN_DIR/checkpoints" --split test

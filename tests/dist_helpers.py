@@ -142,8 +142,9 @@ def write_corpus(root: Path, splits: dict, vocab_size: int = 64, layout=(2, 4)) 
     return make_corpus(root, splits, Layout(*layout), vocab_size, bytes_per_token=6, chars_per_token=5)
 
 
-def tiny_config(corpus: Path, ckpt_dir: Path, **sections) -> dict:
-    """A raw run config for a 2-layer, d_model 32 model on `corpus`; `sections` update it per section."""
+def tiny_config(corpus: Path, run_dir: Path, **sections) -> dict:
+    """A raw run config for a 2-layer, d_model 32 model on `corpus`, writing to `run_dir` (checkpoints in
+    run_dir/checkpoints); `sections` update it per section."""
     import copy
 
     raw = {
@@ -152,7 +153,8 @@ def tiny_config(corpus: Path, ckpt_dir: Path, **sections) -> dict:
         "data": {"path": str(corpus)},
         "train": {"max_steps": 4, "seed": 11, "log_interval": 1},
         "eval": {"interval": 0, "tgt_len": 8, "mem_len": 16, "n_streams": 2, "max_segments": 3},
-        "checkpoint": {"dir": str(ckpt_dir), "interval": 0, "keep": 2},
+        "run": {"dir": str(run_dir)},
+        "checkpoint": {"interval": 0, "keep": 2},
         "tracking": {"enabled": False},
         "deepspeed": {
             "train_batch_size": 4, "train_micro_batch_size_per_gpu": 1, "gradient_clipping": 1.0,

@@ -144,7 +144,7 @@ def test_export_writes_the_fp32_weights(tmp_path, stage, bf16):
     ds = {"zero_optimization": {"stage": stage}} | ({"bf16": {"enabled": True}} if bf16 else {})
     raw = tiny_config(corpus, tmp_path / "ckpt", train={"max_steps": 3}, eval={"at_end": False}, deepspeed=ds)
     engine_weights = run_ranks(_train_and_gather, 2, raw)[0]
-    assert main(["--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "native"),
+    assert main(["--checkpoint", str(tmp_path / "ckpt" / "checkpoints"), "--out", str(tmp_path / "native"),
                  "--hf", str(tmp_path / "hf")]) == 0
     exported = load_native(tmp_path / "native").state_dict()
     assert set(exported) == set(engine_weights)

@@ -56,7 +56,7 @@ def test_overrides_are_typed_and_reach_nested_deepspeed_keys(tmp_path):
         "train.max_steps=20",
         "deepspeed.zero_optimization.stage=3",
         "data.path=/data/ptb",
-        "checkpoint.dir=123",
+        "run.dir=123",
         "checkpoint.interval=5",
         "eval.interval=7",
         "model.cutoffs=[500,1500]",
@@ -66,7 +66,7 @@ def test_overrides_are_typed_and_reach_nested_deepspeed_keys(tmp_path):
     assert cfg.train.max_steps == 20
     assert cfg.deepspeed["zero_optimization"]["stage"] == 3
     assert cfg.data.path == "/data/ptb"
-    assert cfg.checkpoint.dir == "123"  # a string field keeps digits as text
+    assert cfg.run.dir == "123"  # a string field keeps digits as text
     assert (cfg.checkpoint.interval, cfg.eval.interval) == (5, 7)
     assert cfg.model.cutoffs == [500, 1500] and cfg.model.same_length is True
     assert cfg.tracking.uri is None
@@ -115,7 +115,7 @@ def test_eval_streams_must_divide_over_ranks():
 
 def test_digest_ignores_where_files_go_but_not_what_is_computed():
     a = config_from_dict(minimal())
-    b = config_from_dict(minimal(checkpoint={"dir": "elsewhere"}, train={"exit_step": 3}))
+    b = config_from_dict(minimal(run={"dir": "elsewhere"}, train={"exit_step": 3}))
     c = config_from_dict(minimal(model={"d_model": 64}))
     assert a.digest() == b.digest() != c.digest()
 

@@ -96,7 +96,7 @@ def test_token_dtype_and_int32_files(tmp_path):
     (lambda d: d["splits"]["train"].pop("n_chars"), "'splits.train.n_chars' is missing"),
     (lambda d: d["splits"]["train"].update(n_tokens=5), "the files hold 1003 tokens but n_tokens is 5"),
     (lambda d: d["splits"]["train"]["files"][1].update(first_token=7), "starts at token 7, expected 500"),
-    (lambda d: d["splits"]["train"]["layout"].update(world_size=3), "world_size 3 does not divide n_streams 8"),
+    (lambda d: d["splits"]["train"]["layout"].update(world_size=3), "layout.n_streams: 8 streams cannot be split over 3 ranks .its layout.world_size."),
     (lambda d: d["tokenizer"].update(eod_id=1000), "eod_id 1000 is not below vocab_size 1000"),
     (lambda d: d["tokenizer"].update(sha256="xyz"), "tokenizer.sha256 must be a lowercase hex sha256"),
     (lambda d: d["splits"]["train"].pop("tokens_sha256"), "'splits.train.tokens_sha256' is missing"),

@@ -140,7 +140,7 @@ def test_bad_tokenizer_and_options(model, plays, tmp_path, capsys):
     msg = fail(capsys, *prepare_args(tmp_path / "o", p, p))  # a text file is not a model
     assert p.name in msg and "not a SentencePiece model" in msg
     msg = fail(capsys, *prepare_args(tmp_path / "o", model, p, extra=["--world-size", 3, "--n-streams", 8]))
-    assert "--n-streams 8" in msg and "--world-size 3" in msg
+    assert "--n-streams: 8 streams cannot be split over 3 ranks (--world-size)" in msg
     msg = fail(capsys, "prepare", "--out", tmp_path / "o", "--train", p, "--shard", "0/2", "--quiet")
     assert "--tokenizer-model" in msg
     msg = fail(capsys, *prepare_args(tmp_path / "o", model, p, extra=["--shard", "2/2"]))

@@ -26,7 +26,7 @@ def trained(tmp_path_factory):
     raw = tiny_config(corpus, root / "ckpt", train={"max_steps": 5, "exit_step": 3},
                       deepspeed={"zero_optimization": {"stage": 1}})
     run_ranks(train_jobs, 2, [(raw, "none")])
-    return corpus, root / "ckpt"
+    return corpus, root / "ckpt" / "checkpoints"
 
 
 def _eval_main(argv):

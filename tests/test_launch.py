@@ -96,9 +96,10 @@ def _train_main(argv):
 def test_deepspeed_then_torchrun_with_sigterm_then_resume_one_mlflow_run(corpus, tmp_path, mlflow_server):  # noqa: F811
     from mlflow import MlflowClient
 
-    ckpt = tmp_path / "ckpt"
+    run = tmp_path / "run"
+    ckpt = run / "checkpoints"
     experiment = f"launch-{tmp_path.name}"
-    raw = tiny_config(corpus, ckpt, train={"max_steps": MAX_STEPS, "log_interval": 1},
+    raw = tiny_config(corpus, run, train={"max_steps": MAX_STEPS, "log_interval": 1},
                       deepspeed={"zero_optimization": {"stage": 1}},
                       tracking={"enabled": True, "uri": mlflow_server.uri, "experiment": experiment,
                                 "system_metrics": False})
@@ -151,9 +152,9 @@ def test_deepspeed_then_torchrun_with_sigterm_then_resume_one_mlflow_run(corpus,
 
 def test_srun_style_environment(corpus, tmp_path):
     """Two plain processes that know only SLURM_* variables, as srun starts them."""
-    ckpt = tmp_path / "ckpt"
+    ckpt = tmp_path / "run" / "checkpoints"
     config = tmp_path / "run.json"
-    config.write_text(json.dumps(tiny_config(corpus, ckpt, train={"max_steps": 2},
+    config.write_text(json.dumps(tiny_config(corpus, tmp_path / "run", train={"max_steps": 2},
                                              eval={"at_end": False})))
     port = str(free_port())
     procs = []

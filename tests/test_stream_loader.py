@@ -236,7 +236,7 @@ def test_partial_last_predicts_every_token_once(corpus):
 
 @pytest.mark.parametrize("kw, message", [
     (dict(world_size=3, micro_batch=1), "8 streams cannot be split over 3 ranks"),
-    (dict(world_size=2, micro_batch=3), "micro_batch 3 does not divide the 4 streams of each of 2 ranks"),
+    (dict(world_size=2, micro_batch=3), "micro_batch: 3 does not divide the 4 streams of each of 2 ranks"),
     (dict(tgt_len=125), "streams of 125 tokens, too short for tgt_len 125"),
     (dict(tgt_len=63, roll=True), "too short for roll with tgt_len 63"),
     (dict(rank=2, world_size=2), "rank 2 is outside 0..1"),

@@ -65,7 +65,7 @@ def test_exact_resume_is_bitwise_for_zero_0_to_3_fp32_and_bf16(corpus, tmp_path)
         assert [{**first["metrics"], **second["metrics"]}[s]["train/lr"] for s in range(1, n + 1)] == lrs, name
         assert max(lrs) > 0, name
         assert all(straight["metrics"][s]["train/grad_norm"] > 0 for s in range(1, n + 1)), name
-    ckpt = tmp_path / "zero2_bf16" / "resumed"
+    ckpt = tmp_path / "zero2_bf16" / "resumed" / "checkpoints"
     assert read_latest(ckpt) == "step_00000004"
     info = read_run_info(ckpt / "step_00000004")
     assert (info["step"], info["world_size"], info["zero_stage"], info["n_streams"]) == (4, 2, 2, 4)
@@ -98,8 +98,8 @@ def test_elastic_resume_2_to_1_and_1_to_2_ranks_continues_the_loss(corpus, tmp_p
     for step in range(1, n + 1):
         np.testing.assert_allclose(straight1["losses"][step], straight2["losses"][step], rtol=1e-5)
     # The ZeRO-2 shards went through DeepSpeed's universal checkpoint, made once, beside the tag.
-    assert (tmp_path / "from2" / "step_00000002_universal" / "zero").is_dir()
-    assert (tmp_path / "from1" / "step_00000002_universal" / "zero").is_dir()
+    assert (tmp_path / "from2" / "checkpoints" / "step_00000002_universal" / "zero").is_dir()
+    assert (tmp_path / "from1" / "checkpoints" / "step_00000002_universal" / "zero").is_dir()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -121,12 +121,12 @@ def test_each_rank_holds_the_mems_of_its_own_streams_and_resets_them_at_the_wrap
     from txl_dist.model import TransformerXL
     from txl_dist.trainer import resolve_model_config
 
-    ckpt = tmp_path / "ckpt"
+    ckpt = tmp_path / "run" / "checkpoints"
     # lr 0 and no dropout: the weights stay those of step 0 and the mems are a function of the tokens.
     sections = dict(model={"dropout": 0.0},
                     deepspeed={"optimizer": {"type": "AdamW", "params": {"lr": 0.0, "torch_adam": True}}})
-    at_6 = tiny_config(corpus, ckpt, train={"max_steps": 8, "exit_step": 6}, **sections)
-    at_7 = tiny_config(corpus, ckpt, train={"max_steps": 8, "exit_step": 7}, **sections)
+    at_6 = tiny_config(corpus, ckpt.parent, train={"max_steps": 8, "exit_step": 6}, **sections)
+    at_7 = tiny_config(corpus, ckpt.parent, train={"max_steps": 8, "exit_step": 7}, **sections)
     run_ranks(train_jobs, 2, [(at_6, "none"), (at_7, "auto")])
 
     cfg = resolve_model_config(config_from_dict(at_6), VOCAB, str(corpus))
@@ -178,7 +178,7 @@ def _fake_checkpoint(ckpt, corpus, **changes):
 
     m = read_manifest(corpus)
     cfg = config_from_dict(tiny_config(corpus, ckpt))
-    tag = ckpt / "step_00000002"
+    tag = ckpt / "checkpoints" / "step_00000002"
     (tag / "txl_state").mkdir(parents=True)
     cfg_dict = cfg.to_dict()
     cfg_dict["model"]["vocab_size"] = VOCAB
@@ -188,7 +188,7 @@ def _fake_checkpoint(ckpt, corpus, **changes):
             "mlflow_run_id": None}
     info.update(changes)
     (tag / "txl_state" / "run.json").write_text(json.dumps(info))
-    (ckpt / "latest").write_text(tag.name + "\n")
+    (tag.parent / "latest").write_text(tag.name + "\n")
     return ckpt
 
 

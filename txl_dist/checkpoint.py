@@ -32,6 +32,7 @@ import torch
 
 from . import distributed
 from .atomic import atomic_path, atomic_write
+from .errors import Refused
 
 LATEST = "latest"
 STATE_DIR = "txl_state"
@@ -40,7 +41,7 @@ UNIVERSAL_SUFFIX = "_universal"
 RUN_INFO_VERSION = 1
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(Refused, RuntimeError):
     """A checkpoint cannot be used; the message names the path and what to do."""
 
 

@@ -1,8 +1,9 @@
 """Typed run configuration: one JSON file, one dataclass per section, validated before any work.
 
-Sections: model, data, train, eval, checkpoint, tracking (typed here) and deepspeed (a plain dict handed
-to deepspeed.initialize as is; only the keys this project relies on are checked). Every problem is
-reported as one ``ConfigError`` line that names the key and says what to do.
+Sections: run, model, data, train, eval, checkpoint, tracking (typed here) and deepspeed (a plain dict handed
+to deepspeed.initialize; its keys are checked against DeepSpeed's own reading of it when the engine module
+validates it, see engine.check_deepspeed_config). Every problem is reported as one ``ConfigError`` line that
+names the key and says what to do.
 
 Standard library only: every other package may import this module.
 """
@@ -18,10 +19,29 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+from .errors import Refused
+from .streams import micro_steps_per_rank, streams_per_rank
+
+MAX_SEED = 2**63 - 1
 
 
-class ConfigError(ValueError):
+class ConfigError(Refused, ValueError):
     """A configuration problem; the message is one line naming the key and the fix."""
+
+
+@dataclass
+class RunDirConfig:
+    """The run's own folder: everything the run writes goes under it, nothing is inferred from a sibling path."""
+
+    dir: str = "runs/default"
+    """The run folder: checkpoints/ (tags and `latest`), config.resolved.json, logs/, tracking/ (the local
+    metrics journal and the MLflow run id), the default MLflow store (mlflow.db, mlartifacts/) and the lock
+    that keeps a second job out. Two runs never share one."""
+
+    def checkpoint_dir(self) -> Path:
+        return Path(self.dir) / "checkpoints"
 
 
 @dataclass
@@ -110,9 +130,16 @@ class TrainConfig:
     exit_step: int | None = None
     """Save a checkpoint and exit cleanly after this step (the schedule still spans max_steps)."""
     seed: int = 1234
-    """Seed of weight initialization and dropout."""
+    """Seed of weight initialization and dropout (0 .. 2**63-1)."""
     log_interval: int = 1
     """Print a progress line every this many steps (metrics go to MLflow every step)."""
+    max_nonfinite: int = 25
+    """A step whose loss or gradient norm is not finite is skipped (no weight update) and the mems of the
+    streams it poisoned are reset; this many such steps in a row stop the job (exit status 1) without
+    saving over the last good checkpoint. fp16 counts its loss-scale overflows here too."""
+    collective_timeout_s: float = 600.0
+    """A rank that stops responding (killed, hung, its node lost) ends the job within about this many
+    seconds on every other rank, with one line naming it; also the timeout of each training collective."""
 
 
 @dataclass
@@ -140,14 +167,19 @@ class EvalConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Sharded checkpoints: DeepSpeed's files plus one state file per rank."""
+    """Sharded checkpoints in <run.dir>/checkpoints: DeepSpeed's files plus one state file per rank."""
 
-    dir: str = "runs/checkpoints"
-    """Folder of checkpoint tags and the `latest` file."""
     interval: int = 0
     """Save every this many steps; 0 = only at the end (and on SIGTERM/SIGUSR1 or exit_step)."""
     keep: int = 3
-    """Keep the newest this many tags (0 = keep all)."""
+    """Keep the newest this many complete tags (0 = keep all). Tags newer than the one a job resumed from
+    are never removed by that job."""
+    fallback: bool = False
+    """--resume auto: when the newest complete tag is damaged (a file missing or failing its checksum),
+    resume from the newest older tag that verifies instead of stopping (the damaged tag is kept)."""
+    timeout_s: float = 3600.0
+    """How long ranks wait for each other while a checkpoint is saved, verified, loaded or converted, and
+    during start-up (slow file systems); a lost rank is still detected within train.collective_timeout_s."""
 
 
 @dataclass
@@ -157,7 +189,8 @@ class TrackingConfig:
     enabled: bool = True
     """Log to MLflow."""
     uri: str | None = None
-    """Tracking URI; null: MLFLOW_TRACKING_URI, else a local sqlite store under runs/."""
+    """Tracking URI; null: MLFLOW_TRACKING_URI, else a local sqlite store in the run folder. A password or
+    token in it is never logged or written to the run folder (it is shown as ***)."""
     experiment: str | None = None
     """Experiment name; null: MLFLOW_EXPERIMENT_NAME, else 'txl-dist'."""
     run_name: str | None = None
@@ -168,6 +201,7 @@ class TrackingConfig:
 
 @dataclass
 class RunConfig:
+    run: RunDirConfig = field(default_factory=RunDirConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -190,11 +224,12 @@ class RunConfig:
 
     def eval_streams(self, world_size: int) -> int:
         n = world_size if self.eval.n_streams is None else self.eval.n_streams
-        if n % world_size:
-            raise ConfigError(
-                f"eval.n_streams: {n} streams cannot be split over {world_size} ranks; "
-                f"use a multiple of {world_size}")
+        streams_per_rank(n, world_size, streams="eval.n_streams", error=ConfigError)
         return n
+
+    def checkpoint_dir(self) -> Path:
+        """<run.dir>/checkpoints: the tags and `latest`."""
+        return self.run.checkpoint_dir()
 
     def deepspeed_config(self, world_size: int) -> dict[str, Any]:
         """The deepspeed section with the values that follow from the world size filled in."""
@@ -205,17 +240,67 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def public_dict(self) -> dict[str, Any]:
+        """to_dict() with secrets masked: what is logged, written to the run folder and to checkpoints."""
+        d = self.to_dict()
+        if d["tracking"]["uri"]:
+            d["tracking"]["uri"] = redact_uri(d["tracking"]["uri"])
+        return d
+
     def digest(self) -> str:
         """sha256 of what decides the numbers of a run (not where its files or metrics go)."""
         d = self.to_dict()
-        for volatile in ("checkpoint", "tracking"):
-            d.pop(volatile)
-        d["train"].pop("exit_step")
-        d["train"].pop("log_interval")
+        for section in VOLATILE_SECTIONS:
+            d.pop(section)
+        for key in VOLATILE_KEYS:
+            section, name = key.split(".")
+            d[section].pop(name)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
 
 
+# What may differ between a run and the job that resumes it without changing its numbers: where files and
+# metrics go, how often progress is printed, where it stops this time, how long ranks wait for each other.
+VOLATILE_SECTIONS = ("run", "checkpoint", "tracking")
+VOLATILE_KEYS = ("train.exit_step", "train.log_interval", "train.collective_timeout_s", "train.max_nonfinite")
+
+
+def changed_settings(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """Dotted keys whose value differs between two config dicts, leaving out the volatile ones."""
+    changed = []
+    for section, values in now.items():
+        if section in VOLATILE_SECTIONS or not isinstance(values, dict):
+            continue
+        for key, value in values.items():
+            dotted = f"{section}.{key}"
+            if dotted not in VOLATILE_KEYS and saved.get(section, {}).get(key) != value:
+                changed.append(dotted)
+    return sorted(changed)
+
+
+_SECRET_QUERY_KEYS = ("token", "password", "passwd", "secret", "key", "auth", "signature", "credential")
+
+
+def redact_uri(uri: str) -> str:
+    """A URI with its password and any secret-looking query values replaced by ***."""
+    try:
+        parts = urlsplit(uri)
+    except ValueError:
+        return "***"
+    netloc = parts.netloc
+    if "@" in netloc:
+        userinfo, host = netloc.rsplit("@", 1)
+        user = userinfo.split(":", 1)[0]
+        netloc = f"{user}:***@{host}" if ":" in userinfo else f"***@{host}"
+    query = parts.query
+    if query:
+        pairs = parse_qsl(query, keep_blank_values=True)
+        query = urlencode([(k, "***" if any(s in k.lower() for s in _SECRET_QUERY_KEYS) else v) for k, v in pairs],
+                          safe="*")
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
 SECTIONS: dict[str, type] = {
+    "run": RunDirConfig,
     "model": ModelConfig,
     "data": DataConfig,
     "train": TrainConfig,
@@ -227,19 +312,8 @@ SECTIONS: dict[str, type] = {
 
 def check_batch_layout(n_streams: int, micro_batch: int, world_size: int) -> int:
     """Gradient accumulation steps g with micro_batch * g * world_size == n_streams, or a ConfigError."""
-    if world_size < 1:
-        raise ConfigError(f"world size must be >= 1, got {world_size}")
-    per_rank, rest = divmod(n_streams, world_size)
-    if rest:
-        raise ConfigError(
-            f"deepspeed.train_batch_size: {n_streams} streams cannot be split over {world_size} ranks; "
-            f"use a world size that divides {n_streams}")
-    accumulation, rest = divmod(per_rank, micro_batch)
-    if rest:
-        raise ConfigError(
-            f"deepspeed.train_micro_batch_size_per_gpu: {micro_batch} does not divide the {per_rank} "
-            f"streams of each of {world_size} ranks (train_batch_size {n_streams})")
-    return accumulation
+    return micro_steps_per_rank(n_streams, micro_batch, world_size, streams="deepspeed.train_batch_size",
+                                micro="deepspeed.train_micro_batch_size_per_gpu", error=ConfigError)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -418,10 +492,18 @@ def _suggest(word: str, choices: list[str]) -> str:
 
 
 def validate(cfg: RunConfig) -> None:
+    if not cfg.run.dir.strip():
+        raise ConfigError("run.dir: must name a folder (e.g. runs/my-run)")
     validate_model(cfg.model)
-    t, e, c = cfg.train, cfg.eval, cfg.checkpoint
+    t, e, c, d = cfg.train, cfg.eval, cfg.checkpoint, cfg.data
     _positive("train.max_steps", t.max_steps)
     _positive("train.log_interval", t.log_interval)
+    _positive("train.max_nonfinite", t.max_nonfinite)
+    _positive("train.collective_timeout_s", t.collective_timeout_s)
+    _positive("checkpoint.timeout_s", c.timeout_s)
+    for key, seed in (("train.seed", t.seed), ("data.seed", d.seed)):
+        if not 0 <= seed <= MAX_SEED:
+            raise ConfigError(f"{key}: {seed} must be in 0..{MAX_SEED}")
     if t.exit_step is not None and not 0 < t.exit_step <= t.max_steps:
         raise ConfigError(f"train.exit_step: {t.exit_step} must be in 1..train.max_steps ({t.max_steps}) or null")
     _positive("eval.tgt_len", e.tgt_len)
@@ -431,6 +513,7 @@ def validate(cfg: RunConfig) -> None:
         _positive("eval.n_streams", e.n_streams)
     if e.max_segments is not None:
         _positive("eval.max_segments", e.max_segments)
+    check_same_length("eval", e.same_length, e.mem_len)
     _non_negative("checkpoint.interval", c.interval)
     _non_negative("checkpoint.keep", c.keep)
     validate_deepspeed(cfg.deepspeed, cfg.train.max_steps)
@@ -451,6 +534,7 @@ def validate_model(m: ModelConfig) -> None:
     if m.vocab_size is not None:
         _positive("model.vocab_size", m.vocab_size)
     check_cutoffs(m.cutoffs, m.vocab_size)
+    check_same_length("model", m.same_length, m.mem_len)
     if m.tie_projs is not None and len(m.tie_projs) != len(m.cutoffs) + 1:
         raise ConfigError(
             f"model.tie_projs: needs one entry per cluster ({len(m.cutoffs) + 1} for cutoffs {m.cutoffs}), "
@@ -462,6 +546,13 @@ def validate_model(m: ModelConfig) -> None:
             raise ConfigError(
                 f"model.div_val: {m.div_val} shrinks the last cluster's embedding below 1 "
                 f"(d_embed {d_embed}, {len(m.cutoffs)} cutoffs); lower div_val or raise d_embed")
+
+
+def check_same_length(section: str, same_length: bool, mem_len: int) -> None:
+    """same_length gives every query the same number of keys by masking into the memory: it needs one."""
+    if same_length and mem_len == 0:
+        raise ConfigError(f"{section}.same_length: needs {section}.mem_len > 0 (with no memory the first query "
+                          f"would see no key); set {section}.same_length=false or a memory length")
 
 
 def check_cutoffs(cutoffs: list[int], vocab_size: int | None) -> None:
@@ -476,6 +567,7 @@ def check_cutoffs(cutoffs: list[int], vocab_size: int | None) -> None:
 
 
 def validate_deepspeed(ds: dict[str, Any], max_steps: int) -> None:
+    """The rules this project adds to DeepSpeed's own (engine.check_deepspeed_config checks the keys)."""
     for key in ("train_batch_size", "train_micro_batch_size_per_gpu"):
         v = ds.get(key)
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
@@ -484,15 +576,36 @@ def validate_deepspeed(ds: dict[str, Any], max_steps: int) -> None:
         raise ConfigError(
             "deepspeed.gradient_accumulation_steps: do not set it; it follows from train_batch_size / "
             "(train_micro_batch_size_per_gpu * world size), so one config runs on any world size")
+    for alias, name in (("bfloat16", "bf16"), ("amp", "bf16 or fp16")):
+        if alias in ds:
+            raise ConfigError(f"deepspeed.{alias}: not supported here; use deepspeed.{name} (the precision this "
+                              "project reads to choose the dtype of the model and its mems)")
+    for key in ("zero_optimization", "bf16", "fp16", "optimizer", "scheduler", "activation_checkpointing",
+                "checkpoint"):
+        if key in ds and not isinstance(ds[key], dict):
+            raise ConfigError(f"deepspeed.{key}: must be a JSON object, got {json.dumps(ds[key])}")
     s, m = ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"]
     if s % m:
         raise ConfigError(
             f"deepspeed.train_micro_batch_size_per_gpu: {m} does not divide train_batch_size {s}")
-    stage = ds.get("zero_optimization", {}).get("stage", 0)
-    if stage not in (0, 1, 2, 3):
+    zero = ds.get("zero_optimization", {})
+    stage = zero.get("stage", 0)
+    if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
         raise ConfigError(f"deepspeed.zero_optimization.stage: must be 0, 1, 2 or 3, got {json.dumps(stage)}")
+    for section in ("bf16", "fp16"):
+        enabled = ds.get(section, {}).get("enabled", False)
+        if not isinstance(enabled, bool):
+            raise ConfigError(f"deepspeed.{section}.enabled: must be true or false, got {json.dumps(enabled)}")
     if ds.get("bf16", {}).get("enabled") and ds.get("fp16", {}).get("enabled"):
         raise ConfigError("deepspeed.bf16.enabled and deepspeed.fp16.enabled: enable at most one")
+    # The non-finite guard (train.max_nonfinite) relies on DeepSpeed skipping a step whose gradient norm
+    # is not finite; these two switches turn that check off.
+    if ds.get("bf16", {}).get("check_grad_overflow") is False:
+        raise ConfigError("deepspeed.bf16.check_grad_overflow: must stay true; a step with a non-finite gradient "
+                          "would reach the weights (train.max_nonfinite needs the check)")
+    if zero.get("compute_grad_norm") is False:
+        raise ConfigError("deepspeed.zero_optimization.compute_grad_norm: must stay true; without the norm a "
+                          "non-finite gradient would reach the weights (train.max_nonfinite needs it)")
     sched = ds.get("scheduler")
     if sched is not None:
         total = sched.get("params", {}).get("total_num_steps")

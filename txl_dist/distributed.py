@@ -18,12 +18,14 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from .errors import Refused
+
 DEFAULT_MASTER_PORT = 29500
 LOGGER_NAME = "txl_dist"
 T = TypeVar("T")
 
 
-class LaunchError(RuntimeError):
+class LaunchError(Refused, RuntimeError):
     """The environment does not describe a usable job; the message names the variable and the fix."""
 
 

@@ -24,6 +24,7 @@ from . import distributed
 from .config import EvalConfig
 from .data import StreamLoader
 from .memory import MemoryBank
+from .streams import streams_per_rank
 
 
 class Evaluator:
@@ -33,9 +34,7 @@ class Evaluator:
                  n_streams: int, device: torch.device | str = "cpu", splits: Iterable[str] = ()):
         """`splits` are opened (and verified) now, so that a split too short for the evaluation's streams
         fails the start of a run, not its first evaluation hours later; others open on first use."""
-        if n_streams % world_size:
-            raise ValueError(f"eval streams: {n_streams} cannot be split over {world_size} ranks; "
-                             f"use a multiple of {world_size} (eval.n_streams)")
+        streams_per_rank(n_streams, world_size, streams="eval.n_streams")
         self.corpus_dir, self.cfg = corpus_dir, eval_cfg
         self.rank, self.world_size, self.n_streams = rank, world_size, n_streams
         self.device = torch.device(device)

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from txl_dist.config import TrackingConfig
+from txl_dist.errors import Refused
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ MAX_KEY_LENGTH = 250
 TRUNCATED = "...[truncated]"
 
 
-class TrackingError(RuntimeError):
+class TrackingError(Refused, RuntimeError):
     """Tracking could not start (unreachable store, unknown run to resume); the message names the fix."""
 
 

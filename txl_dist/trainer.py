@@ -173,7 +173,7 @@ class Trainer:
         }
         info = dict(self.run_info, **self.state_dict(), world_size=self.env.world_size,
                     mlflow_run_id=self.tracker.run_id)
-        tag_dir = checkpoint.save(self.engine, self.cfg.checkpoint.dir, self.step, rank=self.env.rank,
+        tag_dir = checkpoint.save(self.engine, self.cfg.checkpoint_dir(), self.step, rank=self.env.rank,
                                   rank_state=rank_state, run_info=info, keep=self.cfg.checkpoint.keep)
         log.info("checkpoint %s (%.1f s)", tag_dir, time.perf_counter() - start)
         return tag_dir
@@ -302,7 +302,7 @@ def _prepare(cfg: RunConfig, env: DistEnv, resume: str) -> _Start:
     eval_streams = cfg.eval_streams(env.world_size)
     manifest = read_manifest(cfg.data.path)
     cfg = resolve_model_config(cfg, manifest.tokenizer.vocab_size, cfg.data.path)
-    tag_dir = checkpoint.resolve_resume(resume, cfg.checkpoint.dir)
+    tag_dir = checkpoint.resolve_resume(resume, cfg.checkpoint_dir())
     run_info = None
     if tag_dir is not None:
         run_info = checkpoint.read_run_info(tag_dir)
@@ -331,15 +331,15 @@ def build(cfg: RunConfig, env: DistEnv, *, resume: str = "auto") -> Trainer:
         source = checkpoint.engine_source(tag_dir, run_info, world_size=env.world_size, rank=env.rank)
     # Rank 0 alone removes interrupted saves (tags newer than `latest`) before anything is written; the
     # tag the other ranks are reading now is left alone.
-    if env.is_main and Path(cfg.checkpoint.dir).is_dir():
-        checkpoint.prune(cfg.checkpoint.dir, cfg.checkpoint.keep, protect=tag_dir)
+    if env.is_main and cfg.checkpoint_dir().is_dir():
+        checkpoint.prune(cfg.checkpoint_dir(), cfg.checkpoint.keep, protect=tag_dir)
 
     ds_config = deepspeed_config(cfg, env.world_size, load_universal=source is not None and source.universal)
     from .model import TransformerXL  # the model package is heavy; import it when a model is built
 
     engine = build_engine(lambda: TransformerXL(cfg.model), ds_config, seed=cfg.train.seed)
     checkpoint.seed_rng(cfg.train.seed, env.rank)  # dropout differs between ranks, reproducibly
-    run_dir = Path(cfg.checkpoint.dir).parent
+    run_dir = Path(cfg.run.dir)
     tracker = create_tracker(cfg.tracking, env.rank, run_dir,
                              resume_run_id=None if run_info is None else run_info.get("mlflow_run_id"))
     manifest = start.manifest
@@ -363,7 +363,7 @@ def _log_run_start(trainer: Trainer, cfg: RunConfig, env: DistEnv, manifest) -> 
     tracker.log_params(cfg.to_dict())
     tracker.log_params({"derived": {"n_params": n_params, "stream_len": trainer.loader.stream_len,
                                     "tokens_per_step": trainer.tokens_per_step}})
-    run_dir = Path(cfg.checkpoint.dir).parent
+    run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     resolved = run_dir / "config.resolved.json"
     resolved.write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
@@ -391,5 +391,5 @@ def run(cfg: RunConfig, env: DistEnv, *, resume: str = "auto") -> int:
         trainer.loader.close()
         trainer.tracker.close(status)
         if env.is_main:
-            log.info("checkpoints in %s | MLflow run %s (%s)", Path(cfg.checkpoint.dir).resolve(),
+            log.info("checkpoints in %s | MLflow run %s (%s)", cfg.checkpoint_dir().resolve(),
                      trainer.tracker.run_id or "off", status)

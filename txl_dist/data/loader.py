@@ -24,6 +24,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from .arrow_io import TokenReader
+from ..streams import micro_steps_per_rank
 from .manifest import CorpusError, read_manifest, sha256_file
 
 STATE_VERSION = 1
@@ -258,10 +259,4 @@ def _check_layout(rank: int, world_size: int, n_streams: int, micro_batch: int, 
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
-    if n_streams % world_size:
-        raise ValueError(f"{n_streams} streams cannot be split over {world_size} ranks; "
-                         f"use a world size that divides {n_streams}")
-    if (n_streams // world_size) % micro_batch:
-        raise ValueError(f"micro_batch {micro_batch} does not divide the {n_streams // world_size} streams of each "
-                         f"of {world_size} ranks ({n_streams} streams); n_streams must be a multiple of "
-                         "micro_batch * world_size")
+    micro_steps_per_rank(n_streams, micro_batch, world_size)

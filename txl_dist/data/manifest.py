@@ -17,6 +17,8 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 from txl_dist.atomic import atomic_write
+from txl_dist.errors import Refused
+from txl_dist.streams import streams_per_rank
 
 FORMAT_NAME = "txl-dist-corpus"
 FORMAT_VERSION = 1
@@ -24,7 +26,7 @@ MANIFEST_FILE = "manifest.json"
 DTYPES = ("uint16", "int32")
 
 
-class CorpusError(ValueError):
+class CorpusError(Refused, ValueError):
     """A problem with a prepared corpus; the message is one line naming the file and what is wrong."""
 
 
@@ -208,9 +210,7 @@ def stream_length(n_tokens: int, n_streams: int) -> int:
 
 def rank_token_range(n_tokens: int, n_streams: int, world_size: int, rank: int) -> tuple[int, int]:
     """Global-stream tokens [start, stop) of rank's block: streams [rank*S/W, (rank+1)*S/W) of length L."""
-    if world_size < 1 or n_streams % world_size:
-        raise ValueError(f"{n_streams} streams cannot be split over {world_size} ranks; "
-                         f"use a world size that divides {n_streams}")
+    streams_per_rank(n_streams, world_size)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
     block = n_streams // world_size * stream_length(n_tokens, n_streams)
@@ -323,9 +323,8 @@ def _parse_split(d: Any, source: str, name: str) -> SplitEntry:
     counts = {k: s.int(k) for k in ("n_tokens", "n_documents", "n_bytes", "n_chars")}
     lay = _Fields(d["layout"], source, f"{where}.layout", ("world_size", "n_streams"))
     layout = Layout(world_size=lay.int("world_size", lo=1), n_streams=lay.int("n_streams", lo=1))
-    if layout.n_streams % layout.world_size:
-        raise CorpusError(f"{source}: {where}.layout: world_size {layout.world_size} does not divide "
-                          f"n_streams {layout.n_streams}")
+    streams_per_rank(layout.n_streams, layout.world_size, streams=f"{source}: {where}.layout.n_streams",
+                     ranks="ranks (its layout.world_size)", error=CorpusError)
     if not isinstance(d["files"], list):
         raise CorpusError(f"{source}: {where}.files must be a JSON list")
     files, expect = [], 0

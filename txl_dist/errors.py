@@ -1,0 +1,34 @@
+"""The two kinds of errors the program ends with, each printed as one line by every entry point.
+
+``Refused``: input the program will not work with (a configuration, a corpus, a checkpoint, a tracking store,
+a launch environment, a run folder another job holds). Raised during start-up, on every rank together,
+before anything is written; the entry point prints the message and exits with status 2.
+
+``RunFailed``: a fault while the job runs (a lost rank, a save that could not complete, a diverged loss).
+The newest complete checkpoint is intact; the entry point prints the message and exits with status 1.
+
+Each package derives its own error from one of these (config.ConfigError, data.CorpusError,
+checkpoint.CheckpointError, tracking.TrackingError, distributed.LaunchError), so a caller catches the base.
+Standard library only: every package may import this module.
+"""
+from __future__ import annotations
+
+EXIT_REFUSED = 2
+EXIT_FAILED = 1
+
+
+class Refused(Exception):
+    """Input the program refuses; the message is one line that names the key, file or value and the fix."""
+
+
+class RunFailed(Exception):
+    """A fault during a run; the message is one line that says what happened and what is left on disk."""
+
+
+def one_line(exc: BaseException, limit: int = 400) -> str:
+    """An exception as one bounded line: its first line, or its type when it has no message."""
+    lines = str(exc).strip().splitlines()
+    text = lines[0].strip() if lines else ""
+    if not text:
+        return type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."

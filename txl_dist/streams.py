@@ -1,0 +1,33 @@
+"""The one rule of the stream layout: S streams split over W ranks, each rank's streams over micro batches.
+
+Config, the data package, the loader, evaluation and data_prep all ask here, each naming its own keys in
+the message, so the rule and its wording cannot drift apart. Standard library only.
+"""
+from __future__ import annotations
+
+
+def streams_per_rank(n_streams: int, world_size: int, *, streams: str = "n_streams", ranks: str = "ranks",
+                     error: type[Exception] = ValueError) -> int:
+    """S / W, or `error` naming `streams` (the key or flag that set S) when W does not divide S."""
+    if world_size < 1:
+        raise error(f"world size must be >= 1, got {world_size}")
+    if n_streams < 1:
+        raise error(f"{streams}: must be >= 1, got {n_streams}")
+    per_rank, rest = divmod(n_streams, world_size)
+    if rest:
+        raise error(f"{streams}: {n_streams} streams cannot be split over {world_size} {ranks}; "
+                    f"use a world size that divides {n_streams}")
+    return per_rank
+
+
+def micro_steps_per_rank(n_streams: int, micro_batch: int, world_size: int, *, streams: str = "n_streams",
+                         micro: str = "micro_batch", error: type[Exception] = ValueError) -> int:
+    """g with micro_batch * g * W == S (the micro steps of one optimizer step), or `error` naming the key."""
+    per_rank = streams_per_rank(n_streams, world_size, streams=streams, error=error)
+    if micro_batch < 1:
+        raise error(f"{micro}: must be >= 1, got {micro_batch}")
+    steps, rest = divmod(per_rank, micro_batch)
+    if rest:
+        raise error(f"{micro}: {micro_batch} does not divide the {per_rank} streams of each of {world_size} ranks "
+                    f"({streams} {n_streams}); use a multiple of {micro_batch} x {world_size} streams")
+    return steps
