@@ -2,7 +2,7 @@
 
 Sections: run, model, data, train, eval, checkpoint, tracking (typed here) and deepspeed (a plain dict handed
 to deepspeed.initialize; its keys are checked against DeepSpeed's own reading of it when the engine module
-validates it, see engine.check_deepspeed_config). Every problem is reported as one ``ConfigError`` line that
+validates it, see deepspeed_schema.check_deepspeed_config). Every problem is reported as one ``ConfigError`` line that
 names the key and says what to do.
 
 Standard library only: every other package may import this module.
@@ -567,7 +567,7 @@ def check_cutoffs(cutoffs: list[int], vocab_size: int | None) -> None:
 
 
 def validate_deepspeed(ds: dict[str, Any], max_steps: int) -> None:
-    """The rules this project adds to DeepSpeed's own (engine.check_deepspeed_config checks the keys)."""
+    """The rules this project adds to DeepSpeed's own (deepspeed_schema.check_deepspeed_config checks the keys)."""
     for key in ("train_batch_size", "train_micro_batch_size_per_gpu"):
         v = ds.get(key)
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:

@@ -1,0 +1,140 @@
+"""check_deepspeed_config: a deepspeed section DeepSpeed would misread is refused with one line naming the key."""
+import copy
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from deepspeed import comm as dist
+
+from txl_dist.config import ConfigError, config_from_dict, load_config
+from txl_dist.deepspeed_schema import check_deepspeed_config
+from txl_dist.engine import deepspeed_config
+
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.json"))
+
+# Every section this project uses: ZeRO-3 with the optimizer offloaded to the CPU, activation checkpointing,
+# bf16, WarmupCosineLR (deepspeed_config adds total_num_steps, gradient_accumulation_steps and, with
+# load_universal, checkpoint.load_universal).
+EVERY_SECTION = {
+    "train_batch_size": 8,
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_clipping": 0.25,
+    "steps_per_print": 1000000000,
+    "bf16": {"enabled": True},
+    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                          "overlap_comm": True, "contiguous_gradients": True},
+    "activation_checkpointing": {"partition_activations": False, "contiguous_memory_optimization": False,
+                                 "cpu_checkpointing": False},
+    "optimizer": {"type": "AdamW", "params": {"lr": 0.001, "betas": [0.9, 0.999], "eps": 1e-8,
+                                              "weight_decay": 0.0, "torch_adam": True}},
+    "scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 10, "warmup_type": "linear",
+                                                       "warmup_min_ratio": 0.0, "cos_min_ratio": 0.01}},
+}
+
+
+def handed_over(section: dict, world_size: int = 2) -> dict:
+    """The section as the project hands it to deepspeed.initialize at this world size."""
+    cfg = config_from_dict({"train": {"max_steps": 50}, "deepspeed": copy.deepcopy(section)})
+    return deepspeed_config(cfg, world_size, load_universal=True)
+
+
+def with_values(ds: dict, settings: dict) -> dict:
+    """A copy of `ds` with each dotted key of `settings` set (sections created as needed)."""
+    ds = copy.deepcopy(ds)
+    for dotted, value in settings.items():
+        *sections, key = dotted.split(".")
+        node = ds
+        for name in sections:
+            node = node.setdefault(name, {})
+        node[key] = value
+    return ds
+
+
+def refusal(ds: dict, world_size: int = 2) -> str:
+    with pytest.raises(ConfigError) as caught:
+        check_deepspeed_config(ds, world_size)
+    return str(caught.value)
+
+
+@pytest.mark.parametrize("settings, key, suggestion", [
+    pytest.param({"gradient_cliping": 1.0}, "gradient_cliping", "gradient_clipping", id="top-level-typo"),
+    pytest.param({"zero_optimization.stgae": 2}, "zero_optimization.stgae", "stage", id="zero-stage-typo"),
+    pytest.param({"zero_optimization.overlap_com": True}, "zero_optimization.overlap_com", "overlap_comm",
+                 id="zero-overlap-typo"),
+    pytest.param({"zero_optimization.offload_optimizer.pin_memry": True},
+                 "zero_optimization.offload_optimizer.pin_memry", "pin_memory", id="nested-zero-model-typo"),
+    pytest.param({"bf16.enabeld": True}, "bf16.enabeld", "enabled", id="bf16-typo"),
+    pytest.param({"activation_checkpointing.partition_activation": True},
+                 "activation_checkpointing.partition_activation", "partition_activations",
+                 id="activation-checkpointing-typo"),
+    pytest.param({"checkpoint.load_universl": True}, "checkpoint.load_universl", "load_universal",
+                 id="checkpoint-typo"),
+    pytest.param({"tensorboard.enabeld": True}, "tensorboard.enabeld", "enabled", id="monitor-typo"),
+    pytest.param({"optimizer.parmas": {}}, "optimizer.parmas", "params", id="optimizer-section-typo"),
+    pytest.param({"optimizer.params.weight_decy": 0.01}, "optimizer.params.weight_decy", "weight_decay",
+                 id="torch-adamw-param-typo"),
+    pytest.param({"optimizer.params.torch_adam": False, "optimizer.params.weight_decy": 0.01},
+                 "optimizer.params.weight_decy", "weight_decay", id="cpu-adam-param-typo"),
+    pytest.param({"optimizer.type": "AdamWW"}, "optimizer.type", "AdamW", id="optimizer-type-typo"),
+    pytest.param({"scheduler.type": "WarmupCosine"}, "scheduler.type", "WarmupCosineLR", id="scheduler-type-typo"),
+    pytest.param({"scheduler.params.warmup_num_step": 5}, "scheduler.params.warmup_num_step", "warmup_num_steps",
+                 id="scheduler-param-typo"),
+    pytest.param({"gradient_clipping": "1.0"}, "gradient_clipping", None, id="clipping-as-string"),
+    pytest.param({"zero_optimization.stage": "two"}, "zero_optimization.stage", None, id="stage-as-word"),
+    pytest.param({"steps_per_print": 1.5}, "steps_per_print", None, id="fractional-steps-per-print"),
+    pytest.param({"activation_checkpointing.partition_activations": "false"},
+                 "activation_checkpointing.partition_activations", None, id="switch-as-string"),
+])
+def test_a_misread_key_is_refused_in_one_line_naming_it(settings, key, suggestion):
+    message = refusal(with_values(handed_over(EVERY_SECTION), settings))
+    assert "\n" not in message
+    assert message.startswith(f"deepspeed.{key}: ")
+    if suggestion is None:
+        assert "did you mean" not in message
+    else:
+        assert message.endswith(f"(did you mean '{suggestion}'?)") or f"(did you mean '{suggestion}'?);" in message
+
+
+@pytest.mark.parametrize("torch_adam", [True, False], ids=["torch-adamw", "deepspeed-cpu-adam"])
+def test_a_config_with_every_section_this_project_uses_passes(torch_adam):
+    ds = with_values(handed_over(EVERY_SECTION), {"optimizer.params.torch_adam": torch_adam})
+    assert ds["checkpoint"] == {"load_universal": True} and "total_num_steps" in ds["scheduler"]["params"]
+    before = copy.deepcopy(ds)
+    check_deepspeed_config(ds, 2)
+    assert ds == before  # DeepSpeed pops optimizer params and writes into its config: never into ours
+
+
+def test_every_shipped_config_passes_at_each_world_size_its_batch_layout_allows():
+    checked = []
+    for path in CONFIGS:
+        cfg = load_config(path)
+        for world_size in (1, 2, 8):
+            try:
+                cfg.gradient_accumulation_steps(world_size)
+            except ConfigError:
+                continue  # the project refuses this layout before DeepSpeed sees it
+            for load_universal in (False, True):
+                check_deepspeed_config(deepspeed_config(cfg, world_size, load_universal=load_universal), world_size)
+            checked.append((path.stem, world_size))
+    assert {name for name, _ in checked} == {path.stem for path in CONFIGS}
+    assert ("wt103_base", 8) in checked and ("enwik8_large", 8) in checked
+
+
+def test_the_batch_layout_is_checked_at_the_given_world_size():
+    ds = handed_over(EVERY_SECTION, world_size=2)  # gradient_accumulation_steps 2 for 8 = 2 x 2 x 2
+    check_deepspeed_config(ds, 2)
+    message = refusal(ds, world_size=4)
+    assert "\n" not in message and message.startswith("deepspeed: ") and "8 != 2 * 2 * 4" in message
+
+
+def test_the_check_is_quick_and_needs_no_process_group():
+    ds = handed_over(EVERY_SECTION)
+    process_group_before = dist.is_initialized()
+    check_deepspeed_config(ds, 2)  # the first call pays for lazy imports
+    start = time.perf_counter()
+    for _ in range(20):
+        check_deepspeed_config(ds, 2)
+    assert (time.perf_counter() - start) / 20 < 0.1
+    assert dist.is_initialized() == process_group_before
+    assert not torch.cuda.is_initialized()

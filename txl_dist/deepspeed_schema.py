@@ -1,0 +1,424 @@
+"""The deepspeed section of a run config against DeepSpeed's own reading of it (check_deepspeed_config).
+
+DeepSpeed reads the keys it knows with defaults and ignores every other one: `"gradient_cliping": 1.0` runs
+with DeepSpeed's default clipping (1.0, not off) and nothing says so. Imports deepspeed: with engine.py and
+checkpoint.py the only modules that do.
+"""
+from __future__ import annotations
+
+import collections
+import copy
+import inspect
+import json
+import sys
+import typing
+from collections.abc import KeysView
+from typing import Any
+
+import deepspeed
+import pydantic
+import torch
+from deepspeed.runtime import config as ds_config_module
+from deepspeed.runtime import lr_schedules
+from deepspeed.runtime.config_utils import DeepSpeedConfigModel, get_scalar_param
+from deepspeed.runtime.engine import DeepSpeedEngine
+
+from .config import ConfigError, _suggest, _type_name
+from .errors import one_line
+
+def check_deepspeed_config(ds: dict[str, Any], world_size: int) -> None:
+    """Refuse a deepspeed section that DeepSpeed would misread, with one ConfigError line naming the key.
+
+    DeepSpeed reads the keys it knows with defaults and ignores every other one, so a misspelled key runs on
+    DeepSpeed's default and a value of the wrong type fails steps later, if ever. `ds` is the dict handed to
+    deepspeed.initialize (deepspeed_config's result). DeepSpeedConfig reads it here at `world_size` (no
+    process group, no op build, no device) through views that record every key it looks up: a key of a
+    section it reads key by key must be one it looked up; a section it hands whole to one of its pydantic
+    models is judged by that model; a scalar it reads with get_scalar_param must have the type of its
+    default; optimizer.params and scheduler.params must be arguments of the class DeepSpeed builds for them.
+    Recording the reading, rather than collecting DeepSpeed's key constants, follows DeepSpeed exactly: its
+    constants mix top-level and nested names ("enabled", "type") and miss the keys it spells inline
+    (hybrid_engine, pipeline, compile, tensor_parallel, comms_logger, ...).
+    """
+    if not isinstance(ds, dict):
+        raise ConfigError(f"deepspeed: must be a JSON object, got {_json(ds)}")
+    reading = _Reading()
+    config = _read_as_deepspeed(ds, world_size, reading)
+    _check_unread_keys(ds, reading, config)
+    _check_scalar_types(ds, reading)
+    _check_optimizer(ds, config)
+    _check_scheduler(ds)
+
+
+_DS_VERSION = f"DeepSpeed {deepspeed.__version__}"
+_MISSING = object()
+
+# Keys DeepSpeed looks up only to refuse them (removed features): never a suggestion.
+_REMOVED_KEYS = frozenset(getattr(ds_config_module, "_REMOVED_TOP_LEVEL_CONFIG_KEYS", {})) | frozenset(
+    getattr(ds_config_module, "_REMOVED_ZERO_CONFIG_KEYS", {}))
+
+# Keys DeepSpeed reads with get_scalar_param and a default of None, which says nothing about their type.
+_SCALAR_TYPES_WITHOUT_DEFAULT: dict[tuple[str, ...], type] = {
+    ("steps_per_print",): int,  # the engine prints when (global_steps + 1) % steps_per_print == 0
+}
+_SCALAR_KINDS = (bool, int, float, str)  # bool first: Python counts it as an int, a JSON config does not
+
+
+class _Reading:
+    """What DeepSpeed did with each section of a config while reading it; a path is a tuple of keys."""
+
+    def __init__(self) -> None:
+        self.looked_up: dict[tuple[str, ...], set[str]] = collections.defaultdict(set)
+        self.scalar_defaults: dict[tuple[str, ...], Any] = {}
+        self.handed_out: list[tuple[str, ...]] = []
+        self.whole: set[tuple[str, ...]] = set()
+        self.views: list[_RecordingDict] = []  # kept alive so that their ids stay theirs
+
+    def view(self, section: dict, path: tuple[str, ...]) -> _RecordingDict:
+        view = _RecordingDict(section, self, path)
+        self.views.append(view)
+        if path:
+            self.handed_out.append(path)
+        return view
+
+    def taken_whole(self, path: tuple[str, ...]) -> bool:
+        return any(path[:i] in self.whole for i in range(len(path) + 1))
+
+
+class _RecordingDict(dict):
+    """A copy of one config section that notes in a _Reading each key DeepSpeed looks up in it.
+
+    Iterating or copying a section means DeepSpeed took it whole (to unpack it into a pydantic model, or to
+    keep it), so its keys are then not judged by lookups.
+    """
+
+    def __init__(self, section: dict, reading: _Reading, path: tuple[str, ...]) -> None:
+        super().__init__(section)
+        self._reading, self._path = reading, path
+
+    def __getitem__(self, key):
+        self._reading.looked_up[self._path].add(key)
+        return self._view_of(key, dict.__getitem__(self, key))
+
+    def get(self, key, default=None):
+        self._reading.looked_up[self._path].add(key)
+        # get_scalar_param is `param_dict.get(name, default)`: its frame marks the default as a typed scalar.
+        if sys._getframe(1).f_code is get_scalar_param.__code__:
+            self._reading.scalar_defaults.setdefault(self._path + (key,), default)
+        if not dict.__contains__(self, key):
+            return default
+        return self._view_of(key, dict.__getitem__(self, key))
+
+    def __contains__(self, key):
+        self._reading.looked_up[self._path].add(key)
+        return dict.__contains__(self, key)
+
+    def pop(self, key, *default):
+        self._reading.looked_up[self._path].add(key)
+        return dict.pop(self, key, *default)
+
+    def setdefault(self, key, default=None):
+        self._reading.looked_up[self._path].add(key)
+        return dict.setdefault(self, key, default)
+
+    def keys(self):
+        return _RecordingKeys(self)  # `key in d.keys()` is a lookup; iterating the keys takes the section
+
+    def __iter__(self):
+        self._reading.whole.add(self._path)
+        return dict.__iter__(self)
+
+    def items(self):
+        self._reading.whole.add(self._path)
+        return dict.items(self)
+
+    def values(self):
+        self._reading.whole.add(self._path)
+        return dict.values(self)
+
+    def __copy__(self):
+        # DeepSpeedConfig reads a shallow copy of the whole config, which must go on recording.
+        if self._path:
+            self._reading.whole.add(self._path)
+        return self._reading.view(self._plain(), self._path)
+
+    def __deepcopy__(self, memo):
+        if self._path:
+            self._reading.whole.add(self._path)
+        return copy.deepcopy(self._plain(), memo)
+
+    def _plain(self) -> dict:
+        return dict(dict.items(self))  # dict.copy and dict() would go through keys() and take it whole
+
+    def _view_of(self, key, value):
+        # Below a section taken whole, every key belongs to whoever took it.
+        if not isinstance(value, dict) or self._reading.taken_whole(self._path):
+            return value
+        return self._reading.view(value, self._path + (key,))
+
+
+class _RecordingKeys(KeysView):
+    """keys() of a _RecordingDict: membership goes through its __contains__, iteration through its __iter__."""
+
+
+class _DeepSpeedConfigAtWorldSize(ds_config_module.DeepSpeedConfig):
+    """DeepSpeedConfig that checks the batch layout at a given world size, with or without a process group.
+
+    Without a process group DeepSpeedConfig takes the world size to be 1 (dist.get_rank fails before it would
+    ask an mpu), which refuses every layout of more than one rank; the world size it works out is ignored.
+    """
+
+    def __init__(self, config: dict, world_size: int) -> None:
+        self._pinned_world_size = world_size
+        super().__init__(config)
+
+    @property
+    def world_size(self) -> int:
+        return self._pinned_world_size
+
+    @world_size.setter
+    def world_size(self, _guess) -> None:
+        pass
+
+
+def _read_as_deepspeed(ds: dict, world_size: int, reading: _Reading) -> ds_config_module.DeepSpeedConfig:
+    """DeepSpeedConfig of `ds` at `world_size`, read through a recording view; its refusals as ConfigError."""
+    try:
+        # A deep copy: DeepSpeed writes into the config it reads (data_efficiency), which must not reach `ds`.
+        return _DeepSpeedConfigAtWorldSize(reading.view(copy.deepcopy(ds), ()), world_size)
+    except pydantic.ValidationError as e:
+        raise ConfigError(_validation_error_line(e, ds, reading)) from None
+    except Exception as e:  # DeepSpeedConfig refuses with assertions, ValueErrors and its own error type
+        _check_scalar_types(ds, reading)  # a value of the wrong type explains the refusal better than it does
+        raise ConfigError(f"deepspeed: {_DS_VERSION} refuses it: {one_line(e)}") from e
+
+
+def _check_unread_keys(ds: dict, reading: _Reading, config: ds_config_module.DeepSpeedConfig) -> None:
+    # DeepSpeedConfig keeps some sections as they are for the engine (optimizer and scheduler params): they
+    # count as taken whole, their keys are judged against the class they go to (_check_optimizer, ...).
+    kept = {id(value) for value in vars(config).values()}
+    reading.whole.update(view._path for view in reading.views if view._path and id(view) in kept)
+    for path in dict.fromkeys([(), *reading.handed_out]):
+        looked_up = reading.looked_up[path]
+        # A section handed out but never looked into went whole to a pydantic model inside another dict
+        # (monitor's tensorboard, wandb, ...): that model judges its keys.
+        if reading.taken_whole(path) or (path and not looked_up):
+            continue
+        section = _value_at(ds, path)
+        if not isinstance(section, dict):  # a section DeepSpeed added to its own copy
+            continue
+        for key in section:
+            if key not in looked_up:
+                raise ConfigError(f"{_dotted(path + (key,))}: not a key {_DS_VERSION} reads, it would be "
+                                  f"ignored{_suggest(key, sorted(looked_up - _REMOVED_KEYS))}")
+
+
+def _check_scalar_types(ds: dict, reading: _Reading) -> None:
+    # DeepSpeed uses these values as they come (a string clip value fails at the first step, a float
+    # steps_per_print never prints): each must have the type of its default, an integer will do for a number.
+    for path, default in reading.scalar_defaults.items():
+        value = _value_at(ds, path)
+        kind = _SCALAR_TYPES_WITHOUT_DEFAULT.get(path) if default is None else _scalar_kind(default)
+        if value is _MISSING or kind is None or _is_kind(value, kind):
+            continue
+        said = "" if default is None else f" like DeepSpeed's default {_json(default)}"
+        raise ConfigError(f"{_dotted(path)}: expected {_type_name(kind)}{said}, got {_json(value)}")
+
+
+def _scalar_kind(default: Any) -> type | None:
+    return next((kind for kind in _SCALAR_KINDS if isinstance(default, kind)), None)
+
+
+def _is_kind(value: Any, kind: type) -> bool:
+    if kind is bool or isinstance(value, bool):
+        return kind is bool and isinstance(value, bool)
+    return isinstance(value, (int, float) if kind is float else kind)
+
+
+def _validation_error_line(error: pydantic.ValidationError, ds: dict, reading: _Reading) -> str:
+    """The first problem one of DeepSpeed's pydantic models found, as the dotted key and what it expected."""
+    problem = error.errors()[0]
+    loc = tuple(str(part) for part in problem["loc"])
+    path = _section_of(loc, ds, reading) + loc
+    if problem["type"] == "extra_forbidden":
+        known = _model_keys(error.title, loc[:-1])
+        return f"{_dotted(path)}: not a key {_DS_VERSION} knows{_suggest(loc[-1], known)}"
+    got = f", got {_json(problem['input'])}" if loc else ""
+    return f"{_dotted(path)}: {problem['msg']}{got}"
+
+
+def _section_of(loc: tuple[str, ...], ds: dict, reading: _Reading) -> tuple[str, ...]:
+    # pydantic names keys from the model's point of view, and a model may be fed several sections inside a
+    # plain dict (the monitor): the section is the latest one DeepSpeed took that holds the refused key.
+    candidates = [*reversed(reading.handed_out), ()]
+    return next((path for path in candidates if _value_at(ds, path + loc) is not _MISSING), candidates[0])
+
+
+def _model_keys(title: str, within: tuple[str, ...]) -> list[str]:
+    """Keys (names, aliases; not deprecated ones) of DeepSpeed's model `title` or of the one nested at `within`."""
+    model = next((m for m in _subclasses(DeepSpeedConfigModel) if m.__name__ == title), None)
+    for key in within:
+        model = _nested_model(model, key) if model is not None else None
+    if model is None:
+        return []
+    current = [(name, f) for name, f in model.model_fields.items() if not _deprecated(f)]
+    return [key for name, f in current for key in (name, f.alias) if key]
+
+
+def _deprecated(field: pydantic.fields.FieldInfo) -> bool:
+    return bool((field.json_schema_extra or {}).get("deprecated"))  # DeepSpeedConfigModel's own marker
+
+
+def _subclasses(cls: type) -> list[type]:
+    return [sub for direct in cls.__subclasses__() for sub in (direct, *_subclasses(direct))]
+
+
+def _nested_model(model: type, key: str) -> type | None:
+    for name, field in model.model_fields.items():
+        if key in (name, field.alias):
+            arms = (field.annotation, *typing.get_args(field.annotation))
+            return next((t for t in arms if isinstance(t, type) and issubclass(t, pydantic.BaseModel)), None)
+    return None
+
+
+def _check_optimizer(ds: dict, config: ds_config_module.DeepSpeedConfig) -> None:
+    section = ds.get("optimizer")
+    if section is None:
+        return
+    name = section.get("type")
+    if not isinstance(name, str) or not _is_known_optimizer(name):
+        known = ", ".join(ds_config_module.DEEPSPEED_OPTIMIZERS)
+        raise ConfigError(f"deepspeed.optimizer.type: {_json(name)} is not an optimizer {_DS_VERSION} builds"
+                          f"{_suggest_optimizer(str(name))}; use one of {known} or a torch.optim class name")
+    params = section.get("params", {})
+    if not isinstance(params, dict):
+        raise ConfigError(f"deepspeed.optimizer.params: must be a JSON object, got {_json(params)}")
+    if ds_config_module.MAX_GRAD_NORM in params:
+        raise ConfigError(f"deepspeed.optimizer.params.{ds_config_module.MAX_GRAD_NORM}: {_DS_VERSION} refuses it "
+                          "as an optimizer parameter; use deepspeed.gradient_clipping")
+    built = _optimizer_built(name, dict(params), config)
+    if built is not None:
+        cls, taken, own = built
+        what = f"{cls.__module__}.{cls.__qualname__}, which {_DS_VERSION} builds for type '{name}' here"
+        _check_arguments(params, cls, key="deepspeed.optimizer.params", what=what, taken=taken, own=own)
+
+
+def _is_known_optimizer(name: str) -> bool:
+    # DeepSpeed lower-cases its own names; any other goes to getattr(torch.optim, name) as it is.
+    return name.lower() in ds_config_module.DEEPSPEED_OPTIMIZERS or _is_torch_optimizer(name)
+
+
+def _is_torch_optimizer(name: str) -> bool:
+    cls = getattr(torch.optim, name, None)
+    return isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)
+
+
+def _suggest_optimizer(name: str) -> str:
+    # DeepSpeed's names are lower-case, torch's carry the casing people type (AdamW): offer both spellings.
+    names = set(ds_config_module.DEEPSPEED_OPTIMIZERS) | {n for n in dir(torch.optim) if _is_torch_optimizer(n)}
+    return _suggest(name, sorted(names))
+
+
+class _EngineView:
+    """The DeepSpeedEngine methods that pick the Adam class, run on a DeepSpeedConfig instead of an engine.
+
+    get_optimizer_configuration pops the params DeepSpeed consumes itself and returns the class with the
+    keyword arguments DeepSpeed adds, building nothing: DeepSpeed's own choice rather than a copy of it.
+    """
+
+    zero_use_cpu_optimizer = DeepSpeedEngine.zero_use_cpu_optimizer
+    bf16_optimizer_states = DeepSpeedEngine.bf16_optimizer_states
+    get_optimizer_configuration = DeepSpeedEngine.get_optimizer_configuration
+
+    def __init__(self, config: ds_config_module.DeepSpeedConfig) -> None:
+        self._config = config
+        # What configure_zenflow sets on an engine (ZenFlow's CPU Adam takes **kwargs: nothing to check).
+        self.zenflow = config.zero_config.zenflow is not None
+        self.overlap_step = getattr(config.zero_config.zenflow, "overlap_step", False)
+
+
+_MUP_OPTIMIZERS = {"muadam": "MuAdam", "muadamw": "MuAdamW", "musgd": "MuSGD"}
+
+
+def _optimizer_built(name: str, params: dict,
+                     config: ds_config_module.DeepSpeedConfig) -> tuple[type, set[str], set[str]] | None:
+    """The class DeepSpeed's _configure_basic_optimizer builds for `name` here, the keys of `params` it
+    consumes itself and the keyword arguments it passes itself; None for Muon, whose params DeepSpeed
+    spreads over two param groups of its own."""
+    lower, c = name.lower(), ds_config_module
+    engine = _EngineView(config)
+    on_cpu = engine.zero_use_cpu_optimizer()
+    if lower in (c.ADAM_OPTIMIZER, c.ADAMW_OPTIMIZER):
+        given = set(params)
+        adam_w_mode = params.pop(c.ADAM_W_MODE, c.ADAM_W_MODE_DEFAULT)
+        cls, own = engine.get_optimizer_configuration(params, lower == c.ADAMW_OPTIMIZER or adam_w_mode)
+        return cls, given - set(params), set(own)
+    if lower == c.MUON_OPTIMIZER:
+        return None
+    if lower == c.ADAGRAD_OPTIMIZER:
+        from deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
+        return (DeepSpeedCPUAdagrad if on_cpu else torch.optim.Adagrad), set(), set()
+    if lower == c.LAMB_OPTIMIZER:
+        from deepspeed.ops.lamb import FusedLamb
+        return FusedLamb, set(), set()
+    if lower == c.LION_OPTIMIZER:
+        from deepspeed.ops.lion import DeepSpeedCPULion, FusedLion
+        return (DeepSpeedCPULion if on_cpu else FusedLion), set(), set()
+    if lower in _MUP_OPTIMIZERS:
+        try:
+            import mup
+        except ImportError:
+            raise ConfigError(f"deepspeed.optimizer.type: '{name}' needs the mup package, which is not "
+                              "installed") from None
+        return getattr(mup, _MUP_OPTIMIZERS[lower]), set(), set()
+    return getattr(torch.optim, name), set(), set()
+
+
+def _check_scheduler(ds: dict) -> None:
+    section = ds.get("scheduler")
+    if section is None:
+        return
+    name = section.get("type")
+    valid = list(lr_schedules.VALID_LR_SCHEDULES)
+    if name not in valid:
+        raise ConfigError(f"deepspeed.scheduler.type: {_json(name)} is not an LR schedule of {_DS_VERSION}"
+                          f"{_suggest(str(name), valid)}; use one of {', '.join(valid)}")
+    params = section.get("params")
+    if not isinstance(params, dict):
+        raise ConfigError(f"deepspeed.scheduler.params: must be a JSON object, got {_json(params)} "
+                          f"(DeepSpeed calls {name}(optimizer, **params))")
+    _check_arguments(params, getattr(lr_schedules, name), key="deepspeed.scheduler.params",
+                     what=f"DeepSpeed's {name}")
+
+
+def _check_arguments(params: dict, cls: type, *, key: str, what: str, taken: set[str] = frozenset(),
+                     own: set[str] = frozenset()) -> None:
+    """Each of `params` but those `taken` by DeepSpeed must be an argument of `cls(first, **params)` that
+    DeepSpeed does not pass itself (`own`), and every argument `cls` requires must be there."""
+    arguments = list(inspect.signature(cls).parameters.values())[1:]  # the first gets the params / optimizer
+    if any(a.kind is a.VAR_KEYWORD for a in arguments):
+        return  # takes any keyword: nothing to hold the keys against
+    named = [a for a in arguments if a.kind in (a.POSITIONAL_OR_KEYWORD, a.KEYWORD_ONLY) and a.name not in own]
+    accepted = [a.name for a in named]
+    for name in params:
+        if name not in taken and name not in accepted:
+            raise ConfigError(f"{key}.{name}: not an argument of {what}{_suggest(name, accepted)}")
+    for argument in named:
+        if argument.default is argument.empty and argument.name not in params:
+            raise ConfigError(f"{key}.{argument.name}: missing; {what} requires it")
+
+
+def _value_at(tree: Any, path: tuple[str, ...]) -> Any:
+    for key in path:
+        if not isinstance(tree, dict) or key not in tree:
+            return _MISSING
+        tree = tree[key]
+    return tree
+
+
+def _dotted(path: tuple[str, ...]) -> str:
+    return ".".join(("deepspeed", *path))
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, default=str)
