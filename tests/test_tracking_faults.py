@@ -1,0 +1,399 @@
+"""Tracking under faults, against real `mlflow server` processes: a store that stalls, one that dies and
+comes back, jobs that crash or resume, an unreachable store, a URI with a password; and the journal's
+`python -m txl_dist.tracking replay RUN_DIR` that fills what the store missed.
+
+Tests that stop a server start their own (tests/mlflow_server.py); the others share the session's one.
+"""
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+
+from mlflow_server import LoopbackProxy, free_port, mlflow_server, start_mlflow_server  # noqa: F401
+from txl_dist.config import TrackingConfig
+from txl_dist.tracking import MlflowTracker, TrackingError, create_tracker
+
+REPO = Path(__file__).resolve().parents[1]
+BLOCKING_BOUND_S = 0.5
+"""A log_* call may take this long at most: a bound on blocking, far above a normal call (~0.1 ms)."""
+
+
+@pytest.fixture()
+def client(mlflow_server):  # noqa: F811
+    from mlflow import MlflowClient
+
+    return MlflowClient(mlflow_server.uri)
+
+
+@pytest.fixture()
+def experiment(request) -> str:
+    """An experiment name of this test alone."""
+    return f"{request.node.name}-{time.time_ns()}"
+
+
+@pytest.fixture(autouse=True)
+def no_mlflow_env(monkeypatch):
+    # The URI and experiment must come from what each test passes, never from the caller's shell.
+    for var in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL",
+                "MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def cfg_for(uri, experiment, **kw) -> TrackingConfig:
+    kw.setdefault("system_metrics", False)
+    return TrackingConfig(uri=uri, experiment=experiment, **kw)
+
+
+def history(client, run_id, key):
+    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+
+
+def runs_of(client, experiment):
+    exp = client.get_experiment_by_name(experiment)
+    return [] if exp is None else client.search_runs([exp.experiment_id])
+
+
+def replay_cli(run_dir, *args) -> subprocess.CompletedProcess:
+    """The documented command line, in a fresh interpreter."""
+    return subprocess.run([sys.executable, "-m", "txl_dist.tracking", "replay", str(run_dir), *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+
+
+def timed(fn, *args, **kw) -> float:
+    start = time.monotonic()
+    fn(*args, **kw)
+    return time.monotonic() - start
+
+
+def port_of(uri: str) -> int:
+    return int(uri.rsplit(":", 1)[1])
+
+
+class StallingProxy:
+    """Forwards 127.0.0.1:<port> to a target port; stall() holds every byte in both directions (a server
+    that stopped answering but keeps its connections), flow() lets them through again."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.flowing = threading.Event()
+        self.flowing.set()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(0.1)
+        self.port: int = self._listener.getsockname()[1]
+        self._closed = threading.Event()
+        threading.Thread(target=self._accept, name="stalling-proxy", daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            client.settimeout(None)
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            for src, dst in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                self.flowing.wait()
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def stall(self) -> None:
+        self.flowing.clear()
+
+    def flow(self) -> None:
+        self.flowing.set()
+
+    def close(self) -> None:
+        self.flowing.set()
+        self._closed.set()
+        self._listener.close()
+
+
+def test_a_stalled_store_never_blocks_logging_and_calls_keep_their_order(
+        mlflow_server, client, experiment, tmp_path):  # noqa: F811
+    proxy = StallingProxy(port_of(mlflow_server.uri))
+    run_dir = tmp_path / "run"
+    tracker = MlflowTracker(cfg_for(f"http://127.0.0.1:{proxy.port}", experiment), run_dir, max_pending=10)
+    note = tmp_path / "note.txt"
+    note.write_text("at call time")
+    proxy.stall()
+    # A call that waits on the store would wait for the stall to end: end it after a while, so that such a
+    # call fails the bound below instead of hanging the test.
+    valve = threading.Timer(30, proxy.flow)
+    valve.start()
+    try:
+        slowest = max(
+            timed(tracker.log_params, {"model": {"d_model": 64}}),
+            timed(tracker.log_artifact, note),
+            timed(note.write_text, "rewritten after the call"),  # the upload must carry the call-time copy
+            timed(tracker.log_text, "first", "order.txt"),
+            timed(tracker.log_text, "second", "order.txt"),  # same file: the later call must win
+            timed(tracker.log_dict, {"test/loss": 3.5}, "eval/final.json"),
+            *(timed(tracker.log_metrics, {"train/loss": float(s), "train/nonfinite_steps": 0.0}, step=s)
+              for s in range(1, 51)),
+        )
+        assert not tracker.flush(timeout=0.5), "the store answered: the proxy did not stall it"
+        assert slowest < BLOCKING_BOUND_S
+    finally:
+        valve.cancel()
+        proxy.flow()
+    delivery = tracker.close(timeout=120)
+    proxy.close()
+    assert delivery.dropped > 0 and delivery.failed == 0  # more calls than the queue holds, none failed
+    assert delivery.sent + delivery.dropped == 100  # the 5 items fitted: they came first
+    run_id = tracker.run_id
+    assert client.get_run(run_id).data.params == {"model.d_model": "64"}
+    down = Path(client.download_artifacts(run_id, "", str(tmp_path / "down")))
+    assert (down / "note.txt").read_text() == "at call time"
+    assert (down / "order.txt").read_text() == "second"
+    assert json.loads((down / "eval" / "final.json").read_text()) == {"test/loss": 3.5}
+    sent_steps = [s for s, _ in history(client, run_id, "train/loss")]
+    assert len(sent_steps) == delivery.sent // 2 < 50
+
+    # The dropped steps are in the journal; replay sends exactly those, a second replay nothing.
+    out = replay_cli(run_dir, "--uri", mlflow_server.uri)  # the recorded URI is the proxy's, gone now
+    assert out.returncode == 0, out.stderr
+    assert f"sent {delivery.dropped} metric values" in out.stdout
+    for key in ("train/loss", "train/nonfinite_steps"):
+        expected = [(s, float(s) if key == "train/loss" else 0.0) for s in range(1, 51)]
+        assert history(client, run_id, key) == expected, key
+    again = replay_cli(run_dir, "--uri", mlflow_server.uri)
+    assert again.returncode == 0 and "sent 0 metric values" in again.stdout and "and 0 " in again.stdout
+    assert len(history(client, run_id, "train/loss")) == 50
+
+
+def test_server_gone_mid_run_warns_once_and_replay_fills_every_step(experiment, tmp_path, monkeypatch, caplog):
+    # Fail each request at once instead of retrying for minutes, so that the failure (and its warning)
+    # happens while the test is still "training".
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    store = tmp_path / "store"
+    run_dir = tmp_path / "run"
+    server = start_mlflow_server(store)
+    try:
+        tracker = create_tracker(cfg_for(server.uri, experiment), 0, run_dir)
+        slowest = 0.0
+        with caplog.at_level(logging.WARNING, logger="txl_dist.tracking"):
+            for step in range(1, 121):
+                if step == 41:
+                    assert tracker.flush(timeout=60)  # steps 1-40 are in; no request in flight
+                    server.stop()
+                metrics = {"train/loss": 10.0 / step, "train/nonfinite_steps": float(step // 50)}
+                slowest = max(slowest, timed(tracker.log_metrics, metrics, step=step))
+                time.sleep(0.01)
+            tracker.flush(timeout=60)
+            warned = [r.getMessage() for r in caplog.records
+                      if r.name == "txl_dist.tracking" and r.levelno >= logging.WARNING]
+        delivery = tracker.close(timeout=30)
+    finally:
+        server.stop()
+    assert slowest < BLOCKING_BOUND_S
+    assert len(warned) == 1 and "could not log metrics" in warned[0], warned
+    assert delivery.sent == 2 * 40 and delivery.failed == 2 * 80
+    assert "replay" in caplog.text  # close() says how to send the rest
+
+    # The server comes back on the same store and artifact folder (at another port).
+    server = start_mlflow_server(store)
+    try:
+        from mlflow import MlflowClient
+
+        client = MlflowClient(server.uri)
+        run_id = tracker.run_id
+        assert client.get_run(run_id).info.status == "RUNNING"  # close() could not mark it
+        out = replay_cli(run_dir, "--uri", server.uri)
+        assert out.returncode == 0, out.stderr
+        assert "sent 160 metric values" in out.stdout
+        for key in ("train/loss", "train/nonfinite_steps"):
+            fn = (lambda s: 10.0 / s) if key == "train/loss" else (lambda s: float(s // 50))
+            assert history(client, run_id, key) == [(s, fn(s)) for s in range(1, 121)], key
+        assert client.get_run(run_id).info.status == "FINISHED"  # the final status was waiting too
+        again = replay_cli(run_dir, "--uri", server.uri)
+        assert again.returncode == 0 and "sent 0 metric values" in again.stdout and "and 0 " in again.stdout
+        assert len(history(client, run_id, "train/loss")) == 120
+    finally:
+        server.stop()
+
+
+def test_a_resumed_job_does_not_log_the_journaled_steps_again(
+        mlflow_server, client, experiment, tmp_path):  # noqa: F811
+    cfg = cfg_for(mlflow_server.uri, experiment)
+    first = create_tracker(cfg, 0, tmp_path)
+    for step in range(1, 11):
+        first.log_metrics({"train/loss": float(step)}, step=step)
+    first.log_metrics({"valid/loss": 50.0}, step=5)
+    first.close("KILLED")  # it died at step 10; its newest checkpoint is at step 5
+
+    second = create_tracker(cfg, 0, tmp_path, resume_run_id=first.run_id)
+    for step in range(6, 16):  # steps 6-10 again, from the checkpoint: other values
+        second.log_metrics({"train/loss": 100.0 + step}, step=step)
+    second.log_metrics({"valid/loss": 60.0}, step=10)  # valid/loss has no step 10 yet: it goes
+    delivery = second.close()
+    assert delivery.skipped == 5 and delivery.ok
+    run_id = first.run_id
+    assert history(client, run_id, "train/loss") == (
+        [(s, float(s)) for s in range(1, 11)] + [(s, 100.0 + s) for s in range(11, 16)])
+    assert history(client, run_id, "valid/loss") == [(5, 50.0), (10, 60.0)]
+
+
+def test_a_crash_before_the_first_checkpoint_reopens_the_recorded_run(
+        mlflow_server, client, experiment, tmp_path):  # noqa: F811
+    run_dir = tmp_path / "run"
+    crash = (
+        "import os\n"
+        "from txl_dist.config import TrackingConfig\n"
+        "from txl_dist.tracking import create_tracker\n"
+        f"t = create_tracker(TrackingConfig(uri={mlflow_server.uri!r}, experiment={experiment!r}, "
+        f"system_metrics=False), 0, {str(run_dir)!r})\n"
+        "for step in range(1, 6):\n"
+        "    t.log_metrics({'train/loss': float(step)}, step=step)\n"
+        "assert t.flush(60)\n"
+        "print(t.run_id, flush=True)\n"
+        "os._exit(3)  # no close(), no checkpoint\n"
+    )
+    out = subprocess.run([sys.executable, "-c", crash], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 3, out.stderr
+    crashed_run = out.stdout.strip()
+    assert (run_dir / "tracking" / "run_id").read_text().strip() == crashed_run
+    assert client.get_run(crashed_run).info.status == "RUNNING"
+    with open(run_dir / "tracking" / "metrics.jsonl", "a") as f:
+        f.write('{"seq": 99, "step": 6, "metr')  # a line torn by the crash
+
+    # The next job has no checkpoint, so no resume id: it starts at step 1 again, in the same run.
+    tracker = create_tracker(cfg_for(mlflow_server.uri, experiment), 0, run_dir)
+    assert tracker.run_id == crashed_run
+    for step in range(1, 9):
+        tracker.log_metrics({"train/loss": 10.0 + step}, step=step)
+    delivery = tracker.close()
+    assert delivery.skipped == 5 and delivery.ok
+    assert [r.info.run_id for r in runs_of(client, experiment)] == [crashed_run]
+    assert client.get_run(crashed_run).info.status == "FINISHED"
+    assert history(client, crashed_run, "train/loss") == (
+        [(s, float(s)) for s in range(1, 6)] + [(s, 10.0 + s) for s in range(6, 9)])
+    lines = (run_dir / "tracking" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == list(range(1, 9))  # the torn line is gone
+
+
+def test_a_recorded_run_that_is_deleted_or_differs_is_refused(
+        mlflow_server, client, experiment, tmp_path):  # noqa: F811
+    cfg = cfg_for(mlflow_server.uri, experiment)
+    with create_tracker(cfg, 0, tmp_path) as t:
+        run_id = t.run_id
+    with pytest.raises(TrackingError, match=f"run 0123456789abcdef is not the run {run_id} recorded in .*remove "):
+        create_tracker(cfg, 0, tmp_path, resume_run_id="0123456789abcdef")
+    client.delete_run(run_id)
+    with pytest.raises(TrackingError, match=f"run {run_id} recorded in .*run_id is deleted in .*remove .*tracking "
+                                            "to start a new run"):
+        create_tracker(cfg, 0, tmp_path)
+    assert runs_of(client, experiment) == []  # no second run was created instead
+
+
+def test_an_unreachable_store_is_refused_in_seconds_and_nothing_is_written(tmp_path):
+    # No MLFLOW_HTTP_REQUEST_MAX_RETRIES here: MLflow's defaults would retry a refused port for minutes.
+    secret = "t0k3n-value"
+    uri = f"http://127.0.0.1:{free_port()}/?token={secret}"
+    run_dir = tmp_path / "run"
+    start = time.monotonic()
+    with pytest.raises(TrackingError) as refused:
+        create_tracker(cfg_for(uri, "nowhere"), 0, run_dir)
+    assert time.monotonic() - start < 60  # a bound, not a benchmark: unbounded retries take ~4 minutes
+    message = str(refused.value)
+    assert "\n" not in message
+    assert "cannot open an MLflow run" in message and "token=***" in message
+    assert secret not in "".join(traceback.format_exception(refused.value))
+    assert not run_dir.exists()
+    assert "MLFLOW_HTTP_REQUEST_MAX_RETRIES" not in os.environ  # the bound was for the opening alone
+
+
+def test_a_uri_password_is_never_logged_written_or_sent(
+        mlflow_server, client, experiment, tmp_path, monkeypatch, caplog, capfd):  # noqa: F811
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.2")
+    caplog.set_level(logging.DEBUG)
+    secret = "s3cr3t-Pa55"
+    port = port_of(mlflow_server.uri)
+    run_dir = tmp_path / "run"
+    direct = f"http://trainer:{secret}@127.0.0.1:{port}"
+    # A whole run: the URI is even among the params (the trainer logs its config).
+    with create_tracker(cfg_for(direct, experiment), 0, run_dir) as t:
+        t.log_params({"tracking": {"uri": direct}})
+        t.log_metrics({"train/loss": 1.0}, step=1)
+        t.log_text("hello", "a.txt")
+    run_id = t.run_id
+    # The same run re-opened through a hop that is then cut: every failure quotes the request URL.
+    proxy = LoopbackProxy(port)
+    via_proxy = f"http://trainer:{secret}@127.0.0.1:{proxy.port}"
+    t2 = create_tracker(cfg_for(via_proxy, experiment, system_metrics=True), 0, run_dir)
+    t2.log_metrics({"train/loss": 2.0}, step=2)
+    assert t2.flush(timeout=60)
+    proxy.cut()
+    t2.log_metrics({"train/loss": 3.0}, step=3)
+    t2.log_text("lost", "b.txt")
+    t2.flush(timeout=60)
+    printed = ""
+    deadline = time.monotonic() + 120
+    while "Failed to get mlflow run" not in printed and time.monotonic() < deadline:
+        time.sleep(0.2)  # MLflow's system metrics sampler finds the run gone and logs the request URL
+        out, err = capfd.readouterr()
+        printed += out + err
+    delivery = t2.close(timeout=30)
+    out, err = capfd.readouterr()
+    printed += out + err
+    replayed = replay_cli(run_dir)
+
+    monitor_line = next(line for line in printed.splitlines() if "Failed to get mlflow run" in line)
+    assert f"trainer:***@127.0.0.1:{proxy.port}" in monitor_line  # MLflow's own line, scrubbed
+    assert replayed.returncode == 2 and "--uri" in replayed.stderr  # the recorded URI lost its password
+    assert client.get_run(run_id).data.params["tracking.uri"] == f"http://trainer:***@127.0.0.1:{port}"
+    files = b"".join(p.read_bytes() for p in run_dir.rglob("*") if p.is_file())
+    assert f"trainer:***@127.0.0.1:{proxy.port}".encode() in files  # the recorded URI, redacted
+    seen = caplog.text + printed + replayed.stdout + replayed.stderr + str(delivery.first_error)
+    assert secret not in seen
+    assert secret.encode() not in files
+
+
+def test_replay_waits_for_the_live_job_and_needs_a_recorded_run(mlflow_server, experiment, tmp_path):  # noqa: F811
+    nothing = replay_cli(tmp_path / "empty")
+    assert nothing.returncode == 2 and "run_id not found" in nothing.stderr
+    tracker = create_tracker(cfg_for(mlflow_server.uri, experiment), 0, tmp_path)
+    tracker.log_metrics({"train/loss": 1.0}, step=1)
+    busy = replay_cli(tmp_path)
+    assert busy.returncode == 2 and "in use by another process" in busy.stderr
+    assert tracker.close().ok
+    done = replay_cli(tmp_path)
+    assert done.returncode == 0 and "sent 0 metric values" in done.stdout, done.stderr
+
+
+def test_a_lost_delivery_record_resends_one_chunk_that_the_store_takes_once(
+        mlflow_server, client, experiment, tmp_path):  # noqa: F811
+    # A crash between the store's acceptance and its record in delivered.jsonl, made by hand. Replay sends
+    # that chunk again with its journaled timestamps: an exact copy, which MLflow's SQL store keeps once.
+    with create_tracker(cfg_for(mlflow_server.uri, experiment), 0, tmp_path) as t:
+        for step in range(1, 6):
+            t.log_metrics({"train/loss": float(step)}, step=step)
+            assert t.flush(timeout=60)  # one chunk per step
+    delivered = tmp_path / "tracking" / "delivered.jsonl"
+    lines = delivered.read_text().splitlines()
+    assert len(lines) == 5
+    delivered.write_text("\n".join(lines[:-1]) + "\n")
+    out = replay_cli(tmp_path)
+    assert out.returncode == 0 and "sent 1 metric values" in out.stdout, out.stderr
+    assert history(client, t.run_id, "train/loss") == [(s, float(s)) for s in range(1, 6)]
