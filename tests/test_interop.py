@@ -17,6 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from txl_dist.config import ConfigError, ModelConfig
+from txl_dist.errors import Refused
 from txl_dist.interop import (
     HFFormatError,
     from_hf,
@@ -301,3 +302,34 @@ def test_cli_config_that_our_model_cannot_build_is_one_line_error(tmp_path, caps
         main(["from-hf", str(src), str(tmp_path / "out")])
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "sample_softmax 64" in err and "\n" not in err
+
+
+# ------------------------------------------------------------------------------------------------
+# Shard names from an index.json cannot leave the folder
+
+
+@pytest.mark.parametrize("shard", [
+    "../outside.safetensors", "/abs/outside.safetensors", "sub/outside.safetensors", "..\\outside.safetensors",
+    "C:outside.safetensors", "\\\\server\\share\\outside.safetensors", "out\x00side.safetensors", "..", ".", "", 7,
+], ids=["dotdot", "absolute", "subfolder", "backslash", "drive", "unc", "nul", "parent", "self", "empty", "number"])
+def test_shard_names_must_be_plain_file_names_in_the_folder(tmp_path, shard):
+    model, src = _hf_folder(tmp_path, CONFIGS["plain"])
+    tensors = load_file(src / "model.safetensors")
+    # A readable shard right outside the folder: without the check, '../outside.safetensors' would load.
+    save_file(tensors, tmp_path / "outside.safetensors", metadata={"format": "pt"})
+    (src / "model.safetensors").unlink()
+    index = src / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": {k: shard for k in tensors}}))
+    with pytest.raises(HFFormatError) as refused:
+        from_hf(src)
+    message = str(refused.value)
+    assert isinstance(refused.value, Refused)
+    assert message.startswith(f"{index}: weight_map names shard {json.dumps(shard)}") and "\n" not in message
+
+
+def test_an_index_whose_weight_map_is_not_an_object_is_refused(tmp_path):
+    _, src = _hf_folder(tmp_path, CONFIGS["plain"])
+    (src / "model.safetensors").unlink()
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": ["model.safetensors"]}))
+    with pytest.raises(HFFormatError, match="not a shard index"):
+        from_hf(src)

@@ -16,6 +16,7 @@ from typing import Any, Iterator
 import numpy as np
 import pyarrow as pa
 
+from ..errors import one_line
 from .manifest import DTYPES, CorpusError, FileEntry, Manifest, sha256_file
 
 COLUMN = "tokens"
@@ -129,34 +130,68 @@ class _OpenFile:
     """One memory-mapped token file and the global-stream offsets of its record batches."""
 
     def __init__(self, entry: FileEntry, path: Path, dtype: str, verify: bool):
-        if not path.is_file():
-            raise CorpusError(f"{path}: corpus file is missing (listed in the manifest); re-run prepare")
-        if verify and (got := sha256_file(path)) != entry.sha256:
-            raise CorpusError(f"{path}: sha256 {got[:12]}... differs from the manifest's {entry.sha256[:12]}...: "
-                              "the file is corrupt, truncated or replaced; re-run prepare")
+        _check_file(entry, path, verify)
+        self._mmap = _map(path)
         try:
-            self._mmap = pa.memory_map(str(path), "r")
-            reader = pa.ipc.open_file(self._mmap)
-            batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
-        except (pa.ArrowException, OSError) as e:
-            raise CorpusError(f"{path}: not a readable Arrow IPC file (truncated or corrupt): "
-                              f"{str(e).splitlines()[0]}") from None
-        if reader.schema != token_schema(dtype):
-            raise CorpusError(f"{path}: schema is ({reader.schema.to_string(show_schema_metadata=False)}"
-                              f"), expected one column '{COLUMN}' of {dtype}".replace("\n", ", "))
-        # Views into the mapped file: to_numpy on a null-free primitive column never copies.
-        self.arrays = [b.column(0).to_numpy(zero_copy_only=True) for b in batches if b.num_rows]
-        starts = [entry.first_token]
-        for a in self.arrays:
-            starts.append(starts[-1] + len(a))
-        if starts[-1] - entry.first_token != entry.n_tokens:
-            raise CorpusError(f"{path}: holds {starts[-1] - entry.first_token} tokens, the manifest says "
-                              f"{entry.n_tokens}; re-run prepare")
-        self.starts = starts  # starts[i] = global index of arrays[i][0]; starts[-1] = end of the file
+            self.arrays = _token_arrays(self._mmap, path, dtype)
+            self.starts = _batch_starts(self.arrays, entry, path)
+        except BaseException:
+            self._mmap.close()
+            raise
 
     def close(self) -> None:
         self.arrays = []
         self._mmap.close()
+
+
+def _check_file(entry: FileEntry, path: Path, verify: bool) -> None:
+    if not path.is_file():
+        raise CorpusError(f"{path}: corpus file is missing (listed in the manifest); re-run prepare")
+    if not verify:
+        return
+    try:
+        got = sha256_file(path)
+    except OSError as e:
+        raise CorpusError(f"{path}: cannot be read ({one_line(e)}); check the file and its permissions") from None
+    if got != entry.sha256:
+        raise CorpusError(f"{path}: sha256 {got[:12]}... differs from the manifest's {entry.sha256[:12]}...: "
+                          "the file is corrupt, truncated or replaced; re-run prepare")
+
+
+def _map(path: Path) -> pa.MemoryMappedFile:
+    try:
+        return pa.memory_map(str(path), "r")
+    except (pa.ArrowException, OSError) as e:
+        raise CorpusError(f"{path}: cannot be read ({one_line(e)}); check the file and its permissions") from None
+
+
+def _token_arrays(mapped: pa.MemoryMappedFile, path: Path, dtype: str) -> list[np.ndarray]:
+    """The token column of each non-empty record batch, as views into the mapped file."""
+    # Unverified (verify=False) bytes reach pyarrow here: every pyarrow error is the file's fault.
+    try:
+        reader = pa.ipc.open_file(mapped)
+        if reader.schema != token_schema(dtype):
+            raise CorpusError(f"{path}: schema is ({reader.schema.to_string(show_schema_metadata=False)}"
+                              f"), expected one column '{COLUMN}' of {dtype}".replace("\n", ", "))
+        batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
+        for b in batches:
+            b.validate()  # lengths and buffer sizes agree (cheap; the values are verify's business)
+        # to_numpy of a null-free primitive column never copies; a corrupt null count makes it refuse.
+        return [b.column(0).to_numpy(zero_copy_only=True) for b in batches if b.num_rows]
+    except (pa.ArrowException, OSError) as e:
+        raise CorpusError(f"{path}: not a readable Arrow IPC file (truncated or corrupt): {one_line(e)}; "
+                          "re-run prepare") from None
+
+
+def _batch_starts(arrays: list[np.ndarray], entry: FileEntry, path: Path) -> list[int]:
+    """starts[i] = global index of arrays[i][0]; starts[-1] = end of the file (checked against the manifest)."""
+    starts = [entry.first_token]
+    for a in arrays:
+        starts.append(starts[-1] + len(a))
+    if starts[-1] - entry.first_token != entry.n_tokens:
+        raise CorpusError(f"{path}: holds {starts[-1] - entry.first_token} tokens, the manifest says "
+                          f"{entry.n_tokens}; re-run prepare")
+    return starts
 
 
 class TokenReader:

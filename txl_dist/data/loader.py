@@ -82,15 +82,8 @@ class StreamLoader:
         if verify:
             self._verify_tokenizer()
         self.reader = TokenReader(self.corpus_dir, self.manifest, split, verify=verify)  # names unknown splits
-        n_tokens = self.reader.n_tokens
-        self.stream_len = n_tokens // n_streams
+        self.stream_len = self._stream_length(self.reader.n_tokens)
         """L: tokens per stream."""
-        need = 2 * tgt_len if roll else tgt_len + 1  # with roll, the latest offset must still fit one window
-        if self.stream_len < need:
-            raise ValueError(
-                f"split '{split}' of {self.corpus_dir}: {n_tokens} tokens give {n_streams} streams of "
-                f"{self.stream_len} tokens, too short for {'roll with ' if roll else ''}tgt_len {tgt_len} "
-                f"(needs {need}); use fewer streams or a shorter tgt_len")
         self.accumulation_steps = n_streams // (micro_batch * world_size)
         """g: micro steps per optimizer step."""
         per_rank = n_streams // world_size
@@ -103,6 +96,21 @@ class StreamLoader:
         self._stream_starts = [int(s) * self.stream_len for s in self.stream_ids]
         self._epoch_cache: dict[int, tuple[int, int]] = {}
         self._epoch = self._window = self._micro = self._step = 0
+
+    def _stream_length(self, n_tokens: int) -> int:
+        """L, refused (CorpusError naming the split) when a stream cannot hold one window."""
+        where = f"split '{self.split}' of {self.corpus_dir}"
+        if n_tokens == 0:
+            raise CorpusError(f"{where} is empty (0 tokens); prepare the corpus with documents in it, "
+                              "or use another split")
+        stream_len = n_tokens // self.n_streams
+        need = 2 * self.tgt_len if self.roll else self.tgt_len + 1  # with roll, the latest offset must fit too
+        if stream_len < need:
+            raise CorpusError(
+                f"{where}: {n_tokens} tokens give {self.n_streams} streams of {stream_len} tokens, too short "
+                f"for {'roll with ' if self.roll else ''}tgt_len {self.tgt_len} (needs {need}); "
+                "use fewer streams or a shorter tgt_len")
+        return stream_len
 
     # ------------------------------------------------------------------------------------------------
     # Epoch geometry

@@ -237,14 +237,26 @@ def file_boundaries(n_tokens: int, layout: Layout) -> list[int]:
 
 
 def check_relative_path(rel: Any, source: str, key: str) -> str:
-    """A manifest path must be relative, POSIX, and stay inside the corpus folder."""
+    """A manifest path must be a relative POSIX path that stays inside the corpus folder.
+
+    Refused: anything but a non-empty string; NUL or any other control character; absolute paths (POSIX,
+    Windows drive 'C:\\x' or 'C:x', UNC '\\\\server\\share'); backslashes; '..' segments; and empty or '.'
+    segments ('a//b', './a', 'a/'), so that every path names one file by one spelling.
+    """
     if not isinstance(rel, str) or not rel:
         raise CorpusError(f"{source}: {key} must be a non-empty relative path, got {json.dumps(rel)}")
+    if any(ord(c) < 32 or ord(c) == 127 for c in rel):
+        raise CorpusError(f"{source}: {key} {json.dumps(rel)} contains a control character (NUL, newline, ...); "
+                          "paths must be plain relative names")
     if PurePosixPath(rel).is_absolute() or PureWindowsPath(rel).is_absolute() or PureWindowsPath(rel).drive:
         raise CorpusError(f"{source}: {key} '{rel}' is an absolute path; paths must be relative to the corpus folder")
-    if "\\" in rel or ".." in PurePosixPath(rel).parts:
+    segments = rel.split("/")
+    if "\\" in rel or ".." in segments:
         raise CorpusError(f"{source}: {key} '{rel}' points outside the corpus folder; "
                           "paths must be relative POSIX paths without '..'")
+    if any(seg in ("", ".") for seg in segments):
+        raise CorpusError(f"{source}: {key} '{rel}' has an empty or '.' segment; write it as a plain relative "
+                          "path such as 'train/00000.arrow'")
     return rel
 
 

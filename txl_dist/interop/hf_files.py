@@ -7,7 +7,7 @@ We write config.json + model.safetensors (metadata {"format": "pt"}, which from_
 from __future__ import annotations
 
 import json
-from pathlib import Path
+from pathlib import Path, PureWindowsPath
 from typing import Any
 
 import torch
@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from txl_dist.atomic import atomic_path, atomic_write
 from txl_dist.config import read_json_object
+from txl_dist.errors import Refused
 
 CONFIG_NAME = "config.json"
 SAFE_WEIGHTS = "model.safetensors"
@@ -23,7 +24,7 @@ BIN_WEIGHTS = "pytorch_model.bin"
 BIN_INDEX = "pytorch_model.bin.index.json"
 
 
-class HFFormatError(ValueError):
+class HFFormatError(Refused, ValueError):
     """A folder is not a readable HuggingFace save_pretrained folder; the message is one line."""
 
 
@@ -47,16 +48,36 @@ def read_hf_weights(src_dir: str | Path) -> dict[str, torch.Tensor]:
         if (src / single).is_file():
             return _load_one(src / single)
         if (src / index).is_file():
-            try:
-                weight_map = json.loads((src / index).read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise HFFormatError(f"{src / index}: not a shard index (needs a 'weight_map' object)") from None
             tensors: dict[str, torch.Tensor] = {}
-            for shard in sorted(set(weight_map.values())):
+            for shard in read_shard_names(src / index):
                 tensors.update(_load_one(src / shard))
             return tensors
     raise HFFormatError(
         f"{src}: no weights found (looked for {SAFE_WEIGHTS}, {SAFE_INDEX}, {BIN_WEIGHTS}, {BIN_INDEX})")
+
+
+def read_shard_names(index: Path) -> list[str]:
+    """The shard files an HF `*.index.json` names (its weight_map's values, sorted, once each)."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (ValueError, KeyError, TypeError):  # not UTF-8 or not JSON (ValueErrors), or no weight_map
+        weight_map = None
+    if not isinstance(weight_map, dict):
+        raise HFFormatError(f"{index}: not a shard index (needs a 'weight_map' object)")
+    return sorted({check_shard_name(value, index) for value in weight_map.values()})
+
+
+def check_shard_name(value: Any, index: Path) -> str:
+    """A weight_map value that is a plain file name inside the index's folder, else HFFormatError.
+
+    Refused: anything but a non-empty string, '.', '..', a separator ('/' or '\\': no subfolders, no
+    absolute or UNC paths), a Windows drive ('C:x'), NUL or another control character.
+    """
+    if (not isinstance(value, str) or value in ("", ".", "..") or "/" in value or "\\" in value
+            or PureWindowsPath(value).drive or any(ord(c) < 32 or ord(c) == 127 for c in value)):
+        raise HFFormatError(f"{index}: weight_map names shard {json.dumps(value)}, which is not a plain file name "
+                            f"in {index.parent}; list the shard files of this folder by name")
+    return value
 
 
 def write_hf_folder(out_dir: str | Path, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Path:

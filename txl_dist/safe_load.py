@@ -1,0 +1,247 @@
+"""Weights-only unpickling of DeepSpeed's checkpoint files: no checkpoint file can run code.
+
+DeepSpeed 0.19.8 reads its own files with `torch.load(..., weights_only=False)` (checkpoint engine, ZeRO
+optimizers, universal conversion and loading, zero_to_fp32), and a pickle can call any function it names.
+Every one of those calls looks `torch.load` up on the torch module when it runs, so `restricted_torch_loads()`
+replaces that attribute for its duration with a load that forces weights_only=True and allows, besides
+torch's own weights-only set (tensors, containers, numbers, strings, dtypes), exactly the globals that
+the checkpoints of this project contain (ALLOWED_GLOBALS). A file that names any other global is refused
+with one line naming the file and the global (UntrustedCheckpointError), before anything in it runs.
+
+Entry points: `restricted_torch_loads()` around engine.load_checkpoint; `python -m txl_dist.safe_load
+ds_to_universal ARGS` for DeepSpeed's universal conversion; `fp32_state_dict_from_zero` and
+`load_weights_only` for export. deepspeed is imported inside functions only (engine.py and checkpoint.py
+are the modules that import it at load time).
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import pickle
+import re
+import sys
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import EXIT_REFUSED, Refused, one_line
+
+# The only non-torch globals in the files DeepSpeed 0.19.8 writes for this project (ZeRO 0-3, fp32 and
+# bf16, activation checkpointing, CPU optimizer offload, and their universal conversions), all in the ZeRO
+# optimizer-state files and the universal zero/optimizer_state.pt. Each is plain data: unpickling one calls
+# its class (or __new__) and fills its __dict__ with what the restricted unpickler itself can build
+# (tensors, containers, numbers, strings, these classes), never with a function the file chooses.
+ALLOWED_GLOBALS = (
+    # Static loss scale object (cur_scale=1, dynamic=False) that every ZeRO optimizer saves, bf16/fp32 too.
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    # int Enum of the ZeRO stage saved with the optimizer state; unpickling looks a member up by value.
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    # Dataclass (numel, start) in the ZeRO 1/2 param_slice_mappings.
+    "deepspeed.utils.tensor_fragment.fragment_address",
+    # fp16's loss scaler, the same kind of object as LossScaler with a few more numbers. Not seen in a file
+    # yet (fp16 needs a GPU here); listed by reading its class, so that fp16 checkpoints are not refused.
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+)
+
+_GLOBAL_IN_MESSAGE = re.compile(r"GLOBAL (\S+)")
+_REASON_IN_MESSAGE = re.compile(r"WeightsUnpickler error:\s*(\S[^\n]*)")
+_lock = threading.RLock()
+_depth = 0
+_original_load = torch.load
+
+
+class UntrustedCheckpointError(Refused):
+    """A checkpoint file that weights-only unpickling with the allowlist refuses; the message is one line
+    naming the file and the global it needs (or what else the unpickler rejected)."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# The restricted load
+
+
+@functools.cache
+def allowed_globals() -> tuple[Any, ...]:
+    """ALLOWED_GLOBALS resolved to their objects (imports deepspeed on first use)."""
+    return tuple(_resolve(name) for name in ALLOWED_GLOBALS)
+
+
+def _resolve(dotted: str) -> Any:
+    module, _, name = dotted.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def load_weights_only(f: Any, map_location: Any = None, pickle_module: Any = None, **kwargs: Any) -> Any:
+    """torch.load with weights_only=True and the allowlist; refuses (one line) a file that needs more.
+
+    Takes torch.load's arguments so that it can stand in for it; `pickle_module` is ignored (a custom
+    unpickler is what weights_only replaces) and `weights_only=False` is overridden.
+    """
+    kwargs.pop("weights_only", None)
+    with _only_these_safe_globals(allowed_globals()):
+        try:
+            return _original_load(f, map_location=map_location, weights_only=True, **kwargs)
+        except pickle.UnpicklingError as e:  # what torch raises for anything weights_only refuses
+            raise UntrustedCheckpointError(_refusal(f, e)) from None
+
+
+@contextmanager
+def _only_these_safe_globals(objects: tuple[Any, ...]) -> Iterator[None]:
+    # Exactly our allowlist: globals that other code added process-wide are not trusted here.
+    with _lock:
+        saved = torch.serialization.get_safe_globals()
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(list(objects))
+        try:
+            yield
+        finally:
+            torch.serialization.clear_safe_globals()
+            torch.serialization.add_safe_globals(saved)
+
+
+def _refusal(f: Any, error: BaseException) -> str:
+    name = os.fspath(f) if isinstance(f, (str, os.PathLike)) else getattr(f, "name", type(f).__name__)
+    found = _GLOBAL_IN_MESSAGE.search(str(error))
+    if found:
+        return _global_refusal(name, _full_name(found.group(1)))
+    reason = _REASON_IN_MESSAGE.search(str(error))
+    return (f"{name}: refused: weights-only unpickling rejects it "
+            f"({reason.group(1).strip() if reason else one_line(error)}); use a checkpoint this project wrote")
+
+
+def _global_refusal(name: str | os.PathLike, global_name: str) -> str:
+    return (f"{name}: refused: unpickling it needs global {global_name}, which no checkpoint of this project "
+            "contains (it may run code); use a checkpoint this project wrote")
+
+
+def _full_name(name: str) -> str:
+    # torch's message drops the module of builtins ("open" for builtins.open); put it back.
+    return name if "." in name else f"builtins.{name}"
+
+
+def check_checkpoint_files(folder: str | os.PathLike) -> None:
+    """Refuse (one line) the first *.pt file under `folder` (sorted, recursive) whose pickle names a global
+    outside the allowlist, or that is not a torch.save file.
+
+    Reads each file's pickle opcodes and unpickles nothing. Run it on every rank before
+    engine.load_checkpoint: at ZeRO 1/2 rank r reads only its own optimizer file, so a rank refused inside
+    load_checkpoint would leave the others waiting in a collective; this way every rank refuses together.
+    """
+    allowed = set(ALLOWED_GLOBALS)
+    for path in sorted(Path(folder).rglob("*.pt")):
+        try:
+            named = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        except (pickle.UnpicklingError, ValueError, RuntimeError) as e:  # not a torch.save zip, or opcodes
+            raise UntrustedCheckpointError(f"{path}: refused: not a torch.save file weights-only unpickling "
+                                           f"accepts ({one_line(e)}); use a checkpoint this project wrote") from None
+        unknown = sorted(set(named) - allowed)
+        if unknown:
+            raise UntrustedCheckpointError(_global_refusal(path, unknown[0]))
+
+
+@contextmanager
+def restricted_torch_loads() -> Iterator[None]:
+    """Inside: every `torch.load` (DeepSpeed's included) is load_weights_only. Nests; restores on exit.
+
+    Process-wide while active (it replaces module attributes), so loads in other threads are restricted too
+    (and run one at a time: the allowlist is torch's process-wide safe-globals list, swapped per load).
+    """
+    _enter()
+    try:
+        yield
+    finally:
+        _exit()
+
+
+def _enter() -> None:
+    global _depth
+    with _lock:
+        if _depth == 0:
+            torch.load = torch.serialization.load = load_weights_only
+        _depth += 1
+
+
+def _exit() -> None:
+    global _depth
+    with _lock:
+        _depth -= 1
+        if _depth == 0:
+            torch.load = torch.serialization.load = _original_load
+
+
+def restrict_this_process() -> None:
+    """Restrict every later torch.load of this process for good (a conversion worker process)."""
+    with _lock:
+        if torch.load is not load_weights_only:
+            _enter()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Export
+
+
+def fp32_state_dict_from_zero(tag_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The consolidated fp32 weights of a ZeRO 1-3 tag folder (DeepSpeed's zero_to_fp32), loads restricted."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    tag_dir = Path(tag_dir)
+    with restricted_torch_loads():
+        return get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Universal conversion (a subprocess: python -m txl_dist.safe_load ds_to_universal ...)
+
+
+def restricted_process_pool(*args: Any, **kwargs: Any) -> ProcessPoolExecutor:
+    """A ProcessPoolExecutor whose workers restrict their own torch.load, whatever their start method.
+
+    A forked worker inherits the restriction, but a spawned or forkserver one imports torch afresh.
+    """
+    return ProcessPoolExecutor(*args, initializer=restrict_this_process, **kwargs)
+
+
+def ds_to_universal(args: list[str]) -> None:
+    """DeepSpeed's ds_to_universal with `args` (its command line), every load restricted, workers included.
+
+    Its worker pools (a ProcessPoolExecutor when a worker count is > 1) start processes with the platform's
+    default method (fork on Linux up to Python 3.13, forkserver from 3.14), so they get restricted_process_pool.
+    """
+    from deepspeed.checkpoint import ds_to_universal as conversion
+
+    conversion.ProcessPoolExecutor = restricted_process_pool  # for good: this process is the conversion's
+    saved_argv = sys.argv
+    sys.argv = ["ds_to_universal", *args]
+    try:
+        parsed = conversion.parse_arguments()
+    finally:
+        sys.argv = saved_argv
+    with restricted_torch_loads():
+        conversion.main(parsed)
+
+
+USAGE = ("usage: python -m txl_dist.safe_load ds_to_universal --input_folder TAG_DIR --output_folder OUT_DIR "
+         "[any other option of deepspeed.checkpoint.ds_to_universal]")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line; a refused file is one line on stderr and exit status 2."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] != "ds_to_universal":
+        print(USAGE, file=sys.stderr)
+        return EXIT_REFUSED
+    try:
+        ds_to_universal(argv[1:])
+    except UntrustedCheckpointError as e:
+        print(f"error: {one_line(e)}", file=sys.stderr)
+        return EXIT_REFUSED
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
