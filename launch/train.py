@@ -7,20 +7,26 @@ The same script runs under `torchrun --nproc_per_node N launch/train.py ...` and
 size and rendezvous address come from the environment; see txl_dist/distributed.py). On CPU the ranks use
 gloo; when OMP_NUM_THREADS is unset, each rank gets the machine's cores divided by the local ranks.
 
---resume auto (default): continue from checkpoint.dir's `latest` when there is one, else start fresh.
---resume PATH: a checkpoint folder (holding `latest`) or one of its step_* tags. --resume none: fresh start.
-Exit status: 0 when training ended, reached train.exit_step or was stopped by SIGTERM/SIGUSR1 after saving;
-2 for a refused configuration, corpus or checkpoint (one line says why).
+Everything the run writes goes to run.dir (checkpoints/, logs/, tracking/, config.resolved.json, the
+default MLflow store); a second job on the same run.dir is refused.
+--resume auto (default): continue from the newest complete checkpoint in <run.dir>/checkpoints (verified
+against its checksums; `latest` is not trusted), else start fresh. --resume PATH: a run folder, checkpoint
+folder or step_* tag (an older tag rolls the run back: newer tags are moved to checkpoints/superseded/).
+--resume none: a fresh start, refused when run.dir already holds checkpoints.
+Exit status: 0 when training ended, reached train.exit_step, or was stopped by SIGTERM/SIGUSR1 or by the
+loss of its launcher after saving; 2 for refused input (configuration, corpus, checkpoint, tracking store,
+a busy run.dir; one line says why, nothing is written); 1 for a fault during the run (a lost rank, a save
+that failed, a diverged loss; one line says what, the newest complete checkpoint is kept).
 """
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from txl_dist import distributed
-from txl_dist.checkpoint import CheckpointError
-from txl_dist.config import ConfigError, load_config
-from txl_dist.data import CorpusError
+from txl_dist.config import load_config
+from txl_dist.entry import guarded
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -30,7 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config value, e.g. --set train.max_steps=20 (repeatable)")
     p.add_argument("--resume", default="auto", metavar="auto|none|PATH",
-                   help="auto: checkpoint.dir's latest if any (default); none; or a checkpoint/tag folder")
+                   help="auto: the newest complete checkpoint in run.dir (default); none; or a run/checkpoint/tag folder")
     p.add_argument("--log-all-ranks", action="store_true", help="every rank prints, prefixed with its rank")
     # The deepspeed launcher appends --local_rank=N; the rank comes from the environment anyway.
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -40,24 +46,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Run the main job on this rank; returns the exit status."""
     args = parse_args(argv)
-    env = distributed.discover()
-    log = distributed.setup_logging(env, args.log_all_ranks)
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as e:
-        log.error("error: %s", e)
-        return 2
-    distributed.configure_threads(env)
-    distributed.init_process_group(env)
-    from txl_dist import trainer  # imports deepspeed: after the threads are set
+    log = logging.getLogger(distributed.LOGGER_NAME)
 
-    try:
-        return trainer.run(cfg, env, resume=args.resume)
-    except (ConfigError, CheckpointError, CorpusError, distributed.LaunchError) as e:
-        log.error("error: %s", e)
-        return 2
-    finally:
-        distributed.destroy_process_group()
+    def job() -> int:
+        env = distributed.discover()
+        distributed.setup_logging(env, args.log_all_ranks)
+        cfg = load_config(args.config, args.overrides)
+        distributed.configure_threads(env)
+        from txl_dist import trainer  # imports deepspeed: after the threads are set
+
+        return trainer.run(cfg, env, resume=args.resume, log_all_ranks=args.log_all_ranks)
+
+    return guarded(job, log)
 
 
 if __name__ == "__main__":

@@ -13,13 +13,17 @@ from __future__ import annotations
 import os
 import pickle
 import queue
+import signal
 import socket
+import subprocess
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable
 
+import psutil
 import torch.multiprocessing as mp
 
 from txl_dist.tracking import Tracker
@@ -107,6 +111,65 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
                 p.kill()
                 p.join(5)
     return [out[r] for r in range(world_size)]
+
+
+def launcher_env() -> dict[str, str]:
+    """The test process's environment minus what a launcher sets (and OMP_NUM_THREADS: we set it)."""
+    drop = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT",
+            "OMP_NUM_THREADS"}
+    return {k: v for k, v in os.environ.items() if k not in drop} | {"DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
+
+
+class Launch:
+    """A launcher command in its own process group; its output collected line by line."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str] | None = None):
+        self.cmd = cmd
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env or launcher_env(), stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, text: str, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not any(text in line for line in self.lines):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise AssertionError(f"never printed {text!r}:\n{self.output[-4000:]}")
+            time.sleep(0.05)
+
+    def wait(self, timeout: float = 300.0) -> int:
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"{' '.join(self.cmd)} did not finish in {timeout:.0f} s:\n{self.output[-4000:]}")
+        self._reader.join(10)
+        return code
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def worker(self, rank: int) -> psutil.Process:
+        """The training process of `rank` among the launcher's descendants."""
+        for p in psutil.Process(self.proc.pid).children(recursive=True):
+            try:
+                if "launch/train.py" in " ".join(p.cmdline()) and p.environ().get("RANK") == str(rank):
+                    return p
+            except psutil.NoSuchProcess:
+                continue
+        raise AssertionError(f"no worker with RANK={rank} under {self.cmd[0]}")
 
 
 def venv_bin(name: str) -> str:
@@ -198,12 +261,12 @@ def train_job(raw: dict, resume: str = "auto") -> dict:
 
     env = distributed.discover()
     t = trainer.build(config_from_dict(raw), env, resume=resume)
+    t.tracker.close()
     t.tracker = Recorder()
     try:
         code = t.train()
     finally:
-        t.evaluator.close()
-        t.loader.close()
+        t.close()
     losses = {s: m["train/loss"] for s, m in t.tracker.metrics.items() if "train/loss" in m}
     return {"code": code, "losses": losses, "step": t.step, "tokens_seen": t.tokens_seen,
             "metrics": t.tracker.metrics}

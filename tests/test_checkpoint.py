@@ -1,5 +1,6 @@
-"""Checkpoint files: `latest` and tag resolution, pruning of old and interrupted tags, RNG states, export of
-consolidated fp32 weights (ZeRO-3, and the fp32 masters of a bf16 stage-0 run) to native and HF folders."""
+"""Checkpoint files: what a folder holds (whatever `latest` says), retention, interrupted saves and rollbacks,
+checksums, RNG states, export of consolidated fp32 weights (ZeRO-3, and the fp32 masters of a bf16 stage-0
+run) to native and HF folders."""
 from __future__ import annotations
 
 import json
@@ -15,11 +16,14 @@ from txl_dist.checkpoint import CheckpointError
 
 
 def _tag(ckpt, step, complete=True, universal=False):
+    """A tag as a save leaves it: a file, its rank state and (when complete) run.json with checksums."""
     tag = ckpt / checkpoint.tag_for(step)
     (tag / checkpoint.STATE_DIR).mkdir(parents=True)
-    (tag / "mp_rank_00_model_states.pt").write_bytes(b"x")
+    (tag / "mp_rank_00_model_states.pt").write_bytes(b"weights of step %d" % step)
     if complete:
-        (tag / checkpoint.STATE_DIR / checkpoint.RUN_FILE).write_text(json.dumps({"version": 1, "step": step}))
+        files = {"mp_rank_00_model_states.pt": checkpoint.hash_file(tag / "mp_rank_00_model_states.pt")}
+        (tag / checkpoint.STATE_DIR / checkpoint.RUN_FILE).write_text(
+            json.dumps({"version": checkpoint.RUN_INFO_VERSION, "step": step, "files": files}))
     if universal:
         (ckpt / (tag.name + checkpoint.UNIVERSAL_SUFFIX)).mkdir()
     return tag
@@ -35,42 +39,105 @@ def test_tags_sort_by_step():
     assert checkpoint.step_of("global_step12") is None and checkpoint.step_of("step_x") is None
 
 
-def test_prune_keeps_the_newest_complete_tags_and_drops_interrupted_saves(tmp_path):
+def test_inventory_reads_the_folder_not_latest(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    for step in (10, 20, 30):
+        _tag(ckpt, step)
+    _tag(ckpt, 40, complete=False)
+    (ckpt / ".saving-step_00000050").mkdir()
+    (ckpt / "latest").write_text("step_00000020\n")
+    inv = checkpoint.inventory(ckpt)
+    assert inv.complete == ["step_00000010", "step_00000020", "step_00000030"]
+    assert inv.incomplete == ["step_00000040"] and inv.leftovers == [".saving-step_00000050"]
+    assert inv.latest == "step_00000020"
+    # auto takes the newest complete tag whatever `latest` says; a missing `latest` changes nothing.
+    assert checkpoint.candidate_tags("auto", ckpt)[0].name == "step_00000030"
+    (ckpt / "latest").unlink()
+    assert [p.name for p in checkpoint.candidate_tags("auto", ckpt)] == ["step_00000030", "step_00000020",
+                                                                         "step_00000010"]
+    assert checkpoint.candidate_tags("none", ckpt) == []
+
+
+def test_prune_keeps_the_newest_complete_tags_only(tmp_path):
     ckpt = tmp_path / "ckpt"
     for step in (10, 20, 30):
         _tag(ckpt, step, universal=step == 10)
-    _tag(ckpt, 40, complete=False)  # a save interrupted before `latest` moved
-    (ckpt / "latest").write_text("step_00000030\n")
-    removed = checkpoint.prune(ckpt, keep=2)
-    assert sorted(removed) == ["step_00000010", "step_00000040"]
-    assert _names(ckpt) == ["latest", "step_00000020", "step_00000030"]  # step 10's universal copy went too
-    _tag(ckpt, 50, complete=False)
-    checkpoint.prune(ckpt, keep=0)  # keep all complete ones, still drop the interrupted one
-    assert _names(ckpt) == ["latest", "step_00000020", "step_00000030"]
-    checkpoint.prune(ckpt, keep=1, protect=ckpt / "step_00000020")  # a job is resuming from step 20
-    assert _names(ckpt) == ["latest", "step_00000020", "step_00000030"]
-    checkpoint.prune(ckpt, keep=1)
-    assert _names(ckpt) == ["latest", "step_00000030"]
+    _tag(ckpt, 40, complete=False)  # not ours to judge: never removed by retention
+    assert checkpoint.prune(ckpt, keep=2) == ["step_00000010"]
+    assert _names(ckpt) == ["step_00000020", "step_00000030", "step_00000040"]  # step 10's universal copy too
+    assert checkpoint.prune(ckpt, keep=0) == []
+    assert checkpoint.prune(ckpt, keep=1) == ["step_00000020"]
+    assert _names(ckpt) == ["step_00000030", "step_00000040"]
 
 
-def test_resolve_resume_auto_none_and_paths(tmp_path):
+def test_leftovers_are_removed_and_a_tag_moved_aside_mid_replace_comes_back(tmp_path):
     ckpt = tmp_path / "ckpt"
-    assert checkpoint.resolve_resume("auto", ckpt) is None  # nothing yet: a fresh start
+    _tag(ckpt, 10)
+    (ckpt / ".saving-step_00000020" / "txl_state").mkdir(parents=True)  # a crash mid-save
+    # A crash between moving the old step_30 aside and renaming its replacement in.
+    aside = _tag(ckpt, 30)
+    aside.rename(ckpt / ".replaced-step_00000030-123")
+    (ckpt / "step_00000077_universal").mkdir()  # a universal copy whose tag is gone
+    removed = checkpoint.remove_leftovers(ckpt)
+    assert sorted(removed) == [".replaced-step_00000030-123", ".saving-step_00000020", "step_00000077_universal"]
+    assert _names(ckpt) == ["step_00000010", "step_00000030"]
+    assert checkpoint.verify(ckpt / "step_00000030") is None
+
+
+def test_rollback_moves_newer_tags_aside_and_never_deletes_them(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    for step in (10, 20, 30):
+        _tag(ckpt, step, universal=step == 30)
+    dest, moved = checkpoint.supersede_newer(ckpt, 10)
+    assert moved == ["step_00000020", "step_00000030"]
+    assert dest.parent == ckpt / checkpoint.SUPERSEDED_DIR
+    assert sorted(p.name for p in dest.iterdir()) == ["step_00000020", "step_00000030", "step_00000030_universal"]
+    assert checkpoint.inventory(ckpt).complete == ["step_00000010"]
+    assert checkpoint.supersede_newer(ckpt, 10) is None
+
+
+def test_verify_names_a_missing_truncated_or_corrupted_file(tmp_path):
+    ckpt = tmp_path / "ckpt"
     tag = _tag(ckpt, 5)
-    assert checkpoint.resolve_resume("auto", ckpt) is None  # a tag without `latest` is not a checkpoint
-    (ckpt / "latest").write_text("step_00000005\n")
-    assert checkpoint.resolve_resume("auto", ckpt) == tag
-    assert checkpoint.resolve_resume("none", ckpt) is None
-    assert checkpoint.resolve_resume(str(ckpt), tmp_path / "elsewhere") == tag
-    assert checkpoint.resolve_resume(str(tag), tmp_path / "elsewhere") == tag
-    with pytest.raises(CheckpointError, match="not a checkpoint folder"):
-        checkpoint.resolve_resume(str(tmp_path), ckpt)
-    (ckpt / "latest").write_text("step_00000007\n")
+    weights = tag / "mp_rank_00_model_states.pt"
+    assert checkpoint.verify(tag) is None
+    data = weights.read_bytes()
+    weights.write_bytes(data[:-3])
+    assert "truncated" in checkpoint.verify(tag) and str(weights) in checkpoint.verify(tag)
+    weights.write_bytes(data[:-1] + b"X")
+    assert "corrupted" in checkpoint.verify(tag)
+    weights.unlink()
+    assert "missing" in checkpoint.verify(tag)
+
+
+def test_checksum_work_is_shared_by_size_and_a_listed_path_cannot_leave_the_tag(tmp_path):
+    files = [("a", 100), ("b", 60), ("c", 50), ("d", 10)]
+    shares = [checkpoint.share_of(files, r, 2) for r in range(2)]
+    assert sorted(shares[0] + shares[1]) == ["a", "b", "c", "d"] and shares == [["a", "d"], ["b", "c"]]
+    tag = _tag(tmp_path, 1)
+    info = json.loads((tag / "txl_state" / "run.json").read_text())
+    for bad in ("../../etc/passwd", "/etc/passwd", "txl_state/../../x"):
+        info["files"] = {bad: {"bytes": 1, "sha256": "0" * 64}}
+        (tag / "txl_state" / "run.json").write_text(json.dumps(info))
+        with pytest.raises(CheckpointError, match="not a path inside the tag"):
+            checkpoint.verify(tag)
+
+
+def test_resolve_path_takes_a_tag_a_checkpoint_folder_or_a_run_folder(tmp_path):
+    run = tmp_path / "run"
+    ckpt = run / "checkpoints"
+    _tag(ckpt, 5)
+    newest = _tag(ckpt, 7)
+    _tag(ckpt, 9, complete=False)
+    for path in (newest, ckpt, run):
+        assert checkpoint.resolve_path(path) == newest
     with pytest.raises(CheckpointError, match="incomplete checkpoint"):
-        checkpoint.resolve_resume("auto", ckpt)
+        checkpoint.resolve_path(ckpt / "step_00000009")
+    with pytest.raises(CheckpointError, match="not a checkpoint"):
+        checkpoint.resolve_path(tmp_path)
     (ckpt / "latest").write_text("garbage\n")
     with pytest.raises(CheckpointError, match="not a tag of this project"):
-        checkpoint.resolve_resume("auto", ckpt)
+        checkpoint.inventory(ckpt)
 
 
 def test_run_info_of_another_version_is_refused(tmp_path):
@@ -126,8 +193,7 @@ def _train_and_gather(raw):
         assert t.train() == 0
         with deepspeed.zero.GatheredParameters(list(t.engine.module.parameters())):
             weights = {k: v.detach().float().clone() for k, v in t.engine.module.state_dict().items()}
-        t.evaluator.close()
-        t.loader.close()
+        t.close()
         return weights
     finally:
         distributed.destroy_process_group()
@@ -158,3 +224,13 @@ def test_export_writes_the_fp32_weights(tmp_path, stage, bf16):
     if bf16:  # masters, not the bf16 copies: some weights carry more precision than bf16 has
         assert any(not torch.equal(v, v.bfloat16().float()) for v in exported.values())
     assert (tmp_path / "hf" / "config.json").is_file() and (tmp_path / "hf" / "model.safetensors").is_file()
+
+
+def test_prune_never_removes_the_newest_good_tag(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    for step, streak in ((10, 0), (20, 0), (30, 2), (40, 3)):
+        tag = _tag(ckpt, step)
+        info = json.loads((tag / "txl_state" / "run.json").read_text())
+        (tag / "txl_state" / "run.json").write_text(json.dumps(info | {"nonfinite_streak": streak}))
+    assert checkpoint.prune(ckpt, keep=2) == ["step_00000010"]
+    assert checkpoint.inventory(ckpt).complete == ["step_00000020", "step_00000030", "step_00000040"]

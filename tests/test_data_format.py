@@ -7,7 +7,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,8 +18,6 @@ from txl_dist.data.format import (
     FileEntry,
     Layout,
     Manifest,
-    SplitEntry,
-    TokenizerEntry,
     TokenReader,
     file_boundaries,
     rank_token_range,

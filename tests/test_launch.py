@@ -3,17 +3,13 @@ one MLflow run (on a real server) continued across the restarts; export of the r
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
 import sys
-import threading
-import time
 
-import psutil
 import pytest
 
-from dist_helpers import REPO, free_port, learnable_stream, run_ranks, tiny_config, venv_bin, write_corpus
+from dist_helpers import (REPO, Launch, free_port, launcher_env, learnable_stream, run_ranks, tiny_config, venv_bin,
+                          write_corpus)
 from mlflow_server import mlflow_server  # noqa: F401  (pytest finds the fixture by name)
 from txl_dist.checkpoint import read_latest, read_run_info, rank_file
 
@@ -26,65 +22,6 @@ def corpus(tmp_path_factory):
     root = tmp_path_factory.mktemp("launch") / "corpus"
     return write_corpus(root, {"train": learnable_stream(4 * 49, VOCAB, 0), "valid": learnable_stream(80, VOCAB, 1),
                                "test": learnable_stream(80, VOCAB, 2)}, vocab_size=VOCAB)
-
-
-def _launcher_env() -> dict[str, str]:
-    """The test process's environment minus what a launcher sets (and OMP_NUM_THREADS: we set it)."""
-    drop = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT",
-            "OMP_NUM_THREADS"}
-    return {k: v for k, v in os.environ.items() if k not in drop} | {"DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
-
-
-class Launch:
-    """A launcher command in its own process group; its output collected line by line."""
-
-    def __init__(self, cmd: list[str], env: dict[str, str] | None = None):
-        self.cmd = cmd
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env or _launcher_env(), stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line)
-
-    @property
-    def output(self) -> str:
-        return "".join(self.lines)
-
-    def wait_for(self, text: str, timeout: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not any(text in line for line in self.lines):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.kill()
-                raise AssertionError(f"never printed {text!r}:\n{self.output[-4000:]}")
-            time.sleep(0.05)
-
-    def wait(self, timeout: float = 300.0) -> int:
-        try:
-            code = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise AssertionError(f"{' '.join(self.cmd)} did not finish in {timeout:.0f} s:\n{self.output[-4000:]}")
-        self._reader.join(10)
-        return code
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-    def worker(self, rank: int) -> psutil.Process:
-        """The training process of `rank` among the launcher's descendants."""
-        for p in psutil.Process(self.proc.pid).children(recursive=True):
-            try:
-                if "launch/train.py" in " ".join(p.cmdline()) and p.environ().get("RANK") == str(rank):
-                    return p
-            except psutil.NoSuchProcess:
-                continue
-        raise AssertionError(f"no worker with RANK={rank} under {self.cmd[0]}")
 
 
 def _train_main(argv):
@@ -159,7 +96,7 @@ def test_srun_style_environment(corpus, tmp_path):
     port = str(free_port())
     procs = []
     for rank in (0, 1):
-        env = _launcher_env() | {"SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(rank),
+        env = launcher_env() | {"SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(rank),
                                  "SLURM_NODEID": "0", "SLURM_TASKS_PER_NODE": "2",
                                  "SLURM_LAUNCH_NODE_IPADDR": "127.0.0.1", "MASTER_PORT": port}
         procs.append(Launch([sys.executable, "launch/train.py", "--config", str(config), "--log-all-ranks"], env))

@@ -137,3 +137,27 @@ def test_a_start_up_failure_on_one_rank_stops_all_ranks():
     rank0, rank1 = run_ranks(_start_up_fails_on_rank_1, 2)
     assert rank0.startswith("LaunchError: another rank failed while starting")
     assert rank1 == "ValueError: rank 1's data file is corrupt"
+
+
+def test_a_world_of_one_joins_without_a_watchdog_and_leaves_cleanly(monkeypatch):
+    from dist_helpers import free_port
+    from txl_dist import watchdog
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)  # init exports them; put the suite's back afterwards
+    env = DistEnv(0, 1, 0, 1, "127.0.0.1", free_port(), "torchrun")
+    distributed.init_process_group(env, collective_timeout_s=30, control_timeout_s=60)
+    try:
+        assert torch.distributed.get_backend() == distributed.default_backend() == "gloo"
+        assert not watchdog.running()  # nobody to watch
+        assert distributed.any_rank(True) and distributed.gather_objects(3) == [3]
+        distributed.barrier()
+    finally:
+        distributed.destroy_process_group()
+    assert not torch.distributed.is_initialized()
+
+
+def test_explain_failure_ignores_what_is_not_a_collective_failure():
+    assert distributed.explain_failure(ValueError("bad value")) is None
+    gloo = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4711")
+    assert distributed.explain_failure(gloo) == f"a collective failed: {gloo}"  # no watchdog: nothing to name

@@ -1,17 +1,16 @@
 """The training loop on 2 real gloo ranks: exact resume (ZeRO 0-3, fp32 and bf16), elastic resume (2 -> 1 and
-1 -> 2 ranks), per-rank mems that match a one-process computation and reset at the wrap, refusals before
-training starts."""
+1 -> 2 ranks), per-rank mems that match a one-process computation and reset at the wrap. (Refusals before
+training starts: tests/test_refusals.py.)"""
 from __future__ import annotations
 
-import json
 
 import numpy as np
 import pytest
 import torch
 
 from dist_helpers import learnable_stream, run_ranks, tiny_config, train_jobs, write_corpus
-from txl_dist.checkpoint import CheckpointError, read_latest, read_run_info, rank_file
-from txl_dist.config import ConfigError, config_from_dict
+from txl_dist.checkpoint import read_latest, read_run_info, rank_file
+from txl_dist.config import config_from_dict
 
 VOCAB = 64
 TRAIN_TOKENS = 4 * 49  # S = 4 streams of L = 49: 6 windows of tgt_len 8 per epoch
@@ -119,7 +118,7 @@ def _reference_mems(model, stream_tokens: np.ndarray, windows: list[int], tgt_le
 
 def test_each_rank_holds_the_mems_of_its_own_streams_and_resets_them_at_the_wrap(corpus, tmp_path):
     from txl_dist.model import TransformerXL
-    from txl_dist.trainer import resolve_model_config
+    from txl_dist.startup import with_vocab
 
     ckpt = tmp_path / "run" / "checkpoints"
     # lr 0 and no dropout: the weights stay those of step 0 and the mems are a function of the tokens.
@@ -129,7 +128,7 @@ def test_each_rank_holds_the_mems_of_its_own_streams_and_resets_them_at_the_wrap
     at_7 = tiny_config(corpus, ckpt.parent, train={"max_steps": 8, "exit_step": 7}, **sections)
     run_ranks(train_jobs, 2, [(at_6, "none"), (at_7, "auto")])
 
-    cfg = resolve_model_config(config_from_dict(at_6), VOCAB, str(corpus))
+    cfg = with_vocab(config_from_dict(at_6), VOCAB, str(corpus))
     model = TransformerXL(cfg.model)
     weights = torch.load(ckpt / "step_00000006" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
     model.load_state_dict(weights)
@@ -160,77 +159,3 @@ def _train_tokens(corpus) -> np.ndarray:
 
     with StreamLoader(corpus, "train", rank=0, world_size=1, n_streams=1, micro_batch=1, tgt_len=8) as loader:
         return np.asarray(loader.reader.read(0, TRAIN_TOKENS), dtype=np.int64)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Refused before training starts (no process group, no engine: the checks come first)
-
-
-def _env(world_size=1):
-    from txl_dist.distributed import DistEnv
-
-    return DistEnv(0, world_size, 0, world_size, "127.0.0.1", 1, "single")
-
-
-def _fake_checkpoint(ckpt, corpus, **changes):
-    """A tag whose run.json is a real one from this corpus with some fields changed."""
-    from txl_dist.data import read_manifest
-
-    m = read_manifest(corpus)
-    cfg = config_from_dict(tiny_config(corpus, ckpt))
-    tag = ckpt / "checkpoints" / "step_00000002"
-    (tag / "txl_state").mkdir(parents=True)
-    cfg_dict = cfg.to_dict()
-    cfg_dict["model"]["vocab_size"] = VOCAB
-    info = {"version": 1, "tag": tag.name, "step": 2, "tokens_seen": 64, "n_streams": 4, "stream_len": 49,
-            "world_size": 2, "zero_stage": 0, "config_digest": cfg.digest(), "config": cfg_dict,
-            "manifest_digest": m.digest(), "tokenizer_sha256": m.tokenizer.sha256, "vocab_size": VOCAB,
-            "mlflow_run_id": None}
-    info.update(changes)
-    (tag / "txl_state" / "run.json").write_text(json.dumps(info))
-    (tag.parent / "latest").write_text(tag.name + "\n")
-    return ckpt
-
-
-@pytest.mark.parametrize("changes, message", [
-    ({"tokenizer_sha256": "0" * 64}, "prepared with another tokenizer"),
-    ({"manifest_digest": "f" * 64}, "the prepared data differs"),
-    ({"n_streams": 8}, "train_batch_size .the number of streams. is 4, the checkpoint has 8"),
-    ({"zero_stage": 2}, "ZeRO stage 0 differs from the checkpoint's 2"),
-])
-def test_resume_from_an_incompatible_checkpoint_is_refused(corpus, tmp_path, changes, message):
-    from txl_dist import trainer
-
-    ckpt = _fake_checkpoint(tmp_path / "ckpt", corpus, **changes)
-    with pytest.raises(CheckpointError, match=message) as info:
-        trainer.build(config_from_dict(tiny_config(corpus, ckpt)), _env(), resume="auto")
-    assert "\n" not in str(info.value)
-
-
-def test_changed_model_settings_are_refused_on_resume(corpus, tmp_path):
-    from txl_dist import trainer
-
-    ckpt = _fake_checkpoint(tmp_path / "ckpt", corpus)
-    raw = tiny_config(corpus, ckpt, model={"d_inner": 128})
-    with pytest.raises(CheckpointError, match="model settings differ: model.d_inner"):
-        trainer.build(config_from_dict(raw), _env(), resume="auto")
-
-
-@pytest.mark.parametrize("world_size, sections, error, message", [
-    (3, {}, ConfigError, "4 streams cannot be split over 3 ranks"),
-    (1, {"model": {"vocab_size": 100}}, ConfigError, "model.vocab_size: 100 differs from the tokenizer"),
-    (1, {"model": {"cutoffs": [80]}}, ConfigError, "every cutoff must be below vocab_size 64"),
-])
-def test_layout_and_vocabulary_mismatches_are_refused(corpus, tmp_path, world_size, sections, error, message):
-    from txl_dist import trainer
-
-    raw = tiny_config(corpus, tmp_path / "ckpt", **sections)
-    with pytest.raises(error, match=message):
-        trainer.build(config_from_dict(raw), _env(world_size), resume="none")
-
-
-def test_resume_path_that_is_no_checkpoint_is_refused(corpus, tmp_path):
-    from txl_dist import trainer
-
-    with pytest.raises(CheckpointError, match="not a checkpoint folder"):
-        trainer.build(config_from_dict(tiny_config(corpus, tmp_path / "ckpt")), _env(), resume=str(tmp_path))

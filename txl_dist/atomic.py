@@ -26,6 +26,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
             os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~current_umask())
         os.replace(tmp, path)
+        fsync_dir(path.parent)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -36,6 +37,21 @@ def atomic_write(path: str | os.PathLike, data: str | bytes) -> Path:
     with atomic_path(path) as tmp:
         tmp.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
     return Path(path)
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make a folder's entries (files created or renamed in it) durable; a no-op where folders cannot be
+    opened for it (not POSIX)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems refuse fsync on a folder; the rename itself was still made
+        pass
+    finally:
+        os.close(fd)
 
 
 def current_umask() -> int:

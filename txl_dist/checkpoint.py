@@ -1,48 +1,77 @@
-"""Sharded checkpoints with exact and elastic resume.
+"""Sharded checkpoints: saved atomically with checksums, verified before use, never lost to retention.
 
-Layout (ARCHITECTURE.md):
+Layout of <run.dir>/checkpoints:
 ```
-CKPT/<tag>/...                        DeepSpeed's files (engine.save_checkpoint(CKPT, tag, save_latest=False))
-CKPT/<tag>/txl_state/rank-NNNNN.pt    one per rank: mems by global stream id, loader state, RNG states
-CKPT/<tag>/txl_state/run.json         rank 0: step, tokens seen, S, L, world size, ZeRO stage, digests, run id
-CKPT/<tag>_universal/                 DeepSpeed universal checkpoint, made once when the world size changes
-CKPT/latest                           written last, atomically: a tag named here is complete
+step_NNNNNNNN/...                      DeepSpeed's files (engine.save_checkpoint(..., save_latest=False))
+step_NNNNNNNN/txl_state/rank-RRRRR.pt  one per rank: mems by global stream id, loader state, RNG states
+step_NNNNNNNN/txl_state/run.json       written last: step, layout, digests, MLflow run id, and the size and
+                                       sha256 of every file of the tag (the completeness marker)
+step_NNNNNNNN_universal/               DeepSpeed's universal form, made once when the world size changes
+latest                                 the tag saved last (for people and tools; resume does not trust it)
+.saving-step_NNNNNNNN/                 a save in progress; left behind only by a crash, removed at the next start
+superseded/step_.../                   tags newer than the point a job rolled back to, moved aside, never deleted
 ```
+The save protocol (collective): every rank writes into `.saving-<tag>/` (DeepSpeed's files and its own state
+file); the ranks hash the files between them and fsync them; rank 0 writes run.json, fsyncs the folder,
+renames it to `<tag>` (an existing `<tag>` is moved aside first and removed only once the new one is in
+place), fsyncs the parent, then writes `latest` and prunes. A folder named `step_*` with a run.json is
+therefore complete; a crash at any point leaves the previous complete tags and `latest` as they were.
+
+A failure on any rank during a save (ENOSPC, an I/O error) is reported by every rank as one RunFailed line;
+DeepSpeed's own writes are routed through a recorder so that a rank whose write failed still takes part in
+DeepSpeed's remaining collectives instead of leaving the others waiting.
+
+Resume (`--resume auto`) takes the newest complete tag whatever `latest` says, verifies its checksums (the
+ranks share the hashing) and, with checkpoint.fallback, falls back to older tags that verify. Retention
+removes only complete tags older than the newest `keep`, after a save has completed; tags newer than the
+point a job resumes from are moved to superseded/ at start (a rollback), never removed.
+
 DeepSpeed writes `client_state` from data-parallel rank 0 only, so per-rank state needs its own files.
-DeepSpeed's own `latest` is not written: it would appear before our files are complete.
-
-Tags are `step_NNNNNNNN`, saved in step order, so a tag newer than the one in `latest` is an interrupted
-save: it is ignored and removed; a save first clears any leftover folder of its tag.
+Everything is loaded with weights_only unpickling (txl_dist.safe_load restricts DeepSpeed's own loads).
 """
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
+import logging
 import os
 import random
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import numpy as np
 import torch
 
 from . import distributed
-from .atomic import atomic_path, atomic_write
-from .errors import Refused
+from .atomic import atomic_path, atomic_write, fsync_dir
+from .errors import Refused, RunFailed, one_line
 
 LATEST = "latest"
 STATE_DIR = "txl_state"
 RUN_FILE = "run.json"
 UNIVERSAL_SUFFIX = "_universal"
-RUN_INFO_VERSION = 1
+STAGING_PREFIX = ".saving-"
+REPLACED_PREFIX = ".replaced-"
+SUPERSEDED_DIR = "superseded"
+RUN_INFO_VERSION = 2
+READABLE_RUN_INFO_VERSIONS = (2,)  # version 1 (no checksums, checkpoint.dir in its config) predates run folders
+HASH_CHUNK = 8 << 20
 
 
 class CheckpointError(Refused, RuntimeError):
     """A checkpoint cannot be used; the message names the path and what to do."""
+
+
+class SaveFailed(RunFailed):
+    """A save could not complete on some rank; the previous complete tags are untouched."""
 
 
 def tag_for(step: int) -> str:
@@ -106,38 +135,37 @@ def _as_tuple(x: Any) -> Any:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Save
+# What a checkpoint folder holds
 
 
-def save(engine, ckpt_dir: str | os.PathLike, step: int, *, rank: int, rank_state: dict[str, Any],
-         run_info: dict[str, Any], keep: int) -> Path:
-    """Save a complete checkpoint of step `step` on every rank (collective); returns the tag folder.
+@dataclass(frozen=True)
+class Inventory:
+    """The tags of a checkpoint folder, by what they are (read from the folder, not from `latest`)."""
 
-    rank_state: this rank's resumable state (mems, loader, RNG, ...). run_info: what rank 0 records in
-    run.json (the step and tag are added here). Order: DeepSpeed's files and every rank file, run.json,
-    a barrier, then `latest`; then tags beyond the newest `keep` are removed (0 keeps all).
-    """
+    complete: list[str]
+    """Tags with their run.json, oldest first."""
+    incomplete: list[str]
+    """step_* folders without run.json (not made by this version's saves; reported, never used)."""
+    leftovers: list[str]
+    """Interrupted saves and replacements (.saving-*, .replaced-*, half-made universal copies)."""
+    latest: str | None
+    """The tag `latest` names, if the file exists."""
+
+
+def inventory(ckpt_dir: str | os.PathLike) -> Inventory:
+    """What `ckpt_dir` holds now (an empty inventory when it does not exist)."""
     ckpt_dir = Path(ckpt_dir)
-    tag = tag_for(step)
-    tag_dir = ckpt_dir / tag
-    if rank == 0:
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
-        for leftover in (tag_dir, ckpt_dir / (tag + UNIVERSAL_SUFFIX)):
-            shutil.rmtree(leftover, ignore_errors=True)  # an interrupted earlier save of this step
-        (tag_dir / STATE_DIR).mkdir(parents=True)
-    distributed.barrier()
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, save_latest=False)
-    with atomic_path(rank_file(tag_dir, rank)) as tmp:
-        torch.save(rank_state, tmp)
-    if rank == 0:
-        info = dict(run_info, version=RUN_INFO_VERSION, tag=tag, step=step)
-        atomic_write(tag_dir / STATE_DIR / RUN_FILE, json.dumps(info, indent=2, sort_keys=True) + "\n")
-    distributed.barrier()  # every rank's files are on disk
-    if rank == 0:
-        atomic_write(ckpt_dir / LATEST, tag + "\n")
-        prune(ckpt_dir, keep)
-    distributed.barrier()  # nobody goes on (or exits) before `latest` names the new tag
-    return tag_dir
+    if not ckpt_dir.is_dir():
+        return Inventory([], [], [], None)
+    complete, incomplete, leftovers = [], [], []
+    for p in ckpt_dir.iterdir():
+        if p.name.startswith((STAGING_PREFIX, REPLACED_PREFIX)) or (
+                p.name.startswith(".") and UNIVERSAL_SUFFIX in p.name):
+            leftovers.append(p.name)
+        elif p.is_dir() and step_of(p.name) is not None:
+            (complete if (p / STATE_DIR / RUN_FILE).is_file() else incomplete).append(p.name)
+    return Inventory(sorted(complete, key=step_of), sorted(incomplete, key=step_of), sorted(leftovers),
+                     read_latest(ckpt_dir))
 
 
 def read_latest(ckpt_dir: str | os.PathLike) -> str | None:
@@ -147,67 +175,358 @@ def read_latest(ckpt_dir: str | os.PathLike) -> str | None:
         return None
     tag = path.read_text().strip()
     if step_of(tag) is None:
-        raise CheckpointError(f"{path}: names {tag!r}, not a tag of this project (step_NNNNNNNN)")
+        raise CheckpointError(f"{path}: names {tag!r}, not a tag of this project (step_NNNNNNNN); fix or remove it")
     return tag
 
 
-def prune(ckpt_dir: str | os.PathLike, keep: int, protect: str | os.PathLike | None = None) -> list[str]:
-    """Remove interrupted saves (tags newer than `latest`) and all but the newest `keep` complete tags.
+def remove_leftovers(ckpt_dir: str | os.PathLike) -> list[str]:
+    """Remove interrupted saves and replacements (rank 0, at start, before anything is written); their names."""
+    ckpt_dir = Path(ckpt_dir)
+    found = inventory(ckpt_dir).leftovers
+    for name in found:
+        path = ckpt_dir / name
+        if name.startswith(REPLACED_PREFIX):
+            _restore_replaced(ckpt_dir, name)
+        if path.exists():
+            shutil.rmtree(path, ignore_errors=True)
+    # A universal copy whose tag is gone.
+    for p in ckpt_dir.glob(f"step_*{UNIVERSAL_SUFFIX}"):
+        if not (ckpt_dir / p.name[:-len(UNIVERSAL_SUFFIX)]).is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+            found.append(p.name)
+    return found
 
-    `protect`: a tag folder never removed here (the one a job is resuming from while this runs).
+
+def _restore_replaced(ckpt_dir: Path, name: str) -> None:
+    """A crash between moving a complete tag aside and renaming its replacement in: put the old one back."""
+    tag = name[len(REPLACED_PREFIX):].rsplit("-", 1)[0]
+    old = ckpt_dir / name
+    if step_of(tag) is not None and not (ckpt_dir / tag).exists() and (old / STATE_DIR / RUN_FILE).is_file():
+        os.replace(old, ckpt_dir / tag)
+
+
+def supersede_newer(ckpt_dir: str | os.PathLike, step: int) -> tuple[Path, list[str]] | None:
+    """Move complete tags newer than `step` into superseded/<time>/ (a job rolling back to `step`)."""
+    ckpt_dir = Path(ckpt_dir)
+    newer = [t for t in inventory(ckpt_dir).complete if step_of(t) > step]
+    if not newer:
+        return None
+    dest = ckpt_dir / SUPERSEDED_DIR / time.strftime("%Y%m%d-%H%M%S")
+    dest.mkdir(parents=True, exist_ok=False)
+    for tag in newer:
+        os.replace(ckpt_dir / tag, dest / tag)
+        universal = ckpt_dir / (tag + UNIVERSAL_SUFFIX)
+        if universal.is_dir():
+            os.replace(universal, dest / universal.name)
+    fsync_dir(ckpt_dir)
+    return dest, newer
+
+
+def prune(ckpt_dir: str | os.PathLike, keep: int) -> list[str]:
+    """Remove all but the newest `keep` complete tags (0 keeps all), with their universal copies; the newest
+    good tag (saved outside a run of non-finite steps) is always kept, so a run that then diverges can
+    restart from it.
+
+    Called only after a save has completed, so the tag just saved is among the kept ones.
     """
     ckpt_dir = Path(ckpt_dir)
-    latest = read_latest(ckpt_dir)
-    if latest is None:
-        return []
-    latest_step = step_of(latest)
-    tags = sorted((step_of(p.name), p.name) for p in ckpt_dir.iterdir() if p.is_dir() and step_of(p.name) is not None)
-    complete = [t for s, t in tags if s <= latest_step]
-    doomed = [t for s, t in tags if s > latest_step]
-    if keep > 0:
-        doomed += complete[:-keep]
-    if protect is not None:
-        doomed = [t for t in doomed if (ckpt_dir / t).resolve() != Path(protect).resolve()]
+    complete = inventory(ckpt_dir).complete
+    doomed = complete[:-keep] if keep > 0 else []
+    good = next((t for t in reversed(complete) if _is_good(ckpt_dir / t)), None)
+    doomed = [t for t in doomed if t != good]
     for tag in doomed:
-        shutil.rmtree(ckpt_dir / tag, ignore_errors=True)
+        # Rename first: a crash while deleting must not leave a step_* folder that looks complete.
+        trash = ckpt_dir / f"{REPLACED_PREFIX}{tag}-pruned"
+        os.replace(ckpt_dir / tag, trash)
+        shutil.rmtree(trash, ignore_errors=True)
         shutil.rmtree(ckpt_dir / (tag + UNIVERSAL_SUFFIX), ignore_errors=True)
-    # A universal conversion whose tag is gone, or a half-made one (its temporary folder).
-    for p in ckpt_dir.iterdir():
-        if p.name.endswith(UNIVERSAL_SUFFIX) and not (ckpt_dir / p.name[:-len(UNIVERSAL_SUFFIX)]).is_dir():
-            shutil.rmtree(p, ignore_errors=True)
-        elif p.name.startswith(".") and UNIVERSAL_SUFFIX in p.name:
-            shutil.rmtree(p, ignore_errors=True)
     return doomed
+
+
+def _is_good(tag_dir: Path) -> bool:
+    try:
+        return not read_run_info(tag_dir).get("nonfinite_streak")
+    except CheckpointError:
+        return False
+
+
+def tag_bytes(tag_dir: str | os.PathLike) -> int:
+    """Bytes of a tag's files (from its run.json when it lists them)."""
+    tag_dir = Path(tag_dir)
+    try:
+        files = read_run_info(tag_dir).get("files")
+    except CheckpointError:
+        files = None
+    if files:
+        return sum(int(f["bytes"]) for f in files.values())
+    return sum(p.stat().st_size for p in tag_dir.rglob("*") if p.is_file())
+
+
+# ----------------------------------------------------------------------------------------------------
+# Save
+
+
+def save(engine, ckpt_dir: str | os.PathLike, step: int, *, rank: int, world_size: int,
+         rank_state: dict[str, Any], run_info: dict[str, Any], keep: int, min_free_bytes: int = 0) -> Path:
+    """Save a complete checkpoint of step `step` on every rank (collective); returns the tag folder.
+
+    rank_state: this rank's resumable state. run_info: what rank 0 records in run.json (the step, tag and
+    file checksums are added here). min_free_bytes: the free space rank 0 requires before writing.
+    Raises SaveFailed on every rank when any rank's part failed; nothing complete is touched then.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    tag = tag_for(step)
+    staging = ckpt_dir / (STAGING_PREFIX + tag)
+    try:
+        _save_into(engine, ckpt_dir, tag, staging, rank=rank, world_size=world_size, rank_state=rank_state,
+                   run_info=run_info, min_free_bytes=min_free_bytes)
+    except SaveFailed:
+        if rank == 0:  # give the space back now; a crash leaves the folder to the next start instead
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if rank == 0:
+        try:
+            prune(ckpt_dir, keep)
+        except OSError as e:  # the new tag is complete: a failed clean-up must not stop the run
+            logging.getLogger(distributed.LOGGER_NAME).warning("checkpoint: could not remove old tags in %s (%s)",
+                                                               ckpt_dir, one_line(e))
+    distributed.barrier()  # nobody goes on (or exits) before `latest` names the new tag
+    return ckpt_dir / tag
+
+
+def _save_into(engine, ckpt_dir: Path, tag: str, staging: Path, *, rank: int, world_size: int,
+               rank_state: dict[str, Any], run_info: dict[str, Any], min_free_bytes: int) -> None:
+    """The steps of save(), each agreed by all ranks: staging folder, DeepSpeed's files and the rank files,
+    checksums, then rank 0 commits (run.json, rename, `latest`)."""
+    step = step_of(tag)
+    _agree(lambda: _prepare_staging(ckpt_dir, staging, min_free_bytes) if rank == 0 else None,
+           f"checkpoint {tag} could not be started")
+    with _recorded_writes(engine) as recorder:
+        engine.save_checkpoint(str(ckpt_dir), tag=staging.name, save_latest=False)
+    own_error = recorder.error
+
+    def write_own_state() -> None:
+        if own_error:
+            raise OSError(own_error)
+        with atomic_path(rank_file(staging, rank)) as tmp:
+            torch.save(rank_state, tmp)
+
+    _agree(write_own_state, f"checkpoint {tag} could not be saved")
+    files = _agreed_list(lambda: _list_files(staging) if rank == 0 else None)
+    digests = _agree(lambda: _hash_share(staging, files, rank, world_size, fsync=True),
+                     f"checkpoint {tag} could not be checksummed")
+
+    def commit() -> None:
+        if rank != 0:
+            return
+        manifest = {}
+        for part in digests:
+            manifest.update(part)
+        info = dict(run_info, version=RUN_INFO_VERSION, tag=tag, step=step,
+                    files={name: manifest[name] for name in sorted(manifest)})
+        atomic_write(staging / STATE_DIR / RUN_FILE, json.dumps(info, indent=2, sort_keys=True) + "\n")
+        for d in (staging / STATE_DIR, staging):
+            fsync_dir(d)
+        _move_into_place(ckpt_dir, staging, ckpt_dir / tag)
+        atomic_write(ckpt_dir / LATEST, tag + "\n")
+        fsync_dir(ckpt_dir)
+
+    _agree(commit, f"checkpoint {tag} could not be committed")
+
+
+def _prepare_staging(ckpt_dir: Path, staging: Path, min_free_bytes: int) -> None:
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(ckpt_dir).free
+    if free < min_free_bytes:
+        raise OSError(errno.ENOSPC, f"{free / 2**20:.0f} MiB free on the file system of {ckpt_dir}, a checkpoint "
+                      f"needs about {min_free_bytes / 2**20:.0f} MiB; free space or lower checkpoint.keep")
+    shutil.rmtree(staging, ignore_errors=True)
+    (staging / STATE_DIR).mkdir(parents=True)
+
+
+def _move_into_place(ckpt_dir: Path, staging: Path, tag_dir: Path) -> None:
+    """Rename the finished staging folder to its tag; an existing tag of that name is replaced only now."""
+    old = None
+    if tag_dir.exists():
+        old = ckpt_dir / f"{REPLACED_PREFIX}{tag_dir.name}-{os.getpid()}"
+        os.replace(tag_dir, old)
+    os.replace(staging, tag_dir)
+    fsync_dir(ckpt_dir)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(ckpt_dir / (tag_dir.name + UNIVERSAL_SUFFIX), ignore_errors=True)  # made from the old one
+
+
+class _WriteRecorder:
+    """Wraps DeepSpeed's checkpoint engine: a failed write is recorded instead of raised, so this rank still
+    joins DeepSpeed's remaining collectives (a raise would leave the other ranks waiting in a barrier)."""
+
+    def __init__(self, inner) -> None:
+        self._inner = inner
+        self.error: str | None = None
+
+    def save(self, state_dict, path, *args, **kwargs):
+        if self.error is not None:
+            return None
+        try:
+            return self._inner.save(state_dict, path, *args, **kwargs)
+        except (OSError, RuntimeError) as e:
+            self.error = f"{path}: {one_line(e)}"
+            Path(path).unlink(missing_ok=True)
+            return None
+
+    def makedirs(self, path, exist_ok=False):
+        try:
+            return self._inner.makedirs(path, exist_ok=exist_ok)
+        except OSError as e:
+            self.error = self.error or f"{path}: {one_line(e)}"
+            return None
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+@contextmanager
+def _recorded_writes(engine) -> Iterator[_WriteRecorder]:
+    recorder = _WriteRecorder(engine.checkpoint_engine)
+    engine.checkpoint_engine = recorder
+    try:
+        yield recorder
+    except (OSError, RuntimeError) as e:  # outside the checkpoint engine (DeepSpeed's script copy, ...)
+        recorder.error = recorder.error or one_line(e)
+    finally:
+        engine.checkpoint_engine = recorder._inner
+
+
+def _agree(fn, what: str) -> list[Any]:
+    """fn() on every rank, gathered in rank order; if it failed anywhere, SaveFailed naming the first failed
+    rank and its error, on every rank (so all of them stop, and say the same thing)."""
+    try:
+        value, error = fn(), None
+    except (OSError, RuntimeError, CheckpointError) as e:
+        value, error = None, one_line(e)
+    gathered = distributed.gather_objects((value, error))
+    failures = [(r, err) for r, (_, err) in enumerate(gathered) if err]
+    if failures:
+        r, err = failures[0]
+        raise SaveFailed(f"{what}: rank {r}: {err}")
+    return [v for v, _ in gathered]
+
+
+def _agreed_list(fn) -> Any:
+    """Rank 0's fn() on every rank."""
+    return distributed.broadcast_object(fn())
+
+
+def _list_files(tag_dir: Path) -> list[tuple[str, int]]:
+    """Every file under a tag folder as (relative POSIX path, bytes), sorted."""
+    out = []
+    for p in sorted(tag_dir.rglob("*")):
+        if p.is_file():
+            out.append((p.relative_to(tag_dir).as_posix(), p.stat().st_size))
+    return out
+
+
+def share_of(files: list[tuple[str, int]], rank: int, world_size: int) -> list[str]:
+    """The files rank `rank` hashes: largest first to the least loaded rank (the same answer on every rank)."""
+    loads = [0] * world_size
+    mine = []
+    for name, size in sorted(files, key=lambda f: (-f[1], f[0])):
+        r = min(range(world_size), key=lambda i: (loads[i], i))
+        loads[r] += size
+        if r == rank:
+            mine.append(name)
+    return mine
+
+
+def _hash_share(tag_dir: Path, files: list[tuple[str, int]], rank: int, world_size: int, *,
+                fsync: bool) -> dict[str, dict[str, Any]]:
+    out = {}
+    for name in share_of(files, rank, world_size):
+        out[name] = hash_file(tag_dir / name, fsync=fsync)
+    return out
+
+
+def hash_file(path: Path, *, fsync: bool = False) -> dict[str, Any]:
+    """{'bytes', 'sha256'} of a file; with fsync its data is forced to disk first (it was written by a
+    library that does not: DeepSpeed's torch.save)."""
+    with open(path, "rb") as f:
+        if fsync:
+            os.fsync(f.fileno())
+        digest = hashlib.file_digest(f, "sha256")
+        size = f.tell()
+    return {"bytes": size, "sha256": digest.hexdigest()}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Verify
+
+
+def verify(tag_dir: str | os.PathLike, *, rank: int = 0, world_size: int = 1) -> str | None:
+    """Check this rank's share of a tag's files against run.json; a one-line problem, or None when fine.
+
+    Collective-free: each rank checks its share; the caller agrees on the results.
+    """
+    tag_dir = Path(tag_dir)
+    try:
+        info = read_run_info(tag_dir)
+    except CheckpointError as e:
+        return str(e)
+    files = info.get("files")
+    if not isinstance(files, dict) or not files:
+        return f"{tag_dir / STATE_DIR / RUN_FILE}: lists no files to verify"
+    listed = [(name, int(entry["bytes"])) for name, entry in files.items()]
+    for name in share_of(listed, rank, world_size):
+        path = tag_dir / safe_relative(name, tag_dir)
+        if not path.is_file():
+            return f"{path}: missing (the checkpoint lists it)"
+        got = hash_file(path)
+        want = files[name]
+        if got["bytes"] != want["bytes"]:
+            return f"{path}: {got['bytes']} bytes, the checkpoint recorded {want['bytes']} (truncated or replaced)"
+        if got["sha256"] != want["sha256"]:
+            return f"{path}: sha256 differs from the one recorded at save time (corrupted)"
+    return None
+
+
+def safe_relative(name: str, root: Path) -> str:
+    """A relative path from a checkpoint's own file that stays inside `root`, or CheckpointError."""
+    p = PurePosixPath(name)
+    if p.is_absolute() or not p.parts or ".." in p.parts or "\\" in name or "\0" in name:
+        raise CheckpointError(f"{root / STATE_DIR / RUN_FILE}: lists {name!r}, which is not a path inside the tag")
+    return name
 
 
 # ----------------------------------------------------------------------------------------------------
 # Resume
 
 
-def resolve_resume(resume: str, ckpt_dir: str | os.PathLike) -> Path | None:
-    """The tag folder to resume from: 'none', 'auto' (checkpoint.dir's latest, if any) or a PATH.
-
-    PATH is a checkpoint folder holding `latest`, or a tag folder (holding txl_state/run.json).
-    """
+def candidate_tags(resume: str, ckpt_dir: str | os.PathLike) -> list[Path]:
+    """Tag folders to resume from, best first: [] for 'none', the complete tags newest first for 'auto'
+    (whatever `latest` says), or the one tag a PATH names (a checkpoint folder: its newest complete tag)."""
     if resume == "none":
-        return None
+        return []
     if resume == "auto":
-        tag = read_latest(ckpt_dir)
-        return None if tag is None else _complete(Path(ckpt_dir) / tag)
-    path = Path(resume)
-    if (path / LATEST).is_file():
-        return _complete(path / read_latest(path))
+        ckpt_dir = Path(ckpt_dir)
+        return [ckpt_dir / t for t in reversed(inventory(ckpt_dir).complete)]
+    return [resolve_path(resume)]
+
+
+def resolve_path(path: str | os.PathLike) -> Path:
+    """The tag folder a user's PATH means: a tag folder, a checkpoint folder (its newest complete tag) or a
+    run folder (the newest complete tag of its checkpoints/)."""
+    path = Path(path)
     if (path / STATE_DIR / RUN_FILE).is_file():
-        return _complete(path)
+        return path
+    for folder in (path, path / "checkpoints"):
+        complete = inventory(folder).complete
+        if complete:
+            return folder / complete[-1]
+    if step_of(path.name) is not None and path.is_dir():
+        raise CheckpointError(f"{path}: incomplete checkpoint (no {STATE_DIR}/{RUN_FILE}); use another tag")
     raise CheckpointError(
-        f"--resume {resume}: not a checkpoint folder (no '{LATEST}') nor a complete tag folder "
-        f"(no {STATE_DIR}/{RUN_FILE}); pass checkpoint.dir or one of its step_* folders")
-
-
-def _complete(tag_dir: Path) -> Path:
-    if not (tag_dir / STATE_DIR / RUN_FILE).is_file():
-        raise CheckpointError(f"{tag_dir}: incomplete checkpoint (no {STATE_DIR}/{RUN_FILE}); resume another tag")
-    return tag_dir
+        f"{path}: not a checkpoint: no complete step_* tag in it (nor in {path / 'checkpoints'}); pass a run folder, "
+        "its checkpoints/ folder or one of its step_* tags")
 
 
 def read_run_info(tag_dir: str | os.PathLike) -> dict[str, Any]:
@@ -216,9 +535,10 @@ def read_run_info(tag_dir: str | os.PathLike) -> dict[str, Any]:
     try:
         info = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: cannot read ({e}); resume another tag") from None
-    if info.get("version") != RUN_INFO_VERSION:
-        raise CheckpointError(f"{path}: version {info.get('version')!r} is not {RUN_INFO_VERSION}")
+        raise CheckpointError(f"{path}: cannot read ({one_line(e)}); use another tag") from None
+    if not isinstance(info, dict) or info.get("version") not in READABLE_RUN_INFO_VERSIONS:
+        version = info.get("version") if isinstance(info, dict) else None
+        raise CheckpointError(f"{path}: version {version!r} is not one of {READABLE_RUN_INFO_VERSIONS}")
     return info
 
 
@@ -240,34 +560,30 @@ def needs_universal(run_info: dict[str, Any], world_size: int) -> bool:
     return run_info["zero_stage"] > 0 and run_info["world_size"] != world_size
 
 
-def engine_source(tag_dir: str | os.PathLike, run_info: dict[str, Any], *, world_size: int, rank: int) -> EngineSource:
-    """Decide (before deepspeed.initialize) how to load the DeepSpeed state; converts once if needed (collective).
-
-    For another world size at ZeRO 1-3, rank 0 runs DeepSpeed's ds_to_universal into <tag>_universal
-    (into a temporary folder, renamed when complete; stages 1/2 need --inject_missing_state) unless it
-    exists; the other ranks wait at a barrier.
-    """
+def engine_source(tag_dir: str | os.PathLike, run_info: dict[str, Any], *, world_size: int) -> EngineSource:
+    """How the DeepSpeed state is loaded: from the tag, or from its universal copy (see convert_if_needed)."""
     tag_dir = Path(tag_dir)
     if not needs_universal(run_info, world_size):
         return EngineSource(tag_dir.parent, tag_dir.name, universal=False)
-    out = tag_dir.parent / (tag_dir.name + UNIVERSAL_SUFFIX)
-    failure = None
-    if rank == 0 and not out.is_dir():
-        try:
-            convert_to_universal(tag_dir, out, zero_stage=run_info["zero_stage"])
-        except CheckpointError as e:
-            failure = str(e)
-    failure = distributed.broadcast_object(failure)
-    if failure:
-        raise CheckpointError(failure)
-    return EngineSource(tag_dir.parent, out.name, universal=True)
+    return EngineSource(tag_dir.parent, tag_dir.name + UNIVERSAL_SUFFIX, universal=True)
+
+
+def convert_if_needed(source: EngineSource, run_info: dict[str, Any]) -> None:
+    """Make the universal copy a source needs, once (rank 0 alone; the caller agrees on failures)."""
+    if not source.universal:
+        return
+    out = source.load_dir / source.tag
+    if not out.is_dir():
+        tag_dir = source.load_dir / source.tag[:-len(UNIVERSAL_SUFFIX)]
+        convert_to_universal(tag_dir, out, zero_stage=run_info["zero_stage"])
 
 
 def convert_to_universal(tag_dir: Path, out: Path, *, zero_stage: int) -> None:
-    """DeepSpeed's universal checkpoint conversion of one tag, atomically (temporary folder + rename)."""
+    """DeepSpeed's universal checkpoint conversion of one tag, atomically (temporary folder + rename), with
+    its loads restricted to weights (txl_dist.safe_load)."""
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(tag_dir),
+    cmd = [sys.executable, "-m", "txl_dist.safe_load", "ds_to_universal", "--input_folder", str(tag_dir),
            "--output_folder", str(tmp), "--num_extract_workers", "1", "--num_merge_workers", "1"]
     if zero_stage in (1, 2):
         cmd.append("--inject_missing_state")
@@ -278,12 +594,17 @@ def convert_to_universal(tag_dir: Path, out: Path, *, zero_stage: int) -> None:
         raise CheckpointError(f"{tag_dir}: universal checkpoint conversion failed ({last}); "
                               f"resume with the world size it was saved with ({zero_stage=})")
     os.replace(tmp, out)
+    # DeepSpeed's converter also writes a `latest_universal` naming its (temporary) output: not ours to keep.
+    (out.parent / "latest_universal").unlink(missing_ok=True)
 
 
 def load_engine(engine, source: EngineSource) -> None:
     """Load DeepSpeed's state (weights, optimizer, LR schedule, step counters) into the engine."""
-    path, _ = engine.load_checkpoint(str(source.load_dir), tag=source.tag, load_optimizer_states=True,
-                                     load_lr_scheduler_states=True)
+    from .safe_load import restricted_torch_loads
+
+    with restricted_torch_loads():
+        path, _ = engine.load_checkpoint(str(source.load_dir), tag=source.tag, load_optimizer_states=True,
+                                         load_lr_scheduler_states=True)
     if path is None:
         raise CheckpointError(f"{source.load_dir / source.tag}: DeepSpeed found no checkpoint to load")
 
@@ -295,7 +616,10 @@ def load_rank_states(tag_dir: str | os.PathLike, ranks: Iterable[int]) -> list[d
         path = rank_file(Path(tag_dir), r)
         if not path.is_file():
             raise CheckpointError(f"{path}: missing; the checkpoint is incomplete, resume another tag")
-        states.append(torch.load(path, map_location="cpu", weights_only=True))
+        try:
+            states.append(torch.load(path, map_location="cpu", weights_only=True))
+        except Exception as e:  # a corrupt or foreign file: unpickling errors have many types
+            raise CheckpointError(f"{path}: cannot be read ({one_line(e)}); resume another tag") from None
     return states
 
 
@@ -309,18 +633,18 @@ def load_fp32_weights(model: torch.nn.Module, tag_dir: str | os.PathLike, zero_s
     ZeRO 1-3: DeepSpeed's zero_to_fp32 merges the fp32 master partitions of all ranks. Stage 0: the
     module's weights, overwritten by the fp32 masters that DeepSpeed's bf16/fp16 optimizer keeps in the
     same file (one flat list in model.parameters() order), so a bf16 run exports its fp32 masters too.
+    Both read the files with weights-only unpickling.
     """
+    from .safe_load import fp32_state_dict_from_zero, load_weights_only
+
     tag_dir = Path(tag_dir)
     if zero_stage > 0:
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        state = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
-        model.load_state_dict(state, strict=True)
+        model.load_state_dict(fp32_state_dict_from_zero(tag_dir), strict=True)
         return
     path = tag_dir / "mp_rank_00_model_states.pt"
     if not path.is_file():
         raise CheckpointError(f"{path}: missing; is {tag_dir} a complete stage-0 checkpoint?")
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    state = load_weights_only(path, map_location="cpu")
     model.load_state_dict({k: v.float() for k, v in state["module"].items()}, strict=True)
     groups = (state.get("optimizer") or {}).get("fp32_groups")
     if groups:

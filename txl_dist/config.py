@@ -1,9 +1,9 @@
 """Typed run configuration: one JSON file, one dataclass per section, validated before any work.
 
 Sections: run, model, data, train, eval, checkpoint, tracking (typed here) and deepspeed (a plain dict handed
-to deepspeed.initialize; its keys are checked against DeepSpeed's own reading of it when the engine module
-validates it, see deepspeed_schema.check_deepspeed_config). Every problem is reported as one ``ConfigError`` line that
-names the key and says what to do.
+to deepspeed.initialize; the project's own rules are checked here, its keys against DeepSpeed's own reading
+of it by deepspeed_schema.check_deepspeed_config at start-up). Every problem is reported as one
+``ConfigError`` line that names the key and says what to do.
 
 Standard library only: every other package may import this module.
 """
@@ -281,21 +281,25 @@ _SECRET_QUERY_KEYS = ("token", "password", "passwd", "secret", "key", "auth", "s
 
 
 def redact_uri(uri: str) -> str:
-    """A URI with its password and any secret-looking query values replaced by ***."""
+    """A URI with its password and any secret-looking query values replaced by ***; unchanged when it holds
+    none (rebuilding it would normalise it: sqlite:////abs/db must stay as it is)."""
     try:
         parts = urlsplit(uri)
     except ValueError:
         return "***"
-    netloc = parts.netloc
+    netloc, changed = parts.netloc, False
     if "@" in netloc:
         userinfo, host = netloc.rsplit("@", 1)
         user = userinfo.split(":", 1)[0]
-        netloc = f"{user}:***@{host}" if ":" in userinfo else f"***@{host}"
+        netloc, changed = (f"{user}:***@{host}" if ":" in userinfo else f"***@{host}"), True
     query = parts.query
     if query:
         pairs = parse_qsl(query, keep_blank_values=True)
-        query = urlencode([(k, "***" if any(s in k.lower() for s in _SECRET_QUERY_KEYS) else v) for k, v in pairs],
-                          safe="*")
+        masked = [(k, "***" if any(s in k.lower() for s in _SECRET_QUERY_KEYS) else v) for k, v in pairs]
+        if masked != pairs:
+            query, changed = urlencode(masked, safe="*"), True
+    if not changed:
+        return uri
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 

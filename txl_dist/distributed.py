@@ -1,5 +1,11 @@
 """Who am I in the job: rank and world discovery for the deepspeed launcher, torchrun and srun; the process
-group; the few collectives the trainer needs; CPU threads per rank; rank-0-only logging.
+groups; the few collectives the trainer needs; CPU threads per rank; rank-0-only logging.
+
+Two process groups: the default one (gloo on CPU; on CUDA "cpu:gloo,cuda:nccl", so DeepSpeed's device
+collectives go to nccl) with the collective timeout, for device tensors; and a gloo "control" group for the
+host-side helpers (flags and picklable objects on the CPU), whose waits may be long (checkpoint I/O, one
+rank converting a checkpoint while the others wait). The lost-rank watchdog (watchdog.py) runs while the
+groups are up.
 
 No deepspeed here (ARCHITECTURE.md): deepspeed.initialize finds the process group already initialized.
 Every collective helper also works with a world of one and no process group.
@@ -10,6 +16,7 @@ import logging
 import os
 import re
 import subprocess
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -18,9 +25,12 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from .errors import Refused
+from . import watchdog
+from .errors import Refused, one_line
 
 DEFAULT_MASTER_PORT = 29500
+DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0  # config: train.collective_timeout_s
+DEFAULT_CONTROL_TIMEOUT_S = 3600.0  # config: checkpoint.timeout_s
 LOGGER_NAME = "txl_dist"
 T = TypeVar("T")
 
@@ -156,22 +166,67 @@ def device_for(env: DistEnv) -> torch.device:
     return torch.device("cuda", env.local_rank) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def init_process_group(env: DistEnv, timeout_s: float = 1800.0) -> None:
-    """Join the job's process group (gloo on CPU, nccl on CUDA); a no-op when already initialized."""
+def default_backend() -> str:
+    """The default group's backend: gloo for CPU tensors and, when CUDA is there, nccl for CUDA tensors."""
+    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+
+
+_control_group: dist.ProcessGroup | None = None
+
+
+def init_process_group(env: DistEnv, *, collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
+                       control_timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S, backend: str | None = None) -> None:
+    """Join the job: the default group (`backend`, else default_backend(); timeout collective_timeout_s),
+    the gloo control group of the host-side helpers (timeout control_timeout_s) and the lost-rank
+    watchdog (a rank silent for collective_timeout_s ends the job). A no-op when already initialized."""
+    global _control_group
     if dist.is_initialized():
         return
     export(env)
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
+    if torch.cuda.is_available():
         torch.cuda.set_device(env.local_rank)
-    dist.init_process_group(backend, init_method="env://", rank=env.rank, world_size=env.world_size,
-                            timeout=timedelta(seconds=timeout_s))
+    # Two beats longer than the watchdog's limit: a lost rank is reported by the watchdog's one line, not
+    # by the backend's own abort (NCCL's is a multi-line dump).
+    backend_timeout_s = collective_timeout_s + 2 * watchdog.beat_period(collective_timeout_s)
+    dist.init_process_group(backend or default_backend(), init_method="env://", rank=env.rank,
+                            world_size=env.world_size, timeout=timedelta(seconds=backend_timeout_s))
+    _control_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=control_timeout_s))
+    watchdog.start(env.rank, env.world_size, watchdog.store_address(env.master_addr, env.master_port),
+                   collective_timeout_s, logging.getLogger(LOGGER_NAME))
 
 
-def destroy_process_group() -> None:
-    """Leave the process group (at the end of main, so a process can exit or start another job)."""
+def destroy_process_group(error: BaseException | None = None) -> None:
+    """Leave the job (at the end of main, so a process can exit or start another job): stop the watchdog,
+    then tear down both groups.
+
+    `error`: what this rank is failing with, when it caught it itself and fails alone; an exception that is
+    still propagating (destroy called from a `finally`) counts too. The other ranks then stop at once with
+    a line naming this rank. A refusal (raised on every rank together) and SystemExit(0) are no failure.
+    """
+    global _control_group
+    watchdog.stop(_failure_line(error if error is not None else sys.exc_info()[1]))
+    _control_group = None
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _failure_line(error: BaseException | None) -> str | None:
+    if error is None or isinstance(error, Refused) or (isinstance(error, SystemExit) and not error.code):
+        return None
+    return one_line(error)
+
+
+def explain_failure(exc: BaseException) -> str | None:
+    """After a collective raised `exc`: one line naming the lost rank(s) (rank, host, pid and why), or
+    saying that contact with the rendezvous store was lost; None when `exc` is no collective failure.
+    Takes a few seconds; every other rank then stops with the same line. See watchdog.explain_failure."""
+    return watchdog.explain_failure(exc)
+
+
+def on_abort(callback: Callable[[], None]) -> None:
+    """Run `callback` (briefly: a few seconds for all of them) before the watchdog ends this process because
+    a rank was lost; e.g. closing the MLflow run. Forgotten at destroy_process_group."""
+    watchdog.on_abort(callback)
 
 
 def _active() -> bool:
@@ -185,11 +240,11 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def any_rank(flag: bool, device: torch.device | str = "cpu") -> bool:
+def any_rank(flag: bool) -> bool:
     """True on every rank when `flag` is true on at least one (all ranks must call it)."""
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)  # [1]
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32)  # [1]
     if _active():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_control_group)
     return bool(t.item())
 
 
@@ -198,7 +253,7 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     if not _active():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=src, group=_control_group)
     return box[0]
 
 
@@ -207,7 +262,7 @@ def gather_objects(obj: Any) -> list[Any]:
     if not _active():
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=_control_group)
     return out
 
 
@@ -230,9 +285,9 @@ def together(fn: Callable[[], T]) -> T:
 
 
 def barrier() -> None:
-    """Wait for every rank."""
+    """Wait for every rank (on the control group: the wait may be as long as a checkpoint's I/O)."""
     if _active():
-        dist.barrier()
+        dist.barrier(group=_control_group)
 
 
 def setup_logging(env: DistEnv, log_all_ranks: bool = False, level: int = logging.INFO) -> logging.Logger:

@@ -30,6 +30,8 @@ class MemoryBank:
         # Per-stream mems restored from a checkpoint, stacked into their chunk on first use: the chunks of
         # the resumed run are only known when the loader hands them out.
         self._loose: dict[int, Mems] = {}
+        # Chunks whose memory was thrown away (non-finite values): their next get() is an empty memory.
+        self._forgotten: set[tuple[int, ...]] = set()
 
     def get(self, stream_ids: Sequence[int] | np.ndarray, reset: Sequence[bool] | np.ndarray) -> Mems | None:
         """The mems to feed with the next window of these streams; None (= empty memory) after a reset."""
@@ -44,6 +46,8 @@ class MemoryBank:
                     f"(reset={flags.tolist()}); the loader must wrap all streams at the same step")
             self._drop(key)
             return None
+        if key in self._forgotten:
+            return None
         if key in self._chunks:
             return self._chunks[key]
         have = [s for s in key if s in self._loose]
@@ -52,6 +56,10 @@ class MemoryBank:
             raise KeyError(
                 f"MemoryBank.get: no mems for streams {missing} and no reset; restore the bank from the "
                 "checkpoint together with the loader (or start the loader from the beginning)")
+        if any(not self._loose[s] for s in key):
+            # A stream saved with no memory (forgotten): the chunk starts empty together (one mlen per batch).
+            self.forget(key)
+            return None
         n_layer = len(self._loose[key[0]])
         mems = [torch.stack([self._loose[s][layer] for s in key]) for layer in range(n_layer)]  # [m, mlen, d]
         for s in key:
@@ -71,7 +79,16 @@ class MemoryBank:
         self._drop(key)
         self._chunks[key] = list(mems)
 
+    def forget(self, stream_ids: Sequence[int] | np.ndarray) -> None:
+        """Throw away the memory of the chunk holding these streams (it holds non-finite values); the next
+        get() of the chunk is an empty memory, as after a wrap. The model takes one memory length per
+        batch, so the whole micro batch restarts its memory, not only the poisoned streams."""
+        key = _key(stream_ids)
+        self._drop(key)
+        self._forgotten.add(key)
+
     def _drop(self, key: tuple[int, ...]) -> None:
+        self._forgotten.discard(key)
         self._chunks.pop(key, None)
         for s in key:
             self._loose.pop(s, None)
@@ -84,15 +101,19 @@ class MemoryBank:
         """Forget every stream's mems."""
         self._chunks.clear()
         self._loose.clear()
+        self._forgotten.clear()
 
     def stream_ids(self) -> list[int]:
-        """Global ids of the streams that have mems now, sorted."""
-        return sorted([s for key in self._chunks for s in key] + list(self._loose))
+        """Global ids of the streams the bank knows (with mems, or forgotten), sorted."""
+        return sorted([s for key in self._chunks for s in key] + list(self._loose)
+                      + [s for key in self._forgotten for s in key])
 
     def stream_mems(self, stream_id: int) -> Mems | None:
-        """The mems of one stream: n_layer tensors [mlen, d_model] (views), or None when it has none."""
+        """The mems of one stream: n_layer tensors [mlen, d_model] (views), [] when forgotten, None when unknown."""
         if stream_id in self._loose:
             return self._loose[stream_id]
+        if any(stream_id in key for key in self._forgotten):
+            return []
         for key, mems in self._chunks.items():
             if stream_id in key:
                 i = key.index(stream_id)
@@ -100,7 +121,8 @@ class MemoryBank:
         return None
 
     def state_dict(self) -> dict[str, Any]:
-        """{'version', 'mems': {global stream id: n_layer CPU tensors [mlen, d_model]}}.
+        """{'version', 'mems': {global stream id: n_layer CPU tensors [mlen, d_model]}}; a forgotten stream
+        has an empty list (its memory restarts after the resume too).
 
         Each stream's tensors are copies: saving a view would write the whole chunk's storage.
         """

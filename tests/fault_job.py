@@ -1,0 +1,110 @@
+"""launch/train.py with a fault injected into this process, for the fault tests (tests/test_faults.py).
+
+    python tests/fault_job.py --fault KIND:RANK:STEP [--fault ...] -- <launch/train.py arguments>
+
+KIND (the fault happens on rank RANK only):
+  kill-in-save   SIGKILL itself while writing its DeepSpeed file of the checkpoint of step STEP
+  enospc-in-save its DeepSpeed file of the checkpoint of step STEP fails with ENOSPC (a full disk)
+  kill-at-step   SIGKILL itself in the middle of step STEP (after the first micro batch's forward)
+  stop-at-step   SIGSTOP itself at the start of step STEP (a hung rank)
+  nan-at-step    the loss of stream 0 of its first micro batch is NaN at step STEP
+  nan-from-step  every loss on this rank is NaN from step STEP on
+  sigterm-at-step  SIGTERM itself at the end of step STEP
+The faults wrap functions of this process only (torch.save, the trainer's step, the model's forward): the
+code under test runs unchanged.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+
+
+def install(kind: str, rank: int, step: int) -> None:
+    if rank != _rank():
+        return
+    import torch
+
+    from txl_dist import trainer
+
+    staging = f".saving-step_{step:08d}"
+    if kind in ("kill-in-save", "enospc-in-save"):
+        real_save = torch.save
+
+        def faulty_save(obj, f, *args, **kwargs):
+            path = str(f)
+            if staging in path and "txl_state" not in path:
+                if kind == "kill-in-save":
+                    Path(path).write_bytes(b"half a file")
+                    os.kill(os.getpid(), signal.SIGKILL)
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+            return real_save(obj, f, *args, **kwargs)
+
+        torch.save = faulty_save
+        return
+
+    real_step = trainer.Trainer.train_step
+
+    def faulty_step(self):
+        current = self.step + 1
+        if kind == "stop-at-step" and current == step:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        if kind == "kill-at-step" and current == step:
+            _kill_after_first_forward(self)
+        if kind in ("nan-at-step", "nan-from-step") and (current == step or (kind == "nan-from-step" and current > step)):
+            _poison_next_forward(self, whole=kind == "nan-from-step")
+        stats = real_step(self)
+        if kind == "sigterm-at-step" and current == step:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return stats
+
+    trainer.Trainer.train_step = faulty_step
+
+
+def _kill_after_first_forward(t) -> None:
+    def hook(module, args, output):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    t.engine.module.register_forward_hook(hook)
+
+
+def _poison_next_forward(t, whole: bool) -> None:
+    import torch
+
+    handle = None
+
+    def hook(module, args, output):
+        # A product, not an assignment: the NaN reaches the gradients too, as a real overflow's would.
+        poison = torch.ones_like(output.nll)
+        if whole:
+            poison[:] = float("nan")
+        else:
+            poison[0, 0] = float("nan")
+        handle.remove()
+        return output._replace(nll=output.nll * poison)
+
+    handle = t.engine.module.register_forward_hook(hook)
+
+
+def main(argv: list[str]) -> int:
+    split = argv.index("--")
+    faults, train_args = argv[:split], argv[split + 1:]
+    for i in range(0, len(faults), 2):
+        assert faults[i] == "--fault", faults
+        kind, rank, step = faults[i + 1].split(":")
+        install(kind, int(rank), int(step))
+    from launch.train import main as train_main
+
+    return train_main(train_args)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,339 @@
+"""Faults of a 2-rank job on real processes: a rank killed or stopped, the store's host stopped or killed, a
+rank failing alone, ranks that finish at different times, and helpers that must not need the default group.
+
+Each rank is a fresh `python -c` running one scenario function of this module (plain processes: the test
+sends them SIGKILL and SIGSTOP and reads their exit status and stderr). A rank reports with JSON lines on
+stdout; the test waits for them.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from txl_dist import distributed
+
+REPO = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 6.0  # collective_timeout_s of the fault scenarios: a beat every second
+MARGIN_S = 5.0  # start-up of the watch, one beat, a loaded 2-core machine
+
+
+# ----------------------------------------------------------------------------------------------------
+# Inside the ranks
+
+
+def _say(**fields) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+def _join(collective_timeout_s: float) -> distributed.DistEnv:
+    env = distributed.discover()
+    distributed.setup_logging(env)
+    distributed.init_process_group(env, collective_timeout_s=collective_timeout_s, control_timeout_s=60)
+    return env
+
+
+def wait_in_all_reduce() -> None:
+    """Rank WAITER waits in an all_reduce on the default group that the other rank never joins; explains the
+    error."""
+    env = _join(TIMEOUT_S)
+    distributed.barrier()
+    _say(ready=env.rank, pid=os.getpid())
+    if env.rank != int(os.environ["WAITER"]):
+        time.sleep(60)  # the test kills this rank
+        return
+    try:
+        distributed.all_reduce_sum(torch.ones(1))
+        _say(error=None)
+    except RuntimeError as e:
+        start = time.monotonic()
+        line = distributed.explain_failure(e)
+        _say(error=str(e), explained=line, explain_s=time.monotonic() - start)
+    finally:
+        distributed.destroy_process_group()
+
+
+def wait_in_control_barrier() -> None:
+    """Both ranks start; then every rank that is not stopped waits in a control-group barrier (60 s)."""
+    env = _join(TIMEOUT_S)
+    distributed.barrier()
+    _say(ready=env.rank, pid=os.getpid())
+    time.sleep(1.0)  # the test stops the other rank meanwhile
+    distributed.barrier()
+    _say(error=None)
+
+
+def fail_alone_on_rank_1() -> None:
+    """Rank 1 raises while rank 0 waits in a control-group barrier; rank 0 does what an entry point does."""
+    env = _join(TIMEOUT_S)
+    distributed.barrier()
+    _say(ready=env.rank, pid=os.getpid())
+    try:
+        if env.rank == 1:
+            raise ValueError("the shard is corrupt")
+        distributed.barrier()
+    except RuntimeError as e:
+        line = distributed.explain_failure(e)
+        if line is None:
+            raise
+        logging.getLogger(distributed.LOGGER_NAME).error("error: %s", line)
+        sys.exit(1)
+    finally:
+        distributed.destroy_process_group()
+
+
+def finish_at_different_times() -> None:
+    """After the last collective, rank LATE_RANK works on alone for longer than the collective timeout."""
+    env = _join(float(os.environ["COLLECTIVE_TIMEOUT_S"]))
+    total = distributed.all_reduce_sum(torch.ones(1))
+    if env.rank == int(os.environ["LATE_RANK"]):
+        time.sleep(float(os.environ["LATE_BY_S"]))
+    distributed.destroy_process_group()
+    _say(done=env.rank, total=total.item())
+
+
+def helpers_with_a_device_only_default_group() -> None:
+    """The default group serves CUDA tensors only (as nccl would on GPUs); the host-side helpers still work."""
+    env = distributed.discover()
+    distributed.init_process_group(env, collective_timeout_s=30, control_timeout_s=30, backend="cuda:gloo")
+    try:
+        torch.distributed.all_reduce(torch.ones(1))
+        default_group_on_cpu = "worked"
+    except RuntimeError as e:
+        default_group_on_cpu = str(e)
+    out = {
+        "default_group_on_cpu": default_group_on_cpu,
+        "any_rank": [distributed.any_rank(env.rank == 1), distributed.any_rank(False)],
+        "broadcast": distributed.broadcast_object({"from": env.rank}, src=1),
+        "gathered": distributed.gather_objects(env.rank * 10),
+        "together": distributed.together(lambda: env.rank + 100),
+    }
+    distributed.barrier()
+    distributed.destroy_process_group()
+    _say(**out)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The test side
+
+
+class Rank:
+    """One rank's process, its JSON lines (stdout) and its stderr, both kept in files."""
+
+    def __init__(self, scenario: str, rank: int, port: int, folder: Path, extra_env: dict[str, str]):
+        from dist_helpers import rank_env
+
+        self.out, self.err = folder / f"rank{rank}.out", folder / f"rank{rank}.err"
+        code = f"import sys; sys.path.insert(0, 'tests'); import test_distributed_faults as t; t.{scenario}()"
+        env = os.environ | rank_env(rank, 2, port) | extra_env
+        with self.out.open("w") as out, self.err.open("w") as err:
+            self.proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, stdout=out, stderr=err)
+
+    def messages(self) -> list[dict]:
+        return [json.loads(line) for line in self.out.read_text().splitlines() if line.startswith("{")]
+
+    def wait_for(self, key: str, timeout: float = 60.0) -> dict:
+        """The first message holding `key`; fails when the rank ends or the time runs out first."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = [m for m in self.messages() if key in m]
+            if found:
+                return found[0]
+            if self.proc.poll() is not None:
+                found = [m for m in self.messages() if key in m]
+                if found:
+                    return found[0]
+                pytest.fail(f"the rank ended ({self.proc.returncode}) before saying {key!r}:\n{self.stderr()}")
+            time.sleep(0.05)
+        pytest.fail(f"no {key!r} from the rank within {timeout:.0f} s:\n{self.stderr()}")
+
+    def exit_status(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the rank did not end within {timeout:.0f} s:\n{self.stderr()}")
+
+    def stderr(self) -> str:
+        return self.err.read_text()
+
+    def lines_naming(self, rank: int) -> list[str]:
+        return [line for line in self.stderr().splitlines() if f"rank {rank} " in line]
+
+
+@pytest.fixture
+def job(tmp_path):
+    """Start both ranks of a scenario: job(scenario, **env) -> [rank 0, rank 1]; killed at the end of the test."""
+    from dist_helpers import free_port
+
+    started: list[Rank] = []
+
+    def start(scenario: str, **extra_env: str) -> list[Rank]:
+        port = free_port()
+        ranks = [Rank(scenario, r, port, tmp_path, extra_env) for r in range(2)]
+        started.extend(ranks)
+        return ranks
+
+    yield start
+    for r in started:
+        if r.proc.poll() is None:
+            r.proc.kill()  # works on a stopped process too
+            r.proc.wait(10)
+
+
+def test_a_killed_rank_is_named_by_the_rank_whose_collective_failed(job):
+    rank0, rank1 = job("wait_in_all_reduce", WAITER="0")
+    pid1 = rank1.wait_for("ready")["pid"]
+    rank0.wait_for("ready")
+    time.sleep(0.5)  # rank 0 is in the all_reduce by now
+    killed_at = time.monotonic()
+    os.kill(pid1, signal.SIGKILL)
+    report = rank0.wait_for("error", timeout=30)
+    elapsed = time.monotonic() - killed_at
+    assert "Connection closed by peer" in report["error"]  # gloo names an address, not a rank
+    assert report["explained"].startswith("rank 1 (host ")
+    assert f"pid {pid1})" in report["explained"]
+    assert "was lost during a collective (its process ended)" in report["explained"]
+    assert report["explain_s"] < 3.0 and elapsed < 8.0, (report, elapsed)
+    assert rank0.exit_status(timeout=3 * TIMEOUT_S) == 0
+    assert rank0.lines_naming(1) == [], rank0.stderr()  # the watchdog stayed silent: the explanation is the report
+
+
+def test_a_stopped_rank_ends_the_others_within_the_timeout_with_one_line(job):
+    rank0, rank1 = job("wait_in_control_barrier")
+    rank0.wait_for("ready")
+    pid1 = rank1.wait_for("ready")["pid"]
+    stopped_at = time.monotonic()
+    os.kill(pid1, signal.SIGSTOP)
+    status = rank0.exit_status(timeout=TIMEOUT_S + MARGIN_S + 10)
+    elapsed = time.monotonic() - stopped_at
+    assert status == 1, rank0.stderr()
+    lines = rank0.lines_naming(1)
+    assert len(lines) == 1, rank0.stderr()
+    assert "rank 1 (host " in lines[0] and f"pid {pid1}) stopped responding: no heartbeat for" in lines[0]
+    assert lines[0].endswith("; stopping")
+    assert TIMEOUT_S - 1 < elapsed < TIMEOUT_S + MARGIN_S, elapsed
+
+
+def test_a_stopped_store_host_ends_the_others_within_the_timeout(job):
+    rank0, rank1 = job("wait_in_control_barrier")
+    pid0 = rank0.wait_for("ready")["pid"]
+    rank1.wait_for("ready")
+    stopped_at = time.monotonic()
+    os.kill(pid0, signal.SIGSTOP)
+    status = rank1.exit_status(timeout=TIMEOUT_S + MARGIN_S + 10)
+    elapsed = time.monotonic() - stopped_at
+    assert status == 1, rank1.stderr()
+    lines = rank1.lines_naming(0)
+    assert len(lines) == 1, rank1.stderr()
+    assert "contact with the rendezvous store at 127.0.0.1:" in lines[0]
+    assert "(hosted by rank 0 (host " in lines[0] and f"pid {pid0})) was lost: no answer for" in lines[0]
+    assert elapsed < TIMEOUT_S + MARGIN_S + 2, elapsed  # store calls time out a beat late each
+
+
+def test_a_killed_store_host_is_named_by_the_rank_whose_collective_failed(job):
+    rank0, rank1 = job("wait_in_all_reduce", WAITER="1")
+    pid0 = rank0.wait_for("ready")["pid"]
+    rank1.wait_for("ready")
+    time.sleep(0.5)
+    killed_at = time.monotonic()
+    os.kill(pid0, signal.SIGKILL)
+    report = rank1.wait_for("error", timeout=30)
+    elapsed = time.monotonic() - killed_at
+    # The store went with rank 0; rank 0's host and pid were read while it lived.
+    assert report["explained"].startswith("rank 0 (host "), report
+    assert f"pid {pid0}) was lost during a collective (its process ended); it hosted the rendezvous store at " \
+           "127.0.0.1:" in report["explained"]
+    assert report["explain_s"] < 3.0 and elapsed < 8.0, (report, elapsed)
+    assert rank1.exit_status(timeout=3 * TIMEOUT_S) == 0
+
+
+def test_a_rank_failing_alone_stops_the_others_at_once_with_its_error(job):
+    rank0, rank1 = job("fail_alone_on_rank_1")
+    rank0.wait_for("ready")
+    pid1 = rank1.wait_for("ready")["pid"]
+    assert rank1.exit_status(timeout=30) == 1 and "ValueError: the shard is corrupt" in rank1.stderr()
+    failed_at = time.monotonic()
+    assert rank0.exit_status(timeout=30) == 1
+    assert time.monotonic() - failed_at < 3.0  # not the 6 s timeout: rank 1 said why it left
+    # Whichever sees it first (gloo's error, then explain_failure; or the watchdog): one line, naming rank 1.
+    lines = rank0.lines_naming(1)
+    assert len(lines) == 1, rank0.stderr()
+    assert f"pid {pid1}) stopped after an error: the shard is corrupt" in lines[0]
+
+
+@pytest.mark.parametrize("late_rank", [0, 1])
+def test_ranks_finishing_at_different_times_end_cleanly(job, late_rank):
+    timeout = 3.0
+    ranks = job("finish_at_different_times", COLLECTIVE_TIMEOUT_S=str(timeout), LATE_RANK=str(late_rank),
+                LATE_BY_S=str(timeout + 1.5))
+    for r in ranks:
+        assert r.exit_status(timeout=60) == 0, r.stderr()
+        assert r.wait_for("done")["total"] == 2.0
+        assert r.lines_naming(0) == [] and r.lines_naming(1) == [], r.stderr()
+        assert "stopped responding" not in r.stderr() and "rendezvous store" not in r.stderr()
+
+
+def test_host_side_helpers_work_when_the_default_group_serves_devices_only(job):
+    results = [r.wait_for("default_group_on_cpu") for r in job("helpers_with_a_device_only_default_group")]
+    for rank, out in enumerate(results):
+        # What nccl-only default groups do to CPU tensors on GPUs: the helpers must not go there.
+        assert "No backend type associated with device type cpu" in out["default_group_on_cpu"]
+        assert out["any_rank"] == [True, False]
+        assert out["broadcast"] == {"from": 1}
+        assert out["gathered"] == [0, 10]
+        assert out["together"] == rank + 100
+
+
+# ----------------------------------------------------------------------------------------------------
+# The pieces, without processes
+
+
+def test_each_rank_watches_its_two_ring_neighbours():
+    from txl_dist.watchdog import ring_neighbours
+
+    assert ring_neighbours(0, 2) == [1] and ring_neighbours(1, 2) == [0]
+    assert ring_neighbours(0, 4096) == [1, 4095] and ring_neighbours(7, 8) == [0, 6]
+
+
+def test_the_beat_period_follows_the_timeout_up_to_ten_seconds():
+    from txl_dist.watchdog import beat_period
+
+    assert beat_period(6.0) == 1.0 and beat_period(600.0) == 10.0
+
+
+def test_collective_failures_are_told_from_other_errors():
+    from txl_dist.watchdog import is_collective_failure
+
+    assert is_collective_failure(RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer"))
+    assert is_collective_failure(torch.distributed.DistNetworkError("Connection reset by peer"))
+    wrapped = ValueError("while saving")
+    wrapped.__cause__ = RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1, unhandled system error")
+    assert is_collective_failure(wrapped)
+    assert not is_collective_failure(RuntimeError("No backend type associated with device type cpu"))
+    assert not is_collective_failure(KeyError("step"))
+
+
+def test_the_store_is_the_agents_under_torchrun():
+    from txl_dist.watchdog import store_address
+
+    assert store_address("10.0.0.1", 29500, {}).hosted_by_rank0
+    assert not store_address("10.0.0.1", 29500, {"TORCHELASTIC_USE_AGENT_STORE": "True"}).hosted_by_rank0
+
+
+def test_a_process_state_is_read_on_this_machine_only():
+    from txl_dist.watchdog import RankInfo, _this_machine, process_state
+
+    here = _this_machine()
+    assert process_state(RankInfo(0, "h", os.getpid(), here)) == "running"
+    assert process_state(RankInfo(0, "h", os.getpid(), "another-boot/1")) is None
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    assert process_state(RankInfo(0, "h", child.pid, here)) == "ended"

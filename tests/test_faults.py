@@ -1,0 +1,269 @@
+"""Faults injected into real training jobs (2 plain processes on gloo, as srun or a launcher starts them), and
+what must hold after each: one line and a non-zero exit on every rank, the newest complete checkpoint intact,
+the partial one reported and removed at the next start, and a restart that ends bitwise where a run without
+the fault ends. The faults themselves live in tests/fault_job.py."""
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+
+from dist_helpers import REPO, Launch, free_port, launcher_env, learnable_stream, tiny_config, venv_bin, write_corpus
+from txl_dist.checkpoint import inventory, read_latest
+
+VOCAB = 64
+STEPS = 8
+TIMEOUT_S = 20  # train.collective_timeout_s of these jobs
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("faults") / "corpus"
+    return write_corpus(root, {"train": learnable_stream(4 * 97, VOCAB, 0), "valid": learnable_stream(80, VOCAB, 1),
+                               "test": learnable_stream(80, VOCAB, 2)}, vocab_size=VOCAB)
+
+
+def _config(corpus, run_dir, **sections) -> str:
+    raw = tiny_config(corpus, run_dir, **{
+        "train": {"max_steps": STEPS, "collective_timeout_s": TIMEOUT_S, "max_nonfinite": 3, **sections.pop("train", {})},
+        "checkpoint": {"interval": 2, "keep": 3, **sections.pop("checkpoint", {})},
+        "eval": {"at_end": False, **sections.pop("eval", {})},
+        # ZeRO-1: every rank writes a file of its own into a checkpoint (stage 0: rank 0 alone).
+        "deepspeed": {"zero_optimization": {"stage": 1}, **sections.pop("deepspeed", {})}, **sections})
+    path = run_dir.parent / f"{run_dir.name}.json"
+    path.write_text(json.dumps(raw))
+    return str(path)
+
+
+def _start(config: str, *faults: str, resume: str = "auto", world: int = 2, extra=()) -> list[Launch]:
+    """`world` plain processes of launch/train.py (through tests/fault_job.py), each told its rank as srun would."""
+    port = str(free_port())
+    procs = []
+    for rank in range(world):
+        env = launcher_env() | {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                                "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+                                "OMP_NUM_THREADS": "1"}
+        fault_args = [a for f in faults for a in ("--fault", f)]
+        procs.append(Launch([sys.executable, "tests/fault_job.py", *fault_args, "--", "--config", config,
+                             "--resume", resume, *extra], env))
+    return procs
+
+
+def _finish(procs: list[Launch], timeout: float = 300) -> list[int]:
+    return [p.wait(timeout) for p in procs]
+
+
+def _errors(proc: Launch) -> list[str]:
+    return [line for line in proc.lines if "error:" in line]
+
+
+def _weights(run_dir, step: int) -> dict[str, torch.Tensor]:
+    from txl_dist.safe_load import load_weights_only
+
+    path = run_dir / "checkpoints" / f"step_{step:08d}" / "mp_rank_00_model_states.pt"
+    return load_weights_only(path)["module"]
+
+
+def _assert_same_weights(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.fixture(scope="module")
+def straight(corpus, tmp_path_factory):
+    """The weights after STEPS steps of a run without faults."""
+    run_dir = tmp_path_factory.mktemp("straight") / "run"
+    codes = _finish(_start(_config(corpus, run_dir)))
+    assert codes == [0, 0]
+    return _weights(run_dir, STEPS)
+
+
+def test_a_rank_killed_mid_step_ends_its_peer_with_one_line_and_the_restart_is_exact(corpus, tmp_path, straight):
+    run_dir = tmp_path / "run"
+    config = _config(corpus, run_dir)
+    procs = _start(config, "kill-at-step:1:5")
+    assert procs[1].wait(120) == -signal.SIGKILL
+    killed_at = time.monotonic()
+    assert procs[0].wait(TIMEOUT_S + 30) == 1, procs[0].output[-3000:]
+    assert time.monotonic() - killed_at < TIMEOUT_S + 10
+    (line,) = _errors(procs[0])
+    assert "rank 1" in line and "lost" in line, line
+    assert inventory(run_dir / "checkpoints").complete == ["step_00000002", "step_00000004"]
+    assert _finish(_start(config)) == [0, 0]
+    _assert_same_weights(_weights(run_dir, STEPS), straight)
+
+
+@pytest.mark.parametrize("fault, rank", [("kill-in-save", 1), ("enospc-in-save", 1), ("enospc-in-save", 0)])
+def test_a_fault_in_the_middle_of_a_save_keeps_the_previous_checkpoint(corpus, tmp_path, straight, fault, rank):
+    run_dir = tmp_path / "run"
+    ckpt = run_dir / "checkpoints"
+    config = _config(corpus, run_dir)
+    procs = _start(config, f"{fault}:{rank}:4")
+    codes = _finish(procs, timeout=TIMEOUT_S + 120)
+    survivors = [p for r, p in enumerate(procs) if not (fault == "kill-in-save" and r == rank)]
+    assert all(code != 0 for code in codes), codes
+    for p in survivors:
+        (line,) = _errors(p)
+        if fault == "enospc-in-save":
+            assert f"checkpoint step_00000004 could not be saved: rank {rank}" in line and "No space left" in line
+        else:
+            assert "rank 1" in line and "lost" in line, line
+    assert read_latest(ckpt) == "step_00000002"
+    assert inventory(ckpt).complete == ["step_00000002"]
+    # ENOSPC: rank 0 gave the space back at once; a crash leaves the partial tag to the next start.
+    expected = [".saving-step_00000004"] if fault == "kill-in-save" else []
+    assert [p.name for p in ckpt.glob(".saving-*")] == expected
+    restart = _start(config)
+    assert _finish(restart) == [0, 0], restart[0].output[-3000:]
+    if fault == "kill-in-save":
+        assert "removed 1 interrupted save(s): .saving-step_00000004" in restart[0].output
+    assert not list(ckpt.glob(".saving-*"))
+    _assert_same_weights(_weights(run_dir, STEPS), straight)
+
+
+def test_a_hung_rank_is_named_within_the_collective_timeout(corpus, tmp_path):
+    run_dir = tmp_path / "run"
+    procs = _start(_config(corpus, run_dir, train={"collective_timeout_s": 8}), "stop-at-step:1:3")
+    try:
+        deadline = time.monotonic() + 120
+        while psutil.Process(procs[1].proc.pid).status() != psutil.STATUS_STOPPED:
+            assert time.monotonic() < deadline, procs[1].output[-2000:]
+            time.sleep(0.2)
+        stopped_at = time.monotonic()
+        assert procs[0].wait(60) == 1, procs[0].output[-3000:]
+        assert time.monotonic() - stopped_at < 8 + 15
+        (line,) = _errors(procs[0])
+        assert "rank 1" in line, line
+    finally:
+        procs[1].kill()
+
+
+def test_a_nonfinite_step_is_skipped_and_the_poisoned_memory_reset(corpus, tmp_path):
+    run_dir = tmp_path / "run"
+    ckpt = run_dir / "checkpoints"
+    # Stop right after the poisoned step 3 (a save at exit_step happens even during non-finite steps).
+    first = _start(_config(corpus, run_dir, train={"exit_step": 3}, checkpoint={"interval": 1, "keep": 0}),
+                   "nan-at-step:1:3")
+    assert _finish(first) == [0, 0], first[0].output[-3000:]
+    assert "step 3: non-finite loss or gradient norm; the step was skipped" in first[0].output
+    # Skipped: the weights after step 3 are those after step 2.
+    _assert_same_weights(_weights(run_dir, 3), _weights(run_dir, 2))
+    # The poisoned micro batch of rank 1 restarted its memory; the other streams kept theirs.
+    rank1 = torch.load(ckpt / "step_00000003" / "txl_state" / "rank-00001.pt", weights_only=True)
+    forgotten = [s for s, mems in rank1["mems"]["mems"].items() if not mems]
+    assert forgotten == [2], rank1["mems"]["mems"].keys()
+    assert rank1["trainer"]["nonfinite_steps"] == 1 and rank1["trainer"]["nonfinite_streak"] == 1
+    # The run goes on from there (the forgotten memory starts empty), the next step moves the weights again.
+    rest = _start(_config(corpus, run_dir, checkpoint={"interval": 1, "keep": 0}))
+    assert _finish(rest) == [0, 0], rest[0].output[-3000:]
+    with pytest.raises(AssertionError):
+        _assert_same_weights(_weights(run_dir, 4), _weights(run_dir, 3))
+    final = json.loads((ckpt / f"step_{STEPS:08d}" / "txl_state" / "run.json").read_text())
+    assert final["nonfinite_steps"] == 1 and final["nonfinite_streak"] == 0
+
+
+def test_a_diverged_run_stops_with_exit_1_and_keeps_its_checkpoints(corpus, tmp_path):
+    run_dir = tmp_path / "run"
+    ckpt = run_dir / "checkpoints"
+    procs = _start(_config(corpus, run_dir, checkpoint={"interval": 1, "keep": 2}), "nan-from-step:0:4")
+    assert _finish(procs) == [1, 1], procs[0].output[-3000:]
+    for p in procs:
+        (line,) = _errors(p)
+        assert "training diverged: steps 4..6 (3 in a row, train.max_nonfinite 3)" in line, line
+        assert "the weights are those after step 3" in line and "step_00000003" in line
+    # No periodic save during the non-finite steps: the last good checkpoint is the newest one.
+    assert inventory(ckpt).complete == ["step_00000002", "step_00000003"]
+    assert "no periodic checkpoint during a run of non-finite steps" in procs[0].output
+
+
+def test_a_second_job_on_the_run_folder_is_refused_until_the_first_is_gone(corpus, tmp_path):
+    run_dir = tmp_path / "run"
+    config = _config(corpus, run_dir, train={"max_steps": 1000})
+    first = _start(config)
+    first[0].wait_for("step 2/1000")
+    second = _start(config)
+    assert _finish(second) == [2, 2]
+    (line,) = _errors(second[0])
+    assert f"run.dir {run_dir} is in use by another job" in line and f"pid {first[0].proc.pid}" in line
+    for p in first:
+        p.kill()  # SIGKILL: the lock must not outlive its holder
+    third = _start(config, extra=["--set", "train.max_steps=4"])
+    assert _finish(third) == [0, 0], third[0].output[-3000:]
+
+
+def test_a_damaged_checkpoint_is_refused_unless_fallback_and_nothing_is_deleted(corpus, tmp_path, straight):
+    run_dir = tmp_path / "run"
+    ckpt = run_dir / "checkpoints"
+    config = _config(corpus, run_dir, train={"exit_step": 6})
+    assert _finish(_start(config)) == [0, 0]
+    shard = ckpt / "step_00000006" / "txl_state" / "rank-00001.pt"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    config = _config(corpus, run_dir)
+    refused = _start(config)
+    assert _finish(refused) == [2, 2]
+    (line,) = _errors(refused[0])
+    assert f"checkpoint step_00000006 is damaged: {shard}: sha256 differs" in line, line
+    assert "checkpoint.fallback=true" in line
+    fallback = _start(config, extra=["--set", "checkpoint.fallback=true"])
+    assert _finish(fallback) == [0, 0], fallback[0].output[-3000:]
+    assert "falling back to step_00000004" in fallback[0].output
+    superseded = list((ckpt / "superseded").glob("*/step_00000006"))
+    assert len(superseded) == 1  # the damaged tag is moved aside, not deleted
+    _assert_same_weights(_weights(run_dir, STEPS), straight)
+
+
+def test_auto_resume_does_not_trust_latest_and_none_or_a_rollback_never_delete(corpus, tmp_path, straight):
+    run_dir = tmp_path / "run"
+    ckpt = run_dir / "checkpoints"
+    config = _config(corpus, run_dir, train={"exit_step": 6})
+    assert _finish(_start(config)) == [0, 0]
+    (ckpt / "latest").unlink()
+    none = _start(config, resume="none")
+    assert _finish(none) == [2, 2]
+    assert "already holds checkpoints up to step_00000006" in _errors(none[0])[0]
+    config = _config(corpus, run_dir)
+    rollback = _start(config, resume=str(ckpt / "step_00000004"))
+    assert _finish(rollback) == [0, 0], rollback[0].output[-3000:]
+    assert "moved 1 newer tag(s) (step_00000006)" in rollback[0].output
+    assert len(list((ckpt / "superseded").glob("*/step_00000006/txl_state/run.json"))) == 1
+    _assert_same_weights(_weights(run_dir, STEPS), straight)
+
+
+def _no_worker_left(config: str) -> bool:
+    for p in psutil.process_iter(["cmdline"]):
+        if config in " ".join(p.info["cmdline"] or []):
+            return False
+    return True
+
+
+@pytest.mark.parametrize("launcher, sig", [("torchrun", signal.SIGUSR1), ("deepspeed", signal.SIGTERM)])
+def test_a_signal_to_the_launcher_saves_and_leaves_no_orphan(corpus, tmp_path, launcher, sig):
+    run_dir = tmp_path / "run"
+    config = _config(corpus, run_dir, train={"max_steps": 1000})
+    script = str(REPO / "launch" / "train.py")
+    count = "--nproc_per_node" if launcher == "torchrun" else "--num_gpus"
+    proc = Launch([venv_bin(launcher), count, "2", "--master_port", str(free_port()), script, "--config", config])
+    proc.wait_for("step 3/1000")
+    proc.proc.send_signal(sig)
+    proc.wait(120)
+    deadline = time.monotonic() + 60
+    while not _no_worker_left(config):
+        assert time.monotonic() < deadline, "a worker outlived its launcher"
+        time.sleep(0.5)
+    tags = inventory(run_dir / "checkpoints").complete
+    assert tags, proc.output[-3000:]
+    step = int(tags[-1][5:])
+    assert step >= 3
+    info = json.loads((run_dir / "checkpoints" / tags[-1] / "txl_state" / "run.json").read_text())
+    assert info["step"] == step
+    log = (run_dir / "logs" / "train.log").read_text()
+    assert "is gone" in log or "SIGTERM" in log or "SIGUSR1" in log, log[-2000:]
+    assert f"stopping after step {step}" in log

@@ -1,0 +1,38 @@
+"""What every entry point does with an error: one line, and the exit status that says which kind it was.
+
+    refused (errors.Refused): bad input, nothing written            -> "error: ..." and exit status 2
+    failed  (errors.RunFailed): a fault while the job ran           -> "error: ..." and exit status 1
+    a collective that broke because a peer was lost                 -> "error: rank N ... was lost" and 1
+Anything else is a bug: its traceback is printed, the exit status is 1, and the other ranks are told at
+once (distributed.destroy_process_group) instead of waiting for this one in a collective.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from . import distributed
+from .errors import EXIT_FAILED, EXIT_REFUSED, Refused, RunFailed, one_line
+
+
+def guarded(job: Callable[[], int], log: logging.Logger) -> int:
+    """Run an entry point's job on this rank, turn its errors into one line and an exit status, and leave
+    the process group (if the job joined one)."""
+    alone: BaseException | None = None  # a failure the other ranks do not know of
+    try:
+        return job()
+    except Refused as e:  # raised on every rank together (startup agrees)
+        log.error("error: %s", one_line(e, limit=2000))
+        return EXIT_REFUSED
+    except RunFailed as e:  # raised on every rank together (the save and the non-finite guard agree)
+        log.error("error: %s", one_line(e, limit=2000))
+        return EXIT_FAILED
+    except Exception as e:
+        lost = distributed.explain_failure(e)  # also tells the other ranks
+        if lost is None:
+            alone = e
+            raise
+        log.error("error: %s", lost)
+        return EXIT_FAILED
+    finally:
+        distributed.destroy_process_group(alone)

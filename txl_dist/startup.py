@@ -1,0 +1,393 @@
+"""One start-up path for training, evaluation and export: every check before any engine exists.
+
+Everything that can be refused is refused here, on all ranks together (a rank that fails makes the others
+stop with it instead of waiting in a collective), before the engine is built and before anything is written
+to a run folder another job might own. The phases:
+
+0. every rank on its own, before the process group exists: the configuration for this world size (batch
+   layout, eval streams, DeepSpeed's own schema; the same answer on every rank); then the process group
+   (with the configured timeouts) is joined;
+1. every rank: the corpus (manifest, tokenizer, the rank's files verified), and on rank 0 the run
+   folder's lock;
+2. rank 0: what the checkpoint folder holds (interrupted saves are reported and removed) and which tags
+   the job may resume from;
+3. every rank: the chosen tag's checksums (the ranks share the hashing) and its fit with this run
+   (one owner: check_checkpoint_fits); with checkpoint.fallback an older tag when the newest is damaged;
+4. rank 0: tags newer than the resume point moved to superseded/ (a rollback never deletes them), the
+   universal conversion when the world size changed, free disk space, and the MLflow run.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+from . import checkpoint, distributed
+from .checkpoint import CheckpointError, EngineSource
+from .config import RunConfig, apply_override, changed_settings, check_cutoffs, config_from_dict, load_config, \
+    model_config_from_dict, ConfigError
+from .data import Manifest, StreamLoader, read_manifest
+from .distributed import DistEnv
+from .errors import Refused, one_line
+from .deepspeed_schema import check_deepspeed_config
+from .engine import deepspeed_config, zero_stage
+from .evaluate import Evaluator
+from .run_dir import RunDir, RunLock, acquire_lock, attach_log_file
+
+log = logging.getLogger(distributed.LOGGER_NAME)
+T = TypeVar("T")
+
+# Model settings a checkpoint's weights are tied to; the others (dropout, mem_len, ...) may change on resume.
+MODEL_STRUCTURE = ("vocab_size", "n_layer", "d_model", "n_head", "d_head", "d_inner", "d_embed", "div_val",
+                   "cutoffs", "tie_weight", "tie_projs", "pre_lnorm", "untie_r")
+# Bytes per parameter of a checkpoint before any exists to measure: fp32 weights or masters + Adam's two
+# moments, plus the bf16/fp16 copy (an over-estimate for fp32 runs, which is the safe side).
+CHECKPOINT_BYTES_PER_PARAM = 18
+
+
+@dataclass
+class Resume:
+    """The checkpoint a job continues from."""
+
+    tag_dir: Path
+    run_info: dict[str, Any]
+    source: EngineSource
+
+
+@dataclass
+class TrainStart:
+    """What start_training checked and opened."""
+
+    cfg: RunConfig
+    """The configuration with model.vocab_size resolved from the corpus."""
+    manifest: Manifest
+    run_dir: RunDir
+    resume: Resume | None
+    loader: StreamLoader
+    evaluator: Evaluator
+    tracker: Any
+    lock: RunLock | None
+    log_handler: logging.Handler | None = None
+
+    def close(self) -> None:
+        """Close what start-up opened (loaders, log file, lock); the tracker is closed by its owner."""
+        self.evaluator.close()
+        self.loader.close()
+        if self.log_handler is not None:
+            log.removeHandler(self.log_handler)
+            self.log_handler.close()
+            self.log_handler = None
+        if self.lock is not None:
+            self.lock.release()
+
+
+@dataclass
+class EvalStart:
+    """What start_evaluation checked: the configuration to build the model with, and the tag to load."""
+
+    cfg: RunConfig
+    resume: Resume
+    evaluator: Evaluator
+
+
+# ----------------------------------------------------------------------------------------------------
+# Rules with one owner
+
+
+def check_run_config(cfg: RunConfig, world_size: int) -> None:
+    """The configuration on this world size: batch layout, eval streams, DeepSpeed's schema."""
+    cfg.gradient_accumulation_steps(world_size)
+    cfg.eval_streams(world_size)
+    check_deepspeed_config(deepspeed_config(cfg, world_size), world_size)
+
+
+def join(cfg: RunConfig, env: DistEnv) -> None:
+    """Phase 0: check the configuration on this world size, then join the process group (a no-op when the
+    caller made it already) with the configured timeouts."""
+    check_run_config(cfg, env.world_size)
+    distributed.init_process_group(env, collective_timeout_s=cfg.train.collective_timeout_s,
+                                   control_timeout_s=cfg.checkpoint.timeout_s)
+
+
+def open_corpus(cfg: RunConfig) -> tuple[RunConfig, Manifest]:
+    """The corpus' manifest, and cfg with model.vocab_size taken from its tokenizer."""
+    manifest = read_manifest(cfg.data.path)
+    return with_vocab(cfg, manifest.tokenizer.vocab_size, cfg.data.path), manifest
+
+
+def with_vocab(cfg: RunConfig, vocab_size: int, corpus: str) -> RunConfig:
+    """cfg with model.vocab_size = the corpus tokenizer's; a different explicit value is refused."""
+    if cfg.model.vocab_size is not None and cfg.model.vocab_size != vocab_size:
+        raise ConfigError(
+            f"model.vocab_size: {cfg.model.vocab_size} differs from the tokenizer of {corpus} ({vocab_size}); "
+            "set it to null (taken from the manifest) or prepare the data with the matching tokenizer")
+    check_cutoffs(cfg.model.cutoffs, vocab_size)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab_size))
+
+
+def check_checkpoint_fits(cfg: RunConfig, manifest: Manifest, run_info: dict[str, Any], tag_dir: Path, *,
+                          purpose: str) -> None:
+    """Refuse a checkpoint this run cannot use (one line naming the difference).
+
+    purpose "resume": the same tokens (manifest digest), streams, model structure and ZeRO stage; other
+    changed settings are named in a warning. "evaluate": the same tokenizer, model structure and ZeRO stage
+    (any corpus made with that tokenizer may be evaluated).
+    """
+    problems = []
+    if run_info["tokenizer_sha256"] != manifest.tokenizer.sha256:
+        problems.append(f"{cfg.data.path} was prepared with another tokenizer (sha256 differs); use data made "
+                        "with the checkpoint's tokenizer")
+    elif purpose == "resume" and run_info["manifest_digest"] != manifest.digest():
+        problems.append(f"the tokens of {cfg.data.path} differ from the ones it was trained on (manifest digest); "
+                        "resume on the data it was trained on")
+    if purpose == "resume" and run_info["n_streams"] != cfg.n_streams():
+        problems.append(f"deepspeed.train_batch_size (the number of streams) is {cfg.n_streams()}, the checkpoint "
+                        f"has {run_info['n_streams']}; keep it to resume (any world size dividing it works)")
+    saved_model = run_info["config"]["model"]
+    model = dataclasses.asdict(cfg.model)
+    changed_model = sorted(k for k in MODEL_STRUCTURE if saved_model.get(k) != model[k])
+    if changed_model:
+        problems.append(f"model settings differ: {', '.join('model.' + k for k in changed_model)}; the weights "
+                        "only fit the model they were trained as")
+    if run_info["zero_stage"] != zero_stage(cfg.deepspeed):
+        problems.append(f"ZeRO stage {zero_stage(cfg.deepspeed)} differs from the checkpoint's "
+                        f"{run_info['zero_stage']}; use the stage it was saved with")
+    if problems:
+        raise CheckpointError(f"cannot {purpose} from {tag_dir}: {problems[0]}")
+    if purpose == "resume":
+        changed = changed_settings(run_info["config"], cfg.to_dict())
+        if changed:
+            log.warning("resuming %s with changed settings: %s", tag_dir, ", ".join(changed))
+
+
+def checkpoint_bytes_estimate(ckpt_dir: Path, n_params: int) -> int:
+    """The size of the next checkpoint: the newest complete tag's, else from the parameter count."""
+    complete = checkpoint.inventory(ckpt_dir).complete
+    if complete:
+        return checkpoint.tag_bytes(ckpt_dir / complete[-1])
+    return n_params * CHECKPOINT_BYTES_PER_PARAM
+
+
+def count_parameters(model_cfg) -> int:
+    """Parameters of the model a config describes, without building it (meta tensors)."""
+    import torch
+
+    from .model import TransformerXL
+
+    with torch.device("meta"):
+        model = TransformerXL(model_cfg)
+    return sum(p.numel() for p in model.parameters())
+
+
+# ----------------------------------------------------------------------------------------------------
+# Agreement helpers
+
+
+class StartupIOError(Refused):
+    """A file or folder start-up needs could not be read or made (permissions, a missing mount, ...)."""
+
+
+def _together(fn: Callable[[], T]) -> T:
+    """fn() on every rank, failures agreed (distributed.together); an OSError becomes a one-line refusal."""
+    def checked() -> T:
+        try:
+            return fn()
+        except OSError as e:
+            where = f"{e.filename}: " if e.filename else ""
+            raise StartupIOError(f"{where}{e.strerror or one_line(e)}") from None
+
+    return distributed.together(checked)
+
+
+def _on_main(env: DistEnv, fn: Callable[[], T]) -> T:
+    """fn() on rank 0 (failures agreed by all ranks); its result on every rank."""
+    return distributed.broadcast_object(_together(lambda: fn() if env.is_main else None))
+
+
+def _verified(candidates: list[Path], env: DistEnv, *, fallback: bool) -> tuple[Path, dict[str, Any]] | None:
+    """The first candidate tag whose files verify on every rank's share; CheckpointError for a damaged one
+    unless fallback (then the next candidate, with a warning)."""
+    for i, tag_dir in enumerate(candidates):
+        problem = _together(lambda: checkpoint.verify(tag_dir, rank=env.rank, world_size=env.world_size))
+        problems = [p for p in distributed.gather_objects(problem) if p]
+        if not problems:
+            return tag_dir, checkpoint.read_run_info(tag_dir)
+        older = candidates[i + 1:]
+        if not fallback or not older:
+            hint = (" (checkpoint.fallback=true resumes from the newest older tag that verifies)"
+                    if older and not fallback else "")
+            raise CheckpointError(f"checkpoint {tag_dir.name} is damaged: {problems[0]}{hint}")
+        log.warning("checkpoint %s is damaged (%s); falling back to %s (checkpoint.fallback)", tag_dir.name,
+                    problems[0], older[0].name)
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------
+# Training
+
+
+def start_training(cfg: RunConfig, env: DistEnv, resume: str = "auto", *, log_file: bool = False) -> TrainStart:
+    """Phases 0-4 of the module docstring for a training job; returns what the trainer needs. log_file:
+    append this rank's log to <run.dir>/logs/ once the run folder is held (after phase 1)."""
+    from .tracking import create_tracker
+
+    run_dir = RunDir(Path(cfg.run.dir))
+    join(cfg, env)
+
+    def local_checks():
+        resolved, manifest = open_corpus(cfg)
+        # The loaders open (and verify) their files now: bad data fails the start, not step 10,000.
+        loader = StreamLoader(resolved.data.path, resolved.data.train_split, rank=env.rank, world_size=env.world_size,
+                              n_streams=resolved.n_streams(), micro_batch=resolved.micro_batch(),
+                              tgt_len=resolved.model.tgt_len, roll=resolved.data.roll, seed=resolved.data.seed)
+        eval_splits = [resolved.data.valid_split] + ([resolved.data.test_split] if resolved.eval.at_end else [])
+        evaluator = Evaluator(resolved.data.path, resolved.eval, rank=env.rank, world_size=env.world_size,
+                              n_streams=resolved.eval_streams(env.world_size), device=distributed.device_for(env),
+                              splits=eval_splits)
+        lock = acquire_lock(run_dir.path) if env.is_main else None
+        return resolved, manifest, loader, evaluator, lock
+
+    resolved, manifest, loader, evaluator, lock = _together(local_checks)
+    start = TrainStart(resolved, manifest, run_dir, None, loader, evaluator, None, lock)
+    if log_file:
+        start.log_handler = attach_log_file(log, run_dir.log_file(env.rank))
+    try:
+        start.resume = _choose_resume(start, env, resume)
+        start.tracker = _open_tracker(start, env, create_tracker)
+    except BaseException:
+        start.close()
+        raise
+    return start
+
+
+def _choose_resume(start: TrainStart, env: DistEnv, resume: str) -> Resume | None:
+    cfg, ckpt_dir = start.cfg, start.run_dir.checkpoints
+
+    def survey() -> list[Path]:
+        removed = checkpoint.remove_leftovers(ckpt_dir)
+        if removed:
+            log.warning("checkpoint folder %s: removed %d interrupted save(s): %s", ckpt_dir, len(removed),
+                        ", ".join(removed))
+        inv = checkpoint.inventory(ckpt_dir)
+        if inv.incomplete:
+            log.warning("checkpoint folder %s: ignoring incomplete tag(s) without run.json: %s", ckpt_dir,
+                        ", ".join(inv.incomplete))
+        if resume == "none" and inv.complete:
+            raise CheckpointError(
+                f"--resume none: {ckpt_dir} already holds checkpoints up to {inv.complete[-1]}; continue them "
+                "(--resume auto), roll back to one (--resume PATH), or choose a new run.dir")
+        if resume == "auto" and inv.complete and inv.latest != inv.complete[-1]:
+            log.warning("checkpoint folder %s: `latest` names %s, the newest complete tag is %s; resuming from the "
+                        "newest complete tag", ckpt_dir, inv.latest or "nothing", inv.complete[-1])
+        return checkpoint.candidate_tags(resume, ckpt_dir)
+
+    candidates = _on_main(env, survey)
+    if not candidates:
+        return None
+    chosen = _verified(candidates, env, fallback=cfg.checkpoint.fallback and resume == "auto")
+    tag_dir, run_info = chosen
+    _together(lambda: check_checkpoint_fits(cfg, start.manifest, run_info, tag_dir, purpose="resume"))
+    source = checkpoint.engine_source(tag_dir, run_info, world_size=env.world_size)
+
+    def prepare_folder() -> None:
+        if tag_dir.parent.resolve() == ckpt_dir.resolve():
+            moved = checkpoint.supersede_newer(ckpt_dir, run_info["step"])
+            if moved:
+                dest, tags = moved
+                log.warning("resuming from %s: moved %d newer tag(s) (%s) to %s; they are not deleted", tag_dir.name,
+                            len(tags), ", ".join(tags), dest)
+        checkpoint.convert_if_needed(source, run_info)
+
+    _on_main(env, prepare_folder)
+    _check_loadable(source)
+    return Resume(tag_dir, run_info, source)
+
+
+def _check_loadable(source: EngineSource) -> None:
+    """Every rank refuses together a file DeepSpeed's load would refuse inside a collective (at ZeRO 1/2 each
+    rank reads only its own optimizer file and fragments)."""
+    from .safe_load import check_checkpoint_files
+
+    _together(lambda: check_checkpoint_files(source.load_dir / source.tag))
+
+
+def _open_tracker(start: TrainStart, env: DistEnv, create_tracker):
+    cfg = start.cfg
+    run_id = None if start.resume is None else start.resume.run_info.get("mlflow_run_id")
+
+    def check_space_and_open():
+        if not env.is_main:
+            return create_tracker(cfg.tracking, env.rank, start.run_dir.path, resume_run_id=run_id)
+        ckpt_dir = start.run_dir.checkpoints
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        need = checkpoint_bytes_estimate(ckpt_dir, count_parameters(cfg.model))
+        free = shutil.disk_usage(ckpt_dir).free
+        if free < need:
+            raise CheckpointError(f"{ckpt_dir}: {free / 2**20:.0f} MiB free, one checkpoint needs about "
+                                  f"{need / 2**20:.0f} MiB; free space or choose another run.dir")
+        if cfg.checkpoint.keep and free < need * (cfg.checkpoint.keep + 1):
+            log.warning("%s: %.0f MiB free, %d checkpoints (checkpoint.keep + the one being saved) need about "
+                        "%.0f MiB", ckpt_dir, free / 2**20, cfg.checkpoint.keep + 1,
+                        need * (cfg.checkpoint.keep + 1) / 2**20)
+        return create_tracker(cfg.tracking, env.rank, start.run_dir.path, resume_run_id=run_id)
+
+    return _together(check_space_and_open)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Evaluation and export
+
+
+def eval_config(checkpoint_path: str, config: str | None, overrides: list[str]) -> tuple[RunConfig, Path, dict]:
+    """The configuration to evaluate a checkpoint with (its own, or --config) and the tag it names.
+
+    Read by every rank on its own (no collectives: the process group is made with this config's timeouts).
+    """
+    tag_dir = checkpoint.resolve_path(checkpoint_path)
+    run_info = checkpoint.read_run_info(tag_dir)
+    if config is None:
+        raw = copy.deepcopy(run_info["config"])  # apply_override edits it in place
+        for item in overrides:
+            apply_override(raw, item)
+        cfg = config_from_dict(raw)
+    else:
+        cfg = load_config(config, overrides)
+    return cfg, tag_dir, run_info
+
+
+def start_evaluation(cfg: RunConfig, tag_dir: Path, run_info: dict[str, Any], env: DistEnv) -> EvalStart:
+    """Checks for evaluating a checkpoint on this world size (collective): config, corpus, fit, checksums."""
+    join(cfg, env)
+
+    def local_checks():
+        resolved, manifest = open_corpus(cfg)
+        check_checkpoint_fits(resolved, manifest, run_info, tag_dir, purpose="evaluate")
+        evaluator = Evaluator(resolved.data.path, resolved.eval, rank=env.rank, world_size=env.world_size,
+                              n_streams=resolved.eval_streams(env.world_size), device=distributed.device_for(env))
+        return resolved, evaluator
+
+    resolved, evaluator = _together(local_checks)
+    try:
+        _verified([tag_dir], env, fallback=False)
+        source = checkpoint.engine_source(tag_dir, run_info, world_size=env.world_size)
+        _on_main(env, lambda: checkpoint.convert_if_needed(source, run_info))
+        _check_loadable(source)
+    except BaseException:
+        evaluator.close()
+        raise
+    return EvalStart(resolved, Resume(tag_dir, run_info, source), evaluator)
+
+
+def start_export(checkpoint_path: str):
+    """The tag a path names, verified, and the validated model config it was trained with (one process)."""
+    tag_dir = checkpoint.resolve_path(checkpoint_path)
+    run_info = checkpoint.read_run_info(tag_dir)
+    problem = checkpoint.verify(tag_dir)
+    if problem:
+        raise CheckpointError(f"checkpoint {tag_dir.name} is damaged: {problem}")
+    model_cfg = model_config_from_dict(run_info["config"]["model"])
+    return tag_dir, run_info, model_cfg

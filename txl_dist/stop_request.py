@@ -1,0 +1,104 @@
+"""Why a run should stop at the next step boundary: a signal, or the launcher that started it is gone.
+
+SIGTERM and SIGUSR1 (Slurm's warning before a time limit, `scancel --signal=USR1`) only set a flag; the
+trainer agrees with the other ranks at the next step boundary, saves a checkpoint and exits 0.
+
+The launchers handle signals sent to them alone badly: `deepspeed` (single node) has no handler and dies,
+leaving its launch process and the workers running as orphans; torchrun dies of SIGUSR1 unless it is
+started with `--signals-to-handle` naming it. So each worker also watches its launcher processes (the
+ancestors whose command line is torchrun's, the deepspeed runner's or its launch module's): when one of
+them has gone, the worker stops as if it had been signalled, saves, and exits 0, and no orphan stays.
+Linux only (/proc); elsewhere only the signals are watched.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# Command-line fragments of the processes that launch workers (python -m ... or the console scripts).
+LAUNCHER_MARKERS = ("torch.distributed.run", "torchrun", "deepspeed.launcher.launch", "bin/deepspeed",
+                    "deepspeed.launcher.runner")
+CHECK_EVERY_S = 1.0
+
+
+class StopRequest:
+    """Installed once per job on each rank; `reason()` says why to stop, or None."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        self._launchers = launcher_ancestors()
+        self._gone: str | None = None
+        self._next_check = 0.0
+        self._previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.signal = signum
+
+    def reason(self) -> str | None:
+        """'SIGTERM', 'the launcher ... is gone', or None; cheap enough to ask every step."""
+        if self.signal is not None:
+            return signal.Signals(self.signal).name
+        now = time.monotonic()
+        if self._gone is None and self._launchers and now >= self._next_check:
+            self._next_check = now + CHECK_EVERY_S
+            for pid, start, name in self._launchers:
+                if _start_time(pid) != start:
+                    self._gone = f"its launcher ({name}, pid {pid}) is gone"
+                    break
+        return self._gone
+
+    def restore(self) -> None:
+        """Put the previous signal handlers back (the job is over)."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def launcher_ancestors(pid: int | None = None) -> list[tuple[int, str, str]]:
+    """(pid, start time, short name) of every ancestor whose command line is a known launcher's."""
+    found = []
+    pid = os.getppid() if pid is None else pid
+    seen = 0
+    while pid > 1 and seen < 32:
+        cmdline = _cmdline(pid)
+        if cmdline is None:
+            break
+        marker = next((m for m in LAUNCHER_MARKERS if m in cmdline), None)
+        if marker is not None:
+            found.append((pid, _start_time(pid), marker.rsplit("/", 1)[-1]))
+        pid = _parent(pid)
+        seen += 1
+    return found
+
+
+def _cmdline(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return None
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: split after its closing parenthesis.
+    return text[text.rindex(")") + 2:].split()
+
+
+def _parent(pid: int) -> int:
+    fields = _stat_fields(pid)
+    return int(fields[1]) if fields else 0
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot: with the pid, it names one process for good."""
+    fields = _stat_fields(pid)
+    if fields is None or fields[0] == "Z":  # a zombie has ended; only its exit status is left
+        return None
+    return fields[19]

@@ -1,0 +1,639 @@
+"""A lost rank ends the job promptly, with one line naming it (its rank, host and pid).
+
+Why: on gloo, a dead peer makes the survivors' pending collective raise at once, but the error names a
+socket address, not a rank; on nccl a dead peer leaves the survivors hanging until the collective timeout;
+a hung (SIGSTOPped) peer hangs everyone on any backend.
+
+How: every rank publishes its host and pid in the rendezvous store and beats there (a counter) from a daemon
+thread. Each rank watches only its two ring neighbours, so the store's load grows with W, not W squared.
+A neighbour silent for collective_timeout_s is reported in one line; the line goes to a shared "abort" key,
+and every rank that reads it (within a beat) logs it, runs the abort callbacks (bounded) and ends with exit
+status 1 through os._exit: its main thread may be stuck inside a collective. A second thread judges contact
+with the store itself (a store client waits for ever on a stopped host); a third answers probes, so that
+explain_failure, called after gloo's immediate error, learns within seconds which peers are gone.
+
+A rank that finishes says so in the store before it stops beating, so it is never reported; rank 0, when it
+hosts the store, keeps it up until the others have left (at most the timeout), and once rank 0 has left
+the others stop watching: no collective of the world can be pending any more.
+
+The store is the TCPStore of env:// at MASTER_ADDR:MASTER_PORT: hosted by rank 0 under the deepspeed
+launcher and srun, by torchrun's agent when TORCHELASTIC_USE_AGENT_STORE=True (torchrun then points
+MASTER_ADDR/MASTER_PORT at it). Each thread opens its own client (torch.distributed.TCPStore with
+is_master=False): a client runs one request at a time, so the process group's client (reachable only
+through the private distributed_c10d._get_default_store) would queue a heartbeat behind a long wait of the
+main thread; and torch.distributed.rendezvous("env://") would, on rank 0, start a second server once the
+first is gone. Keys live under txl_watchdog/<torchelastic run id>/<restart count>/<generation>/.
+
+Uses only torch.distributed and the standard library.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import TypeVar
+
+import torch.distributed as dist
+
+MAX_BEAT_PERIOD_S = 10.0
+STORE_CALL_S = 3.0
+"""Timeout of the main thread's store calls (explain_failure, stop): an answer within a few seconds."""
+PROBE_WAIT_S = 3.0
+"""How long explain_failure waits for a probed rank to beat before it counts the rank as gone."""
+ABORT_CALLBACK_BOUND_S = 5.0
+EXIT_AFTER_FAILURE_S = 30.0
+"""After explain_failure, the process ends with status 1 within max(collective timeout, this) even if tearing
+down the groups hangs."""
+MAX_NAMED = 4
+MAX_CANDIDATES = 64
+LOGGER_NAME = "txl_dist"
+STORE_ERRORS = (RuntimeError, OSError)  # dist.DistError (store and network errors) derives from RuntimeError
+# A collective that failed says so in one of these (gloo's tcp transport, NCCL, the process group wrappers).
+COLLECTIVE_MARKERS = ("gloo", "nccl", "processgroup", "connection closed by peer", "connection reset by peer")
+_PEER_ADDRESS = re.compile(r"\[(?:::ffff:)?([0-9A-Fa-f:.]+)\]:\d+")
+T = TypeVar("T")
+
+
+def beat_period(collective_timeout_s: float) -> float:
+    """Seconds between heartbeats: a sixth of the timeout, at most 10 s."""
+    return min(MAX_BEAT_PERIOD_S, collective_timeout_s / 6)
+
+
+def ring_neighbours(rank: int, world_size: int) -> list[int]:
+    """The ranks `rank` watches: the one before and the one after it, around the ring."""
+    return sorted({(rank - 1) % world_size, (rank + 1) % world_size} - {rank})
+
+
+@dataclass(frozen=True)
+class StoreAddress:
+    """Where the rendezvous store listens, and who hosts it."""
+
+    host: str
+    port: int
+    hosted_by_rank0: bool
+    """False under torchrun, whose agent hosts the store (and outlives the ranks)."""
+
+
+def store_address(master_addr: str, master_port: int, environ=None) -> StoreAddress:
+    """The env:// store at MASTER_ADDR:MASTER_PORT; the agent's when torchrun says so (as torch itself reads it)."""
+    environ = os.environ if environ is None else environ
+    agent = environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    return StoreAddress(master_addr, master_port, hosted_by_rank0=not agent)
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """What a rank publishes at start, so a report can name it and, on the same machine, look at its process."""
+
+    rank: int
+    host: str
+    pid: int
+    machine: str | None
+    """Boot id and pid namespace: equal on two ranks when their pids can be compared."""
+
+    def label(self) -> str:
+        """'rank 1 (host h, pid 123)'."""
+        return f"rank {self.rank} (host {self.host}, pid {self.pid})"
+
+
+def _this_machine() -> str | None:
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot}/{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return None
+
+
+def process_state(info: RankInfo) -> str | None:
+    """'ended', 'stopped' or 'running' when `info`'s process is visible from here (same machine and pid
+    namespace), else None. An unreaped (zombie) process counts as ended."""
+    if info.machine is None or info.machine != _this_machine():
+        return None
+    try:
+        stat = Path(f"/proc/{info.pid}/stat").read_text()
+    except FileNotFoundError:
+        return "ended"
+    except OSError:
+        return None
+    state = stat.rsplit(")", 1)[-1].split()[0]  # the command name (in parentheses) may hold spaces
+    if state in ("Z", "X"):
+        return "ended"
+    return "stopped" if state in ("T", "t") else "running"
+
+
+class _Keys:
+    """The store keys of one job (one generation of one torchelastic attempt)."""
+
+    def __init__(self, namespace: str):
+        self.ns = namespace
+        self.abort = f"{namespace}/abort"
+        self.left_count = f"{namespace}/left_count"
+
+    def beat(self, rank: int) -> str:
+        return f"{self.ns}/beat/{rank}"
+
+    def info(self, rank: int) -> str:
+        return f"{self.ns}/info/{rank}"
+
+    def left(self, rank: int) -> str:
+        return f"{self.ns}/left/{rank}"
+
+    def probes(self, rank: int) -> str:
+        return f"{self.ns}/probes/{rank}"
+
+    def probe(self, rank: int, n: int) -> str:
+        return f"{self.ns}/probe/{rank}/{n}"
+
+    def address(self, ip: str) -> str:
+        return f"{self.ns}/address/{ip}"
+
+
+def _connect(address: StoreAddress, timeout_s: float) -> dist.TCPStore:
+    """A new client of the store. A plain socket tries the port first: against a closed port the store
+    client retries for seconds and logs a stack trace each time; the socket fails at once, quietly."""
+    with socket.create_connection((address.host, address.port), timeout=timeout_s):
+        pass
+    return dist.TCPStore(address.host, address.port, None, False, timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+def _bounded(fn: Callable[[], T], seconds: float) -> T:
+    """fn(), or TimeoutError after `seconds`: a store client waits for ever on a host that is stopped (SIGSTOP),
+    whatever its timeout says, so the main thread makes its store calls through here."""
+    box: dict[str, object] = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # handed to the caller
+            box["error"] = e
+
+    t = threading.Thread(target=run, daemon=True, name="txl-watchdog-call")
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        raise TimeoutError(f"no answer within {seconds:.0f} s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0].strip()[:300] if lines and lines[0].strip() else type(exc).__name__
+
+
+def _exception_chain(exc: BaseException) -> list[BaseException]:
+    chain: list[BaseException] = []
+    while exc is not None and exc not in chain and len(chain) < 8:
+        chain.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return chain
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    """Whether `exc` (or what caused it) is a failed collective or a lost rendezvous store."""
+    for e in _exception_chain(exc):
+        if isinstance(e, dist.DistError):
+            return True
+        if isinstance(e, RuntimeError) and any(m in str(e).lower() for m in COLLECTIVE_MARKERS):
+            return True
+    return False
+
+
+def _peer_address(exc: BaseException) -> str | None:
+    """The peer address gloo names ('Connection closed by peer [10.0.0.7]:41234'), if any."""
+    for e in _exception_chain(exc):
+        m = _PEER_ADDRESS.search(str(e))
+        if m:
+            return m.group(1)
+    return None
+
+
+def _local_addresses(master_addr: str) -> list[str]:
+    """This host's addresses as a peer's error may name them: the host name's and the route to the store's."""
+    found: set[str] = set()
+    try:
+        found.update(sa[0] for *_, sa in socket.getaddrinfo(socket.gethostname(), None))
+    except OSError:
+        pass
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((master_addr, 9))  # a UDP connect sends nothing: it only picks the outgoing address
+            found.add(s.getsockname()[0])
+    except OSError:
+        pass
+    return sorted(found)[:8]
+
+
+def _flush_std() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+
+
+class Watchdog:
+    """One rank's heartbeat and watch (see the module docstring); start() and stop() drive it."""
+
+    def __init__(self, rank: int, world_size: int, address: StoreAddress, collective_timeout_s: float,
+                 log: logging.Logger, callbacks: list[Callable[[], None]]):
+        self.rank, self.world_size, self.address = rank, world_size, address
+        self.timeout_s = collective_timeout_s
+        self.period = beat_period(collective_timeout_s)
+        self.log = log
+        self.callbacks = callbacks
+        self.watched = ring_neighbours(rank, world_size)
+        self.hosts_store = address.hosted_by_rank0 and rank == 0
+        self.infos: dict[int, RankInfo] = {}
+        self._claim_lock = threading.Lock()
+        self._claimed_by: str | None = None  # "watchdog", "explain" or "finish": whoever reports first
+        self._stopping = threading.Event()
+        self._host_left_at: float | None = None  # when this rank saw rank 0, the store's host, leave
+        self._store_lost = False
+        self._last_contact = time.monotonic()
+        store = _connect(address, STORE_CALL_S)
+        self.keys = _Keys(self._namespace(store))
+        self._publish(store)
+        self._threads = {name: threading.Thread(target=self._guard, args=(loop,), daemon=True,
+                                                name=f"txl-watchdog-{name}")
+                         for name, loop in [("beat", self._beat_loop), ("judge", self._judge_contact),
+                                            ("probe", self._answer_probes)]}
+        for t in self._threads.values():
+            t.start()
+
+    # ---------------------------------------------------------------------------------------------
+    # Start
+
+    def _namespace(self, store: dist.TCPStore) -> str:
+        """Keys of this job: a process may init and destroy several times against one store (the agent's)."""
+        base = (f"txl_watchdog/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
+                f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
+        # Every rank joins once per process group, so the W joins of one group share one quotient.
+        generation = (store.add(f"{base}/joined", 1) - 1) // self.world_size
+        return f"{base}/{generation}"
+
+    def _publish(self, store: dist.TCPStore) -> None:
+        me = RankInfo(self.rank, socket.gethostname(), os.getpid(), _this_machine())
+        self.infos[self.rank] = me
+        store.set(self.keys.info(self.rank), json.dumps({"host": me.host, "pid": me.pid, "machine": me.machine}))
+        for ip in _local_addresses(self.address.host):
+            store.append(self.keys.address(ip), f"{self.rank},")
+        store.add(self.keys.beat(self.rank), 1)
+
+    # ---------------------------------------------------------------------------------------------
+    # The threads
+
+    def _guard(self, loop: Callable[[], None]) -> None:
+        """A bug in a loop must be seen, not end the watch silently."""
+        try:
+            loop()
+        except Exception:
+            self.log.exception("the lost-rank watchdog stopped")
+
+    def _beat_loop(self) -> None:
+        store: dist.TCPStore | None = None
+        seen: dict[int, tuple[int, float]] = {}  # neighbour -> (its beat count, when that count was first read)
+        while True:
+            try:
+                store = store or _connect(self.address, self.period)
+                self._beat_once(store, seen)
+                self._last_contact = time.monotonic()
+            except STORE_ERRORS:
+                store = None  # a call that failed half-way may leave a reply in flight: connect afresh
+            if self._host_left_at is not None:
+                return  # rank 0 has left: no collective of the world can wait on anyone now
+            if self._stopping.wait(self.period):
+                return
+
+    def _judge_contact(self) -> None:
+        """Contact with the store, judged apart from the beat thread: that one may wait for ever on a
+        stopped host."""
+        while not self._stopping.wait(self.period):
+            if self._host_left_at is not None:
+                return
+            silent = time.monotonic() - self._last_contact
+            if silent >= self.timeout_s:
+                self._stop_job(f"contact with the rendezvous store at {self.store_description()} was lost: "
+                               f"no answer for {silent:.0f} s; stopping")
+
+    def _beat_once(self, store: dist.TCPStore, seen: dict[int, tuple[int, float]]) -> None:
+        store.add(self.keys.beat(self.rank), 1)
+        self._read_infos(store)
+        if store.check([self.keys.abort]):
+            self._stop_job(store.get(self.keys.abort).decode())
+            return
+        if self.address.hosted_by_rank0 and self.rank != 0 and store.check([self.keys.left(0)]):
+            self._host_left_at = time.monotonic()
+            self._probe(store, self.rank, "stop")  # release the probe thread while the store is still up
+            return
+        now = time.monotonic()
+        for r in list(self.watched):
+            count = store.add(self.keys.beat(r), 0)
+            if r not in seen or seen[r][0] != count:
+                seen[r] = (count, now)
+                continue
+            silent = now - seen[r][1]
+            if silent < self.timeout_s:
+                continue
+            if store.check([self.keys.left(r)]):
+                # It left: finished (its silence is expected) or failed (then it set the abort key first).
+                self.watched.remove(r)
+                continue
+            self._stop_job(f"{self.label(r)} stopped responding: no heartbeat for {silent:.0f} s; stopping",
+                           store=store)
+
+    def _read_infos(self, store: dist.TCPStore) -> None:
+        """Neighbours' and rank 0's host and pid, kept here: needed to name them once the store is gone."""
+        for r in [*self.watched, 0]:
+            if r not in self.infos and store.check([self.keys.info(r)]):
+                self.infos[r] = self._parse_info(r, store.get(self.keys.info(r)))
+
+    @staticmethod
+    def _parse_info(rank: int, raw: bytes) -> RankInfo:
+        d = json.loads(raw)
+        return RankInfo(rank, d["host"], d["pid"], d.get("machine"))
+
+    def _answer_probes(self) -> None:
+        """Beat at once when another rank probes this one (explain_failure), so a live rank answers in
+        milliseconds instead of at its next beat. Waits on probe/<rank>/<n> (keys, not a queue: the
+        store of a torchrun agent may run the older server, which has no queues) without a timeout: a
+        wait that times out makes the store client log warnings."""
+        store: dist.TCPStore | None = None
+        n = 1
+        while not self._stopping.is_set():
+            try:
+                if store is None:
+                    store = _connect(self.address, self.period)
+                    store.set_timeout(timedelta(days=365))
+                key = self.keys.probe(self.rank, n)
+                store.wait([key])
+                if store.get(key) == b"stop":
+                    return
+                store.add(self.keys.beat(self.rank), 1)
+                n += 1
+            except STORE_ERRORS:
+                store = None
+                if self._host_left_at is not None or self._stopping.wait(self.period):
+                    return
+
+    def _probe(self, store: dist.TCPStore, rank: int, message: str = "probe") -> None:
+        n = store.add(self.keys.probes(rank), 1)
+        store.set(self.keys.probe(rank, n), message)
+
+    # ---------------------------------------------------------------------------------------------
+    # Reporting
+
+    def label(self, rank: int) -> str:
+        """'rank r (host h, pid p)', or 'rank r' when it never published."""
+        info = self.infos.get(rank)
+        return info.label() if info else f"rank {rank}"
+
+    def store_description(self) -> str:
+        """'ADDR:PORT (hosted by rank 0 (host h, pid p))' or 'ADDR:PORT (hosted by the launcher's agent)'."""
+        host = self.label(0) if self.address.hosted_by_rank0 else "the launcher's agent"
+        return f"{self.address.host}:{self.address.port} (hosted by {host})"
+
+    def _claim(self, by: str) -> bool:
+        """One report per process: the first claimant reports; the others stay silent."""
+        with self._claim_lock:
+            if self._claimed_by is not None:
+                return False
+            self._claimed_by = by
+            return True
+
+    def _stop_job(self, line: str, store: dist.TCPStore | None = None) -> None:
+        """Log `line`, publish it to every rank (when `store`), run the abort callbacks, exit with status 1."""
+        if self._stopping.is_set() or not self._claim("watchdog"):
+            return
+        self.log.error("error: %s", line)
+        if store is not None:
+            try:
+                _bounded(lambda: store.compare_set(self.keys.abort, "", line), STORE_CALL_S)
+            except STORE_ERRORS:
+                pass  # the other ranks find out through their own watch
+        self._run_callbacks()
+        _flush_std()
+        os._exit(1)
+
+    def _run_callbacks(self) -> None:
+        def run_all():
+            for fn in list(self.callbacks):
+                try:
+                    fn()
+                except Exception as e:  # one failing callback must not keep the others from running
+                    self.log.warning("abort callback %s failed: %s", getattr(fn, "__name__", fn), _first_line(e))
+
+        t = threading.Thread(target=run_all, daemon=True, name="txl-watchdog-abort")
+        t.start()
+        t.join(ABORT_CALLBACK_BOUND_S)
+
+    # ---------------------------------------------------------------------------------------------
+    # Explaining a failed collective (main thread)
+
+    def explain(self, exc: BaseException) -> str:
+        """One line naming the rank(s) whose loss made `exc`; also tells every other rank (abort key)."""
+        if not self._claim("explain"):
+            # The watch thread is reporting already and ends the process within the callbacks' bound.
+            time.sleep(ABORT_CALLBACK_BOUND_S + 2)
+            return f"a collective failed: {_first_line(exc)}"
+        line = self._lost_store_host_line()  # first: a dying host may still accept a connection for a moment
+        if line is None:
+            try:
+                line = _bounded(lambda: self._explain_through_store(exc), 2 * STORE_CALL_S + PROBE_WAIT_S + 2)
+            except STORE_ERRORS as e:
+                line = self._lost_store_host_line() or (f"contact with the rendezvous store at "
+                                                        f"{self.store_description()} was lost: {_first_line(e)}")
+                self._store_lost = True
+        else:
+            self._store_lost = True
+        # Tearing the groups down after a lost rank may hang (NCCL): the process ends regardless.
+        _exit_later(max(self.timeout_s, EXIT_AFTER_FAILURE_S))
+        return line
+
+    def _explain_through_store(self, exc: BaseException) -> str:
+        store = _connect(self.address, STORE_CALL_S)
+        line = self._published_abort(store) or self._diagnose(store, exc)
+        return store.compare_set(self.keys.abort, "", line).decode()  # the first explanation wins everywhere
+
+    def _published_abort(self, store: dist.TCPStore) -> str | None:
+        return store.get(self.keys.abort).decode() if store.check([self.keys.abort]) else None
+
+    def _diagnose(self, store: dist.TCPStore, exc: BaseException) -> str:
+        candidates = self._candidates(store, exc)
+        gone = self._find_gone(store, candidates)
+        if not gone:
+            return (f"a collective failed while ranks {sorted(candidates)} still answer "
+                    f"(the failure is elsewhere): {_first_line(exc)}")
+        parts = [f"{self.label(r)} {why}" for r, why in sorted(gone.items())[:MAX_NAMED]]
+        if len(gone) > MAX_NAMED:
+            parts.append(f"and {len(gone) - MAX_NAMED} more")
+        return "; ".join(parts)
+
+    def _candidates(self, store: dist.TCPStore, exc: BaseException) -> set[int]:
+        """The neighbours (gloo's ring partners), plus the ranks on the host the error names (bounded)."""
+        found = set(self.watched)
+        ip = _peer_address(exc)
+        if ip and store.check([self.keys.address(ip)]):
+            ranks = store.get(self.keys.address(ip)).decode().split(",")
+            found.update(int(r) for r in ranks[:MAX_CANDIDATES] if r)
+        found.discard(self.rank)
+        return found
+
+    def _find_gone(self, store: dist.TCPStore, candidates: set[int]) -> dict[int, str]:
+        """Which candidates are gone and why: left the job, process ended or stopped (same machine), or no
+        beat within PROBE_WAIT_S of a probe."""
+        gone: dict[int, str] = {}
+        probed: dict[int, int] = {}
+        for r in sorted(candidates):
+            if r not in self.infos and store.check([self.keys.info(r)]):
+                self.infos[r] = self._parse_info(r, store.get(self.keys.info(r)))
+            if store.check([self.keys.left(r)]):
+                left = store.get(self.keys.left(r)).decode()
+                gone[r] = ("had left the job without reporting an error" if left == "finished"
+                           else "left the job after an error (its own log says why)")
+                continue
+            state = process_state(self.infos[r]) if r in self.infos else None
+            if state in ("ended", "stopped"):
+                what = "its process ended" if state == "ended" else "its process is stopped"
+                gone[r] = f"was lost during a collective ({what})"
+                continue
+            probed[r] = store.add(self.keys.beat(r), 0)
+            self._probe(store, r)
+        deadline = time.monotonic() + PROBE_WAIT_S
+        while probed and time.monotonic() < deadline:
+            time.sleep(0.05)
+            probed = {r: c for r, c in probed.items() if store.add(self.keys.beat(r), 0) == c}
+        for r in probed:
+            gone[r] = f"was lost during a collective (no heartbeat within {PROBE_WAIT_S:.0f} s of a probe)"
+        return gone
+
+    def _lost_store_host_line(self) -> str | None:
+        """When rank 0 hosts the store and its process, on this machine, has ended or is stopped: a line
+        naming it."""
+        host = self.infos.get(0) if self.address.hosted_by_rank0 else None
+        state = process_state(host) if host else None
+        if state not in ("ended", "stopped"):
+            return None
+        what = "its process ended" if state == "ended" else "its process is stopped"
+        return (f"{host.label()} was lost during a collective ({what}); it hosted the rendezvous store at "
+                f"{self.address.host}:{self.address.port}")
+
+    # ---------------------------------------------------------------------------------------------
+    # Stop
+
+    def stop(self, error: str | None) -> None:
+        """Leave the watch: say this rank left (finished, or failed with `error`) so no one reports it."""
+        with self._claim_lock:
+            claimed_by = self._claimed_by
+            if claimed_by is None:
+                self._claimed_by = "finish"
+        if claimed_by == "watchdog":
+            return  # the watch thread is ending this process now
+        self._stopping.set()
+        self._threads["beat"].join(1.0)  # it may be waiting on the store; a late beat does no harm
+        if self._store_lost or self._host_gone():
+            return  # nobody is left to tell
+        abort_line = None
+        if error is not None and claimed_by is None:
+            abort_line = f"{self.label(self.rank)} stopped after an error: {error}"
+        left_as = "failed" if error is not None or claimed_by == "explain" else "finished"
+        try:
+            store = _bounded(lambda: self._leave(left_as, abort_line), 2 * STORE_CALL_S)
+            if self.hosts_store:
+                self._linger(store)  # the store is in this process: no stopped host to wait on
+        except STORE_ERRORS:
+            pass  # the store is gone: nobody is left to tell
+        self._threads["probe"].join(1.0)
+
+    def _host_gone(self) -> bool:
+        """Rank 0 left long enough ago that its store may be gone (it waits for the others for at most the
+        timeout): a call now would only wait and make the store client log."""
+        return (self._host_left_at is not None
+                and time.monotonic() - self._host_left_at > self.timeout_s - 2 * self.period)
+
+    def _leave(self, left_as: str, abort_line: str | None) -> dist.TCPStore:
+        store = _connect(self.address, STORE_CALL_S)
+        if abort_line:
+            store.compare_set(self.keys.abort, "", abort_line)
+        store.set(self.keys.left(self.rank), left_as)
+        store.add(self.keys.left_count, 1)
+        self._probe(store, self.rank, "stop")  # releases this rank's probe thread
+        return store
+
+    def _linger(self, store: dist.TCPStore) -> None:
+        """The store lives in this process: keep it up until every rank has left (bounded by the timeout),
+        or, after an abort, a couple of beats so every rank can read why."""
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            if store.add(self.keys.left_count, 0) >= self.world_size:
+                return
+            if store.check([self.keys.abort]):
+                deadline = min(deadline, time.monotonic() + 2 * self.period)
+            time.sleep(min(0.2, self.period))
+
+
+def _exit_later(seconds: float) -> None:
+    """End the process with status 1 after `seconds` unless it has ended by then."""
+    timer = threading.Timer(seconds, lambda: (_flush_std(), os._exit(1)))
+    timer.daemon = True
+    timer.start()
+
+
+# -------------------------------------------------------------------------------------------------
+# Module interface: one watchdog per process
+
+_current: Watchdog | None = None
+_callbacks: list[Callable[[], None]] = []
+
+
+def start(rank: int, world_size: int, address: StoreAddress, collective_timeout_s: float,
+          log: logging.Logger | None = None) -> None:
+    """Publish this rank and start beating and watching; a no-op for a world of one or when running."""
+    global _current
+    if world_size < 2 or _current is not None:
+        return
+    _current = Watchdog(rank, world_size, address, collective_timeout_s, log or logging.getLogger(LOGGER_NAME),
+                        _callbacks)
+
+
+def stop(error: str | None = None) -> None:
+    """Stop watching (the job is ending on this rank); `error`: the line this rank fails with, if it fails
+    alone, so the other ranks stop at once with it. Forgets the abort callbacks."""
+    global _current
+    watchdog, _current = _current, None
+    if watchdog is not None:
+        watchdog.stop(error)
+    _callbacks.clear()
+
+
+def running() -> bool:
+    """Whether this process watches its peers."""
+    return _current is not None
+
+
+def on_abort(callback: Callable[[], None]) -> None:
+    """Run `callback` (bounded by ABORT_CALLBACK_BOUND_S for all of them) before the watchdog ends the process."""
+    _callbacks.append(callback)
+
+
+def explain_failure(exc: BaseException) -> str | None:
+    """One line naming the rank(s) whose loss made the collective that raised `exc` fail, found within a few
+    seconds; None when `exc` is not a collective failure. Every other rank stops within a beat with the
+    same line. The caller prints it and ends with exit status 1 (this process ends by itself if tearing
+    down the groups hangs)."""
+    if not is_collective_failure(exc):
+        return None
+    if _current is None:
+        return f"a collective failed: {_first_line(exc)}"
+    return _current.explain(exc)
