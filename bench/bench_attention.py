@@ -83,7 +83,7 @@ def attention_case(impl: str, dtype: torch.dtype, bsz: int, n_head: int, qlen: i
 
 
 def bench_config() -> ModelConfig:
-    """~9.2M parameters: the configuration FACTS.md timed the HF reference with."""
+    """~9.2M parameters: the configuration docs/architecture.md times the HF reference with."""
     return ModelConfig(vocab_size=16000, n_layer=6, d_model=256, n_head=8, d_head=32, d_inner=1024,
                        cutoffs=[2000, 6000], div_val=1, tgt_len=128, mem_len=128, dropout=0.1, dropatt=0.0)
 

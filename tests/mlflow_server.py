@@ -175,12 +175,45 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest
     return shared_mlflow_server(tmp_path_factory, pytestconfig)
 
 
+@pytest.fixture()
+def client(mlflow_server):
+    """An MlflowClient of the shared server."""
+    from mlflow import MlflowClient
+
+    return MlflowClient(mlflow_server.uri)
+
+
+@pytest.fixture()
+def experiment(request) -> str:
+    """An experiment name of this test alone."""
+    return f"{request.node.name}-{time.time_ns()}"
+
+
+@pytest.fixture(autouse=True)
+def no_mlflow_env(monkeypatch):
+    """The URI, experiment and retry settings come from what each test passes, never from the caller's shell."""
+    for var in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL",
+                "MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def cfg_for(uri, experiment, **kw):
+    """A TrackingConfig for `uri` and `experiment`, without system metrics unless asked."""
+    from txl_dist.config import TrackingConfig
+
+    kw.setdefault("system_metrics", False)
+    return TrackingConfig(uri=uri, experiment=experiment, **kw)
+
+
 class LoopbackProxy:
     """Forwards 127.0.0.1:<port> to a target port until cut(): then connections are refused and open ones
-    closed, as when a tracking server goes away in the middle of a run."""
+    closed, as when a tracking server goes away in the middle of a run. stall() holds every byte in both
+    directions (a server that stopped answering but keeps its connections); flow() lets them through again."""
 
     def __init__(self, target_port: int) -> None:
         self.target_port = target_port
+        self.flowing = threading.Event()
+        self.flowing.set()
         self._listener = socket.create_server(("127.0.0.1", 0))
         self._listener.settimeout(0.1)
         self.port: int = self._listener.getsockname()[1]
@@ -205,10 +238,10 @@ class LoopbackProxy:
             for src, dst in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
 
-    @staticmethod
-    def _pump(src: socket.socket, dst: socket.socket) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
         try:
             while data := src.recv(65536):
+                self.flowing.wait()
                 dst.sendall(data)
         except OSError:
             pass
@@ -218,8 +251,15 @@ class LoopbackProxy:
             except OSError:
                 pass
 
+    def stall(self) -> None:
+        self.flowing.clear()
+
+    def flow(self) -> None:
+        self.flowing.set()
+
     def cut(self) -> None:
         """Stop listening and drop every open connection."""
+        self.flowing.set()
         self._cut.set()
         self._thread.join()
         self._listener.close()

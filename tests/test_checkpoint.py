@@ -234,3 +234,15 @@ def test_prune_never_removes_the_newest_good_tag(tmp_path):
         (tag / "txl_state" / "run.json").write_text(json.dumps(info | {"nonfinite_streak": streak}))
     assert checkpoint.prune(ckpt, keep=2) == ["step_00000010"]
     assert checkpoint.inventory(ckpt).complete == ["step_00000020", "step_00000030", "step_00000040"]
+
+
+def test_a_tag_saved_again_replaces_the_old_one_only_once_the_new_one_is_complete(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    old = _tag(ckpt, 5)
+    staging = ckpt / ".saving-step_00000005"
+    (staging / "txl_state").mkdir(parents=True)
+    (staging / "new-file").write_bytes(b"new")
+    (ckpt / "step_00000005_universal").mkdir()  # made from the old tag: stale once it is replaced
+    checkpoint._move_into_place(ckpt, staging, old)
+    assert (old / "new-file").read_bytes() == b"new" and not (old / "mp_rank_00_model_states.pt").exists()
+    assert _names(ckpt) == ["step_00000005"]

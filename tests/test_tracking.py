@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from mlflow_server import LoopbackProxy, free_port, mlflow_server  # noqa: F401  (the fixture is found by name)
+from mlflow_server import (LoopbackProxy, cfg_for, client, experiment, free_port, mlflow_server,  # noqa: F401
+                           no_mlflow_env)  # (fixtures are found by name)
 from txl_dist.config import RunConfig, TrackingConfig
 from txl_dist.tracking import (
     MAX_PARAM_VALUE_LENGTH,
@@ -26,31 +27,6 @@ from txl_dist.tracking import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture()
-def client(mlflow_server):  # noqa: F811
-    from mlflow import MlflowClient
-
-    return MlflowClient(mlflow_server.uri)
-
-
-@pytest.fixture()
-def experiment(request) -> str:
-    """An experiment name of this test alone."""
-    return f"{request.node.name}-{time.time_ns()}"
-
-
-@pytest.fixture(autouse=True)
-def no_mlflow_env(monkeypatch):
-    # The URI and experiment must come from what each test passes, never from the caller's shell.
-    for var in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL"):
-        monkeypatch.delenv(var, raising=False)
-
-
-def cfg_for(uri, experiment, **kw) -> TrackingConfig:
-    kw.setdefault("system_metrics", False)
-    return TrackingConfig(uri=uri, experiment=experiment, **kw)
 
 
 def runs_of(client, experiment):

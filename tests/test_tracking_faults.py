@@ -7,7 +7,6 @@ Tests that stop a server start their own (tests/mlflow_server.py); the others sh
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -17,39 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from mlflow_server import LoopbackProxy, free_port, mlflow_server, start_mlflow_server  # noqa: F401
-from txl_dist.config import TrackingConfig
+from mlflow_server import (LoopbackProxy, cfg_for, client, experiment, free_port, mlflow_server,  # noqa: F401
+                           no_mlflow_env, start_mlflow_server)  # (fixtures are found by name)
 from txl_dist.tracking import MlflowTracker, TrackingError, create_tracker
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCKING_BOUND_S = 0.5
 """A log_* call may take this long at most: a bound on blocking, far above a normal call (~0.1 ms)."""
-
-
-@pytest.fixture()
-def client(mlflow_server):  # noqa: F811
-    from mlflow import MlflowClient
-
-    return MlflowClient(mlflow_server.uri)
-
-
-@pytest.fixture()
-def experiment(request) -> str:
-    """An experiment name of this test alone."""
-    return f"{request.node.name}-{time.time_ns()}"
-
-
-@pytest.fixture(autouse=True)
-def no_mlflow_env(monkeypatch):
-    # The URI and experiment must come from what each test passes, never from the caller's shell.
-    for var in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL",
-                "MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT"):
-        monkeypatch.delenv(var, raising=False)
-
-
-def cfg_for(uri, experiment, **kw) -> TrackingConfig:
-    kw.setdefault("system_metrics", False)
-    return TrackingConfig(uri=uri, experiment=experiment, **kw)
 
 
 def history(client, run_id, key):
@@ -77,61 +50,9 @@ def port_of(uri: str) -> int:
     return int(uri.rsplit(":", 1)[1])
 
 
-class StallingProxy:
-    """Forwards 127.0.0.1:<port> to a target port; stall() holds every byte in both directions (a server
-    that stopped answering but keeps its connections), flow() lets them through again."""
-
-    def __init__(self, target_port: int) -> None:
-        self.target_port = target_port
-        self.flowing = threading.Event()
-        self.flowing.set()
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self._listener.settimeout(0.1)
-        self.port: int = self._listener.getsockname()[1]
-        self._closed = threading.Event()
-        threading.Thread(target=self._accept, name="stalling-proxy", daemon=True).start()
-
-    def _accept(self) -> None:
-        while not self._closed.is_set():
-            try:
-                client, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            client.settimeout(None)
-            upstream = socket.create_connection(("127.0.0.1", self.target_port))
-            for src, dst in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while data := src.recv(65536):
-                self.flowing.wait()
-                dst.sendall(data)
-        except OSError:
-            pass
-        for s in (src, dst):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-    def stall(self) -> None:
-        self.flowing.clear()
-
-    def flow(self) -> None:
-        self.flowing.set()
-
-    def close(self) -> None:
-        self.flowing.set()
-        self._closed.set()
-        self._listener.close()
-
-
 def test_a_stalled_store_never_blocks_logging_and_calls_keep_their_order(
         mlflow_server, client, experiment, tmp_path):  # noqa: F811
-    proxy = StallingProxy(port_of(mlflow_server.uri))
+    proxy = LoopbackProxy(port_of(mlflow_server.uri))
     run_dir = tmp_path / "run"
     tracker = MlflowTracker(cfg_for(f"http://127.0.0.1:{proxy.port}", experiment), run_dir, max_pending=10)
     note = tmp_path / "note.txt"
@@ -158,7 +79,7 @@ def test_a_stalled_store_never_blocks_logging_and_calls_keep_their_order(
         valve.cancel()
         proxy.flow()
     delivery = tracker.close(timeout=120)
-    proxy.close()
+    proxy.cut()
     assert delivery.dropped > 0 and delivery.failed == 0  # more calls than the queue holds, none failed
     assert delivery.sent + delivery.dropped == 100  # the 5 items fitted: they came first
     run_id = tracker.run_id

@@ -7,7 +7,7 @@ host-side helpers (flags and picklable objects on the CPU), whose waits may be l
 rank converting a checkpoint while the others wait). The lost-rank watchdog (watchdog.py) runs while the
 groups are up.
 
-No deepspeed here (ARCHITECTURE.md): deepspeed.initialize finds the process group already initialized.
+No deepspeed here (docs/architecture.md): deepspeed.initialize finds the process group already initialized.
 Every collective helper also works with a world of one and no process group.
 """
 from __future__ import annotations
@@ -152,7 +152,7 @@ def configure_threads(env: DistEnv, environ: Mapping[str, str] | None = None) ->
     """Threads per rank = this machine's cores / local ranks, unless OMP_NUM_THREADS says otherwise.
 
     The deepspeed launcher does not set OMP_NUM_THREADS; 2 threads per rank on 2 cores ran ~7x slower
-    (FACTS.md), so the cores are shared out here. Returns the thread count in use.
+    (docs/architecture.md), so the cores are shared out here. Returns the thread count in use.
     """
     environ = os.environ if environ is None else environ
     if "OMP_NUM_THREADS" not in environ:

@@ -106,7 +106,7 @@ def global_grad_norm(engine) -> float | None:
     """The 2-norm of the whole (data-parallel averaged) gradient, before clipping.
 
     DeepSpeed reports it after engine.step() at ZeRO 1-3 and under its bf16/fp16 optimizers; a plain
-    fp32 stage-0 engine reports None (FACTS.md). There the gradients are complete and identical on every
+    fp32 stage-0 engine reports None (docs/architecture.md). There the gradients are complete and identical on every
     rank once the last micro batch's backward has run, so call this BEFORE engine.step(): it computes the
     norm itself when DeepSpeed will not, and returns None when DeepSpeed will (read it after the step with
     engine.get_global_grad_norm()).

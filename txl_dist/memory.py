@@ -1,6 +1,6 @@
 """MemoryBank: the Transformer-XL memory (mems) of one rank's streams, carried from segment to segment.
 
-Gradient accumulation splits a rank's streams, not time (ARCHITECTURE.md): micro step i of every optimizer
+Gradient accumulation splits a rank's streams, not time (docs/architecture.md): micro step i of every optimizer
 step feeds the same m streams, so the bank keeps one mems list per chunk of streams, keyed by the tuple of
 their GLOBAL stream ids. The model takes one memory length for the whole batch; that is safe because the
 loader wraps all streams together (every stream has the same length L and starts at the same offset), so

@@ -1,6 +1,6 @@
 """The training loop, and the setup that runs before it (checks in txl_dist.startup, engine, resume).
 
-One optimizer step, on every rank (ARCHITECTURE.md, "Flow of one step"):
+One optimizer step, on every rank (docs/architecture.md, "Flow of one step"):
 ```
 for each of the g micro batches (the rank's streams, m at a time, at the same time position):
     mems = bank.get(streams, reset)            # the chunk's memory; None after a wrap
@@ -374,6 +374,8 @@ def _build_from(start: TrainStart, env: DistEnv) -> Trainer:
                       tracker=start.tracker, run_info=info,
                       checkpoint_bytes=checkpoint_bytes_estimate(start.run_dir.checkpoints, n_params))
     trainer.start = start
+    # A lost rank ends this process from the watchdog's thread: the MLflow run is marked FAILED first.
+    distributed.on_abort(lambda: trainer.tracker.close("FAILED", timeout=3.0))
     if resume is not None:
         trainer.restore(resume)
     if env.is_main:

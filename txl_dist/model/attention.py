@@ -8,7 +8,7 @@ Three interchangeable implementations take the same arguments and return the sam
 - `rel_attention_matmul`: contiguous head-major layouts, batched matmuls, a free rel-shift, fp32 softmax
   under bf16/fp16. The fastest on CPU (bench/bench_attention.py).
 - `rel_attention_sdpa`: torch's scaled_dot_product_attention with the position term as an additive float
-  mask (the memory-efficient kernel on CUDA). Slower on CPU (FACTS.md), unmeasured on GPU: opt-in only.
+  mask (the memory-efficient kernel on CUDA). Slower on CPU (docs/architecture.md), unmeasured on GPU: opt-in only.
 
 Shapes: B batch, T query length (the segment), K = mlen + T key length, H heads, D head size.
 """
@@ -194,7 +194,7 @@ def resolve_attn_impl(name: str, device: torch.device, dtype: torch.dtype = torc
     if name == "auto":
         # Measured: on a CPU without native bf16 (AVX2 only) bf16 bmm runs ~10x slower than fp32, and SDPA's
         # CPU kernel (which does its products blockwise in fp32) beats the matmul path 1.7-3x; with native
-        # bf16 (AMX, FACTS.md) SDPA loses.
+        # bf16 (AMX, docs/architecture.md) SDPA loses.
         if device.type == "cpu" and dtype == torch.bfloat16 and not _cpu_has_native_bf16():
             return "sdpa"
         return AUTO_ATTN_IMPL.get(device.type, "matmul")
