@@ -208,7 +208,7 @@ def _on_main(env: DistEnv, fn: Callable[[], T]) -> T:
     return distributed.broadcast_object(_together(lambda: fn() if env.is_main else None))
 
 
-def _verified(candidates: list[Path], env: DistEnv, *, fallback: bool) -> tuple[Path, dict[str, Any]] | None:
+def _verified(candidates: list[Path], env: DistEnv, *, fallback: bool) -> tuple[Path, dict[str, Any]]:
     """The first candidate tag whose files verify on every rank's share; CheckpointError for a damaged one
     unless fallback (then the next candidate, with a warning)."""
     for i, tag_dir in enumerate(candidates):
@@ -223,7 +223,7 @@ def _verified(candidates: list[Path], env: DistEnv, *, fallback: bool) -> tuple[
             raise CheckpointError(f"checkpoint {tag_dir.name} is damaged: {problems[0]}{hint}")
         log.warning("checkpoint %s is damaged (%s); falling back to %s (checkpoint.fallback)", tag_dir.name,
                     problems[0], older[0].name)
-    return None
+    raise CheckpointError("no checkpoint to verify")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -280,6 +280,11 @@ def _choose_resume(start: TrainStart, env: DistEnv, resume: str) -> Resume | Non
             raise CheckpointError(
                 f"--resume none: {ckpt_dir} already holds checkpoints up to {inv.complete[-1]}; continue them "
                 "(--resume auto), roll back to one (--resume PATH), or choose a new run.dir")
+        if resume not in ("auto", "none") and inv.complete and \
+                checkpoint.resolve_path(resume).parent.resolve() != ckpt_dir.resolve():
+            raise CheckpointError(
+                f"--resume {resume}: a checkpoint of another run folder, but {ckpt_dir} already holds checkpoints "
+                f"up to {inv.complete[-1]}; start from it in a new run.dir")
         if resume == "auto" and inv.complete and inv.latest != inv.complete[-1]:
             log.warning("checkpoint folder %s: `latest` names %s, the newest complete tag is %s; resuming from the "
                         "newest complete tag", ckpt_dir, inv.latest or "nothing", inv.complete[-1])

@@ -129,10 +129,12 @@ class Trainer:
         while self.step < last:
             stats = self.train_step()
             stop = stats.pop("stop")
-            self._count_nonfinite(stats.pop("nonfinite"))
+            diverged = self._count_nonfinite(stats.pop("nonfinite"))
             stats["train/nonfinite_steps"] = float(self.nonfinite_steps)
             window_time, window_steps = window_time + stats["train/step_time_s"], window_steps + 1
             self.tracker.log_metrics(stats, step=self.step)
+            if diverged:
+                raise diverged
             if self.step % cfg.train.log_interval == 0 or self.step == last:
                 self._progress(stats, window_time / window_steps, last)
                 window_time, window_steps = 0.0, 0
@@ -156,21 +158,23 @@ class Trainer:
             self.tracker.log_dict(result, "final_eval.json")
         return 0
 
-    def _count_nonfinite(self, nonfinite: bool) -> None:
+    def _count_nonfinite(self, nonfinite: bool) -> Diverged | None:
+        """Count a (non-)finite step; the error to stop with once train.max_nonfinite come in a row."""
         if not nonfinite:
             self.nonfinite_streak = 0
-            return
+            return None
         self.nonfinite_steps += 1
         self.nonfinite_streak += 1
         first = self.step - self.nonfinite_streak + 1
         if self.nonfinite_streak >= self.cfg.train.max_nonfinite:
-            raise Diverged(
+            return Diverged(
                 f"training diverged: steps {first}..{self.step} ({self.nonfinite_streak} in a row, "
                 f"train.max_nonfinite {self.cfg.train.max_nonfinite}) had a non-finite loss or gradient norm and "
                 f"were skipped; the weights are those after step {first - 1}; {self._newest_checkpoint()}")
         log.warning("step %d: non-finite loss or gradient norm; the step was skipped and the memory of the "
                     "affected streams reset (%d in a row, %d in all)", self.step, self.nonfinite_streak,
                     self.nonfinite_steps)
+        return None
 
     def train_step(self) -> dict[str, Any]:
         """One optimizer step over all micro batches; returns this step's metrics (the same on every rank)."""
@@ -191,7 +195,10 @@ class Trainer:
             engine.backward(out.nll.mean())
             self.bank.put(mb.stream_ids, out.mems)
             nll_sum = out.nll.detach().double().sum()
-            poisoned.append(~(torch.isfinite(nll_sum) & _all_finite(out.mems)).reshape(1))
+            finite = torch.isfinite(nll_sum)  # 0-d, on the device: no sync here
+            for t in out.mems:
+                finite &= torch.isfinite(t).all()
+            poisoned.append(~finite.reshape(1))
             streams.append(mb.stream_ids)
             sums[0] += nll_sum
             sums[1] += out.nll.numel()
@@ -315,16 +322,11 @@ class Trainer:
                  _hms(eta))
 
 
-def _all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """A 0-d bool tensor: every value of every tensor is finite (stays on the device: no sync)."""
-    flags = [torch.isfinite(t).all() for t in tensors]
-    return torch.stack(flags).all() if flags else torch.tensor(True)
-
-
 def _weights_finite(engine) -> bool:
-    """Every weight this rank holds is finite (its ZeRO-3 partition, or the whole module)."""
-    held = [getattr(p, "ds_tensor", p) for p in engine.module.parameters()]
-    return bool(_all_finite([t.detach() for t in held if t.numel()]))
+    """Every weight this rank holds is finite (its ZeRO-3 partition, or the whole module); one sync."""
+    held = [getattr(p, "ds_tensor", p).detach() for p in engine.module.parameters()]
+    flags = [torch.isfinite(t).all() for t in held if t.numel()]
+    return bool(torch.stack(flags).all()) if flags else True
 
 
 def memory_metrics(device: torch.device) -> dict[str, float]:
