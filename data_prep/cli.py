@@ -6,9 +6,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from data_prep.errors import PrepError
 from data_prep.tokenizer import MODEL_TYPES, TrainerOptions
-from txl_dist.data.format import CorpusError
+from txl_dist.errors import EXIT_REFUSED, Refused
 
 _EXAMPLE = """example (the quickstart):
   python -m data_prep fetch-corpus shakespeare data/raw/shakespeare
@@ -129,16 +128,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one command; bad input prints one `error:` line and returns 1."""
+    """Run one command; refused input prints one `error:` line and returns 2 (as every entry point does)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     command = ["python", "-m", "data_prep", *argv]
     recorded = {k: v for k, v in vars(args).items() if k not in ("quiet", "verbose")}
     try:
         return _run(args, command, recorded)
-    except (PrepError, CorpusError) as e:
+    except Refused as e:  # PrepError and CorpusError
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return EXIT_REFUSED
     except KeyboardInterrupt:
         print("error: interrupted; nothing was written", file=sys.stderr)
         return 130

@@ -383,7 +383,7 @@ def test_trained_unigram_tokenizer_and_eod_piece(raw, tmp_path):
                                    vocab_size=300, model_type="bpe", eos_id=-1, bos_id=-1,
                                    control_symbols=["<doc>"], minloglevel=2)
     common = ["--tokenizer-model", tmp_path / "noeos.model", "--train", raw / "test/*.txt", "--quiet", "--num-proc", 1]
-    assert main([str(a) for a in ["prepare", "--out", tmp_path / "a", *common]]) == 1
+    assert main([str(a) for a in ["prepare", "--out", tmp_path / "a", *common]]) == 2
     run("prepare", "--out", tmp_path / "b", "--eod-piece", "<doc>", *common)
     no_eos = spm.SentencePieceProcessor(model_file=str(tmp_path / "noeos.model"))
     doc = next((raw / "test").glob("*.txt")).read_text()

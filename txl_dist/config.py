@@ -224,7 +224,8 @@ class RunConfig:
 
     def eval_streams(self, world_size: int) -> int:
         n = world_size if self.eval.n_streams is None else self.eval.n_streams
-        streams_per_rank(n, world_size, streams="eval.n_streams", error=ConfigError)
+        streams_per_rank(n, world_size, streams="eval.n_streams", error=ConfigError,
+                         fix=f"use a multiple of {world_size} (or a world size that divides {n})")
         return n
 
     def checkpoint_dir(self) -> Path:
@@ -480,7 +481,9 @@ def _type_name(ftype: Any) -> str:
     if ftype is type(None):
         return "null"
     if typing.get_origin(ftype) is list:
-        return f"a list of {_type_name(typing.get_args(ftype)[0])}"
+        item = typing.get_args(ftype)[0]
+        plural = {int: "integers", float: "numbers", bool: "true/false values", str: "strings"}
+        return f"a list of {plural.get(item, _type_name(item))}"
     if typing.get_origin(ftype) is Literal:
         return "one of " + ", ".join(json.dumps(a) for a in typing.get_args(ftype))
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(ftype, str(ftype))

@@ -68,6 +68,7 @@ def discover(environ: Mapping[str, str] | None = None) -> DistEnv:
     launcher at all: a world of one on 127.0.0.1.
     """
     env = os.environ if environ is None else environ
+    names = ("RANK", "WORLD_SIZE")
     if "RANK" in env and "WORLD_SIZE" in env:
         launcher = "deepspeed" if "LOCAL_SIZE" in env and "LOCAL_WORLD_SIZE" not in env else "torchrun"
         rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
@@ -75,7 +76,7 @@ def discover(environ: Mapping[str, str] | None = None) -> DistEnv:
         local_world = _int(env, "LOCAL_WORLD_SIZE", default=_int(env, "LOCAL_SIZE", default=world))
         addr = env.get("MASTER_ADDR", "127.0.0.1")
     elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        launcher = "slurm"
+        launcher, names = "slurm", ("SLURM_PROCID", "SLURM_NTASKS")
         rank, world = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS")
         local_rank = _int(env, "SLURM_LOCALID", default=0)
         local_world = _slurm_tasks_on_this_node(env)
@@ -89,7 +90,8 @@ def discover(environ: Mapping[str, str] | None = None) -> DistEnv:
         default_port = 20000 + int(env["SLURM_JOB_ID"]) % 20000
     port = _int(env, "MASTER_PORT", default=default_port)
     if not 0 <= rank < world:
-        raise LaunchError(f"rank {rank} is outside 0..{world - 1} (world size {world}); check the launcher's variables")
+        raise LaunchError(f"{names[0]}={rank} is outside 0..{world - 1} ({names[1]}={world}); check how the job "
+                          "was launched")
     if not 0 <= local_rank < local_world:
         raise LaunchError(f"local rank {local_rank} is outside 0..{local_world - 1}; check LOCAL_RANK / SLURM_LOCALID")
     return DistEnv(rank, world, local_rank, local_world, addr, port, launcher)

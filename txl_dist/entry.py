@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from . import distributed
 from .errors import EXIT_FAILED, EXIT_REFUSED, Refused, RunFailed, one_line
+from .run_dir import detach_log_file
 
 
 def guarded(job: Callable[[], int], log: logging.Logger) -> int:
@@ -35,4 +36,5 @@ def guarded(job: Callable[[], int], log: logging.Logger) -> int:
         log.error("error: %s", lost)
         return EXIT_FAILED
     finally:
+        detach_log_file(log)
         distributed.destroy_process_group(alone)

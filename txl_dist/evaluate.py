@@ -22,7 +22,7 @@ from torch import nn
 
 from . import distributed
 from .config import EvalConfig
-from .data import StreamLoader
+from .data import SplitTooShort, StreamLoader
 from .memory import MemoryBank
 from .streams import streams_per_rank
 
@@ -44,9 +44,13 @@ class Evaluator:
 
     def _loader(self, split: str) -> StreamLoader:
         if split not in self._loaders:
-            loader = StreamLoader(self.corpus_dir, split, rank=self.rank, world_size=self.world_size,
-                                  n_streams=self.n_streams, micro_batch=self.n_streams // self.world_size,
-                                  tgt_len=self.cfg.tgt_len, epochs=1, partial_last=True)
+            try:
+                loader = StreamLoader(self.corpus_dir, split, rank=self.rank, world_size=self.world_size,
+                                      n_streams=self.n_streams, micro_batch=self.n_streams // self.world_size,
+                                      tgt_len=self.cfg.tgt_len, epochs=1, partial_last=True)
+            except SplitTooShort as e:  # the loader cannot know which settings made its streams: name them
+                raise SplitTooShort(f"{e} (evaluation: eval.n_streams {self.n_streams}, "
+                                  f"eval.tgt_len {self.cfg.tgt_len})") from None
             self._loaders[split] = (loader, loader.state_dict())
         loader, start = self._loaders[split]
         loader.load_state_dict(start)  # every evaluation reads the split from its beginning

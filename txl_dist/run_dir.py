@@ -35,6 +35,10 @@ class RunDirBusy(Refused):
     """Another job holds the run folder."""
 
 
+class RunDirUnusable(Refused):
+    """The run folder cannot be made or written."""
+
+
 @dataclass(frozen=True)
 class RunDir:
     """The paths of one run folder."""
@@ -81,9 +85,13 @@ def acquire_lock(run_dir: Path, *, purpose: str = "training") -> RunLock:
     """Lock run_dir/.lock, or RunDirBusy naming the job that holds it."""
     import fcntl
 
-    run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / LOCK_FILE
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise RunDirUnusable(f"run.dir {run_dir}: cannot be made or written ({e.strerror or one_line(e)}"
+                             f"{': ' + str(e.filename) if e.filename else ''}); choose another run.dir") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
@@ -111,11 +119,27 @@ def _holder(path: Path) -> str:
         return "holder unknown"
 
 
-def attach_log_file(logger: logging.Logger, path: Path) -> logging.Handler:
-    """Append the logger's records to `path` too (same format as the console); returns the handler."""
+_log_file: logging.FileHandler | None = None
+
+
+def attach_log_file(logger: logging.Logger, path: Path) -> None:
+    """Append the logger's records to `path` too (same format as the console), until detach_log_file();
+    one file per process: attaching another detaches the previous one. The entry point detaches it after
+    it has logged how the job ended, so the run's log says why a job stopped."""
+    global _log_file
+    detach_log_file(logger)
     path.parent.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(path, mode="a", encoding="utf-8")
     console = next((h for h in logger.handlers if h.formatter is not None), None)
     handler.setFormatter(console.formatter if console else logging.Formatter("%(asctime)s %(message)s"))
     logger.addHandler(handler)
-    return handler
+    _log_file = handler
+
+
+def detach_log_file(logger: logging.Logger) -> None:
+    """Stop appending to the run's log file (a no-op when none is attached)."""
+    global _log_file
+    if _log_file is not None:
+        logger.removeHandler(_log_file)
+        _log_file.close()
+        _log_file = None

@@ -30,7 +30,7 @@ from . import checkpoint, distributed
 from .checkpoint import CheckpointError, EngineSource
 from .config import RunConfig, apply_override, changed_settings, check_cutoffs, config_from_dict, load_config, \
     model_config_from_dict, ConfigError
-from .data import Manifest, StreamLoader, read_manifest
+from .data import Manifest, SplitTooShort, StreamLoader, read_manifest
 from .distributed import DistEnv
 from .errors import Refused, one_line
 from .deepspeed_schema import check_deepspeed_config
@@ -71,16 +71,12 @@ class TrainStart:
     evaluator: Evaluator
     tracker: Any
     lock: RunLock | None
-    log_handler: logging.Handler | None = None
 
     def close(self) -> None:
-        """Close what start-up opened (loaders, log file, lock); the tracker is closed by its owner."""
+        """Close what start-up opened (loaders, lock); the tracker is closed by its owner, the log file by the
+        entry point (run_dir.detach_log_file)."""
         self.evaluator.close()
         self.loader.close()
-        if self.log_handler is not None:
-            log.removeHandler(self.log_handler)
-            self.log_handler.close()
-            self.log_handler = None
         if self.lock is not None:
             self.lock.release()
 
@@ -241,9 +237,14 @@ def start_training(cfg: RunConfig, env: DistEnv, resume: str = "auto", *, log_fi
     def local_checks():
         resolved, manifest = open_corpus(cfg)
         # The loaders open (and verify) their files now: bad data fails the start, not step 10,000.
-        loader = StreamLoader(resolved.data.path, resolved.data.train_split, rank=env.rank, world_size=env.world_size,
-                              n_streams=resolved.n_streams(), micro_batch=resolved.micro_batch(),
-                              tgt_len=resolved.model.tgt_len, roll=resolved.data.roll, seed=resolved.data.seed)
+        try:
+            loader = StreamLoader(resolved.data.path, resolved.data.train_split, rank=env.rank,
+                                  world_size=env.world_size, n_streams=resolved.n_streams(),
+                                  micro_batch=resolved.micro_batch(), tgt_len=resolved.model.tgt_len,
+                                  roll=resolved.data.roll, seed=resolved.data.seed)
+        except SplitTooShort as e:  # the loader cannot know which settings made its streams: name them
+            raise SplitTooShort(f"{e} (training: deepspeed.train_batch_size {resolved.n_streams()}, "
+                              f"model.tgt_len {resolved.model.tgt_len})") from None
         eval_splits = [resolved.data.valid_split] + ([resolved.data.test_split] if resolved.eval.at_end else [])
         evaluator = Evaluator(resolved.data.path, resolved.eval, rank=env.rank, world_size=env.world_size,
                               n_streams=resolved.eval_streams(env.world_size), device=distributed.device_for(env),
@@ -254,7 +255,7 @@ def start_training(cfg: RunConfig, env: DistEnv, resume: str = "auto", *, log_fi
     resolved, manifest, loader, evaluator, lock = _together(local_checks)
     start = TrainStart(resolved, manifest, run_dir, None, loader, evaluator, None, lock)
     if log_file:
-        start.log_handler = attach_log_file(log, run_dir.log_file(env.rank))
+        attach_log_file(log, run_dir.log_file(env.rank))
     try:
         start.resume = _choose_resume(start, env, resume)
         start.tracker = _open_tracker(start, env, create_tracker)
@@ -328,9 +329,8 @@ def _open_tracker(start: TrainStart, env: DistEnv, create_tracker):
         if not env.is_main:
             return create_tracker(cfg.tracking, env.rank, start.run_dir.path, resume_run_id=run_id)
         ckpt_dir = start.run_dir.checkpoints
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
         need = checkpoint_bytes_estimate(ckpt_dir, count_parameters(cfg.model))
-        free = shutil.disk_usage(ckpt_dir).free
+        free = shutil.disk_usage(ckpt_dir if ckpt_dir.is_dir() else start.run_dir.path).free
         if free < need:
             raise CheckpointError(f"{ckpt_dir}: {free / 2**20:.0f} MiB free, one checkpoint needs about "
                                   f"{need / 2**20:.0f} MiB; free space or choose another run.dir")

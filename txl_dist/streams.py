@@ -7,8 +7,9 @@ from __future__ import annotations
 
 
 def streams_per_rank(n_streams: int, world_size: int, *, streams: str = "n_streams", ranks: str = "ranks",
-                     error: type[Exception] = ValueError) -> int:
-    """S / W, or `error` naming `streams` (the key or flag that set S) when W does not divide S."""
+                     error: type[Exception] = ValueError, fix: str | None = None) -> int:
+    """S / W, or `error` naming `streams` (the key or flag that set S) and `fix` (default: a world size that
+    divides S) when W does not divide S."""
     if world_size < 1:
         raise error(f"world size must be >= 1, got {world_size}")
     if n_streams < 1:
@@ -16,7 +17,7 @@ def streams_per_rank(n_streams: int, world_size: int, *, streams: str = "n_strea
     per_rank, rest = divmod(n_streams, world_size)
     if rest:
         raise error(f"{streams}: {n_streams} streams cannot be split over {world_size} {ranks}; "
-                    f"use a world size that divides {n_streams}")
+                    f"{fix or f'use a world size that divides {n_streams}'}")
     return per_rank
 
 

@@ -16,10 +16,10 @@ from .format import (
     verify_corpus,
     write_manifest,
 )
-from .loader import MicroBatch, StreamLoader
+from .loader import MicroBatch, SplitTooShort, StreamLoader
 
 __all__ = [
     "ArrowTokenWriter", "CorpusError", "FileEntry", "Layout", "Manifest", "SplitEntry", "TokenizerEntry",
     "TokenReader", "file_boundaries", "rank_token_range", "read_manifest", "stream_length", "token_dtype",
-    "verify_corpus", "write_manifest", "MicroBatch", "StreamLoader",
+    "verify_corpus", "write_manifest", "MicroBatch", "SplitTooShort", "StreamLoader",
 ]

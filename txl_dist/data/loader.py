@@ -30,6 +30,10 @@ from .manifest import CorpusError, read_manifest, sha256_file
 STATE_VERSION = 1
 
 
+class SplitTooShort(CorpusError):
+    """A split too short for the streams asked of it (the caller knows which settings asked: it names them)."""
+
+
 @dataclass(frozen=True)
 class MicroBatch:
     """One micro step of one rank: windows of m streams at the same time position."""
@@ -106,7 +110,7 @@ class StreamLoader:
         stream_len = n_tokens // self.n_streams
         need = 2 * self.tgt_len if self.roll else self.tgt_len + 1  # with roll, the latest offset must fit too
         if stream_len < need:
-            raise CorpusError(
+            raise SplitTooShort(
                 f"{where}: {n_tokens} tokens give {self.n_streams} streams of {stream_len} tokens, too short "
                 f"for {'roll with ' if self.roll else ''}tgt_len {self.tgt_len} (needs {need}); "
                 "use fewer streams or a shorter tgt_len")
