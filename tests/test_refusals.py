@@ -8,8 +8,6 @@ engine exists, so this is fast). The checkpoint cases copy one real run folder, 
 a child process through launch/train.py's main.
 
 Placeholders in a message (`<run>`, `<corpus>`, `<tag>`, ...) are filled in by the case that makes the input.
-Where the program does not yet keep the table's promise (KNOWN_DEVIATIONS) the row is an expected failure
-that names the deviation, and fails for real once the deviation changes.
 """
 from __future__ import annotations
 
@@ -653,11 +651,6 @@ def test_every_row_has_a_case_and_every_case_a_row():
     assert categories == sorted(categories), "rows are grouped by category, in the order of CATEGORIES"
 
 
-# Where the program does not (yet) do what the table's introduction promises, exactly as it deviates: the row
-# is then an expected failure, and any other outcome (the deviation fixed, or another one) fails the test.
-KNOWN_DEVIATIONS: dict[str, list[str]] = {}
-
-
 @pytest.mark.parametrize("row", ROWS, ids=[r.case for r in ROWS])
 def test_refusal_is_one_line_exit_2_and_writes_nothing(row, scene):
     CASES[row.case](scene)
@@ -666,11 +659,7 @@ def test_refusal_is_one_line_exit_2_and_writes_nothing(row, scene):
     assert message_pattern(f"error: {row.message}", scene.values).fullmatch(scene.error_lines[0]), \
         scene.error_lines[0]
     assert not torch.distributed.is_initialized()
-    deviations = deviations_from_the_promise(scene)
-    if row.case in KNOWN_DEVIATIONS:
-        assert deviations == KNOWN_DEVIATIONS[row.case]
-        pytest.xfail(f"known: {'; '.join(deviations)}")
-    assert deviations == []
+    assert deviations_from_the_promise(scene) == []
 
 
 def deviations_from_the_promise(scene: Scene) -> list[str]:
