@@ -1,0 +1,41 @@
+"""The command line: ``python -m txl_dist.tracking replay RUN_DIR [--uri URI]`` (see replay.py)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from txl_dist.errors import EXIT_FAILED, EXIT_REFUSED, Refused, RunFailed
+
+from .replay import replay
+from .secrets import scrub_secrets
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m txl_dist.tracking replay RUN_DIR [--uri URI]``; the exit status (0, 1 store failure, 2 refused)."""
+    parser = argparse.ArgumentParser(prog="python -m txl_dist.tracking",
+                                     description="MLflow tracking tools for a txl-dist run dir.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    replay_cmd = commands.add_parser(
+        "replay", help="send to the run's MLflow run what its journal says the store lacks",
+        description="Send the metrics, params, artifacts and final status that the training job could not "
+                    "deliver (server down, queue full, close timeout, crash) to the run recorded in "
+                    "RUN_DIR/tracking/run_id. Safe to repeat: a second replay sends nothing.")
+    replay_cmd.add_argument("run_dir", metavar="RUN_DIR", help="the run.dir of the training job")
+    replay_cmd.add_argument("--uri", help="tracking URI (default: MLFLOW_TRACKING_URI, else the recorded one)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        report = replay(args.run_dir, args.uri)
+    except Refused as e:
+        print(scrub_secrets(str(e)), file=sys.stderr)
+        return EXIT_REFUSED
+    except RunFailed as e:
+        print(scrub_secrets(str(e)), file=sys.stderr)
+        return EXIT_FAILED
+    print(report.summary())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

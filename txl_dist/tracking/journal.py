@@ -1,0 +1,323 @@
+"""The run dir's tracking/ folder: the recorded run id and URI, the metrics journal, the delivery records,
+the outbox and the lock. Nothing here imports mlflow.
+
+The journal, ``<run_dir>/tracking/`` (written by rank 0 alone):
+
+    run_id           the MLflow run id
+    uri              the tracking URI, redacted (a password or token shows as ***)
+    metrics.jsonl    every batch handed to log_metrics, one line {"seq", "step", "time", "metrics"},
+                     appended (buffered) before it is queued, whether or not the store ever takes it
+    delivered.jsonl  the seqs the store accepted, one unbuffered line {"seqs": [[first, last], ...]}
+                     written right after each accepted log_batch
+    outbox/          params, artifacts and the final run status not delivered yet: <seq>.json, and
+                     <seq>/ with the file; removed once delivered
+    lock             held by the open tracker and by replay: one writer of these files at a time
+
+Delivery bookkeeping. What the store lacks is the journal lines whose seq is not in delivered.jsonl,
+plus the outbox. Nothing has to be written at the moment of a failure, a queue overflow or a close
+timeout, so a process that dies loses no record of what is missing. The writer flushes the journal
+before each send (so everything the store holds is journaled) and records the acceptance right after:
+a crash between the two makes replay send that one chunk again, at most max(1000 values, one
+log_metrics batch) duplicates. They are exact copies (the journal keeps each value's timestamp), which
+MLflow's SQL stores keep once (their metrics key is key, step, timestamp, value); a file store would
+show them twice. Outbox deliveries are idempotent (an artifact is overwritten, an identical param
+re-logged), so a crash between delivering and removing one duplicates nothing.
+Artifacts are copied into the outbox at call time: the upload happens later, the file may be rewritten
+meanwhile (config.resolved.json is, by every job), and the copy is what replay uploads after a crash.
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import json
+import logging
+import os
+import posixpath
+import shutil
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from txl_dist.atomic import atomic_write
+
+from .errors import TrackingError
+from .secrets import shown_uri
+
+logger = logging.getLogger("txl_dist.tracking")  # one logger for the whole package
+
+TRACKING_DIR = "tracking"
+"""The journal folder inside the run dir."""
+JOURNAL_BUFFER_BYTES = 64 * 1024
+
+
+@dataclasses.dataclass(slots=True)
+class _Batch:
+    """One log_metrics call: a journal line and a queue item."""
+
+    seq: int
+    step: int
+    time: int
+    metrics: dict[str, float]
+
+    def to_line(self) -> str:
+        return json.dumps({"seq": self.seq, "step": self.step, "time": self.time, "metrics": self.metrics},
+                          separators=(",", ":")) + "\n"
+
+
+@dataclasses.dataclass
+class _OutboxItem:
+    """Params, an artifact or the run status waiting in the outbox: <seq>.json, and <seq>/ for a file."""
+
+    seq: int
+    meta: dict[str, Any]
+    content: Path
+
+    @property
+    def what(self) -> str:
+        """For messages: 'params', 'artifact eval/final.json', 'run status'."""
+        kind = self.meta["kind"]
+        if kind == "artifact":
+            return f"artifact {posixpath.join(self.meta['artifact_path'] or '', self.meta['name'])}"
+        return "run status" if kind == "status" else kind
+
+
+class _SeqRanges:
+    """A set of journal seqs as sorted, merged [first, last] ranges (the writer acknowledges runs of them)."""
+
+    def __init__(self, ranges: Iterable[Iterable[int]] = ()) -> None:
+        merged: list[list[int]] = []
+        for first, last in sorted(tuple(r) for r in ranges):
+            if merged and first <= merged[-1][1] + 1:
+                merged[-1][1] = max(merged[-1][1], last)
+            else:
+                merged.append([first, last])
+        self._firsts = [r[0] for r in merged]
+        self._lasts = [r[1] for r in merged]
+
+    def __contains__(self, seq: int) -> bool:
+        i = bisect.bisect_right(self._firsts, seq) - 1
+        return i >= 0 and seq <= self._lasts[i]
+
+    @property
+    def max(self) -> int:
+        return self._lasts[-1] if self._lasts else 0
+
+
+def _as_ranges(seqs: Iterable[int]) -> list[list[int]]:
+    """Ascending seqs -> [[first, last], ...] runs of consecutive numbers."""
+    ranges: list[list[int]] = []
+    for seq in seqs:
+        if ranges and seq == ranges[-1][1] + 1:
+            ranges[-1][1] = seq
+        else:
+            ranges.append([seq, seq])
+    return ranges
+
+
+def _json_lines(path: Path) -> Iterator[dict]:
+    """The objects of a .jsonl file; a torn line (a crash in the middle of a write) is skipped."""
+    if not path.is_file():
+        return
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict):
+                yield record
+
+
+def _cut_torn_tail(path: Path) -> None:
+    """Truncate a file after its last newline: appending after a torn line would spoil the next one too."""
+    if not path.is_file():
+        return
+    with open(path, "rb+") as f:
+        end = f.seek(0, os.SEEK_END)
+        cut = end
+        while cut > 0:  # backwards, a block at a time, to the last newline
+            start = max(0, cut - (1 << 16))
+            f.seek(start)
+            newline = f.read(cut - start).rfind(b"\n")
+            if newline >= 0:
+                cut = start + newline + 1
+                break
+            cut = start
+        if cut != end:
+            f.truncate(cut)
+
+
+class TrackingFolder:
+    """<run_dir>/tracking: the recorded run id and URI, the journal, the delivery records, the outbox, the
+    lock. Reading it creates nothing; claim() (after the run is open) creates it."""
+
+    def __init__(self, run_dir: str | os.PathLike) -> None:
+        self.dir = Path(run_dir) / TRACKING_DIR
+        self.run_id_file = self.dir / "run_id"
+        self.uri_file = self.dir / "uri"
+        self.journal = self.dir / "metrics.jsonl"
+        self.delivered = self.dir / "delivered.jsonl"
+        self.outbox = self.dir / "outbox"
+        self.lock_file = self.dir / "lock"
+        self._lock_fd: int | None = None
+
+    def recorded_run_id(self) -> str | None:
+        return self._read(self.run_id_file)
+
+    def recorded_uri(self) -> str | None:
+        return self._read(self.uri_file)
+
+    @staticmethod
+    def _read(path: Path) -> str | None:
+        try:
+            return path.read_text(encoding="utf-8").strip() or None
+        except FileNotFoundError:
+            return None
+
+    def lock(self, holder: str) -> None:
+        """Take the folder's lock (created if needed), or TrackingError if another process holds it."""
+        import fcntl
+
+        self.dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise TrackingError(
+                f"tracking: {self.dir} is in use by another process (a training job or a replay); wait for it "
+                f"to end before starting {holder}, or give this job its own run.dir") from None
+        except OSError as e:  # a file system without flock (some NFS mounts): go on, as run_dir's lock does
+            logger.warning("tracking: cannot lock %s (%s); nothing keeps a replay out while this runs",
+                           self.lock_file, e)
+        self._lock_fd = fd
+
+    def unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing the descriptor releases the flock
+            self._lock_fd = None
+
+    def record(self, run_id: str, uri: str) -> None:
+        """Write the run id and the (redacted) URI, each atomically."""
+        if self.recorded_run_id() != run_id:
+            atomic_write(self.run_id_file, run_id + "\n")
+        if self.recorded_uri() != shown_uri(uri):
+            atomic_write(self.uri_file, shown_uri(uri) + "\n")
+
+    def repair(self) -> None:
+        """After a crash: cut torn journal lines, remove outbox copies whose item file was never written."""
+        _cut_torn_tail(self.journal)
+        _cut_torn_tail(self.delivered)
+        if self.outbox.is_dir():
+            for content in self.outbox.iterdir():
+                if content.is_dir() and not content.with_suffix(".json").is_file():
+                    shutil.rmtree(content, ignore_errors=True)
+                elif content.name.startswith("."):  # an atomic_write temporary left by a crash
+                    content.unlink(missing_ok=True)
+
+    def delivered_seqs(self) -> _SeqRanges:
+        return _SeqRanges(r for record in _json_lines(self.delivered) for r in record.get("seqs", ()))
+
+    def journal_batches(self) -> Iterator[_Batch]:
+        for r in _json_lines(self.journal):
+            try:
+                yield _Batch(int(r["seq"]), int(r["step"]), int(r["time"]), dict(r["metrics"]))
+            except (KeyError, TypeError, ValueError):
+                continue
+
+    def outbox_items(self) -> list[_OutboxItem]:
+        """The items waiting, in call order."""
+        items = []
+        for meta_file in sorted(self.outbox.glob("*.json")) if self.outbox.is_dir() else ():
+            try:
+                meta = json.loads(meta_file.read_text(encoding="utf-8"))
+                items.append(_OutboxItem(int(meta_file.stem), meta, meta_file.with_suffix("")))
+            except (OSError, ValueError):
+                continue
+        return items
+
+    def put(self, seq: int, meta: dict[str, Any], fill: Callable[[Path], None] | None = None) -> _OutboxItem:
+        """Add an outbox item: its content first (fill writes into <seq>/), then <seq>.json, which commits it."""
+        self.outbox.mkdir(parents=True, exist_ok=True)
+        item = _OutboxItem(seq, meta, self.outbox / f"{seq:012d}")
+        try:
+            if fill is not None:
+                item.content.mkdir()
+                fill(item.content)
+            atomic_write(item.content.with_suffix(".json"), json.dumps(meta))
+        except BaseException:
+            shutil.rmtree(item.content, ignore_errors=True)
+            raise
+        return item
+
+    def remove(self, item: _OutboxItem) -> None:
+        """Delivered: the item file goes first, so a crash in between leaves an orphan copy, not a redo."""
+        item.content.with_suffix(".json").unlink(missing_ok=True)
+        shutil.rmtree(item.content, ignore_errors=True)
+
+
+@dataclasses.dataclass
+class _JournalSummary:
+    """What the journal folder says at open: where seqs go on, which steps are logged, what is missing."""
+
+    next_seq: int = 1
+    logged_through: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Per metric key, the highest step journaled."""
+    missing_values: int = 0
+    missing_items: int = 0
+
+
+def _summarize(folder: TrackingFolder) -> _JournalSummary:
+    """One pass over the journal (the only full read of it a job makes)."""
+    delivered = folder.delivered_seqs()
+    summary = _JournalSummary(next_seq=delivered.max + 1)
+    through = summary.logged_through
+    for batch in folder.journal_batches():
+        summary.next_seq = max(summary.next_seq, batch.seq + 1)
+        for key in batch.metrics:
+            if batch.step > through.get(key, -1):
+                through[key] = batch.step
+        if batch.seq not in delivered:
+            summary.missing_values += len(batch.metrics)
+    items = folder.outbox_items()
+    summary.missing_items = len(items)
+    if items:
+        summary.next_seq = max(summary.next_seq, items[-1].seq + 1)
+    return summary
+
+
+class _Journal:
+    """metrics.jsonl: appended by the training thread (buffered), flushed by the writer before it sends."""
+
+    def __init__(self, path: Path) -> None:
+        self._file = open(path, "a", encoding="utf-8", buffering=JOURNAL_BUFFER_BYTES)
+        self._lock = threading.Lock()
+
+    def append(self, batch: _Batch) -> None:
+        line = batch.to_line()
+        with self._lock:
+            if not self._file.closed:
+                self._file.write(line)
+
+    def flush(self) -> None:
+        with self._lock:
+            if not self._file.closed:
+                self._file.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
+class _DeliveryLog:
+    """delivered.jsonl: one unbuffered append per accepted chunk, so a crash loses at most the one in flight."""
+
+    def __init__(self, path: Path) -> None:
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+
+    def record(self, seqs: Iterable[int]) -> None:
+        os.write(self._fd, (json.dumps({"seqs": _as_ranges(seqs)}, separators=(",", ":")) + "\n").encode())
+
+    def close(self) -> None:
+        os.close(self._fd)

@@ -1,0 +1,134 @@
+"""Sending what the store missed, from the journal and the outbox of a run dir.
+
+Replay: ``python -m txl_dist.tracking replay RUN_DIR [--uri URI]`` sends what is missing to the recorded
+run and records it, so a second replay sends nothing. The URI is --uri, else MLFLOW_TRACKING_URI, else
+the recorded one; a recorded URI whose secret was redacted needs --uri. It refuses (exit 2) while a job
+holds the lock.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from .errors import ReplayError, TrackingError
+from .journal import TrackingFolder, _Batch, _DeliveryLog
+from .secrets import _one_line, _remember_secrets, _scrub_library_logs, shown_uri
+from .store import (MAX_METRICS_PER_BATCH, _check_reopenable, _chunks, _deliver_item, _quick_http_failures,
+                    _send_metrics)
+
+
+@dataclasses.dataclass
+class ReplayReport:
+    """What one replay sent."""
+
+    run_id: str
+    uri: str
+    """Shown form (redacted)."""
+    values: int = 0
+    batches: int = 0
+    items: int = 0
+
+    def summary(self) -> str:
+        return (f"replay: sent {self.values} metric values ({self.batches} log_metrics calls) and {self.items} "
+                f"params/artifact/status items to run {self.run_id} at {self.uri}")
+
+
+def replay(run_dir: str | os.PathLike, uri: str | None = None) -> ReplayReport:
+    """Send to the recorded run what its journal and outbox say the store lacks, and record it as sent.
+
+    uri: --uri, else MLFLOW_TRACKING_URI, else the recorded one (refused when its secret was redacted).
+    TrackingError for a refusal (nothing recorded, a redacted URI, a job holding the run dir, an unknown
+    run); ReplayError when the store fails midway (what was sent stays recorded; run it again).
+    """
+    from mlflow import MlflowClient
+
+    folder = TrackingFolder(run_dir)
+    run_id = folder.recorded_run_id()
+    if run_id is None:
+        raise TrackingError(f"replay: {folder.run_id_file} not found; this run dir has no MLflow run (tracking "
+                            "was off, or it is not a run dir)")
+    uri = _replay_uri(folder, uri)
+    if _remember_secrets(uri):
+        _scrub_library_logs()
+    report = ReplayReport(run_id, shown_uri(uri))
+    folder.lock("replay")
+    try:
+        client = MlflowClient(tracking_uri=uri)
+        _check_replay_target(client, folder, run_id, report.uri)
+        folder.repair()
+        _replay_metrics(client, folder, report)
+        _replay_outbox(client, folder, report)
+    finally:
+        folder.unlock()
+    return report
+
+
+def _check_replay_target(client, folder: TrackingFolder, run_id: str, shown: str) -> None:
+    """TrackingError unless the store answers (within the opening's bounded retries) and holds the run."""
+    with _quick_http_failures():
+        try:
+            _check_reopenable(client, run_id, shown, f"the MLflow run {run_id} recorded in {folder.run_id_file}",
+                              unknown_fix="pass the --uri of the store that holds it",
+                              deleted_fix=f"remove {folder.dir} if it is meant to stay deleted")
+        except TrackingError:
+            raise
+        except Exception as e:
+            raise TrackingError(f"replay: cannot reach {shown} ({_one_line(e)}); start the server or pass the "
+                                "right --uri") from None
+
+
+def _replay_uri(folder: TrackingFolder, uri: str | None) -> str:
+    if uri:
+        return uri
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"]
+    recorded = folder.recorded_uri()
+    if recorded is None:
+        raise TrackingError(f"replay: {folder.uri_file} not found; pass the tracking URI with --uri")
+    if "***" in recorded:
+        raise TrackingError(f"replay: the recorded tracking URI {recorded} hides its password or token; pass the "
+                            "full URI with --uri (or MLFLOW_TRACKING_URI)")
+    return recorded
+
+
+def _replay_metrics(client, folder: TrackingFolder, report: ReplayReport) -> None:
+    """Stream the journal; send the undelivered batches in chunks, each recorded once the store has it."""
+    delivered = folder.delivered_seqs()
+    log = _DeliveryLog(folder.delivered)
+    try:
+        pending: list[_Batch] = []
+        size = 0
+        for batch in folder.journal_batches():
+            if batch.seq in delivered:
+                continue
+            pending.append(batch)
+            size += len(batch.metrics)
+            if size >= MAX_METRICS_PER_BATCH:
+                _replay_chunks(client, pending, log, report)
+                pending, size = [], 0
+        _replay_chunks(client, pending, log, report)
+    finally:
+        log.close()
+
+
+def _replay_chunks(client, batches: list[_Batch], log: _DeliveryLog, report: ReplayReport) -> None:
+    for chunk in _chunks(batches):
+        try:
+            n = _send_metrics(client, report.run_id, chunk)
+        except Exception as e:
+            raise ReplayError(f"replay stopped after {report.values} metric values: {_one_line(e)}; what was sent "
+                              "is recorded, run replay again when the store answers") from None
+        log.record(b.seq for b in chunk)
+        report.values += n
+        report.batches += len(chunk)
+
+
+def _replay_outbox(client, folder: TrackingFolder, report: ReplayReport) -> None:
+    for item in folder.outbox_items():
+        try:
+            _deliver_item(client, report.run_id, item)
+        except Exception as e:
+            raise ReplayError(f"replay stopped at {item.what}: {_one_line(e)}; what was sent is recorded, run "
+                              "replay again when the store answers") from None
+        folder.remove(item)
+        report.items += 1

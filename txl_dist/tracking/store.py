@@ -1,0 +1,124 @@
+"""The calls to the MLflow store shared by rank 0's writer thread and replay: metric chunks, outbox items
+(params, artifacts, the final run status), the bounded retries of the opening calls, the check of a run
+to re-open. ``mlflow`` is imported inside the functions that call it, never at import time.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+from .errors import TrackingError
+from .journal import _Batch, _OutboxItem
+
+# MLflow's own limits (mlflow.utils.validation); a batch over them is refused as a whole.
+MAX_METRICS_PER_BATCH = 1000
+MAX_PARAMS_PER_BATCH = 100
+MAX_PARAM_VALUE_LENGTH = 6000
+MAX_KEY_LENGTH = 250
+
+OPENING_HTTP_LIMITS = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": 1,
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": 1,
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": 15,
+}
+"""Upper bounds for the opening calls: a silent host costs ~2 x 15 s, a refused port ~1 s (MLflow's
+defaults, 7 retries doubling from 2 s with a 120 s timeout, take minutes)."""
+
+
+def _chunks(batches: list[_Batch]) -> Iterator[list[_Batch]]:
+    """Whole batches in groups of at most MAX_METRICS_PER_BATCH values (a larger batch goes alone)."""
+    chunk: list[_Batch] = []
+    size = 0
+    for batch in batches:
+        if chunk and size + len(batch.metrics) > MAX_METRICS_PER_BATCH:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(batch)
+        size += len(batch.metrics)
+    if chunk:
+        yield chunk
+
+
+def _send_metrics(client, run_id: str, chunk: list[_Batch]) -> int:
+    """log_batch the chunk's values (split at MLflow's limit); returns how many."""
+    from mlflow.entities import Metric
+
+    metrics = [Metric(key, value, b.time, b.step) for b in chunk for key, value in b.metrics.items()]
+    for i in range(0, len(metrics), MAX_METRICS_PER_BATCH):
+        # synchronous: MLFLOW_ENABLE_ASYNC_LOGGING must not move errors out of our sight.
+        client.log_batch(run_id, metrics=metrics[i: i + MAX_METRICS_PER_BATCH], synchronous=True)
+    return len(metrics)
+
+
+def _deliver_item(client, run_id: str, item: _OutboxItem) -> None:
+    """Send one outbox item to the store."""
+    meta = item.meta
+    kind = meta["kind"]
+    if kind == "params":
+        from mlflow.entities import Param
+
+        params = [Param(k, v) for k, v in meta["params"].items()]
+        for i in range(0, len(params), MAX_PARAMS_PER_BATCH):
+            client.log_batch(run_id, params=params[i: i + MAX_PARAMS_PER_BATCH], synchronous=True)
+    elif kind == "artifact":
+        source = str(item.content / meta["name"])
+        if meta["is_dir"]:
+            client.log_artifacts(run_id, source, meta["artifact_path"])
+        else:
+            client.log_artifact(run_id, source, meta["artifact_path"])
+    elif kind == "status":
+        _mark_terminated(client, run_id, meta["status"], meta["end_time"])
+    else:
+        raise ValueError(f"outbox item {item.content.name}.json: unknown kind {kind!r}")
+
+
+def _mark_terminated(client, run_id: str, status: str, end_time: int) -> None:
+    """What MlflowClient.set_terminated does, without its print of the run URL (credentials included)."""
+    from mlflow.entities import RunStatus
+
+    client._tracking_client.store.update_run_info(
+        run_id, run_status=RunStatus.from_string(status), end_time=end_time, run_name=None)
+
+
+@contextlib.contextmanager
+def _quick_http_failures() -> Iterator[None]:
+    """Lower MLflow's HTTP retries and timeout (OPENING_HTTP_LIMITS) inside the block, never raise them.
+
+    MLflow reads these variables at each request, so the limits bind exactly the calls made in the block.
+    They are process-wide while it runs: the opening happens before this tracker's writer thread starts.
+    """
+    saved = {name: os.environ.get(name) for name in OPENING_HTTP_LIMITS}
+    try:
+        for name, limit in OPENING_HTTP_LIMITS.items():
+            try:
+                current = int(saved[name]) if saved[name] is not None else limit
+            except ValueError:
+                current = limit
+            os.environ[name] = str(min(current, limit))
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _check_reopenable(client, run_id: str, shown: str, described: str, unknown_fix: str, deleted_fix: str):
+    """The run, or TrackingError (one line, naming the fix) when the store lacks it or it is deleted.
+
+    described names the run in the message, e.g. "the checkpoint's MLflow run <id>".
+    """
+    from mlflow.exceptions import MlflowException
+
+    try:
+        run = client.get_run(run_id)
+    except MlflowException as e:
+        if e.error_code == "RESOURCE_DOES_NOT_EXIST":
+            raise TrackingError(f"tracking: {described} is not in {shown}; {unknown_fix}") from None
+        raise
+    if run.info.lifecycle_stage != "active":
+        raise TrackingError(f"tracking: {described} is deleted in {shown}; restore it "
+                            f"(mlflow runs restore --run-id {run_id}) or {deleted_fix}")
+    return run
