@@ -20,13 +20,18 @@ that failed, a diverged loss; one line says what, the newest complete checkpoint
 """
 from __future__ import annotations
 
-import argparse
-import logging
-import sys
+from txl_dist.stop_request import catch_stop_signals  # standard library only: the imports below are slow
 
-from txl_dist import distributed
-from txl_dist.config import load_config
-from txl_dist.entry import guarded
+if __name__ == "__main__":  # a stop signal during the imports below must not kill the rank
+    catch_stop_signals()
+
+import argparse  # noqa: E402
+import logging  # noqa: E402
+import sys  # noqa: E402
+
+from txl_dist import distributed  # noqa: E402
+from txl_dist.config import load_config  # noqa: E402
+from txl_dist.entry import guarded  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -45,6 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the main job on this rank; returns the exit status."""
+    catch_stop_signals()  # before anything slow: a stop signal during start-up must not kill the rank
     args = parse_args(argv)
     log = logging.getLogger(distributed.LOGGER_NAME)
 

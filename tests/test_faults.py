@@ -48,9 +48,10 @@ def _start(config: str, *faults: str, resume: str = "auto", world: int = 2, extr
         env = launcher_env() | {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                                 "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
                                 "OMP_NUM_THREADS": "1"}
-        fault_args = [a for f in faults for a in ("--fault", f)]
-        procs.append(Launch([sys.executable, "tests/fault_job.py", *fault_args, "--", "--config", config,
-                             "--resume", resume, *extra], env))
+        # launch/train.py itself where there is no fault to inject.
+        script = ["tests/fault_job.py", *[a for f in faults for a in ("--fault", f)], "--"] if faults else \
+            ["launch/train.py"]
+        procs.append(Launch([sys.executable, *script, "--config", config, "--resume", resume, *extra], env))
     return procs
 
 
@@ -267,3 +268,14 @@ def test_a_signal_to_the_launcher_saves_and_leaves_no_orphan(corpus, tmp_path, l
     log = (run_dir / "logs" / "train.log").read_text()
     assert "is gone" in log or "SIGTERM" in log or "SIGUSR1" in log, log[-2000:]
     assert f"stopping after step {step}" in log
+
+
+def test_a_stop_signal_during_start_up_is_kept_and_honoured_after_the_first_step(corpus, tmp_path):
+    run_dir = tmp_path / "run"
+    procs = _start(_config(corpus, run_dir, train={"max_steps": 1000}))
+    time.sleep(1.0)  # inside the imports of torch and DeepSpeed, long before the first step
+    for p in procs:
+        p.proc.send_signal(signal.SIGUSR1)
+    assert _finish(procs) == [0, 0], procs[0].output[-3000:]
+    assert "stopping after step 1 (SIGUSR1): saving a checkpoint" in procs[0].output
+    assert inventory(run_dir / "checkpoints").complete == ["step_00000001"]

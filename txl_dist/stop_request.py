@@ -1,7 +1,10 @@
 """Why a run should stop at the next step boundary: a signal, or the launcher that started it is gone.
 
 SIGTERM and SIGUSR1 (Slurm's warning before a time limit, `scancel --signal=USR1`) only set a flag; the
-trainer agrees with the other ranks at the next step boundary, saves a checkpoint and exits 0.
+trainer agrees with the other ranks at the next step boundary, saves a checkpoint and exits 0. The entry
+point catches them from its first line on (catch_stop_signals): a signal that comes during start-up (imports,
+the engine build) is kept and honoured after the first step, and one that comes after training (while the
+MLflow run closes) does not kill the process.
 
 The launchers handle signals sent to them alone badly: `deepspeed` (single node) has no handler and dies,
 leaving its launch process and the workers running as orphans; torchrun dies of SIGUSR1 unless it is
@@ -24,11 +27,28 @@ LAUNCHER_MARKERS = ("torch.distributed.run", "torchrun", "deepspeed.launcher.lau
 CHECK_EVERY_S = 1.0
 
 
+_early_signal: int | None = None
+
+
+def _keep_early(signum, frame) -> None:
+    global _early_signal
+    _early_signal = signum
+
+
+def catch_stop_signals() -> None:
+    """From now on a stop signal is kept, not fatal: the next StopRequest picks it up (entry points call
+    this first, so that a signal during start-up stops the job after its first step, with a checkpoint)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _keep_early)
+
+
 class StopRequest:
     """Installed once per job on each rank; `reason()` says why to stop, or None."""
 
     def __init__(self) -> None:
-        self.signal: int | None = None
+        global _early_signal
+        self.signal: int | None = _early_signal
+        _early_signal = None
         self._launchers = launcher_ancestors()
         self._gone: str | None = None
         self._next_check = 0.0

@@ -1,0 +1,130 @@
+# Shared by launch/slurm/*.sbatch (sourced, not run): the job's layout (nodes, ranks per node, rendezvous),
+# the Python to run, and one srun step that survives signals sent to the batch shell. See docs/slurm.md.
+#
+# Environment read (all optional; sbatch passes the submitting shell's environment to the job):
+#   TXL_PYTHON        the interpreter (default: <repo>/.venv/bin/python if present, else python3 on PATH)
+#   TXL_MASTER_ADDR   rendezvous address (default: the NodeAddr of the allocation's first node)
+#   TXL_MASTER_PORT   rendezvous port (default: 20000 + SLURM_JOB_ID % 20000, as txl_dist.distributed derives it)
+#   OMP_NUM_THREADS   threads per rank (default: SLURM_CPUS_PER_TASK, else the node's allocated CPUs / ranks per node)
+
+# shellcheck disable=SC2034  # the variables set here are read by the scripts that source this file
+true
+
+txl_say() { echo "txl-slurm: $*"; }
+txl_die() { echo "txl-slurm: error: $*" >&2; exit "${2:-2}"; }
+
+# The interpreter that has txl_dist installed.
+txl_python() {
+    if [ -n "${TXL_PYTHON:-}" ]; then
+        PY="$TXL_PYTHON"
+    elif [ -x "$REPO/.venv/bin/python" ]; then
+        PY="$REPO/.venv/bin/python"
+    else
+        PY="$(command -v python3 || command -v python || true)"
+    fi
+    if [ -z "$PY" ] || ! command -v "$PY" >/dev/null 2>&1; then
+        txl_die "no Python found${PY:+ ($PY)}; set TXL_PYTHON to the interpreter of your txl-dist environment"
+    fi
+}
+
+# A positive integer from a Slurm count such as "4", "gpu:4", "a100:4" or "4(x2)" (the first node's).
+txl_count() {
+    local v="${1%%(*}"
+    v="${v##*:}"
+    case "$v" in '' | *[!0-9]*) echo 0 ;; *) echo "$v" ;; esac
+}
+
+# NNODES, TASKS_PER_NODE, WORLD, GPUS_PER_NODE, SRUN_LAYOUT (srun options), MASTER_ADDR, MASTER_PORT, threads.
+txl_layout() {
+    [ -n "${SLURM_JOB_ID:-}" ] || txl_die "not inside a Slurm job: submit this script with sbatch (see docs/slurm.md)"
+    NNODES="${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}"
+    GPUS_PER_NODE="$(txl_count "${SLURM_GPUS_ON_NODE:-${SLURM_GPUS_PER_NODE:-}}")"
+    if [ "$GPUS_PER_NODE" -eq 0 ] && [ -n "${SLURM_JOB_GPUS:-}" ]; then
+        GPUS_PER_NODE="$(tr ',' '\n' <<<"$SLURM_JOB_GPUS" | grep -c .)"
+    fi
+    SRUN_LAYOUT=(--nodes="$NNODES")
+    if [ -n "${SLURM_NTASKS_PER_NODE:-}" ]; then  # the submitter chose it
+        TASKS_PER_NODE="$(txl_count "$SLURM_NTASKS_PER_NODE")"
+    elif [ -n "${SLURM_NTASKS:-}" ] && [ "${SLURM_NTASKS}" != "$NNODES" ]; then
+        # --ntasks without --ntasks-per-node: srun spreads them as Slurm allocated them.
+        case "${SLURM_TASKS_PER_NODE:-}" in
+            *,*) TASKS_PER_NODE=0 ;;  # uneven
+            *) TASKS_PER_NODE="$(txl_count "${SLURM_TASKS_PER_NODE:-1}")" ;;
+        esac
+        if [ "$TASKS_PER_NODE" -eq 0 ] || [ $((TASKS_PER_NODE * NNODES)) -ne "$SLURM_NTASKS" ]; then
+            txl_die "--ntasks=$SLURM_NTASKS does not spread evenly over $NNODES node(s) (${SLURM_TASKS_PER_NODE:-?}); submit with --ntasks-per-node"
+        fi
+    elif [ "$GPUS_PER_NODE" -gt 0 ]; then  # one rank per GPU
+        TASKS_PER_NODE="$GPUS_PER_NODE"
+    else  # one rank per node
+        TASKS_PER_NODE=1
+    fi
+    [ "$TASKS_PER_NODE" -gt 0 ] || txl_die "cannot tell how many ranks to run per node (SLURM_NTASKS_PER_NODE=${SLURM_NTASKS_PER_NODE:-})"
+    WORLD=$((NNODES * TASKS_PER_NODE))
+    SRUN_LAYOUT+=(--ntasks="$WORLD" --ntasks-per-node="$TASKS_PER_NODE")
+    # srun (Slurm 22.05+) no longer takes --cpus-per-task from the batch job's environment: pass it on.
+    if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then
+        SRUN_LAYOUT+=(--cpus-per-task="$SLURM_CPUS_PER_TASK")
+    fi
+    local cpus_on_node
+    cpus_on_node="$(txl_count "${SLURM_CPUS_ON_NODE:-${SLURM_JOB_CPUS_PER_NODE:-0}}")"
+    if [ -z "${SLURM_CPUS_PER_TASK:-}" ] && [ "$cpus_on_node" -gt 0 ] && [ "$cpus_on_node" -lt "$TASKS_PER_NODE" ]; then
+        txl_say "warning: $cpus_on_node CPU(s) per node allocated for $TASKS_PER_NODE ranks per node; submit with --ntasks-per-node=$TASKS_PER_NODE (and --cpus-per-task) to give each rank its own CPUs"
+        SRUN_LAYOUT+=(--overcommit)
+    fi
+    if [ -z "${OMP_NUM_THREADS:-}" ]; then
+        if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then
+            OMP_NUM_THREADS="$SLURM_CPUS_PER_TASK"
+        elif [ "$cpus_on_node" -gt 0 ]; then
+            OMP_NUM_THREADS=$((cpus_on_node / TASKS_PER_NODE))
+            [ "$OMP_NUM_THREADS" -ge 1 ] || OMP_NUM_THREADS=1
+        fi
+    fi
+    [ -z "${OMP_NUM_THREADS:-}" ] || export OMP_NUM_THREADS
+
+    NODE_LIST="$(scontrol show hostnames "${SLURM_JOB_NODELIST:-${SLURM_NODELIST:-}}" 2>/dev/null | tr '\n' ' ')"
+    NODE_LIST="${NODE_LIST% }"
+    local first="${NODE_LIST%% *}"
+    if [ -n "${TXL_MASTER_ADDR:-}" ]; then
+        MASTER_ADDR="$TXL_MASTER_ADDR"
+    else
+        # The address Slurm itself reaches the first node at (its NodeAddr; the node name where none is set).
+        MASTER_ADDR="$(scontrol show node -o "$first" 2>/dev/null | tr ' ' '\n' | sed -n 's/^NodeAddr=//p' | head -n 1)"
+        MASTER_ADDR="${MASTER_ADDR:-$first}"
+    fi
+    [ -n "$MASTER_ADDR" ] || txl_die "cannot tell the allocation's first node (SLURM_JOB_NODELIST is empty); set TXL_MASTER_ADDR"
+    MASTER_PORT="${TXL_MASTER_PORT:-$((20000 + ${SLURM_JOB_ID:-0} % 20000))}"
+    export MASTER_ADDR MASTER_PORT
+    # Ranks come from srun's SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID: a launcher's variables inherited from
+    # the submitting shell would take precedence in txl_dist.distributed.discover().
+    unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE LOCAL_SIZE TORCHELASTIC_USE_AGENT_STORE
+    export PYTHONUNBUFFERED=1
+}
+
+txl_print_layout() {
+    local what="no GPU"
+    [ "$GPUS_PER_NODE" -gt 0 ] && what="$GPUS_PER_NODE GPU(s) per node"
+    txl_say "job ${SLURM_JOB_ID:-?} (${SLURM_JOB_NAME:-?}) restart ${SLURM_RESTART_COUNT:-0} on $NNODES node(s): $NODE_LIST"
+    txl_say "world size $WORLD ($TASKS_PER_NODE rank(s) per node, $what, OMP_NUM_THREADS=${OMP_NUM_THREADS:-auto}) | rendezvous $MASTER_ADDR:$MASTER_PORT"
+}
+
+# Run one srun step in the background and wait for it, whatever signals reach the batch shell:
+#   USR1 (scancel --batch/--full --signal=USR1, or a header changed to --signal=B:USR1@...) is passed on to the
+#     step, whose ranks then save at the next step boundary and exit 0;
+#   TERM (the time limit, a plain scancel, preemption) is noted and not passed on: srun turns a SIGTERM it
+#     receives into SIGKILL for its tasks, and the tasks receive Slurm's SIGTERM themselves anyway.
+# Sets STEP_RC (srun's exit status) and BATCH_SIGNAL (the last signal the batch shell got, or '').
+txl_step() {
+    BATCH_SIGNAL=""
+    local pid
+    trap 'BATCH_SIGNAL=USR1; txl_say "the batch shell got SIGUSR1: passing it on to the ranks"; [ -z "${pid:-}" ] || kill -USR1 "$pid" 2>/dev/null || true' USR1
+    trap 'BATCH_SIGNAL=TERM; txl_say "the batch shell got SIGTERM (time limit, scancel or preemption): waiting for the ranks"' TERM
+    srun "$@" &
+    pid=$!
+    while kill -0 "$pid" 2>/dev/null; do
+        wait "$pid" 2>/dev/null || true  # returns early when a trapped signal arrives
+    done
+    STEP_RC=0
+    wait "$pid" || STEP_RC=$?
+    trap - USR1 TERM
+}
