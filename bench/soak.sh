@@ -57,16 +57,8 @@ cd "$ROOT"
 export DS_ACCELERATOR=cpu HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT OMP_NUM_THREADS MLFLOW_TRACKING_URI
 PY="$ROOT/.venv/bin/python"
-RAW=data/raw/shakespeare
 DATA=data/shakespeare
-if [ ! -f "$RAW/README.txt" ]; then
-    "$PY" -m data_prep fetch-corpus shakespeare "$RAW"
-fi
-if [ ! -f "$DATA/manifest.json" ]; then
-    "$PY" -m data_prep prepare --out "$DATA" \
-        --train "$RAW/train/*.txt" --valid "$RAW/valid/*.txt" --test "$RAW/test/*.txt" \
-        --vocab-size 4096 --world-size 2 --n-streams 8 --num-proc 2
-fi
+bash scripts/shakespeare_corpus.sh 2
 
 if [ -z "$SCRATCH" ]; then
     SCRATCH="$(mktemp -d /tmp/txl-soak.XXXXXX)"

@@ -7,20 +7,11 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/scripts/bootstrap.sh"
 cd "$ROOT"
 export DS_ACCELERATOR=cpu HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-PY="$ROOT/.venv/bin/python"
 RANKS="${RANKS:-2}"
-RAW=data/raw/shakespeare
 DATA=data/shakespeare
 RUN_DIR=runs/tiny
 
-if [ ! -f "$RAW/README.txt" ]; then
-    "$PY" -m data_prep fetch-corpus shakespeare "$RAW"
-fi
-if [ ! -f "$DATA/manifest.json" ]; then
-    "$PY" -m data_prep prepare --out "$DATA" \
-        --train "$RAW/train/*.txt" --valid "$RAW/valid/*.txt" --test "$RAW/test/*.txt" \
-        --vocab-size 4096 --world-size "$RANKS" --n-streams 8 --num-proc 2
-fi
+bash scripts/shakespeare_corpus.sh "$RANKS"
 
 "$ROOT/.venv/bin/deepspeed" --num_gpus "$RANKS" launch/train.py --config configs/tiny.json \
     --set data.path="$DATA" --set run.dir="$RUN_DIR" "$@"
