@@ -249,14 +249,15 @@ def start_training(cfg: RunConfig, env: DistEnv, resume: str = "auto", *, log_fi
         evaluator = Evaluator(resolved.data.path, resolved.eval, rank=env.rank, world_size=env.world_size,
                               n_streams=resolved.eval_streams(env.world_size), device=distributed.device_for(env),
                               splits=eval_splits)
-        lock = acquire_lock(run_dir.path) if env.is_main else None
-        return resolved, manifest, loader, evaluator, lock
+        return resolved, manifest, loader, evaluator
 
-    resolved, manifest, loader, evaluator, lock = _together(local_checks)
-    start = TrainStart(resolved, manifest, run_dir, None, loader, evaluator, None, lock)
-    if log_file:
-        attach_log_file(log, run_dir.log_file(env.rank))
+    resolved, manifest, loader, evaluator = _together(local_checks)
+    start = TrainStart(resolved, manifest, run_dir, None, loader, evaluator, None, None)
     try:
+        # A phase of its own: a lock taken while another rank's checks failed would outlive the refusal.
+        start.lock = _together(lambda: acquire_lock(run_dir.path) if env.is_main else None)
+        if log_file:
+            attach_log_file(log, run_dir.log_file(env.rank))
         start.resume = _choose_resume(start, env, resume)
         start.tracker = _open_tracker(start, env, create_tracker)
     except BaseException:
