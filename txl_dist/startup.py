@@ -71,6 +71,8 @@ class TrainStart:
     evaluator: Evaluator
     tracker: Any
     lock: RunLock | None
+    checkpoint_bytes: int = 0
+    """The expected size of a checkpoint, estimated by rank 0 for its free-space checks (0 on other ranks)."""
 
     def close(self) -> None:
         """Close what start-up opened (loaders, lock); the tracker is closed by its owner, the log file by the
@@ -331,6 +333,7 @@ def _open_tracker(start: TrainStart, env: DistEnv, create_tracker):
             return create_tracker(cfg.tracking, env.rank, start.run_dir.path, resume_run_id=run_id)
         ckpt_dir = start.run_dir.checkpoints
         need = checkpoint_bytes_estimate(ckpt_dir, count_parameters(cfg.model))
+        start.checkpoint_bytes = need
         free = shutil.disk_usage(ckpt_dir if ckpt_dir.is_dir() else start.run_dir.path).free
         if free < need:
             raise CheckpointError(f"{ckpt_dir}: {free / 2**20:.0f} MiB free, one checkpoint needs about "

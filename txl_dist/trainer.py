@@ -42,7 +42,7 @@ from .engine import build_engine, deepspeed_config, global_grad_norm, model_dtyp
 from .errors import RunFailed
 from .evaluate import Evaluator
 from .memory import MemoryBank, merge_state_dicts
-from .startup import Resume, TrainStart, checkpoint_bytes_estimate, start_training
+from .startup import Resume, TrainStart, start_training
 from .stop_request import StopRequest
 
 log = logging.getLogger(distributed.LOGGER_NAME)
@@ -59,7 +59,7 @@ class Trainer:
     """The loop. Holds the engine, the train loader, the memory bank, the evaluator and the tracker."""
 
     def __init__(self, cfg: RunConfig, env: DistEnv, *, engine, loader: StreamLoader, bank: MemoryBank,
-                 evaluator: Evaluator, tracker, run_info: dict[str, Any], checkpoint_bytes: int = 0):
+                 evaluator: Evaluator, tracker, run_info: dict[str, Any], start: TrainStart):
         self.cfg, self.env = cfg, env
         self.engine, self.loader, self.bank = engine, loader, bank
         self.evaluator, self.tracker = evaluator, tracker
@@ -74,16 +74,13 @@ class Trainer:
         """Steps skipped because a loss or gradient norm was not finite, over the whole run."""
         self.nonfinite_streak = 0
         """Such steps in a row, up to the current one."""
-        self.checkpoint_bytes = checkpoint_bytes
+        self.checkpoint_bytes = start.checkpoint_bytes
         """The expected size of a checkpoint (rank 0 checks the free space for it before each save)."""
         self.tokens_per_step = cfg.n_streams() * cfg.model.tgt_len
         self.stop: StopRequest | None = None
-        self.start: TrainStart | None = None
+        self.start = start
         """What start-up opened for this trainer (closed by close())."""
         self._batches = iter(loader)
-        # fp32 at ZeRO stage 0 is the one configuration where DeepSpeed does not skip a non-finite step.
-        self._drops_own_nonfinite = not (engine.zero_optimization_stage() > 0 or engine.bfloat16_enabled()
-                                         or engine.fp16_enabled())
 
     # ------------------------------------------------------------------------------------------------
     # Resumable state
@@ -203,8 +200,10 @@ class Trainer:
             sums[0] += nll_sum
             sums[1] += out.nll.numel()
             if micro == self.loader.accumulation_steps - 1:
-                own_norm = global_grad_norm(engine)  # only where DeepSpeed reports none (fp32 stage 0)
-                if own_norm is not None and not math.isfinite(own_norm) and self._drops_own_nonfinite:
+                # Only where DeepSpeed reports no norm, fp32 at ZeRO stage 0: also the one configuration where
+                # DeepSpeed does not skip a non-finite step itself.
+                own_norm = global_grad_norm(engine)
+                if own_norm is not None and not math.isfinite(own_norm):
                     # Without gradients torch's optimizer leaves every weight as it is: the step is skipped.
                     for p in engine.module.parameters():
                         p.grad = None
@@ -373,9 +372,7 @@ def _build_from(start: TrainStart, env: DistEnv) -> Trainer:
     }
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
     trainer = Trainer(cfg, env, engine=engine, loader=start.loader, bank=MemoryBank(), evaluator=start.evaluator,
-                      tracker=start.tracker, run_info=info,
-                      checkpoint_bytes=checkpoint_bytes_estimate(start.run_dir.checkpoints, n_params))
-    trainer.start = start
+                      tracker=start.tracker, run_info=info, start=start)
     # A lost rank ends this process from the watchdog's thread: the MLflow run is marked FAILED first.
     distributed.on_abort(lambda: trainer.tracker.close("FAILED", timeout=3.0))
     if resume is not None:
