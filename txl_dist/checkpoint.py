@@ -61,8 +61,7 @@ UNIVERSAL_SUFFIX = "_universal"
 STAGING_PREFIX = ".saving-"
 REPLACED_PREFIX = ".replaced-"
 SUPERSEDED_DIR = "superseded"
-RUN_INFO_VERSION = 2
-READABLE_RUN_INFO_VERSIONS = (2,)  # version 1 (no checksums, checkpoint.dir in its config) predates run folders
+RUN_INFO_VERSION = 2  # version 1 (no checksums, checkpoint.dir in its config) predates run folders
 HASH_CHUNK = 8 << 20
 
 
@@ -312,7 +311,7 @@ def _save_into(engine, ckpt_dir: Path, tag: str, staging: Path, *, rank: int, wo
             torch.save(rank_state, tmp)
 
     _agree(write_own_state, f"checkpoint {tag} could not be saved")
-    files = _agreed_list(lambda: _list_files(staging) if rank == 0 else None)
+    files = distributed.broadcast_object(_list_files(staging) if rank == 0 else None)
     digests = _agree(lambda: _hash_share(staging, files, rank, world_size, fsync=True),
                      f"checkpoint {tag} could not be checksummed")
 
@@ -411,11 +410,6 @@ def _agree(fn, what: str) -> list[Any]:
         r, err = failures[0]
         raise SaveFailed(f"{what}: rank {r}: {err}")
     return [v for v, _ in gathered]
-
-
-def _agreed_list(fn) -> Any:
-    """Rank 0's fn() on every rank."""
-    return distributed.broadcast_object(fn())
 
 
 def _list_files(tag_dir: Path) -> list[tuple[str, int]]:
@@ -536,9 +530,10 @@ def read_run_info(tag_dir: str | os.PathLike) -> dict[str, Any]:
         info = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: cannot read ({one_line(e)}); use another tag") from None
-    if not isinstance(info, dict) or info.get("version") not in READABLE_RUN_INFO_VERSIONS:
+    if not isinstance(info, dict) or info.get("version") != RUN_INFO_VERSION:
         version = info.get("version") if isinstance(info, dict) else None
-        raise CheckpointError(f"{path}: version {version!r} is not one of {READABLE_RUN_INFO_VERSIONS}")
+        raise CheckpointError(f"{path}: version {version!r} is not {RUN_INFO_VERSION} (saved by another version of "
+                              "txl-dist); resume with the version that wrote it")
     return info
 
 
