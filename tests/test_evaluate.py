@@ -39,8 +39,6 @@ def _reference(model, tokens: np.ndarray, n_streams: int, cfg: EvalConfig) -> tu
     """Sum of NLL and count, stream by stream, window by window (incl. the partial last one), in one process."""
     L = len(tokens) // n_streams
     nll, count = 0.0, 0
-    saved = model.mem_len, model.clamp_len, model.same_length
-    model.mem_len, model.clamp_len, model.same_length = cfg.mem_len, cfg.clamp_len, cfg.same_length
     with torch.no_grad():
         for s in range(n_streams):
             stream = torch.from_numpy(tokens[s * L:(s + 1) * L]).view(1, -1)  # [1, L]
@@ -50,11 +48,10 @@ def _reference(model, tokens: np.ndarray, n_streams: int, cfg: EvalConfig) -> tu
                 starts = starts[:cfg.max_segments]
             for a in starts:
                 b = min(a + cfg.tgt_len, L - 1)
-                out = model(stream[:, a:b], labels=stream[:, a + 1:b + 1], mems=mems)
+                out = model(stream[:, a:b], labels=stream[:, a + 1:b + 1], mems=mems, memory=cfg.memory())
                 mems = out.mems
                 nll += out.nll.double().sum().item()
                 count += out.nll.numel()
-    model.mem_len, model.clamp_len, model.same_length = saved
     return nll, count
 
 
@@ -92,7 +89,7 @@ def test_max_segments_stops_each_stream_early(trained, tmp_path):
     first = evaluator.evaluate(model, "valid")
     again = evaluator.evaluate(model, "valid")  # each evaluation starts at the split's beginning
     evaluator.close()
-    assert model.mem_len == 8 and model.same_length is False  # the model's own settings came back
+    assert model.memory.mem_len == 8 and model.memory.same_length is False  # the evaluation did not touch them
     nll, count = _reference(model, _valid_tokens(corpus), 2, cfg)
     assert first["tokens"] == count == 2 * 3 * 8
     _assert_numbers(first, nll, count)
@@ -114,15 +111,15 @@ def _valid_tokens(corpus) -> np.ndarray:
         return np.asarray(loader.reader.read(0, VALID_TOKENS), dtype=np.int64)
 
 
-def test_eval_settings_are_restored_after_evaluation():
-    from txl_dist.evaluate import eval_settings
+def test_eval_mode_is_restored_after_evaluation():
+    from txl_dist.evaluate import eval_mode
 
     model = torch.nn.Module()
-    model.mem_len, model.clamp_len, model.same_length = 8, -1, False
-    model.train()
-    with eval_settings(model, EvalConfig(mem_len=100, clamp_len=50, same_length=True)):
-        assert (model.mem_len, model.clamp_len, model.same_length, model.training) == (100, 50, True, False)
-    assert (model.mem_len, model.clamp_len, model.same_length, model.training) == (8, -1, False, True)
+    for was_training in (True, False):
+        model.train(was_training)
+        with eval_mode(model):
+            assert not model.training
+        assert model.training is was_training
 
 
 def test_summarize_converts_nats_to_bits_per_token_byte_and_char():

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.utils.checkpoint
 
-from txl_dist.config import ModelConfig
+from txl_dist.config import MemorySettings, ModelConfig
 from txl_dist.model import TransformerXL, TransformerXLOutput
 
 VOCAB = 50
@@ -24,11 +24,11 @@ def tokens(bsz, length, seed=1):
     return torch.randint(0, VOCAB, (bsz, length), generator=torch.Generator().manual_seed(seed))
 
 
-def run_segments(model, ids, labels, seg_len):
+def run_segments(model, ids, labels, seg_len, memory=None):
     """Feed [B, n*seg_len] as consecutive segments, carrying mems; returns the list of outputs."""
     outs, mems = [], None
     for start in range(0, ids.shape[1], seg_len):
-        out = model(ids[:, start:start + seg_len], labels[:, start:start + seg_len], mems)
+        out = model(ids[:, start:start + seg_len], labels[:, start:start + seg_len], mems, memory=memory)
         outs.append(out)
         mems = out.mems
     return outs
@@ -158,15 +158,14 @@ def test_model_fast_attention_equals_reference(impl, mem_len, same_length, clamp
         torch.testing.assert_close(fast_grads[n], ref_grads[n], rtol=0, atol=1e-5 * scale)
 
 
-def test_runtime_attributes_are_read_at_forward():
+def test_memory_settings_passed_to_forward_equal_building_with_them():
     built = make_model(clamp_len=2, same_length=True, mem_len=3).eval()
-    changed = make_model().eval()  # same seed and shapes: same weights
-    changed.clamp_len, changed.same_length, changed.mem_len = 2, True, 3
+    other = make_model().eval()  # same seed and shapes: same weights, other training memory settings
     ids = tokens(2, 12, seed=13)
     with torch.no_grad():
         a = run_segments(built, ids, ids, 6)
-        b = run_segments(changed, ids, ids, 6)
-        default = run_segments(make_model().eval(), ids, ids, 6)
+        b = run_segments(other, ids, ids, 6, memory=MemorySettings(mem_len=3, clamp_len=2, same_length=True))
+        default = run_segments(other, ids, ids, 6)
     for x, y in zip(a, b):
         torch.testing.assert_close(x.nll, y.nll, rtol=0, atol=0)
     assert not torch.allclose(a[1].nll, default[1].nll)
@@ -262,6 +261,5 @@ def test_bad_inputs_are_refused_clearly():
         model(ids, labels=ids[:, :3])
     with pytest.raises(ValueError, match="input_ids must be"):
         model(ids[0])
-    model.same_length, model.mem_len = True, 0
     with pytest.raises(ValueError, match="same_length with mem_len 0"):
-        model(ids)
+        model(ids, memory=MemorySettings(mem_len=0, same_length=True))

@@ -44,6 +44,26 @@ class RunDirConfig:
         return Path(self.dir) / "checkpoints"
 
 
+@dataclass(frozen=True)
+class MemorySettings:
+    """How a forward uses the memory: what training, evaluation and generation each pass to the model.
+
+    Training uses the model section's values, evaluation its own (eval.*), generation what its caller asks;
+    the model never changes its settings behind the caller's back (model.config keeps the training values).
+    """
+
+    mem_len: int
+    """Hidden states kept from previous segments (0 = no recurrence)."""
+    clamp_len: int = -1
+    """Relative distances beyond clamp_len use clamp_len's position embedding; <= 0 disables clamping."""
+    same_length: bool = False
+    """Every query attends to the same number of keys (needs mem_len >= 1)."""
+
+
+ATTN_IMPL_NAMES = ("auto", "reference", "matmul", "sdpa")
+"""Names model.attn_impl accepts (txl_dist.model.attention.ATTN_IMPLS holds the implementations)."""
+
+
 @dataclass
 class ModelConfig:
     """Transformer-XL hyper-parameters (names follow Dai et al. 2019 and its reference code)."""
@@ -93,6 +113,14 @@ class ModelConfig:
     """Standard deviation of the normal initialization of the adaptive projections."""
     layer_norm_epsilon: float = 1e-5
     """Epsilon of every layer norm."""
+    attn_impl: str = "auto"
+    """Relative attention implementation: "auto" (picked per device and dtype, see
+    txl_dist/model/attention.py), or one of "matmul", "sdpa", "reference". Changes speed, not the math:
+    it may change on resume."""
+
+    def memory(self) -> MemorySettings:
+        """The training memory settings."""
+        return MemorySettings(self.mem_len, self.clamp_len, self.same_length)
 
     def resolved_d_embed(self) -> int:
         return self.d_model if self.d_embed is None else self.d_embed
@@ -163,6 +191,10 @@ class EvalConfig:
     """Stop each evaluation after this many segments per stream (null: the whole split)."""
     at_end: bool = True
     """Evaluate on the test split when training ends."""
+
+    def memory(self) -> MemorySettings:
+        """The evaluation's memory settings."""
+        return MemorySettings(self.mem_len, self.clamp_len, self.same_length)
 
 
 @dataclass
@@ -262,7 +294,8 @@ class RunConfig:
 # What may differ between a run and the job that resumes it without changing its numbers: where files and
 # metrics go, how often progress is printed, where it stops this time, how long ranks wait for each other.
 VOLATILE_SECTIONS = ("run", "checkpoint", "tracking")
-VOLATILE_KEYS = ("train.exit_step", "train.log_interval", "train.collective_timeout_s", "train.max_nonfinite")
+VOLATILE_KEYS = ("train.exit_step", "train.log_interval", "train.collective_timeout_s", "train.max_nonfinite",
+                 "model.attn_impl")
 
 
 def changed_settings(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
@@ -542,6 +575,8 @@ def validate_model(m: ModelConfig) -> None:
         _positive("model.vocab_size", m.vocab_size)
     check_cutoffs(m.cutoffs, m.vocab_size)
     check_same_length("model", m.same_length, m.mem_len)
+    if m.attn_impl not in ATTN_IMPL_NAMES:
+        raise ConfigError(f"model.attn_impl: {m.attn_impl!r} is unknown; use one of {', '.join(ATTN_IMPL_NAMES)}")
     if m.tie_projs is not None and len(m.tie_projs) != len(m.cutoffs) + 1:
         raise ConfigError(
             f"model.tie_projs: needs one entry per cluster ({len(m.cutoffs) + 1} for cutoffs {m.cutoffs}), "

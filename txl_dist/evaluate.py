@@ -1,7 +1,7 @@
 """Distributed perplexity with long memory (the paper's evaluation).
 
-Evaluation has its own tgt_len, mem_len, clamp_len and same_length; they are set on the model for the
-evaluation and restored after. The split is cut into eval.n_streams streams (default: one per rank); each
+Evaluation has its own tgt_len, mem_len, clamp_len and same_length; the memory settings go to every forward
+(the model's own stay the training ones). The split is cut into eval.n_streams streams (default: one per rank); each
 rank evaluates its contiguous block of them, all its streams in one batch, carrying their mems from segment
 to segment, and predicts every token of each stream except the first exactly once (partial last window).
 Sums of NLL and token counts are all-reduced in float64, so the numbers depend on the number of streams,
@@ -62,13 +62,14 @@ class Evaluator:
         loader = self._loader(split)
         bank = MemoryBank()
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # [nll sum, tokens]
-        with eval_settings(model, self.cfg):
+        memory = self.cfg.memory()
+        with eval_mode(model):
             for segment, mb in enumerate(loader):
                 if self.cfg.max_segments is not None and segment >= self.cfg.max_segments:
                     break
                 input_ids = torch.from_numpy(mb.input_ids).to(self.device)  # [n, T]
                 labels = torch.from_numpy(mb.labels).to(self.device)  # [n, T]
-                out = model(input_ids, labels=labels, mems=bank.get(mb.stream_ids, mb.reset))
+                out = model(input_ids, labels=labels, mems=bank.get(mb.stream_ids, mb.reset), memory=memory)
                 bank.put(mb.stream_ids, out.mems)
                 sums[0] += out.nll.double().sum()
                 sums[1] += out.nll.numel()
@@ -102,13 +103,11 @@ def summarize(nll_sum: float, tokens: int, *, n_tokens: int, n_bytes: int, n_cha
 
 
 @contextmanager
-def eval_settings(model: nn.Module, cfg: EvalConfig) -> Iterator[None]:
-    """The model in eval mode with the evaluation's mem_len, clamp_len and same_length; restored after."""
-    saved = (model.mem_len, model.clamp_len, model.same_length, model.training)
-    model.mem_len, model.clamp_len, model.same_length = cfg.mem_len, cfg.clamp_len, cfg.same_length
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    """The model in eval mode (no dropout); its training mode restored after."""
+    was_training = model.training
     model.eval()
     try:
         yield
     finally:
-        model.mem_len, model.clamp_len, model.same_length = saved[:3]
-        model.train(saved[3])
+        model.train(was_training)

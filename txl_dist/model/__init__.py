@@ -3,10 +3,11 @@
 ```python
 from txl_dist.model import TransformerXL, TransformerXLOutput
 model = TransformerXL(cfg.model)                 # cfg.model.vocab_size must be an int
-out = model(input_ids, labels=None, mems=None)  # [B, T] LongTensors, labels already shifted
+out = model(input_ids, labels=None, mems=None, memory=None)  # [B, T] LongTensors, labels already shifted;
+                                                # memory: MemorySettings (None: the training settings)
 out.nll [B, T] float32 | None;  out.mems: n_layer x [B, min(mem_len, mlen+T), d_model] detached
 out.hidden [B, T, d_model];     model.log_probs(hidden) -> [..., vocab_size] float32
-model.mem_len / clamp_len / same_length / attn_impl: read at every forward
+model.attn_impl: from cfg.attn_impl, read at every forward
 model.set_activation_checkpointing(checkpoint_fn=None, enabled=True)
 ```
 

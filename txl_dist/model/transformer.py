@@ -8,7 +8,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from txl_dist.config import ModelConfig, validate_model
+from txl_dist.config import MemorySettings, ModelConfig, validate_model
 from txl_dist.model.attention import (ATTN_IMPLS, attn_bias_from_mask, build_attn_mask, resolve_attn_impl)
 from txl_dist.model.embedding import AdaptiveEmbedding, sinusoid_position_embedding
 from txl_dist.model.layer import TransformerXLLayer
@@ -35,9 +35,9 @@ class TransformerXLOutput(NamedTuple):
 class TransformerXL(nn.Module):
     """Transformer-XL language model (Dai et al. 2019) with adaptive input and adaptive softmax.
 
-    Read at every forward (the evaluator sets and restores them): mem_len, clamp_len, same_length, and
-    attn_impl ("auto" or a name in ATTN_IMPLS; see resolved_attn_impl). The module tree is documented in
-    txl_dist/model/__init__.py.
+    The memory settings (mem_len, clamp_len, same_length) come with each forward (`memory=`; the config's
+    training values when left out); the attention implementation is the config's attn_impl ("auto" or a
+    name in ATTN_IMPLS; see resolved_attn_impl). The module tree is documented in txl_dist/model/__init__.py.
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -54,10 +54,9 @@ class TransformerXL(nn.Module):
         self.n_layer = cfg.n_layer
         self.d_model = cfg.d_model
         self.vocab_size = cfg.vocab_size
-        self.mem_len = cfg.mem_len
-        self.clamp_len = cfg.clamp_len
-        self.same_length = cfg.same_length
-        self.attn_impl = "auto"
+        self.memory = cfg.memory()
+        """The training memory settings: what a forward without `memory=` uses."""
+        self.attn_impl = cfg.attn_impl
         self._checkpoint_fn: CheckpointFn | None = None
 
         self.word_emb = AdaptiveEmbedding(cfg.vocab_size, d_embed, cfg.d_model, cfg.cutoffs, cfg.div_val)
@@ -134,15 +133,18 @@ class TransformerXL(nn.Module):
     # ------------------------------------------------------------------------------------------------
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                mems: list[torch.Tensor] | None = None) -> TransformerXLOutput:
+                mems: list[torch.Tensor] | None = None, *,
+                memory: MemorySettings | None = None) -> TransformerXLOutput:
         """input_ids, labels: [batch, tgt_len] (labels already shifted: labels[b, t] follows input_ids[b, t]);
-        mems: None (empty memory) or n_layer tensors [batch, mlen, d_model]."""
+        mems: None (empty memory) or n_layer tensors [batch, mlen, d_model]; memory: how long the memory is
+        and how it is attended (None: the config's training settings)."""
+        memory = self.memory if memory is None else memory
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, tgt_len], got shape {tuple(input_ids.shape)}")
         if labels is not None and labels.shape != input_ids.shape:
             raise ValueError(f"labels {tuple(labels.shape)} must have the shape of input_ids "
                              f"{tuple(input_ids.shape)} (pass the already shifted next tokens)")
-        if self.same_length and self.mem_len == 0:
+        if memory.same_length and memory.mem_len == 0:
             raise ValueError("same_length with mem_len 0 masks every key (the reference code yields NaN); "
                              "set mem_len >= 1 or same_length false")
         bsz, qlen = input_ids.shape
@@ -153,9 +155,9 @@ class TransformerXL(nn.Module):
         device = word_emb.device
 
         # Built once per forward, shared by every layer.
-        attn_mask = build_attn_mask(qlen, mlen, self.mem_len, self.same_length, device)  # [T, K] bool
+        attn_mask = build_attn_mask(qlen, mlen, memory.mem_len, memory.same_length, device)  # [T, K] bool
         attn_bias = attn_bias_from_mask(attn_mask, word_emb.dtype)                  # [T, K]
-        pos_emb = sinusoid_position_embedding(klen, self.d_model, self.clamp_len, device,
+        pos_emb = sinusoid_position_embedding(klen, self.d_model, memory.clamp_len, device,
                                               word_emb.dtype)                      # [K, d_model]
         attn_fn = ATTN_IMPLS[resolve_attn_impl(self.attn_impl, device, word_emb.dtype)]
 
@@ -170,7 +172,7 @@ class TransformerXL(nn.Module):
             if i < self.n_layer - 1:
                 hids.append(h)
         h = self.drop(h)                                                           # [B, T, d_model]
-        new_mems = self._update_mems(hids, mems)
+        new_mems = self._update_mems(hids, mems, memory.mem_len)
 
         nll = None
         if labels is not None:
@@ -198,13 +200,14 @@ class TransformerXL(nn.Module):
         # Mems are activations: follow the compute dtype (e.g. fp32 mems fed to a bf16 model).
         return [mem.to(dtype) for mem in mems]
 
-    def _update_mems(self, hids: list[torch.Tensor], mems: list[torch.Tensor] | None) -> list[torch.Tensor]:
+    def _update_mems(self, hids: list[torch.Tensor], mems: list[torch.Tensor] | None,
+                     mem_len: int) -> list[torch.Tensor]:
         """new_mems[l] = the last min(mem_len, mlen + qlen) positions of [mems[l], hids[l]], detached."""
         with torch.no_grad():
             new_mems = []
             for i, hid in enumerate(hids):
                 cat = hid if not mems else torch.cat([mems[i], hid], dim=1)       # [B, mlen + T, d_model]
-                keep = min(self.mem_len, cat.shape[1])
+                keep = min(mem_len, cat.shape[1])
                 mem = cat[:, cat.shape[1] - keep:].detach()                        # [B, keep, d_model]
                 # Own storage: a fresh cat is compacted; a bare layer output is copied so mems never
                 # alias tensors that autograd saved (and do not keep the whole segment alive).
