@@ -4,6 +4,7 @@ and the end-of-run line with the `mlflow ui` command."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 
 import numpy as np
@@ -50,6 +51,29 @@ def test_history_reads_the_journal_as_it_grows_and_skips_what_it_cannot_draw(tmp
     assert points.test_loss == []
     out = draw(points, tmp_path / "c.png")
     assert out.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_a_failure_to_draw_is_warned_once_and_never_raised(tmp_path, caplog):
+    from txl_dist.curves import RunCurves
+    from txl_dist.tracking import Tracker
+
+    class Uploads(Tracker):
+        def __init__(self):
+            self.uploaded = []
+
+        def log_artifact(self, path, artifact_path=None):
+            self.uploaded.append(path)
+
+    (tmp_path / "tracking").mkdir()
+    (tmp_path / "tracking" / "metrics.jsonl").write_text(_line(1, 1, {"train/loss": 4.0, "train/tokens_seen": 8.0}))
+    (tmp_path / CURVES_FILE).mkdir()  # the picture's path is taken: every drawing fails
+    curves, tracker = RunCurves(tmp_path), Uploads()
+    with caplog.at_level(logging.WARNING, logger="txl_dist"):
+        assert curves.draw(tracker) is None and curves.draw(tracker) is None
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == [f"curves: cannot draw {tmp_path / CURVES_FILE}"]
+    assert tracker.uploaded == []
+    (tmp_path / CURVES_FILE).rmdir()  # the path is free again: the next drawing works and is uploaded
+    assert curves.draw(tracker) == tmp_path / CURVES_FILE and tracker.uploaded == [tmp_path / CURVES_FILE]
 
 
 def test_ui_hint_for_a_local_store_and_for_a_server():
