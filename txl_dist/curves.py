@@ -13,8 +13,8 @@ drawing), so redrawing after each evaluation stays cheap on long runs. Without t
 Smoothing: an exponential moving average, debiased as TensorBoard's (the first values are not pulled
 towards zero), with a span of about 4% of the steps drawn (1 to 1000 steps).
 
-matplotlib (a Figure without pyplot: the Agg renderer, no display) is imported on first drawing. A failure to draw never stops training:
-RunCurves warns once and goes on.
+matplotlib (a Figure without pyplot: the Agg renderer, no display) is imported on first drawing. A failure
+to draw never stops training: RunCurves warns once and goes on.
 """
 from __future__ import annotations
 

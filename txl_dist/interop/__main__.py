@@ -25,7 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     what = "HF TransfoXLLMHeadModel folder -> native folder"
     p = sub.add_parser("from-hf", help=what, description=what + " (no `transformers` needed).",
                        epilog=f"example:\n  {_FROM_HF}\n", formatter_class=raw)
-    p.add_argument("src_dir", help="folder written by save_pretrained (config.json + weights), e.g. path/to/hf_transfo_xl")
+    p.add_argument("src_dir",
+                   help="folder written by save_pretrained (config.json + weights), e.g. path/to/hf_transfo_xl")
     p.add_argument("out_dir", help="native folder to write (model_config.json + model.safetensors), e.g. out/native")
     what = "native folder -> HF TransfoXLLMHeadModel folder"
     p = sub.add_parser("to-hf", help=what, description=what + " (TransfoXLLMHeadModel.from_pretrained loads it).",
