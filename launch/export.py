@@ -17,13 +17,31 @@ import sys
 from txl_dist.entry import guarded
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+EPILOG = """examples:
+  python launch/export.py --checkpoint runs/tiny --out exported/tiny
+  python launch/export.py --checkpoint runs/tiny/checkpoints/step_00000100 --out exported/tiny --hf exported/tiny-hf
+
+Load the native folder with txl_dist.interop.load_native(DIR); the HuggingFace folder with
+TransfoXLLMHeadModel.from_pretrained(HF_DIR) (transformers 4.37.2).
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
     """The command line."""
-    p = argparse.ArgumentParser(prog="launch/export.py", description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    p.add_argument("--checkpoint", required=True, help="run folder, checkpoint folder or a step_* tag")
-    p.add_argument("--out", required=True, help="native model folder to write (model_config.json + model.safetensors)")
-    p.add_argument("--hf", default=None, help="also write a HuggingFace Transformer-XL folder here")
-    return p.parse_args(argv)
+    p = argparse.ArgumentParser(prog="launch/export.py", description=__doc__.split("\n\n")[0], allow_abbrev=False,
+                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", required=True, metavar="PATH",
+                   help="what to export: a run folder or its checkpoints/ folder (the newest complete tag), or one "
+                        "tag, e.g. runs/tiny/checkpoints/step_00000100")
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="native model folder to write (model_config.json + model.safetensors), e.g. exported/tiny")
+    p.add_argument("--hf", default=None, metavar="HF_DIR",
+                   help="also write a HuggingFace Transformer-XL folder here, e.g. exported/tiny-hf")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def export(checkpoint: str, out: str, hf: str | None = None):

@@ -34,18 +34,39 @@ from txl_dist.config import load_config  # noqa: E402
 from txl_dist.entry import guarded  # noqa: E402
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+EPILOG = """examples:
+  deepspeed launch/train.py --config configs/tiny.json --set train.max_steps=50
+  deepspeed --num_gpus 8 launch/train.py --config configs/large.json --set data.path=/data/wt103
+  torchrun --nproc_per_node 2 launch/train.py --config configs/tiny.json --resume none
+  python launch/train.py --config configs/tiny.json --resume runs/tiny/checkpoints/step_00000050
+
+Every key of the configuration: docs/configuration.md. Where a run writes: run.dir (runs/default unless set).
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
     """The command line (no option may be a prefix of a torchrun option: that breaks torchrun)."""
-    p = argparse.ArgumentParser(prog="launch/train.py", description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    p.add_argument("--config", required=True, help="run configuration JSON (configs/*.json)")
+    p = argparse.ArgumentParser(prog="launch/train.py", description=__doc__.split("\n\n")[0], allow_abbrev=False,
+                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True, metavar="FILE",
+                   help="run configuration JSON, e.g. configs/tiny.json (every key: docs/configuration.md)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override one config value, e.g. --set train.max_steps=20 (repeatable)")
+                   help="override one config value; the value is JSON when it parses, else a string (repeatable), "
+                        "e.g. --set train.max_steps=20 --set model.cutoffs=[2000,6000]")
     p.add_argument("--resume", default="auto", metavar="auto|none|PATH",
-                   help="auto: the newest complete checkpoint in run.dir (default); none; or a run/checkpoint/tag folder")
-    p.add_argument("--log-all-ranks", action="store_true", help="every rank prints, prefixed with its rank")
+                   help="auto (default): continue from the newest complete checkpoint in run.dir, else start "
+                        "fresh; none: start fresh (refused when run.dir holds checkpoints); PATH: a run folder, "
+                        "checkpoints/ folder or step_* tag, e.g. runs/tiny/checkpoints/step_00000050 (an older "
+                        "tag rolls the run back)")
+    p.add_argument("--log-all-ranks", action="store_true",
+                   help="every rank prints, prefixed with its rank (default: rank 0 only; others print warnings)")
     # The deepspeed launcher appends --local_rank=N; the rank comes from the environment anyway.
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,4 +21,5 @@ bash scripts/shakespeare_corpus.sh "$RANKS"
 
 echo
 echo "checkpoints: $ROOT/$RUN_DIR/checkpoints"
+echo "curves:      $ROOT/$RUN_DIR/curves.png"
 echo "MLflow:      .venv/bin/mlflow ui --backend-store-uri sqlite:///$ROOT/$RUN_DIR/mlflow.db"

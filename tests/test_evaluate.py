@@ -131,3 +131,33 @@ def test_summarize_converts_nats_to_bits_per_token_byte_and_char():
     assert r["perplexity"] == pytest.approx(4.0)
     with pytest.raises(ValueError, match="predicted no token"):
         summarize(0.0, 0, n_tokens=1, n_bytes=1, n_chars=1)
+
+
+def _eval_printing(argv, stdout_file):
+    """launch/eval.py on this rank with its standard output going to stdout_file."""
+    import contextlib
+
+    from launch.eval import main
+
+    with open(stdout_file, "w") as f, contextlib.redirect_stdout(f):
+        return main(argv)
+
+
+def test_eval_prints_a_table_and_the_json_and_writes_the_json_out_file(trained, tmp_path):
+    _, ckpt = trained
+    printed, written = tmp_path / "stdout.txt", tmp_path / "result.json"
+    assert run_ranks(_eval_printing, 1, ["--checkpoint", str(ckpt), "--split", "valid", "--set", "eval.mem_len=12",
+                                         "--json-out", str(written)], printed) == [0]
+    table, _, text = printed.read_text().partition("\n\n")
+    result = json.loads(text)
+    assert json.loads(written.read_text()) == result
+    assert result["eval"] == {"tgt_len": 8, "mem_len": 12, "clamp_len": -1, "same_length": True, "max_segments": 3}
+    rows = dict(line.split(None, 1) for line in table.splitlines())
+    assert list(rows) == ["checkpoint", "split", "memory", "loss", "perplexity", "bits/token", "bits/byte", "bits/char"]
+    assert rows["loss"] == f"{result['loss']:.4f} nats/token"
+    assert rows["perplexity"] == f"{result['perplexity']:.3f}"
+    for key in ("token", "byte", "char"):
+        assert float(rows[f"bits/{key}"]) == pytest.approx(result[f"bits_per_{key}"], abs=5e-5)
+    assert rows["split"].startswith(f"valid: {int(result['tokens']):,} tokens predicted over 2 streams on 1 rank")
+    assert rows["memory"] == "tgt_len 8 | mem_len 12 | clamp_len -1 | same_length true | max_segments 3"
+    assert rows["checkpoint"] == f"{result['checkpoint']} (step 3)"

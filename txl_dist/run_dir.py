@@ -3,6 +3,7 @@
 ```
 RUN/checkpoints/          tags and `latest` (txl_dist.checkpoint)
 RUN/config.resolved.json  the configuration as the run resolved it (secrets masked)
+RUN/curves.png            the loss curves, redrawn by rank 0 after each evaluation (txl_dist.curves)
 RUN/logs/train.log        rank 0's log, appended by every job of the run (rank-NNNNN.log with --log-all-ranks)
 RUN/tracking/             the local metrics journal and the MLflow run id (txl_dist.tracking)
 RUN/mlflow.db, mlartifacts/  the default MLflow store when no tracking URI is set

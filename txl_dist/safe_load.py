@@ -15,6 +15,8 @@ are the modules that import it at load time).
 """
 from __future__ import annotations
 
+import argparse
+
 import functools
 import importlib
 import os
@@ -225,18 +227,33 @@ def ds_to_universal(args: list[str]) -> None:
         conversion.main(parsed)
 
 
-USAGE = ("usage: python -m txl_dist.safe_load ds_to_universal --input_folder TAG_DIR --output_folder OUT_DIR "
-         "[any other option of deepspeed.checkpoint.ds_to_universal]")
+_EXAMPLE = ("example (what txl_dist/checkpoint.py runs for an elastic resume):\n"
+            "  python -m txl_dist.safe_load ds_to_universal --input_folder runs/tiny/checkpoints/step_00000100 \\\n"
+            "      --output_folder runs/tiny/checkpoints/step_00000100_universal\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: DeepSpeed's own tools, with this module's restriction on every load."""
+    raw = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(
+        prog="python -m txl_dist.safe_load", epilog=_EXAMPLE, formatter_class=raw,
+        description="DeepSpeed's checkpoint tools with every torch.load restricted to weights-only unpickling.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help="the tool")
+    what = "DeepSpeed's ds_to_universal: a ZeRO checkpoint -> its universal form (for another world size)"
+    p = sub.add_parser("ds_to_universal", help=what, epilog=_EXAMPLE, formatter_class=raw,
+                       description=what + "; any other option of deepspeed.checkpoint.ds_to_universal passes through.")
+    p.add_argument("--input_folder", required=True, metavar="TAG_DIR",
+                   help="the checkpoint tag, e.g. runs/tiny/checkpoints/step_00000100")
+    p.add_argument("--output_folder", required=True, metavar="OUT_DIR",
+                   help="the universal copy to write, e.g. runs/tiny/checkpoints/step_00000100_universal")
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command line; a refused file is one line on stderr and exit status 2."""
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] != "ds_to_universal":
-        print(USAGE, file=sys.stderr)
-        return EXIT_REFUSED
+    """The command line; a refused file is one line on stderr and exit status 2 (as is a bad command line)."""
+    args, rest = build_parser().parse_known_args(sys.argv[1:] if argv is None else argv)
     try:
-        ds_to_universal(argv[1:])
+        ds_to_universal(["--input_folder", args.input_folder, "--output_folder", args.output_folder, *rest])
     except UntrustedCheckpointError as e:
         print(f"error: {one_line(e)}", file=sys.stderr)
         return EXIT_REFUSED

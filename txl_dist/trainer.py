@@ -36,6 +36,7 @@ import torch
 from . import checkpoint, distributed
 from .atomic import atomic_write
 from .config import RunConfig
+from .curves import RunCurves
 from .data import StreamLoader
 from .distributed import DistEnv
 from .engine import build_engine, deepspeed_config, global_grad_norm, model_dtype, zero_stage
@@ -80,6 +81,8 @@ class Trainer:
         self.stop: StopRequest | None = None
         self.start = start
         """What start-up opened for this trainer (closed by close())."""
+        self.curves = RunCurves(cfg.run.dir)
+        """<run.dir>/curves.png, redrawn by rank 0 after each evaluation and at the end."""
         self._batches = iter(loader)
 
     # ------------------------------------------------------------------------------------------------
@@ -143,6 +146,7 @@ class Trainer:
             final = self.step == cfg.train.max_steps
             if final or (cfg.eval.interval and self.step % cfg.eval.interval == 0):
                 self.run_eval(cfg.data.valid_split, "valid")
+                self.draw_curves()
             if self.step == last:
                 self.save()
             elif cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0:
@@ -245,6 +249,11 @@ class Trainer:
                  prefix, self.step, result["loss"], result["perplexity"], result["bits_per_byte"],
                  result["bits_per_char"], result["tokens"], time.perf_counter() - start)
         return result
+
+    def draw_curves(self) -> Path | None:
+        """Rank 0 with tracking on: redraw <run.dir>/curves.png from the metrics journal and log it to MLflow;
+        never raises (txl_dist/curves.py)."""
+        return self.curves.draw(self.tracker) if self.tracker.active else None
 
     def save(self) -> Path:
         """A checkpoint of the current step on every rank (collective); refuses non-finite weights."""
@@ -413,6 +422,10 @@ def run(cfg: RunConfig, env: DistEnv, *, resume: str = "auto", log_all_ranks: bo
         return code
     finally:
         if env.is_main:
-            log.info("run folder %s | MLflow run %s (%s)", Path(cfg.run.dir).resolve(),
-                     trainer.tracker.run_id or "off", status)
+            curves = trainer.draw_curves()
+            log.info("run folder %s | MLflow run %s (%s)%s", Path(cfg.run.dir).resolve(),
+                     trainer.tracker.run_id or "off", status, f" | curves {curves.resolve()}" if curves else "")
+            hint = trainer.tracker.ui_hint()
+            if hint:
+                log.info("MLflow UI: %s", hint)
         trainer.close(status)

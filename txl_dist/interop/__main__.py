@@ -12,16 +12,27 @@ from txl_dist.interop.convert import from_hf, to_hf
 from txl_dist.interop.native import load_native, save_native
 
 
+_FROM_HF = "python -m txl_dist.interop from-hf path/to/hf_transfo_xl out/native"
+_TO_HF = "python -m txl_dist.interop to-hf exported/tiny exported/tiny-hf"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface."""
-    parser = argparse.ArgumentParser(prog="python -m txl_dist.interop", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("from-hf", help="HF TransfoXLLMHeadModel folder -> native folder")
-    p.add_argument("src_dir", help="folder written by save_pretrained (config.json + weights)")
-    p.add_argument("out_dir", help="native folder to write (model_config.json + model.safetensors)")
-    p = sub.add_parser("to-hf", help="native folder -> HF TransfoXLLMHeadModel folder")
-    p.add_argument("src", help="native folder (model_config.json + model.safetensors)")
-    p.add_argument("out_dir", help="folder to write (config.json + model.safetensors)")
+    raw = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(prog="python -m txl_dist.interop", description=__doc__.split("\n")[0],
+                                     epilog=f"examples:\n  {_FROM_HF}\n  {_TO_HF}\n", formatter_class=raw)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help="the conversion")
+    what = "HF TransfoXLLMHeadModel folder -> native folder"
+    p = sub.add_parser("from-hf", help=what, description=what + " (no `transformers` needed).",
+                       epilog=f"example:\n  {_FROM_HF}\n", formatter_class=raw)
+    p.add_argument("src_dir",
+                   help="folder written by save_pretrained (config.json + weights), e.g. path/to/hf_transfo_xl")
+    p.add_argument("out_dir", help="native folder to write (model_config.json + model.safetensors), e.g. out/native")
+    what = "native folder -> HF TransfoXLLMHeadModel folder"
+    p = sub.add_parser("to-hf", help=what, description=what + " (TransfoXLLMHeadModel.from_pretrained loads it).",
+                       epilog=f"example:\n  {_TO_HF}\n", formatter_class=raw)
+    p.add_argument("src", help="native folder (model_config.json + model.safetensors), e.g. exported/tiny")
+    p.add_argument("out_dir", help="folder to write (config.json + model.safetensors), e.g. exported/tiny-hf")
     return parser
 
 

@@ -13,16 +13,22 @@ from .secrets import scrub_secrets
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m txl_dist.tracking replay RUN_DIR [--uri URI]``; the exit status (0, 1 store failure, 2 refused)."""
+    example = ("example:\n  python -m txl_dist.tracking replay runs/tiny\n"
+               "  python -m txl_dist.tracking replay runs/tiny --uri http://mlflow.example.com:5000\n")
+    raw = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(prog="python -m txl_dist.tracking",
-                                     description="MLflow tracking tools for a txl-dist run dir.")
-    commands = parser.add_subparsers(dest="command", required=True)
+                                     description="MLflow tracking tools for a txl-dist run dir.", epilog=example,
+                                     formatter_class=raw)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help="the tool")
     replay_cmd = commands.add_parser(
         "replay", help="send to the run's MLflow run what its journal says the store lacks",
         description="Send the metrics, params, artifacts and final status that the training job could not "
                     "deliver (server down, queue full, close timeout, crash) to the run recorded in "
-                    "RUN_DIR/tracking/run_id. Safe to repeat: a second replay sends nothing.")
-    replay_cmd.add_argument("run_dir", metavar="RUN_DIR", help="the run.dir of the training job")
-    replay_cmd.add_argument("--uri", help="tracking URI (default: MLFLOW_TRACKING_URI, else the recorded one)")
+                    "RUN_DIR/tracking/run_id. Safe to repeat: a second replay sends nothing.",
+        epilog=example, formatter_class=raw)
+    replay_cmd.add_argument("run_dir", metavar="RUN_DIR", help="the run.dir of the training job, e.g. runs/tiny")
+    replay_cmd.add_argument("--uri", help="tracking URI (default: MLFLOW_TRACKING_URI, else the recorded one), "
+                                          "e.g. http://mlflow.example.com:5000")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:

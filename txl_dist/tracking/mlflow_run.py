@@ -33,12 +33,14 @@ import logging
 import os
 import posixpath
 import queue
+import shlex
 import shutil
 import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from txl_dist.config import TrackingConfig
 
@@ -68,6 +70,18 @@ def resolve_uri(cfg: TrackingConfig, run_dir: str | os.PathLike) -> str:
         return os.environ["MLFLOW_TRACKING_URI"]
     # MLflow's own default is sqlite:///<cwd>/mlflow.db: it moves with the working directory of each job.
     return f"sqlite:///{Path(run_dir).resolve() / LOCAL_DB}"
+
+
+def ui_hint(shown: str, experiment_id: str, run_id: str) -> str:
+    """How to open a run in the MLflow UI: a server's page for the run, else the `mlflow ui` command on the
+    store (sqlite, a file store) and the page it serves. `shown` is the URI as it may be shown (redacted)."""
+    page = f"#/experiments/{experiment_id}/runs/{run_id}"
+    scheme = urlsplit(shown).scheme
+    if scheme in ("http", "https"):
+        return f"open {shown.rstrip('/')}/{page}"
+    if scheme.startswith("databricks"):
+        return f"run {run_id} of experiment {experiment_id} in the Databricks workspace ({shown})"
+    return f"mlflow ui --backend-store-uri {shlex.quote(shown)}, then open http://127.0.0.1:5000/{page}"
 
 
 def resolve_experiment(cfg: TrackingConfig) -> str:
@@ -160,6 +174,7 @@ class MlflowTracker(Tracker):
         with _quick_http_failures():
             run = self._open_run(cfg, resume_run_id, recorded)
             self._run_id: str = run.info.run_id
+            self.experiment_id: str = run.info.experiment_id
             summary = self._claim_folder()
             self._system_monitor = self._start_system_metrics() if cfg.system_metrics else None
         if holds_secret:
@@ -357,6 +372,13 @@ class MlflowTracker(Tracker):
         except queue.Full:
             return False
         return marker.done.wait(timeout)
+
+    def flush_journal(self) -> None:
+        if not self._closed:
+            self._journal.flush()
+
+    def ui_hint(self) -> str:
+        return ui_hint(self.shown_uri, self.experiment_id, self._run_id)
 
     def _check_open(self, call: str) -> None:
         if self._closed:

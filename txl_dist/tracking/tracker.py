@@ -77,6 +77,15 @@ class Tracker:
         """Wait until everything queued is sent (or failed); False if the timeout passed first."""
         return True
 
+    def flush_journal(self) -> None:
+        """Write the journal's buffered lines to <run_dir>/tracking/metrics.jsonl now (for readers such as
+        txl_dist/curves.py); never waits for the store."""
+
+    def ui_hint(self) -> str | None:
+        """How to look at this run: the `mlflow ui` command for a local store, or the run's page on a
+        server (secrets masked); None where nothing is logged."""
+        return None
+
     def close(self, status: str = "FINISHED", timeout: float | None = 120.0) -> Delivery:
         """Flush, stop system metrics and mark the run terminated with status FINISHED, FAILED or KILLED."""
         _check_status(status)

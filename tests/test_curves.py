@@ -1,0 +1,150 @@
+"""Seeing a run: <run.dir>/curves.png drawn from the metrics journal after each evaluation and at the end
+(the data it is drawn from checked against what the MLflow store holds, across a resume), logged to MLflow,
+and the end-of-run line with the `mlflow ui` command."""
+from __future__ import annotations
+
+import json
+import logging
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from dist_helpers import learnable_stream, run_ranks, tiny_config, write_corpus
+from txl_dist.curves import CURVES_FILE, LossHistory, draw, ema_debiased, smoothing_span
+from txl_dist.tracking.mlflow_run import ui_hint
+from txl_dist.tracking.secrets import shown_uri
+
+VOCAB = 64
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("span", [1, 3, 10, 40])
+def test_smoothing_is_pandas_debiased_ewm(span):
+    values = np.random.default_rng(span).normal(3.0, 0.5, size=200).tolist()
+    reference = pd.Series(values).ewm(span=span, adjust=True).mean().tolist()
+    assert np.allclose(ema_debiased(values, span), reference, rtol=1e-12, atol=1e-12)
+    assert smoothing_span(10) == 1 and smoothing_span(1000) == 40 and smoothing_span(10**7) == 1000
+
+
+def _line(seq, step, metrics):
+    return json.dumps({"seq": seq, "step": step, "time": 0, "metrics": metrics}) + "\n"
+
+
+def test_history_reads_the_journal_as_it_grows_and_skips_what_it_cannot_draw(tmp_path):
+    journal = tmp_path / "metrics.jsonl"
+    journal.write_text(_line(1, 1, {"train/loss": 4.0, "train/tokens_seen": 32.0})
+                       + _line(2, 2, {"train/loss": float("nan"), "train/tokens_seen": 64.0})  # a skipped step
+                       + '{"seq": 3, "step": 3, "metr')  # the writer is in the middle of a line
+    history = LossHistory(journal)
+    history.update()
+    assert history.points().train_loss == [4.0]
+    with open(journal, "a") as f:  # the line completed, then more steps and an evaluation
+        f.write('ics": {"train/loss": 3.0, "train/tokens_seen": 96.0}}\n'
+                + _line(4, 3, {"valid/loss": 3.5, "valid/perplexity": math.exp(3.5)})
+                + _line(5, 4, {"train/loss": 2.0, "train/tokens_seen": 128.0}))
+    history.update()
+    points = history.points()
+    assert (points.train_tokens, points.train_loss) == ([32.0, 96.0, 128.0], [4.0, 3.0, 2.0])
+    assert (points.valid_tokens, points.valid_loss) == ([96.0], [3.5])
+    assert points.test_loss == []
+    out = draw(points, tmp_path / "c.png")
+    assert out.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_a_failure_to_draw_is_warned_once_and_never_raised(tmp_path, caplog):
+    from txl_dist.curves import RunCurves
+    from txl_dist.tracking import Tracker
+
+    class Uploads(Tracker):
+        def __init__(self):
+            self.uploaded = []
+
+        def log_artifact(self, path, artifact_path=None):
+            self.uploaded.append(path)
+
+    (tmp_path / "tracking").mkdir()
+    (tmp_path / "tracking" / "metrics.jsonl").write_text(_line(1, 1, {"train/loss": 4.0, "train/tokens_seen": 8.0}))
+    (tmp_path / CURVES_FILE).mkdir()  # the picture's path is taken: every drawing fails
+    curves, tracker = RunCurves(tmp_path), Uploads()
+    with caplog.at_level(logging.WARNING, logger="txl_dist"):
+        assert curves.draw(tracker) is None and curves.draw(tracker) is None
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == [f"curves: cannot draw {tmp_path / CURVES_FILE}"]
+    assert tracker.uploaded == []
+    (tmp_path / CURVES_FILE).rmdir()  # the path is free again: the next drawing works and is uploaded
+    assert curves.draw(tracker) == tmp_path / CURVES_FILE and tracker.uploaded == [tmp_path / CURVES_FILE]
+
+
+def test_ui_hint_for_a_local_store_and_for_a_server():
+    assert ui_hint(shown_uri("sqlite:////runs/a b/mlflow.db"), "1", "abc") == (
+        "mlflow ui --backend-store-uri 'sqlite:////runs/a b/mlflow.db', then open "
+        "http://127.0.0.1:5000/#/experiments/1/runs/abc")
+    hint = ui_hint(shown_uri("https://me:hunter22@mlflow.example.com/"), "7", "abc")
+    assert hint == "open https://me:***@mlflow.example.com/#/experiments/7/runs/abc"
+
+
+# ----------------------------------------------------------------------------------------------------
+# A real run on 2 ranks, resumed once, with the default MLflow store (sqlite in the run folder)
+
+
+def _train_runs(raws: list[dict]) -> list[int]:
+    from txl_dist import distributed, trainer
+    from txl_dist.config import config_from_dict
+    from txl_dist.run_dir import detach_log_file
+
+    env = distributed.discover()
+    log = distributed.setup_logging(env)
+    codes = []
+    try:
+        for raw in raws:
+            codes.append(trainer.run(config_from_dict(raw), env))
+            detach_log_file(log)
+    finally:
+        distributed.destroy_process_group()
+    return codes
+
+
+def test_a_resumed_run_draws_its_whole_history_and_logs_it_to_mlflow(tmp_path):
+    corpus = write_corpus(tmp_path / "corpus", {"train": learnable_stream(4 * 49, VOCAB, 0),
+                                                "valid": learnable_stream(80, VOCAB, 1),
+                                                "test": learnable_stream(80, VOCAB, 2)}, vocab_size=VOCAB)
+    run = tmp_path / "run"
+    common = dict(eval={"interval": 2}, tracking={"enabled": True, "uri": None, "system_metrics": False})
+    first = tiny_config(corpus, run, train={"max_steps": 6, "exit_step": 3}, **common)
+    second = tiny_config(corpus, run, train={"max_steps": 6}, **common)
+    assert run_ranks(_train_runs, 2, [first, second], timeout=600) == [[0, 0], [0, 0]]
+
+    png = run / CURVES_FILE
+    assert png.read_bytes().startswith(PNG_MAGIC)
+    history = LossHistory(run / "tracking" / "metrics.jsonl")
+    history.update()
+    points = history.points()
+
+    # What the picture is drawn from is what the store holds, read back through MLflow's own client.
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{run.resolve() / 'mlflow.db'}")
+    run_id = (run / "tracking" / "run_id").read_text().strip()
+
+    def history_of(key):
+        return {m.step: m.value for m in client.get_metric_history(run_id, key)}
+
+    loss, tokens = history_of("train/loss"), history_of("train/tokens_seen")
+    assert sorted(loss) == list(range(1, 7))  # both jobs, each step once
+    assert points.train_loss == [loss[s] for s in range(1, 7)]
+    assert points.train_tokens == [tokens[s] for s in range(1, 7)] == [32.0 * s for s in range(1, 7)]
+    valid = history_of("valid/loss")
+    assert sorted(valid) == [2, 4, 6]  # eval.interval 2, across the resume
+    assert points.valid_loss == [valid[s] for s in (2, 4, 6)]
+    assert points.valid_tokens == [32.0 * s for s in (2, 4, 6)]
+    assert points.test_loss == list(history_of("test/loss").values()) and points.test_tokens == [192.0]
+    assert points.train_smoothed == ema_debiased(points.train_loss, smoothing_span(6))
+
+    artifacts = {a.path for a in client.list_artifacts(run_id)}
+    assert CURVES_FILE in artifacts
+    log = (run / "logs" / "train.log").read_text()
+    assert f"curves {png.resolve()}" in log
+    assert (f"MLflow UI: mlflow ui --backend-store-uri sqlite:///{run.resolve() / 'mlflow.db'}, then open "
+            f"http://127.0.0.1:5000/#/experiments/") in log
+    assert f"/runs/{run_id}" in log
