@@ -16,7 +16,9 @@ empty --prompt '' generates a document from nothing. One process; CPU unless --d
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import io
 import json
 import logging
 import sys
@@ -110,7 +112,9 @@ def _from_checkpoint(path: str):
 
     tag_dir, run_info, model_cfg = start_export(path)
     model = TransformerXL(model_cfg)
-    ckpt.load_fp32_weights(model, tag_dir, run_info["zero_stage"])
+    # DeepSpeed's ZeRO consolidation prints its progress to stdout and stderr: stdout is the samples' (--json).
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        ckpt.load_fp32_weights(model, tag_dir, run_info["zero_stage"])
     corpus = run_info["config"]["data"]["path"]
     return model, str(tag_dir), run_info["tokenizer_sha256"], corpus
 
