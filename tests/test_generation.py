@@ -248,6 +248,15 @@ def test_cli_generates_text_from_a_trained_checkpoint(trained, tmp_path, capsys)
     model = export(str(run), str(tmp_path / "native"))
     capsys.readouterr()  # DeepSpeed's consolidation printed its progress
     ids = generate(model, tok.encode("The king"), 10, SamplingSettings(greedy=True))[0]
+    # A session fed text: the first text starts a document, sample_text continues the text read so far.
+    session = GenerationSession(model, tokenizer=tok)
+    session.feed("The king")
+    texts = session.sample_text(8, SamplingSettings(greedy=True))
+    assert session.n_tokens == len(tok.encode("The king")) + 8
+    assert "The king" + texts[0] == tok.decode(tok.encode("The king") + ids[:8])
+    session.feed(" the queen")
+    assert session.n_tokens == len(tok.encode("The king")) + 8 + len(tok.encode(" the queen", False))
+
     (tmp_path / "prompt.txt").write_text("The king")
     assert _generate_main(["--model", str(tmp_path / "native"), "--tokenizer", str(corpus), "--prompt-file",
                            str(tmp_path / "prompt.txt"), "--max-new-tokens", "10", "--greedy", "--json"]) == 0

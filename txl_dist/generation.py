@@ -8,6 +8,9 @@ session.expand(4)                      # 4 streams share the prompt's mems (batc
 ids = session.sample(60, SamplingSettings(temperature=0.8, top_k=40))   # [4, 60]; each token one forward
 session.feed(more_ids)                 # [4, n] or [n] (the same tokens for every stream); then sample again
 state = session.state_dict()           # mems, next log-probs, RNG, token count: torch.save-able, versioned
+text_session = GenerationSession(model, tokenizer=Tokenizer("data/shakespeare/tokenizer.model"))
+text_session.feed("ROMEO.")            # text: the first one starts a document (end-of-document id first)
+text_session.sample_text(40)           # ["..."]: the continuation, one string per stream
 GenerationSession(model, mem_len=192).load_state_dict(state)   # continues exactly where it was
 ```
 
@@ -125,11 +128,12 @@ class GenerationSession:
     """
 
     def __init__(self, model: torch.nn.Module, *, mem_len: int | None = None, clamp_len: int | None = None,
-                 chunk_len: int | None = None, seed: int | None = None):
+                 chunk_len: int | None = None, seed: int | None = None, tokenizer: Tokenizer | None = None):
         """model: a TransformerXL (eval mode); mem_len: hidden states kept per layer (None: the model's
         mem_len + tgt_len, the widest context a training token saw); clamp_len: None = the model's;
         chunk_len: prompt tokens per forward (None: the model's tgt_len); seed: of the session's torch.Generator
-        (None: a random seed, still saved in state_dict)."""
+        (None: a random seed, still saved in state_dict); tokenizer: lets feed take text and sample_text
+        return it."""
         if model.training:
             raise GenerationError("the model is in training mode (dropout on); call model.eval() before generating")
         cfg = model.config
@@ -145,6 +149,7 @@ class GenerationSession:
         self.memory = MemorySettings(mem_len=mem_len, clamp_len=clamp_len, same_length=False)
         """What every forward of this session passes to the model (same_length off: see the module doc)."""
         self.chunk_len = chunk_len
+        self.tokenizer = tokenizer
         self.generator = torch.Generator(device="cpu")
         if seed is None:
             self.generator.seed()
@@ -156,6 +161,8 @@ class GenerationSession:
         """float32 [batch, vocab] on the CPU: the distribution of each stream's next token."""
         self.n_tokens = 0
         """Tokens each stream has read (prompt and sampled)."""
+        self.last_tokens: torch.Tensor | None = None
+        """int64 [batch]: each stream's latest token (text is decoded after it, so that pieces join)."""
         self._batch_size = 0
 
     # -- properties --------------------------------------------------------------------------------
@@ -171,12 +178,17 @@ class GenerationSession:
 
     # -- reading and sampling ----------------------------------------------------------------------
 
-    def feed(self, token_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
-        """Read tokens: [n] (the same for every stream) or [batch, n]; returns next_log_probs [batch, V].
+    def feed(self, tokens: torch.Tensor | Sequence[int] | str) -> torch.Tensor:
+        """Read tokens: ids [n] (the same for every stream) or [batch, n], or text (through the tokenizer;
+        the first text of a fresh session starts a document); returns next_log_probs [batch, V].
 
         Read in segments of chunk_len, each against the mems of what came before.
         """
-        ids = self._as_batch(token_ids)                                            # [B, n]
+        if isinstance(tokens, str):
+            if self.tokenizer is None:
+                raise GenerationError("feeding text needs a tokenizer: GenerationSession(model, tokenizer=...)")
+            tokens = self.tokenizer.encode(tokens, start_of_document=self.n_tokens == 0)
+        ids = self._as_batch(tokens)                                               # [B, n]
         with torch.no_grad():
             for start in range(0, ids.shape[1], self.chunk_len):
                 segment = ids[:, start:start + self.chunk_len].to(self.device)     # [B, T]
@@ -186,6 +198,7 @@ class GenerationSession:
                 last = out.hidden[:, -1]                                           # [B, d_model]
                 self.next_log_probs = self.model.log_probs(last).float().cpu()     # [B, V]
         self.n_tokens += ids.shape[1]
+        self.last_tokens = ids[:, -1].clone()                                      # [B]
         return self.next_log_probs
 
     def sample(self, n: int, sampling: SamplingSettings = SamplingSettings()) -> torch.Tensor:
@@ -206,6 +219,15 @@ class GenerationSession:
             self.feed(token.view(-1, 1))
         return torch.stack(chosen, dim=1) if chosen else torch.empty(self.batch_size, 0, dtype=torch.long)
 
+    def sample_text(self, n: int, sampling: SamplingSettings = SamplingSettings()) -> list[str]:
+        """sample(n) as text, one string per stream, that joins the text read before (needs the tokenizer)."""
+        if self.tokenizer is None:
+            raise GenerationError("sample_text needs a tokenizer: GenerationSession(model, tokenizer=...)")
+        before = self.last_tokens
+        ids = self.sample(n, sampling)                                             # [B, n]
+        return [self.tokenizer.decode_after([int(b)] if b is not None else [], row.tolist())
+                for b, row in zip(before if before is not None else [None] * len(ids), ids)]
+
     def expand(self, batch_size: int) -> None:
         """Make `batch_size` streams of the one stream read so far (they share its mems and next token)."""
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
@@ -216,6 +238,7 @@ class GenerationSession:
         if self.mems is not None:
             self.mems = [m.expand(batch_size, -1, -1).contiguous() for m in self.mems]  # [B, mlen, d_model]
         self.next_log_probs = self.next_log_probs.expand(batch_size, -1).contiguous()   # [B, V]
+        self.last_tokens = self.last_tokens.expand(batch_size).clone()                 # [B]
         self._batch_size = batch_size
 
     # -- state -------------------------------------------------------------------------------------
@@ -230,6 +253,7 @@ class GenerationSession:
             "batch_size": self.batch_size,
             "mems": None if self.mems is None else [m.detach().cpu() for m in self.mems],
             "next_log_probs": None if self.next_log_probs is None else self.next_log_probs.clone(),
+            "last_tokens": None if self.last_tokens is None else self.last_tokens.clone(),
             "rng_state": self.generator.get_state(),
         }
 
@@ -257,6 +281,7 @@ class GenerationSession:
         self._batch_size = state["batch_size"]
         self.mems = None if mems is None else [m.to(self.device) for m in mems]
         self.next_log_probs = None if log_probs is None else log_probs.float().cpu().clone()
+        self.last_tokens = None if state["last_tokens"] is None else state["last_tokens"].long().cpu().clone()
         self.generator.set_state(state["rng_state"])
 
     # -- helpers -----------------------------------------------------------------------------------
@@ -356,3 +381,10 @@ class Tokenizer:
                 texts.append(self.processor.decode(pieces))
                 pieces = []
         return "\n\n".join(texts)
+
+    def decode_after(self, before: Sequence[int], ids: Sequence[int]) -> str:
+        """The text of ids as it continues the text of `before` (a leading space survives: SentencePiece
+        drops the word-boundary space of a text's first piece)."""
+        head = self.decode(before)
+        whole = self.decode(list(before) + list(ids))
+        return whole[len(head):] if whole.startswith(head) else self.decode(ids)
