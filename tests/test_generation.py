@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import shutil
 import subprocess
 import sys
 
@@ -245,7 +246,7 @@ def test_cli_generates_text_from_a_trained_checkpoint(trained, tmp_path, capsys)
     # Greedy through the CLI equals the Python API on the exported weights; and --model reads that folder.
     from launch.export import export
 
-    model = export(str(run), str(tmp_path / "native"))
+    model = export(str(run), str(tmp_path / "native"), str(tmp_path / "hf"))
     capsys.readouterr()  # DeepSpeed's consolidation printed its progress
     ids = generate(model, tok.encode("The king"), 10, SamplingSettings(greedy=True))[0]
     # A session fed text: the first text starts a document, sample_text continues the text read so far.
@@ -263,6 +264,10 @@ def test_cli_generates_text_from_a_trained_checkpoint(trained, tmp_path, capsys)
     via_folder = json.loads(capsys.readouterr().out)
     ids_no_stop = via_folder["samples"][0]["ids"]
     assert ids_no_stop == ids[:len(ids_no_stop)] and (len(ids_no_stop) == 10 or ids_no_stop[-1] == tok.eod_id)
+    shutil.copy(corpus / "tokenizer.model", tmp_path / "hf")  # a folder's own tokenizer.model is the default
+    assert _generate_main(["--model", str(tmp_path / "hf"), "--prompt", "The king", "--max-new-tokens", "10",
+                           "--greedy", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["samples"][0]["ids"] == ids_no_stop
 
     assert _generate_main(["--checkpoint", str(run), "--prompt", "", "--max-new-tokens", "5", "--seed", "1"]) == 0
     assert capsys.readouterr().out.strip() != ""
