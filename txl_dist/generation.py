@@ -195,8 +195,8 @@ class GenerationSession:
                 out = self.model(segment, mems=self.mems, memory=self.memory)
                 # mem_len 0 leaves empty mems; keep None so the next forward has no memory at all.
                 self.mems = out.mems if self.memory.mem_len > 0 else None
-                last = out.hidden[:, -1]                                           # [B, d_model]
-                self.next_log_probs = self.model.log_probs(last).float().cpu()     # [B, V]
+            last = out.hidden[:, -1]                                               # [B, d_model]
+            self.next_log_probs = self.model.log_probs(last).float().cpu()         # [B, V]
         self.n_tokens += ids.shape[1]
         self.last_tokens = ids[:, -1].clone()                                      # [B]
         return self.next_log_probs
