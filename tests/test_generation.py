@@ -1,0 +1,344 @@
+"""Generation: incremental decoding against cached mems equals re-running the full context; sampling is
+reproducible by seed and filters as documented; a session saved and restored continues identically; the CLI
+refuses bad arguments with one line and generates text from a checkpoint of a real (tiny) training run."""
+from __future__ import annotations
+
+import json
+import logging
+import random
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dist_helpers import REPO, run_ranks, tiny_config
+from txl_dist.config import MemorySettings, ModelConfig
+from txl_dist.errors import EXIT_REFUSED
+from txl_dist.generation import (GenerationError, GenerationSession, SamplingSettings, filter_top_k, filter_top_p,
+                                 generate, next_tokens)
+from txl_dist.model import TransformerXL
+
+VOCAB = 50
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Models this small decode many times faster on one thread than on two of a busy 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model() -> TransformerXL:
+    """A small random model with an adaptive softmax (two clusters) and pre-norm layers."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=VOCAB, n_layer=3, d_model=32, n_head=2, d_head=16, d_inner=64, cutoffs=[20],
+                      div_val=2, pre_lnorm=True, tgt_len=8, mem_len=8, dropout=0.1)
+    return TransformerXL(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def sharp_model() -> TransformerXL:
+    """The same architecture with 10x the initial weights: its log-probs depend strongly on the context and
+    on the relative positions (at init_std 0.02 they barely do), so a wrong mem or position shows."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=VOCAB, n_layer=3, d_model=32, n_head=2, d_head=16, d_inner=64, cutoffs=[20],
+                      div_val=2, pre_lnorm=True, tgt_len=8, mem_len=8, dropout=0.1, init_std=0.25,
+                      proj_init_std=0.25)
+    return TransformerXL(cfg).eval()
+
+
+def full_recompute(model, context: list[int], n: int, clamp_len: int = -1) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy decoding the obvious way: the whole context through the model (no mems) for every token."""
+    context = list(context)
+    tokens, log_probs = [], []
+    with torch.no_grad():
+        for _ in range(n + 1):
+            out = model(torch.tensor([context]), memory=MemorySettings(mem_len=0, clamp_len=clamp_len))
+            lp = model.log_probs(out.hidden[0, -1])                                 # [V]
+            log_probs.append(lp)
+            token = int(torch.argmax(lp))
+            tokens.append(token)
+            context.append(token)
+    return tokens[:n], log_probs
+
+
+@pytest.mark.parametrize("chunk_len, clamp_len", [(1, -1), (5, -1), (64, -1), (5, 4)])
+def test_incremental_greedy_equals_full_recompute(sharp_model, chunk_len, clamp_len):
+    model = sharp_model
+    prompt = torch.randint(0, VOCAB, (13,), generator=torch.Generator().manual_seed(1)).tolist()
+    n = 20
+    # mem_len covers the whole context (13 + 20 tokens); chunk_len 1, a cut prompt, or all of it at once;
+    # clamped relative positions too.
+    session = GenerationSession(model, mem_len=len(prompt) + n, chunk_len=chunk_len, clamp_len=clamp_len)
+    log_probs = [session.feed(prompt)[0]]
+    tokens = []
+    for _ in range(n):
+        tokens.append(int(session.sample(1, SamplingSettings(greedy=True))[0, 0]))
+        log_probs.append(session.next_log_probs[0])
+    ref_tokens, ref_log_probs = full_recompute(model, prompt, n, clamp_len)
+    assert tokens == ref_tokens and len(set(tokens)) > 1
+    torch.testing.assert_close(torch.stack(log_probs), torch.stack(ref_log_probs), rtol=1e-5, atol=1e-4)
+    # Not a vacuous comparison: the log-probs depend on the clamping and on the first prompt token.
+    other_clamp_len = 4 if clamp_len <= 0 else -1
+    assert not torch.allclose(full_recompute(model, prompt, 0, other_clamp_len)[1][0], ref_log_probs[0], atol=1e-2)
+    assert not torch.allclose(full_recompute(model, prompt[1:], 0, clamp_len)[1][0], ref_log_probs[0], atol=1e-2)
+    assert session.n_tokens == len(prompt) + n
+    assert all(m.shape == (1, len(prompt) + n, 32) for m in session.mems)
+
+
+def test_short_memory_differs_from_full_context_and_keeps_cost_bounded(sharp_model):
+    """mem_len below the context: each token sees mem_len states (the mems never grow past it), so the
+    log-probs differ from the full recompute once the context is longer than mem_len + 1."""
+    model = sharp_model
+    prompt = list(range(1, 21))
+    session = GenerationSession(model, mem_len=4, chunk_len=1)
+    session.feed(prompt)
+    assert all(m.shape == (1, 4, 32) for m in session.mems)
+    _, ref = full_recompute(model, prompt, 0)
+    assert not torch.allclose(session.next_log_probs[0], ref[0], atol=1e-2)
+
+
+def test_generate_matches_the_session_and_is_reproducible_by_seed(model):
+    settings = SamplingSettings(temperature=0.9, top_k=20, top_p=0.9)
+    a = generate(model, [3, 4, 5], 16, settings, num_samples=3, seed=7)
+    b = generate(model, [3, 4, 5], 16, settings, num_samples=3, seed=7)
+    c = generate(model, [3, 4, 5], 16, settings, num_samples=3, seed=8)
+    assert a == b and a != c
+    assert len({tuple(s) for s in a}) > 1  # the samples of one prompt differ from each other
+    torch.manual_seed(123)  # the global RNG is not used: reseeding it changes nothing
+    assert generate(model, [3, 4, 5], 16, settings, num_samples=3, seed=7) == a
+    session = GenerationSession(model, seed=7)
+    session.feed([3, 4, 5])
+    session.expand(3)
+    assert session.sample(16, settings).tolist() == a
+
+
+def test_stop_id_ends_each_sample_after_it(model):
+    samples = generate(model, [1, 2], 40, SamplingSettings(temperature=2.0), num_samples=4, seed=3, stop_id=7)
+    unstopped = generate(model, [1, 2], 40, SamplingSettings(temperature=2.0), num_samples=4, seed=3)
+    for s, full in zip(samples, unstopped):
+        cut = full.index(7) + 1 if 7 in full else len(full)
+        assert s == full[:cut]
+    assert any(s[-1] == 7 for s in samples), "the test needs a sample that stops"
+
+
+def test_top_k_keeps_the_k_largest():
+    logits = torch.tensor([[1.0, 5.0, 3.0, 3.0, -2.0], [0.0, 0.1, 0.2, 0.3, 0.4]])
+    kept = torch.isfinite(filter_top_k(logits, 2))
+    assert kept.tolist() == [[False, True, True, True, False], [False, False, False, True, True]]  # ties stay
+    assert torch.equal(filter_top_k(logits, 0), logits) and torch.equal(filter_top_k(logits, 5), logits)
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    probs = torch.tensor([[0.05, 0.5, 0.3, 0.15], [0.97, 0.01, 0.01, 0.01]])
+    logits = probs.log()
+    assert torch.isfinite(filter_top_p(logits, 0.8)).tolist() == [[False, True, True, False],
+                                                                 [True, False, False, False]]
+    assert torch.isfinite(filter_top_p(logits, 0.81)).tolist()[0] == [False, True, True, True]
+    assert torch.isfinite(filter_top_p(logits, 1e-6)).sum(-1).tolist() == [1, 1]  # the most probable stays
+    # Against an independent computation: random rows, the kept set is the sorted prefix reaching p.
+    rows = torch.randn(200, 30, generator=torch.Generator().manual_seed(0)) * 3
+    for p in (0.3, 0.9):
+        kept = torch.isfinite(filter_top_p(rows, p))
+        for row, k in zip(rows, kept):
+            order = torch.argsort(row, descending=True).tolist()
+            probs_sorted = torch.softmax(row.double(), -1)[order].tolist()
+            n, mass = 0, 0.0
+            while mass < p:
+                mass += probs_sorted[n]
+                n += 1
+            assert sorted(order[:n]) == torch.nonzero(k).flatten().tolist()
+
+
+def test_sampling_follows_the_filtered_distribution():
+    log_probs = torch.tensor([[0.4, 0.3, 0.2, 0.1]]).log().expand(20000, -1)
+    counts = torch.bincount(next_tokens(log_probs, SamplingSettings(top_k=2), torch.Generator().manual_seed(0)),
+                            minlength=4).double() / 20000
+    torch.testing.assert_close(counts, torch.tensor([4 / 7, 3 / 7, 0, 0], dtype=torch.double), atol=0.02, rtol=0)
+    counts = torch.bincount(next_tokens(log_probs, SamplingSettings(temperature=0.5), torch.Generator().manual_seed(0)),
+                            minlength=4).double() / 20000
+    sharp = torch.tensor([0.16, 0.09, 0.04, 0.01], dtype=torch.double)
+    torch.testing.assert_close(counts, sharp / sharp.sum(), atol=0.02, rtol=0)
+
+
+def test_session_save_and_restore_continues_identically(model, tmp_path):
+    settings = SamplingSettings(temperature=1.0, top_p=0.95)
+    session = GenerationSession(model, mem_len=12, chunk_len=3, seed=5)
+    session.feed([1, 2, 3, 4, 5, 6, 7])
+    session.expand(2)
+    session.sample(4, settings)
+    torch.save(session.state_dict(), tmp_path / "session.pt")
+    expected = [session.sample(6, settings), session.feed([[9, 9], [8, 8]]), session.sample(5, settings)]
+
+    restored = GenerationSession(model, mem_len=12, chunk_len=3, seed=999)  # the RNG comes from the state
+    restored.load_state_dict(torch.load(tmp_path / "session.pt", weights_only=True))
+    assert restored.n_tokens == 7 + 4 and restored.batch_size == 2
+    got = [restored.sample(6, settings), restored.feed([[9, 9], [8, 8]]), restored.sample(5, settings)]
+    for a, b in zip(expected, got):
+        assert torch.equal(a, b)
+
+    with pytest.raises(GenerationError, match="mem_len=12.*mem_len=20"):
+        GenerationSession(model, mem_len=20).load_state_dict(session.state_dict())
+    with pytest.raises(GenerationError, match="version"):
+        GenerationSession(model, mem_len=12).load_state_dict({**session.state_dict(), "version": 99})
+
+
+def test_session_refusals(model):
+    session = GenerationSession(model)
+    with pytest.raises(GenerationError, match="feed at least one token"):
+        session.sample(1)
+    with pytest.raises(GenerationError, match=r"token ids must be in \[0, 50\)"):
+        session.feed([1, 50])
+    with pytest.raises(GenerationError, match="temperature must be > 0"):
+        SamplingSettings(temperature=0.0).check()
+    with pytest.raises(GenerationError, match="top_p must be in"):
+        SamplingSettings(top_p=1.5).check()
+    SamplingSettings(temperature=0.0, greedy=True).check()  # temperature is not used by greedy decoding
+    model.train()
+    try:
+        with pytest.raises(GenerationError, match="model.eval"):
+            GenerationSession(model)
+    finally:
+        model.eval()
+
+
+# ----------------------------------------------------------------------------------------------------
+# The command line
+
+
+def _train_main(argv):
+    from launch.train import main
+
+    return main(argv)
+
+
+def _generate_main(argv):
+    from launch.generate import main
+
+    return main(argv)
+
+
+WORDS = ("the king queen crown sword night day love war peace lord lady speak hear gentle noble cousin brother "
+         "sister father mother heaven earth fire water blood honour grace").split()
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A corpus with a real SentencePiece model (made by data_prep) and a ZeRO-1 run trained on it for 3 steps."""
+    from data_prep.cli import main as prep
+
+    root = tmp_path_factory.mktemp("generation")
+    rng = random.Random(0)
+    for split, n_docs in (("train", 12), ("valid", 2), ("test", 2)):
+        (root / "raw" / split).mkdir(parents=True)
+        for d in range(n_docs):
+            lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 10))).capitalize() + "."
+                     for _ in range(30)]
+            (root / "raw" / split / f"{d:02d}.txt").write_text("\n".join(lines) + "\n")
+    corpus = root / "corpus"
+    assert prep(["prepare", "--out", str(corpus), *(f"--{s}={root / 'raw' / s / '*.txt'}" for s in
+                                                    ("train", "valid", "test")),
+                 "--vocab-size", "64", "--no-byte-fallback", "--world-size", "1", "--n-streams", "4",
+                 "--quiet"]) == 0
+    config = root / "config.json"
+    # ZeRO 1: the weights go through DeepSpeed's consolidation, which prints (and must not reach --json).
+    config.write_text(json.dumps(tiny_config(corpus, root / "run", train={"max_steps": 3},
+                                             eval={"at_end": False}, checkpoint={"interval": 0},
+                                             deepspeed={"zero_optimization": {"stage": 1}})))
+    assert run_ranks(_train_main, 1, ["--config", str(config)]) == [0]
+    return corpus, root / "run"
+
+
+def test_cli_generates_text_from_a_trained_checkpoint(trained, tmp_path, capsys):
+    corpus, run = trained
+    argv = ["--checkpoint", str(run), "--prompt", "The king", "--max-new-tokens", "12", "--num-samples", "2",
+            "--seed", "4", "--top-k", "20", "--ignore-eod", "--json"]
+    assert _generate_main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert _generate_main(argv) == 0
+    assert json.loads(capsys.readouterr().out) == out  # the seed fixes the samples
+    assert [len(s["ids"]) for s in out["samples"]] == [12, 12]
+    from txl_dist.generation import Tokenizer
+
+    tok = Tokenizer(str(corpus / "tokenizer.model"))
+    assert out["prompt_ids"] == tok.encode("The king")  # the eod id first: the prompt starts a document
+    for s in out["samples"]:
+        assert s["text"] == tok.decode(out["prompt_ids"] + s["ids"]) and s["text"].startswith("The king")
+
+    # Greedy through the CLI equals the Python API on the exported weights; and --model reads that folder.
+    from launch.export import export
+
+    model = export(str(run), str(tmp_path / "native"), str(tmp_path / "hf"))
+    capsys.readouterr()  # DeepSpeed's consolidation printed its progress
+    ids = generate(model, tok.encode("The king"), 10, SamplingSettings(greedy=True))[0]
+    # A session fed text: the first text starts a document, sample_text continues the text read so far.
+    session = GenerationSession(model, tokenizer=tok)
+    session.feed("The king")
+    texts = session.sample_text(8, SamplingSettings(greedy=True))
+    assert session.n_tokens == len(tok.encode("The king")) + 8
+    assert "The king" + texts[0] == tok.decode(tok.encode("The king") + ids[:8])
+    session.feed(" the queen")
+    assert session.n_tokens == len(tok.encode("The king")) + 8 + len(tok.encode(" the queen", False))
+
+    (tmp_path / "prompt.txt").write_text("The king")
+    assert _generate_main(["--model", str(tmp_path / "native"), "--tokenizer", str(corpus), "--prompt-file",
+                           str(tmp_path / "prompt.txt"), "--max-new-tokens", "10", "--greedy", "--json"]) == 0
+    via_folder = json.loads(capsys.readouterr().out)
+    ids_no_stop = via_folder["samples"][0]["ids"]
+    assert ids_no_stop == ids[:len(ids_no_stop)] and (len(ids_no_stop) == 10 or ids_no_stop[-1] == tok.eod_id)
+    shutil.copy(corpus / "tokenizer.model", tmp_path / "hf")  # a folder's own tokenizer.model is the default
+    assert _generate_main(["--model", str(tmp_path / "hf"), "--prompt", "The king", "--max-new-tokens", "10",
+                           "--greedy", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["samples"][0]["ids"] == ids_no_stop
+
+    assert _generate_main(["--checkpoint", str(run), "--prompt", "", "--max-new-tokens", "5", "--seed", "1"]) == 0
+    assert capsys.readouterr().out.strip() != ""
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--top-p", "0"], "--top-p must be in (0, 1]"),
+    (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
+    (["--temperature", "0"], "--temperature must be > 0 when sampling"),
+    (["--top-k", "-1"], "--top-k must be >= 0"),
+    (["--max-new-tokens", "-3"], "--max-new-tokens must be >= 0"),
+    (["--num-samples", "0"], "--num-samples must be >= 1"),
+    (["--mem-len", "-1"], "--mem-len must be >= 0"),
+    (["--no-prompt"], "pass exactly one of --prompt TEXT and --prompt-file FILE"),
+    (["--prompt-file", "missing.txt"], "--prompt-file missing.txt: cannot read it"),
+    (["--checkpoint", "nowhere"], "nowhere: not a checkpoint"),
+    (["--no-model"], "pass exactly one of --checkpoint PATH"),
+    (["--model", "."], "--model .: neither model_config.json (native) nor config.json"),
+    (["--device", "cuda"], "CUDA is not available"),
+    (["--tokenizer", "missing.model"], "tokenizer missing.model does not exist"),
+])
+def test_cli_refuses_bad_arguments_with_one_line(trained, tmp_path, monkeypatch, caplog, args, message):
+    if "--device" in args and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    _, run = trained
+    monkeypatch.chdir(tmp_path)
+    argv = ["--checkpoint", str(run), "--prompt", "The"]
+    if "--no-prompt" in args:
+        argv, args = argv[:2], []
+    elif "--no-model" in args:
+        argv, args = argv[2:], []
+    elif args[0] in ("--checkpoint", "--model"):
+        argv = argv[2:]
+    elif args[0] == "--prompt-file":
+        argv = argv[:2]
+    with caplog.at_level(logging.ERROR, logger="txl_dist"):
+        assert _generate_main(argv + args) == EXIT_REFUSED
+    err = [r.getMessage() for r in caplog.records]
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_cli_refusal_is_one_line_on_stderr_and_exit_status_2(tmp_path):
+    proc = subprocess.run([sys.executable, str(REPO / "launch" / "generate.py"), "--checkpoint", str(tmp_path),
+                           "--prompt", "x", "--top-p", "2"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert proc.returncode == EXIT_REFUSED and proc.stdout == ""
+    assert proc.stderr.splitlines() == ["error: --top-p must be in (0, 1] (1 = off), got 2.0"]

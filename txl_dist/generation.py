@@ -1,0 +1,390 @@
+"""Text generation with Transformer-XL memory: incremental decoding against cached mems.
+
+```python
+from txl_dist.generation import GenerationSession, SamplingSettings, generate
+session = GenerationSession(model, mem_len=192, seed=0)   # model.eval() first; pure torch, any device
+session.feed(prompt_ids)               # the prompt, read in segments of chunk_len that fill the memory
+session.expand(4)                      # 4 streams share the prompt's mems (batch 1 -> 4)
+ids = session.sample(60, SamplingSettings(temperature=0.8, top_k=40))   # [4, 60]; each token one forward
+session.feed(more_ids)                 # [4, n] or [n] (the same tokens for every stream); then sample again
+state = session.state_dict()           # mems, next log-probs, RNG, token count: torch.save-able, versioned
+text_session = GenerationSession(model, tokenizer=Tokenizer("data/shakespeare/tokenizer.model"))
+text_session.feed("ROMEO.")            # text: the first one starts a document (end-of-document id first)
+text_session.sample_text(40)           # ["..."]: the continuation, one string per stream
+GenerationSession(model, mem_len=192).load_state_dict(state)   # continues exactly where it was
+```
+
+Decoding: the prompt is read in segments of `chunk_len` tokens (default the model's tgt_len), each against
+the mems of the previous ones, as in evaluation; then every new token is one segment of length 1 against
+the cached mems, so the cost of a token depends on mem_len, not on how much was generated. With mem_len at
+least the whole context, the log-probabilities are those of re-running the full context (tests prove it).
+
+Memory settings: same_length is off. With one-token segments every query already attends to the same number
+of keys (mem_len + 1), which is what same_length enforces for the multi-token segments of evaluation; turning
+it on would only hide the oldest state, and in a prompt segment it would take context from its later tokens.
+clamp_len defaults to the model's training value.
+
+Sampling: temperature, then top-k, then top-p (nucleus), in float32 on the CPU with the session's own
+torch.Generator (never the global RNG), so a seed gives the same tokens on every device up to the logits'
+numerics. Greedy decoding (SamplingSettings(greedy=True)) takes the most probable token (lowest id on ties).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from txl_dist.config import MemorySettings
+from txl_dist.errors import Refused
+
+STATE_VERSION = 1
+"""Version of GenerationSession.state_dict(); load_state_dict refuses any other."""
+
+
+class GenerationError(Refused, ValueError):
+    """A generation argument the session will not work with; one line naming it and the fix."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# Sampling
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How the next token is chosen from the model's log-probabilities."""
+
+    temperature: float = 1.0
+    """Divides the log-probabilities before sampling (< 1 sharper, > 1 flatter); must be > 0 when sampling."""
+    top_k: int = 0
+    """Sample only among the k most probable tokens (ties with the k-th kept); 0 = no limit."""
+    top_p: float = 1.0
+    """Nucleus: sample among the fewest most probable tokens whose probabilities sum to >= top_p; in (0, 1]."""
+    greedy: bool = False
+    """Take the most probable token (temperature, top_k and top_p are then not used)."""
+
+    def check(self) -> None:
+        """Refuse settings that cannot sample (one line naming the setting)."""
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise GenerationError(f"top_k must be an integer >= 0 (0 = no limit), got {self.top_k!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
+            raise GenerationError(f"top_p must be in (0, 1] (1 = no nucleus filter), got {self.top_p!r}")
+        if self.greedy:
+            return
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and self.temperature > 0):
+            raise GenerationError(f"temperature must be > 0 when sampling, got {self.temperature!r}; "
+                                  "use greedy decoding for the most probable token")
+
+
+def filter_top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """logits [..., V] with every token below the k-th largest of its row set to -inf (ties kept); 0 = all."""
+    if top_k <= 0 or top_k >= logits.shape[-1]:
+        return logits
+    kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]                       # [..., 1]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def filter_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """logits [..., V] keeping, per row, the fewest most probable tokens whose probabilities reach top_p.
+
+    A token is dropped when the tokens more probable than it already sum to >= top_p, so the most probable
+    token always stays. Computed in float32.
+    """
+    if top_p >= 1.0:
+        return logits
+    logits = logits.float()
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)             # [..., V]
+    probs = torch.softmax(sorted_logits, dim=-1)                                   # [..., V]
+    mass_before = torch.cumsum(probs, dim=-1) - probs                              # [..., V]
+    drop_sorted = mass_before >= top_p                                             # [..., V]
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)           # [..., V]
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def next_tokens(log_probs: torch.Tensor, sampling: SamplingSettings,
+                generator: torch.Generator | None) -> torch.Tensor:
+    """log_probs [B, V] (float32, CPU) -> the chosen token ids [B] (int64)."""
+    if sampling.greedy:
+        return torch.argmax(log_probs, dim=-1)
+    logits = log_probs.float() / sampling.temperature                              # [B, V]
+    logits = filter_top_p(filter_top_k(logits, sampling.top_k), sampling.top_p)   # [B, V]
+    probs = torch.softmax(logits, dim=-1)                                          # [B, V]
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)            # [B]
+
+
+# ----------------------------------------------------------------------------------------------------
+# The session
+
+
+class GenerationSession:
+    """Streams of text with their Transformer-XL memory: feed tokens, sample tokens, save, restore.
+
+    Holds, per stream, the mems after the tokens read so far and the log-probabilities of the next token;
+    the model's own state is never changed (pass it in eval mode). All streams read the same number of
+    tokens (n_tokens). A fresh session has no streams' state yet: the first feed makes `batch_size` streams.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, mem_len: int | None = None, clamp_len: int | None = None,
+                 chunk_len: int | None = None, seed: int | None = None, tokenizer: Tokenizer | None = None):
+        """model: a TransformerXL (eval mode); mem_len: hidden states kept per layer (None: the model's
+        mem_len + tgt_len, the widest context a training token saw); clamp_len: None = the model's;
+        chunk_len: prompt tokens per forward (None: the model's tgt_len); seed: of the session's torch.Generator
+        (None: a random seed, still saved in state_dict); tokenizer: lets feed take text and sample_text
+        return it."""
+        if model.training:
+            raise GenerationError("the model is in training mode (dropout on); call model.eval() before generating")
+        cfg = model.config
+        mem_len = cfg.mem_len + cfg.tgt_len if mem_len is None else mem_len
+        clamp_len = cfg.clamp_len if clamp_len is None else clamp_len
+        chunk_len = cfg.tgt_len if chunk_len is None else chunk_len
+        for name, value, low in (("mem_len", mem_len, 0), ("chunk_len", chunk_len, 1)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise GenerationError(f"{name} must be an integer >= {low}, got {value!r}")
+        if not isinstance(clamp_len, int) or isinstance(clamp_len, bool):
+            raise GenerationError(f"clamp_len must be an integer (<= 0: no clamping), got {clamp_len!r}")
+        self.model = model
+        self.memory = MemorySettings(mem_len=mem_len, clamp_len=clamp_len, same_length=False)
+        """What every forward of this session passes to the model (same_length off: see the module doc)."""
+        self.chunk_len = chunk_len
+        self.tokenizer = tokenizer
+        self.generator = torch.Generator(device="cpu")
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+        self.mems: list[torch.Tensor] | None = None
+        """n_layer x [batch, <= mem_len, d_model] on the model's device; None before the first token."""
+        self.next_log_probs: torch.Tensor | None = None
+        """float32 [batch, vocab] on the CPU: the distribution of each stream's next token."""
+        self.n_tokens = 0
+        """Tokens each stream has read (prompt and sampled)."""
+        self.last_tokens: torch.Tensor | None = None
+        """int64 [batch]: each stream's latest token (text is decoded after it, so that pieces join)."""
+        self._batch_size = 0
+
+    # -- properties --------------------------------------------------------------------------------
+
+    @property
+    def batch_size(self) -> int:
+        """Number of streams (0 before the first feed)."""
+        return self._batch_size
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    # -- reading and sampling ----------------------------------------------------------------------
+
+    def feed(self, tokens: torch.Tensor | Sequence[int] | str) -> torch.Tensor:
+        """Read tokens: ids [n] (the same for every stream) or [batch, n], or text (through the tokenizer;
+        the first text of a fresh session starts a document); returns next_log_probs [batch, V].
+
+        Read in segments of chunk_len, each against the mems of what came before.
+        """
+        if isinstance(tokens, str):
+            if self.tokenizer is None:
+                raise GenerationError("feeding text needs a tokenizer: GenerationSession(model, tokenizer=...)")
+            tokens = self.tokenizer.encode(tokens, start_of_document=self.n_tokens == 0)
+        ids = self._as_batch(tokens)                                               # [B, n]
+        with torch.no_grad():
+            for start in range(0, ids.shape[1], self.chunk_len):
+                segment = ids[:, start:start + self.chunk_len].to(self.device)     # [B, T]
+                out = self.model(segment, mems=self.mems, memory=self.memory)
+                # mem_len 0 leaves empty mems; keep None so the next forward has no memory at all.
+                self.mems = out.mems if self.memory.mem_len > 0 else None
+            last = out.hidden[:, -1]                                               # [B, d_model]
+            self.next_log_probs = self.model.log_probs(last).float().cpu()         # [B, V]
+        self.n_tokens += ids.shape[1]
+        self.last_tokens = ids[:, -1].clone()                                      # [B]
+        return self.next_log_probs
+
+    def sample(self, n: int, sampling: SamplingSettings = SamplingSettings()) -> torch.Tensor:
+        """Choose and read n tokens per stream, one forward of length 1 each; returns them [batch, n].
+
+        After the call the session has read them too: feed more text or sample again to continue.
+        """
+        sampling.check()
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise GenerationError(f"the number of tokens to sample must be an integer >= 0, got {n!r}")
+        if self.next_log_probs is None:
+            raise GenerationError("nothing to continue from: feed at least one token (e.g. the end-of-document "
+                                  "id to start a new document) before sampling")
+        chosen = []
+        for _ in range(n):
+            token = next_tokens(self.next_log_probs, sampling, self.generator)     # [B]
+            chosen.append(token)
+            self.feed(token.view(-1, 1))
+        return torch.stack(chosen, dim=1) if chosen else torch.empty(self.batch_size, 0, dtype=torch.long)
+
+    def sample_text(self, n: int, sampling: SamplingSettings = SamplingSettings()) -> list[str]:
+        """sample(n) as text, one string per stream, that joins the text read before (needs the tokenizer)."""
+        if self.tokenizer is None:
+            raise GenerationError("sample_text needs a tokenizer: GenerationSession(model, tokenizer=...)")
+        before = self.last_tokens
+        ids = self.sample(n, sampling)                                             # [B, n]
+        return [self.tokenizer.decode_after([int(b)] if b is not None else [], row.tolist())
+                for b, row in zip(before if before is not None else [None] * len(ids), ids)]
+
+    def expand(self, batch_size: int) -> None:
+        """Make `batch_size` streams of the one stream read so far (they share its mems and next token)."""
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise GenerationError(f"the number of streams must be an integer >= 1, got {batch_size!r}")
+        if self.batch_size != 1:
+            raise GenerationError(f"expand needs a session of 1 stream that has read its prompt; this one has "
+                                  f"{self.batch_size}")
+        if self.mems is not None:
+            self.mems = [m.expand(batch_size, -1, -1).contiguous() for m in self.mems]  # [B, mlen, d_model]
+        self.next_log_probs = self.next_log_probs.expand(batch_size, -1).contiguous()   # [B, V]
+        self.last_tokens = self.last_tokens.expand(batch_size).clone()                 # [B]
+        self._batch_size = batch_size
+
+    # -- state -------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything to continue this session later (CPU tensors; torch.save / torch.load(weights_only=True))."""
+        return {
+            "version": STATE_VERSION,
+            "memory": dataclasses.asdict(self.memory),
+            "chunk_len": self.chunk_len,
+            "n_tokens": self.n_tokens,
+            "batch_size": self.batch_size,
+            "mems": None if self.mems is None else [m.detach().cpu() for m in self.mems],
+            "next_log_probs": None if self.next_log_probs is None else self.next_log_probs.clone(),
+            "last_tokens": None if self.last_tokens is None else self.last_tokens.clone(),
+            "rng_state": self.generator.get_state(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue a saved session: same memory settings, a model of the same shape."""
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            version = state.get("version") if isinstance(state, dict) else None
+            raise GenerationError(f"generation state version {version!r} is not {STATE_VERSION}; restore it with "
+                                  "the txl-dist version that saved it")
+        saved = MemorySettings(**state["memory"])
+        if saved != self.memory:
+            raise GenerationError(f"the state was saved with {saved}, this session uses {self.memory}; build the "
+                                  "session with the saved mem_len and clamp_len")
+        mems = state["mems"]
+        d_model, n_layer = self.model.config.d_model, self.model.config.n_layer
+        if mems is not None and (len(mems) != n_layer or any(m.shape[-1] != d_model for m in mems)):
+            raise GenerationError(f"the saved mems ({len(mems)} layers of width {mems[0].shape[-1]}) do not fit "
+                                  f"this model ({n_layer} layers, d_model {d_model}); restore with the same model")
+        log_probs = state["next_log_probs"]
+        if log_probs is not None and log_probs.shape[-1] != self.model.config.vocab_size:
+            raise GenerationError(f"the saved state has a vocabulary of {log_probs.shape[-1]}, the model "
+                                  f"{self.model.config.vocab_size}; restore with the same model")
+        self.chunk_len = state["chunk_len"]
+        self.n_tokens = state["n_tokens"]
+        self._batch_size = state["batch_size"]
+        self.mems = None if mems is None else [m.to(self.device) for m in mems]
+        self.next_log_probs = None if log_probs is None else log_probs.float().cpu().clone()
+        self.last_tokens = None if state["last_tokens"] is None else state["last_tokens"].long().cpu().clone()
+        self.generator.set_state(state["rng_state"])
+
+    # -- helpers -----------------------------------------------------------------------------------
+
+    def _as_batch(self, token_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
+        ids = torch.as_tensor(token_ids, dtype=torch.long).cpu()
+        if ids.dim() == 1:
+            ids = ids.view(1, -1).expand(max(self.batch_size, 1), -1)              # [B, n]
+        if ids.dim() != 2 or ids.shape[1] == 0:
+            raise GenerationError(f"tokens to feed must be [n] or [batch, n] with n >= 1, got shape "
+                                  f"{tuple(ids.shape)}")
+        if self.batch_size and ids.shape[0] != self.batch_size:
+            raise GenerationError(f"the session has {self.batch_size} streams, the tokens {ids.shape[0]}; feed [n] "
+                                  f"or [{self.batch_size}, n]")
+        vocab = self.model.config.vocab_size
+        if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+            raise GenerationError(f"token ids must be in [0, {vocab}), got {int(ids.min())}..{int(ids.max())}")
+        self._batch_size = ids.shape[0]
+        return ids
+
+
+# ----------------------------------------------------------------------------------------------------
+# One call
+
+
+def generate(model: torch.nn.Module, prompt_ids: Sequence[int], max_new_tokens: int,
+             sampling: SamplingSettings = SamplingSettings(), *, num_samples: int = 1, stop_id: int | None = None,
+             seed: int | None = None, mem_len: int | None = None, clamp_len: int | None = None,
+             chunk_len: int | None = None) -> list[list[int]]:
+    """num_samples continuations of one prompt (>= 1 token), each up to max_new_tokens ids.
+
+    The prompt is read once and its mems shared by the samples. With stop_id, a sample ends after it
+    produces that id (included), and decoding stops when every sample has.
+    """
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
+        raise GenerationError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    sampling.check()
+    session = GenerationSession(model, mem_len=mem_len, clamp_len=clamp_len, chunk_len=chunk_len, seed=seed)
+    if len(prompt_ids) == 0:
+        raise GenerationError("the prompt has no tokens; start it with the end-of-document id for a new document")
+    session.feed(list(prompt_ids))
+    session.expand(num_samples)
+    samples: list[list[int]] = [[] for _ in range(num_samples)]
+    running = [True] * num_samples
+    for _ in range(max_new_tokens):
+        tokens = session.sample(1, sampling)[:, 0].tolist()
+        for i, token in enumerate(tokens):
+            if running[i]:
+                samples[i].append(token)
+                running[i] = token != stop_id
+        if not any(running):
+            break
+    return samples
+
+
+# ----------------------------------------------------------------------------------------------------
+# Text through the corpus' SentencePiece model
+
+
+class Tokenizer:
+    """A corpus' SentencePiece model: text <-> ids, and its end-of-document id (sentencepiece imported here)."""
+
+    EOD_PIECE = "<eod>"
+    """The end-of-document piece data_prep's tokenizers have (txl_dist knows nothing of data_prep)."""
+
+    def __init__(self, model_file: str, eod_id: int | None = None):
+        """eod_id: the corpus manifest's; None: the model's <eod> piece, else its eos id."""
+        import sentencepiece as spm
+
+        try:
+            self.processor = spm.SentencePieceProcessor(model_file=model_file)
+        except (RuntimeError, OSError) as e:
+            raise GenerationError(f"{model_file}: not a SentencePiece model ({str(e).strip()[:200]})") from None
+        self.vocab_size = self.processor.get_piece_size()
+        if eod_id is None:
+            eod_id = self.processor.piece_to_id(self.EOD_PIECE)
+            if eod_id == self.processor.unk_id():
+                eod_id = self.processor.eos_id()
+        if not 0 <= eod_id < self.vocab_size:
+            raise GenerationError(f"{model_file} has no end-of-document piece ({self.EOD_PIECE} or eos); use the "
+                                  "corpus folder, whose manifest names it")
+        self.eod_id = eod_id
+
+    def encode(self, text: str, start_of_document: bool = True) -> list[int]:
+        """The ids of text; start_of_document puts the end-of-document id first, as in the training stream,
+        where every document follows one (an empty text is then a prompt for a new document)."""
+        ids = self.processor.encode(text) if text else []
+        return ([self.eod_id] if start_of_document else []) + ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ids; an end-of-document id between two texts becomes a blank line."""
+        texts, pieces = [], []
+        for token in list(ids) + [self.eod_id]:
+            if token != self.eod_id:
+                pieces.append(token)
+            elif pieces:
+                texts.append(self.processor.decode(pieces))
+                pieces = []
+        return "\n\n".join(texts)
+
+    def decode_after(self, before: Sequence[int], ids: Sequence[int]) -> str:
+        """The text of ids as it continues the text of `before` (a leading space survives: SentencePiece
+        drops the word-boundary space of a text's first piece)."""
+        head = self.decode(before)
+        whole = self.decode(list(before) + list(ids))
+        return whole[len(head):] if whole.startswith(head) else self.decode(ids)
