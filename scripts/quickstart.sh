@@ -18,7 +18,7 @@ bash scripts/shakespeare_corpus.sh "$RANKS"
     --set data.path="$DATA" --set run.dir="$RUN_DIR" "$@"
 
 "$ROOT/.venv/bin/deepspeed" --num_gpus "$RANKS" launch/eval.py --config configs/tiny.json \
-    --set data.path="$DATA" --checkpoint "$RUN_DIR/checkpoints" --split test --output "$RUN_DIR/eval-test.json"
+    --set data.path="$DATA" --checkpoint "$RUN_DIR/checkpoints" --split test --json-out "$RUN_DIR/eval-test.json"
 
 echo
 # The baseline a language model must beat: token frequencies of the training split (add-one smoothed).

@@ -59,13 +59,15 @@ def unigram_perplexity(corpus_dir: str | Path, split: str = "test", train_split:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line."""
     p = argparse.ArgumentParser(prog="python -m txl_dist.unigram", description=__doc__.split("\n\n")[0],
-                                allow_abbrev=False)
+                                allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="example:\n  python -m txl_dist.unigram data/shakespeare --split test "
+                                       "--model-result runs/tiny/eval-test.json\n")
     p.add_argument("corpus", help="prepared corpus folder (manifest.json)")
     p.add_argument("--split", default="test", help="split to evaluate (default test)")
     p.add_argument("--train-split", default="train", help="split the frequencies are counted on (default train)")
     p.add_argument("--smoothing", type=float, default=1.0, help="add-k smoothing (default 1: add-one)")
     p.add_argument("--model-result", default=None, metavar="JSON",
-                   help="launch/eval.py --output file: print the model's perplexity beside the baseline")
+                   help="launch/eval.py --json-out file: print the model's perplexity beside the baseline")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     return p.parse_args(argv)
 
