@@ -109,6 +109,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--quiet", action="store_true")
 
+    p = sub.add_parser("mix", help="interleave whole documents of prepared corpora by weight into one corpus",
+                       description="The train split interleaves whole documents of the sources so that each "
+                                   "source's share of tokens follows its weight in every window of the stream; "
+                                   "valid/test keep each source apart as valid/<name>, test/<name> (see "
+                                   "docs/mixtures.md).")
+    p.add_argument("--out", required=True, help="the mixture's corpus folder")
+    p.add_argument("--source", action="append", required=True, metavar="NAME=CORPUS_DIR:WEIGHT",
+                   help="a corpus made by prepare, its name and relative weight (repeat; one tokenizer for all)")
+    p.add_argument("--train-tokens", type=int, default=None, metavar="N",
+                   help="length of the mixture's train split (default: the sum of the sources' train tokens); "
+                        "the stream ends with the whole document that reaches N")
+    p.add_argument("--seed", type=int, default=0, help="seed of every source's document order per epoch")
+    _layout_args(p, required=True)
+    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--quiet", action="store_true")
+
     p = sub.add_parser("verify", help="re-check every checksum, count and token id of a corpus")
     p.add_argument("corpus")
 
@@ -177,6 +193,14 @@ def _run(args: argparse.Namespace, command: list[str], recorded: dict) -> int:
                        eval_streams=args.eval_streams, overwrite=args.overwrite, command=command, args=recorded,
                        progress=not args.quiet)
         print(f"wrote corpus {out}")
+    elif args.command == "mix":
+        from data_prep.mix import mix, parse_source
+        manifest = mix([parse_source(s) for s in args.source], args.out, train_tokens=args.train_tokens,
+                       seed=args.seed, world_size=args.world_size, n_streams=args.n_streams,
+                       eval_streams=args.eval_streams, overwrite=args.overwrite, command=command, args=recorded,
+                       progress=not args.quiet)
+        shares = ", ".join(f"{s.name} {s.share:.4f} ({s.epochs:.2f} epochs)" for s in manifest.mixture.sources)
+        print(f"wrote mixture {args.out}: {manifest.splits['train'].n_tokens:,} train tokens; {shares}")
     elif args.command == "verify":
         from data_prep.report import verify_report
         print(verify_report(args.corpus))
