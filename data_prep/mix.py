@@ -5,15 +5,15 @@ would cut Transformer-XL's segment recurrence. Here the mixture's train split is
 whole documents (each with the eod it already ends with), so every stream of a run is contiguous text and
 the loader, resume, elastic resume and evaluation read it like any corpus.
 
-The order: a smooth weighted round-robin over documents. Before each document, every source's deficit is
-weight * (tokens so far) - (its tokens so far); the next document comes from the source with the largest
-deficit (ties: a seeded order of the sources). The deficits always sum to 0, the chosen one is >= 0 and a
-document of length l moves it by at most l, so no source ever leads by more than the longest document D or
-lags by more than (K-1) * D (K sources). Hence over ANY window of n tokens a source's share is within
-spread / n of its weight, where spread = max - min of its deviation over the stream (<= K * D); the
-manifest records each source's spread, and verify recomputes it. With documents of a few thousand tokens
-this is far inside 1% over every 1M-token window; whole books (D ~ 10^5 tokens) cannot be, by any order
-that keeps documents whole.
+The order: a smooth weighted round-robin over documents (stride scheduling). The next document comes
+from the source furthest behind its share: the one whose tokens so far divided by its weight, x_k, is the
+smallest (ties: a seeded order of the sources). Taking the smallest x_k and adding l / w_k to it keeps
+max x - min x <= R, R = the largest document length / its source's weight; the tokens so far T are the
+weighted mean of the x_k, so a source's count never strays from w_k * T by more than w_k * R. Hence over
+ANY window of n tokens a source's share is within spread / n of its weight, where spread = max - min of its
+deviation (tokens so far - w_k * T) over the stream, at most 2 * w_k * R; the manifest records each
+source's spread and verify recomputes it. With documents of a few thousand tokens this is far inside 1%
+over every 1M-token window; whole books (10^5 tokens) cannot be, by any order that keeps documents whole.
 
 Each source's documents are taken epoch by epoch, each epoch in a seeded permutation of the source's
 documents: a source smaller than its share repeats (whole epochs, then the first documents of the next
@@ -35,7 +35,6 @@ import dataclasses
 import math
 import os
 import sys
-from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,50 +144,51 @@ def _check_same_tokenizer(sources: list[_Source]) -> None:
                             "mix corpora prepared with the same tokenizer (prepare --tokenizer-model)")
 
 
-class _Epochs:
-    """A source's documents, epoch after epoch, each epoch a seeded permutation of them."""
-
-    def __init__(self, source: _Source, seed: int):
-        self.stops, self.seed, self.index = source.doc_stops, seed, source.index
-        self.epoch, self.pos = -1, len(self.stops)
-        self.order = np.empty(0, dtype=np.int64)
-
-    def next(self) -> tuple[int, int]:
-        """(start, stop) of the next document in the source's stream."""
-        if self.pos == len(self.stops):
-            self.epoch += 1
-            self.order = np.random.default_rng([self.seed, self.index, self.epoch]).permutation(len(self.stops))
-            self.pos = 0
-        d = int(self.order[self.pos])
-        self.pos += 1
-        return (int(self.stops[d - 1]) if d else 0), int(self.stops[d])
+def _epochs(source: _Source, seed: int, tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """(starts, stops) int64 of the source's documents, epoch after epoch, each epoch a seeded permutation,
+    up to the first document that reaches `tokens` tokens."""
+    stops = source.doc_stops
+    starts = np.concatenate([[0], stops[:-1]])  # [n_docs]
+    n_epochs = max(1, -(-tokens // int(stops[-1])))
+    order = np.concatenate([np.random.default_rng([seed, source.index, e]).permutation(len(stops))
+                            for e in range(n_epochs)])  # [n_epochs * n_docs]
+    cum = np.cumsum(stops[order] - starts[order])  # [n_epochs * n_docs]
+    order = order[:int(np.searchsorted(cum, tokens)) + 1]
+    return starts[order], stops[order]
 
 
-def schedule(sources: list[_Source], train_tokens: int, seed: int) -> tuple[array, array, array]:
-    """The mixture's train documents in order: (source index, start, stop in the source), as compact arrays.
+def schedule(sources: list[_Source], train_tokens: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The mixture's train documents in order: (source index uint8, start, stop int64 in the source).
 
-    The smooth weighted round-robin of the module docstring; deterministic in (sources, weights, seed).
+    The smooth weighted round-robin of the module docstring. Each source's keys (tokens before the document
+    / weight) increase along its document sequence, so taking the smallest key every time is a merge of
+    the sources' sequences by key: one sort instead of a Python step per document. Deterministic in
+    (sources, weights, seed).
     """
-    epochs = [_Epochs(s, seed) for s in sources]
-    weights = [s.weight for s in sources]
-    # Ties between equal deficits (at the start, or with equal weights) go by a seeded order of the sources.
-    tie_rank = np.random.default_rng([seed, len(sources)]).permutation(len(sources)).tolist()
-    taken = [0] * len(sources)
-    out_source, out_start, out_stop = array("B"), array("q"), array("q")
-    total, k_range = 0, range(len(sources))
-    while total < train_tokens:
-        best, best_key = 0, None
-        for k in k_range:
-            key = (weights[k] * total - taken[k], tie_rank[k])
-            if best_key is None or key > best_key:
-                best, best_key = k, key
-        start, stop = epochs[best].next()
-        out_source.append(best)
-        out_start.append(start)
-        out_stop.append(stop)
-        taken[best] += stop - start
-        total += stop - start
-    return out_source, out_start, out_stop
+    # Ties between equal keys (at the start, or with commensurate lengths) go by a seeded order of the sources.
+    tie_rank = np.random.default_rng([seed, len(sources)]).permutation(len(sources))
+    longest = max(int(np.diff(s.doc_stops, prepend=0).max()) for s in sources)
+    need = [int(s.weight * train_tokens) + 2 * longest for s in sources]
+    while True:
+        seqs = [_epochs(s, seed, n) for s, n in zip(sources, need)]
+        lengths = [b - a for a, b in seqs]
+        keys = np.concatenate([(np.cumsum(n) - n) / s.weight for s, n in zip(sources, lengths)])  # [M]
+        src = np.concatenate([np.full(len(n), k, dtype=np.uint8) for k, n in enumerate(lengths)])  # [M]
+        order = np.lexsort((tie_rank[src], keys))  # [M]
+        cum = np.cumsum(np.concatenate(lengths)[order])  # [M]
+        if cum[-1] >= train_tokens:
+            order = order[:int(np.searchsorted(cum, train_tokens)) + 1]
+            used = np.bincount(src[order], minlength=len(sources))
+            ran_out = [k for k, n in enumerate(lengths) if used[k] == len(n)]
+            if not ran_out:  # every source still had documents left: the merge is the greedy order
+                break
+        else:
+            ran_out = list(range(len(sources)))
+        for k in ran_out:
+            need[k] *= 2
+    all_starts = np.concatenate([a for a, _ in seqs])  # [M]
+    all_stops = np.concatenate([b for _, b in seqs])  # [M]
+    return src[order], all_starts[order], all_stops[order]
 
 
 def mix(specs: Sequence[SourceSpec], out: str | os.PathLike, *, train_tokens: int | None = None, seed: int = 0,
@@ -216,9 +216,8 @@ def mix(specs: Sequence[SourceSpec], out: str | os.PathLike, *, train_tokens: in
     first = sources[0].manifest
     n_target = train_tokens if train_tokens is not None else sum(s.manifest.splits["train"].n_tokens for s in sources)
 
-    src, starts, stops = schedule(sources, n_target, seed)
-    src_np = np.frombuffer(src, dtype=np.uint8)  # [n_docs]
-    lengths = np.frombuffer(stops, dtype=np.int64) - np.frombuffer(starts, dtype=np.int64)  # [n_docs]
+    src_np, starts, stops = schedule(sources, n_target, seed)  # [n_docs] each
+    lengths = stops - starts  # [n_docs]
     mix_stops = np.cumsum(lengths)  # [n_docs]: where each document ends in the mixture
     n_tokens = int(mix_stops[-1])
 
@@ -237,7 +236,7 @@ def mix(specs: Sequence[SourceSpec], out: str | os.PathLike, *, train_tokens: in
     with atomic_dir(out, overwrite=overwrite) as tmp:
         (tmp / first.tokenizer.file).parent.mkdir(parents=True, exist_ok=True)
         (tmp / first.tokenizer.file).write_bytes((sources[0].spec.corpus / first.tokenizer.file).read_bytes())
-        splits = {"train": _write_train(tmp, sources, src, starts, stops, n_tokens, layouts["train"], dtype, vocab,
+        splits = {"train": _write_train(tmp, sources, src_np, starts, stops, n_tokens, layouts["train"], dtype, vocab,
                                         progress)}
         for split, parts in held_out.items():
             if parts:
@@ -261,30 +260,33 @@ def mix(specs: Sequence[SourceSpec], out: str | os.PathLike, *, train_tokens: in
     return manifest
 
 
-def _write_train(tmp: Path, sources: list[_Source], src: array, starts: array, stops: array, n_tokens: int,
-                 layout, dtype: str, vocab: int, progress: bool) -> SplitEntry:
-    """Copy the scheduled documents into the mixture's train files (bounded chunks: flat memory)."""
+def _write_train(tmp: Path, sources: list[_Source], src: np.ndarray, starts: np.ndarray, stops: np.ndarray,
+                 n_tokens: int, layout, dtype: str, vocab: int, progress: bool) -> SplitEntry:
+    """Copy the scheduled documents into the mixture's train files, about CHUNK_TOKENS at a time (each source's
+    documents of a chunk gathered in one vectorized call): flat memory, no Python step per document."""
     writer = SplitWriter(tmp, "train", n_tokens, layout, dtype, vocab)
     readers = [TokenReader(s.spec.corpus, s.manifest, "train", verify=False) for s in sources]  # verified by the scan
-    buf, fill = np.empty(CHUNK_TOKENS, dtype=dtype), 0
+    lengths = stops - starts  # [n_docs]
+    mix_starts = np.cumsum(lengths) - lengths  # [n_docs]: where each document starts in the mixture
     try:
         with tqdm(total=n_tokens, unit=" tok", unit_scale=True, desc="mix train", disable=not progress,
                   file=sys.stderr) as bar:
-            for k, a, b in zip(src, starts, stops):
-                if fill + (b - a) > CHUNK_TOKENS and fill:
-                    writer.write(buf[:fill], "mix")  # the writer may keep a view of it: a fresh buffer follows
-                    bar.update(fill)
-                    buf, fill = np.empty(CHUNK_TOKENS, dtype=dtype), 0
-                if b - a > CHUNK_TOKENS:  # a document longer than the buffer goes through in pieces
-                    for piece in readers[k].chunks(a, b):
-                        writer.write(piece, str(sources[k].spec.corpus))
-                    bar.update(b - a)
-                    continue
-                for piece in readers[k].chunks(a, b):
-                    buf[fill:fill + len(piece)] = piece
-                    fill += len(piece)
-            writer.write(buf[:fill], "mix")
-            bar.update(fill)
+            first = 0
+            while first < len(src):
+                # the documents that start in the next CHUNK_TOKENS tokens (at least one)
+                last = max(first + 1, int(np.searchsorted(mix_starts, mix_starts[first] + CHUNK_TOKENS)))
+                part_src = src[first:last]  # [c]
+                part_len = lengths[first:last]  # [c]
+                chunk = np.empty(int(part_len.sum()), dtype=dtype)  # a fresh array: the writer may keep a view
+                at = np.cumsum(part_len) - part_len  # [c]
+                for k in np.unique(part_src):
+                    sel = np.flatnonzero(part_src == k)
+                    tokens = readers[k].gather(starts[first:last][sel], stops[first:last][sel])
+                    chunk[np.repeat(at[sel], part_len[sel]) + np.arange(len(tokens))
+                          - np.repeat(np.cumsum(part_len[sel]) - part_len[sel], part_len[sel])] = tokens
+                writer.write(chunk, "mix")
+                bar.update(len(chunk))
+                first = last
             files, tokens_sha256 = writer.close()
     except BaseException:
         writer.abort()
@@ -292,9 +294,7 @@ def _write_train(tmp: Path, sources: list[_Source], src: array, starts: array, s
     finally:
         for r in readers:
             r.close()
-    per_source = np.bincount(np.frombuffer(src, dtype=np.uint8),
-                             weights=np.frombuffer(stops, dtype=np.int64) - np.frombuffer(starts, dtype=np.int64),
-                             minlength=len(sources))
+    per_source = np.bincount(src, weights=lengths, minlength=len(sources))
     # Bytes and characters per document are not recorded by prepare: whole epochs count exactly, a partial
     # epoch by its share of the source's tokens (the source's bytes per token). They feed bits per byte only.
     text = {key: sum(round(getattr(s.manifest.splits["train"], key) * per_source[s.index]
