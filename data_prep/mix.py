@@ -35,7 +35,7 @@ import dataclasses
 import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,7 +58,7 @@ from txl_dist.data.format import (
     sha256_file,
     write_manifest,
 )
-from txl_dist.data.mixture import DOCUMENTS_FILE, deviation_spread, write_documents
+from txl_dist.data.mixture import DOCUMENTS_FILE, DeviationSpread, DocumentsWriter
 
 HELD_OUT = ("valid", "test")
 
@@ -144,51 +144,85 @@ def _check_same_tokenizer(sources: list[_Source]) -> None:
                             "mix corpora prepared with the same tokenizer (prepare --tokenizer-model)")
 
 
-def _epochs(source: _Source, seed: int, tokens: int) -> tuple[np.ndarray, np.ndarray]:
-    """(starts, stops) int64 of the source's documents, epoch after epoch, each epoch a seeded permutation,
-    up to the first document that reaches `tokens` tokens."""
-    stops = source.doc_stops
-    starts = np.concatenate([[0], stops[:-1]])  # [n_docs]
-    n_epochs = max(1, -(-tokens // int(stops[-1])))
-    order = np.concatenate([np.random.default_rng([seed, source.index, e]).permutation(len(stops))
-                            for e in range(n_epochs)])  # [n_epochs * n_docs]
-    cum = np.cumsum(stops[order] - starts[order])  # [n_epochs * n_docs]
-    order = order[:int(np.searchsorted(cum, tokens)) + 1]
-    return starts[order], stops[order]
+ROUND_TOKENS = 1 << 22
+"""Mixture tokens scheduled per round of the merge (the bound on the schedule's memory)."""
+SLICE_DOCS = 1 << 16
+"""Documents of a source's epoch looked at per step while filling a round."""
 
 
-def schedule(sources: list[_Source], train_tokens: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The mixture's train documents in order: (source index uint8, start, stop int64 in the source).
+class _Sequence:
+    """A source's documents epoch after epoch, each epoch a seeded permutation of them, taken by key.
 
-    The smooth weighted round-robin of the module docstring. Each source's keys (tokens before the document
-    / weight) increase along its document sequence, so taking the smallest key every time is a merge of
-    the sources' sequences by key: one sort instead of a Python step per document. Deterministic in
-    (sources, weights, seed).
+    The key of a document is the source's tokens before it divided by the source's weight: the mixture
+    position at which the source, kept at its share, would reach it. Keys increase along the sequence.
     """
+
+    def __init__(self, source: _Source, seed: int):
+        self.stops, self.weight, self.seed, self.index = source.doc_stops, source.weight, seed, source.index
+        self.epoch, self.pos, self.before = 0, 0, 0
+        self.order = self._permutation()
+
+    def _permutation(self) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, self.index, self.epoch])
+        return rng.permutation(len(self.stops)).astype(np.int32 if len(self.stops) < 2**31 else np.int64)
+
+    def take(self, key_limit: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(keys float64, starts, stops int64) of the next documents whose key is below key_limit."""
+        keys, starts, stops = [], [], []
+        while True:
+            ids = self.order[self.pos:self.pos + SLICE_DOCS]  # [c]
+            doc_stops = self.stops[ids]  # [c]
+            doc_starts = np.where(ids > 0, self.stops[ids - 1], 0)  # [c]
+            lengths = doc_stops - doc_starts  # [c]
+            slice_keys = (self.before + np.cumsum(lengths) - lengths) / self.weight  # [c]
+            n = int(np.searchsorted(slice_keys, key_limit))  # keys below the limit
+            keys.append(slice_keys[:n])
+            starts.append(doc_starts[:n])
+            stops.append(doc_stops[:n])
+            self.pos += n
+            self.before += int(lengths[:n].sum())
+            if self.pos == len(self.order):
+                self.epoch, self.pos = self.epoch + 1, 0
+                self.order = self._permutation()
+            if n < len(ids):
+                return np.concatenate(keys), np.concatenate(starts), np.concatenate(stops)
+
+
+def schedule(sources: list[_Source], seed: int) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """The mixture's train documents in order, round after round, without end: (source id uint8, start,
+    stop int64 in the source) per document.
+
+    The smooth weighted round-robin of the module docstring. Every source's keys increase along its
+    sequence, so taking the smallest key each time is a merge of the sequences by key; round r merges, with
+    one sort, every document whose key lies in [r, r + 1) * ROUND_TOKENS, which are exactly the next ones.
+    Deterministic in (sources, weights, seed); memory: one round, plus each source's permutation.
+    """
+    seqs = [_Sequence(s, seed) for s in sources]
     # Ties between equal keys (at the start, or with commensurate lengths) go by a seeded order of the sources.
     tie_rank = np.random.default_rng([seed, len(sources)]).permutation(len(sources))
-    longest = max(int(np.diff(s.doc_stops, prepend=0).max()) for s in sources)
-    need = [int(s.weight * train_tokens) + 2 * longest for s in sources]
+    limit = 0
     while True:
-        seqs = [_epochs(s, seed, n) for s, n in zip(sources, need)]
-        lengths = [b - a for a, b in seqs]
-        keys = np.concatenate([(np.cumsum(n) - n) / s.weight for s, n in zip(sources, lengths)])  # [M]
-        src = np.concatenate([np.full(len(n), k, dtype=np.uint8) for k, n in enumerate(lengths)])  # [M]
+        limit += ROUND_TOKENS
+        taken = [seq.take(limit) for seq in seqs]
+        keys = np.concatenate([t[0] for t in taken])  # [M]
+        src = np.concatenate([np.full(len(t[0]), k, dtype=np.uint8) for k, t in enumerate(taken)])  # [M]
         order = np.lexsort((tie_rank[src], keys))  # [M]
-        cum = np.cumsum(np.concatenate(lengths)[order])  # [M]
-        if cum[-1] >= train_tokens:
-            order = order[:int(np.searchsorted(cum, train_tokens)) + 1]
-            used = np.bincount(src[order], minlength=len(sources))
-            ran_out = [k for k, n in enumerate(lengths) if used[k] == len(n)]
-            if not ran_out:  # every source still had documents left: the merge is the greedy order
-                break
-        else:
-            ran_out = list(range(len(sources)))
-        for k in ran_out:
-            need[k] *= 2
-    all_starts = np.concatenate([a for a, _ in seqs])  # [M]
-    all_stops = np.concatenate([b for _, b in seqs])  # [M]
-    return src[order], all_starts[order], all_stops[order]
+        yield (src[order], np.concatenate([t[1] for t in taken])[order],
+               np.concatenate([t[2] for t in taken])[order])
+
+
+def _rounds(sources: list[_Source], seed: int, train_tokens: int
+            ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """schedule() up to the first document that reaches train_tokens tokens."""
+    total = 0
+    for src, starts, stops in schedule(sources, seed):
+        cum = total + np.cumsum(stops - starts)  # [M]
+        if len(cum) and cum[-1] >= train_tokens:
+            n = int(np.searchsorted(cum, train_tokens)) + 1
+            yield src[:n], starts[:n], stops[:n]
+            return
+        total = int(cum[-1]) if len(cum) else total
+        yield src, starts, stops
 
 
 def mix(specs: Sequence[SourceSpec], out: str | os.PathLike, *, train_tokens: int | None = None, seed: int = 0,
@@ -215,11 +249,9 @@ def mix(specs: Sequence[SourceSpec], out: str | os.PathLike, *, train_tokens: in
     _check_same_tokenizer(sources)
     first = sources[0].manifest
     n_target = train_tokens if train_tokens is not None else sum(s.manifest.splits["train"].n_tokens for s in sources)
-
-    src_np, starts, stops = schedule(sources, n_target, seed)  # [n_docs] each
-    lengths = stops - starts  # [n_docs]
-    mix_stops = np.cumsum(lengths)  # [n_docs]: where each document ends in the mixture
-    n_tokens = int(mix_stops[-1])
+    # The files are cut at rank blocks, so the length must be known before the first token is written: a
+    # first pass of the (deterministic, cheap) schedule gives it, the second writes.
+    n_tokens = sum(int((stops - starts).sum()) for _, starts, stops in _rounds(sources, seed, n_target))
 
     held_out = {split: [s for s in sources if split in s.manifest.splits] for split in HELD_OUT}
     split_names = ["train"] + [n for split, parts in held_out.items() if parts
@@ -236,22 +268,12 @@ def mix(specs: Sequence[SourceSpec], out: str | os.PathLike, *, train_tokens: in
     with atomic_dir(out, overwrite=overwrite) as tmp:
         (tmp / first.tokenizer.file).parent.mkdir(parents=True, exist_ok=True)
         (tmp / first.tokenizer.file).write_bytes((sources[0].spec.corpus / first.tokenizer.file).read_bytes())
-        splits = {"train": _write_train(tmp, sources, src_np, starts, stops, n_tokens, layouts["train"], dtype, vocab,
-                                        progress)}
+        train, mixture = _write_train(tmp, sources, seed, n_target, n_tokens, layouts["train"], dtype, vocab,
+                                      progress)
+        splits = {"train": train}
         for split, parts in held_out.items():
             if parts:
                 splits.update(_write_held_out(tmp, split, parts, layouts, dtype, vocab, progress))
-        docs_sha = write_documents(tmp / DOCUMENTS_FILE, mix_stops, src_np)
-        per_source_tokens = np.bincount(src_np, weights=lengths, minlength=len(sources)).astype(np.int64)
-        per_source_docs = np.bincount(src_np, minlength=len(sources))
-        spreads = deviation_spread(mix_stops, src_np, [s.weight for s in sources])
-        mixture = MixtureEntry(seed=seed, documents_file=DOCUMENTS_FILE, documents_sha256=docs_sha, sources=[
-            MixtureSource(name=s.spec.name, manifest_digest=s.manifest.digest(), weight=s.weight,
-                          source_tokens=s.manifest.splits["train"].n_tokens, tokens=int(per_source_tokens[k]),
-                          documents=int(per_source_docs[k]), share=int(per_source_tokens[k]) / n_tokens,
-                          epochs=int(per_source_tokens[k]) / s.manifest.splits["train"].n_tokens,
-                          deviation_spread=spreads[k])
-            for k, s in enumerate(sources)])
         prov = provenance(command, args, sources=[{"name": s.spec.name, "corpus": str(s.spec.corpus),
                                                    "manifest_digest": s.manifest.digest()} for s in sources],
                           train_tokens_asked=n_target)
@@ -260,47 +282,65 @@ def mix(specs: Sequence[SourceSpec], out: str | os.PathLike, *, train_tokens: in
     return manifest
 
 
-def _write_train(tmp: Path, sources: list[_Source], src: np.ndarray, starts: np.ndarray, stops: np.ndarray,
-                 n_tokens: int, layout, dtype: str, vocab: int, progress: bool) -> SplitEntry:
+def _write_train(tmp: Path, sources: list[_Source], seed: int, n_target: int, n_tokens: int, layout, dtype: str,
+                 vocab: int, progress: bool) -> tuple[SplitEntry, MixtureEntry]:
     """Copy the scheduled documents into the mixture's train files, about CHUNK_TOKENS at a time (each source's
-    documents of a chunk gathered in one vectorized call): flat memory, no Python step per document."""
+    documents of a chunk gathered in one vectorized call per record batch), and write the documents file:
+    flat memory, no Python step per document. Returns the split and the mixture record."""
     writer = SplitWriter(tmp, "train", n_tokens, layout, dtype, vocab)
+    documents = DocumentsWriter(tmp / DOCUMENTS_FILE)
+    spread = DeviationSpread([s.weight for s in sources])
     readers = [TokenReader(s.spec.corpus, s.manifest, "train", verify=False) for s in sources]  # verified by the scan
-    lengths = stops - starts  # [n_docs]
-    mix_starts = np.cumsum(lengths) - lengths  # [n_docs]: where each document starts in the mixture
+    per_source_tokens = np.zeros(len(sources), dtype=np.int64)
+    per_source_docs = np.zeros(len(sources), dtype=np.int64)
+    written = 0
     try:
         with tqdm(total=n_tokens, unit=" tok", unit_scale=True, desc="mix train", disable=not progress,
                   file=sys.stderr) as bar:
-            first = 0
-            while first < len(src):
-                # the documents that start in the next CHUNK_TOKENS tokens (at least one)
-                last = max(first + 1, int(np.searchsorted(mix_starts, mix_starts[first] + CHUNK_TOKENS)))
-                part_src = src[first:last]  # [c]
-                part_len = lengths[first:last]  # [c]
-                chunk = np.empty(int(part_len.sum()), dtype=dtype)  # a fresh array: the writer may keep a view
-                at = np.cumsum(part_len) - part_len  # [c]
-                for k in np.unique(part_src):
-                    sel = np.flatnonzero(part_src == k)
-                    tokens = readers[k].gather(starts[first:last][sel], stops[first:last][sel])
-                    chunk[np.repeat(at[sel], part_len[sel]) + np.arange(len(tokens))
-                          - np.repeat(np.cumsum(part_len[sel]) - part_len[sel], part_len[sel])] = tokens
-                writer.write(chunk, "mix")
-                bar.update(len(chunk))
-                first = last
+            for src, starts, stops in _rounds(sources, seed, n_target):
+                lengths = stops - starts  # [M]
+                mix_starts = written + np.cumsum(lengths) - lengths  # [M]: where each document starts in the mixture
+                documents.write(mix_starts + lengths, src)
+                spread.add(mix_starts + lengths, src)
+                per_source_tokens += np.bincount(src, weights=lengths, minlength=len(sources)).astype(np.int64)
+                per_source_docs += np.bincount(src, minlength=len(sources))
+                first = 0
+                while first < len(src):
+                    # the documents that start in the next CHUNK_TOKENS tokens (at least one)
+                    last = max(first + 1, int(np.searchsorted(mix_starts, mix_starts[first] + CHUNK_TOKENS)))
+                    part_src, part_len = src[first:last], lengths[first:last]  # [c], [c]
+                    chunk = np.empty(int(part_len.sum()), dtype=dtype)  # a fresh array: the writer may keep a view
+                    at = mix_starts[first:last] - mix_starts[first]  # [c]: where each document goes in the chunk
+                    for k in np.unique(part_src):
+                        sel = np.flatnonzero(part_src == k)
+                        readers[k].gather(starts[first:last][sel], stops[first:last][sel], out=chunk, out_at=at[sel])
+                    writer.write(chunk, "mix")
+                    bar.update(len(chunk))
+                    first = last
+                written += int(lengths.sum())
             files, tokens_sha256 = writer.close()
+            documents_sha256 = documents.close()
     except BaseException:
         writer.abort()
         raise
     finally:
         for r in readers:
             r.close()
-    per_source = np.bincount(src, weights=lengths, minlength=len(sources))
     # Bytes and characters per document are not recorded by prepare: whole epochs count exactly, a partial
     # epoch by its share of the source's tokens (the source's bytes per token). They feed bits per byte only.
-    text = {key: sum(round(getattr(s.manifest.splits["train"], key) * per_source[s.index]
+    text = {key: sum(round(getattr(s.manifest.splits["train"], key) * int(per_source_tokens[s.index])
                            / s.manifest.splits["train"].n_tokens) for s in sources) for key in ("n_bytes", "n_chars")}
-    return SplitEntry(n_tokens=n_tokens, n_documents=len(src), tokens_sha256=tokens_sha256, layout=layout,
-                      files=files, **text)
+    train = SplitEntry(n_tokens=n_tokens, n_documents=int(per_source_docs.sum()), tokens_sha256=tokens_sha256,
+                       layout=layout, files=files, **text)
+    spreads = spread.result()
+    mixture = MixtureEntry(seed=seed, documents_file=DOCUMENTS_FILE, documents_sha256=documents_sha256, sources=[
+        MixtureSource(name=s.spec.name, manifest_digest=s.manifest.digest(), weight=s.weight,
+                      source_tokens=s.manifest.splits["train"].n_tokens, tokens=int(per_source_tokens[k]),
+                      documents=int(per_source_docs[k]), share=int(per_source_tokens[k]) / n_tokens,
+                      epochs=int(per_source_tokens[k]) / s.manifest.splits["train"].n_tokens,
+                      deviation_spread=spreads[k])
+        for k, s in enumerate(sources)])
+    return train, mixture
 
 
 def _write_held_out(tmp: Path, split: str, parts: list[_Source], layouts: dict, dtype: str, vocab: int,

@@ -172,6 +172,47 @@ def test_train_tokens_sets_the_length(corpora, tmp_path):
     verify_corpus(tmp_path / "short")
 
 
+def test_order_is_the_greedy_one_step_by_step(tmp_path, monkeypatch):
+    """Three synthetic sources of very different document lengths, merged in rounds of 1,000 tokens, give
+    exactly the documents a one-document-at-a-time loop picks: the source with the fewest tokens per weight
+    so far (ties by the seeded source order), documents per epoch in the seeded permutation."""
+    import data_prep.mix
+    from corpus_helpers import make_corpus, synthetic_stream
+
+    monkeypatch.setattr(data_prep.mix, "ROUND_TOKENS", 1000)
+    streams = [synthetic_stream(n, seed=i, mean_doc=d) for i, (n, d) in enumerate([(3000, 5), (9000, 60), (800, 20)])]
+    weights, seed, asked = [2.0, 5.0, 1.0], 3, 20_000
+    args = []
+    for i, (stream, w) in enumerate(zip(streams, weights)):
+        make_corpus(tmp_path / f"s{i}", {"train": stream})
+        args += ["--source", f"s{i}={tmp_path / f's{i}'}:{w}"]
+    assert run("mix", "--out", tmp_path / "m", *args, "--train-tokens", asked, "--seed", seed, "--world-size", 2,
+               "--n-streams", 8, "--quiet") == 0
+
+    docs = [np.split(s, np.flatnonzero(s == 3) + 1)[:-1] for s in streams]  # each source's documents
+    w = np.array(weights) / sum(weights)
+    tie = np.random.default_rng([seed, 3]).permutation(3)
+    taken, epoch, pos = [0, 0, 0], [0, 0, 0], [0, 0, 0]
+    perm = [np.random.default_rng([seed, k, 0]).permutation(len(docs[k])) for k in range(3)]
+    want_src, want_tokens = [], []
+    while sum(taken) < asked:
+        k = min(range(3), key=lambda i: (taken[i] / w[i], tie[i]))
+        if pos[k] == len(perm[k]):
+            epoch[k], pos[k] = epoch[k] + 1, 0
+            perm[k] = np.random.default_rng([seed, k, epoch[k]]).permutation(len(docs[k]))
+        doc = docs[k][perm[k][pos[k]]]
+        pos[k] += 1
+        taken[k] += len(doc)
+        want_src.append(k)
+        want_tokens.append(doc)
+    m = read_manifest(tmp_path / "m")
+    stops, sources = read_documents(tmp_path / "m", m)
+    np.testing.assert_array_equal(sources, want_src)
+    np.testing.assert_array_equal(split_tokens(tmp_path / "m", "train"), np.concatenate(want_tokens))
+    assert [s.tokens for s in m.mixture.sources] == taken and epoch[2] > 2  # the small source repeated
+    verify_corpus(tmp_path / "m")
+
+
 # ----------------------------------------------------------------------------------------------------
 # Held-out splits, manifest, verify, inspect, relayout
 

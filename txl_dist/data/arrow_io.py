@@ -256,15 +256,18 @@ class TokenReader:
             yield f.arrays[b][pos - base:end - base]
             pos = end
 
-    def gather(self, starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
-        """The ranges [starts[i], stops[i]) one after another, as one new array (vectorized per record batch:
-        `mix` copies millions of short documents this way without a Python step per document)."""
+    def gather(self, starts: np.ndarray, stops: np.ndarray, out: np.ndarray | None = None,
+               out_at: np.ndarray | None = None) -> np.ndarray:
+        """Copy the ranges [starts[i], stops[i]) to out[out_at[i]:...] (default: one after another in a new
+        array); returns `out`. Vectorized per record batch: `mix` copies millions of short documents this way
+        without a Python step per document."""
         starts, stops = np.asarray(starts, dtype=np.int64), np.asarray(stops, dtype=np.int64)  # [n], [n]
         lengths = stops - starts  # [n]
         if len(lengths) and (lengths.min() < 1 or starts.min() < 0 or stops.max() > self.n_tokens):
             raise IndexError(f"split '{self.split}': gather ranges must be non-empty and inside [0, {self.n_tokens})")
-        out = np.empty(int(lengths.sum()), dtype=self.dtype)  # [sum of lengths]
-        out_at = np.cumsum(lengths) - lengths  # [n]: where each range goes in `out`
+        if out is None:
+            out = np.empty(int(lengths.sum()), dtype=self.dtype)  # [sum of lengths]
+            out_at = np.cumsum(lengths) - lengths  # [n]: where each range goes in `out`
         batch_starts, arrays = self._batches()
         first = np.searchsorted(batch_starts, starts, side="right") - 1  # [n]: batch of each range's first token
         last = np.searchsorted(batch_starts, stops - 1, side="right") - 1  # [n]: ... and of its last one

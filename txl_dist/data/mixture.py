@@ -21,15 +21,25 @@ DOCUMENTS_FILE = "mixture/train-documents.arrow"
 DOCUMENTS_SCHEMA = pa.schema([("stop", pa.int64()), ("source", pa.uint8())])
 
 
-def write_documents(path: str | os.PathLike, stops: np.ndarray, sources: np.ndarray) -> str:
-    """Write the documents file (one record batch); returns its sha256."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    batch = pa.record_batch([pa.array(np.asarray(stops, dtype=np.int64)),
-                             pa.array(np.asarray(sources, dtype=np.uint8))], schema=DOCUMENTS_SCHEMA)
-    with pa.OSFile(str(path), "wb") as f, pa.ipc.new_file(f, DOCUMENTS_SCHEMA) as writer:
-        writer.write_batch(batch)
-    return sha256_file(path)
+class DocumentsWriter:
+    """Writes the documents file a block of documents at a time; `close()` returns its sha256."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = pa.OSFile(str(self.path), "wb")
+        self._writer = pa.ipc.new_file(self._file, DOCUMENTS_SCHEMA)
+
+    def write(self, stops: np.ndarray, sources: np.ndarray) -> None:
+        """Append documents: where each ends in the stream, and its source id."""
+        self._writer.write_batch(pa.record_batch([pa.array(np.asarray(stops, dtype=np.int64)),
+                                                  pa.array(np.asarray(sources, dtype=np.uint8))],
+                                                 schema=DOCUMENTS_SCHEMA))
+
+    def close(self) -> str:
+        self._writer.close()
+        self._file.close()
+        return sha256_file(self.path)
 
 
 def read_documents(corpus_dir: str | os.PathLike, manifest: Manifest) -> tuple[np.ndarray, np.ndarray]:
@@ -70,26 +80,41 @@ def source_tokens_before(stops: np.ndarray, sources: np.ndarray, n_sources: int,
     return out
 
 
-def deviation_spread(stops: np.ndarray, sources: np.ndarray, weights: list[float],
-                     chunk_docs: int = 1 << 20) -> list[int]:
-    """Per source, max - min over positions t of (its tokens in [0, t) - weight * t), rounded up.
+class DeviationSpread:
+    """Per source, max - min over positions t of (its tokens in [0, t) - weight * t), fed in document blocks.
 
     The deviation is linear inside a document, so its extremes lie at document boundaries (and t = 0): the
     exact bound on how far any window's share can stray from the weight, times the window's length. `mix`
-    and verify both call this one function (so they agree to the token); memory stays flat over chunks.
+    (while writing) and verify (deviation_spread) both use this class, so they agree to the token.
     """
-    w = np.asarray(weights, dtype=np.float64)  # [K]
-    total = np.zeros(len(w), dtype=np.int64)  # [K] tokens before the chunk
-    lo, hi = np.zeros(len(w)), np.zeros(len(w))  # t = 0: deviation 0
-    prev = 0
+
+    def __init__(self, weights: list[float]):
+        self.weights = np.asarray(weights, dtype=np.float64)  # [K]
+        self.total = np.zeros(len(weights), dtype=np.int64)  # [K] tokens of each source so far
+        self.lo, self.hi = np.zeros(len(weights)), np.zeros(len(weights))  # t = 0: deviation 0
+        self.prev = 0
+
+    def add(self, stops: np.ndarray, sources: np.ndarray) -> None:
+        """The next documents: where each ends in the stream ([c], increasing) and its source ([c])."""
+        if not len(stops):
+            return
+        lengths = np.diff(stops, prepend=self.prev)  # [c]
+        for k, w in enumerate(self.weights):
+            cum = self.total[k] + np.cumsum(np.where(sources == k, lengths, 0))  # [c] tokens of k up to each stop
+            dev = cum - w * stops  # [c]
+            self.lo[k], self.hi[k] = min(self.lo[k], dev.min()), max(self.hi[k], dev.max())
+            self.total[k] = cum[-1]
+        self.prev = int(stops[-1])
+
+    def result(self) -> list[int]:
+        """The spreads, rounded up to whole tokens."""
+        return [int(np.ceil(x - 1e-9)) for x in self.hi - self.lo]
+
+
+def deviation_spread(stops: np.ndarray, sources: np.ndarray, weights: list[float],
+                     chunk_docs: int = 1 << 20) -> list[int]:
+    """DeviationSpread over all documents at once (in chunks: flat memory)."""
+    spread = DeviationSpread(weights)
     for a in range(0, len(stops), chunk_docs):
-        chunk_stops = stops[a:a + chunk_docs]  # [c]
-        chunk_sources = sources[a:a + chunk_docs]  # [c]
-        lengths = np.diff(chunk_stops, prepend=prev)  # [c]
-        for k in range(len(w)):
-            cum = total[k] + np.cumsum(np.where(chunk_sources == k, lengths, 0))  # [c] tokens of k up to each stop
-            dev = cum - w[k] * chunk_stops  # [c]
-            lo[k], hi[k] = min(lo[k], dev.min()), max(hi[k], dev.max())
-            total[k] = cum[-1]
-        prev = int(chunk_stops[-1])
-    return [int(np.ceil(x - 1e-9)) for x in hi - lo]
+        spread.add(stops[a:a + chunk_docs], sources[a:a + chunk_docs])
+    return spread.result()
