@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from data_prep.tokenizer import MODEL_TYPES, TrainerOptions
+from data_prep.errors import PrepError
 from txl_dist.errors import EXIT_REFUSED, Refused
 
 _EXAMPLE = """example (the quickstart):
@@ -85,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eod-piece", default=None, help="end-of-document piece of a reused model without an eos piece")
     _trainer_args(p)
     _layout_args(p)
+    g = p.add_argument_group("a mixture in one step (instead of --train/--valid/--test; see the mix command)")
+    g.add_argument("--source", action="append", default=[], metavar="NAME=FILES:WEIGHT",
+                   help="a source's training files (a quoted glob) and weight; repeat. Each source is prepared "
+                        "with the held-out fractions, then all are mixed by weight into --out")
+    g.add_argument("--train-tokens", type=int, default=None, metavar="N", help="the mixture's length (see mix)")
     g = p.add_argument_group("execution")
     g.add_argument("--num-proc", type=int, default=_cpus(), help="tokenizer processes (default: the CPUs)")
     g.add_argument("--shard", default=None, metavar="I/N",
@@ -180,6 +186,17 @@ def _run(args: argparse.Namespace, command: list[str], recorded: dict) -> int:
             out = train_tokenizer_job(spec, args.out, trainer, overwrite=args.overwrite, progress=not args.quiet,
                                       verbose=args.verbose)
             print(f"wrote tokenizer {out}")
+            return 0
+        if args.source:
+            from data_prep.mix import parse_source, prepare_mixture
+            if args.shard:
+                raise PrepError("--shard cannot make a mixture: prepare each source, then run `mix`")
+            prepare_mixture([parse_source(s) for s in args.source], spec, args.out,
+                            tokenizer_model=args.tokenizer_model, eod_piece=args.eod_piece, trainer=trainer,
+                            num_proc=args.num_proc, world_size=args.world_size, n_streams=args.n_streams,
+                            eval_streams=args.eval_streams, train_tokens=args.train_tokens, overwrite=args.overwrite,
+                            command=command, args=recorded, progress=not args.quiet)
+            print(f"wrote mixture {args.out}")
             return 0
         out = prepare(spec, args.out, tokenizer_model=args.tokenizer_model, eod_piece=args.eod_piece,
                       trainer=trainer, num_proc=args.num_proc, world_size=args.world_size,

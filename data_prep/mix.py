@@ -34,7 +34,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +48,8 @@ from tqdm import tqdm
 from data_prep.atomic import atomic_dir, check_output
 from data_prep.errors import PrepError
 from data_prep.layout import CHUNK_TOKENS, SplitWriter, check_fits, split_layouts
-from data_prep.prepare import provenance
+from data_prep.prepare import InputSpec, prepare, provenance, train_tokenizer_job
+from data_prep.tokenizer import TrainerOptions
 from txl_dist.data.format import (
     Manifest,
     MixtureEntry,
@@ -371,3 +374,36 @@ def _write_held_out(tmp: Path, split: str, parts: list[_Source], layouts: dict, 
     counts = {k: sum(getattr(s.manifest.splits[split], k) for s in parts)
               for k in ("n_tokens", "n_documents", "n_bytes", "n_chars")}
     return {split: SplitEntry(tokens_sha256=tokens_sha256, layout=layouts[split], files=files, **counts), **out}
+
+
+def prepare_mixture(sources: Sequence[SourceSpec], spec: InputSpec, out: str | os.PathLike, *,
+                    tokenizer_model: str | os.PathLike | None, eod_piece: str | None, trainer: TrainerOptions,
+                    num_proc: int, world_size: int, n_streams: int, eval_streams: int | None,
+                    train_tokens: int | None, overwrite: bool, command: Sequence[str] | None,
+                    args: dict[str, Any] | None, progress: bool) -> Manifest:
+    """`prepare --source NAME=FILES:WEIGHT ...`: raw text to a mixture in one step.
+
+    One tokenizer for all sources (trained on all their training documents, or --tokenizer-model), each
+    source prepared on its own with the held-out fractions of `spec` (so each has its own valid/test), then
+    mixed; the per-source corpora live in a temporary folder beside `out` and are removed at the end.
+    """
+    out = Path(out)
+    if spec.train or spec.valid or spec.test:
+        raise PrepError("--source gives each source's files: drop --train/--valid/--test (hold out documents "
+                        "of every source with --valid-fraction/--test-fraction)")
+    check_output(out, overwrite)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.sources-", dir=out.parent))
+    try:
+        if tokenizer_model is None:
+            all_train = dataclasses.replace(spec, train=[str(s.corpus) for s in sources])
+            tokenizer_model = train_tokenizer_job(all_train, work / "tokenizer.model", trainer, progress=progress)
+        for s in sources:
+            prepare(dataclasses.replace(spec, train=[str(s.corpus)]), work / s.name, tokenizer_model=tokenizer_model,
+                    eod_piece=eod_piece, trainer=trainer, num_proc=num_proc, world_size=world_size,
+                    n_streams=n_streams, eval_streams=eval_streams, command=command, args=args, progress=progress)
+        return mix([SourceSpec(s.name, work / s.name, s.weight) for s in sources], out, train_tokens=train_tokens,
+                   seed=spec.seed, world_size=world_size, n_streams=n_streams, eval_streams=eval_streams,
+                   overwrite=overwrite, command=command, args=args, progress=progress)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)

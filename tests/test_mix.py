@@ -324,3 +324,20 @@ def test_training_on_a_mixture_resumes_exactly_and_elastically(mixture, tmp_path
     for name in ("", "/sh", "/ptb"):
         assert np.isfinite(final[f"valid{name}/perplexity"]) and final[f"valid{name}/tokens"] > 0, name
     assert final["valid/sh/loss"] != final["valid/ptb/loss"]
+
+
+def test_prepare_makes_a_mixture_from_raw_text_in_one_step(raw, corpora, tmp_path):
+    """`prepare --source`: each source prepared with the held-out fractions and one tokenizer, then mixed;
+    the result equals preparing the sources and running mix by hand."""
+    sources = ["--source", f"sh={raw['sh']['valid'][0]}:1", "--source", f"ptb={raw['ptb']['valid'][0]}:2"]
+    common = ["--line-docs", "--valid-fraction", 0.1, "--tokenizer-model", corpora["sh"] / "tokenizer.model",
+              "--world-size", 2, "--n-streams", 4, "--num-proc", 1, "--quiet"]
+    assert run("prepare", "--out", tmp_path / "one", *sources, *common) == 0
+    for name, files in (("sh", raw["sh"]["valid"]), ("ptb", raw["ptb"]["valid"])):
+        assert run("prepare", "--out", tmp_path / name, "--train", *files, *common) == 0
+    assert run("mix", "--out", tmp_path / "two", "--source", f"sh={tmp_path / 'sh'}:1", "--source",
+               f"ptb={tmp_path / 'ptb'}:2", "--world-size", 2, "--n-streams", 4, "--quiet") == 0
+    one, two = read_manifest(tmp_path / "one"), read_manifest(tmp_path / "two")
+    assert one.digest() == two.digest() and one.mixture == two.mixture
+    assert sorted(one.splits) == ["train", "valid", "valid/ptb", "valid/sh"]
+    assert [p.name for p in tmp_path.iterdir() if ".sources-" in p.name] == []  # the work folder is gone
