@@ -124,7 +124,7 @@ def _document_stops(spec: SourceSpec, manifest: Manifest, progress: bool) -> np.
             tqdm(total=split.n_tokens, unit=" tok", unit_scale=True, desc=f"scan {spec.name}",
                  disable=not progress, file=sys.stderr) as bar:
         for tokens in reader.chunks(0, split.n_tokens):
-            pieces.append(np.flatnonzero(tokens == eod) + (pos + 1))
+            pieces.append((np.flatnonzero(tokens == eod) + (pos + 1)).astype(np.int64, copy=False))
             pos += len(tokens)
             last = int(tokens[-1])
             bar.update(len(tokens))
@@ -133,7 +133,7 @@ def _document_stops(spec: SourceSpec, manifest: Manifest, progress: bool) -> np.
         # Documents are told apart by their eods only: a text that itself holds the eod piece would be cut.
         raise PrepError(f"--source {spec.name}: {spec.corpus} train has {split.n_documents} documents but "
                         f"{len(stops)} eod ids (id {eod}); documents cannot be told apart, re-run prepare")
-    return stops.astype(np.int64)
+    return stops
 
 
 def _check_same_tokenizer(sources: list[_Source]) -> None:
@@ -167,7 +167,10 @@ class _Sequence:
 
     def _permutation(self) -> np.ndarray:
         rng = np.random.default_rng([self.seed, self.index, self.epoch])
-        return rng.permutation(len(self.stops)).astype(np.int32 if len(self.stops) < 2**31 else np.int64)
+        # int32 halves what every epoch holds; shuffling in place keeps the one int64 permutation out.
+        order = np.arange(len(self.stops), dtype=np.int32 if len(self.stops) < 2**31 else np.int64)
+        rng.shuffle(order)
+        return order
 
     def take(self, key_limit: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(keys float64, starts, stops int64) of the next documents whose key is below key_limit."""
