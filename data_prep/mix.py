@@ -96,7 +96,7 @@ def parse_source(text: str) -> SourceSpec:
 
 @dataclass
 class _Source:
-    """A source corpus opened for mixing: its manifest, the ends of its train documents, its readers."""
+    """A source corpus opened for mixing: its manifest, normalized weight and the ends of its train documents."""
 
     spec: SourceSpec
     index: int
