@@ -263,6 +263,14 @@ def test_manifest_record_verify_and_inspect(mixture, corpora, tmp_path, capsys):
     (bad / "manifest.json").write_text(json.dumps(d))
     assert run("verify", bad) == 2
     assert "records documents" in capsys.readouterr().err
+    # the record's schema is checked on every read: a source name that would leave its folder, an unknown key
+    for edit, message in ((lambda m: m["sources"][1].update(name="../x"), "source name"),
+                          (lambda m: m.update(extra=1), "unknown key 'mixture.extra'")):
+        d = json.loads((mixture / "manifest.json").read_text())
+        edit(d["mixture"])
+        (bad / "manifest.json").write_text(json.dumps(d))
+        assert run("verify", bad) == 2
+        assert message in capsys.readouterr().err
 
 
 def test_relayout_keeps_the_mixture(mixture, tmp_path):
