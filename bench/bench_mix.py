@@ -5,7 +5,8 @@ once with one small tokenizer, then each train stream is repeated whole (documen
 corpus of half the mixture's size. The mixture (weights 3:1, default length: the sum of the sources) is
 timed end to end (`python -m data_prep mix`: the sources' checksums and document scan, the schedule, the
 copy, the held-out splits, the manifest), then `cp -r` of the mixture's train folder (the same bytes) is
-timed right after it; both read from the page cache the mix left warm. Short documents (15-60 tokens) are
+timed right after it; both read from the page cache the mix left warm. Wall and CPU seconds are printed:
+on a shared machine the CPU seconds are the comparable numbers. Short documents (15-60 tokens) are
 the hard case: the bookkeeping grows with documents, not tokens.
 
     python bench/bench_mix.py                     # mixtures of 100 and 400 MB of tokens
@@ -23,18 +24,23 @@ from pathlib import Path
 
 from txl_dist.data.format import read_manifest
 
-from bench_data import ROOT, data_prep, measured  # this script's folder: the launcher measuring wall and peak RSS
+from bench_data import ROOT, data_prep  # this script's folder
 
 
-def anon_peak(cmd: list[str]) -> tuple[float, float, float]:
-    """(wall s, peak anonymous MiB, peak total RSS MiB) of a command, polled from /proc every 10 ms.
+def run_measured(cmd: list[str]) -> tuple[float, float, float, float]:
+    """(wall s, CPU s, peak anonymous MiB, peak total RSS MiB) of a command; memory polled from /proc every 10 ms.
 
     The total RSS (what ru_maxrss reports) counts the memory-mapped source pages mix touches; they are page
-    cache, dropped under pressure. The anonymous part is the memory the process itself holds."""
+    cache, dropped under pressure. The anonymous part is the memory the process itself holds. CPU time
+    (user + system) is the fair comparison on a shared machine, where wall time depends on the neighbours.
+    """
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
     anon = total = 0
-    while proc.poll() is None:
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            break
         try:
             fields = dict(line.split(":", 1) for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines())
             anon = max(anon, int(fields["RssAnon"].split()[0]))
@@ -42,9 +48,10 @@ def anon_peak(cmd: list[str]) -> tuple[float, float, float]:
         except (OSError, KeyError, ValueError):
             pass
         time.sleep(0.01)
+    proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode:
         raise SystemExit(f"command failed ({proc.returncode}): {' '.join(map(str, cmd))}")
-    return time.perf_counter() - start, anon / 1024, total / 1024
+    return time.perf_counter() - start, usage.ru_utime + usage.ru_stime, anon / 1024, total / 1024
 
 
 def tile(corpus: Path, out: Path, n_tokens: int) -> None:
@@ -74,8 +81,10 @@ def tile(corpus: Path, out: Path, n_tokens: int) -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes-mb", type=int, nargs="+", default=[100, 400], help="mixture sizes (MB of tokens)")
-    p.add_argument("--scratch", default=None, help="scratch folder (default: a temporary one, removed after)")
+    p.add_argument("--scratch", default=None, help="a new scratch folder, kept after (default: a temporary one)")
     args = p.parse_args(argv)
+    if args.scratch and Path(args.scratch).exists():
+        raise SystemExit(f"--scratch {args.scratch} exists; give a new folder")
     os.environ["PYTHONPATH"] = str(ROOT)
     scratch = Path(args.scratch or tempfile.mkdtemp(prefix="bench_mix-"))
     try:
@@ -91,21 +100,21 @@ def main(argv=None) -> None:
             subprocess.run(data_prep("prepare", "--out", small / name, "--line-docs", "--train", *inputs,
                                      "--tokenizer-model", small / "tok.model", "--num-proc", 2, "--quiet"),
                            check=True, stdout=subprocess.DEVNULL)
-        print(f"{'mixture MB':>10} {'documents':>11} {'mix s':>7} {'mix MB/s':>9} {'cp s':>6} {'cp MB/s':>8} "
-              f"{'mix/cp':>7} {'peak anon MiB':>13} {'peak RSS MiB':>12}")
+        print(f"{'mixture MB':>10} {'documents':>11} {'mix s':>7} {'mix cpu s':>9} {'mix MB/cpu s':>12} "
+              f"{'cp s':>6} {'cp cpu s':>8} {'mix/cp cpu':>10} {'peak anon MiB':>13} {'peak RSS MiB':>12}")
         for size in args.sizes_mb:
             work = scratch / f"{size}mb"
             for name in ("sh", "ptb"):
                 tile(small / name, work / name, size * 1_000_000 // 4)  # uint16: half the mixture's bytes each
-            wall, anon, rss = anon_peak(data_prep("mix", "--out", work / "mix", "--source", f"sh={work / 'sh'}:3",
-                                           "--source", f"ptb={work / 'ptb'}:1", "--world-size", 2, "--n-streams", 8,
-                                           "--quiet"))
+            wall, cpu, anon, rss = run_measured(data_prep(
+                "mix", "--out", work / "mix", "--source", f"sh={work / 'sh'}:3", "--source", f"ptb={work / 'ptb'}:1",
+                "--world-size", 2, "--n-streams", 8, "--quiet"))
             train_bytes = sum(f.stat().st_size for f in (work / "mix" / "train").iterdir())
-            cp_wall, _ = measured(["cp", "-r", str(work / "mix" / "train"), str(work / "copy")])
+            cp_wall, cp_cpu, _, _ = run_measured(["cp", "-r", str(work / "mix" / "train"), str(work / "copy")])
             docs = read_manifest(work / "mix").splits["train"].n_documents
             mb = train_bytes / 1e6
-            print(f"{mb:>10.0f} {docs:>11,} {wall:>7.1f} {mb / wall:>9.1f} {cp_wall:>6.2f} {mb / cp_wall:>8.1f} "
-                  f"{wall / cp_wall:>7.1f} {anon:>13.0f} {rss:>12.0f}", flush=True)
+            print(f"{mb:>10.0f} {docs:>11,} {wall:>7.1f} {cpu:>9.1f} {mb / cpu:>12.1f} {cp_wall:>6.2f} {cp_cpu:>8.2f} "
+                  f"{cpu / max(cp_cpu, 1e-3):>10.1f} {anon:>13.0f} {rss:>12.0f}", flush=True)
             shutil.rmtree(work)
     finally:
         if args.scratch is None:
