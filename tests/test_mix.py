@@ -236,7 +236,7 @@ def test_per_source_evaluation_equals_each_source_alone(mixture, corpora):
     torch.manual_seed(0)
     model = TransformerXL(ModelConfig(vocab_size=512, n_layer=2, d_model=32, n_head=2, d_head=16, d_inner=64,
                                       cutoffs=[], tgt_len=16, mem_len=16, dropout=0.0))
-    cfg = EvalConfig(tgt_len=16, mem_len=32, max_segments=20)
+    cfg = EvalConfig(tgt_len=16, mem_len=32, max_segments=6)
     mixed = Evaluator(mixture, cfg, rank=0, world_size=1, n_streams=2, splits=["valid"])
     assert mixed.parts("valid") == ["valid/sh", "valid/ptb"]
     for name in ("sh", "ptb"):
