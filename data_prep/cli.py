@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from data_prep.tokenizer import MODEL_TYPES, TrainerOptions
+from data_prep.errors import PrepError
 from txl_dist.errors import EXIT_REFUSED, Refused
 
 _EXAMPLE = """example (the quickstart):
@@ -93,6 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eod-piece", default=None, help="end-of-document piece of a reused model without an eos piece")
     _trainer_args(p)
     _layout_args(p)
+    g = p.add_argument_group("a mixture in one step (instead of --train/--valid/--test; see the mix command)")
+    g.add_argument("--source", action="append", default=[], metavar="NAME=FILES:WEIGHT",
+                   help="a source's training files (a quoted glob) and weight; repeat. Each source is prepared "
+                        "with the held-out fractions, then all are mixed by weight into --out")
+    g.add_argument("--train-tokens", type=int, default=None, metavar="N", help="the mixture's length (see mix)")
     g = p.add_argument_group("execution")
     g.add_argument("--num-proc", type=int, default=_cpus(), help="tokenizer processes (default: the CPUs)")
     g.add_argument("--shard", default=None, metavar="I/N",
@@ -116,6 +122,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("parts", help="the folder given to prepare --shard ... --out, e.g. parts")
     p.add_argument("--out", required=True, help="the corpus folder to write, e.g. data/mycorpus")
     _layout_args(p)
+    p.add_argument("--overwrite", action="store_true", help="replace an existing corpus folder")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+    p = _command(sub, "mix", "interleave whole documents of prepared corpora by weight into one corpus",
+                 "python -m data_prep mix --out data/mixed --source books=data/shakespeare:3 "
+                 "--source news=data/ptb:1 --world-size 2 --n-streams 8")
+    p.description += (" The train split interleaves whole documents of the sources so that each source's share "
+                      "of tokens follows its weight in every window of the stream; valid/test keep each source "
+                      "apart as valid/<name>, test/<name> (see docs/mixtures.md).")
+    p.add_argument("--out", required=True, help="the mixture's corpus folder, e.g. data/mixed")
+    p.add_argument("--source", action="append", required=True, metavar="NAME=CORPUS_DIR:WEIGHT",
+                   help="a corpus made by prepare, its name and relative weight (repeat; one tokenizer for all), "
+                        "e.g. books=data/shakespeare:3")
+    p.add_argument("--train-tokens", type=int, default=None, metavar="N",
+                   help="length of the mixture's train split (default: the sum of the sources' train tokens); "
+                        "the stream ends with the whole document that reaches N")
+    p.add_argument("--seed", type=int, default=0, help="seed of every source's document order per epoch")
+    _layout_args(p, required=True)
     p.add_argument("--overwrite", action="store_true", help="replace an existing corpus folder")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
@@ -188,6 +212,17 @@ def _run(args: argparse.Namespace, command: list[str], recorded: dict) -> int:
                                       verbose=args.verbose)
             print(f"wrote tokenizer {out}")
             return 0
+        if args.source:
+            from data_prep.mix import parse_source, prepare_mixture
+            if args.shard:
+                raise PrepError("--shard cannot make a mixture: prepare each source, then run `mix`")
+            prepare_mixture([parse_source(s) for s in args.source], spec, args.out,
+                            tokenizer_model=args.tokenizer_model, eod_piece=args.eod_piece, trainer=trainer,
+                            num_proc=args.num_proc, world_size=args.world_size, n_streams=args.n_streams,
+                            eval_streams=args.eval_streams, train_tokens=args.train_tokens, overwrite=args.overwrite,
+                            command=command, args=recorded, progress=not args.quiet)
+            print(f"wrote mixture {args.out}")
+            return 0
         out = prepare(spec, args.out, tokenizer_model=args.tokenizer_model, eod_piece=args.eod_piece,
                       trainer=trainer, num_proc=args.num_proc, world_size=args.world_size,
                       n_streams=args.n_streams, eval_streams=args.eval_streams,
@@ -200,6 +235,14 @@ def _run(args: argparse.Namespace, command: list[str], recorded: dict) -> int:
                        eval_streams=args.eval_streams, overwrite=args.overwrite, command=command, args=recorded,
                        progress=not args.quiet)
         print(f"wrote corpus {out}")
+    elif args.command == "mix":
+        from data_prep.mix import mix, parse_source
+        manifest = mix([parse_source(s) for s in args.source], args.out, train_tokens=args.train_tokens,
+                       seed=args.seed, world_size=args.world_size, n_streams=args.n_streams,
+                       eval_streams=args.eval_streams, overwrite=args.overwrite, command=command, args=recorded,
+                       progress=not args.quiet)
+        shares = ", ".join(f"{s.name} {s.share:.4f} ({s.epochs:.2f} epochs)" for s in manifest.mixture.sources)
+        print(f"wrote mixture {args.out}: {manifest.splits['train'].n_tokens:,} train tokens; {shares}")
     elif args.command == "verify":
         from data_prep.report import verify_report
         print(verify_report(args.corpus))

@@ -58,6 +58,12 @@ def relayout(corpus_dir: str | os.PathLike, *, world_size: int, n_streams: int, 
             splits[name] = dataclasses.replace(split, layout=layouts[name], files=files)
         prov = dict(manifest.provenance)
         prov["relayout"] = [*prov.get("relayout", []), provenance(command, args)]
-        new = Manifest(tokenizer=tok, dtype=manifest.dtype, splits=splits, provenance=prov)
+        if manifest.mixture is not None:  # the documents file indexes the stream, not its files: kept as is
+            docs = corpus_dir / manifest.mixture.documents_file
+            if not docs.is_file() or sha256_file(docs) != manifest.mixture.documents_sha256:
+                raise PrepError(f"{docs}: missing or its sha256 differs from the manifest; re-run mix")
+            (tmp / manifest.mixture.documents_file).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(docs, tmp / manifest.mixture.documents_file)
+        new = Manifest(tokenizer=tok, dtype=manifest.dtype, splits=splits, provenance=prov, mixture=manifest.mixture)
         write_manifest(tmp, new)
     return new

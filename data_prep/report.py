@@ -7,6 +7,7 @@ from pathlib import Path
 from data_prep.layout import split_layouts
 from data_prep.tokenizer import load_processor
 from txl_dist.data.format import Manifest, TokenReader, rank_token_range, read_manifest, stream_length, verify_corpus
+from txl_dist.data.mixture import read_documents, source_tokens_before
 
 
 def verify_report(corpus_dir: str | os.PathLike) -> str:
@@ -16,6 +17,10 @@ def verify_report(corpus_dir: str | os.PathLike) -> str:
     for name, s in stats["splits"].items():
         lines.append(f"  {name}: {s['n_tokens']:,} tokens, {s['n_documents']:,} documents, {s['n_bytes']:,} bytes, "
                      f"{s['n_files']} files, {s['n_eod']:,} eod, {s['n_distinct']:,} distinct ids")
+    mixture = read_manifest(corpus_dir).mixture
+    if mixture is not None:
+        lines.append("  mixture (checked against its documents file): " + "; ".join(
+            f"{m.name} share {m.share:.4f} of weight {m.weight:.4f}, {m.epochs:.3f} epochs" for m in mixture.sources))
     return "\n".join(lines)
 
 
@@ -36,6 +41,13 @@ def inspect_report(corpus_dir: str | os.PathLike, *, world_size: int | None = No
              f"tokenizer {tok.file}: {tok.model_type}, vocab {tok.vocab_size}, dtype {m.dtype}, "
              f"eod {tok.eod_id} {sp.id_to_piece(tok.eod_id)!r}, unk {tok.unk_id}, sha256 {tok.sha256[:16]}...",
              f"made {m.provenance.get('created', '?')} by {m.provenance.get('tool', '?')}"]
+    if m.mixture is not None:
+        lines.append(f"mixture of {len(m.mixture.sources)} sources, seed {m.mixture.seed}:")
+        for src in m.mixture.sources:
+            lines.append(f"  {src.name}: weight {src.weight:.4f}, share {src.share:.4f}, {src.tokens:,} tokens in "
+                         f"{src.documents:,} documents, {src.epochs:.3f} epochs of its {src.source_tokens:,}; any "
+                         f"window of n tokens within {src.deviation_spread:,}/n of the weight "
+                         f"({src.deviation_spread / 1e6:.2%} over 1M tokens); manifest {src.manifest_digest[:16]}...")
     layouts = {n: s.layout for n, s in m.splits.items()}
     if (world_size, n_streams, eval_streams) != (None, None, None):
         hint = m.splits["train"].layout if "train" in m.splits else next(iter(layouts.values()))
@@ -56,6 +68,7 @@ def _blocks(m: Manifest, corpus_dir: Path, name: str, w: int, n_streams: int, sp
     length = stream_length(s.n_tokens, n_streams)
     out = [f"  rank blocks for world size {w}, {n_streams} streams of {length:,} tokens "
            f"({s.n_tokens - n_streams * length:,} tokens past S*L unused):"]
+    documents = read_documents(corpus_dir, m) if m.mixture is not None and name == "train" else None
     with TokenReader(corpus_dir, m, name, verify=False) as reader:
         for r in range(w):
             start, stop = rank_token_range(s.n_tokens, n_streams, w, r)
@@ -63,6 +76,11 @@ def _blocks(m: Manifest, corpus_dir: Path, name: str, w: int, n_streams: int, sp
             first = r * n_streams // w
             out.append(f"    rank {r}: tokens [{start:,}, {stop:,}), streams [{first}, {first + n_streams // w}), "
                        f"files {', '.join(files) or '-'}")
+            if documents is not None and stop > start:
+                k = len(m.mixture.sources)
+                block = source_tokens_before(*documents, k, stop) - source_tokens_before(*documents, k, start)
+                out.append("      mixture: " + ", ".join(f"{src.name} {block[i] / (stop - start):.4f}"
+                                                         for i, src in enumerate(m.mixture.sources)))
             if r < samples and stop > start:
                 ids = reader.read(start, min(stop, start + sample_tokens)).tolist()
                 out.append(f"      sample: {_decode(sp, ids, m.tokenizer.eod_id)!r}")

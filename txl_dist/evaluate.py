@@ -7,6 +7,9 @@ to segment, and predicts every token of each stream except the first exactly onc
 Sums of NLL and token counts are all-reduced in float64, so the numbers depend on the number of streams,
 not on the world size.
 
+A mixture (`python -m data_prep mix`) keeps each source's held-out text as a split `<split>/<name>` beside
+its own; `parts(split)` lists them, and the trainer reports each (`valid/<name>/<metric>`).
+
 Bits per byte / per character convert the per-token loss with the split's token/byte and token/char
 ratios from the manifest (n_tokens / n_bytes): the cost of the whole text at the model's per-token rate.
 """
@@ -23,6 +26,7 @@ from torch import nn
 from . import distributed
 from .config import EvalConfig
 from .data import SplitTooShort, StreamLoader
+from .data.format import split_parts
 from .memory import MemoryBank
 from .streams import streams_per_rank
 
@@ -32,15 +36,21 @@ class Evaluator:
 
     def __init__(self, corpus_dir: str | os.PathLike, eval_cfg: EvalConfig, *, rank: int, world_size: int,
                  n_streams: int, device: torch.device | str = "cpu", splits: Iterable[str] = ()):
-        """`splits` are opened (and verified) now, so that a split too short for the evaluation's streams
-        fails the start of a run, not its first evaluation hours later; others open on first use."""
+        """`splits` (and their per-source parts) are opened (and verified) now, so that a split too short for
+        the evaluation's streams fails the start of a run, not its first evaluation hours later; others open
+        on first use."""
         streams_per_rank(n_streams, world_size, streams="eval.n_streams")
         self.corpus_dir, self.cfg = corpus_dir, eval_cfg
         self.rank, self.world_size, self.n_streams = rank, world_size, n_streams
         self.device = torch.device(device)
         self._loaders: dict[str, tuple[StreamLoader, dict]] = {}
         for split in splits:
-            self._loader(split)
+            for name in [split, *self.parts(split)]:
+                self._loader(name)
+
+    def parts(self, split: str) -> list[str]:
+        """The per-source parts `<split>/<name>` of a mixture's split (none for other corpora)."""
+        return split_parts(self._loader(split).manifest.splits, split)
 
     def _loader(self, split: str) -> StreamLoader:
         if split not in self._loaders:

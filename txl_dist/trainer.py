@@ -240,14 +240,18 @@ class Trainer:
         }
 
     def run_eval(self, split: str, prefix: str) -> dict[str, float]:
-        """Evaluate the current weights on a split (all ranks), log `<prefix>/*` and return the numbers."""
-        start = time.perf_counter()
-        result = self.evaluator.evaluate(self.engine.module, split)
-        metrics = {f"{prefix}/{k}": v for k, v in result.items()}
-        self.tracker.log_metrics(metrics, step=self.step)
-        log.info("%s at step %d: loss %.4f | ppl %.2f | %.4f bits/byte | %.4f bits/char | %d tokens | %.1f s",
-                 prefix, self.step, result["loss"], result["perplexity"], result["bits_per_byte"],
-                 result["bits_per_char"], result["tokens"], time.perf_counter() - start)
+        """Evaluate the current weights on a split (all ranks), log `<prefix>/*` and return the numbers; a
+        mixture's per-source parts `<split>/<name>` are evaluated too and logged as `<prefix>/<name>/*`."""
+        result = {}
+        for name in [split, *self.evaluator.parts(split)]:
+            start = time.perf_counter()
+            numbers = self.evaluator.evaluate(self.engine.module, name)
+            tag = prefix + name[len(split):]
+            self.tracker.log_metrics({f"{tag}/{k}": v for k, v in numbers.items()}, step=self.step)
+            log.info("%s at step %d: loss %.4f | ppl %.2f | %.4f bits/byte | %.4f bits/char | %d tokens | %.1f s",
+                     tag, self.step, numbers["loss"], numbers["perplexity"], numbers["bits_per_byte"],
+                     numbers["bits_per_char"], numbers["tokens"], time.perf_counter() - start)
+            result = result or numbers  # the split's own numbers are the result
         return result
 
     def draw_curves(self) -> Path | None:

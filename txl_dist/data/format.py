@@ -12,8 +12,8 @@ streams of L = n_tokens // S tokens; rank r of W owns streams [r*S/W, (r+1)*S/W)
 (rank_token_range). Files are cut at the rank blocks of the layout hint (file_boundaries), so in the
 planned run each rank opens only its own files; any W dividing S can still read them.
 
-The definitions live in manifest.py (schema, layout arithmetic), arrow_io.py (writer, reader) and
-verify.py; this module is the single import point.
+The definitions live in manifest.py (schema, layout arithmetic), arrow_io.py (writer, reader),
+mixture.py (a mixture's documents file) and verify.py; this module is the single import point.
 """
 from __future__ import annotations
 
@@ -27,13 +27,17 @@ from .manifest import (
     FileEntry,
     Layout,
     Manifest,
+    MixtureEntry,
+    MixtureSource,
     SplitEntry,
     TokenizerEntry,
     check_relative_path,
+    check_source_name,
     file_boundaries,
     rank_token_range,
     read_manifest,
     sha256_file,
+    split_parts,
     stream_length,
     token_dtype,
     write_manifest,
@@ -42,8 +46,8 @@ from .verify import verify_corpus
 
 __all__ = [
     "COLUMN", "DTYPES", "FORMAT_NAME", "FORMAT_VERSION", "MANIFEST_FILE",
-    "ArrowTokenWriter", "CorpusError", "FileEntry", "Layout", "Manifest", "SplitEntry", "TokenReader",
-    "TokenizerEntry", "check_relative_path", "file_boundaries", "rank_token_range", "read_manifest",
-    "sha256_file", "stream_length", "token_dtype", "token_schema", "update_tokens_sha256", "verify_corpus",
-    "write_manifest",
+    "ArrowTokenWriter", "CorpusError", "FileEntry", "Layout", "Manifest", "MixtureEntry", "MixtureSource",
+    "SplitEntry", "TokenReader", "TokenizerEntry", "check_relative_path", "check_source_name", "file_boundaries",
+    "rank_token_range", "read_manifest", "sha256_file", "split_parts", "stream_length", "token_dtype",
+    "token_schema", "update_tokens_sha256", "verify_corpus", "write_manifest",
 ]

@@ -93,6 +93,47 @@ class TokenizerEntry:
 
 
 @dataclass
+class MixtureSource:
+    """One source of a mixture (`python -m data_prep mix`): what was asked of it and what it gave."""
+
+    name: str
+    """The source's name; its held-out splits are kept as `<split>/<name>` (e.g. 'valid/web')."""
+    manifest_digest: str
+    """digest() of the source corpus' manifest: which tokens the mixture was drawn from."""
+    weight: float
+    """Normalized weight (the weights sum to 1): the share of the mixture's train tokens asked of it."""
+    source_tokens: int
+    """Tokens of the source's train split (one epoch of it)."""
+    tokens: int
+    """Tokens of the source in the mixture's train split."""
+    documents: int
+    """Documents of the source in the mixture's train split (a repeated document counts each time)."""
+    share: float
+    """Realized share: tokens / the mixture's train tokens."""
+    epochs: float
+    """tokens / source_tokens: above 1 the source repeats (whole epochs, then a partial one), below 1 it is
+    subsampled by whole documents."""
+    deviation_spread: int
+    """max - min over every stream position t of (this source's tokens in [0, t) - weight * t): over ANY
+    window of n tokens the source's share is within deviation_spread / n of its weight."""
+
+
+@dataclass
+class MixtureEntry:
+    """How a mixture's train split was drawn from its sources (absent from the manifest of other corpora)."""
+
+    seed: int
+    """Seed of the document order of every epoch of every source and of the tie-breaks."""
+    sources: list[MixtureSource]
+    """In the order given to `mix`; a source's index in this list is its id in the documents file."""
+    documents_file: str
+    """Relative path of the Arrow file listing, per train document in stream order, where it ends in the
+    stream ('stop', int64) and which source it came from ('source', uint8): what verify and inspect read."""
+    documents_sha256: str
+    """sha256 of that file's bytes."""
+
+
+@dataclass
 class Manifest:
     """Everything a reader needs to trust and locate the tokens of a corpus folder."""
 
@@ -104,10 +145,15 @@ class Manifest:
     """How the corpus was made (created, tool, command, args, inputs); not part of digest()."""
     format: str = FORMAT_NAME
     version: int = FORMAT_VERSION
+    mixture: MixtureEntry | None = None
+    """Only in a mixture (`python -m data_prep mix`): its sources, weights, realized shares, epochs, seed.
+    An optional key, so manifests without it (every other corpus) read and digest as before."""
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON object written to manifest.json (format and version first)."""
+        """The JSON object written to manifest.json (format and version first; no 'mixture' key when None)."""
         d = dataclasses.asdict(self)
+        if d["mixture"] is None:
+            del d["mixture"]
         return {"format": d.pop("format"), "version": d.pop("version"), **d}
 
     @classmethod
@@ -158,6 +204,8 @@ def read_manifest(corpus_dir: str | os.PathLike) -> Manifest:
     # Lexical checks in from_dict cannot see symlinks; resolve every path against the folder itself.
     root = corpus_dir.resolve()
     paths = [manifest.tokenizer.file] + [f.path for s in manifest.splits.values() for f in s.files]
+    if manifest.mixture is not None:
+        paths.append(manifest.mixture.documents_file)
     for rel in paths:
         if not (corpus_dir / rel).resolve().is_relative_to(root):
             raise CorpusError(f"{path}: '{rel}' resolves outside the corpus folder {corpus_dir} (a symlink?); "
@@ -217,6 +265,12 @@ def rank_token_range(n_tokens: int, n_streams: int, world_size: int, rank: int) 
     return rank * block, (rank + 1) * block
 
 
+def split_parts(splits: Any, split: str) -> list[str]:
+    """The per-source parts of a split, `<split>/<name>` (a mixture keeps each source's valid and test
+    splits beside its own), in manifest order; empty for other corpora."""
+    return [name for name in splits if name.startswith(f"{split}/")]
+
+
 def file_boundaries(n_tokens: int, layout: Layout) -> list[int]:
     """Cut points 0 = b0 < b1 < ... < bk = n_tokens: one file per rank block of `layout`.
 
@@ -263,13 +317,13 @@ def check_relative_path(rel: Any, source: str, key: str) -> str:
 class _Fields:
     """Typed access to one JSON object of the manifest, with errors that name the key."""
 
-    def __init__(self, d: Any, source: str, where: str, known: tuple[str, ...]):
+    def __init__(self, d: Any, source: str, where: str, known: tuple[str, ...], optional: tuple[str, ...] = ()):
         self.source, self.where = source, where
         if not isinstance(d, dict):
             raise CorpusError(f"{source}: {where or 'the top level'} must be a JSON object, got {type(d).__name__}")
         for k in d:
-            if k not in known:
-                raise CorpusError(f"{source}: unknown key '{self._name(k)}'; expected {', '.join(known)}")
+            if k not in known + optional:
+                raise CorpusError(f"{source}: unknown key '{self._name(k)}'; expected {', '.join(known + optional)}")
         missing = [k for k in known if k not in d]
         if missing:
             raise CorpusError(f"{source}: '{self._name(missing[0])}' is missing")
@@ -290,6 +344,12 @@ class _Fields:
             raise CorpusError(f"{self.source}: {self._name(key)} must be a non-empty string, got {json.dumps(v)}")
         return v
 
+    def number(self, key: str) -> float:
+        v = self.d[key]
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v < float("inf"):
+            raise CorpusError(f"{self.source}: {self._name(key)} must be a finite number >= 0, got {json.dumps(v)}")
+        return float(v)
+
     def sha(self, key: str) -> str:
         v = self.str(key)
         if len(v) != 64 or any(c not in "0123456789abcdef" for c in v):
@@ -298,7 +358,7 @@ class _Fields:
 
 
 def _parse_manifest(d: Any, source: str) -> Manifest:
-    top = _Fields(d, source, "", ("format", "version", "tokenizer", "dtype", "splits", "provenance"))
+    top = _Fields(d, source, "", ("format", "version", "tokenizer", "dtype", "splits", "provenance"), ("mixture",))
     if d["format"] != FORMAT_NAME:
         raise CorpusError(f"{source}: format is {json.dumps(d['format'])}, not '{FORMAT_NAME}'; "
                           "not a corpus written by `python -m data_prep prepare`")
@@ -315,7 +375,44 @@ def _parse_manifest(d: Any, source: str) -> Manifest:
     splits = {name: _parse_split(s, source, name) for name, s in d["splits"].items()}
     if not isinstance(d["provenance"], dict):
         raise CorpusError(f"{source}: provenance must be a JSON object")
-    return Manifest(tokenizer=tokenizer, dtype=dtype, splits=splits, provenance=d["provenance"])
+    mixture = _parse_mixture(d["mixture"], source, splits) if "mixture" in d else None
+    return Manifest(tokenizer=tokenizer, dtype=dtype, splits=splits, provenance=d["provenance"], mixture=mixture)
+
+
+SOURCE_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
+
+
+def check_source_name(name: Any, where: str) -> str:
+    """A mixture source's name becomes a split name part and a folder (`valid/<name>/`): letters, digits,
+    '_', '-' and '.', not starting with '.'."""
+    if not isinstance(name, str) or not name or name[0] == "." or not set(name) <= SOURCE_NAME_CHARS:
+        raise CorpusError(f"{where}: source name {json.dumps(name)} must be letters, digits, '_', '-' or '.' "
+                          "(not starting with '.'): it names the source's valid/test splits and their folders")
+    return name
+
+
+def _parse_mixture(d: Any, source: str, splits: dict[str, SplitEntry]) -> MixtureEntry:
+    m = _Fields(d, source, "mixture", tuple(f.name for f in dataclasses.fields(MixtureEntry)))
+    if not isinstance(d["sources"], list) or not d["sources"]:
+        raise CorpusError(f"{source}: mixture.sources must be a non-empty JSON list")
+    if len(d["sources"]) > 255:
+        raise CorpusError(f"{source}: mixture.sources lists {len(d['sources'])} sources; at most 255 are supported")
+    sources = []
+    for i, sd in enumerate(d["sources"]):
+        f = _Fields(sd, source, f"mixture.sources[{i}]", tuple(x.name for x in dataclasses.fields(MixtureSource)))
+        sources.append(MixtureSource(
+            name=check_source_name(sd["name"], f"{source}: mixture.sources[{i}].name"),
+            manifest_digest=f.sha("manifest_digest"), weight=f.number("weight"),
+            source_tokens=f.int("source_tokens", lo=1), tokens=f.int("tokens"), documents=f.int("documents"),
+            share=f.number("share"), epochs=f.number("epochs"), deviation_spread=f.int("deviation_spread")))
+    if len({s.name for s in sources}) != len(sources):
+        raise CorpusError(f"{source}: mixture.sources names the same source twice")
+    if "train" in splits and sum(s.tokens for s in sources) != splits["train"].n_tokens:
+        raise CorpusError(f"{source}: the mixture's sources hold {sum(s.tokens for s in sources)} tokens but "
+                          f"splits.train.n_tokens is {splits['train'].n_tokens}")
+    return MixtureEntry(seed=m.int("seed"), sources=sources,
+                        documents_file=check_relative_path(d["documents_file"], source, "mixture.documents_file"),
+                        documents_sha256=m.sha("documents_sha256"))
 
 
 def _parse_tokenizer(d: Any, source: str) -> TokenizerEntry:

@@ -9,7 +9,8 @@ from typing import Any
 import numpy as np
 
 from .arrow_io import TokenReader, update_tokens_sha256
-from .manifest import CorpusError, read_manifest, sha256_file
+from .manifest import CorpusError, Manifest, read_manifest, sha256_file
+from .mixture import deviation_spread, read_documents
 
 
 def verify_corpus(corpus_dir: str | os.PathLike, check_tokens: bool = True) -> dict[str, Any]:
@@ -19,7 +20,8 @@ def verify_corpus(corpus_dir: str | os.PathLike, check_tokens: bool = True) -> d
     schema and token count. With `check_tokens` it also scans the tokens: every id is in [0, vocab_size),
     each split's stream hashes to its tokens_sha256 (what digest() stands for), and a split of n documents
     holds at least n eod ids and ends with one (each document is followed by eod_id; the text itself may
-    contain the eod piece, so more are allowed).
+    contain the eod piece, so more are allowed). A mixture's record is checked against its documents file
+    (check_mixture).
     """
     corpus_dir = Path(corpus_dir)
     manifest = read_manifest(corpus_dir)
@@ -32,13 +34,17 @@ def verify_corpus(corpus_dir: str | os.PathLike, check_tokens: bool = True) -> d
                           "this is not the tokenizer the corpus was made with")
     stats: dict[str, Any] = {"digest": manifest.digest(), "vocab_size": tok.vocab_size, "dtype": manifest.dtype,
                              "splits": {}}
+    documents = check_mixture(corpus_dir, manifest) if manifest.mixture is not None else None
     for name, split in manifest.splits.items():
         s: dict[str, Any] = {"n_tokens": split.n_tokens, "n_documents": split.n_documents,
                              "n_bytes": split.n_bytes, "n_chars": split.n_chars, "n_files": len(split.files)}
+        # A mixture's train documents must each end with eod_id where the documents file says they end.
+        doc_stops = documents[0] if documents is not None and name == "train" and check_tokens else None
         with TokenReader(corpus_dir, manifest, name, verify=True) as reader:
             counts = np.zeros(tok.vocab_size, dtype=np.int64) if check_tokens else None
             tokens_hash = hashlib.sha256()
             last = None
+            reader_pos = 0
             for entry in split.files:
                 path = corpus_dir / entry.path
                 # One record batch at a time (zero-copy views): memory stays flat for any file size.
@@ -50,6 +56,15 @@ def verify_corpus(corpus_dir: str | os.PathLike, check_tokens: bool = True) -> d
                         bad = lo if lo < 0 else hi
                         raise CorpusError(f"{path}: token id {bad} is outside [0, {tok.vocab_size}) of the tokenizer")
                     counts += np.bincount(tokens, minlength=tok.vocab_size)
+                    if doc_stops is not None:
+                        end = reader_pos + len(tokens)
+                        a, b = np.searchsorted(doc_stops, [reader_pos, end], side="right")
+                        inside = doc_stops[a:b] - 1 - reader_pos  # the chunk's document ends: their eods
+                        if len(inside) and np.any(tokens[inside] != tok.eod_id):
+                            at = reader_pos + int(inside[np.argmax(tokens[inside] != tok.eod_id)])
+                            raise CorpusError(f"{corpus_dir / manifest.mixture.documents_file}: a document ends at "
+                                              f"train token {at + 1}, but token {at} is not eod_id {tok.eod_id}")
+                    reader_pos += len(tokens)
                     update_tokens_sha256(tokens_hash, tokens, manifest.dtype)
                     last = int(tokens[-1])
         if counts is not None:
@@ -65,3 +80,37 @@ def verify_corpus(corpus_dir: str | os.PathLike, check_tokens: bool = True) -> d
             s.update(n_eod=n_eod, n_distinct=int(np.count_nonzero(counts)))
         stats["splits"][name] = s
     return stats
+
+
+def check_mixture(corpus_dir: Path, manifest: Manifest) -> tuple[np.ndarray, np.ndarray]:
+    """The mixture record against its documents file: per source its tokens, documents, share, epochs and
+    deviation spread; the weights sum to 1; every source's held-out parts are splits. Returns the file's
+    (stops, sources) for the token scan."""
+    mix = manifest.mixture
+    where = corpus_dir / "manifest.json"
+    stops, sources = read_documents(corpus_dir, manifest)
+    n_tokens = manifest.splits["train"].n_tokens
+    lengths = np.diff(stops, prepend=0)  # [n_docs]
+    tokens = np.bincount(sources, weights=lengths, minlength=len(mix.sources)).astype(np.int64)  # [K]
+    docs = np.bincount(sources, minlength=len(mix.sources))  # [K]
+    spreads = deviation_spread(stops, sources, [s.weight for s in mix.sources])
+    if abs(sum(s.weight for s in mix.sources) - 1.0) > 1e-9:
+        raise CorpusError(f"{where}: mixture weights sum to {sum(s.weight for s in mix.sources)}, not 1")
+    if len(stops) != manifest.splits["train"].n_documents:
+        raise CorpusError(f"{where}: the documents file lists {len(stops)} documents, splits.train.n_documents "
+                          f"is {manifest.splits['train'].n_documents}")
+    for k, s in enumerate(mix.sources):
+        got = {"tokens": int(tokens[k]), "documents": int(docs[k]), "deviation_spread": spreads[k]}
+        for key, value in got.items():
+            if getattr(s, key) != value:
+                raise CorpusError(f"{where}: mixture source '{s.name}' records {key} {getattr(s, key)}, its "
+                                  f"documents file gives {value}; re-run `python -m data_prep mix`")
+        for key, value in (("share", tokens[k] / n_tokens), ("epochs", tokens[k] / s.source_tokens)):
+            if not np.isclose(getattr(s, key), value, rtol=1e-9, atol=0):
+                raise CorpusError(f"{where}: mixture source '{s.name}' records {key} {getattr(s, key)}, its "
+                                  f"tokens give {value}; re-run `python -m data_prep mix`")
+    names = {s.name for s in mix.sources}
+    for split in manifest.splits:
+        if "/" in split and split.split("/", 1)[1] not in names:
+            raise CorpusError(f"{where}: split '{split}' names no source of the mixture ({', '.join(sorted(names))})")
+    return stops, sources

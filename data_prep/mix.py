@@ -1,0 +1,412 @@
+"""`mix`: a data mixture as one corpus, whole documents of several prepared corpora interleaved by weight.
+
+The general frameworks blend datasets by drawing documents or fixed-length samples independently; that
+would cut Transformer-XL's segment recurrence. Here the mixture's train split is ONE global token stream of
+whole documents (each with the eod it already ends with), so every stream of a run is contiguous text and
+the loader, resume, elastic resume and evaluation read it like any corpus.
+
+The order: a smooth weighted round-robin over documents (stride scheduling). The next document comes
+from the source furthest behind its share: the one whose tokens so far divided by its weight, x_k, is the
+smallest (ties: a seeded order of the sources). Taking the smallest x_k and adding l / w_k to it keeps
+max x - min x <= R, R = the largest document length / its source's weight; the tokens so far T are the
+weighted mean of the x_k, so a source's count never strays from w_k * T by more than w_k * R. Hence over
+ANY window of n tokens a source's share is within spread / n of its weight, where spread = max - min of its
+deviation (tokens so far - w_k * T) over the stream, at most 2 * w_k * R; the manifest records each
+source's spread and verify recomputes it. With documents of a few thousand tokens this is far inside 1%
+over every 1M-token window; whole books (10^5 tokens) cannot be, by any order that keeps documents whole.
+
+Each source's documents are taken epoch by epoch, each epoch in a seeded permutation of the source's
+documents: a source smaller than its share repeats (whole epochs, then the first documents of the next
+permutation: a seeded partial epoch), a larger one is subsampled by whole documents (the first documents
+of its first permutation). The stream ends with the document that reaches --train-tokens, so it holds at
+least that many tokens and less than one document more.
+
+Held-out splits are not mixed: each source's valid/test split is copied whole as `valid/<name>` /
+`test/<name>` (evaluation reports each), and the mixture's own `valid` / `test` are those splits
+concatenated in the order the sources were given (every held-out document of every source once).
+
+Memory: tokens are copied in bounded chunks; what grows with the corpus is the documents' bookkeeping,
+about 33 bytes per train document of the mixture (the schedule, the documents file) plus 8 per source
+document (its end offset).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from data_prep.atomic import atomic_dir, check_output
+from data_prep.errors import PrepError
+from data_prep.layout import CHUNK_TOKENS, SplitWriter, check_fits, split_layouts
+from data_prep.prepare import InputSpec, prepare, provenance, train_tokenizer_job
+from data_prep.tokenizer import TrainerOptions
+from txl_dist.data.format import (
+    Manifest,
+    MixtureEntry,
+    MixtureSource,
+    SplitEntry,
+    TokenReader,
+    check_source_name,
+    read_manifest,
+    sha256_file,
+    write_manifest,
+)
+from txl_dist.data.mixture import DOCUMENTS_FILE, DeviationSpread, DocumentsWriter
+
+HELD_OUT = ("valid", "test")
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """One `--source NAME=CORPUS_DIR:WEIGHT`."""
+
+    name: str
+    """Names the source's held-out splits (`valid/<name>`) and its entry in the manifest."""
+    corpus: Path
+    """A corpus folder made by `prepare` (all sources must share one tokenizer)."""
+    weight: float
+    """Relative weight (> 0); the weights are normalized to shares of the train tokens."""
+
+
+def parse_source(text: str) -> SourceSpec:
+    """NAME=CORPUS_DIR:WEIGHT (the weight after the last ':', so a path may hold ':')."""
+    name, eq, rest = text.partition("=")
+    path, colon, weight = rest.rpartition(":")
+    if not eq or not colon or not path:
+        raise PrepError(f"--source {text!r}: write it as NAME=CORPUS_DIR:WEIGHT, e.g. web=data/web:0.7")
+    check_source_name(name, f"--source {text!r}")  # CorpusError is a Refused too: one line, exit 2
+    try:
+        w = float(weight)
+    except ValueError:
+        w = float("nan")
+    if not (w > 0 and math.isfinite(w)):
+        raise PrepError(f"--source {text!r}: weight {weight!r} must be a positive number")
+    return SourceSpec(name, Path(path), w)
+
+
+@dataclass
+class _Source:
+    """A source corpus opened for mixing: its manifest, normalized weight and the ends of its train documents."""
+
+    spec: SourceSpec
+    index: int
+    manifest: Manifest
+    weight: float
+    doc_stops: np.ndarray
+    """int64 [n_docs]: where each train document ends in the source's stream (after its eod)."""
+
+
+def _open_source(spec: SourceSpec, index: int, weight: float, progress: bool) -> _Source:
+    manifest = read_manifest(spec.corpus)
+    tok_path = spec.corpus / manifest.tokenizer.file
+    if not tok_path.is_file() or sha256_file(tok_path) != manifest.tokenizer.sha256:
+        raise PrepError(f"{tok_path}: missing or its sha256 differs from the manifest; not the corpus' tokenizer")
+    if "train" not in manifest.splits:
+        raise PrepError(f"--source {spec.name}: {spec.corpus} has no train split to mix")
+    return _Source(spec, index, manifest, weight, _document_stops(spec, manifest, progress))
+
+
+def _document_stops(spec: SourceSpec, manifest: Manifest, progress: bool) -> np.ndarray:
+    """The end of every train document (one read of the train split; each file's sha256 checked on opening)."""
+    split, eod = manifest.splits["train"], manifest.tokenizer.eod_id
+    pieces, pos, last = [], 0, None
+    with TokenReader(spec.corpus, manifest, "train", verify=True) as reader, \
+            tqdm(total=split.n_tokens, unit=" tok", unit_scale=True, desc=f"scan {spec.name}",
+                 disable=not progress, file=sys.stderr) as bar:
+        for tokens in reader.chunks(0, split.n_tokens):
+            pieces.append((np.flatnonzero(tokens == eod) + (pos + 1)).astype(np.int64, copy=False))
+            pos += len(tokens)
+            last = int(tokens[-1])
+            bar.update(len(tokens))
+    stops = np.concatenate(pieces) if pieces else np.empty(0, dtype=np.int64)
+    if last != eod or len(stops) != split.n_documents:
+        # Documents are told apart by their eods only: a text that itself holds the eod piece would be cut.
+        raise PrepError(f"--source {spec.name}: {spec.corpus} train has {split.n_documents} documents but "
+                        f"{len(stops)} eod ids (id {eod}); documents cannot be told apart, re-run prepare")
+    return stops
+
+
+def _check_same_tokenizer(sources: list[_Source]) -> None:
+    first = sources[0]
+    ref = dataclasses.replace(first.manifest.tokenizer, file="")
+    for s in sources[1:]:
+        tok = dataclasses.replace(s.manifest.tokenizer, file="")
+        if tok != ref:
+            diff = next(f.name for f in dataclasses.fields(tok) if getattr(tok, f.name) != getattr(ref, f.name))
+            raise PrepError(f"--source {s.spec.name}: its tokenizer differs from {first.spec.name}'s ({diff}); "
+                            "mix corpora prepared with the same tokenizer (prepare --tokenizer-model)")
+
+
+ROUND_TOKENS = 1 << 22
+"""Mixture tokens scheduled per round of the merge (the bound on the schedule's memory)."""
+SLICE_DOCS = 1 << 16
+"""Documents of a source's epoch looked at per step while filling a round."""
+
+
+class _Sequence:
+    """A source's documents epoch after epoch, each epoch a seeded permutation of them, taken by key.
+
+    The key of a document is the source's tokens before it divided by the source's weight: the mixture
+    position at which the source, kept at its share, would reach it. Keys increase along the sequence.
+    """
+
+    def __init__(self, source: _Source, seed: int):
+        self.stops, self.weight, self.seed, self.index = source.doc_stops, source.weight, seed, source.index
+        self.epoch, self.pos, self.before = 0, 0, 0
+        self.order = self._permutation()
+
+    def _permutation(self) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, self.index, self.epoch])
+        # int32 halves what every epoch holds; shuffling in place keeps the one int64 permutation out.
+        order = np.arange(len(self.stops), dtype=np.int32 if len(self.stops) < 2**31 else np.int64)
+        rng.shuffle(order)
+        return order
+
+    def take(self, key_limit: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(keys float64, starts, stops int64) of the next documents whose key is below key_limit."""
+        keys, starts, stops = [], [], []
+        while True:
+            ids = self.order[self.pos:self.pos + SLICE_DOCS]  # [c]
+            doc_stops = self.stops[ids]  # [c]
+            doc_starts = np.where(ids > 0, self.stops[ids - 1], 0)  # [c]
+            lengths = doc_stops - doc_starts  # [c]
+            slice_keys = (self.before + np.cumsum(lengths) - lengths) / self.weight  # [c]
+            n = int(np.searchsorted(slice_keys, key_limit))  # keys below the limit
+            keys.append(slice_keys[:n])
+            starts.append(doc_starts[:n])
+            stops.append(doc_stops[:n])
+            self.pos += n
+            self.before += int(lengths[:n].sum())
+            if self.pos == len(self.order):
+                self.epoch, self.pos = self.epoch + 1, 0
+                self.order = self._permutation()
+            if n < len(ids):
+                return np.concatenate(keys), np.concatenate(starts), np.concatenate(stops)
+
+
+def schedule(sources: list[_Source], seed: int) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """The mixture's train documents in order, round after round, without end: (source id uint8, start,
+    stop int64 in the source) per document.
+
+    The smooth weighted round-robin of the module docstring. Every source's keys increase along its
+    sequence, so taking the smallest key each time is a merge of the sequences by key; round r merges, with
+    one sort, every document whose key lies in [r, r + 1) * ROUND_TOKENS, which are exactly the next ones.
+    Deterministic in (sources, weights, seed); memory: one round, plus each source's permutation.
+    """
+    seqs = [_Sequence(s, seed) for s in sources]
+    # Ties between equal keys (at the start, or with commensurate lengths) go by a seeded order of the sources.
+    tie_rank = np.random.default_rng([seed, len(sources)]).permutation(len(sources))
+    limit = 0
+    while True:
+        limit += ROUND_TOKENS
+        taken = [seq.take(limit) for seq in seqs]
+        keys = np.concatenate([t[0] for t in taken])  # [M]
+        src = np.concatenate([np.full(len(t[0]), k, dtype=np.uint8) for k, t in enumerate(taken)])  # [M]
+        order = np.lexsort((tie_rank[src], keys))  # [M]
+        yield (src[order], np.concatenate([t[1] for t in taken])[order],
+               np.concatenate([t[2] for t in taken])[order])
+
+
+def _rounds(sources: list[_Source], seed: int, train_tokens: int
+            ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """schedule() up to the first document that reaches train_tokens tokens."""
+    total = 0
+    for src, starts, stops in schedule(sources, seed):
+        cum = total + np.cumsum(stops - starts)  # [M]
+        if len(cum) and cum[-1] >= train_tokens:
+            n = int(np.searchsorted(cum, train_tokens)) + 1
+            yield src[:n], starts[:n], stops[:n]
+            return
+        total = int(cum[-1]) if len(cum) else total
+        yield src, starts, stops
+
+
+def mix(specs: Sequence[SourceSpec], out: str | os.PathLike, *, train_tokens: int | None = None, seed: int = 0,
+        world_size: int, n_streams: int, eval_streams: int | None = None, overwrite: bool = False,
+        command: Sequence[str] | None = None, args: dict[str, Any] | None = None, progress: bool = True) -> Manifest:
+    """Write the mixture of `specs` as a corpus folder at `out` (see the module docstring); returns its manifest."""
+    out = Path(out)
+    if not specs:
+        raise PrepError("no source: pass --source NAME=CORPUS_DIR:WEIGHT at least once")
+    if len({s.name for s in specs}) != len(specs):
+        raise PrepError("--source: two sources have the same name; give each its own")
+    if len(specs) > 255:
+        raise PrepError(f"--source: {len(specs)} sources; at most 255 are supported")
+    if seed < 0:
+        raise PrepError(f"--seed must be >= 0, got {seed}")
+    if train_tokens is not None and train_tokens < 1:
+        raise PrepError(f"--train-tokens must be >= 1, got {train_tokens}")
+    for s in specs:
+        if s.corpus.resolve() == out.resolve():
+            raise PrepError(f"--out {out} is the corpus of source {s.name}; write the mixture elsewhere")
+    check_output(out, overwrite)
+    total_weight = sum(s.weight for s in specs)
+    sources = [_open_source(s, i, s.weight / total_weight, progress) for i, s in enumerate(specs)]
+    _check_same_tokenizer(sources)
+    first = sources[0].manifest
+    n_target = train_tokens if train_tokens is not None else sum(s.manifest.splits["train"].n_tokens for s in sources)
+    # The files are cut at rank blocks, so the length must be known before the first token is written: a
+    # first pass of the (deterministic, cheap) schedule gives it, the second writes.
+    n_tokens = sum(int((stops - starts).sum()) for _, starts, stops in _rounds(sources, seed, n_target))
+
+    held_out = {split: [s for s in sources if split in s.manifest.splits] for split in HELD_OUT}
+    split_names = ["train"] + [n for split, parts in held_out.items() if parts
+                               for n in [split] + [f"{split}/{s.spec.name}" for s in parts]]
+    layouts = split_layouts(split_names, world_size, n_streams, eval_streams)
+    check_fits("train", n_tokens, layouts["train"], str(out))
+    for split, parts in held_out.items():
+        for s in parts:
+            check_fits(split, s.manifest.splits[split].n_tokens, layouts[f"{split}/{s.spec.name}"], str(s.spec.corpus))
+        if parts:
+            check_fits(split, sum(s.manifest.splits[split].n_tokens for s in parts), layouts[split], str(out))
+
+    vocab, dtype = first.tokenizer.vocab_size, first.dtype
+    with atomic_dir(out, overwrite=overwrite) as tmp:
+        (tmp / first.tokenizer.file).parent.mkdir(parents=True, exist_ok=True)
+        (tmp / first.tokenizer.file).write_bytes((sources[0].spec.corpus / first.tokenizer.file).read_bytes())
+        train, mixture = _write_train(tmp, sources, seed, n_target, n_tokens, layouts["train"], dtype, vocab,
+                                      progress)
+        splits = {"train": train}
+        for split, parts in held_out.items():
+            if parts:
+                splits.update(_write_held_out(tmp, split, parts, layouts, dtype, vocab, progress))
+        prov = provenance(command, args, sources=[{"name": s.spec.name, "corpus": str(s.spec.corpus),
+                                                   "manifest_digest": s.manifest.digest()} for s in sources],
+                          train_tokens_asked=n_target)
+        manifest = Manifest(tokenizer=first.tokenizer, dtype=dtype, splits=splits, provenance=prov, mixture=mixture)
+        write_manifest(tmp, manifest)
+    return manifest
+
+
+def _write_train(tmp: Path, sources: list[_Source], seed: int, n_target: int, n_tokens: int, layout, dtype: str,
+                 vocab: int, progress: bool) -> tuple[SplitEntry, MixtureEntry]:
+    """Copy the scheduled documents into the mixture's train files, about CHUNK_TOKENS at a time (each source's
+    documents of a chunk gathered in one vectorized call per record batch), and write the documents file:
+    flat memory, no Python step per document. Returns the split and the mixture record."""
+    writer = SplitWriter(tmp, "train", n_tokens, layout, dtype, vocab)
+    documents = DocumentsWriter(tmp / DOCUMENTS_FILE)
+    spread = DeviationSpread([s.weight for s in sources])
+    readers = [TokenReader(s.spec.corpus, s.manifest, "train", verify=False) for s in sources]  # verified by the scan
+    per_source_tokens = np.zeros(len(sources), dtype=np.int64)
+    per_source_docs = np.zeros(len(sources), dtype=np.int64)
+    written = 0
+    try:
+        with tqdm(total=n_tokens, unit=" tok", unit_scale=True, desc="mix train", disable=not progress,
+                  file=sys.stderr) as bar:
+            for src, starts, stops in _rounds(sources, seed, n_target):
+                lengths = stops - starts  # [M]
+                mix_starts = written + np.cumsum(lengths) - lengths  # [M]: where each document starts in the mixture
+                documents.write(mix_starts + lengths, src)
+                spread.add(mix_starts + lengths, src)
+                per_source_tokens += np.bincount(src, weights=lengths, minlength=len(sources)).astype(np.int64)
+                per_source_docs += np.bincount(src, minlength=len(sources))
+                first = 0
+                while first < len(src):
+                    # the documents that start in the next CHUNK_TOKENS tokens (at least one)
+                    last = max(first + 1, int(np.searchsorted(mix_starts, mix_starts[first] + CHUNK_TOKENS)))
+                    part_src, part_len = src[first:last], lengths[first:last]  # [c], [c]
+                    chunk = np.empty(int(part_len.sum()), dtype=dtype)  # a fresh array: the writer may keep a view
+                    at = mix_starts[first:last] - mix_starts[first]  # [c]: where each document goes in the chunk
+                    for k in np.unique(part_src):
+                        sel = np.flatnonzero(part_src == k)
+                        readers[k].gather(starts[first:last][sel], stops[first:last][sel], out=chunk, out_at=at[sel])
+                    writer.write(chunk, "mix")
+                    bar.update(len(chunk))
+                    first = last
+                written += int(lengths.sum())
+            files, tokens_sha256 = writer.close()
+            documents_sha256 = documents.close()
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        for r in readers:
+            r.close()
+    # Bytes and characters per document are not recorded by prepare: whole epochs count exactly, a partial
+    # epoch by its share of the source's tokens (the source's bytes per token). They feed bits per byte only.
+    text = {key: sum(round(getattr(s.manifest.splits["train"], key) * int(per_source_tokens[s.index])
+                           / s.manifest.splits["train"].n_tokens) for s in sources) for key in ("n_bytes", "n_chars")}
+    train = SplitEntry(n_tokens=n_tokens, n_documents=int(per_source_docs.sum()), tokens_sha256=tokens_sha256,
+                       layout=layout, files=files, **text)
+    spreads = spread.result()
+    mixture = MixtureEntry(seed=seed, documents_file=DOCUMENTS_FILE, documents_sha256=documents_sha256, sources=[
+        MixtureSource(name=s.spec.name, manifest_digest=s.manifest.digest(), weight=s.weight,
+                      source_tokens=s.manifest.splits["train"].n_tokens, tokens=int(per_source_tokens[k]),
+                      documents=int(per_source_docs[k]), share=int(per_source_tokens[k]) / n_tokens,
+                      epochs=int(per_source_tokens[k]) / s.manifest.splits["train"].n_tokens,
+                      deviation_spread=spreads[k])
+        for k, s in enumerate(sources)])
+    return train, mixture
+
+
+def _write_held_out(tmp: Path, split: str, parts: list[_Source], layouts: dict, dtype: str, vocab: int,
+                    progress: bool) -> dict[str, SplitEntry]:
+    """`<split>/<name>` for every source that has the split (its tokens unchanged) and `<split>` holding
+    them all, in the order of the sources; one read of each source's split."""
+    whole = SplitWriter(tmp, split, sum(s.manifest.splits[split].n_tokens for s in parts), layouts[split], dtype,
+                        vocab)
+    out = {}
+    for s in parts:
+        entry = s.manifest.splits[split]
+        name = f"{split}/{s.spec.name}"
+        writer = SplitWriter(tmp, name, entry.n_tokens, layouts[name], dtype, vocab)
+        with TokenReader(s.spec.corpus, s.manifest, split, verify=True) as reader, \
+                tqdm(total=entry.n_tokens, unit=" tok", unit_scale=True, desc=f"copy {name}",
+                     disable=not progress, file=sys.stderr) as bar:
+            for tokens in reader.chunks(0, entry.n_tokens):
+                writer.write(tokens, str(s.spec.corpus))
+                whole.write(tokens, str(s.spec.corpus))
+                bar.update(len(tokens))
+        files, tokens_sha256 = writer.close()
+        if tokens_sha256 != entry.tokens_sha256:
+            raise PrepError(f"{s.spec.corpus / 'manifest.json'}: split {split}: the copied tokens hash to "
+                            f"{tokens_sha256[:12]}... but the manifest's tokens_sha256 is {entry.tokens_sha256[:12]}"
+                            "...: the manifest does not describe these tokens; re-run prepare")
+        out[name] = dataclasses.replace(entry, layout=layouts[name], files=files)
+    files, tokens_sha256 = whole.close()
+    counts = {k: sum(getattr(s.manifest.splits[split], k) for s in parts)
+              for k in ("n_tokens", "n_documents", "n_bytes", "n_chars")}
+    return {split: SplitEntry(tokens_sha256=tokens_sha256, layout=layouts[split], files=files, **counts), **out}
+
+
+def prepare_mixture(sources: Sequence[SourceSpec], spec: InputSpec, out: str | os.PathLike, *,
+                    tokenizer_model: str | os.PathLike | None, eod_piece: str | None, trainer: TrainerOptions,
+                    num_proc: int, world_size: int, n_streams: int, eval_streams: int | None,
+                    train_tokens: int | None, overwrite: bool, command: Sequence[str] | None,
+                    args: dict[str, Any] | None, progress: bool) -> Manifest:
+    """`prepare --source NAME=FILES:WEIGHT ...`: raw text to a mixture in one step.
+
+    One tokenizer for all sources (trained on all their training documents, or --tokenizer-model), each
+    source prepared on its own with the held-out fractions of `spec` (so each has its own valid/test), then
+    mixed; the per-source corpora live in a temporary folder beside `out` and are removed at the end.
+    """
+    out = Path(out)
+    if spec.train or spec.valid or spec.test:
+        raise PrepError("--source gives each source's files: drop --train/--valid/--test (hold out documents "
+                        "of every source with --valid-fraction/--test-fraction)")
+    check_output(out, overwrite)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.sources-", dir=out.parent))
+    try:
+        if tokenizer_model is None:
+            all_train = dataclasses.replace(spec, train=[str(s.corpus) for s in sources])
+            tokenizer_model = train_tokenizer_job(all_train, work / "tokenizer.model", trainer, progress=progress)
+        for s in sources:
+            prepare(dataclasses.replace(spec, train=[str(s.corpus)]), work / s.name, tokenizer_model=tokenizer_model,
+                    eod_piece=eod_piece, trainer=trainer, num_proc=num_proc, world_size=world_size,
+                    n_streams=n_streams, eval_streams=eval_streams, command=command, args=args, progress=progress)
+        return mix([SourceSpec(s.name, work / s.name, s.weight) for s in sources], out, train_tokens=train_tokens,
+                   seed=spec.seed, world_size=world_size, n_streams=n_streams, eval_streams=eval_streams,
+                   overwrite=overwrite, command=command, args=args, progress=progress)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)

