@@ -135,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16"])
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--cases", nargs="+", choices=["step", "head"], default=["step", "head"])
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--json", help="also write the results as JSON lines to this file")
     args = parser.parse_args(argv)
@@ -147,9 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     out: list[dict] = []
     for dtype_name in args.dtypes:
         dtype = DTYPES[dtype_name]
-        report("step", f"{dtype_name} batch {args.batch}", interleaved(step_cases(dtype, args.batch), args.reps),
-               "no plan", out)
-        for shortlist in (2000, 20000):
+        if "step" in args.cases:
+            report("step", f"{dtype_name} batch {args.batch}",
+                   interleaved(step_cases(dtype, args.batch), args.reps), "no plan", out)
+        for shortlist in (2000, 20000) if "head" in args.cases else ():
             report("head", f"{dtype_name} N 1024 d 256 S {shortlist} C 3",
                    interleaved(head_cases(dtype, 1024, 256, shortlist, 3), args.reps if shortlist < 20000 else 3),
                    "cat", out)

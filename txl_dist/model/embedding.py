@@ -27,7 +27,8 @@ class AdaptiveEmbedding(nn.Module):
         self.div_val = div_val
         self.cutoff_ends = [0] + list(cutoffs) + [vocab_size]
         self.emb_scale = d_model ** 0.5
-        table_rows = padded_table_rows(vocab_size, cutoffs, div_val, pad_multiple)
+        # Stored row counts as ints: a partitioned parameter (ZeRO-3) does not show its shape.
+        self.table_rows = table_rows = padded_table_rows(vocab_size, cutoffs, div_val, pad_multiple)
         self.emb_layers = nn.ModuleList()
         # A projection is stored as [d_model, d_emb_i] and applied as F.linear (x @ proj.T), so the adaptive
         # softmax can share the very same tensor and apply it transposed (hidden @ proj).
@@ -47,7 +48,7 @@ class AdaptiveEmbedding(nn.Module):
         sizes = [self.vocab_size] if self.div_val == 1 else [self.cutoff_ends[i + 1] - self.cutoff_ends[i]
                                                              for i in range(len(self.cutoff_ends) - 1)]
         return {f"emb_layers.{i}.weight": size for i, size in enumerate(sizes)
-                if self.emb_layers[i].weight.shape[0] != size}
+                if self.table_rows[i] != size}
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token ids [...] -> scaled embeddings [..., d_model]."""

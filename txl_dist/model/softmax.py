@@ -7,7 +7,7 @@ log p = head_logprob[cluster column] + tail_logprob_i[token - cutoff_ends[i]].
 Padding to tensor-core multiples (pad_multiple > 1) stores more rows than there are logits and never lets
 the extra ones into a softmax: their bias is replaced by -inf in every forward (a [rows] vector op, no
 copy of a weight), so their probability is exactly 0 and their weights get exactly zero gradients. The head
-(cluster 0) is padded through the cluster rows: cluster_weight / cluster_bias hold round_up(S + C) - S rows,
+(cluster 0) is padded through the cluster rows: cluster_weight / cluster_bias hold round_up(S + C, m) - S rows,
 so the head's logits [S + C, padding] keep the shortlist and the cluster columns where they were. Each tail
 table is padded at its end (div_val > 1: every tail; div_val 1: the one shared table, which pads the last
 cluster; the middle clusters are slices of it whose sizes the cutoffs decide). Without clusters the one
@@ -107,11 +107,13 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         self.n_clusters = len(cutoffs)
         self.pad_multiple = pad_multiple
         self.tail_mode: TailMode = "auto"
+        # Stored row counts as ints: a partitioned parameter (ZeRO-3) does not show its shape.
+        self.cluster_rows = 0
         if self.n_clusters:
-            cluster_rows = round_up(self.shortlist_size + self.n_clusters, pad_multiple) - self.shortlist_size
-            self.cluster_weight = nn.Parameter(torch.empty(cluster_rows, d_embed))
-            self.cluster_bias = nn.Parameter(torch.empty(cluster_rows))
-        table_rows = padded_table_rows(vocab_size, cutoffs, div_val, pad_multiple)
+            self.cluster_rows = round_up(self.shortlist_size + self.n_clusters, pad_multiple) - self.shortlist_size
+            self.cluster_weight = nn.Parameter(torch.empty(self.cluster_rows, d_embed))
+            self.cluster_bias = nn.Parameter(torch.empty(self.cluster_rows))
+        self.table_rows = table_rows = padded_table_rows(vocab_size, cutoffs, div_val, pad_multiple)
         self.out_layers = nn.ModuleList()
         # Projections [d_model, d_emb_i], applied as hidden @ proj (the input embedding's F.linear transposed).
         self.out_projs = nn.ParameterList()
@@ -141,13 +143,14 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
     def padded_rows(self) -> dict[str, int]:
         """State-dict names (relative to this module) of the tensors stored padded -> their real row count."""
         rows = {}
-        if self.n_clusters:
+        if self.cluster_rows != self.n_clusters:
             rows["cluster_weight"] = rows["cluster_bias"] = self.n_clusters
         sizes = [self.vocab_size] if self.div_val == 1 else [self.cutoff_ends[i + 1] - self.cutoff_ends[i]
                                                              for i in range(self.n_clusters + 1)]
         for i, size in enumerate(sizes):
-            rows[f"out_layers.{i}.weight"] = rows[f"out_layers.{i}.bias"] = size
-        return {name: n for name, n in rows.items() if self.get_parameter(name).shape[0] != n}
+            if self.table_rows[i] != size:
+                rows[f"out_layers.{i}.weight"] = rows[f"out_layers.{i}.bias"] = size
+        return rows
 
     def _cluster_params(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(weight [rows_i, d_emb_i], bias [rows_i], proj [d_model, d_emb_i] or None) of cluster i; the head
@@ -156,17 +159,20 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         if self.div_val == 1:
             lo = self.cutoff_ends[i]
             # The last cluster also takes the table's padding rows.
-            hi = self.cutoff_ends[i + 1] if i < self.n_clusters else self.out_layers[0].weight.shape[0]
+            hi = self.cutoff_ends[i + 1] if i < self.n_clusters else self.table_rows[0]
             weight = self.out_layers[0].weight[lo:hi]
             bias = self.out_layers[0].bias[lo:hi]
+            rows = hi - lo
         else:
             weight, bias = self.out_layers[i].weight, self.out_layers[i].bias
+            rows = self.table_rows[i]
         if i == 0 and self.n_clusters:
             weight = torch.cat([weight, self.cluster_weight], dim=0)               # [S + C (+ pad), d_emb_0]
             bias = torch.cat([bias, self.cluster_bias], dim=0)                      # [S + C (+ pad)]
+            rows = self.shortlist_size + self.cluster_rows
         n_real = self.n_logits(i)
-        if weight.shape[0] != n_real:
-            bias = torch.cat([bias[:n_real], bias.new_full((weight.shape[0] - n_real,), float("-inf"))])
+        if rows != n_real:
+            bias = torch.cat([bias[:n_real], bias.new_full((rows - n_real,), float("-inf"))])  # [rows]
         proj = self.out_projs[i] if len(self.out_projs) else None
         return weight, bias, proj
 
@@ -217,7 +223,7 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
                              f"{tuple(plan.order.shape)}) does not describe {target.numel()} targets in "
                              f"{self.n_clusters + 1} clusters; make it with tail_plan(labels, cutoffs, device) "
                              "from these labels")
-        head_logits = self._logits(hidden, 0)                                      # [N, S + C]
+        head_logits = self._logits(hidden, 0)                                      # [N, S + C (+ pad)]
         if not self.n_clusters:
             return F.cross_entropy(head_logits, target, reduction="none")         # [N]
         # Cluster id per token from python-int comparisons: no small tensor to copy to the device.
