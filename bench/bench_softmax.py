@@ -6,6 +6,7 @@ reported as ratios, since absolute times depend on the machine and on whatever e
 
     .venv/bin/python bench/bench_softmax.py                    # fp32 and bf16 (if the CPU has bf16 units)
     .venv/bin/python bench/bench_softmax.py --dtypes fp32 --threads 1 --reps 5
+    .venv/bin/python bench/bench_softmax.py --threads 1 --clock cpu     # on a busy shared machine
 
 Cases:
 - step: TransformerXL forward + backward over a memory (the reference shape of BENCHMARKS.md: 6 layers,
@@ -41,7 +42,8 @@ REFERENCE_SHAPE = dict(vocab_size=16000, n_layer=6, d_model=256, n_head=8, d_hea
                        cutoffs=[2000, 6000], div_val=1, tgt_len=128, mem_len=128, dropout=0.1, dropatt=0.0)
 
 
-def interleaved(fns: dict[str, Callable[[], None]], reps: int, warmup: int = 1) -> dict[str, tuple[float, float]]:
+def interleaved(fns: dict[str, Callable[[], None]], reps: int, warmup: int = 1,
+                clock: Callable[[], float] = time.perf_counter) -> dict[str, tuple[float, float]]:
     """Seconds per call of each function (min, the least disturbed by other load; and median), calls
     interleaved so that load changes hit all alike."""
     for fn in fns.values():
@@ -50,9 +52,9 @@ def interleaved(fns: dict[str, Callable[[], None]], reps: int, warmup: int = 1) 
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(reps):
         for name, fn in fns.items():
-            start = time.perf_counter()
+            start = clock()
             fn()
-            times[name].append(time.perf_counter() - start)
+            times[name].append(clock() - start)
     return {name: (min(t), statistics.median(t)) for name, t in times.items()}
 
 
@@ -139,10 +141,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", nargs="+", choices=["step", "head"], default=["step", "head"])
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--json", help="also write the results as JSON lines to this file")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="cpu: the process's CPU time (with --threads 1, what a busy shared machine "
+                             "disturbs least)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     print(f"machine: {platform.processor() or platform.machine()}, {args.threads} threads; python "
-          f"{platform.python_version()}, torch {torch.__version__}, numpy {np.__version__}")
+          f"{platform.python_version()}, torch {torch.__version__}, numpy {np.__version__}; {args.clock} clock")
     if "bf16" in args.dtypes and not torch.backends.mkldnn.is_available():
         print("bf16: oneDNN is not available here; measuring it anyway")
     out: list[dict] = []
@@ -150,10 +156,11 @@ def main(argv: list[str] | None = None) -> int:
         dtype = DTYPES[dtype_name]
         if "step" in args.cases:
             report("step", f"{dtype_name} batch {args.batch}",
-                   interleaved(step_cases(dtype, args.batch), args.reps), "no plan", out)
+                   interleaved(step_cases(dtype, args.batch), args.reps, clock=clock), "no plan", out)
         for shortlist in (2000, 20000) if "head" in args.cases else ():
             report("head", f"{dtype_name} N 1024 d 256 S {shortlist} C 3",
-                   interleaved(head_cases(dtype, 1024, 256, shortlist, 3), args.reps if shortlist < 20000 else 3),
+                   interleaved(head_cases(dtype, 1024, 256, shortlist, 3), args.reps if shortlist < 20000 else 3,
+                               clock=clock),
                    "cat", out)
     if args.json:
         with open(args.json, "w") as f:
