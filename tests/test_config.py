@@ -51,6 +51,30 @@ def test_paper_presets_have_the_paper_shapes():
         24, 1024, 8, 128, 3072, 768, 768)
 
 
+# An aligned preset is its base with tensor-core friendly shapes; anything else must follow the base.
+ALIGNED_PRESETS = {  # aligned preset -> (base preset, model keys it may change)
+    "large_aligned": ("large", {"pad_vocab_multiple"}),
+    "wt103_base_aligned": ("wt103_base", {"pad_vocab_multiple", "d_model", "n_head", "d_head", "d_inner"}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ALIGNED_PRESETS))
+def test_aligned_presets_differ_from_their_base_only_in_alignment(name):
+    base_name, model_keys = ALIGNED_PRESETS[name]
+    aligned = load_config(CONFIGS[0].parent / f"{name}.json").to_dict()
+    base = load_config(CONFIGS[0].parent / f"{base_name}.json").to_dict()
+    assert aligned["model"]["pad_vocab_multiple"] == 64
+    m = aligned["model"]
+    assert m["d_model"] % 32 == 0 and m["d_head"] % 32 == 0 and m["d_inner"] % 64 == 0
+    for section, values in base.items():
+        for key, value in values.items():
+            if (section, key) == ("run", "dir") or (section == "model" and key in model_keys):
+                continue
+            if (section, key) == ("tracking", "experiment") and model_keys != {"pad_vocab_multiple"}:
+                continue  # another architecture is another experiment; padding alone is the same model
+            assert aligned[section][key] == value, f"{name}.json: {section}.{key} must follow {base_name}.json"
+
+
 def test_overrides_are_typed_and_reach_nested_deepspeed_keys(tmp_path):
     cfg = load_config(CONFIGS[0].parent / "tiny.json", [
         "train.max_steps=20",

@@ -158,6 +158,32 @@ def test_to_hf_then_from_hf_gives_back_the_same_model(tmp_path, name):
     assert_same_model(model, back)
 
 
+@pytest.mark.parametrize("name", ["div1_cutoffs_projs", "div2_untied", "plain"])
+def test_padded_model_exports_the_unpadded_tensors_and_imports_back_padded(tmp_path, name):
+    model = small_model(CONFIGS[name])
+    padded = TransformerXL(dataclasses.replace(CONFIGS[name], pad_vocab_multiple=8)).eval()
+    with torch.no_grad():  # the same real rows; the padding rows hold values no output may depend on
+        for (key, a), (_, b) in zip(model.named_parameters(), padded.named_parameters()):
+            b.fill_(7.0)
+            b[:a.shape[0]] = a
+    assert any(a.shape != b.shape for a, b in zip(model.parameters(), padded.parameters()))
+    exported = hf_state_dict(padded)
+    reference = hf_state_dict(model)
+    assert exported.keys() == reference.keys()
+    for key, tensor in reference.items():
+        assert torch.equal(exported[key], tensor), key
+    to_hf(padded, tmp_path / "hf")
+    back = from_hf(tmp_path / "hf", pad_vocab_multiple=8)
+    assert back.config == dataclasses.replace(
+        padded.config, d_embed=padded.config.resolved_d_embed(), tie_projs=padded.config.resolved_tie_projs())
+    for (key, a), (_, b) in zip(model.named_parameters(), back.named_parameters()):
+        assert torch.equal(b[:a.shape[0]], a) and not b[a.shape[0]:].any(), key
+    for x, y in zip(outputs(model), outputs(back)):
+        torch.testing.assert_close(y, x, rtol=0, atol=1e-5)
+    save_native(padded, tmp_path / "native")  # our own folder keeps the padded shapes and the setting
+    assert_same_model(padded, load_native(tmp_path / "native"))
+
+
 def test_tied_weights_are_written_once_like_save_pretrained(tmp_path):
     tied = hf_state_dict(small_model(CONFIGS["div1_cutoffs_projs"]))
     untied = hf_state_dict(small_model(CONFIGS["div2_untied"]))

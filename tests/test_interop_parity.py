@@ -7,7 +7,7 @@ Both directions, one reference subprocess for all variants:
   missing/unexpected keys and gives the same numbers.
 Variants cover div_val 1 and 4, untie_r on/off, tied/untied output weights and projections, d_embed !=
 d_model, n_head * d_head != d_model, same_length with clamp_len, pre_lnorm, mem_len below/above tgt_len and
-a plain softmax (no cutoffs). Full-size HF architectures (transfo-xl-wt103's) map name for name.
+a plain softmax (no cutoffs), and models of ours stored with vocabulary padding. Full-size HF architectures (transfo-xl-wt103's) map name for name.
 """
 from __future__ import annotations
 
@@ -57,6 +57,11 @@ OUR_VARIANTS: dict[str, ModelConfig] = {
     "ours_div4_untied_prelnorm_same_length": ModelConfig(
         **COMMON_OURS, cutoffs=[11, 31], div_val=4, d_embed=64, tie_weight=False, tie_projs=[False, False, True],
         pre_lnorm=True, untie_r=False, same_length=True, clamp_len=3, mem_len=5),
+    # Stored padded (pad_vocab_multiple); the export strips the padding, so HF must give the same numbers.
+    "ours_div1_tied_padded": ModelConfig(**COMMON_OURS, cutoffs=[11, 31], div_val=1, mem_len=8,
+                                         pad_vocab_multiple=8),
+    "ours_div4_untied_padded": ModelConfig(**COMMON_OURS, cutoffs=[11, 31], div_val=4, d_embed=64, tie_weight=False,
+                                           mem_len=5, pad_vocab_multiple=8),
 }
 
 # Full-size architectures, built on the meta device on both sides: names, shapes and tying must line up.

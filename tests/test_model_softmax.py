@@ -1,10 +1,14 @@
-"""Adaptive log-softmax: a normalized distribution, NLL consistent with it, both tail strategies equal."""
+"""Adaptive log-softmax: a normalized distribution, NLL consistent with it, both tail strategies equal,
+the host-made tail plan equal to none (and free of host reads), padding that leaves the numbers unchanged."""
+import dataclasses
+
+import numpy as np
 import pytest
 import torch
 
 from txl_dist.config import ModelConfig
 from txl_dist.model import TransformerXL
-from txl_dist.model.softmax import ProjectedAdaptiveLogSoftmax
+from txl_dist.model.softmax import ProjectedAdaptiveLogSoftmax, tail_plan
 
 VOCAB, D_MODEL = 40, 16
 SHAPES = {  # name: (d_embed, cutoffs, div_val)
@@ -135,3 +139,143 @@ def test_every_parameter_gets_a_gradient_when_a_cluster_has_no_token(tail_mode):
     x = torch.randint(0, 32, (2, 8))  # head tokens only: both tail clusters are empty
     model(x, labels=x).nll.mean().backward()
     assert [n for n, p in model.named_parameters() if p.grad is None] == []
+
+
+# ------------------------------------------------------------------------------------------------
+# The tail plan: cluster counts and order from the host labels
+
+
+def _model_and_batch(cutoffs=(10, 25), div_val=2, seed=0):
+    cfg = ModelConfig(vocab_size=VOCAB, n_layer=1, d_model=D_MODEL, n_head=2, d_head=8, d_inner=32,
+                      cutoffs=list(cutoffs), div_val=div_val, dropout=0.0, init_std=0.3, tgt_len=6, mem_len=6)
+    torch.manual_seed(seed)
+    model = TransformerXL(cfg)
+    g = torch.Generator().manual_seed(seed + 1)
+    ids = torch.randint(0, VOCAB, (3, 6), generator=g)
+    labels = torch.randint(0, VOCAB, (3, 6), generator=g)
+    labels[0, :4] = 0  # the head always has tokens; which tails do depends on the draw
+    return model, ids, labels
+
+
+def test_tail_plan_counts_and_order_from_the_host_labels():
+    labels = np.random.default_rng(0).integers(0, VOCAB, size=(4, 9))
+    plan = tail_plan(labels, [10, 25], torch.device("cpu"))
+    flat = labels.reshape(-1).tolist()
+    # Independently: a token's cluster is how many cutoffs it reaches; the order lists positions cluster by
+    # cluster, each in increasing position.
+    cluster_of = [sum(t >= c for c in (10, 25)) for t in flat]
+    assert plan.counts == [cluster_of.count(i) for i in range(3)]
+    assert plan.order.dtype == torch.int64
+    assert plan.order.tolist() == [pos for i in range(3) for pos in range(len(flat)) if cluster_of[pos] == i]
+
+
+def test_forward_with_a_plan_equals_without_bitwise():
+    model, ids, labels = _model_and_batch()
+    model.crit.tail_mode = "gather"
+    results = []
+    for plan in (None, tail_plan(labels.numpy(), model.config.cutoffs, torch.device("cpu"))):
+        model.zero_grad()
+        out = model(ids, labels=labels, tail_plan=plan)
+        out.nll.mean().backward()
+        results.append((out.nll.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (nll_a, grads_a), (nll_b, grads_b) = results
+    assert torch.equal(nll_a, nll_b)
+    for name, grad in grads_a.items():
+        assert torch.equal(grad, grads_b[name]), name
+
+
+def test_a_plan_that_does_not_fit_the_labels_is_refused():
+    model, ids, labels = _model_and_batch()
+    plan = tail_plan(labels[:2].numpy(), model.config.cutoffs, torch.device("cpu"))
+    with pytest.raises(ValueError, match="tail plan .* does not describe 18 targets"):
+        model(ids, labels=labels, tail_plan=plan)
+
+
+def _no_host_reads(monkeypatch):
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("a host read of a tensor (a device sync on an accelerator)")
+    for name in ("tolist", "item", "__bool__", "__int__", "__float__"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+
+
+def test_forward_and_backward_with_a_plan_read_no_tensor_on_the_host(monkeypatch):
+    model, ids, labels = _model_and_batch()
+    plan = tail_plan(labels.numpy(), model.config.cutoffs, torch.device("cpu"))
+    first = model(ids, labels=labels, tail_plan=plan)  # a second segment attends to a memory too
+    with monkeypatch.context() as patch:
+        _no_host_reads(patch)
+        out = model(ids, labels=labels, mems=first.mems, tail_plan=plan)
+        out.nll.mean().backward()
+        # The check can fail: without a plan the gather tail reads the cluster counts on the host.
+        with pytest.raises(AssertionError, match="host read"):
+            model(ids, labels=labels, mems=first.mems)
+
+
+# ------------------------------------------------------------------------------------------------
+# Padding to tensor-core multiples (pad_vocab_multiple)
+
+
+def copy_real_rows(src: torch.nn.Module, dst: torch.nn.Module) -> None:
+    """dst's parameters := src's (the leading rows of a padded one); padding rows get large random values,
+    which must not matter."""
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for (name, a), (_, b) in zip(src.named_parameters(), dst.named_parameters()):
+            assert a.shape[1:] == b.shape[1:] and a.shape[0] <= b.shape[0], name
+            b.copy_(10 * torch.randn(b.shape, generator=g))
+            b[:a.shape[0]] = a
+
+
+@pytest.mark.parametrize("multiple", [8, 64])
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_padded_softmax_gives_the_unpadded_numbers(name, multiple):
+    d_embed, cutoffs, div_val = SHAPES[name]
+    crit = make_crit(name)
+    padded = ProjectedAdaptiveLogSoftmax(VOCAB, d_embed, D_MODEL, cutoffs, div_val, pad_multiple=multiple)
+    copy_real_rows(crit, padded)
+    head_rows = padded._cluster_params(0)[0].shape[0]
+    assert head_rows % multiple == 0 and head_rows >= padded.n_logits(0)
+    hidden, target = hidden_and_target(n=40, seed=3)
+    target[:3] = VOCAB - 1  # the last token sits next to the padding
+    torch.testing.assert_close(padded.log_probs(hidden), crit.log_probs(hidden), rtol=0, atol=1e-5)
+    for mode in ("dense", "gather"):
+        crit.tail_mode = padded.tail_mode = mode
+        results = []
+        for module in (crit, padded):
+            module.zero_grad()
+            h = hidden.clone().requires_grad_()
+            nll = module(h, target)
+            nll.sum().backward()
+            results.append((nll.detach(), h.grad, [p.grad for p in module.parameters()]))
+        (nll_a, gh_a, gp_a), (nll_b, gh_b, gp_b) = results
+        torch.testing.assert_close(nll_b, nll_a, rtol=0, atol=1e-5)
+        torch.testing.assert_close(gh_b, gh_a, rtol=0, atol=1e-5)
+        for a, b in zip(gp_a, gp_b):
+            torch.testing.assert_close(b[:a.shape[0]], a, rtol=0, atol=1e-5)
+            assert not b[a.shape[0]:].any()  # padding rows learn nothing
+
+
+@pytest.mark.parametrize("div_val", [1, 2])
+def test_padded_model_gives_the_unpadded_numbers(div_val):
+    model, ids, labels = _model_and_batch(div_val=div_val)
+    padded = TransformerXL(dataclasses.replace(model.config, pad_vocab_multiple=8))
+    copy_real_rows(model, padded)
+    model.eval(), padded.eval()
+    with torch.no_grad():
+        a, b = model(ids, labels=labels), padded(ids, labels=labels)
+        torch.testing.assert_close(b.nll, a.nll, rtol=0, atol=1e-5)
+        torch.testing.assert_close(padded.log_probs(b.hidden), model.log_probs(a.hidden), rtol=0, atol=1e-5)
+    assert padded.word_emb.emb_layers[0].weight is padded.crit.out_layers[0].weight  # tie_weight still ties
+
+
+def test_padded_shapes_of_the_large_preset():
+    # configs/large.json: S + C = 20000 + 3 head logits; tails of 20000, 160000 and 67735 tokens.
+    cfg = ModelConfig(vocab_size=267735, n_layer=1, d_model=1024, n_head=16, d_head=64, d_inner=4096,
+                      d_embed=1024, cutoffs=[20000, 40000, 200000], div_val=4, pad_vocab_multiple=64)
+    with torch.device("meta"):
+        model = TransformerXL(cfg)
+    assert [model.crit._cluster_params(i)[0].shape[0] for i in range(4)] == [20032, 20032, 160000, 67776]
+    assert model.crit.padded_rows() == {"cluster_weight": 3, "cluster_bias": 3, "out_layers.1.weight": 20000,
+                                        "out_layers.1.bias": 20000, "out_layers.3.weight": 67735,
+                                        "out_layers.3.bias": 67735}
+    assert model.word_emb.padded_rows() == {"emb_layers.1.weight": 20000, "emb_layers.3.weight": 67735}

@@ -14,17 +14,20 @@ import pytest
 import torch
 
 SCRIPT = r"""
-import copy, json
+import copy, json, sys
 import torch
 import deepspeed
 from deepspeed.utils import safe_get_full_grad
 from txl_dist.config import ModelConfig
 from txl_dist.engine import skip_shm_comm_build
 from txl_dist.model import TransformerXL
+from txl_dist.model.softmax import tail_plan
 
 skip_shm_comm_build()  # a fresh machine would JIT-build an op that training never uses
-cfg = ModelConfig(vocab_size=50, n_layer=2, d_model=32, n_head=2, d_head=8, d_inner=48, cutoffs=[10, 25],
-                  div_val=2, untie_r=False, dropout=0.0, init_std=0.3, proj_init_std=0.3)
+variant = json.loads(sys.argv[1])
+planned = variant.pop("tail_plan", False)
+cfg = ModelConfig(**{**dict(vocab_size=50, n_layer=2, d_model=32, n_head=2, d_head=8, d_inner=48, cutoffs=[10, 25],
+                            div_val=2, untie_r=False, dropout=0.0, init_std=0.3, proj_init_std=0.3), **variant})
 torch.manual_seed(0)
 model = TransformerXL(cfg).train()
 plain = copy.deepcopy(model)
@@ -37,7 +40,8 @@ def two_segments(forward, backward):
     # each recomputed layer would report its parameters' gradients once per segment.
     losses, mems = [], None
     for seg in range(2):
-        out = forward(ids[seg], labels[seg], mems)
+        plan = tail_plan(labels[seg].numpy(), cfg.cutoffs, torch.device("cpu")) if planned else None
+        out = forward(ids[seg], labels[seg], mems, tail_plan=plan)
         loss = out.nll.mean()
         backward(loss)
         losses.append(loss.item())
@@ -67,10 +71,15 @@ def free_port() -> int:
 
 
 @pytest.mark.slow
-def test_zero3_with_deepspeed_checkpointing_gives_plain_torch_gradients():
+@pytest.mark.parametrize("variant", [
+    {},
+    # Vocabulary padding on the one shared table of div_val 1, and the softmax's plan from the host labels.
+    {"div_val": 1, "d_embed": 16, "pad_vocab_multiple": 8, "tail_plan": True},
+])
+def test_zero3_with_deepspeed_checkpointing_gives_plain_torch_gradients(variant):
     env = dict(os.environ, DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(variant)], env=env, capture_output=True, text=True, timeout=300)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(lines[-1][len("RESULT "):])

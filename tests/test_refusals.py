@@ -512,6 +512,12 @@ def _(s):
     s.train(None, "--set", "model.d_inner=48")
 
 
+@case("checkpoint.vocab-padding-differs")
+def _(s):
+    s.trained_run()
+    s.train(None, "--set", "model.pad_vocab_multiple=8")
+
+
 @case("checkpoint.trained-on-other-tokens")
 def _(s):
     s.trained_run()

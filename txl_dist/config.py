@@ -117,6 +117,11 @@ class ModelConfig:
     """Relative attention implementation: "auto" (picked per device and dtype, see
     txl_dist/model/attention.py), or one of "matmul", "sdpa", "reference". Changes speed, not the math:
     it may change on resume."""
+    pad_vocab_multiple: int = 1
+    """Store the adaptive softmax's head rows (shortlist + one per cluster) and each tail's output and
+    embedding rows padded to a multiple of this (8 or 64 suit tensor cores); the padding never enters a
+    softmax, so the math is that of the unpadded model. 1: the paper's exact shapes. Part of the weights'
+    shapes: it cannot change on resume (interop exports and imports the unpadded tensors)."""
 
     def memory(self) -> MemorySettings:
         """The training memory settings."""
@@ -560,7 +565,7 @@ def validate(cfg: RunConfig) -> None:
 
 
 def validate_model(m: ModelConfig) -> None:
-    for key in ("n_layer", "d_model", "n_head", "d_head", "d_inner", "div_val", "tgt_len"):
+    for key in ("n_layer", "d_model", "n_head", "d_head", "d_inner", "div_val", "tgt_len", "pad_vocab_multiple"):
         _positive(f"model.{key}", getattr(m, key))
     _non_negative("model.mem_len", m.mem_len)
     if m.d_embed is not None:

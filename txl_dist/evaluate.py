@@ -27,7 +27,9 @@ from . import distributed
 from .config import EvalConfig
 from .data import SplitTooShort, StreamLoader
 from .data.format import split_parts
+from .host_copy import to_device
 from .memory import MemoryBank
+from .model.softmax import tail_plan
 from .streams import streams_per_rank
 
 
@@ -73,13 +75,17 @@ class Evaluator:
         bank = MemoryBank()
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # [nll sum, tokens]
         memory = self.cfg.memory()
+        cutoffs = model.config.cutoffs
         with eval_mode(model):
             for segment, mb in enumerate(loader):
                 if self.cfg.max_segments is not None and segment >= self.cfg.max_segments:
                     break
-                input_ids = torch.from_numpy(mb.input_ids).to(self.device)  # [n, T]
-                labels = torch.from_numpy(mb.labels).to(self.device)  # [n, T]
-                out = model(input_ids, labels=labels, mems=bank.get(mb.stream_ids, mb.reset), memory=memory)
+                # Non-blocking copies, and the softmax's cluster counts from the host labels: no sync here.
+                input_ids = to_device(mb.input_ids, self.device)  # [n, T]
+                labels = to_device(mb.labels, self.device)  # [n, T]
+                plan = tail_plan(mb.labels, cutoffs, self.device) if cutoffs else None
+                out = model(input_ids, labels=labels, mems=bank.get(mb.stream_ids, mb.reset), memory=memory,
+                            tail_plan=plan)
                 bank.put(mb.stream_ids, out.mems)
                 sums[0] += out.nll.double().sum()
                 sums[1] += out.nll.numel()

@@ -29,7 +29,7 @@ from typing import Any, Callable, TypeVar
 from . import checkpoint, distributed
 from .checkpoint import CheckpointError, EngineSource
 from .config import RunConfig, apply_override, changed_settings, check_cutoffs, config_from_dict, load_config, \
-    model_config_from_dict, ConfigError
+    model_config_from_dict, ConfigError, ModelConfig
 from .data import Manifest, SplitTooShort, StreamLoader, read_manifest
 from .distributed import DistEnv
 from .errors import Refused, one_line
@@ -43,7 +43,7 @@ T = TypeVar("T")
 
 # Model settings a checkpoint's weights are tied to; the others (dropout, mem_len, ...) may change on resume.
 MODEL_STRUCTURE = ("vocab_size", "n_layer", "d_model", "n_head", "d_head", "d_inner", "d_embed", "div_val",
-                   "cutoffs", "tie_weight", "tie_projs", "pre_lnorm", "untie_r")
+                   "cutoffs", "tie_weight", "tie_projs", "pre_lnorm", "untie_r", "pad_vocab_multiple")
 # Bytes per parameter of a checkpoint before any exists to measure: fp32 weights or masters + Adam's two
 # moments, plus the bf16/fp16 copy (an over-estimate for fp32 runs, which is the safe side).
 CHECKPOINT_BYTES_PER_PARAM = 18
@@ -147,7 +147,8 @@ def check_checkpoint_fits(cfg: RunConfig, manifest: Manifest, run_info: dict[str
                         f"has {run_info['n_streams']}; keep it to resume (any world size dividing it works)")
     saved_model = run_info["config"]["model"]
     model = dataclasses.asdict(cfg.model)
-    changed_model = sorted(k for k in MODEL_STRUCTURE if saved_model.get(k) != model[k])
+    # A key newer than the checkpoint counts as its default (the shape the checkpoint was saved with).
+    changed_model = sorted(k for k in MODEL_STRUCTURE if saved_model.get(k, getattr(ModelConfig, k, None)) != model[k])
     if changed_model:
         problems.append(f"model settings differ: {', '.join('model.' + k for k in changed_model)}; the weights "
                         "only fit the model they were trained as")

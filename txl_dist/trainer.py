@@ -42,7 +42,9 @@ from .distributed import DistEnv
 from .engine import build_engine, deepspeed_config, global_grad_norm, model_dtype, zero_stage
 from .errors import RunFailed
 from .evaluate import Evaluator
+from .host_copy import to_device
 from .memory import MemoryBank, merge_state_dicts
+from .model.softmax import tail_plan
 from .startup import Resume, TrainStart, start_training
 from .stop_request import StopRequest
 
@@ -187,12 +189,15 @@ class Trainer:
         streams = []
         own_norm = None
         lr = engine.optimizer.param_groups[0]["lr"]  # what this step uses (the scheduler moves it after)
+        cutoffs = self.cfg.model.cutoffs
         for micro in range(self.loader.accumulation_steps):
             mb = next(self._batches)
-            input_ids = torch.from_numpy(mb.input_ids).to(self.device)  # [m, T]
-            labels = torch.from_numpy(mb.labels).to(self.device)  # [m, T]
+            # Non-blocking copies, and the softmax's cluster counts from the host labels: no sync here.
+            input_ids = to_device(mb.input_ids, self.device)  # [m, T]
+            labels = to_device(mb.labels, self.device)  # [m, T]
+            plan = tail_plan(mb.labels, cutoffs, self.device) if cutoffs else None
             mems = self.bank.get(mb.stream_ids, mb.reset)  # n_layer x [m, mlen, d_model] or None
-            out = engine(input_ids, labels=labels, mems=mems)
+            out = engine(input_ids, labels=labels, mems=mems, tail_plan=plan)
             engine.backward(out.nll.mean())
             self.bank.put(mb.stream_ids, out.mems)
             nll_sum = out.nll.detach().double().sum()

@@ -16,6 +16,10 @@ natural order: HF's forward uses head column cutoffs[0] + i - 1 for cluster i, a
 Tied tensors (tie_weight, tie_projs, the shared r biases) are one Parameter in our model. HF's
 save_pretrained keeps one copy in safetensors and every copy in pytorch_model.bin; we read either (the
 copies must agree) and write one, as save_pretrained does.
+
+A model with model.pad_vocab_multiple > 1 stores some vocabulary tables with padding rows at their end
+(padded_rows); HF holds the real rows only, so the export cuts the padding off and the import appends
+zero rows (they never carry probability or are looked up, whatever their values).
 """
 from __future__ import annotations
 
@@ -77,10 +81,22 @@ def _hf_aliases(model: TransformerXL, group: list[str]) -> list[str]:
     return names
 
 
+def padded_rows(model: TransformerXL) -> dict[str, int]:
+    """Our state-dict names of the tensors stored with padding rows (pad_vocab_multiple) -> real row count."""
+    rows = {f"crit.{name}": n for name, n in model.crit.padded_rows().items()}
+    rows.update({f"word_emb.{name}": n for name, n in model.word_emb.padded_rows().items()})
+    return rows
+
+
 def hf_state_dict(model: TransformerXL) -> dict[str, torch.Tensor]:
-    """Our model's tensors under HF names, each tied tensor once (as save_pretrained writes safetensors)."""
+    """Our model's tensors under HF names, each tied tensor once (as save_pretrained writes safetensors),
+    without padding rows."""
     state = model.state_dict()
-    out = {hf_name(group[0]): state[group[0]] for group in tied_groups(model)}
+    rows = padded_rows(model)
+    out = {}
+    for group in tied_groups(model):
+        tensor = state[group[0]]
+        out[hf_name(group[0])] = tensor[:rows[group[0]]].clone() if group[0] in rows else tensor
     out[INV_FREQ] = inv_freq(model.d_model)
     return out
 
@@ -91,6 +107,7 @@ def load_hf_state_dict(model: TransformerXL, tensors: dict[str, torch.Tensor], s
     A tied tensor may come as any subset of its HF copies (at least one); copies that disagree are refused.
     """
     ours = model.state_dict()
+    rows = padded_rows(model)
     loaded: dict[str, torch.Tensor] = {}
     used = {INV_FREQ}
     missing = []
@@ -102,7 +119,8 @@ def load_hf_state_dict(model: TransformerXL, tensors: dict[str, torch.Tensor], s
             missing.append(aliases[0])
             continue
         value = tensors[present[0]]
-        want = tuple(ours[group[0]].shape)
+        stored = ours[group[0]].shape
+        want = (rows[group[0]], *stored[1:]) if group[0] in rows else tuple(stored)
         for a in present:
             if tuple(tensors[a].shape) != want:
                 raise HFFormatError(
@@ -112,6 +130,8 @@ def load_hf_state_dict(model: TransformerXL, tensors: dict[str, torch.Tensor], s
                 raise HFFormatError(
                     f"{source}: tensor {a} differs from {present[0]} although config.json says they are tied "
                     "(tie_word_embeddings / tie_projs / untie_r); fix the config or the weights")
+        if group[0] in rows:
+            value = torch.cat([value, value.new_zeros(stored[0] - value.shape[0], *stored[1:])])
         for name in group:
             loaded[name] = value
     if missing:

@@ -3,8 +3,9 @@
 ```python
 from txl_dist.model import TransformerXL, TransformerXLOutput
 model = TransformerXL(cfg.model)                 # cfg.model.vocab_size must be an int
-out = model(input_ids, labels=None, mems=None, memory=None)  # [B, T] LongTensors, labels already shifted;
-                                                # memory: MemorySettings (None: the training settings)
+out = model(input_ids, labels=None, mems=None, memory=None,  # [B, T] LongTensors, labels already shifted;
+            tail_plan=None)                     # memory: MemorySettings (None: the training settings);
+                                                # tail_plan: softmax.tail_plan(labels_np, cutoffs, device)
 out.nll [B, T] float32 | None;  out.mems: n_layer x [B, min(mem_len, mlen+T), d_model] detached
 out.hidden [B, T, d_model];     model.log_probs(hidden) -> [..., vocab_size] float32
 model.attn_impl: from cfg.attn_impl, read at every forward
@@ -37,6 +38,11 @@ n_i / E_i = size / embedding width of cluster i (E_i = E // div_val**i), HD = n_
     crit.out_layers.{i}.weight / .bias      div_val 1: one [V, E] / [V]; div_val > 1: [n_i, E_i] / [n_i]
     crit.out_projs.{i}                      div_val 1: [d_model, E] for i in 0..C, only when E != d_model;
                                             div_val > 1: [d_model, E_i] for i in 0..C. Applied as h @ proj
+
+With pad_vocab_multiple m > 1 some of these are stored with padding rows at their end (never used by
+the math; see softmax.py): crit.cluster_weight / cluster_bias have round_up(S + C, m) - S rows; div_val 1:
+the one table (and its bias) has round_up(V, m) rows; div_val > 1: each tail table i >= 1 (and its bias and
+embedding table) round_up(n_i, m), the head table only when C = 0. interop.weights.padded_rows lists them.
 
 Tying shares the Parameter object, so a tied tensor appears in state_dict() under both names:
 tie_weight: crit.out_layers.{i}.weight IS word_emb.emb_layers.{i}.weight (biases are never tied);

@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from txl_dist.model.softmax import padded_table_rows
+
 
 class AdaptiveEmbedding(nn.Module):
     """Adaptive input embeddings (Baevski & Auli 2019) as in the Transformer-XL reference code.
@@ -12,9 +14,12 @@ class AdaptiveEmbedding(nn.Module):
     div_val == 1: one table [vocab_size, d_embed], projected to d_model only when d_embed != d_model.
     div_val > 1: cluster i (tokens cutoff_ends[i] .. cutoff_ends[i+1]-1) has a table of width
     d_embed // div_val**i and its own projection to d_model. The output is scaled by sqrt(d_model).
+    pad_multiple > 1: the tables have the adaptive softmax's padded shapes (padded_table_rows), so that
+    tie_weight can share them; a padded row is never looked up.
     """
 
-    def __init__(self, vocab_size: int, d_embed: int, d_model: int, cutoffs: list[int], div_val: int):
+    def __init__(self, vocab_size: int, d_embed: int, d_model: int, cutoffs: list[int], div_val: int,
+                 pad_multiple: int = 1):
         super().__init__()
         self.vocab_size = vocab_size
         self.d_embed = d_embed
@@ -22,20 +27,28 @@ class AdaptiveEmbedding(nn.Module):
         self.div_val = div_val
         self.cutoff_ends = [0] + list(cutoffs) + [vocab_size]
         self.emb_scale = d_model ** 0.5
+        # Stored row counts as ints: a partitioned parameter (ZeRO-3) does not show its shape.
+        self.table_rows = table_rows = padded_table_rows(vocab_size, cutoffs, div_val, pad_multiple)
         self.emb_layers = nn.ModuleList()
         # A projection is stored as [d_model, d_emb_i] and applied as F.linear (x @ proj.T), so the adaptive
         # softmax can share the very same tensor and apply it transposed (hidden @ proj).
         self.emb_projs = nn.ParameterList()
         if div_val == 1:
-            self.emb_layers.append(nn.Embedding(vocab_size, d_embed))
+            self.emb_layers.append(nn.Embedding(table_rows[0], d_embed))
             if d_model != d_embed:
                 self.emb_projs.append(nn.Parameter(torch.empty(d_model, d_embed)))
         else:
             for i in range(len(self.cutoff_ends) - 1):
-                size_i = self.cutoff_ends[i + 1] - self.cutoff_ends[i]
                 d_emb_i = d_embed // div_val ** i
-                self.emb_layers.append(nn.Embedding(size_i, d_emb_i))
+                self.emb_layers.append(nn.Embedding(table_rows[i], d_emb_i))
                 self.emb_projs.append(nn.Parameter(torch.empty(d_model, d_emb_i)))
+
+    def padded_rows(self) -> dict[str, int]:
+        """State-dict names (relative to this module) of the tables stored padded -> their real row count."""
+        sizes = [self.vocab_size] if self.div_val == 1 else [self.cutoff_ends[i + 1] - self.cutoff_ends[i]
+                                                             for i in range(len(self.cutoff_ends) - 1)]
+        return {f"emb_layers.{i}.weight": size for i, size in enumerate(sizes)
+                if self.table_rows[i] != size}
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token ids [...] -> scaled embeddings [..., d_model]."""

@@ -12,7 +12,7 @@ from txl_dist.config import MemorySettings, ModelConfig, validate_model
 from txl_dist.model.attention import (ATTN_IMPLS, attn_bias_from_mask, build_attn_mask, resolve_attn_impl)
 from txl_dist.model.embedding import AdaptiveEmbedding, sinusoid_position_embedding
 from txl_dist.model.layer import TransformerXLLayer
-from txl_dist.model.softmax import ProjectedAdaptiveLogSoftmax
+from txl_dist.model.softmax import ProjectedAdaptiveLogSoftmax, TailPlan
 
 CheckpointFn = Callable[..., torch.Tensor]
 
@@ -59,7 +59,8 @@ class TransformerXL(nn.Module):
         self.attn_impl = cfg.attn_impl
         self._checkpoint_fn: CheckpointFn | None = None
 
-        self.word_emb = AdaptiveEmbedding(cfg.vocab_size, d_embed, cfg.d_model, cfg.cutoffs, cfg.div_val)
+        self.word_emb = AdaptiveEmbedding(cfg.vocab_size, d_embed, cfg.d_model, cfg.cutoffs, cfg.div_val,
+                                          cfg.pad_vocab_multiple)
         self.drop = nn.Dropout(cfg.dropout)
         self.layers = nn.ModuleList(
             TransformerXLLayer(cfg.d_model, cfg.n_head, cfg.d_head, cfg.d_inner, cfg.dropout, cfg.dropatt,
@@ -70,7 +71,8 @@ class TransformerXL(nn.Module):
         else:
             self.r_w_bias = nn.Parameter(torch.empty(cfg.n_head, cfg.d_head))
             self.r_r_bias = nn.Parameter(torch.empty(cfg.n_head, cfg.d_head))
-        self.crit = ProjectedAdaptiveLogSoftmax(cfg.vocab_size, d_embed, cfg.d_model, cfg.cutoffs, cfg.div_val)
+        self.crit = ProjectedAdaptiveLogSoftmax(cfg.vocab_size, d_embed, cfg.d_model, cfg.cutoffs, cfg.div_val,
+                                                cfg.pad_vocab_multiple)
         self._tie(cfg)
         self.reset_parameters()
 
@@ -134,10 +136,11 @@ class TransformerXL(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 mems: list[torch.Tensor] | None = None, *,
-                memory: MemorySettings | None = None) -> TransformerXLOutput:
+                memory: MemorySettings | None = None, tail_plan: TailPlan | None = None) -> TransformerXLOutput:
         """input_ids, labels: [batch, tgt_len] (labels already shifted: labels[b, t] follows input_ids[b, t]);
         mems: None (empty memory) or n_layer tensors [batch, mlen, d_model]; memory: how long the memory is
-        and how it is attended (None: the config's training settings)."""
+        and how it is attended (None: the config's training settings); tail_plan: the labels' TailPlan made on
+        the host (txl_dist.model.softmax.tail_plan), which spares the adaptive softmax its host sync."""
         memory = self.memory if memory is None else memory
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, tgt_len], got shape {tuple(input_ids.shape)}")
@@ -176,7 +179,7 @@ class TransformerXL(nn.Module):
 
         nll = None
         if labels is not None:
-            nll = self.crit(h.reshape(bsz * qlen, self.d_model), labels.reshape(-1)).view(bsz, qlen)
+            nll = self.crit(h.reshape(bsz * qlen, self.d_model), labels.reshape(-1), tail_plan).view(bsz, qlen)
         return TransformerXLOutput(nll=nll, mems=new_mems, hidden=h)
 
     def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
