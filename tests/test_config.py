@@ -161,3 +161,14 @@ def test_tie_projs_default_and_length_check():
     assert cfg.model.resolved_tie_projs() == [False, True, True]
     with pytest.raises(ConfigError, match="model.tie_projs: needs one entry per cluster"):
         config_from_dict(minimal(model={"cutoffs": [10, 20], "tie_projs": [True]}))
+
+
+def test_a_key_missing_from_a_saved_config_counts_as_its_default():
+    from txl_dist.config import changed_settings
+
+    now = RunConfig().to_dict()
+    saved = RunConfig().to_dict()
+    del saved["model"]["pad_vocab_multiple"]  # a checkpoint written before the key existed
+    assert changed_settings(saved, now) == []
+    now["model"]["pad_vocab_multiple"] = 8
+    assert changed_settings(saved, now) == ["model.pad_vocab_multiple"]

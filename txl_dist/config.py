@@ -16,7 +16,7 @@ import hashlib
 import json
 import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -304,16 +304,33 @@ VOLATILE_KEYS = ("train.exit_step", "train.log_interval", "train.collective_time
 
 
 def changed_settings(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    """Dotted keys whose value differs between two config dicts, leaving out the volatile ones."""
+    """Dotted keys whose value differs between two config dicts, leaving out the volatile ones.
+
+    A key the saved dict lacks (written before the key existed) counts as that key's default, which is what
+    the run that saved it used.
+    """
     changed = []
     for section, values in now.items():
         if section in VOLATILE_SECTIONS or not isinstance(values, dict):
             continue
+        saved_section = saved.get(section, {})
         for key, value in values.items():
             dotted = f"{section}.{key}"
-            if dotted not in VOLATILE_KEYS and saved.get(section, {}).get(key) != value:
+            was = saved_section[key] if key in saved_section else default_value(section, key)
+            if dotted not in VOLATILE_KEYS and was != value:
                 changed.append(dotted)
     return sorted(changed)
+
+
+def default_value(section: str, key: str) -> Any:
+    """The default of config key section.key (None when the section or key is unknown)."""
+    section_type = SECTIONS.get(section)
+    for f in fields(section_type) if section_type else ():
+        if f.name == key:
+            if f.default_factory is not MISSING:
+                return f.default_factory()
+            return None if f.default is MISSING else f.default
+    return None
 
 
 _SECRET_QUERY_KEYS = ("token", "password", "passwd", "secret", "key", "auth", "signature", "credential")

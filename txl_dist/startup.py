@@ -28,8 +28,8 @@ from typing import Any, Callable, TypeVar
 
 from . import checkpoint, distributed
 from .checkpoint import CheckpointError, EngineSource
-from .config import RunConfig, apply_override, changed_settings, check_cutoffs, config_from_dict, load_config, \
-    model_config_from_dict, ConfigError, ModelConfig
+from .config import ConfigError, RunConfig, apply_override, changed_settings, check_cutoffs, config_from_dict, \
+    default_value, load_config, model_config_from_dict
 from .data import Manifest, SplitTooShort, StreamLoader, read_manifest
 from .distributed import DistEnv
 from .errors import Refused, one_line
@@ -148,7 +148,7 @@ def check_checkpoint_fits(cfg: RunConfig, manifest: Manifest, run_info: dict[str
     saved_model = run_info["config"]["model"]
     model = dataclasses.asdict(cfg.model)
     # A key newer than the checkpoint counts as its default (the shape the checkpoint was saved with).
-    changed_model = sorted(k for k in MODEL_STRUCTURE if saved_model.get(k, getattr(ModelConfig, k, None)) != model[k])
+    changed_model = sorted(k for k in MODEL_STRUCTURE if saved_model.get(k, default_value("model", k)) != model[k])
     if changed_model:
         problems.append(f"model settings differ: {', '.join('model.' + k for k in changed_model)}; the weights "
                         "only fit the model they were trained as")
