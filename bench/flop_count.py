@@ -8,7 +8,9 @@ Conventions (those of MFU, PaLM appendix B): matmul FLOPs only (2 per multiply-a
 counted over klen = tgt_len + mem_len keys per query (the content, position and value products); the keys,
 values and positions are projected for all klen positions of each segment, so their cost per predicted
 token is scaled by klen / tgt_len. The adaptive softmax is counted as computed: every token through the
-head (shortlist + one logit per tail cluster), and cluster i's tail only for the share of tokens in it.
+head (shortlist + one logit per tail cluster), and cluster i's tail only for the share of tokens in it
+(the "gather" tail mode; pass no shares for "dense"). With div_val > 1 the adaptive input projects every
+token through every cluster's projection (as txl_dist/model/embedding.py does).
 """
 from __future__ import annotations
 
@@ -46,7 +48,7 @@ def model_flops_per_token(cfg: ModelConfig, *, tgt_len: int | None = None, mem_l
                  + 3 * 2 * hd * klen                 # content scores, position scores, probs @ v
                  + 2 * hd * d                        # o_net
                  + 2 * 2 * d * cfg.d_inner)          # feed-forward
-    forward = cfg.n_layer * per_layer + _softmax_flops(cfg, tail_shares) + _embedding_flops(cfg, tail_shares)
+    forward = cfg.n_layer * per_layer + _softmax_flops(cfg, tail_shares) + _embedding_flops(cfg)
     return (3.0 if training else 1.0) * forward
 
 
@@ -73,10 +75,9 @@ def _softmax_flops(cfg: ModelConfig, tail_shares: Sequence[float] | None) -> flo
     return flops
 
 
-def _embedding_flops(cfg: ModelConfig, tail_shares: Sequence[float] | None) -> float:
-    """The input projections (the lookups themselves are free)."""
+def _embedding_flops(cfg: ModelConfig) -> float:
+    """The input projections (the lookups themselves are free). With div_val > 1 every cluster embeds and
+    projects every token (txl_dist/model/embedding.py: no host sync), so all of them count."""
     if cfg.div_val == 1:
         return 2 * cfg.d_model * cfg.resolved_d_embed() if cfg.resolved_d_embed() != cfg.d_model else 0.0
-    widths = _cluster_widths(cfg)
-    shares = [1.0 - sum(tail_shares)] + list(tail_shares) if tail_shares is not None else [1.0] * len(widths)
-    return sum(share * 2 * cfg.d_model * width for (_, width), share in zip(widths, shares))
+    return sum(2 * cfg.d_model * width for _, width in _cluster_widths(cfg))

@@ -310,11 +310,13 @@ def phase_model(p: Phase) -> None:
 # e. training steps at the shipped shapes
 
 
-def flops_per_token(cfg: ModelConfig, batch: int, labels: torch.Tensor) -> tuple[float, str]:
-    """Model FLOPs per token: the product's count (txl_dist.flops) when present, else the benchmark's."""
+def flops_per_token(cfg: ModelConfig, batch: int, labels: torch.Tensor, dense_tails: bool) -> tuple[float, str]:
+    """Model FLOPs per token: the product's count (txl_dist.flops) when present, else the benchmark's
+    (dense_tails: the adaptive softmax runs every token through every tail, as it does on a GPU when the
+    tails are cheap enough)."""
     from bench.flop_count import cluster_shares, model_flops_per_token
 
-    shares = cluster_shares(labels.cpu(), cfg.vocab_size, cfg.cutoffs)
+    shares = None if dense_tails else cluster_shares(labels.cpu(), cfg.vocab_size, cfg.cutoffs)
     try:
         from txl_dist.flops import flops_per_token as product_count
         return float(product_count(cfg)), "txl_dist.flops.flops_per_token"
@@ -391,9 +393,11 @@ class TrainCase:
         p.sync()
         step_s = (time.perf_counter() - start) / steps
         tok_s = batch * cfg.tgt_len / step_s
-        fpt, counter = flops_per_token(cfg, batch, labels)
+        dense = model.crit.resolved_tail_mode(p.device) == "dense"
+        fpt, counter = flops_per_token(cfg, batch, labels, dense)
         rec = dict(step_ms=round(step_s * 1e3, 2), tokens_per_s=round(tok_s), warmup_s=round(warm_s, 2),
-                   model_tflops=round(fpt * tok_s / 1e12, 2), flops_per_token=round(fpt), flop_counter=counter)
+                   model_tflops=round(fpt * tok_s / 1e12, 2), flops_per_token=round(fpt), flop_counter=counter,
+                   softmax_tails="dense" if dense else "gather")
         peak = p.shared.get("peak_bf16")
         if peak:
             rec["mfu_measured_peak"] = round(fpt * tok_s / peak, 4)
