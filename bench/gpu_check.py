@@ -171,7 +171,7 @@ def phase_matmul(p: Phase) -> None:
         finally:
             torch.backends.cuda.matmul.allow_tf32 = old
         p.shared[f"peak_{name}"] = flops
-        p.write("matmul", dtype=name, n=n, tflops=round(flops / 1e12, 2))
+        p.write("matmul", dtype=name, n=n, tflops=round(flops / 1e12, 3), flop_per_s=flops)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -431,6 +431,7 @@ def phase_train(p: Phase) -> None:
                 p.truncated.append(f"{name}/{impl}/mb{batch}/ckpt{int(ckpt)}/compile{int(comp)}")
                 continue
             t0 = time.perf_counter()
+            runner = None
             try:
                 if comp and compiled is None:
                     compiled = TrainCase(p, cfg, compiled=True)
@@ -454,7 +455,7 @@ def phase_train(p: Phase) -> None:
                 # The rest of the matrix for the fastest implementation: eager first, compiled last.
                 cases = [(best, b, c, False) for b in batches for c in (False, True) if (b, c) != (batches[0], False)]
                 cases += [(best, b, c, True) for b in batches for c in (False, True)]
-        del eager, compiled
+        runner = eager = compiled = None  # free the device memory before the next shape
         if p.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -501,7 +502,7 @@ def phase_deepspeed(p: Phase, out: Path) -> None:
             p.truncated.append(f"zero{stage}")
             continue
         env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-                   PYTHONUNBUFFERED="1")
+                   PYTHONUNBUFFERED="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         start = time.perf_counter()
         try:
             proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -529,6 +530,15 @@ class Terminated(BaseException):
 
 def _terminate(signum: int, frame: Any) -> None:
     raise Terminated()
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (the default 29500 may belong to another job on the machine)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def one_line(e: BaseException) -> str:

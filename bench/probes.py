@@ -66,7 +66,9 @@ def checkpoint_speed(folder: Path, quick: bool, reps: int) -> dict:
     """checkpoint.save / load_engine of a one-rank DeepSpeed engine against plain torch.save / torch.load of
     the same state (the module's and the optimizer's state_dict), repetitions interleaved."""
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    from bench.gpu_check import free_port
+
+    os.environ["MASTER_PORT"] = str(free_port())
     from txl_dist import checkpoint
     from txl_dist.engine import build_engine
     from txl_dist.model import TransformerXL

@@ -303,7 +303,7 @@ def bench_zero(args: argparse.Namespace) -> dict[str, Any]:
                 f"deepspeed.train_batch_size={streams}", f"deepspeed.train_micro_batch_size_per_gpu={micro}",
                 f"deepspeed.zero_optimization.stage={stage}", "deepspeed.bf16.enabled=false"]
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
-                   "--master_port", str(29600 + stage + os.getpid() % 200), "launch/train.py",
+                   "--master_port", str(free_port()), "launch/train.py",
                    "--config", "configs/tiny.json", "--resume", "none"]
             for s in sets:
                 cmd += ["--set", s]
@@ -333,6 +333,11 @@ def bench_zero(args: argparse.Namespace) -> dict[str, Any]:
         results["stages"][str(stage)]["vs_stage0"] = round(results["stages"][str(stage)]["peak_rss_mib_max"] / base, 3)
     results["n_params_approx"] = f"{cfg.n_layer} layers, d_model {cfg.d_model}, vocab {cfg.vocab_size}"
     return results
+
+
+def free_port() -> int:
+    from bench.gpu_check import free_port as free
+    return free()
 
 
 def read_hwm(pid: int) -> float:

@@ -15,9 +15,11 @@ PHASES = ["env", "matmul", "attention", "model", "train", "deepspeed"]
 
 def test_cpu_smoke_runs_every_phase(tmp_path):
     out = tmp_path / "out"
-    env = {k: v for k, v in os.environ.items() if k != "OUT"} | {"DS_ACCELERATOR": "cpu"}
+    # A generous overall time box: this checks that every phase runs, on machines that may be busy (the
+    # time boxes themselves only cut phases short; the smoke run needs ~20 s on an idle 2-core machine).
+    env = {k: v for k, v in os.environ.items() if k != "OUT"} | {"DS_ACCELERATOR": "cpu", "GPU_CHECK_TOTAL_S": "400"}
     proc = subprocess.run(["bash", str(REPO / "bench" / "gpu_check.sh"), "--cpu-smoke", "--out", str(out)],
-                          cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+                          cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=480)
     assert proc.returncode == 0, proc.stdout[-4000:]
     records = [json.loads(line) for line in (out / "gpu_check.jsonl").read_text().splitlines()]
     status = {r["phase"]: r["status"] for r in records if r["kind"] == "phase"}
@@ -28,7 +30,7 @@ def test_cpu_smoke_runs_every_phase(tmp_path):
     for r in records:
         by_kind.setdefault(r["kind"], []).append(r)
     assert {r["dtype"] for r in by_kind["matmul"]} == {"bf16", "fp16", "tf32", "fp32"}
-    assert all(r["tflops"] > 0 for r in by_kind["matmul"])
+    assert all(r["flop_per_s"] > 0 for r in by_kind["matmul"])
     # Every implementation was checked against the float64 oracle and timed, in both dtypes.
     pairs = {(r["impl"], r["dtype"]) for r in by_kind["attention_error"] if "error" not in r}
     assert pairs == {(i, d) for i in ATTN_IMPLS for d in ("fp32", "bf16")}
