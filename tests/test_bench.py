@@ -39,6 +39,7 @@ def test_flop_count_matches_torch_flop_counter(div_val, d_embed):
     assert estimate == pytest.approx(counted, rel=0.03)
 
 
+@pytest.mark.slow
 def test_quick_run_rewrites_only_the_marked_block(tmp_path):
     out = tmp_path / "BENCHMARKS.md"
     out.write_text("# Benchmarks\n\nhand-written intro\n\n<!-- bench:start -->\nold table\n<!-- bench:end -->\n\n"

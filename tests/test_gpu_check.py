@@ -7,12 +7,15 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from txl_dist.model.attention import ATTN_IMPLS
 
 REPO = Path(__file__).resolve().parents[1]
 PHASES = ["env", "matmul", "attention", "model", "train", "deepspeed"]
 
 
+@pytest.mark.slow
 def test_cpu_smoke_runs_every_phase(tmp_path):
     out = tmp_path / "out"
     # A generous overall time box: this checks that every phase runs, on machines that may be busy (the
