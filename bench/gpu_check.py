@@ -1,0 +1,656 @@
+"""The device check: what one GPU does with txl-dist, in under 8 minutes (bench/gpu_check.sh runs it).
+
+    python bench/gpu_check.py --out DIR [--cpu-smoke] [--budget-s 430]
+
+Phases, each time-boxed, each writing JSON lines to DIR/gpu_check.jsonl as it goes (a kill leaves what
+was measured), then DIR/gpu_check.md (a short table):
+  env        device, torch / CUDA / Triton versions, free memory
+  matmul     the device's matmul peak (bf16, fp16, tf32, fp32): the denominator of the measured MFU
+  attention  relative attention alone, forward+backward, every implementation in ATTN_IMPLS (discovered),
+             fp32 and bf16: max abs errors of output and gradients against the einsum reference run in
+             float64, beside the reference's own error in that dtype; time per call
+  model      whole-model forward+backward on the device for every implementation (two segments with mems,
+             and an evaluation segment with long memory, same_length and clamp_len) against the float64
+             reference model
+  train      configs/large.json and configs/wt103_base.json shapes in bf16: step time, tokens/s, MFU, peak
+             memory, for each implementation at micro batch 8; then for the fastest, micro batch 8/16/32 with
+             and without activation checkpointing and torch.compile (plain torch AdamW, no DeepSpeed)
+  deepspeed  when DeepSpeed imports: the project's own trainer (launch/train.py) on a synthetic corpus with
+             the base config, ZeRO 1 and 2, bf16, tracking off; its progress lines
+
+Every record has "phase" and "kind"; each phase ends with a {"kind": "phase", "status": ...} record
+(ok, error, skipped or truncated, with the reason). --cpu-smoke runs every phase at toy size on the CPU.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import re
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from txl_dist.config import MemorySettings, ModelConfig, load_config
+from txl_dist.model import TransformerXL
+from txl_dist.model.attention import ATTN_IMPLS, attn_bias_from_mask, build_attn_mask
+
+REPO = Path(__file__).resolve().parents[1]
+JSONL = "gpu_check.jsonl"
+TABLE = "gpu_check.md"
+
+PEAK_BF16_SPEC = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
+"""Dense bf16 tensor-core peak (FLOP/s) by device name fragment, from the vendors' data sheets (SXM parts)."""
+
+# Per phase: share of the budget (seconds on the GPU); the smoke run gets the same shares of its own.
+PHASE_BUDGET = {"env": 5, "matmul": 20, "attention": 45, "model": 30, "train": 230, "deepspeed": 100}
+SMOKE_BUDGET = {"env": 3, "matmul": 3, "attention": 8, "model": 10, "train": 25, "deepspeed": 51}
+"""The smoke run's shares: on a CPU the trainer's start-up (imports, DeepSpeed) dominates."""
+
+
+class Recorder:
+    """Appends JSON lines to DIR/gpu_check.jsonl, flushed line by line; keeps them for the table."""
+
+    def __init__(self, out: Path):
+        out.mkdir(parents=True, exist_ok=True)
+        self.path = out / JSONL
+        self.records: list[dict[str, Any]] = []
+        self.file = self.path.open("a")
+
+    def write(self, record: dict[str, Any]) -> None:
+        record = {"time": round(time.time(), 3), **record}
+        self.records.append(record)
+        self.file.write(json.dumps(record, default=str) + "\n")
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        print(json.dumps(record, default=str), flush=True)
+
+
+class Phase:
+    """What a phase sees: the device, sizes, its own deadline, and the recorder (tagged with its name)."""
+
+    def __init__(self, name: str, rec: Recorder, device: torch.device, smoke: bool, budget_s: float,
+                 shared: dict[str, Any]):
+        self.name, self.rec, self.device, self.smoke = name, rec, device, smoke
+        self.deadline = time.monotonic() + budget_s
+        self.shared = shared  # results later phases use (the matmul peak)
+        self.truncated: list[str] = []
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def write(self, kind: str, **fields: Any) -> None:
+        self.rec.write({"phase": self.name, "kind": kind, **fields})
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def timed(phase: Phase, fns: dict[str, Callable[[], Any]], reps: int, warmup: int = 1) -> dict[str, float]:
+    """Median seconds per call of each function, calls interleaved (load changes hit all alike)."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    phase.sync()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            phase.sync()
+            times[name].append(time.perf_counter() - start)
+    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+
+
+# ----------------------------------------------------------------------------------------------------
+# a. env
+
+
+def phase_env(p: Phase) -> None:
+    info: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
+                            "cuda": torch.version.cuda, "device": str(p.device), "cpu": platform.processor(),
+                            "cpu_count": os.cpu_count(), "attn_impls": sorted(ATTN_IMPLS)}
+    try:
+        import triton
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    try:
+        import deepspeed
+        info["deepspeed"] = deepspeed.__version__
+    except Exception as e:  # noqa: BLE001  (absent or broken: the deepspeed phase records it)
+        info["deepspeed"] = f"unavailable: {type(e).__name__}: {e}"[:200]
+    if p.device.type == "cuda":
+        props = torch.cuda.get_device_properties(p.device)
+        free, total = torch.cuda.mem_get_info(p.device)
+        info.update(device_name=props.name, capability=f"{props.major}.{props.minor}", sm_count=props.multi_processor_count,
+                    memory_total_gib=round(total / 2**30, 2), memory_free_gib=round(free / 2**30, 2))
+    else:
+        info.update(device_name="cpu", cpu_capability=torch.backends.cpu.get_cpu_capability(),
+                    threads=torch.get_num_threads())
+    p.shared["device_name"] = info["device_name"]
+    p.write("env", **info)
+
+
+# ----------------------------------------------------------------------------------------------------
+# b. matmul peak
+
+
+def phase_matmul(p: Phase) -> None:
+    n = 256 if p.smoke else 8192
+    seconds = 0.2 if p.smoke else 3.0
+    cases = [("bf16", torch.bfloat16, False), ("fp16", torch.float16, False), ("tf32", torch.float32, True),
+             ("fp32", torch.float32, False)]
+    for name, dtype, tf32 in cases:
+        if p.left() < seconds + 1:
+            p.truncated.append(name)
+            continue
+        old = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        try:
+            a = torch.randn(n, n, device=p.device, dtype=dtype)
+            b = torch.randn(n, n, device=p.device, dtype=dtype)
+            torch.mm(a, b)
+            p.sync()
+            calls, start = 0, time.perf_counter()
+            while time.perf_counter() - start < seconds:
+                for _ in range(10):
+                    torch.mm(a, b)
+                calls += 10
+                p.sync()
+            flops = 2 * n ** 3 * calls / (time.perf_counter() - start)
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = old
+        p.shared[f"peak_{name}"] = flops
+        p.write("matmul", dtype=name, n=n, tflops=round(flops / 1e12, 3), flop_per_s=flops)
+
+
+# ----------------------------------------------------------------------------------------------------
+# c. attention alone
+
+
+def attention_inputs(shape: dict[str, int], device: torch.device, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    b, h, t, m, d = shape["batch"], shape["n_head"], shape["qlen"], shape["mlen"], shape["d_head"]
+    k = t + m
+    x = dict(q=torch.randn(b, t, h * d, generator=g), kv=torch.randn(b, k, 2 * h * d, generator=g),
+             r_head_k=torch.randn(k, h * d, generator=g), r_w_bias=torch.randn(h, d, generator=g) * 0.1,
+             r_r_bias=torch.randn(h, d, generator=g) * 0.1)
+    return {name: v.to(device, torch.float64) for name, v in x.items()}
+
+
+def attention_fwd_bwd(impl: str, x64: dict[str, torch.Tensor], grad64: torch.Tensor, bias_mask: torch.Tensor,
+                      dtype: torch.dtype) -> tuple[Callable[[], None], Callable[[], dict[str, torch.Tensor]]]:
+    """A timing closure and a closure returning float64 output + grads of one impl in one dtype."""
+    x = {k: v.to(dtype).requires_grad_() for k, v in x64.items()}
+    grad = grad64.to(dtype)
+    bias = attn_bias_from_mask(bias_mask, dtype)
+    fn = ATTN_IMPLS[impl]
+
+    def run() -> None:
+        torch.autograd.grad(fn(**x, attn_bias=bias), list(x.values()), grad)
+
+    def result() -> dict[str, torch.Tensor]:
+        out = fn(**x, attn_bias=bias)
+        grads = torch.autograd.grad(out, list(x.values()), grad)
+        return {"out": out.detach().double(), **{f"d_{k}": g.double() for k, g in zip(x, grads)}}
+
+    return run, result
+
+
+def max_errors(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> dict[str, float]:
+    return {k: float((got[k] - ref[k]).abs().max()) for k in ref}
+
+
+def phase_attention(p: Phase) -> None:
+    shape = (dict(batch=2, n_head=2, qlen=16, mlen=16, d_head=8) if p.smoke
+             else dict(batch=8, n_head=16, qlen=384, mlen=384, d_head=64))  # configs/large.json's attention
+    x64 = attention_inputs(shape, p.device)
+    grad64 = torch.randn(shape["batch"], shape["qlen"], shape["n_head"] * shape["d_head"],
+                         generator=torch.Generator().manual_seed(1)).to(p.device, torch.float64)
+    mask = build_attn_mask(shape["qlen"], shape["mlen"], shape["mlen"], False, p.device)
+    oracle = attention_fwd_bwd("reference", x64, grad64, mask, torch.float64)[1]()
+    reps = 3 if p.smoke else 10
+    for dname, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        if p.left() < 5:
+            p.truncated.append(dname)
+            continue
+        runs = {}
+        for impl in ATTN_IMPLS:
+            try:
+                run, result = attention_fwd_bwd(impl, x64, grad64, mask, dtype)
+                errors = max_errors(result(), oracle)
+                runs[impl] = run
+                p.write("attention_error", impl=impl, dtype=dname, **shape, **{f"max_abs_{k}": v for k, v in errors.items()})
+            except Exception as e:  # noqa: BLE001  (an impl that cannot run here is a result)
+                p.write("attention_error", impl=impl, dtype=dname, error=one_line(e))
+        try:
+            seconds = timed(p, runs, reps, warmup=2)
+        except Exception as e:  # noqa: BLE001
+            p.write("attention_time", dtype=dname, error=one_line(e))
+            continue
+        ref = seconds.get("reference")
+        for impl, s in seconds.items():
+            p.write("attention_time", impl=impl, dtype=dname, ms=round(s * 1e3, 3),
+                    speedup_vs_reference=round(ref / s, 3) if ref else None)
+
+
+# ----------------------------------------------------------------------------------------------------
+# d. whole model correctness
+
+
+def small_model_config(smoke: bool) -> ModelConfig:
+    return ModelConfig(vocab_size=1000, n_layer=2, d_model=64, n_head=4, d_head=16, d_inner=128,
+                       cutoffs=[200, 500], div_val=2, tgt_len=16, mem_len=16, dropout=0.0, dropatt=0.0)
+
+
+def model_outputs(model: TransformerXL, impl: str, ids: torch.Tensor, labels: torch.Tensor,
+                  memory: MemorySettings) -> dict[str, torch.Tensor]:
+    """NLL of two training segments (mems carried) + grads of the second, and an eval segment's NLL."""
+    model.attn_impl = impl
+    model.zero_grad(set_to_none=True)
+    tgt = model.config.tgt_len
+    out1 = model(ids[:, :tgt], labels[:, :tgt])
+    out2 = model(ids[:, tgt:2 * tgt], labels[:, tgt:2 * tgt], out1.mems)
+    out2.nll.float().mean().backward()
+    res = {"nll1": out1.nll.detach().double(), "nll2": out2.nll.detach().double()}
+    res.update({f"grad.{n}": prm.grad.double() for n, prm in model.named_parameters() if prm.grad is not None})
+    with torch.no_grad():
+        mems = None
+        for s in range(ids.shape[1] // tgt):
+            ev = model(ids[:, s * tgt:(s + 1) * tgt], labels[:, s * tgt:(s + 1) * tgt], mems, memory=memory)
+            mems = ev.mems
+        res["nll_eval_last"] = ev.nll.double()
+    return res
+
+
+def phase_model(p: Phase) -> None:
+    cfg = small_model_config(p.smoke)
+    torch.manual_seed(0)
+    base = TransformerXL(cfg).to(p.device).train()
+    g = torch.Generator().manual_seed(2)
+    n_seg = 4
+    tokens = torch.randint(0, cfg.vocab_size, (2, n_seg * cfg.tgt_len + 1), generator=g).to(p.device)
+    ids, labels = tokens[:, :-1], tokens[:, 1:]
+    memory = MemorySettings(mem_len=3 * cfg.tgt_len, clamp_len=cfg.tgt_len, same_length=True)
+    oracle = model_outputs(copy.deepcopy(base).double(), "reference", ids, labels, memory)
+    for dname, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        baseline = None
+        for impl in ["reference"] + [i for i in ATTN_IMPLS if i != "reference"]:
+            if p.left() < 2:
+                p.truncated.append(f"{impl}/{dname}")
+                continue
+            try:
+                got = model_outputs(copy.deepcopy(base).to(dtype), impl, ids, labels, memory)
+            except Exception as e:  # noqa: BLE001
+                p.write("model_error", impl=impl, dtype=dname, error=one_line(e))
+                continue
+            nll = max(float((got[k] - oracle[k]).abs().max()) for k in ("nll1", "nll2"))
+            nll_eval = float((got["nll_eval_last"] - oracle["nll_eval_last"]).abs().max())
+            grad = max(float((got[k] - oracle[k]).norm() / oracle[k].norm().clamp_min(1e-30))
+                       for k in oracle if k.startswith("grad."))
+            errs = {"max_abs_nll": nll, "max_abs_nll_eval": nll_eval, "max_rel_grad": grad}
+            if impl == "reference":
+                baseline = errs
+            # An implementation is as good as the einsum reference in the same dtype, within a margin.
+            ok = baseline is not None and all(v <= 4 * baseline[k] + 1e-6 for k, v in errs.items())
+            p.write("model_error", impl=impl, dtype=dname, ok=ok, **errs)
+
+
+# ----------------------------------------------------------------------------------------------------
+# e. training steps at the shipped shapes
+
+
+def flops_per_token(cfg: ModelConfig, batch: int, labels: torch.Tensor, dense_tails: bool) -> tuple[float, str]:
+    """Model FLOPs per token: the product's count (txl_dist.flops) when present, else the benchmark's
+    (dense_tails: the adaptive softmax runs every token through every tail, as it does on a GPU when the
+    tails are cheap enough)."""
+    from bench.flop_count import cluster_shares, model_flops_per_token
+
+    shares = None if dense_tails else cluster_shares(labels.cpu(), cfg.vocab_size, cfg.cutoffs)
+    try:
+        from txl_dist.flops import flops_per_token as product_count
+        return float(product_count(cfg)), "txl_dist.flops.flops_per_token"
+    except Exception:  # noqa: BLE001  (absent, or another signature: the benchmark's own count)
+        return model_flops_per_token(cfg, batch=batch, tail_shares=shares), "bench.flop_count"
+
+
+def train_shapes(smoke: bool) -> dict[str, ModelConfig]:
+    shapes = {}
+    for name, path in (("large", "configs/large.json"), ("base", "configs/wt103_base.json")):
+        cfg = load_config(REPO / path).model
+        if smoke:
+            cfg = dataclasses_replace(cfg, vocab_size=2000, n_layer=2, d_model=32, n_head=2, d_head=8, d_inner=64,
+                                      d_embed=32, cutoffs=[500, 1000], tgt_len=16, mem_len=16)
+        shapes[name] = cfg
+    return shapes
+
+
+def dataclasses_replace(cfg: ModelConfig, **changes: Any) -> ModelConfig:
+    import dataclasses
+    return dataclasses.replace(cfg, **changes)
+
+
+class TrainCase:
+    """One model + optimizer in bf16 on the device, stepping over random Zipf tokens with carried mems."""
+
+    def __init__(self, p: Phase, cfg: ModelConfig, compiled: bool):
+        self.p, self.cfg = p, cfg
+        torch.manual_seed(0)
+        self.model = TransformerXL(cfg).to(p.device, torch.bfloat16).train()
+        self.compile_via = None
+        if compiled:
+            if hasattr(self.model, "compile_layers"):
+                self.model.compile_layers()
+                self.compile_via = "TransformerXL.compile_layers"
+            else:  # the product has no switch yet: what compiling each layer would give
+                for layer in self.model.layers:  # the smoke run checks the wiring, not inductor's C++ build
+                    layer.compile(backend="eager" if p.smoke else "inductor")
+                self.compile_via = "nn.Module.compile per layer (TransformerXL has no compile_layers)"
+        fused = p.device.type == "cuda"
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=fused)
+
+    def run(self, impl: str, batch: int, checkpointing: bool, warmup: int, steps: int) -> dict[str, Any]:
+        p, cfg, model = self.p, self.cfg, self.model
+        model.attn_impl = impl
+        model.set_activation_checkpointing(enabled=checkpointing)
+        g = torch.Generator().manual_seed(3)
+        zipf = 1.0 / torch.arange(1, cfg.vocab_size + 1, dtype=torch.float64)
+        n = warmup + steps
+        tokens = torch.multinomial(zipf, n * batch * cfg.tgt_len + batch, replacement=True, generator=g)
+        tokens = tokens[: n * batch * cfg.tgt_len].view(n, batch, cfg.tgt_len).to(p.device)
+        labels = tokens.roll(-1, dims=2)
+        if p.device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(p.device)
+        mems = None
+        start_all = time.perf_counter()
+
+        def step(i: int) -> None:
+            nonlocal mems
+            out = model(tokens[i], labels[i], mems)
+            out.nll.float().mean().backward()
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+            mems = out.mems
+
+        for i in range(warmup):  # the first segment has no memory: shapes settle from the second on
+            step(i)
+        p.sync()
+        warm_s = time.perf_counter() - start_all
+        start = time.perf_counter()
+        for i in range(warmup, n):
+            step(i)
+        p.sync()
+        step_s = (time.perf_counter() - start) / steps
+        tok_s = batch * cfg.tgt_len / step_s
+        dense = model.crit.resolved_tail_mode(p.device) == "dense"
+        fpt, counter = flops_per_token(cfg, batch, labels, dense)
+        rec = dict(step_ms=round(step_s * 1e3, 2), tokens_per_s=round(tok_s), warmup_s=round(warm_s, 2),
+                   model_tflops=round(fpt * tok_s / 1e12, 2), flops_per_token=round(fpt), flop_counter=counter,
+                   softmax_tails="dense" if dense else "gather")
+        peak = p.shared.get("peak_bf16")
+        if peak:
+            rec["mfu_measured_peak"] = round(fpt * tok_s / peak, 4)
+        spec = next((v for k, v in PEAK_BF16_SPEC.items() if k in str(p.shared.get("device_name", ""))), None)
+        if spec:
+            rec["mfu_spec_peak"] = round(fpt * tok_s / spec, 4)
+        if p.device.type == "cuda":
+            rec["peak_memory_gib"] = round(torch.cuda.max_memory_allocated(p.device) / 2**30, 2)
+        return rec
+
+
+def phase_train(p: Phase) -> None:
+    impls = [i for i in ATTN_IMPLS if i != "reference"]  # the oracle's speed is not a product question
+    batches = (2,) if p.smoke else (8, 16, 32)
+    warmup, steps = (1, 1) if p.smoke else (3, 5)
+    shapes = train_shapes(p.smoke)
+    share = {"large": 0.6, "base": 0.4}
+    for name, cfg in shapes.items():
+        box = time.monotonic() + share[name] * max(0.0, p.left())
+        survey: dict[str, float] = {}
+        cases: list[tuple[str, int, bool, bool]] = [(impl, batches[0], False, False) for impl in impls]
+        eager = TrainCase(p, cfg, compiled=False)
+        compiled: TrainCase | None = None
+        last_s = 0.0
+        while cases:
+            impl, batch, ckpt, comp = cases.pop(0)
+            key = dict(shape=name, impl=impl, micro_batch=batch, checkpointing=ckpt, compile=comp)
+            # Time box: a case is started only if one as long as the last still fits.
+            if time.monotonic() + 1.5 * last_s > box:
+                p.write("train_step", **key, skipped="time box")
+                p.truncated.append(f"{name}/{impl}/mb{batch}/ckpt{int(ckpt)}/compile{int(comp)}")
+                continue
+            t0 = time.perf_counter()
+            runner = None
+            try:
+                if comp and compiled is None:
+                    compiled = TrainCase(p, cfg, compiled=True)
+                runner = compiled if comp else eager
+                rec = runner.run(impl, batch, ckpt, warmup, steps)
+                if comp:
+                    rec["compile_via"] = runner.compile_via
+                p.write("train_step", **key, **rec)
+                if (batch, ckpt, comp) == (batches[0], False, False):
+                    survey[impl] = rec["step_ms"]
+            except torch.cuda.OutOfMemoryError:
+                p.write("train_step", **key, error="out of memory")
+                torch.cuda.empty_cache()
+            except Exception as e:  # noqa: BLE001
+                p.write("train_step", **key, error=one_line(e), trace=traceback.format_exc()[-1500:])
+            last_s = time.perf_counter() - t0
+            if not cases and survey and len(survey) == len(impls) and "best" not in p.shared.get(name, {}):
+                best = min(survey, key=survey.get)
+                p.shared[name] = {"best": best}
+                p.write("train_best", shape=name, impl=best, survey_step_ms=survey)
+                # The rest of the matrix for the fastest implementation: eager first, compiled last.
+                cases = [(best, b, c, False) for b in batches for c in (False, True) if (b, c) != (batches[0], False)]
+                cases += [(best, b, c, True) for b in batches for c in (False, True)]
+        runner = eager = compiled = None  # free the device memory before the next shape
+        if p.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------------------------------
+# f. the project's own trainer through DeepSpeed
+
+
+def phase_deepspeed(p: Phase, out: Path) -> None:
+    try:
+        import deepspeed  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        p.write("deepspeed", skipped=f"deepspeed does not import: {one_line(e)}")
+        raise Skipped("deepspeed unavailable")
+    from bench.synthetic_corpus import write_corpus
+    from txl_dist.data.format import Layout
+
+    cfg_path = "configs/tiny.json" if p.smoke else "configs/wt103_base.json"
+    base = load_config(REPO / cfg_path)
+    vocab = 1000 if p.smoke else base.model.vocab_size
+    streams = base.deepspeed["train_batch_size"]
+    steps = 4 if p.smoke else 12
+    tgt = base.model.tgt_len
+    corpus = out / "corpus"
+    if not (corpus / "manifest.json").exists():
+        n_train = streams * (tgt * (steps + 2) + 1)
+        write_corpus(corpus, {"train": n_train, "valid": 8 * tgt * 3 + 8, "test": 8 * tgt * 3 + 8}, vocab,
+                     Layout(1, streams))
+    stages = (1,) if p.smoke else (1, 2)
+    for stage in stages:
+        run_dir = out / f"run-zero{stage}"
+        sets = [f"data.path={corpus}", f"run.dir={run_dir}", "tracking.enabled=false", f"train.max_steps={steps}",
+                f"train.log_interval={max(1, steps // 3)}", "eval.interval=0", "eval.at_end=false",
+                "eval.max_segments=2", "eval.n_streams=1", "checkpoint.interval=0",
+                f"deepspeed.zero_optimization.stage={stage}", "deepspeed.optimizer.params.torch_adam=true"]
+        if p.smoke:
+            sets += [f"model.vocab_size={vocab}", "model.cutoffs=[200,500]", "deepspeed.bf16.enabled=false"]
+        cmd = [sys.executable, "launch/train.py", "--config", cfg_path, "--resume", "none"]
+        for s in sets:
+            cmd += ["--set", s]
+        left = p.left()
+        if left < 20:
+            p.write("deepspeed", zero_stage=stage, skipped="time box")
+            p.truncated.append(f"zero{stage}")
+            continue
+        env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+                   PYTHONUNBUFFERED="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        start = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  timeout=left)
+            output, code = proc.stdout, proc.returncode
+        except subprocess.TimeoutExpired as e:
+            output, code = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), "timeout"
+        progress = [ln.strip() for ln in output.splitlines() if re.search(r"tok/s", ln)]
+        tok_s = [float(m.group(1)) for ln in progress if (m := re.search(r"([\d.]+) tok/s", ln))]
+        p.write("deepspeed", zero_stage=stage, exit=code, seconds=round(time.perf_counter() - start, 1),
+                tokens_per_s_last=tok_s[-1] if tok_s else None, progress=progress[-3:],
+                tail=None if code == 0 else output[-2000:])
+
+
+# ----------------------------------------------------------------------------------------------------
+
+
+class Skipped(Exception):
+    """A phase that cannot run here (its record says why)."""
+
+
+class Terminated(BaseException):
+    """SIGTERM (gpu_check.sh's overall time box): stop, but still write the table."""
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise Terminated()
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (the default 29500 may belong to another job on the machine)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def one_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+
+
+def run_phase(name: str, fn: Callable[[Phase], None], rec: Recorder, device: torch.device, smoke: bool,
+              budget_s: float, shared: dict[str, Any]) -> None:
+    p = Phase(name, rec, device, smoke, budget_s, shared)
+    start = time.perf_counter()
+    status, reason = "ok", None
+    try:
+        fn(p)
+        if p.truncated:
+            status, reason = "truncated", f"time box: not run: {', '.join(p.truncated[:12])}"
+    except Skipped as e:
+        status, reason = "skipped", str(e)
+    except Exception as e:  # noqa: BLE001  (one phase failing must not stop the others)
+        status, reason = "error", one_line(e)
+        p.write("trace", trace=traceback.format_exc()[-3000:])
+    p.write("phase", status=status, reason=reason, seconds=round(time.perf_counter() - start, 2),
+            budget_s=budget_s)
+
+
+def write_table(rec: Recorder, out: Path) -> Path:
+    """A short markdown summary of the JSON lines."""
+    lines = ["# txl-dist device check", ""]
+    env = next((r for r in rec.records if r["kind"] == "env"), {})
+    lines.append(f"device {env.get('device_name')} | torch {env.get('torch')} | CUDA {env.get('cuda')} | "
+                 f"triton {env.get('triton')} | deepspeed {env.get('deepspeed')}")
+    lines += ["", "| phase | status | seconds | reason |", "|---|---|---|---|"]
+    lines += [f"| {r['phase']} | {r['status']} | {r['seconds']} | {r['reason'] or ''} |"
+              for r in rec.records if r["kind"] == "phase"]
+    mm = [r for r in rec.records if r["kind"] == "matmul"]
+    if mm:
+        lines += ["", "matmul peak: " + ", ".join(f"{r['dtype']} {r['tflops']} TFLOP/s" for r in mm)]
+    att = [r for r in rec.records if r["kind"] == "attention_time"]
+    errs = {(r["impl"], r["dtype"]): r for r in rec.records if r["kind"] == "attention_error"}
+    if att:
+        lines += ["", "| attention fwd+bwd | dtype | ms | x reference | max abs err out | max abs err dq |",
+                  "|---|---|---|---|---|---|"]
+        for r in att:
+            e = errs.get((r.get("impl"), r["dtype"]), {})
+            lines.append(f"| {r.get('impl')} | {r['dtype']} | {r.get('ms')} | {r.get('speedup_vs_reference')} | "
+                         f"{e.get('max_abs_out', e.get('error'))} | {e.get('max_abs_d_q')} |")
+    model = [r for r in rec.records if r["kind"] == "model_error"]
+    if model:
+        lines += ["", "| model fwd+bwd vs float64 | dtype | ok | nll | eval nll | rel grad |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['impl']} | {r['dtype']} | {r.get('ok', r.get('error'))} | {r.get('max_abs_nll')} | "
+                  f"{r.get('max_abs_nll_eval')} | {r.get('max_rel_grad')} |" for r in model]
+    train = [r for r in rec.records if r["kind"] == "train_step"]
+    if train:
+        lines += ["", "| shape | impl | micro batch | ckpt | compile | ms/step | tokens/s | MFU (measured peak) | "
+                  "MFU (spec) | peak GiB |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in train:
+            lines.append(f"| {r['shape']} | {r['impl']} | {r['micro_batch']} | {r['checkpointing']} | {r['compile']} | "
+                         f"{r.get('step_ms', r.get('error', r.get('skipped')))} | {r.get('tokens_per_s')} | "
+                         f"{r.get('mfu_measured_peak')} | {r.get('mfu_spec_peak')} | {r.get('peak_memory_gib')} |")
+    ds = [r for r in rec.records if r["kind"] == "deepspeed"]
+    for r in ds:
+        lines.append(f"\nDeepSpeed trainer ZeRO {r.get('zero_stage')}: exit {r.get('exit')}, "
+                     f"{r.get('tokens_per_s_last')} tok/s (last progress line), {r.get('seconds')} s"
+                     + (f" ({r['skipped']})" if r.get("skipped") else ""))
+    path = out / TABLE
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every phase; JSON lines and the table go to --out."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT") or "gpu-check-out",
+                    help="folder for gpu_check.jsonl and gpu_check.md (default: $OUT when set)")
+    ap.add_argument("--cpu-smoke", action="store_true", help="every phase at toy size on the CPU (< 2 minutes)")
+    ap.add_argument("--budget-s", type=float, default=float(sum(PHASE_BUDGET.values())),
+                    help="total seconds for all phases (each gets its share)")
+    ap.add_argument("--phases", nargs="+", default=list(PHASE_BUDGET), choices=list(PHASE_BUDGET))
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    if args.cpu_smoke:
+        device = torch.device("cpu")
+    elif torch.cuda.is_available():
+        device = torch.device("cuda", 0)
+    else:
+        print("gpu_check: no CUDA device (use --cpu-smoke to run the phases on the CPU)", file=sys.stderr)
+        return 2
+    rec = Recorder(out)
+    rec.write({"phase": "start", "kind": "start", "argv": sys.argv[1:], "smoke": args.cpu_smoke})
+    budgets = SMOKE_BUDGET if args.cpu_smoke else PHASE_BUDGET
+    scale = args.budget_s / sum(budgets.values())
+    signal.signal(signal.SIGTERM, _terminate)
+    shared: dict[str, Any] = {}
+    fns: dict[str, Callable[[Phase], None]] = {
+        "env": phase_env, "matmul": phase_matmul, "attention": phase_attention, "model": phase_model,
+        "train": phase_train, "deepspeed": lambda p: phase_deepspeed(p, out)}
+    carry = 0.0  # time a phase left unused goes to the next ones
+    code = 0
+    for name in args.phases:
+        start = time.monotonic()
+        budget = budgets[name] * scale + carry
+        try:
+            run_phase(name, fns[name], rec, device, args.cpu_smoke, budget, shared)
+        except Terminated:
+            rec.write({"phase": name, "kind": "phase", "status": "killed", "reason": "SIGTERM (overall time box)",
+                       "seconds": round(time.monotonic() - start, 2), "budget_s": budget})
+            code = 124
+            break
+        carry = max(0.0, budget - (time.monotonic() - start))
+    table = write_table(rec, out)
+    print(f"gpu_check: {rec.path} and {table}", flush=True)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# The device check: one GPU, under 8 minutes including set-up (see bench/gpu_check.py for the phases).
+#
+#   bash bench/gpu_check.sh [--out DIR] [--cpu-smoke]    # default DIR: $OUT when set
+#
+# GPU_CHECK_TOTAL_S overrides the overall time box (470 s on a GPU, 110 s for --cpu-smoke); the phases
+# share it minus 25 s for imports and the table.
+# The GPU machine has torch but not DeepSpeed and no network: scripts/fetch_gpu_wheels.sh (run beforehand,
+# where there is a network) leaves the wheels in .gpu-wheels/, installed here into a venv that sees the
+# system torch. If that install fails, the phases that need nothing but torch still run (the deepspeed
+# phase records why it did not).
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+OUT_DIR="${OUT:-$ROOT/gpu-check-out}"
+SMOKE=0
+PASS=()
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --out) OUT_DIR="$2"; shift 2 ;;
+        --cpu-smoke) SMOKE=1; PASS+=("--cpu-smoke"); shift ;;
+        *) PASS+=("$1"); shift ;;
+    esac
+done
+mkdir -p "$OUT_DIR"
+SETUP_LOG="$OUT_DIR/setup.log"
+START=$(date +%s)
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false \
+       HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+
+if [ "$SMOKE" = 1 ]; then
+    # On the development machines: their own interpreter, DeepSpeed on the CPU.
+    PY="${PYTHON:-}"
+    [ -z "$PY" ] && [ -x "$ROOT/.venv/bin/python" ] && PY="$ROOT/.venv/bin/python"
+    PY="${PY:-python3}"
+    export DS_ACCELERATOR=cpu
+    TOTAL_S="${GPU_CHECK_TOTAL_S:-110}"
+else
+    SYS_PY="${PYTHON:-python3}"
+    PY="$SYS_PY"
+    VENV="${TMPDIR:-/tmp}/txl-gpu-check-venv"
+    WHEELS="$ROOT/.gpu-wheels"
+    {
+        echo "[gpu_check] setup $(date -u +%FT%TZ): wheels in $WHEELS: $(ls "$WHEELS" 2>/dev/null | wc -l)"
+        if [ -d "$WHEELS" ] && "$SYS_PY" -m venv --system-site-packages "$VENV" \
+            && "$VENV/bin/python" -m pip install --quiet --no-index --find-links "$WHEELS" deepspeed; then
+            PY="$VENV/bin/python"
+            echo "[gpu_check] deepspeed installed into $VENV"
+        elif [ -d "$WHEELS" ] && "$SYS_PY" -m pip install --quiet --no-index --no-deps \
+            --target "$VENV-site" "$WHEELS"/*.whl; then
+            # No venv module (or its pip failed): the same wheels into a folder on PYTHONPATH.
+            export PYTHONPATH="$PYTHONPATH:$VENV-site"
+            echo "[gpu_check] deepspeed installed into $VENV-site (pip --target)"
+        else
+            echo "[gpu_check] deepspeed NOT installed: the deepspeed phase will say so; the others run"
+        fi
+    } >"$SETUP_LOG" 2>&1
+    cat "$SETUP_LOG"
+    TOTAL_S="${GPU_CHECK_TOTAL_S:-470}"  # 8 minutes, set-up included, with a margin
+fi
+
+LEFT=$(( TOTAL_S - ($(date +%s) - START) ))
+BUDGET=$(( LEFT - 25 ))  # the phases' own budget; the rest covers imports and the table
+echo "[gpu_check] python $PY, out $OUT_DIR, ${LEFT} s left, phase budget ${BUDGET} s"
+timeout --signal=TERM --kill-after=10 "$LEFT" "$PY" "$ROOT/bench/gpu_check.py" --out "$OUT_DIR" \
+    --budget-s "$BUDGET" "${PASS[@]}"
+code=$?
+echo "[gpu_check] exit $code after $(( $(date +%s) - START )) s; results in $OUT_DIR"
+exit $code

@@ -1,0 +1,137 @@
+"""Measurements that need a fresh process of their own (peak memory, a DeepSpeed engine); bench/suite.py
+runs them as subprocesses and reads one JSON line from their stdout.
+
+    python -m bench.probes step-memory --checkpointing 0|1 [--quick]
+    python -m bench.probes checkpoint --dir DIR [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from txl_dist.config import ModelConfig
+
+
+def memory_model_config(quick: bool) -> ModelConfig:
+    """~20M parameters: model states (16 bytes a parameter with AdamW) well above the interpreter's own."""
+    if quick:
+        return ModelConfig(vocab_size=4000, n_layer=2, d_model=256, n_head=4, d_head=64, d_inner=1024,
+                           cutoffs=[1000, 2000], tgt_len=64, mem_len=64, dropout=0.1)
+    return ModelConfig(vocab_size=16000, n_layer=4, d_model=512, n_head=8, d_head=64, d_inner=2048,
+                       cutoffs=[2000, 6000], tgt_len=128, mem_len=128, dropout=0.1)
+
+
+def proc_status_mib(field: str, pid: int | str = "self") -> float:
+    """A memory field of /proc/PID/status (VmRSS: now; VmHWM: the peak resident set) in MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise KeyError(field)
+
+
+def step_memory(checkpointing: bool, quick: bool) -> dict:
+    """Peak RSS of training steps of one model, with or without activation checkpointing."""
+    from txl_dist.model import TransformerXL
+
+    cfg = memory_model_config(quick)
+    torch.manual_seed(0)
+    model = TransformerXL(cfg).train()
+    model.set_activation_checkpointing(enabled=checkpointing)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    batch = 4 if quick else 8
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, cfg.vocab_size, (3, batch, cfg.tgt_len), generator=g)
+    mems = None
+    base = start = 0.0
+    for i, seg in enumerate(ids):
+        out = model(seg, seg.roll(-1, 1), mems)
+        out.nll.mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        mems = out.mems
+        if i == 0:  # weights and optimizer state now exist: above this are activations and gradients
+            base, start = proc_status_mib("VmRSS"), time.perf_counter()
+    return {"checkpointing": checkpointing, "rss_before_steps_mib": round(base, 1),
+            "peak_rss_mib": round(proc_status_mib("VmHWM"), 1), "seconds": round(time.perf_counter() - start, 2),
+            "n_params": sum(p.numel() for p in model.parameters())}
+
+
+def checkpoint_speed(folder: Path, quick: bool, reps: int) -> dict:
+    """checkpoint.save / load_engine of a one-rank DeepSpeed engine against plain torch.save / torch.load of
+    the same state (the module's and the optimizer's state_dict), repetitions interleaved."""
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+    from bench.gpu_check import free_port
+
+    os.environ["MASTER_PORT"] = str(free_port())
+    from txl_dist import checkpoint
+    from txl_dist.engine import build_engine
+    from txl_dist.model import TransformerXL
+
+    cfg = memory_model_config(quick)
+    ds = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1},
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}, "steps_per_print": 10**9}
+    engine = build_engine(lambda: TransformerXL(cfg), ds, seed=0)
+    ids = torch.randint(0, cfg.vocab_size, (2, cfg.tgt_len))
+    out = engine(ids, ids)  # one step, so that the optimizer holds its state
+    engine.backward(out.nll.mean())
+    engine.step()
+    folder.mkdir(parents=True, exist_ok=True)
+    plain = folder / "plain.pt"
+    times: dict[str, list[float]] = {"save": [], "load": [], "plain_save": [], "plain_load": []}
+    nbytes = {}
+    for rep in range(reps):
+        start = time.perf_counter()
+        tag = checkpoint.save(engine, folder / "ckpt", rep + 1, rank=0, world_size=1, rank_state={},
+                              run_info={"zero_stage": 1, "world_size": 1}, keep=1)
+        times["save"].append(time.perf_counter() - start)
+        nbytes["ours"] = checkpoint.tag_bytes(tag)
+        start = time.perf_counter()
+        checkpoint.load_engine(engine, checkpoint.EngineSource(tag.parent, tag.name, universal=False))
+        times["load"].append(time.perf_counter() - start)
+
+        start = time.perf_counter()
+        with open(plain, "wb") as f:  # fsync'd like ours: a checkpoint is only saved once it is on disk
+            torch.save({"module": engine.module.state_dict(), "optimizer": engine.optimizer.state_dict()}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        times["plain_save"].append(time.perf_counter() - start)
+        nbytes["plain"] = plain.stat().st_size
+        start = time.perf_counter()
+        state = torch.load(plain, map_location="cpu", weights_only=False)
+        engine.module.load_state_dict(state["module"])
+        engine.optimizer.load_state_dict([state["optimizer"]])  # ZeRO takes one state per rank
+        times["plain_load"].append(time.perf_counter() - start)
+    shutil.rmtree(folder, ignore_errors=True)
+    best = {k: min(v) for k, v in times.items()}
+    mb = {"save": nbytes["ours"], "load": nbytes["ours"], "plain_save": nbytes["plain"], "plain_load": nbytes["plain"]}
+    return {"bytes_ours": nbytes["ours"], "bytes_plain": nbytes["plain"],
+            **{f"{k}_mb_s": round(mb[k] / 1e6 / s, 1) for k, s in best.items()},
+            **{f"{k}_s": round(s, 3) for k, s in best.items()}}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="probe", required=True)
+    mem = sub.add_parser("step-memory")
+    mem.add_argument("--checkpointing", type=int, choices=(0, 1), required=True)
+    mem.add_argument("--quick", action="store_true")
+    ck = sub.add_parser("checkpoint")
+    ck.add_argument("--dir", type=Path, required=True)
+    ck.add_argument("--reps", type=int, default=3)
+    ck.add_argument("--quick", action="store_true")
+    args = ap.parse_args(argv)
+    if args.probe == "step-memory":
+        result = step_memory(bool(args.checkpointing), args.quick)
+    else:
+        result = checkpoint_speed(args.dir, args.quick, args.reps)
+    print("PROBE " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
