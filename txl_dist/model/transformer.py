@@ -9,7 +9,8 @@ import torch.utils.checkpoint
 from torch import nn
 
 from txl_dist.config import MemorySettings, ModelConfig, validate_model
-from txl_dist.model.attention import (ATTN_IMPLS, attn_bias_from_mask, build_attn_mask, resolve_attn_impl)
+from txl_dist.model.attention import (ATTN_IMPLS, attn_bias_from_mask, build_attn_mask, flex_block_mask,
+                                      resolve_attn_impl)
 from txl_dist.model.embedding import AdaptiveEmbedding, sinusoid_position_embedding
 from txl_dist.model.layer import TransformerXLLayer
 from txl_dist.model.softmax import ProjectedAdaptiveLogSoftmax
@@ -125,6 +126,18 @@ class TransformerXL(nn.Module):
         else:
             self._checkpoint_fn = checkpoint_fn
 
+    def compile_layers(self, **compile_kwargs) -> None:
+        """torch.compile each layer in place (nn.Module.compile: parameter names and the state dict stay
+        as they are), with static shapes: a run has two layer shapes, the first segment (no memory) and
+        every later one (full memory), so each compiles once and no step recompiles. The layers share one
+        graph per shape (their code is one; parameters are graph inputs). compile_kwargs go to
+        torch.compile (backend, mode). Activation checkpointing composes with it through torch's
+        non-reentrant checkpoint (set_activation_checkpointing(None)).
+        """
+        compile_kwargs.setdefault("dynamic", False)
+        for layer in self.layers:
+            layer.compile(**compile_kwargs)
+
     def resolved_attn_impl(self) -> str:
         """The attention implementation a forward uses now (for the parameters' device and dtype)."""
         weight = self.word_emb.emb_layers[0].weight
@@ -154,12 +167,16 @@ class TransformerXL(nn.Module):
         klen = mlen + qlen
         device = word_emb.device
 
-        # Built once per forward, shared by every layer.
-        attn_mask = build_attn_mask(qlen, mlen, memory.mem_len, memory.same_length, device)  # [T, K] bool
-        attn_bias = attn_bias_from_mask(attn_mask, word_emb.dtype)                  # [T, K]
+        # Built once per forward, shared by every layer: flex takes its cached BlockMask, the rest a bias.
+        impl = resolve_attn_impl(self.attn_impl, device, word_emb.dtype)
+        attn_fn = ATTN_IMPLS[impl]
+        if impl == "flex":
+            attn_bias = flex_block_mask(qlen, mlen, memory.mem_len, memory.same_length, device)
+        else:
+            attn_mask = build_attn_mask(qlen, mlen, memory.mem_len, memory.same_length, device)  # [T, K] bool
+            attn_bias = attn_bias_from_mask(attn_mask, word_emb.dtype)              # [T, K]
         pos_emb = sinusoid_position_embedding(klen, self.d_model, memory.clamp_len, device,
                                               word_emb.dtype)                      # [K, d_model]
-        attn_fn = ATTN_IMPLS[resolve_attn_impl(self.attn_impl, device, word_emb.dtype)]
 
         h = self.drop(word_emb)                                                    # [B, T, d_model]
         pos_emb = self.drop(pos_emb)                                               # [K, d_model]
