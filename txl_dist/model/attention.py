@@ -298,8 +298,9 @@ def candidate_attn_impls(device: torch.device, dtype: torch.dtype, *, training: 
 
     The reference einsum is the test oracle, never a candidate. flex has no attention dropout (so not for
     training with dropatt > 0: docs/architecture.md, the dropatt policy) and no backward on a CPU; its CPU
-    forward is compiled C++ that loses to the matmul path on the shapes measured (bench/bench_attention.py),
-    so on a CPU it is a candidate for neither training nor evaluation.
+    forward (compiled C++) lost to sdpa in fp32 and bf16 and to matmul in fp32 on evaluation shapes
+    (bench/bench_attention.py, docs/architecture.md), so on a CPU it is a candidate for neither training
+    nor evaluation (measuring it would only add a compile to start-up).
     """
     del dtype  # every path serves every dtype; the measurement decides between them
     names = ["matmul", "sdpa"]
