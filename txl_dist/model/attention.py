@@ -403,7 +403,7 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
             self.r_w_bias = self.r_r_bias = None
 
     def forward(self, h: torch.Tensor, pos_emb: torch.Tensor, mem: torch.Tensor | None,
-                attn_bias: torch.Tensor, attn_fn: AttentionFn,
+                attn_bias: torch.Tensor | BlockMask, attn_fn: AttentionFn,
                 r_w_bias: torch.Tensor | None = None, r_r_bias: torch.Tensor | None = None) -> torch.Tensor:
         """h [B, T, d_model], pos_emb [K, d_model], mem [B, mlen, d_model] or None -> [B, T, d_model]."""
         r_w_bias = self.r_w_bias if self.r_w_bias is not None else r_w_bias

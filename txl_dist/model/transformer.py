@@ -37,8 +37,9 @@ class TransformerXL(nn.Module):
     """Transformer-XL language model (Dai et al. 2019) with adaptive input and adaptive softmax.
 
     The memory settings (mem_len, clamp_len, same_length) come with each forward (`memory=`; the config's
-    training values when left out); the attention implementation is the config's attn_impl ("auto" or a
-    name in ATTN_IMPLS; see resolved_attn_impl). The module tree is documented in txl_dist/model/__init__.py.
+    training values when left out); the attention implementation is `attn_impl`, the config's value or the
+    concrete name start-up measured for "auto" ("auto" left as it is resolves statically: see
+    resolved_attn_impl). The module tree is documented in txl_dist/model/__init__.py.
     """
 
     def __init__(self, cfg: ModelConfig):
