@@ -206,6 +206,22 @@ def test_compiled_layers_equal_eager_and_compile_once_per_shape():
     assert set(compiled.state_dict()) == set(eager.state_dict())  # checkpoints keep their names
 
 
+def test_compiled_layers_with_flex_evaluate_like_the_reference():
+    # flex inside a compiled layer is fused into the layer's graph (forward only on a CPU).
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    reference, compiled = make_model().eval(), make_model().eval()
+    reference.attn_impl, compiled.attn_impl = "reference", "flex"
+    counter = CompileCounterWithBackend("inductor")
+    compiled.compile_layers(backend=counter)
+    ids = tokens(2, 18, seed=23)
+    with torch.no_grad():
+        for ref, got in zip(run_segments(reference, ids, ids, 6), run_segments(compiled, ids, ids, 6)):
+            torch.testing.assert_close(got.nll, ref.nll, rtol=1e-5, atol=1e-5)
+    assert counter.frame_count == 2
+
+
 def test_memory_settings_passed_to_forward_equal_building_with_them():
     built = make_model(clamp_len=2, same_length=True, mem_len=3).eval()
     other = make_model().eval()  # same seed and shapes: same weights, other training memory settings

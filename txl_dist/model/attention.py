@@ -252,7 +252,9 @@ def rel_attention_flex(q: torch.Tensor, kv: torch.Tensor, r_head_k: torch.Tensor
             rel = torch.clamp(key_idx + shift - query_idx, max=last)
             return score + pos[b, h, query_idx, rel] + attn_bias[query_idx, key_idx]
         block_mask = None
-    attn_vec = _compiled_flex_attention()(
+    # Inside a compiled layer (train.compile) dynamo fuses flex_attention into the layer's graph itself.
+    flex = flex_attention if torch.compiler.is_compiling() else _compiled_flex_attention()
+    attn_vec = flex(
         (head_q + r_w_bias[:, None]).contiguous(), head_k.contiguous(), head_v.contiguous(),
         score_mod=score_mod, block_mask=block_mask, scale=scale)                  # [B, H, T, D]
     return attn_vec.transpose(1, 2).reshape(bsz, qlen, n_head * d_head)          # [B, T, H*D]
