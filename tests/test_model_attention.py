@@ -223,4 +223,14 @@ def test_time_attn_impls_times_each_named_path(training):
     times = time_attn_impls(names, batch=2, n_head=2, d_head=8, qlen=4, klen=8, device=torch.device("cpu"),
                             dtype=torch.float32, training=training, reps=2, warmup=1)
     assert list(times) == names
-    assert all(isinstance(t, float) and t > 0 for t in times.values())
+    assert all(isinstance(t, float) and 0 < t < math.inf for t in times.values())
+
+
+def test_time_attn_impls_gives_inf_to_a_path_that_cannot_run():
+    # flex has no backward on a CPU: timed for training it fails, and auto must simply never pick it.
+    times = time_attn_impls(["matmul", "flex"], batch=2, n_head=2, d_head=8, qlen=4, klen=8,
+                            device=torch.device("cpu"), dtype=torch.float32, training=True, reps=2, warmup=1)
+    assert times["flex"] == math.inf and 0 < times["matmul"] < math.inf
+    with pytest.raises(ValueError, match="unknown implementation"):
+        time_attn_impls(["flash"], batch=2, n_head=2, d_head=8, qlen=4, klen=8, device=torch.device("cpu"),
+                        dtype=torch.float32, training=False)

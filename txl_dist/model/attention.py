@@ -23,6 +23,7 @@ Shapes: B batch, T query length (the segment), K = mlen + T key length, H heads,
 from __future__ import annotations
 
 import functools
+import math
 import statistics
 import time
 from typing import Callable
@@ -317,7 +318,8 @@ def time_attn_impls(names: list[str], *, batch: int, n_head: int, d_head: int, q
     """Seconds per call of each named implementation on these shapes: forward + backward when training,
     a no-grad forward otherwise. The median of `reps` calls, interleaved so that load changes hit all alike,
     after `warmup` calls (which absorb flex's compile). Memory is full (mlen = klen - qlen = mem_len),
-    the steady state of training; inputs are seeded random numbers.
+    the steady state of training; inputs are seeded random numbers. A path that fails on these shapes
+    (a kernel limit, out of memory) gets math.inf: it can never be the fastest.
     """
     device = torch.device(device)
     mlen = klen - qlen
@@ -346,18 +348,27 @@ def time_attn_impls(names: list[str], *, batch: int, n_head: int, d_head: int, q
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
+    unknown = [name for name in names if name not in ATTN_IMPLS]
+    if unknown:
+        raise ValueError(f"time_attn_impls: unknown implementation(s) {unknown}; use names of ATTN_IMPLS")
+    failed: set[str] = set()
     for name in names:
-        for _ in range(warmup):
-            call(name)
-    times: dict[str, list[float]] = {name: [] for name in names}
+        try:
+            for _ in range(warmup):
+                call(name)
+            sync()
+        except (RuntimeError, ValueError, NotImplementedError):
+            failed.add(name)
+    times: dict[str, list[float]] = {name: [math.inf] for name in failed}
+    times.update({name: [] for name in names if name not in failed})
     for _ in range(reps):
-        for name in names:
+        for name in (n for n in names if n not in failed):
             sync()
             start = time.perf_counter()
             call(name)
             sync()
             times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return {name: statistics.median(times[name]) for name in names}
 
 
 class QKVProjection(nn.Linear):
