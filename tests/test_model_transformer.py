@@ -206,12 +206,13 @@ def test_compiled_layers_equal_eager_and_compile_once_per_shape():
     assert set(compiled.state_dict()) == set(eager.state_dict())  # checkpoints keep their names
 
 
-def test_compiled_layers_with_flex_evaluate_like_the_reference():
-    # flex inside a compiled layer is fused into the layer's graph (forward only on a CPU).
+def test_compiled_layers_with_flex_equal_the_reference():
+    # flex inside a compiled layer is fused into the layer's graph. A CPU has no flex backward, so this
+    # runs the training-mode (compiled) forward without grad; eval mode runs the layers eagerly.
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch._dynamo.reset()
-    reference, compiled = make_model().eval(), make_model().eval()
+    reference, compiled = make_model().train(), make_model().train()
     reference.attn_impl, compiled.attn_impl = "reference", "flex"
     counter = CompileCounterWithBackend("inductor")
     compiled.compile_layers(backend=counter)
@@ -219,7 +220,12 @@ def test_compiled_layers_with_flex_evaluate_like_the_reference():
     with torch.no_grad():
         for ref, got in zip(run_segments(reference, ids, ids, 6), run_segments(compiled, ids, ids, 6)):
             torch.testing.assert_close(got.nll, ref.nll, rtol=1e-5, atol=1e-5)
-    assert counter.frame_count == 2
+        assert counter.frame_count == 2
+        compiled.eval()
+        for ref, got in zip(run_segments(reference, ids, ids, 6, memory=MemorySettings(12, -1, True)),
+                            run_segments(compiled, ids, ids, 6, memory=MemorySettings(12, -1, True))):
+            torch.testing.assert_close(got.nll, ref.nll, rtol=1e-5, atol=1e-5)
+    assert counter.frame_count == 2  # evaluation's growing memory compiled nothing
 
 
 def test_memory_settings_passed_to_forward_equal_building_with_them():

@@ -170,10 +170,10 @@ class TrainConfig:
     """A rank that stops responding (killed, hung, its node lost) ends the job within about this many
     seconds on every other rank, with one line naming it; also the timeout of each training collective."""
     compile: bool = False
-    """torch.compile each Transformer-XL layer (static shapes: one graph for the first segment, one for the
-    steady state with full memory); with activation checkpointing the layers are then recomputed by torch's
-    non-reentrant checkpoint. Changes speed (and which dropout masks are drawn), not the model: it may
-    change on resume."""
+    """torch.compile each Transformer-XL layer for training (static shapes: one graph for the first segment,
+    one for the steady state with full memory; evaluation stays eager); with activation checkpointing the
+    layers are then recomputed by torch's non-reentrant checkpoint. Changes speed (and which dropout masks
+    are drawn), not the model: it may change on resume."""
 
 
 @dataclass

@@ -9,7 +9,7 @@ out.nll [B, T] float32 | None;  out.mems: n_layer x [B, min(mem_len, mlen+T), d_
 out.hidden [B, T, d_model];     model.log_probs(hidden) -> [..., vocab_size] float32
 model.attn_impl: from cfg.attn_impl ("auto", or a name start-up chose), read at every forward
 model.set_activation_checkpointing(checkpoint_fn=None, enabled=True)
-model.compile_layers()                          # train.compile: each layer torch.compile'd, static shapes
+model.compile_layers()                          # train.compile: layers compiled in training mode
 ```
 
 Modules: embedding.py (AdaptiveEmbedding, sinusoid positions), attention.py (mask, rel-shift, the reference

@@ -60,6 +60,7 @@ class TransformerXL(nn.Module):
         """The training memory settings: what a forward without `memory=` uses."""
         self.attn_impl = cfg.attn_impl
         self._checkpoint_fn: CheckpointFn | None = None
+        self._compiled_layers: list[Callable[..., torch.Tensor]] | None = None  # a plain list: not submodules
 
         self.word_emb = AdaptiveEmbedding(cfg.vocab_size, d_embed, cfg.d_model, cfg.cutoffs, cfg.div_val)
         self.drop = nn.Dropout(cfg.dropout)
@@ -128,16 +129,19 @@ class TransformerXL(nn.Module):
             self._checkpoint_fn = checkpoint_fn
 
     def compile_layers(self, **compile_kwargs) -> None:
-        """torch.compile each layer in place (nn.Module.compile: parameter names and the state dict stay
-        as they are), with static shapes: a run has two layer shapes, the first segment (no memory) and
-        every later one (full memory), so each compiles once and no step recompiles. The layers share one
-        graph per shape (their code is one; parameters are graph inputs). compile_kwargs go to
-        torch.compile (backend, mode). Activation checkpointing composes with it through torch's
-        non-reentrant checkpoint (set_activation_checkpointing(None)).
+        """Run each layer through torch.compile in training mode (train.compile), with static shapes.
+
+        A training run has two layer shapes, the first segment (no memory) and every later one (full
+        memory, as mem_len <= tgt_len in every preset; a longer memory adds one shape per segment until it
+        is full), so each compiles once and no step recompiles; the layers share one graph per shape
+        (their code is one, parameters are graph inputs). Evaluation and generation (eval mode) run the
+        layers eagerly: their memory grows segment by segment to eval.mem_len, a new shape each time. The
+        compiled wrappers are kept outside the module tree, so parameter names and the state dict do not
+        change. compile_kwargs go to torch.compile (backend, mode). Activation checkpointing composes
+        through torch's non-reentrant checkpoint (set_activation_checkpointing(None)).
         """
         compile_kwargs.setdefault("dynamic", False)
-        for layer in self.layers:
-            layer.compile(**compile_kwargs)
+        self._compiled_layers = [torch.compile(layer, **compile_kwargs) for layer in self.layers]
 
     def resolved_attn_impl(self) -> str:
         """The attention implementation a forward uses now (for the parameters' device and dtype)."""
@@ -183,7 +187,8 @@ class TransformerXL(nn.Module):
         pos_emb = self.drop(pos_emb)                                               # [K, d_model]
         hids = [h]
         checkpoint_fn = self._checkpoint_fn if torch.is_grad_enabled() else None
-        for i, layer in enumerate(self.layers):
+        layers = self._compiled_layers if self._compiled_layers is not None and self.training else self.layers
+        for i, layer in enumerate(layers):
             mem = mems[i] if mems else None
             args = (h, pos_emb, mem, attn_bias, attn_fn, self.r_w_bias, self.r_r_bias)
             h = layer(*args) if checkpoint_fn is None else checkpoint_fn(layer, *args)  # [B, T, d_model]
