@@ -210,7 +210,8 @@ def rel_attention_sdpa(q: torch.Tensor, kv: torch.Tensor, r_head_k: torch.Tensor
 @functools.lru_cache(maxsize=None)
 def _compiled_flex_attention() -> Callable[..., torch.Tensor]:
     """flex_attention compiled once per process (lazily: importing the model compiles nothing). Called
-    eagerly it would materialize the scores; inside a compiled layer dynamo inlines it either way."""
+    eagerly, flex_attention would materialize the scores; inside a compiled layer the plain function is
+    traced instead (rel_attention_flex)."""
     return torch.compile(flex_attention, dynamic=False)
 
 
