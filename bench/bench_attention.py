@@ -5,6 +5,10 @@ as ratios; absolute times depend on the machine and on whatever else runs on it.
 
     .venv/bin/python bench/bench_attention.py                  # attention fp32 + bf16, model step fp32
     .venv/bin/python bench/bench_attention.py --threads 1 --step-dtypes fp32 bf16
+    .venv/bin/python bench/bench_attention.py --threads 1 --clock cpu --no-model --forward-mlens 128 640
+
+The forward-only comparison (evaluation and generation, no grad) includes flex, whose CPU kernel has no
+backward; it is compiled once per shape before the timed calls.
 """
 from __future__ import annotations
 
@@ -15,11 +19,11 @@ from typing import Callable
 
 import torch
 
-from txl_dist.config import ModelConfig
-from txl_dist.model import TransformerXL
 import torch.nn.functional as F
 
-from txl_dist.model.attention import ATTN_IMPLS, attn_bias_from_mask, build_attn_mask
+from txl_dist.config import ModelConfig
+from txl_dist.model import TransformerXL
+from txl_dist.model.attention import ATTN_IMPLS, attn_bias_from_mask, build_attn_mask, flex_block_mask
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -82,6 +86,30 @@ def attention_case(impl: str, dtype: torch.dtype, bsz: int, n_head: int, qlen: i
     return run
 
 
+def attention_forward_case(impl: str, dtype: torch.dtype, bsz: int, n_head: int, qlen: int, mlen: int,
+                           d_head: int) -> Callable[[], None]:
+    """One no-grad forward of relative attention alone (evaluation: same_length over a memory of mlen)."""
+    g = torch.Generator().manual_seed(0)
+    klen, hd = qlen + mlen, n_head * d_head
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    x = dict(q=rnd(bsz, qlen, hd), kv=rnd(bsz, klen, 2 * hd), r_head_k=rnd(klen, hd),
+             r_w_bias=rnd(n_head, d_head), r_r_bias=rnd(n_head, d_head))
+    if impl == "flex":
+        mask = flex_block_mask(qlen, mlen, mlen, True, torch.device("cpu"))
+    else:
+        mask = attn_bias_from_mask(build_attn_mask(qlen, mlen, mlen, True), dtype)
+    fn = ATTN_IMPLS[impl]
+
+    def run():
+        with torch.no_grad():
+            fn(**x, attn_bias=mask)
+
+    return run
+
+
 def bench_config() -> ModelConfig:
     """~9.2M parameters: the configuration docs/architecture.md times the HF reference with."""
     return ModelConfig(vocab_size=16000, n_layer=6, d_model=256, n_head=8, d_head=32, d_inner=1024,
@@ -120,6 +148,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="cpu: this process's CPU time, robust on a busy shared machine (use with --threads 1)")
     ap.add_argument("--no-model", action="store_true", help="attention only, skip the model step")
+    ap.add_argument("--forward-mlens", type=int, nargs="*", default=[128, 640],
+                    help="memory lengths of the forward-only (evaluation) comparison, q 128; none: skip it")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -140,6 +170,19 @@ def main(argv: list[str] | None = None) -> None:
         line = ", ".join(f"{impl} {t * 1e3:.1f} ms ({ref / t:.2f}x; median {ref_med / med:.2f}x)"
                          for impl, (t, med) in times.items())
         print(f"  {dname} (min): {line}")
+
+    for mlen in args.forward_mlens:
+        print(f"\nrelative attention forward only (no grad, same_length), B {shape['bsz']}, H {shape['n_head']}, "
+              f"q {shape['qlen']}, k {shape['qlen'] + mlen}, d {shape['d_head']}")
+        for dname in args.dtypes:
+            dtype = DTYPES[dname]
+            impls = ("reference", "matmul", "sdpa", "flex")
+            fns = {impl: attention_forward_case(impl, dtype, **{**shape, "mlen": mlen}) for impl in impls}
+            times = interleaved(fns, args.reps, warmup=2, clock=clock)
+            (ref, ref_med) = times["reference"]
+            line = ", ".join(f"{impl} {t * 1e3:.1f} ms ({ref / t:.2f}x; median {ref_med / med:.2f}x)"
+                             for impl, (t, med) in times.items())
+            print(f"  {dname} (min): {line}")
 
     if args.no_model:
         return

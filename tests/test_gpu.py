@@ -1,7 +1,8 @@
 """CUDA paths of the model (marked `gpu`; they run wherever a CUDA device is present, e.g. a GPU CI box).
 
-Each fast attention implementation and both adaptive-softmax tail modes must equal the plain reference on
-the GPU as they do on the CPU: fp32 (TF32 off) within 1e-4, bf16 within 2e-2 relative. A training micro
+Each fast attention implementation (matmul, sdpa, flex) and both adaptive-softmax tail modes must equal the
+plain reference on the GPU, forward and backward: fp32 (TF32 off) within 1e-4, bf16 within 2e-2 relative.
+FlexAttention's backward exists only here (a CPU has none), and so do compiled layers on CUDA. A training micro
 step with a tail plan runs under torch.cuda.set_sync_debug_mode("error"): no host sync at all.
 """
 import dataclasses
@@ -14,6 +15,8 @@ from txl_dist.config import ModelConfig
 from txl_dist.host_copy import to_device
 from txl_dist.model import TransformerXL
 from txl_dist.model.softmax import tail_plan
+from txl_dist.model.attention import (attn_bias_from_mask, build_attn_mask, flex_block_mask, rel_attention_flex,
+                                      rel_attention_reference)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -45,7 +48,7 @@ TOLERANCES = {torch.float32: dict(rtol=0, atol=1e-4), torch.bfloat16: dict(rtol=
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("impl", ["matmul", "sdpa", "auto"])
+@pytest.mark.parametrize("impl", ["matmul", "sdpa", "flex", "auto"])
 @pytest.mark.parametrize("same_length", [False, True])
 def test_cuda_attention_equals_reference(impl, same_length, dtype):
     model = make_model(same_length=same_length).eval().to(dtype)
@@ -56,6 +59,85 @@ def test_cuda_attention_equals_reference(impl, same_length, dtype):
         model.attn_impl = impl
         got = two_segments(model, ids)
     torch.testing.assert_close(got, expected, **TOLERANCES[dtype])
+
+
+def rel_err(a, b):
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+REL_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("impl", ["matmul", "sdpa", "flex"])
+@pytest.mark.parametrize("same_length", [False, True])
+def test_cuda_training_step_equals_reference(impl, same_length, dtype):
+    # Forward and backward of the whole model (mems carried, gradients of every parameter), dropout off.
+    model = make_model(same_length=same_length).train().to(dtype)
+    ids = torch.randint(0, 500, (3, 33), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
+    results = {}
+    for name in ("reference", impl):
+        model.attn_impl = name
+        model.zero_grad(set_to_none=True)
+        nll = two_segments(model, ids)
+        nll.float().mean().backward()
+        results[name] = (nll.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+    (ref, ref_grads), (got, got_grads) = results["reference"], results[impl]
+    assert rel_err(got, ref) < REL_TOL[dtype]
+    for name in ref_grads:
+        assert rel_err(got_grads[name], ref_grads[name]) < REL_TOL[dtype], name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qlen,mlen,mem_len,same_length", [(160, 200, 200, False), (160, 200, 150, True),
+                                                            (128, 0, 128, False)])
+def test_cuda_flex_attention_alone_forward_backward(qlen, mlen, mem_len, same_length, dtype):
+    # Shapes over several 128 x 128 blocks: skipped, partial and full blocks of the BlockMask all occur.
+    g = torch.Generator("cuda").manual_seed(5)
+    bsz, n_head, d_head, klen = 2, 4, 32, qlen + mlen
+    hd = n_head * d_head
+    shapes = dict(q=(bsz, qlen, hd), kv=(bsz, klen, 2 * hd), r_head_k=(klen, hd), r_w_bias=(n_head, d_head),
+                  r_r_bias=(n_head, d_head))
+    x = {k: (torch.randn(*s, device="cuda", generator=g) * 0.5).to(dtype).requires_grad_() for k, s in shapes.items()}
+    x32 = {k: v.detach().float().requires_grad_() for k, v in x.items()}
+    mask = build_attn_mask(qlen, mlen, mem_len, same_length, torch.device("cuda"))
+    ref = rel_attention_reference(**x32, attn_bias=attn_bias_from_mask(mask, torch.float32))
+    got = rel_attention_flex(**x, attn_bias=flex_block_mask(qlen, mlen, mem_len, same_length, torch.device("cuda")))
+    grad_out = torch.randn(ref.shape, device="cuda", generator=g)
+    ref_grads = torch.autograd.grad(ref, list(x32.values()), grad_out)
+    got_grads = torch.autograd.grad(got, list(x.values()), grad_out.to(dtype))
+    assert rel_err(got, ref) < REL_TOL[dtype]
+    for name, g_got, g_ref in zip(x, got_grads, ref_grads):
+        assert rel_err(g_got, g_ref) < REL_TOL[dtype], name
+
+
+@pytest.mark.parametrize("impl", ["matmul", "flex"])
+def test_cuda_compiled_layers_equal_eager_without_recompiles(impl):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    eager, compiled = make_model().train(), make_model().train()
+    eager.attn_impl = compiled.attn_impl = impl
+    counter = CompileCounterWithBackend("inductor")
+    compiled.compile_layers(backend=counter)
+    compiled.set_activation_checkpointing(None)
+    ids = torch.randint(0, 500, (3, 65), device="cuda", generator=torch.Generator("cuda").manual_seed(4))
+    mems_eager = mems_compiled = None
+    for step in range(4):
+        window = slice(16 * step, 16 * step + 16), slice(16 * step + 1, 16 * step + 17)
+        losses = []
+        for model, mems in ((eager, mems_eager), (compiled, mems_compiled)):
+            model.zero_grad(set_to_none=True)
+            out = model(ids[:, window[0]], labels=ids[:, window[1]], mems=mems)
+            out.nll.mean().backward()
+            losses.append((out, {n: p.grad.clone() for n, p in model.named_parameters()}))
+        (out_e, grads_e), (out_c, grads_c) = losses
+        assert rel_err(out_c.nll, out_e.nll) < 1e-4
+        for name in grads_e:
+            assert rel_err(grads_c[name], grads_e[name]) < 1e-3, name
+        mems_eager, mems_compiled = out_e.mems, out_c.mems
+        assert counter.frame_count == min(step + 1, 2), step
 
 
 def test_cuda_dense_and_gather_tails_agree():

@@ -158,6 +158,76 @@ def test_model_fast_attention_equals_reference(impl, mem_len, same_length, clamp
         torch.testing.assert_close(fast_grads[n], ref_grads[n], rtol=0, atol=1e-5 * scale)
 
 
+@pytest.mark.parametrize("mem_len,same_length,clamp_len", [(6, True, -1), (4, True, 3), (6, False, 2)])
+def test_model_flex_forward_equals_reference(mem_len, same_length, clamp_len):
+    # On a CPU flex is forward-only (evaluation, generation); its backward is checked on CUDA (test_gpu.py).
+    model = make_model(mem_len=mem_len, same_length=same_length, clamp_len=clamp_len).eval()
+    ids, labels = tokens(2, 18, seed=11), tokens(2, 18, seed=12)
+    results = {}
+    with torch.no_grad():
+        for name in ("reference", "flex"):
+            model.attn_impl = name
+            results[name] = run_segments(model, ids, labels, 6)
+    assert model.resolved_attn_impl() == "flex"
+    for ref, flex in zip(results["reference"], results["flex"]):
+        torch.testing.assert_close(flex.nll, ref.nll, rtol=1e-5, atol=1e-5)  # nll ~7: fp32 rounding
+        for m_ref, m_flex in zip(ref.mems, flex.mems):
+            torch.testing.assert_close(m_flex, m_ref, rtol=0, atol=1e-5)
+
+
+def test_compiled_layers_equal_eager_and_compile_once_per_shape():
+    # train.compile: each layer compiled with static shapes, under torch's non-reentrant checkpoint. The
+    # first segment (no memory) and the steady state (full memory) are the only two layer shapes, and the
+    # layers share one graph per shape: two compiles in all, none in later steps.
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    eager, compiled = make_model().train(), make_model().train()
+    counter = CompileCounterWithBackend("inductor")
+    compiled.compile_layers(backend=counter)
+    compiled.set_activation_checkpointing(None)
+    ids, labels = tokens(2, 24, seed=21), tokens(2, 24, seed=22)
+
+    def segment(model, mems, start):
+        model.zero_grad()
+        out = model(ids[:, start:start + 6], labels[:, start:start + 6], mems)
+        out.nll.mean().backward()
+        return out, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    mems_eager = mems_compiled = None
+    for step, start in enumerate(range(0, 24, 6)):
+        out_eager, grads_eager = segment(eager, mems_eager, start)
+        out_compiled, grads_compiled = segment(compiled, mems_compiled, start)
+        torch.testing.assert_close(out_compiled.nll, out_eager.nll, rtol=1e-5, atol=1e-5)
+        for n in grads_eager:
+            torch.testing.assert_close(grads_compiled[n], grads_eager[n], rtol=1e-4, atol=1e-5, msg=n)
+        mems_eager, mems_compiled = out_eager.mems, out_compiled.mems
+        assert counter.frame_count == min(step + 1, 2), step
+    assert set(compiled.state_dict()) == set(eager.state_dict())  # checkpoints keep their names
+
+
+def test_compiled_layers_with_flex_equal_the_reference():
+    # flex inside a compiled layer is fused into the layer's graph. A CPU has no flex backward, so this
+    # runs the training-mode (compiled) forward without grad; eval mode runs the layers eagerly.
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    reference, compiled = make_model().train(), make_model().train()
+    reference.attn_impl, compiled.attn_impl = "reference", "flex"
+    counter = CompileCounterWithBackend("inductor")
+    compiled.compile_layers(backend=counter)
+    ids = tokens(2, 18, seed=23)
+    with torch.no_grad():
+        for ref, got in zip(run_segments(reference, ids, ids, 6), run_segments(compiled, ids, ids, 6)):
+            torch.testing.assert_close(got.nll, ref.nll, rtol=1e-5, atol=1e-5)
+        assert counter.frame_count == 2
+        compiled.eval()
+        for ref, got in zip(run_segments(reference, ids, ids, 6, memory=MemorySettings(12, -1, True)),
+                            run_segments(compiled, ids, ids, 6, memory=MemorySettings(12, -1, True))):
+            torch.testing.assert_close(got.nll, ref.nll, rtol=1e-5, atol=1e-5)
+    assert counter.frame_count == 2  # evaluation's growing memory compiled nothing
+
+
 def test_memory_settings_passed_to_forward_equal_building_with_them():
     built = make_model(clamp_len=2, same_length=True, mem_len=3).eval()
     other = make_model().eval()  # same seed and shapes: same weights, other training memory settings

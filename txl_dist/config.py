@@ -60,7 +60,7 @@ class MemorySettings:
     """Every query attends to the same number of keys (needs mem_len >= 1)."""
 
 
-ATTN_IMPL_NAMES = ("auto", "reference", "matmul", "sdpa")
+ATTN_IMPL_NAMES = ("auto", "reference", "matmul", "sdpa", "flex")
 """Names model.attn_impl accepts (txl_dist.model.attention.ATTN_IMPLS holds the implementations)."""
 
 
@@ -114,9 +114,10 @@ class ModelConfig:
     layer_norm_epsilon: float = 1e-5
     """Epsilon of every layer norm."""
     attn_impl: str = "auto"
-    """Relative attention implementation: "auto" (picked per device and dtype, see
-    txl_dist/model/attention.py), or one of "matmul", "sdpa", "reference". Changes speed, not the math:
-    it may change on resume."""
+    """Relative attention implementation: "auto" (measured once at start-up per device and dtype, see
+    txl_dist/model/attention.py), or one of "matmul", "sdpa", "flex" (FlexAttention: no attention dropout,
+    so only with dropatt 0; no backward on a CPU), "reference". Changes speed, not the math: it may change
+    on resume."""
     pad_vocab_multiple: int = 1
     """Store the adaptive softmax's head rows (shortlist + one per cluster) and each tail's output and
     embedding rows padded to a multiple of this (8 or 64 suit tensor cores); the padding never enters a
@@ -173,6 +174,11 @@ class TrainConfig:
     collective_timeout_s: float = 600.0
     """A rank that stops responding (killed, hung, its node lost) ends the job within about this many
     seconds on every other rank, with one line naming it; also the timeout of each training collective."""
+    compile: bool = False
+    """torch.compile each Transformer-XL layer for training (static shapes: one graph for the first segment,
+    one for the steady state with full memory; evaluation stays eager); with activation checkpointing the
+    layers are then recomputed by torch's non-reentrant checkpoint. Changes speed (and which dropout masks
+    are drawn), not the model: it may change on resume."""
 
 
 @dataclass
@@ -300,7 +306,7 @@ class RunConfig:
 # metrics go, how often progress is printed, where it stops this time, how long ranks wait for each other.
 VOLATILE_SECTIONS = ("run", "checkpoint", "tracking")
 VOLATILE_KEYS = ("train.exit_step", "train.log_interval", "train.collective_timeout_s", "train.max_nonfinite",
-                 "model.attn_impl")
+                 "train.compile", "model.attn_impl")
 
 
 def changed_settings(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
@@ -599,6 +605,9 @@ def validate_model(m: ModelConfig) -> None:
     check_same_length("model", m.same_length, m.mem_len)
     if m.attn_impl not in ATTN_IMPL_NAMES:
         raise ConfigError(f"model.attn_impl: {m.attn_impl!r} is unknown; use one of {', '.join(ATTN_IMPL_NAMES)}")
+    if m.attn_impl == "flex" and m.dropatt > 0:
+        raise ConfigError(f"model.attn_impl: 'flex' has no attention dropout, so it cannot train with model.dropatt "
+                          f"{m.dropatt}; set model.dropatt 0 or model.attn_impl 'auto' (no flex with dropatt)")
     if m.tie_projs is not None and len(m.tie_projs) != len(m.cutoffs) + 1:
         raise ConfigError(
             f"model.tie_projs: needs one entry per cluster ({len(m.cutoffs) + 1} for cutoffs {m.cutoffs}), "

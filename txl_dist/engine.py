@@ -2,8 +2,9 @@
 
 What the engine owns: ZeRO stages 0-3 (stage 3 builds the model inside deepspeed.zero.Init), bf16 / fp16 /
 fp32 (the engine casts the model; mems then travel in the model's dtype), activation checkpointing of the
-Transformer-XL layers with deepspeed.checkpointing.checkpoint, gradient accumulation (derived from the world
-size), gradient clipping, the LR schedule and the optimizer, all from the config's deepspeed section.
+Transformer-XL layers with deepspeed.checkpointing.checkpoint (torch's non-reentrant checkpoint when the
+layers are compiled: train.compile), gradient accumulation (derived from the world size), gradient
+clipping, the LR schedule and the optimizer, all from the config's deepspeed section.
 
 The optimizer: `"type": "AdamW"` with `"torch_adam": true` in its params makes DeepSpeed 0.19.8 build
 torch.optim.AdamW (engine.get_optimizer_configuration checks torch_adam before anything else), which needs
@@ -62,11 +63,16 @@ def model_dtype(ds_config: dict[str, Any]) -> torch.dtype:
     return torch.float32
 
 
-def build_engine(model_fn: Callable[[], nn.Module], ds_config: dict[str, Any], *, seed: int):
+def build_engine(model_fn: Callable[[], nn.Module], ds_config: dict[str, Any], *, seed: int,
+                 compile_layers: bool = False):
     """Build the model (seeded: the same weights on every rank and every world size) and its engine.
 
     `model_fn()` returns the model; under ZeRO-3 it runs inside deepspeed.zero.Init so that no rank ever
-    holds all the weights. Returns the DeepSpeedEngine (`engine(...)`, `engine.backward`, `engine.step`).
+    holds all the weights. compile_layers (train.compile): torch.compile each layer
+    (TransformerXL.compile_layers); activation checkpointing then recomputes the layers with torch's
+    non-reentrant checkpoint, because DeepSpeed's is reentrant: it runs each layer under no_grad and again
+    with grad inside backward, a second graph per layer shape. Returns the DeepSpeedEngine
+    (`engine(...)`, `engine.backward`, `engine.step`).
     """
     skip_shm_comm_build()
     # DeepSpeed's ZeRO calls these torch collectives at every step; the deprecation is theirs to fix and
@@ -89,9 +95,13 @@ def build_engine(model_fn: Callable[[], nn.Module], ds_config: dict[str, Any], *
     else:
         model = model_fn()
         _reinitialize(model, seed)  # the same draws as under ZeRO-3: weights depend on the seed alone
-    if "activation_checkpointing" in ds_config:
+    if "activation_checkpointing" in ds_config and compile_layers:
+        model.set_activation_checkpointing(None)  # None: torch's non-reentrant checkpoint
+    elif "activation_checkpointing" in ds_config:
         deepspeed.checkpointing.configure(None, deepspeed_config=ds_config)
         model.set_activation_checkpointing(deepspeed.checkpointing.checkpoint)
+    if compile_layers:
+        model.compile_layers()
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
     return engine
 

@@ -380,7 +380,8 @@ def _build_from(start: TrainStart, env: DistEnv) -> Trainer:
     ds_config = deepspeed_config(cfg, env.world_size, load_universal=resume is not None and resume.source.universal)
     from .model import TransformerXL  # the model package is heavy; import it when a model is built
 
-    engine = build_engine(lambda: TransformerXL(cfg.model), ds_config, seed=cfg.train.seed)
+    engine = build_engine(lambda: TransformerXL(cfg.model), ds_config, seed=cfg.train.seed,
+                          compile_layers=cfg.train.compile)
     checkpoint.seed_rng(cfg.train.seed, env.rank)  # dropout differs between ranks, reproducibly
     manifest = start.manifest
     info = {

@@ -8,13 +8,15 @@ out = model(input_ids, labels=None, mems=None, memory=None,  # [B, T] LongTensor
                                                 # tail_plan: softmax.tail_plan(labels_np, cutoffs, device)
 out.nll [B, T] float32 | None;  out.mems: n_layer x [B, min(mem_len, mlen+T), d_model] detached
 out.hidden [B, T, d_model];     model.log_probs(hidden) -> [..., vocab_size] float32
-model.attn_impl: from cfg.attn_impl, read at every forward
+model.attn_impl: from cfg.attn_impl ("auto", or a name start-up chose), read at every forward
 model.set_activation_checkpointing(checkpoint_fn=None, enabled=True)
+model.compile_layers()                          # train.compile: layers compiled in training mode
 ```
 
 Modules: embedding.py (AdaptiveEmbedding, sinusoid positions), attention.py (mask, rel-shift, the reference
-and fast relative attention, the attention sub-layer), layer.py (feed-forward, one layer), softmax.py
-(projected adaptive log-softmax), transformer.py (the model). Semantics follow the reference code
+and fast relative attention incl. FlexAttention, the timing that start-up's "auto" uses, the attention
+sub-layer), layer.py (feed-forward, one layer), softmax.py (projected adaptive log-softmax),
+transformer.py (the model). Semantics follow the reference code
 (kimiyoung/transformer-xl, which HF TransfoXL 4.37.2 follows). Adaptive-softmax cluster i uses head column
 cutoffs[0] + i - 1, as HF 4.37.2's forward does (the original code's unused log_prob path indexes column -i).
 

@@ -8,18 +8,30 @@ Three interchangeable implementations take the same arguments and return the sam
 - `rel_attention_matmul`: contiguous head-major layouts, batched matmuls, a free rel-shift, fp32 softmax
   under bf16/fp16. The fastest on CPU (bench/bench_attention.py).
 - `rel_attention_sdpa`: torch's scaled_dot_product_attention with the position term as an additive float
-  mask (the memory-efficient kernel on CUDA). Slower on CPU (docs/architecture.md), unmeasured on GPU: opt-in only.
+  mask (the memory-efficient kernel on CUDA). Slower on CPU (docs/architecture.md).
+- `rel_attention_flex`: FlexAttention (compiled): the content term is the fused kernel's own q.k, the
+  position term a `score_mod` reading one precomputed [B, H, T, K+1] tensor at the rel-shifted index, the
+  memory-causal pattern a BlockMask whose empty blocks are skipped. No score tensor is written, no
+  attention dropout exists (docs/architecture.md: the dropatt policy), and on CPU there is no backward.
+
+`attn_bias` is the additive [T, K] bias (0 visible, -inf masked) for every path; flex also takes the
+BlockMask of the same pattern (`flex_block_mask`), which is what the model passes it. "auto" is chosen by
+measurement at start-up (`candidate_attn_impls`, `time_attn_impls`), or statically (`resolve_attn_impl`).
 
 Shapes: B batch, T query length (the segment), K = mlen + T key length, H heads, D head size.
 """
 from __future__ import annotations
 
 import functools
+import math
+import statistics
+import time
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 AttentionFn = Callable[..., torch.Tensor]
 
@@ -40,6 +52,32 @@ def build_attn_mask(qlen: int, mlen: int, mem_len: int, same_length: bool,
         mask_shift_len = qlen - mask_len if mask_len > 0 else qlen
         mask = mask | torch.tril(ones, diagonal=-mask_shift_len)                   # [T, K]
     return mask
+
+
+def visible_key(query_idx, key_idx, mlen: int, mem_len: int, same_length: bool):
+    """True where query i may attend key j: the complement of build_attn_mask, as index arithmetic.
+
+    Query i sits at key position i + mlen: it sees keys j <= i + mlen, and with same_length only the last
+    mem_len of them (j > i + mlen - mem_len). Works on ints and on index tensors (FlexAttention's mask_mod).
+    """
+    visible = key_idx <= query_idx + mlen
+    if same_length:
+        visible = visible & (key_idx > query_idx + mlen - mem_len)
+    return visible
+
+
+@functools.lru_cache(maxsize=64)
+def flex_block_mask(qlen: int, mlen: int, mem_len: int, same_length: bool, device: torch.device) -> BlockMask:
+    """The BlockMask of build_attn_mask's pattern for flex_attention, made once per shape and settings.
+
+    Broadcast over batch and heads (B = H = None). Its blocks are 128 x 128: blocks wholly in the future
+    (or, with same_length, wholly out of the window) are skipped, partial ones evaluate the mask_mod.
+    """
+    def mask_mod(b, h, query_idx, key_idx):
+        return visible_key(query_idx, key_idx, mlen, mem_len, same_length)
+
+    # Kept eager: compiling the mask builder would add a compile per shape for a one-time cost.
+    return create_block_mask(mask_mod, None, None, qlen, mlen + qlen, device=device)
 
 
 def attn_bias_from_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -169,16 +207,72 @@ def rel_attention_sdpa(q: torch.Tensor, kv: torch.Tensor, r_head_k: torch.Tensor
     return attn_vec.permute(1, 2, 0, 3).reshape(bsz, qlen, n_head * d_head)        # [B, T, H*D]
 
 
+@functools.lru_cache(maxsize=None)
+def _compiled_flex_attention() -> Callable[..., torch.Tensor]:
+    """flex_attention compiled once per process (lazily: importing the model compiles nothing). Called
+    eagerly, flex_attention would materialize the scores; inside a compiled layer the plain function is
+    traced instead (rel_attention_flex)."""
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def rel_attention_flex(q: torch.Tensor, kv: torch.Tensor, r_head_k: torch.Tensor,
+                       r_w_bias: torch.Tensor, r_r_bias: torch.Tensor, attn_bias: torch.Tensor | BlockMask,
+                       dropatt: float = 0.0, training: bool = False) -> torch.Tensor:
+    """Relative attention through compiled FlexAttention (same arguments and result as the reference).
+
+    attn_bias: the BlockMask of the pattern (`flex_block_mask`; masked blocks are skipped), or the
+    additive [T, K] bias, then added in the score_mod over every block. The position term is the raw
+    (q + v) . r product against K+1 distance rows, [B, H, T, K+1], read by the score_mod at the rel-shifted
+    column j + T - 1 - i (as `_position_scores` does by layout): no shifted copy, no [T, K] score tensor.
+    Entries past the diagonal + mlen read the zero row (clamped index) and are masked anyway.
+    FlexAttention has no dropout: training with dropatt > 0 is refused (config validation; here too).
+    """
+    if training and dropatt > 0:
+        raise ValueError(f"attn_impl 'flex' has no attention dropout but dropatt is {dropatt}; set dropatt 0 "
+                         "or use attn_impl 'auto' (docs/architecture.md: the dropatt policy)")
+    n_head, d_head = r_w_bias.shape
+    bsz, qlen, _ = q.shape
+    klen = kv.shape[1]
+    scale = d_head ** -0.5
+    head_q = q.view(bsz, qlen, n_head, d_head).transpose(1, 2)                    # [B, H, T, D]
+    head_k, head_v = kv.view(bsz, klen, 2, n_head, d_head).permute(2, 0, 3, 1, 4).unbind(0)  # [B, H, K, D] x2
+    if head_q.device.type == "cpu" and torch.is_grad_enabled() and any(
+            t.requires_grad for t in (q, kv, r_head_k, r_w_bias, r_r_bias)):
+        raise ValueError("attn_impl 'flex' cannot train on a CPU (FlexAttention has no CPU backward); use "
+                         "attn_impl 'auto' or 'matmul' (flex serves evaluation and generation there)")
+    head_r = F.pad(r_head_k.view(klen, n_head, d_head), (0, 0, 0, 0, 0, 1))       # [K+1, H, D], row K zero
+    pos = torch.matmul((head_q + r_r_bias[:, None]) * scale,
+                       head_r.permute(1, 2, 0))                                    # [B, H, T, K+1]
+    shift, last = qlen - 1, klen  # python ints: constants of the compiled kernel
+
+    if isinstance(attn_bias, BlockMask):
+        def score_mod(score, b, h, query_idx, key_idx):
+            return score + pos[b, h, query_idx, torch.clamp(key_idx + shift - query_idx, max=last)]
+        block_mask = attn_bias
+    else:
+        def score_mod(score, b, h, query_idx, key_idx):
+            rel = torch.clamp(key_idx + shift - query_idx, max=last)
+            return score + pos[b, h, query_idx, rel] + attn_bias[query_idx, key_idx]
+        block_mask = None
+    # Inside a compiled layer (train.compile) dynamo fuses flex_attention into the layer's graph itself.
+    flex = flex_attention if torch.compiler.is_compiling() else _compiled_flex_attention()
+    attn_vec = flex(
+        (head_q + r_w_bias[:, None]).contiguous(), head_k.contiguous(), head_v.contiguous(),
+        score_mod=score_mod, block_mask=block_mask, scale=scale)                  # [B, H, T, D]
+    return attn_vec.transpose(1, 2).reshape(bsz, qlen, n_head * d_head)          # [B, T, H*D]
+
+
 ATTN_IMPLS: dict[str, AttentionFn] = {
     "reference": rel_attention_reference,
     "matmul": rel_attention_matmul,
     "sdpa": rel_attention_sdpa,
+    "flex": rel_attention_flex,
 }
 """Attention implementations by name; `TransformerXL.attn_impl` picks one ("auto": see AUTO_ATTN_IMPL)."""
 
 AUTO_ATTN_IMPL: dict[str, str] = {"cpu": "matmul"}
-"""What "auto" means per device type, by measurement (bench/bench_attention.py). CUDA was not measured
-(no GPU where this was written): it falls back to "matmul" until someone measures "sdpa" there."""
+"""What "auto" means per device type without a start-up measurement (bench/bench_attention.py). CUDA was
+not measured (no GPU where this was written): "matmul" until start-up measures (time_attn_impls)."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -201,6 +295,81 @@ def resolve_attn_impl(name: str, device: torch.device, dtype: torch.dtype = torc
     if name not in ATTN_IMPLS:
         raise ValueError(f"attn_impl {name!r} is unknown; use 'auto' or one of {', '.join(ATTN_IMPLS)}")
     return name
+
+
+def candidate_attn_impls(device: torch.device, dtype: torch.dtype, *, training: bool, dropatt: float) -> list[str]:
+    """The implementations "auto" may pick on this device and dtype (what start-up measures).
+
+    The reference einsum is the test oracle, never a candidate. flex has no attention dropout (so not for
+    training with dropatt > 0: docs/architecture.md, the dropatt policy) and no backward on a CPU; its CPU
+    forward (compiled C++) lost to sdpa in fp32 and bf16 and to matmul in fp32 on evaluation shapes
+    (bench/bench_attention.py, docs/architecture.md), so on a CPU it is a candidate for neither training
+    nor evaluation (measuring it would only add a compile to start-up).
+    """
+    del dtype  # every path serves every dtype; the measurement decides between them
+    names = ["matmul", "sdpa"]
+    if device.type != "cpu" and not (training and dropatt > 0):
+        names.append("flex")
+    return names
+
+
+def time_attn_impls(names: list[str], *, batch: int, n_head: int, d_head: int, qlen: int, klen: int,
+                    device: torch.device, dtype: torch.dtype, training: bool, reps: int = 5,
+                    warmup: int = 2) -> dict[str, float]:
+    """Seconds per call of each named implementation on these shapes: forward + backward when training,
+    a no-grad forward otherwise. The median of `reps` calls, interleaved so that load changes hit all alike,
+    after `warmup` calls (which absorb flex's compile). Memory is full (mlen = klen - qlen = mem_len),
+    the steady state of training; inputs are seeded random numbers. A path that fails on these shapes
+    (a kernel limit, out of memory) gets math.inf: it can never be the fastest.
+    """
+    device = torch.device(device)
+    mlen = klen - qlen
+    hd = n_head * d_head
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def rnd(*shape):
+        return (torch.randn(*shape, generator=gen, device=device) * 0.5).to(dtype).requires_grad_(training)
+
+    x = dict(q=rnd(batch, qlen, hd), kv=rnd(batch, klen, 2 * hd), r_head_k=rnd(klen, hd),
+             r_w_bias=rnd(n_head, d_head), r_r_bias=rnd(n_head, d_head))
+    grad_out = torch.randn(batch, qlen, hd, generator=gen, device=device).to(dtype)
+    bias = attn_bias_from_mask(build_attn_mask(qlen, mlen, mlen, False, device), dtype)  # [T, K]
+    block_mask = flex_block_mask(qlen, mlen, mlen, False, device)
+
+    def call(name: str) -> None:
+        fn = ATTN_IMPLS[name]
+        mask = block_mask if name == "flex" else bias
+        if training:
+            torch.autograd.grad(fn(**x, attn_bias=mask, training=True), list(x.values()), grad_out)
+        else:
+            with torch.no_grad():
+                fn(**x, attn_bias=mask)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    unknown = [name for name in names if name not in ATTN_IMPLS]
+    if unknown:
+        raise ValueError(f"time_attn_impls: unknown implementation(s) {unknown}; use names of ATTN_IMPLS")
+    failed: set[str] = set()
+    for name in names:
+        try:
+            for _ in range(warmup):
+                call(name)
+            sync()
+        except (RuntimeError, ValueError, NotImplementedError):
+            failed.add(name)
+    times: dict[str, list[float]] = {name: [math.inf] for name in failed}
+    times.update({name: [] for name in names if name not in failed})
+    for _ in range(reps):
+        for name in (n for n in names if n not in failed):
+            sync()
+            start = time.perf_counter()
+            call(name)
+            sync()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(times[name]) for name in names}
 
 
 class QKVProjection(nn.Linear):
@@ -248,7 +417,7 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
             self.r_w_bias = self.r_r_bias = None
 
     def forward(self, h: torch.Tensor, pos_emb: torch.Tensor, mem: torch.Tensor | None,
-                attn_bias: torch.Tensor, attn_fn: AttentionFn,
+                attn_bias: torch.Tensor | BlockMask, attn_fn: AttentionFn,
                 r_w_bias: torch.Tensor | None = None, r_r_bias: torch.Tensor | None = None) -> torch.Tensor:
         """h [B, T, d_model], pos_emb [K, d_model], mem [B, mlen, d_model] or None -> [B, T, d_model]."""
         r_w_bias = self.r_w_bias if self.r_w_bias is not None else r_w_bias

@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torch.nn.attention.flex_attention import BlockMask
+
 from txl_dist.model.attention import AttentionFn, RelPartialLearnableMultiHeadAttn
 
 
@@ -40,9 +42,10 @@ class TransformerXLLayer(nn.Module):
         self.pos_ff = PositionwiseFF(d_model, d_inner, dropout, pre_lnorm, layer_norm_epsilon)
 
     def forward(self, h: torch.Tensor, pos_emb: torch.Tensor, mem: torch.Tensor | None,
-                attn_bias: torch.Tensor, attn_fn: AttentionFn,
+                attn_bias: torch.Tensor | BlockMask, attn_fn: AttentionFn,
                 r_w_bias: torch.Tensor | None = None, r_r_bias: torch.Tensor | None = None) -> torch.Tensor:
-        """h [B, T, d_model], pos_emb [K, d_model], mem [B, mlen, d_model] or None, attn_bias [T, K]
-        -> [B, T, d_model]. r_w_bias / r_r_bias: the shared pair when the layer has none of its own."""
+        """h [B, T, d_model], pos_emb [K, d_model], mem [B, mlen, d_model] or None, attn_bias [T, K] (flex:
+        its BlockMask) -> [B, T, d_model]. r_w_bias / r_r_bias: the shared pair when the layer has none of
+        its own."""
         h = self.attn(h, pos_emb, mem, attn_bias, attn_fn, r_w_bias, r_r_bias)    # [B, T, d_model]
         return self.pos_ff(h)                                                      # [B, T, d_model]

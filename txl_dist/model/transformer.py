@@ -9,7 +9,8 @@ import torch.utils.checkpoint
 from torch import nn
 
 from txl_dist.config import MemorySettings, ModelConfig, validate_model
-from txl_dist.model.attention import (ATTN_IMPLS, attn_bias_from_mask, build_attn_mask, resolve_attn_impl)
+from txl_dist.model.attention import (ATTN_IMPLS, attn_bias_from_mask, build_attn_mask, flex_block_mask,
+                                      resolve_attn_impl)
 from txl_dist.model.embedding import AdaptiveEmbedding, sinusoid_position_embedding
 from txl_dist.model.layer import TransformerXLLayer
 from txl_dist.model.softmax import ProjectedAdaptiveLogSoftmax, TailPlan
@@ -36,8 +37,9 @@ class TransformerXL(nn.Module):
     """Transformer-XL language model (Dai et al. 2019) with adaptive input and adaptive softmax.
 
     The memory settings (mem_len, clamp_len, same_length) come with each forward (`memory=`; the config's
-    training values when left out); the attention implementation is the config's attn_impl ("auto" or a
-    name in ATTN_IMPLS; see resolved_attn_impl). The module tree is documented in txl_dist/model/__init__.py.
+    training values when left out); the attention implementation is `attn_impl`, the config's value or the
+    concrete name start-up measured for "auto" ("auto" left as it is resolves statically: see
+    resolved_attn_impl). The module tree is documented in txl_dist/model/__init__.py.
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -58,6 +60,7 @@ class TransformerXL(nn.Module):
         """The training memory settings: what a forward without `memory=` uses."""
         self.attn_impl = cfg.attn_impl
         self._checkpoint_fn: CheckpointFn | None = None
+        self._compiled_layers: list[Callable[..., torch.Tensor]] | None = None  # a plain list: not submodules
 
         self.word_emb = AdaptiveEmbedding(cfg.vocab_size, d_embed, cfg.d_model, cfg.cutoffs, cfg.div_val,
                                           cfg.pad_vocab_multiple)
@@ -127,6 +130,21 @@ class TransformerXL(nn.Module):
         else:
             self._checkpoint_fn = checkpoint_fn
 
+    def compile_layers(self, **compile_kwargs) -> None:
+        """Run each layer through torch.compile in training mode (train.compile), with static shapes.
+
+        A training run has two layer shapes, the first segment (no memory) and every later one (full
+        memory, as mem_len <= tgt_len in every preset; a longer memory adds one shape per segment until it
+        is full), so each compiles once and no step recompiles; the layers share one graph per shape
+        (their code is one, parameters are graph inputs). Evaluation and generation (eval mode) run the
+        layers eagerly: their memory grows segment by segment to eval.mem_len, a new shape each time. The
+        compiled wrappers are kept outside the module tree, so parameter names and the state dict do not
+        change. compile_kwargs go to torch.compile (backend, mode). Activation checkpointing composes
+        through torch's non-reentrant checkpoint (set_activation_checkpointing(None)).
+        """
+        compile_kwargs.setdefault("dynamic", False)
+        self._compiled_layers = [torch.compile(layer, **compile_kwargs) for layer in self.layers]
+
     def resolved_attn_impl(self) -> str:
         """The attention implementation a forward uses now (for the parameters' device and dtype)."""
         weight = self.word_emb.emb_layers[0].weight
@@ -157,18 +175,23 @@ class TransformerXL(nn.Module):
         klen = mlen + qlen
         device = word_emb.device
 
-        # Built once per forward, shared by every layer.
-        attn_mask = build_attn_mask(qlen, mlen, memory.mem_len, memory.same_length, device)  # [T, K] bool
-        attn_bias = attn_bias_from_mask(attn_mask, word_emb.dtype)                  # [T, K]
+        # Built once per forward, shared by every layer: flex takes its cached BlockMask, the rest a bias.
+        impl = resolve_attn_impl(self.attn_impl, device, word_emb.dtype)
+        attn_fn = ATTN_IMPLS[impl]
+        if impl == "flex":
+            attn_bias = flex_block_mask(qlen, mlen, memory.mem_len, memory.same_length, device)
+        else:
+            attn_mask = build_attn_mask(qlen, mlen, memory.mem_len, memory.same_length, device)  # [T, K] bool
+            attn_bias = attn_bias_from_mask(attn_mask, word_emb.dtype)              # [T, K]
         pos_emb = sinusoid_position_embedding(klen, self.d_model, memory.clamp_len, device,
                                               word_emb.dtype)                      # [K, d_model]
-        attn_fn = ATTN_IMPLS[resolve_attn_impl(self.attn_impl, device, word_emb.dtype)]
 
         h = self.drop(word_emb)                                                    # [B, T, d_model]
         pos_emb = self.drop(pos_emb)                                               # [K, d_model]
         hids = [h]
         checkpoint_fn = self._checkpoint_fn if torch.is_grad_enabled() else None
-        for i, layer in enumerate(self.layers):
+        layers = self._compiled_layers if self._compiled_layers is not None and self.training else self.layers
+        for i, layer in enumerate(layers):
             mem = mems[i] if mems else None
             args = (h, pos_emb, mem, attn_bias, attn_fn, self.r_w_bias, self.r_r_bias)
             h = layer(*args) if checkpoint_fn is None else checkpoint_fn(layer, *args)  # [B, T, d_model]
