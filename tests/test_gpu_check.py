@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from txl_dist.model.attention import ATTN_IMPLS
+import torch
+
+from txl_dist.model.attention import ATTN_IMPLS, candidate_attn_impls
 
 REPO = Path(__file__).resolve().parents[1]
 PHASES = ["env", "matmul", "attention", "model", "train", "deepspeed"]
@@ -34,7 +36,11 @@ def test_cpu_smoke_runs_every_phase(tmp_path):
         by_kind.setdefault(r["kind"], []).append(r)
     assert {r["dtype"] for r in by_kind["matmul"]} == {"bf16", "fp16", "tf32", "fp32"}
     assert all(r["flop_per_s"] > 0 for r in by_kind["matmul"])
-    # Every implementation was checked against the float64 oracle and timed, in both dtypes.
+    # Every implementation was checked against the float64 oracle and timed, in both dtypes (forward only
+    # where it has no backward on a CPU: FlexAttention).
+    trainable = {"reference", *candidate_attn_impls(torch.device("cpu"), torch.float32, training=True, dropatt=0.0)}
+    forward_only = {(r["impl"], r["forward_only"]) for r in by_kind["attention_error"] if "error" not in r}
+    assert forward_only == {(i, i not in trainable) for i in ATTN_IMPLS}
     pairs = {(r["impl"], r["dtype"]) for r in by_kind["attention_error"] if "error" not in r}
     assert pairs == {(i, d) for i in ATTN_IMPLS for d in ("fp32", "bf16")}
     assert {(r["impl"], r["dtype"]) for r in by_kind["attention_time"]} == pairs
@@ -46,9 +52,11 @@ def test_cpu_smoke_runs_every_phase(tmp_path):
     # The training matrix: every non-reference impl surveyed, then the best with checkpointing and compile.
     steps = [r for r in by_kind["train_step"] if "error" not in r and "skipped" not in r]
     assert not [r for r in by_kind["train_step"] if "error" in r], by_kind["train_step"]
+    skipped = {r["impl"] for r in by_kind["train_step"] if r.get("skipped", "").startswith("no backward")}
+    assert skipped == set(ATTN_IMPLS) - trainable
     for shape in ("large", "base"):
         ran = {(r["impl"], r["checkpointing"], r["compile"]) for r in steps if r["shape"] == shape}
-        assert {i for i, _, _ in ran} >= set(ATTN_IMPLS) - {"reference"}
+        assert {i for i, _, _ in ran} >= trainable - {"reference"}
         assert {(c, k) for _, c, k in ran} == {(False, False), (True, False), (False, True), (True, True)}
         assert all(r["tokens_per_s"] > 0 and r["mfu_measured_peak"] >= 0 for r in steps if r["shape"] == shape)
     (ds,) = by_kind["deepspeed"]
