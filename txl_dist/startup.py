@@ -15,6 +15,10 @@ to a run folder another job might own. The phases:
    (one owner: check_checkpoint_fits); with checkpoint.fallback an older tag when the newest is damaged;
 4. rank 0: tags newer than the resume point moved to superseded/ (a rollback never deletes them), the
    universal conversion when the world size changed, free disk space, and the MLflow run.
+
+Before the fit check of phase 3 (for a new run: after phase 2) rank 0 decides what "auto" means for
+train.precision and model.attn_impl (measured, or the choices the checkpoint recorded) and every rank takes
+its answer (txl_dist/runtime_choices.py); the configuration start-up returns names the decided values.
 """
 from __future__ import annotations
 
@@ -166,8 +170,8 @@ def check_checkpoint_fits(cfg: RunConfig, manifest: Manifest, run_info: dict[str
     saved_precision = precision_of(saved_config["train"].get("precision"), saved_config.get("deepspeed", {}))
     precision = cfg.precision()
     if precision is not None and saved_precision is not None and precision != saved_precision:
-        # DeepSpeed's optimizer state differs by precision (fp32: torch's optimizer; bf16/fp16: fp32 master
-        # partitions beside low-precision weights); its load_checkpoint cannot turn one into the other.
+        # DeepSpeed's optimizer state differs by precision; its load_checkpoint fails on the other one at every
+        # ZeRO stage (measured: docs/performance.md), inside a collective: refuse it here, before the engine.
         problems.append(f"it was trained in {saved_precision}, this run would be {precision}; set "
                         f"train.precision={saved_precision} to {purpose} it")
     if problems:
