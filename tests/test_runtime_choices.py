@@ -32,13 +32,13 @@ def _cfg(tmp_path, **train):
     return config_from_dict(tiny_config(tmp_path / "corpus", tmp_path / "run", train=train))
 
 
-def _layer_times(monkeypatch, fp32_s: float, bf16_s: float) -> list[torch.dtype]:
-    """Make the layer measurement report these times; returns the list of dtypes it was asked for."""
-    asked: list[torch.dtype] = []
+def _layer_times(monkeypatch, fp32_s: float, bf16_s: float) -> list[str]:
+    """Make the layer measurement report these times; returns the precisions it was asked for."""
+    asked: list[str] = []
 
-    def fake(cfg, device, dtype, **_):
-        asked.append(dtype)
-        return bf16_s if dtype == torch.bfloat16 else fp32_s
+    def fake(cfg, device, dtypes, **_):
+        asked.extend(dtypes)
+        return {"fp32": fp32_s, "bf16": bf16_s}
 
     monkeypatch.setattr(runtime_choices, "time_layer", fake)
     return asked
@@ -54,15 +54,15 @@ def test_auto_precision_on_cpu_picks_bf16_only_when_measured_faster_by_a_margin(
     asked = _layer_times(monkeypatch, fp32_s, bf16_s)
     choices = runtime_choices.decide(_cfg(tmp_path, precision="auto"), torch.device("cpu"))
     assert choices.precision == expected and choices.origin["precision"] == "measured"
-    assert sorted(map(str, asked)) == ["torch.bfloat16", "torch.float32"]
+    assert sorted(asked) == ["bf16", "fp32"]
     assert choices.measured["layer_s_fp32"] == fp32_s and choices.measured["layer_s_bf16"] == bf16_s
     # The peak of the chosen precision comes from the matmul measured for the choice.
     assert choices.peak_flops == choices.measured[f"matmul_flops_{expected}"] > 0
 
 
 def test_the_real_layer_measurement_runs_at_the_run_shapes(tmp_path):
-    seconds = runtime_choices.time_layer(_cfg(tmp_path), torch.device("cpu"), torch.bfloat16, seconds=0.01)
-    assert 0 < seconds < 10
+    seconds = runtime_choices.time_layer(_cfg(tmp_path), torch.device("cpu"), ("fp32", "bf16"), seconds=0.01)
+    assert set(seconds) == {"fp32", "bf16"} and all(0 < s < 10 for s in seconds.values())
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", None])
@@ -143,10 +143,10 @@ def _agree_with_own_measurement(raw: dict) -> dict:
     env = distributed.discover()
     asked = []
 
-    def fake(cfg, device, dtype, **_):
-        asked.append(str(dtype))
+    def fake(cfg, device, dtypes, **_):
+        asked.extend(dtypes)
         bf16_faster = env.rank == 0
-        return (1.0 if bf16_faster else 9.0) if dtype == torch.bfloat16 else 3.0
+        return {"fp32": 3.0, "bf16": 1.0 if bf16_faster else 9.0}
 
     runtime_choices.time_layer = fake  # this process only (a forked rank)
     distributed.init_process_group(env)
@@ -162,7 +162,7 @@ def test_two_ranks_get_rank_0s_choice_even_when_their_own_measurement_differs(tm
     rank0, rank1 = run_ranks(_agree_with_own_measurement, 2, raw)
     assert rank0["choices"]["precision"] == rank1["choices"]["precision"] == "bf16"
     assert rank0["choices"] == rank1["choices"] and rank0["peak"] == rank1["peak"] > 0
-    assert sorted(rank0["asked"]) == ["torch.bfloat16", "torch.float32"] and rank1["asked"] == []
+    assert sorted(rank0["asked"]) == ["bf16", "fp32"] and rank1["asked"] == []
 
 
 def _train_measure_resume(runs: list[tuple[dict, str, float | None]]) -> list[dict]:
@@ -178,10 +178,10 @@ def _train_measure_resume(runs: list[tuple[dict, str, float | None]]) -> list[di
     out = []
     try:
         for raw, resume, speedup in runs:
-            def fake(cfg, device, dtype, speedup=speedup, **_):
+            def fake(cfg, device, dtypes, speedup=speedup, **_):
                 if speedup is None:
                     raise AssertionError("measured again although the checkpoint records the choice")
-                return 1.0 if dtype == torch.bfloat16 else speedup
+                return {"fp32": speedup, "bf16": 1.0}
 
             runtime_choices.time_layer = fake
             cfg = config_from_dict(raw)

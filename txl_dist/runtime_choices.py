@@ -25,7 +25,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -137,7 +137,8 @@ def choose_precision(cfg: RunConfig, device: torch.device, measured: dict[str, A
         return "fp32", "device"
     for name in ("fp32", "bf16"):
         measured[f"matmul_flops_{name}"] = measure_matmul_peak(device, DTYPES[name], seconds=MEASURE_SECONDS / 2)[0]
-        measured[f"layer_s_{name}"] = time_layer(cfg, device, DTYPES[name])
+    for name, seconds in time_layer(cfg, device, ("fp32", "bf16")).items():
+        measured[f"layer_s_{name}"] = seconds
     faster = measured["layer_s_fp32"] / measured["layer_s_bf16"]
     return ("bf16" if faster >= BF16_MIN_SPEEDUP else "fp32"), "measured"
 
@@ -161,10 +162,30 @@ def choose_attn_impl(cfg: RunConfig, device: torch.device, dtype: torch.dtype,
     return min(seconds, key=seconds.get), "measured"
 
 
-def time_layer(cfg: RunConfig, device: torch.device, dtype: torch.dtype, *,
-               seconds: float = MEASURE_SECONDS / 2) -> float:
-    """Seconds per forward+backward of one Transformer-XL layer at the run's shapes in `dtype` (the best of
-    the repeats that fit in `seconds`, at least two)."""
+def time_layer(cfg: RunConfig, device: torch.device, dtypes: tuple[str, ...] = ("fp32", "bf16"), *,
+               seconds: float = MEASURE_SECONDS) -> dict[str, float]:
+    """Seconds per forward+backward of one Transformer-XL layer at the run's shapes, per precision name.
+
+    The precisions take turns, repeat after repeat, for about `seconds` (at least two each), and each keeps
+    its best time: a burst of load from other processes then hits both alike instead of the one measured
+    while it lasted.
+    """
+    steps = {name: _layer_step(cfg, device, DTYPES[name]) for name in dtypes}
+    for step in steps.values():
+        step()  # warm-up: kernel selection, allocations
+    best = dict.fromkeys(steps, float("inf"))
+    end, rounds = time.perf_counter() + seconds, 0
+    while rounds < 2 or time.perf_counter() < end:
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            best[name] = min(best[name], time.perf_counter() - start)
+        rounds += 1
+    return best
+
+
+def _layer_step(cfg: RunConfig, device: torch.device, dtype: torch.dtype) -> Callable[[], None]:
+    """One layer's forward+backward at the run's shapes in `dtype`, as a function to time."""
     from .model.attention import ATTN_IMPLS, attn_bias_from_mask, build_attn_mask, resolve_attn_impl
     from .model.layer import TransformerXLLayer
 
@@ -186,15 +207,7 @@ def time_layer(cfg: RunConfig, device: torch.device, dtype: torch.dtype, *,
         out = layer(h, pos_emb, mem, attn_bias, attn_fn)                          # [B, T, d]
         out.float().sum().backward()
 
-    step()  # warm-up
-    best, reps = float("inf"), 0
-    end = time.perf_counter() + seconds
-    while reps < 2 or time.perf_counter() < end:
-        start = time.perf_counter()
-        step()
-        best = min(best, time.perf_counter() - start)
-        reps += 1
-    return best
+    return step
 
 
 def describe(choices: RunChoices) -> str:
