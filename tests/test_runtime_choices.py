@@ -40,7 +40,7 @@ def _layer_times(monkeypatch, fp32_s: float, bf16_s: float) -> list[str]:
         asked.extend(dtypes)
         return {"fp32": fp32_s, "bf16": bf16_s}
 
-    monkeypatch.setattr(runtime_choices, "time_layer", fake)
+    monkeypatch.setattr(runtime_choices, "time_precisions", fake)
     return asked
 
 
@@ -48,20 +48,23 @@ def _layer_times(monkeypatch, fp32_s: float, bf16_s: float) -> list[str]:
 # One process: the rules
 
 
-@pytest.mark.parametrize("fp32_s,bf16_s,expected", [(2.0, 1.0, "bf16"), (1.1, 1.0, "fp32"), (1.0, 3.0, "fp32")])
+@pytest.mark.parametrize("fp32_s,bf16_s,expected", [(2.0, 1.0, "bf16"), (1.3, 1.0, "fp32"), (1.0, 3.0, "fp32")])
 def test_auto_precision_on_cpu_picks_bf16_only_when_measured_faster_by_a_margin(tmp_path, monkeypatch, fp32_s,
                                                                                  bf16_s, expected):
     asked = _layer_times(monkeypatch, fp32_s, bf16_s)
     choices = runtime_choices.decide(_cfg(tmp_path, precision="auto"), torch.device("cpu"))
     assert choices.precision == expected and choices.origin["precision"] == "measured"
     assert sorted(asked) == ["bf16", "fp32"]
-    assert choices.measured["layer_s_fp32"] == fp32_s and choices.measured["layer_s_bf16"] == bf16_s
+    assert choices.measured["fwd_bwd_s_fp32"] == fp32_s and choices.measured["fwd_bwd_s_bf16"] == bf16_s
     # The peak of the chosen precision comes from the matmul measured for the choice.
     assert choices.peak_flops == choices.measured[f"matmul_flops_{expected}"] > 0
 
 
-def test_the_real_layer_measurement_runs_at_the_run_shapes(tmp_path):
-    seconds = runtime_choices.time_layer(_cfg(tmp_path), torch.device("cpu"), ("fp32", "bf16"), seconds=0.01)
+@pytest.mark.parametrize("vocab_size", [None, VOCAB])  # one layer before the corpus is read; then the model
+def test_the_real_measurement_runs_at_the_run_shapes(tmp_path, vocab_size):
+    cfg = _cfg(tmp_path)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab_size))
+    seconds = runtime_choices.time_precisions(cfg, torch.device("cpu"), ("fp32", "bf16"), seconds=0.01)
     assert set(seconds) == {"fp32", "bf16"} and all(0 < s < 10 for s in seconds.values())
 
 
@@ -148,7 +151,7 @@ def _agree_with_own_measurement(raw: dict) -> dict:
         bf16_faster = env.rank == 0
         return {"fp32": 3.0, "bf16": 1.0 if bf16_faster else 9.0}
 
-    runtime_choices.time_layer = fake  # this process only (a forked rank)
+    runtime_choices.time_precisions = fake  # this process only (a forked rank)
     distributed.init_process_group(env)
     try:
         choices = runtime_choices.agree(config_from_dict(raw), env)
@@ -183,7 +186,7 @@ def _train_measure_resume(runs: list[tuple[dict, str, float | None]]) -> list[di
                     raise AssertionError("measured again although the checkpoint records the choice")
                 return {"fp32": speedup, "bf16": 1.0}
 
-            runtime_choices.time_layer = fake
+            runtime_choices.time_precisions = fake
             cfg = config_from_dict(raw)
             try:
                 t = trainer.build(cfg, env, resume=resume)

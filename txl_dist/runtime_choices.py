@@ -9,9 +9,9 @@ timing noise); a run and its resume that disagreed would break the bitwise-exact
   for a new run (or on another device type);
 - the trainer records the choices in every checkpoint's run.json.
 
-precision "auto": bf16 on a CUDA device that supports it, else fp32; on a CPU bf16 only where one
-Transformer-XL layer's forward+backward at the run's shapes runs at least BF16_MIN_SPEEDUP times faster
-than in fp32 (AMX or AVX512-BF16 machines; on CPUs without bf16 units bf16 is several times slower). fp16
+precision "auto": bf16 on a CUDA device that supports it, else fp32; on a CPU bf16 only where the model's
+forward+backward at the run's shapes (one layer's when the vocabulary is not known yet) runs at least
+BF16_MIN_SPEEDUP times faster than in fp32 (AMX or AVX512-BF16 machines; on CPUs without bf16 units bf16 is several times slower). fp16
 is never chosen (it needs loss scaling and, on a CPU, kernels few have). attn_impl "auto": the fastest of
 `candidate_attn_impls` timed at the run's shapes by `time_attn_impls` (txl_dist/model/attention.py), or the
 static rule `resolve_attn_impl` where those are not available.
@@ -36,9 +36,11 @@ from .flops import measure_matmul_peak, peak_flops
 
 log = logging.getLogger(distributed.LOGGER_NAME)
 
-BF16_MIN_SPEEDUP = 1.2
-"""precision "auto" on a CPU picks bf16 only when the layer runs this many times faster than in fp32: the
-bf16 optimizer's fp32 master weights and casts cost time the layer measurement does not see."""
+BF16_MIN_SPEEDUP = 1.5
+"""precision "auto" on a CPU picks bf16 only when the model's forward+backward runs this many times faster
+than in fp32: DeepSpeed's bf16 step (fp32 master weights, casts) costs time the measurement does not see.
+Measured (docs/performance.md): configs/tiny.json's model ran 1.2x faster in bf16 on an AMX machine, its
+whole training steps were not faster."""
 MEASURE_SECONDS = 0.4
 """Time budget of each timed measurement (a few of them at start-up: well under 2 s in all)."""
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -137,9 +139,10 @@ def choose_precision(cfg: RunConfig, device: torch.device, measured: dict[str, A
         return "fp32", "device"
     for name in ("fp32", "bf16"):
         measured[f"matmul_flops_{name}"] = measure_matmul_peak(device, DTYPES[name], seconds=MEASURE_SECONDS / 2)[0]
-    for name, seconds in time_layer(cfg, device, ("fp32", "bf16")).items():
-        measured[f"layer_s_{name}"] = seconds
-    faster = measured["layer_s_fp32"] / measured["layer_s_bf16"]
+    measured["timed"] = "model" if cfg.model.vocab_size is not None else "one layer"
+    for name, seconds in time_precisions(cfg, device, ("fp32", "bf16")).items():
+        measured[f"fwd_bwd_s_{name}"] = seconds
+    faster = measured["fwd_bwd_s_fp32"] / measured["fwd_bwd_s_bf16"]
     return ("bf16" if faster >= BF16_MIN_SPEEDUP else "fp32"), "measured"
 
 
@@ -162,15 +165,17 @@ def choose_attn_impl(cfg: RunConfig, device: torch.device, dtype: torch.dtype,
     return min(seconds, key=seconds.get), "measured"
 
 
-def time_layer(cfg: RunConfig, device: torch.device, dtypes: tuple[str, ...] = ("fp32", "bf16"), *,
-               seconds: float = MEASURE_SECONDS) -> dict[str, float]:
-    """Seconds per forward+backward of one Transformer-XL layer at the run's shapes, per precision name.
+def time_precisions(cfg: RunConfig, device: torch.device, dtypes: tuple[str, ...] = ("fp32", "bf16"), *,
+                    seconds: float = MEASURE_SECONDS) -> dict[str, float]:
+    """Seconds per forward+backward at the run's shapes, per precision name: of the whole model when
+    model.vocab_size is known (embeddings and adaptive softmax included), else of one Transformer-XL layer.
 
     The precisions take turns, repeat after repeat, for about `seconds` (at least two each), and each keeps
     its best time: a burst of load from other processes then hits both alike instead of the one measured
     while it lasted.
     """
-    steps = {name: _layer_step(cfg, device, DTYPES[name]) for name in dtypes}
+    make_step = _model_step if cfg.model.vocab_size is not None else _layer_step
+    steps = {name: make_step(cfg, device, DTYPES[name]) for name in dtypes}
     for step in steps.values():
         step()  # warm-up: kernel selection, allocations
     best = dict.fromkeys(steps, float("inf"))
@@ -182,6 +187,26 @@ def time_layer(cfg: RunConfig, device: torch.device, dtypes: tuple[str, ...] = (
             best[name] = min(best[name], time.perf_counter() - start)
         rounds += 1
     return best
+
+
+def _model_step(cfg: RunConfig, device: torch.device, dtype: torch.dtype) -> Callable[[], None]:
+    """The model's forward+backward on one micro batch (with a full memory) in `dtype`, as a function to time."""
+    from .model import TransformerXL
+
+    m = cfg.model
+    torch.manual_seed(0)
+    model = TransformerXL(m).to(device=device, dtype=dtype)
+    batch = cfg.micro_batch()
+    input_ids = torch.randint(0, m.vocab_size, (batch, m.tgt_len), device=device)  # [B, T]
+    # Labels skewed to the frequent ids, as text is: the adaptive softmax's tails see their usual share.
+    labels = (torch.rand(batch, m.tgt_len, device=device) ** 4 * m.vocab_size).long()  # [B, T]
+    mems = [torch.randn(batch, m.mem_len, m.d_model, device=device, dtype=dtype) for _ in range(m.n_layer)]
+
+    def step() -> None:
+        out = model(input_ids, labels, mems)
+        out.nll.mean().backward()
+
+    return step
 
 
 def _layer_step(cfg: RunConfig, device: torch.device, dtype: torch.dtype) -> Callable[[], None]:
@@ -215,9 +240,9 @@ def describe(choices: RunChoices) -> str:
     parts = [f"precision {choices.precision} ({choices.origin.get('precision', '?')})",
              f"attn_impl {choices.attn_impl} ({choices.origin.get('attn_impl', '?')})"]
     numbers = choices.measured
-    if "layer_s_fp32" in numbers:
-        parts.append(f"one layer fwd+bwd {numbers['layer_s_fp32'] * 1e3:.1f} ms fp32 / "
-                     f"{numbers['layer_s_bf16'] * 1e3:.1f} ms bf16, matmul "
+    if "fwd_bwd_s_fp32" in numbers:
+        parts.append(f"{numbers['timed']} fwd+bwd {numbers['fwd_bwd_s_fp32'] * 1e3:.1f} ms fp32 / "
+                     f"{numbers['fwd_bwd_s_bf16'] * 1e3:.1f} ms bf16, matmul "
                      f"{numbers['matmul_flops_fp32'] / 1e9:.0f} / {numbers['matmul_flops_bf16'] / 1e9:.0f} GFLOP/s")
     if "attn_s" in numbers:
         parts.append("attention " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in numbers["attn_s"].items()))
