@@ -173,8 +173,8 @@ class TrainConfig:
     seconds on every other rank, with one line naming it; also the timeout of each training collective."""
     precision: str | None = None
     """Training precision: "fp32", "bf16", "fp16", "auto" (decided at start-up on rank 0: bf16 on a CUDA
-    device that supports it, else fp32; on a CPU bf16 only where one layer's forward+backward at the run's
-    shapes measures faster than in fp32, see docs/performance.md), or null: what the deepspeed section's
+    device that supports it, else fp32; on a CPU bf16 only where the model's forward+backward at the run's
+    shapes measures clearly faster than in fp32, see docs/performance.md), or null: what the deepspeed section's
     bf16/fp16 `enabled` say. Not null: leave deepspeed.bf16.enabled and deepspeed.fp16.enabled out (or
     agree with them). "auto" is decided once per run and kept on resume (the checkpoint records it)."""
     peak_flops: float | None = None
