@@ -368,6 +368,7 @@ case("config.flex-with-dropatt")(train_with(model={"attn_impl": "flex", "dropatt
 case("config.range.max-steps")(train_with(train={"max_steps": 0}))
 case("config.range.exit-step")(train_with(train={"exit_step": 5}))
 case("config.same-length-without-memory")(train_with(eval={"mem_len": 0, "same_length": True}))
+case("config.precision-conflict")(train_with(train={"precision": "auto"}, deepspeed={"bf16": {"enabled": True}}))
 
 
 @case("config.same-length-without-memory.eval")
@@ -541,6 +542,12 @@ def _(s):
 def _(s):
     s.trained_run()
     s.train(s.config(deepspeed={"zero_optimization": {"stage": 1}}))
+
+
+@case("checkpoint.other-precision")
+def _(s):
+    s.trained_run()
+    s.train(s.config(train={"precision": "bf16"}))
 
 
 @case("checkpoint.damaged")

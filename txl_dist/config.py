@@ -60,6 +60,9 @@ class MemorySettings:
     """Every query attends to the same number of keys (needs mem_len >= 1)."""
 
 
+PRECISIONS = ("fp32", "bf16", "fp16")
+"""The precisions a run trains in (train.precision also accepts "auto" and null)."""
+
 ATTN_IMPL_NAMES = ("auto", "reference", "matmul", "sdpa", "flex")
 """Names model.attn_impl accepts (txl_dist.model.attention.ATTN_IMPLS holds the implementations)."""
 
@@ -179,6 +182,15 @@ class TrainConfig:
     one for the steady state with full memory; evaluation stays eager); with activation checkpointing the
     layers are then recomputed by torch's non-reentrant checkpoint. Changes speed (and which dropout masks
     are drawn), not the model: it may change on resume."""
+    precision: str | None = None
+    """Training precision: "fp32", "bf16", "fp16", "auto" (decided at start-up on rank 0: bf16 on a CUDA
+    device that supports it, else fp32; on a CPU bf16 only where the model's forward+backward at the run's
+    shapes measures clearly faster than in fp32, see docs/performance.md), or null: what the deepspeed section's
+    bf16/fp16 `enabled` say. Not null: leave deepspeed.bf16.enabled and deepspeed.fp16.enabled out (or
+    agree with them). "auto" is decided once per run and kept on resume (the checkpoint records it)."""
+    peak_flops: float | None = None
+    """Peak FLOP/s of ONE device for the MFU metric (train/mfu); null: the documented table entry for the
+    device and precision, else a matmul peak measured at start-up (docs/performance.md)."""
 
 
 @dataclass
@@ -275,10 +287,19 @@ class RunConfig:
         """<run.dir>/checkpoints: the tags and `latest`."""
         return self.run.checkpoint_dir()
 
+    def precision(self) -> str | None:
+        """"fp32", "bf16" or "fp16": what this run trains in; None while train.precision is "auto" (start-up
+        decides it: txl_dist/runtime_choices.py)."""
+        return precision_of(self.train.precision, self.deepspeed)
+
     def deepspeed_config(self, world_size: int) -> dict[str, Any]:
-        """The deepspeed section with the values that follow from the world size filled in."""
+        """The deepspeed section with the values that follow from the world size (and train.precision, when
+        it names one) filled in."""
         ds = copy.deepcopy(self.deepspeed)
         ds["gradient_accumulation_steps"] = self.gradient_accumulation_steps(world_size)
+        if self.train.precision in PRECISIONS:
+            for section in ("bf16", "fp16"):
+                ds.setdefault(section, {})["enabled"] = self.train.precision == section
         return ds
 
     def to_dict(self) -> dict[str, Any]:
@@ -306,7 +327,20 @@ class RunConfig:
 # metrics go, how often progress is printed, where it stops this time, how long ranks wait for each other.
 VOLATILE_SECTIONS = ("run", "checkpoint", "tracking")
 VOLATILE_KEYS = ("train.exit_step", "train.log_interval", "train.collective_timeout_s", "train.max_nonfinite",
-                 "train.compile", "model.attn_impl")
+                 "train.compile", "train.peak_flops", "model.attn_impl")
+
+
+def precision_of(train_precision: str | None, deepspeed: dict[str, Any]) -> str | None:
+    """The precision named by train.precision, else by the deepspeed section; None for "auto". Works on the
+    raw dicts of a saved config too (a checkpoint's run.json)."""
+    if train_precision in PRECISIONS:
+        return train_precision
+    if train_precision == "auto":
+        return None
+    for section in ("bf16", "fp16"):
+        if deepspeed.get(section, {}).get("enabled"):
+            return section
+    return "fp32"
 
 
 def changed_settings(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
@@ -585,6 +619,27 @@ def validate(cfg: RunConfig) -> None:
     _non_negative("checkpoint.interval", c.interval)
     _non_negative("checkpoint.keep", c.keep)
     validate_deepspeed(cfg.deepspeed, cfg.train.max_steps)
+    check_precision(t.precision, cfg.deepspeed)
+    if t.peak_flops is not None:
+        _positive("train.peak_flops", t.peak_flops)
+
+
+def check_precision(precision: str | None, deepspeed: dict[str, Any]) -> None:
+    """train.precision against the deepspeed section's bf16/fp16 `enabled`: one owner of the precision."""
+    if precision is None:
+        return
+    if precision != "auto" and precision not in PRECISIONS:
+        raise ConfigError(f"train.precision: {precision!r} is unknown; use \"auto\", "
+                          f"{', '.join(repr(p) for p in PRECISIONS)} or null")
+    for section in ("bf16", "fp16"):
+        enabled = deepspeed.get(section, {}).get("enabled")
+        if enabled is None:
+            continue
+        if precision == "auto" or enabled != (precision == section):
+            raise ConfigError(
+                f"train.precision: {json.dumps(precision)} conflicts with deepspeed.{section}.enabled "
+                f"{json.dumps(enabled)}; leave deepspeed.{section}.enabled out (train.precision decides) or set "
+                "train.precision to null")
 
 
 def validate_model(m: ModelConfig) -> None:

@@ -15,6 +15,10 @@ to a run folder another job might own. The phases:
    (one owner: check_checkpoint_fits); with checkpoint.fallback an older tag when the newest is damaged;
 4. rank 0: tags newer than the resume point moved to superseded/ (a rollback never deletes them), the
    universal conversion when the world size changed, free disk space, and the MLflow run.
+
+Before the fit check of phase 3 (for a new run: after phase 2) rank 0 decides what "auto" means for
+train.precision and model.attn_impl (measured, or the choices the checkpoint recorded) and every rank takes
+its answer (txl_dist/runtime_choices.py); the configuration start-up returns names the decided values.
 """
 from __future__ import annotations
 
@@ -26,17 +30,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
-from . import checkpoint, distributed
+from . import checkpoint, distributed, runtime_choices
 from .checkpoint import CheckpointError, EngineSource
 from .config import ConfigError, RunConfig, apply_override, changed_settings, check_cutoffs, config_from_dict, \
-    default_value, load_config, model_config_from_dict
+    default_value, load_config, model_config_from_dict, precision_of
 from .data import Manifest, SplitTooShort, StreamLoader, read_manifest
 from .distributed import DistEnv
 from .errors import Refused, one_line
 from .deepspeed_schema import check_deepspeed_config
 from .engine import deepspeed_config, zero_stage
 from .evaluate import Evaluator
+from .flops import sample_cluster_shares
 from .run_dir import RunDir, RunLock, acquire_lock, attach_log_file
+from .runtime_choices import RunChoices
 
 log = logging.getLogger(distributed.LOGGER_NAME)
 T = TypeVar("T")
@@ -73,6 +79,12 @@ class TrainStart:
     lock: RunLock | None
     checkpoint_bytes: int = 0
     """The expected size of a checkpoint, estimated by rank 0 for its free-space checks (0 on other ranks)."""
+    choices: RunChoices | None = None
+    """What "auto" means for this run (precision, attention), decided once (txl_dist/runtime_choices.py);
+    already written into cfg."""
+    cluster_shares: list[float] | None = None
+    """Fraction of the training tokens per adaptive-softmax cluster (rank 0's block, sampled): the expected
+    cost of the softmax tails in the FLOPs count (txl_dist/flops.py)."""
 
     def close(self) -> None:
         """Close what start-up opened (loaders, lock); the tracker is closed by its owner, the log file by the
@@ -155,6 +167,14 @@ def check_checkpoint_fits(cfg: RunConfig, manifest: Manifest, run_info: dict[str
     if run_info["zero_stage"] != zero_stage(cfg.deepspeed):
         problems.append(f"ZeRO stage {zero_stage(cfg.deepspeed)} differs from the checkpoint's "
                         f"{run_info['zero_stage']}; use the stage it was saved with")
+    saved_config = run_info["config"]
+    saved_precision = precision_of(saved_config["train"].get("precision"), saved_config.get("deepspeed", {}))
+    precision = cfg.precision()
+    if precision is not None and saved_precision is not None and precision != saved_precision:
+        # DeepSpeed's optimizer state differs by precision; its load_checkpoint fails on the other one at every
+        # ZeRO stage (measured: docs/performance.md), inside a collective: refuse it here, before the engine.
+        problems.append(f"it was trained in {saved_precision}, this run would be {precision}; set "
+                        f"train.precision={saved_precision} to {purpose} it")
     if problems:
         raise CheckpointError(f"cannot {purpose} from {tag_dir}: {problems[0]}")
     if purpose == "resume":
@@ -262,6 +282,11 @@ def start_training(cfg: RunConfig, env: DistEnv, resume: str = "auto", *, log_fi
         if log_file:
             attach_log_file(log, run_dir.log_file(env.rank))
         start.resume = _choose_resume(start, env, resume)
+        if start.choices is None:  # a new run: nothing recorded to reuse
+            _agree_choices(start, env, None)
+        loader, model = start.loader, start.cfg.model
+        start.cluster_shares = _on_main(env, lambda: sample_cluster_shares(
+            loader.reader, *loader.block, model.cutoffs, model.vocab_size))
         start.tracker = _open_tracker(start, env, create_tracker)
     except BaseException:
         start.close()
@@ -300,6 +325,8 @@ def _choose_resume(start: TrainStart, env: DistEnv, resume: str) -> Resume | Non
         return None
     chosen = _verified(candidates, env, fallback=cfg.checkpoint.fallback and resume == "auto")
     tag_dir, run_info = chosen
+    # Before the fit check: it compares the resolved precision with the checkpoint's.
+    cfg = _agree_choices(start, env, run_info.get("run_choices"))
     _together(lambda: check_checkpoint_fits(cfg, start.manifest, run_info, tag_dir, purpose="resume"))
     source = checkpoint.engine_source(tag_dir, run_info, world_size=env.world_size)
 
@@ -315,6 +342,14 @@ def _choose_resume(start: TrainStart, env: DistEnv, resume: str) -> Resume | Non
     _on_main(env, prepare_folder)
     _check_loadable(source)
     return Resume(tag_dir, run_info, source)
+
+
+def _agree_choices(start: TrainStart, env: DistEnv, recorded: dict[str, Any] | None) -> RunConfig:
+    """Decide what "auto" means for this run (rank 0; reusing `recorded`, a checkpoint's choices) and write
+    it into start.cfg, before the DeepSpeed config is built from it."""
+    start.choices = runtime_choices.agree(start.cfg, env, recorded)
+    start.cfg = runtime_choices.apply(start.cfg, start.choices)
+    return start.cfg
 
 
 def _check_loadable(source: EngineSource) -> None:
@@ -372,6 +407,10 @@ def eval_config(checkpoint_path: str, config: str | None, overrides: list[str]) 
 def start_evaluation(cfg: RunConfig, tag_dir: Path, run_info: dict[str, Any], env: DistEnv) -> EvalStart:
     """Checks for evaluating a checkpoint on this world size (collective): config, corpus, fit, checksums."""
     join(cfg, env)
+    # "auto" in an evaluation config means what the checkpoint's run chose (or a fresh decision when the
+    # checkpoint recorded none, or was made on another device type).
+    choices = runtime_choices.agree(cfg, env, run_info.get("run_choices"), peak=False)
+    cfg = runtime_choices.apply(cfg, choices)
 
     def local_checks():
         resolved, manifest = open_corpus(cfg)

@@ -41,6 +41,7 @@ from .data import StreamLoader
 from .distributed import DistEnv
 from .engine import build_engine, deepspeed_config, global_grad_norm, model_dtype, zero_stage
 from .errors import RunFailed
+from .flops import flops_per_token
 from .evaluate import Evaluator
 from .host_copy import to_device
 from .memory import MemoryBank, merge_state_dicts
@@ -80,6 +81,12 @@ class Trainer:
         self.checkpoint_bytes = start.checkpoint_bytes
         """The expected size of a checkpoint (rank 0 checks the free space for it before each save)."""
         self.tokens_per_step = cfg.n_streams() * cfg.model.tgt_len
+        self.flops_per_token = flops_per_token(cfg.model, micro_batch=cfg.micro_batch(),
+                                               cluster_shares=start.cluster_shares,
+                                               tail_mode=engine.module.crit.resolved_tail_mode(engine.device))
+        """Model FLOPs per trained token, forward + backward (txl_dist/flops.py)."""
+        self.peak_flops = start.choices.peak_flops * env.world_size if start.choices else 0.0
+        """Peak FLOP/s of all ranks' devices together: the denominator of train/mfu."""
         self.stop: StopRequest | None = None
         self.start = start
         """What start-up opened for this trainer (closed by close())."""
@@ -237,6 +244,7 @@ class Trainer:
             "train/lr": lr,
             "train/grad_norm": norm,
             "train/tokens_per_s": self.tokens_per_step / step_time,
+            **self._flops_metrics(step_time),
             "train/tokens_seen": float(self.tokens_seen),
             "train/step_time_s": step_time,
             **memory_metrics(self.device),
@@ -330,13 +338,23 @@ class Trainer:
             return "there is no checkpoint yet"
         return f"the newest complete checkpoint, {self.cfg.checkpoint_dir() / complete[-1]}, is kept"
 
+    def _flops_metrics(self, step_time: float) -> dict[str, float]:
+        """Model FLOP/s of all ranks together and MFU = that / (peak per device * world size)."""
+        flops_per_s = self.tokens_per_step / step_time * self.flops_per_token
+        metrics = {"train/model_flops_per_s": flops_per_s}
+        if self.peak_flops:
+            metrics["train/mfu"] = flops_per_s / self.peak_flops
+        return metrics
+
     def _progress(self, stats: dict[str, float], step_time: float, last: int) -> None:
         eta = step_time * (last - self.step)
         norm = stats["train/grad_norm"]
-        log.info("step %d/%d | loss %.4f | lr %.3e | grad norm %s | %.0f tok/s | %.3f s/step | ETA %s",
+        flops = self._flops_metrics(step_time)
+        mfu = f" | MFU {flops['train/mfu'] * 100:.3g}%" if "train/mfu" in flops else ""
+        log.info("step %d/%d | loss %.4f | lr %.3e | grad norm %s | %.0f tok/s | %s%s | %.3f s/step | ETA %s",
                  self.step, last, stats["train/loss"], stats["train/lr"],
-                 "n/a" if norm is None else f"{norm:.3f}", self.tokens_per_step / step_time, step_time,
-                 _hms(eta))
+                 "n/a" if norm is None else f"{norm:.3f}", self.tokens_per_step / step_time,
+                 _flops_text(flops["train/model_flops_per_s"]), mfu, step_time, _hms(eta))
 
 
 def _weights_finite(engine) -> bool:
@@ -351,6 +369,13 @@ def memory_metrics(device: torch.device) -> dict[str, float]:
     if device.type == "cuda":
         return {"train/memory_peak_mib": torch.cuda.max_memory_allocated(device) / 2**20}
     return {"train/memory_peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def _flops_text(flops_per_s: float) -> str:
+    for scale, unit in ((1e15, "PFLOP/s"), (1e12, "TFLOP/s"), (1e9, "GFLOP/s")):
+        if flops_per_s >= scale:
+            return f"{flops_per_s / scale:.2f} {unit}"
+    return f"{flops_per_s / 1e6:.2f} MFLOP/s"
 
 
 def _hms(seconds: float) -> str:
@@ -388,6 +413,7 @@ def _build_from(start: TrainStart, env: DistEnv) -> Trainer:
         "n_streams": cfg.n_streams(), "stream_len": start.loader.stream_len, "zero_stage": zero_stage(cfg.deepspeed),
         "config_digest": cfg.digest(), "config": cfg.public_dict(), "manifest_digest": manifest.digest(),
         "tokenizer_sha256": manifest.tokenizer.sha256, "vocab_size": manifest.tokenizer.vocab_size,
+        "run_choices": start.choices.record() if start.choices else None,
     }
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
     trainer = Trainer(cfg, env, engine=engine, loader=start.loader, bank=MemoryBank(), evaluator=start.evaluator,
@@ -406,14 +432,22 @@ def _log_run_start(trainer: Trainer, start: TrainStart, env: DistEnv, n_params: 
     tracker.log_params(cfg.public_dict())
     tracker.log_params({"derived": {"n_params": n_params, "stream_len": trainer.loader.stream_len,
                                     "tokens_per_step": trainer.tokens_per_step}})
+    # An artifact, not params: a resumed job measures the peak again (params cannot change in MLflow).
+    choices = start.choices
+    tracker.log_dict({"run_choices": choices.record() if choices else None,
+                      "peak_flops_per_device": choices.peak_flops if choices else None,
+                      "peak_flops_source": choices.peak_source if choices else None,
+                      "flops_per_token": trainer.flops_per_token, "cluster_shares": start.cluster_shares},
+                     "run_choices.json")
     resolved = start.run_dir.resolved_config
     atomic_write(resolved, json.dumps(cfg.public_dict(), indent=2) + "\n")
     tracker.log_artifact(resolved)
     corpus = Path(cfg.data.path)
     tracker.log_artifact(corpus / "manifest.json", "data")
     tracker.log_artifact(corpus / start.manifest.tokenizer.file, "data")
-    log.info("model: %.2fM parameters | world size %d (%s, %d thread(s) per rank) | ZeRO stage %d | %s | "
-             "run folder %s | MLflow run %s", n_params / 1e6, env.world_size, env.launcher, torch.get_num_threads(),
+    log.info("model: %.2fM parameters, %.3g GFLOP per token (forward+backward) | world size %d (%s, %d thread(s) "
+             "per rank) | ZeRO stage %d | %s | run folder %s | MLflow run %s", n_params / 1e6,
+             trainer.flops_per_token / 1e9, env.world_size, env.launcher, torch.get_num_threads(),
              zero_stage(cfg.deepspeed), str(model_dtype(trainer.engine.config)).replace("torch.", ""),
              start.run_dir.path, tracker.run_id or "off")
 

@@ -17,7 +17,8 @@ The modules, each importing only those above it:
     __main__     ``python -m txl_dist.tracking replay RUN_DIR [--uri URI]``
 
 Metric names used by the trainer (step = global optimizer step): ``train/loss``, ``train/lr``,
-``train/grad_norm``, ``train/tokens_per_s``, ``train/tokens_seen``, ``train/step_time_s``,
+``train/grad_norm``, ``train/tokens_per_s``, ``train/model_flops_per_s``, ``train/mfu`` (docs/performance.md),
+``train/tokens_seen``, ``train/step_time_s``,
 ``train/nonfinite_steps``, ``train/memory_*``, and ``valid/*`` / ``test/*`` from evaluation; any other key
 passes through unchanged.
 """

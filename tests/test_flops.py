@@ -1,0 +1,94 @@
+"""FLOPs per token against torch's own count of a real forward+backward; the peak table and measurement."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from txl_dist.config import ModelConfig
+from txl_dist.flops import (cluster_token_shares, flops_breakdown, flops_per_token, measure_matmul_peak, peak_flops,
+                            table_peak, zipf_cluster_shares)
+from txl_dist.model import TransformerXL
+
+VOCAB, T, M, B = 200, 12, 20, 3
+
+
+def _model(tail_mode: str, **model):
+    cfg = ModelConfig(vocab_size=VOCAB, n_layer=2, d_model=64, n_head=4, d_head=16, d_inner=128, tgt_len=T,
+                      mem_len=M, dropout=0.1, **model)
+    torch.manual_seed(0)
+    net = TransformerXL(cfg)
+    net.crit.tail_mode = tail_mode
+    return cfg, net
+
+
+# Adaptive input and softmax with div_val > 1 (a projection per cluster), div_val 1 with d_embed != d_model
+# (one shared projection), a plain softmax without projections; tails gathered and dense.
+CASES = [("gather", {"div_val": 2, "cutoffs": [40, 100]}), ("dense", {"div_val": 2, "cutoffs": [40, 100]}),
+         ("gather", {"div_val": 1, "d_embed": 48, "cutoffs": [40]}), ("dense", {"div_val": 1, "cutoffs": [40]}),
+         ("gather", {"cutoffs": [], "untie_r": False, "pre_lnorm": True})]
+
+
+@pytest.mark.parametrize("tail_mode,model", CASES)
+def test_training_flops_match_torchs_count_of_a_real_step(tail_mode, model):
+    cfg, net = _model(tail_mode, **model)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (B, T), generator=gen)                          # [B, T]
+    # Skewed labels (most in the head), as real text: the tails' share must come from the tokens.
+    labels = (torch.rand(B, T, generator=gen) ** 3 * VOCAB).long()                # [B, T]
+    mems = [torch.randn(B, M, cfg.d_model, generator=gen) for _ in range(cfg.n_layer)]
+    with FlopCounterMode(display=False) as counter:
+        out = net(ids, labels, mems)
+        out.nll.mean().backward()
+    shares = cluster_token_shares(labels.numpy().ravel(), cfg.cutoffs, VOCAB)
+    expected = flops_per_token(cfg, micro_batch=B, cluster_shares=shares, tail_mode=tail_mode) * B * T
+    assert counter.get_total_flops() == pytest.approx(expected, rel=0.01)
+
+
+def test_forward_only_flops_match_torchs_count():
+    cfg, net = _model("gather", div_val=2, cutoffs=[40, 100])
+    net.eval()
+    ids = torch.randint(0, VOCAB, (B, T))
+    labels = torch.randint(0, VOCAB, (B, T))
+    mems = [torch.randn(B, M, cfg.d_model) for _ in range(cfg.n_layer)]
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        net(ids, labels, mems)
+    shares = cluster_token_shares(labels.numpy().ravel(), cfg.cutoffs, VOCAB)
+    expected = flops_per_token(cfg, micro_batch=B, cluster_shares=shares, training=False) * B * T
+    assert counter.get_total_flops() == pytest.approx(expected, rel=0.01)
+
+
+def test_breakdown_parts_follow_the_settings():
+    cfg = ModelConfig(vocab_size=1000, n_layer=3, d_model=64, n_head=4, d_head=16, d_inner=256, tgt_len=32,
+                      mem_len=32, cutoffs=[100, 500], div_val=2)
+    gather = flops_breakdown(cfg, micro_batch=4, cluster_shares=[0.8, 0.15, 0.05])
+    dense = flops_breakdown(cfg, micro_batch=4, cluster_shares=[0.8, 0.15, 0.05], tail_mode="dense")
+    assert dense["softmax_tails"] > gather["softmax_tails"] > 0
+    assert dense["layers"] == gather["layers"]
+    longer = flops_breakdown(cfg, micro_batch=4, cluster_shares=[0.8, 0.15, 0.05], mem_len=96)
+    assert longer["layers"] > gather["layers"]
+    assert flops_breakdown(cfg, micro_batch=8)["r_net"] == pytest.approx(gather["r_net"] / 2)
+
+
+def test_cluster_shares_count_tokens_per_cluster():
+    tokens = np.array([0, 5, 99, 100, 499, 500, 999, 3, 4, 7])
+    assert cluster_token_shares(tokens, [100, 500], 1000) == pytest.approx([0.6, 0.2, 0.2])
+    zipf = zipf_cluster_shares([100, 500], 1000)
+    assert sum(zipf) == pytest.approx(1.0)
+    # Zipf: the first 100 ids hold more mass than the next 400, which hold more than the last 500.
+    assert zipf[0] > zipf[1] > zipf[2] > 0
+
+
+def test_peak_table_names_the_datasheet_and_unknown_devices_are_measured():
+    value, source = table_peak("NVIDIA H200", torch.bfloat16)
+    assert value == 989.4e12 and "H200" in source
+    assert table_peak("NVIDIA H100 PCIe", torch.bfloat16)[0] == 756.5e12
+    assert table_peak("NVIDIA A100-SXM4-80GB", torch.bfloat16)[0] == 312e12
+    assert table_peak("NVIDIA A10", torch.bfloat16)[0] == 125e12
+    assert table_peak("Some Future GPU", torch.bfloat16) is None
+    assert table_peak("Tesla V100-SXM2-16GB", torch.bfloat16) is None  # no bf16 there: measure
+    value, source = peak_flops("cpu", torch.float32, seconds=0.05)
+    assert value > 0 and source.startswith("measured: ")
+    assert measure_matmul_peak("cpu", torch.bfloat16, seconds=0.02, sizes=(64,))[1] == 64
+

@@ -1,0 +1,238 @@
+"""Run-time choices (train.precision and model.attn_impl "auto"): decided once on rank 0, the same on every
+rank, recorded in the checkpoint and reused on resume; explicit values win; the MFU metric in the journal."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dist_helpers import learnable_stream, run_ranks, tiny_config, write_corpus
+from txl_dist import runtime_choices
+from txl_dist.config import ConfigError, config_from_dict, load_config
+from txl_dist.flops import cluster_token_shares, flops_per_token
+
+VOCAB = 64
+TRAIN_TOKENS = 4 * 49  # S = 4 streams of L = 49: rank 0 of one holds them all
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("choices") / "corpus"
+    return write_corpus(root, {"train": learnable_stream(TRAIN_TOKENS, VOCAB, 0),
+                               "valid": learnable_stream(80, VOCAB, 1), "test": learnable_stream(80, VOCAB, 2)},
+                        vocab_size=VOCAB)
+
+
+def _cfg(tmp_path, **train):
+    return config_from_dict(tiny_config(tmp_path / "corpus", tmp_path / "run", train=train))
+
+
+def _layer_times(monkeypatch, fp32_s: float, bf16_s: float) -> list[str]:
+    """Make the layer measurement report these times; returns the precisions it was asked for."""
+    asked: list[str] = []
+
+    def fake(cfg, device, dtypes, **_):
+        asked.extend(dtypes)
+        return {"fp32": fp32_s, "bf16": bf16_s}
+
+    monkeypatch.setattr(runtime_choices, "time_precisions", fake)
+    return asked
+
+
+# ----------------------------------------------------------------------------------------------------
+# One process: the rules
+
+
+@pytest.mark.parametrize("fp32_s,bf16_s,expected", [(2.0, 1.0, "bf16"), (1.3, 1.0, "fp32"), (1.0, 3.0, "fp32")])
+def test_auto_precision_on_cpu_picks_bf16_only_when_measured_faster_by_a_margin(tmp_path, monkeypatch, fp32_s,
+                                                                                 bf16_s, expected):
+    asked = _layer_times(monkeypatch, fp32_s, bf16_s)
+    choices = runtime_choices.decide(_cfg(tmp_path, precision="auto"), torch.device("cpu"))
+    assert choices.precision == expected and choices.origin["precision"] == "measured"
+    assert sorted(asked) == ["bf16", "fp32"]
+    assert choices.measured["fwd_bwd_s_fp32"] == fp32_s and choices.measured["fwd_bwd_s_bf16"] == bf16_s
+    # The peak of the chosen precision comes from the matmul measured for the choice.
+    assert choices.peak_flops == choices.measured[f"matmul_flops_{expected}"] > 0
+
+
+@pytest.mark.parametrize("vocab_size", [None, VOCAB])  # one layer before the corpus is read; then the model
+def test_the_real_measurement_runs_at_the_run_shapes(tmp_path, vocab_size):
+    cfg = _cfg(tmp_path)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab_size))
+    seconds = runtime_choices.time_precisions(cfg, torch.device("cpu"), ("fp32", "bf16"), seconds=0.01)
+    assert set(seconds) == {"fp32", "bf16"} and all(0 < s < 10 for s in seconds.values())
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", None])
+def test_an_explicit_precision_wins_without_measuring(tmp_path, monkeypatch, precision):
+    asked = _layer_times(monkeypatch, 1.0, 1.0)
+    choices = runtime_choices.decide(_cfg(tmp_path, precision=precision, peak_flops=5e9), torch.device("cpu"))
+    assert choices.precision == (precision or "fp32") and choices.origin["precision"] == "config"
+    assert asked == []
+    assert (choices.peak_flops, choices.peak_source) == (5e9, "config: train.peak_flops")
+
+
+def test_a_recorded_choice_is_reused_on_the_same_device_type_only(tmp_path, monkeypatch):
+    asked = _layer_times(monkeypatch, 1.0, 5.0)  # a new measurement would say fp32
+    cfg = _cfg(tmp_path, precision="auto")
+    recorded = {"device_type": "cpu", "precision": "bf16", "attn_impl": "sdpa"}
+    choices = runtime_choices.decide(cfg, torch.device("cpu"), recorded)
+    assert (choices.precision, choices.attn_impl) == ("bf16", "sdpa") and asked == []
+    assert choices.origin == {"precision": "checkpoint", "attn_impl": "checkpoint"}
+    elsewhere = runtime_choices.decide(cfg, torch.device("cpu"), dict(recorded, device_type="cuda"))
+    assert elsewhere.precision == "fp32" and elsewhere.origin["precision"] == "measured"
+    assert elsewhere.origin["attn_impl"] != "checkpoint"
+
+
+def test_auto_attention_takes_the_fastest_measured_candidate(tmp_path, monkeypatch):
+    from txl_dist.model import attention
+
+    calls = []
+
+    def time_attn_impls(names, **shapes):
+        calls.append((list(names), shapes))
+        return {"matmul": 2.0, "sdpa": 1.0, "reference": 3.0}
+
+    monkeypatch.setattr(attention, "time_attn_impls", time_attn_impls, raising=False)
+    monkeypatch.setattr(attention, "candidate_attn_impls",
+                        lambda device, dtype, *, training, dropatt: ["matmul", "sdpa", "reference"], raising=False)
+    cfg = _cfg(tmp_path, precision="fp32")
+    choices = runtime_choices.decide(cfg, torch.device("cpu"))
+    assert choices.attn_impl == "sdpa" and choices.origin["attn_impl"] == "measured"
+    (names, shapes), = calls
+    m = cfg.model
+    assert shapes == {"batch": cfg.micro_batch(), "n_head": m.n_head, "d_head": m.d_head, "qlen": m.tgt_len,
+                      "klen": m.tgt_len + m.mem_len, "device": torch.device("cpu"), "dtype": torch.float32,
+                      "training": True}
+    explicit = runtime_choices.decide(config_from_dict(tiny_config(tmp_path, tmp_path, train={"precision": "fp32"},
+                                                                   model={"attn_impl": "reference"})),
+                                      torch.device("cpu"))
+    assert explicit.attn_impl == "reference" and explicit.origin["attn_impl"] == "config" and len(calls) == 1
+
+
+def test_precision_in_the_config(tmp_path):
+    raw = tiny_config(tmp_path, tmp_path, train={"precision": "auto"}, deepspeed={"bf16": {"enabled": False}})
+    with pytest.raises(ConfigError, match=r"train.precision: \"auto\" conflicts with deepspeed.bf16.enabled"):
+        config_from_dict(raw)
+    raw = tiny_config(tmp_path, tmp_path, train={"precision": "fp32"}, deepspeed={"bf16": {"enabled": True}})
+    with pytest.raises(ConfigError, match="conflicts with deepspeed.bf16.enabled true"):
+        config_from_dict(raw)
+    with pytest.raises(ConfigError, match="train.precision: 'fp8' is unknown"):
+        config_from_dict(tiny_config(tmp_path, tmp_path, train={"precision": "fp8"}))
+    agreeing = config_from_dict(tiny_config(tmp_path, tmp_path, train={"precision": "bf16"},
+                                            deepspeed={"bf16": {"enabled": True}}))
+    assert agreeing.precision() == "bf16"
+    ds = _cfg(tmp_path, precision="bf16").deepspeed_config(1)
+    assert ds["bf16"] == {"enabled": True} and ds["fp16"] == {"enabled": False}
+    assert _cfg(tmp_path, precision="auto").precision() is None
+    assert _cfg(tmp_path).precision() == "fp32"  # null: the deepspeed section (no bf16/fp16 there)
+    tiny = load_config(REPO / "configs" / "tiny.json")
+    assert tiny.train.precision == "auto" and tiny.precision() is None
+
+
+# ----------------------------------------------------------------------------------------------------
+# Real processes
+
+
+def _agree_with_own_measurement(raw: dict) -> dict:
+    """Rank r measures bf16 as fast (rank 0) or slow (rank 1); every rank must get rank 0's choice."""
+    from txl_dist import distributed
+
+    env = distributed.discover()
+    asked = []
+
+    def fake(cfg, device, dtypes, **_):
+        asked.extend(dtypes)
+        bf16_faster = env.rank == 0
+        return {"fp32": 3.0, "bf16": 1.0 if bf16_faster else 9.0}
+
+    runtime_choices.time_precisions = fake  # this process only (a forked rank)
+    distributed.init_process_group(env)
+    try:
+        choices = runtime_choices.agree(config_from_dict(raw), env)
+    finally:
+        distributed.destroy_process_group()
+    return {"choices": choices.record(), "peak": choices.peak_flops, "asked": asked}
+
+
+def test_two_ranks_get_rank_0s_choice_even_when_their_own_measurement_differs(tmp_path):
+    raw = tiny_config(tmp_path / "corpus", tmp_path / "run", train={"precision": "auto"})
+    rank0, rank1 = run_ranks(_agree_with_own_measurement, 2, raw)
+    assert rank0["choices"]["precision"] == rank1["choices"]["precision"] == "bf16"
+    assert rank0["choices"] == rank1["choices"] and rank0["peak"] == rank1["peak"] > 0
+    assert sorted(rank0["asked"]) == ["bf16", "fp32"] and rank1["asked"] == []
+
+
+def _train_measure_resume(runs: list[tuple[dict, str, float | None]]) -> list[dict]:
+    """Training jobs in a row on this rank; before each, the layer measurement says bf16 is `speedup` times
+    faster (None: any measurement fails the job). Returns per job what it chose and what it wrote."""
+    from txl_dist import distributed, trainer
+    from txl_dist.checkpoint import read_latest, read_run_info
+    from txl_dist.engine import model_dtype
+
+    env = distributed.discover()
+    distributed.setup_logging(env)
+    distributed.init_process_group(env)
+    out = []
+    try:
+        for raw, resume, speedup in runs:
+            def fake(cfg, device, dtypes, speedup=speedup, **_):
+                if speedup is None:
+                    raise AssertionError("measured again although the checkpoint records the choice")
+                return {"fp32": speedup, "bf16": 1.0}
+
+            runtime_choices.time_precisions = fake
+            cfg = config_from_dict(raw)
+            try:
+                t = trainer.build(cfg, env, resume=resume)
+            except Exception as e:  # a refusal: its one line
+                out.append({"error": str(e)})
+                continue
+            try:
+                t.train()
+            finally:
+                t.close()
+            ckpt = cfg.checkpoint_dir()
+            out.append({"choices": t.start.choices.record(), "dtype": str(model_dtype(t.engine.config)),
+                        "saved": read_run_info(ckpt / read_latest(ckpt))["run_choices"], "step": t.step,
+                        "flops_per_token": t.flops_per_token})
+    finally:
+        distributed.destroy_process_group()
+    return out
+
+
+def test_auto_precision_is_recorded_reused_on_resume_and_a_change_is_refused(corpus, tmp_path):
+    run = tmp_path / "run"
+    first = tiny_config(corpus, run, train={"precision": "auto", "exit_step": 2, "peak_flops": 1e9},
+                        tracking={"enabled": True})
+    again = tiny_config(corpus, run, train={"precision": "auto", "exit_step": 3})
+    other = tiny_config(corpus, run, train={"precision": "fp32"})
+    (job1, job2, job3), = run_ranks(_train_measure_resume, 1, [(first, "none", 4.0), (again, "auto", None),
+                                                               (other, "auto", None)], timeout=600)
+    assert job1["choices"]["precision"] == "bf16" and job1["choices"]["origin"]["precision"] == "measured"
+    assert job1["dtype"] == "torch.bfloat16" and job1["saved"] == job1["choices"]
+    # The resumed job did not measure (its measurement would have failed) and trains in the recorded bf16.
+    assert job2["step"] == 3 and job2["dtype"] == "torch.bfloat16"
+    assert job2["choices"]["precision"] == "bf16" and job2["choices"]["origin"]["precision"] == "checkpoint"
+    assert job2["saved"]["precision"] == "bf16"
+    assert "trained in bf16, this run would be fp32" in job3["error"]
+
+    # MFU in the journal, each step: its definition, with FLOPs per token computed here from the tokens.
+    cfg = config_from_dict(first)
+    model = dataclasses.replace(cfg.model, vocab_size=VOCAB)
+    tokens = learnable_stream(TRAIN_TOKENS, VOCAB, 0)
+    per_token = flops_per_token(model, micro_batch=cfg.micro_batch(),
+                                cluster_shares=cluster_token_shares(tokens, model.cutoffs, VOCAB))
+    assert job1["flops_per_token"] == pytest.approx(per_token)
+    lines = [json.loads(line) for line in (run / "tracking" / "metrics.jsonl").read_text().splitlines()]
+    steps = [rec["metrics"] for rec in lines if "train/mfu" in rec["metrics"]]
+    assert len(steps) == 2
+    for m in steps:
+        assert m["train/model_flops_per_s"] == pytest.approx(m["train/tokens_per_s"] * per_token)
+        assert m["train/mfu"] == pytest.approx(m["train/model_flops_per_s"] / (1e9 * 1))
+    assert np.isfinite([m["train/mfu"] for m in steps]).all()

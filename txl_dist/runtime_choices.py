@@ -1,0 +1,252 @@
+"""Run-time choices: what "auto" means for this run (train.precision, model.attn_impl), decided ONCE.
+
+A choice made by measurement could come out differently on another start (other processes on the machine,
+timing noise); a run and its resume that disagreed would break the bitwise-exact resume. So:
+
+- rank 0 decides, every rank receives its answer (`agree`, a collective of start-up);
+- an explicit value in the configuration always wins; "auto" reuses the choice recorded in the checkpoint
+  being resumed (run.json "run_choices") when it was made on the same device type, and is measured only
+  for a new run (or on another device type);
+- the trainer records the choices in every checkpoint's run.json.
+
+precision "auto": bf16 on a CUDA device that supports it, else fp32; on a CPU bf16 only where the model's
+forward+backward at the run's shapes (one layer's when the vocabulary is not known yet) runs at least
+BF16_MIN_SPEEDUP times faster than in fp32 (AMX or AVX512-BF16 machines; on CPUs without bf16 units bf16 is several times slower). fp16
+is never chosen (it needs loss scaling and, on a CPU, kernels few have). attn_impl "auto": the fastest of
+`candidate_attn_impls` timed at the run's shapes by `time_attn_impls` (txl_dist/model/attention.py), or the
+static rule `resolve_attn_impl` where those are not available.
+
+The peak FLOP/s of the MFU metric is measured here too (rank 0, once per job; not recorded: it describes
+the machine, not the run).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from . import distributed
+from .config import RunConfig
+from .distributed import DistEnv
+from .flops import measure_matmul_peak, peak_flops
+
+log = logging.getLogger(distributed.LOGGER_NAME)
+
+BF16_MIN_SPEEDUP = 1.5
+"""precision "auto" on a CPU picks bf16 only when the model's forward+backward runs this many times faster
+than in fp32: DeepSpeed's bf16 step (fp32 master weights, casts) costs time the measurement does not see.
+Measured (docs/performance.md): configs/tiny.json's model ran 1.2x faster in bf16 on an AMX machine, its
+whole training steps were not faster."""
+MEASURE_SECONDS = 0.4
+"""Time budget of each timed measurement (a few of them at start-up: well under 2 s in all)."""
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class RunChoices:
+    """What this run trains with, and where each value came from."""
+
+    device_type: str
+    """"cpu" or "cuda": a recorded choice is reused only on the same device type."""
+    precision: str
+    """"fp32", "bf16" or "fp16"."""
+    attn_impl: str
+    """A name of txl_dist.model.attention.ATTN_IMPLS."""
+    origin: dict[str, str] = field(default_factory=dict)
+    """Per choice: "config", "checkpoint", "device" (a rule of the device type) or "measured"."""
+    measured: dict[str, Any] = field(default_factory=dict)
+    """The numbers behind measured choices (seconds per call, FLOP/s)."""
+    peak_flops: float = 0.0
+    """Peak FLOP/s of one device in `precision` (train.peak_flops, the table, or measured); not recorded."""
+    peak_source: str = ""
+    """Where peak_flops comes from."""
+
+    def record(self) -> dict[str, Any]:
+        """What run.json keeps (the peak describes the machine of one job, not the run)."""
+        return {"device_type": self.device_type, "precision": self.precision, "attn_impl": self.attn_impl,
+                "origin": dict(self.origin), "measured": dict(self.measured)}
+
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.precision]
+
+
+def agree(cfg: RunConfig, env: DistEnv, recorded: dict[str, Any] | None = None, *, peak: bool = True) -> RunChoices:
+    """The run's choices, decided on rank 0 and the same on every rank (collective; failures agreed).
+
+    recorded: the "run_choices" of the checkpoint being resumed (None for a new run). peak: also find the
+    peak FLOP/s (training; evaluation does not report MFU).
+    """
+    device = distributed.device_for(env)
+    decided = distributed.together(lambda: decide(cfg, device, recorded, peak=peak) if env.is_main else None)
+    choices = distributed.broadcast_object(decided)
+    log.info("run-time choices: %s", describe(choices))
+    return choices
+
+
+def apply(cfg: RunConfig, choices: RunChoices) -> RunConfig:
+    """cfg with the choices written in (train.precision and model.attn_impl name what the run does)."""
+    return dataclasses.replace(
+        cfg, train=dataclasses.replace(cfg.train, precision=choices.precision),
+        model=dataclasses.replace(cfg.model, attn_impl=choices.attn_impl))
+
+
+def decide(cfg: RunConfig, device: torch.device, recorded: dict[str, Any] | None = None, *,
+           peak: bool = True) -> RunChoices:
+    """The choices for a run on `device` (one process; `agree` runs this on rank 0 only)."""
+    reuse = recorded if recorded and recorded.get("device_type") == device.type else None
+    if recorded and reuse is None:
+        log.warning("the checkpoint's run-time choices were made on %s, this job runs on %s: deciding again",
+                    recorded.get("device_type"), device.type)
+    origin: dict[str, str] = {}
+    measured: dict[str, Any] = {}
+
+    precision = cfg.precision()
+    if precision is not None:
+        origin["precision"] = "config"
+    elif reuse is not None:
+        precision, origin["precision"] = reuse["precision"], "checkpoint"
+    else:
+        precision, origin["precision"] = choose_precision(cfg, device, measured)
+
+    if cfg.model.attn_impl != "auto":
+        attn_impl, origin["attn_impl"] = cfg.model.attn_impl, "config"
+    elif reuse is not None:
+        attn_impl, origin["attn_impl"] = reuse["attn_impl"], "checkpoint"
+    else:
+        attn_impl, origin["attn_impl"] = choose_attn_impl(cfg, device, DTYPES[precision], measured)
+
+    if cfg.train.peak_flops is not None:
+        peak_value, source = cfg.train.peak_flops, "config: train.peak_flops"
+    elif not peak:
+        peak_value, source = 0.0, "not measured"
+    elif f"matmul_flops_{precision}" in measured:  # measured for the precision choice a moment ago
+        peak_value = measured[f"matmul_flops_{precision}"]
+        source = f"measured: {precision} matmul on {device.type}"
+    else:
+        peak_value, source = peak_flops(device, DTYPES[precision], seconds=MEASURE_SECONDS)
+    return RunChoices(device.type, precision, attn_impl, origin, measured, float(peak_value), source)
+
+
+def choose_precision(cfg: RunConfig, device: torch.device, measured: dict[str, Any]) -> tuple[str, str]:
+    """("bf16" or "fp32", origin) for precision "auto"; the numbers behind it go into `measured`."""
+    if device.type == "cuda":
+        return ("bf16" if torch.cuda.is_bf16_supported() else "fp32"), "device"
+    if device.type != "cpu":
+        return "fp32", "device"
+    for name in ("fp32", "bf16"):
+        measured[f"matmul_flops_{name}"] = measure_matmul_peak(device, DTYPES[name], seconds=MEASURE_SECONDS / 2)[0]
+    measured["timed"] = "model" if cfg.model.vocab_size is not None else "one layer"
+    for name, seconds in time_precisions(cfg, device, ("fp32", "bf16")).items():
+        measured[f"fwd_bwd_s_{name}"] = seconds
+    faster = measured["fwd_bwd_s_fp32"] / measured["fwd_bwd_s_bf16"]
+    return ("bf16" if faster >= BF16_MIN_SPEEDUP else "fp32"), "measured"
+
+
+def choose_attn_impl(cfg: RunConfig, device: torch.device, dtype: torch.dtype,
+                     measured: dict[str, Any]) -> tuple[str, str]:
+    """(implementation name, origin) for attn_impl "auto": the fastest candidate at the run's shapes."""
+    from .model import attention
+
+    time_impls = getattr(attention, "time_attn_impls", None)
+    candidates_for = getattr(attention, "candidate_attn_impls", None)
+    if time_impls is None or candidates_for is None:
+        return attention.resolve_attn_impl("auto", device, dtype), "device"
+    m = cfg.model
+    candidates = candidates_for(device, dtype, training=True, dropatt=m.dropatt)
+    if len(candidates) == 1:
+        return candidates[0], "device"
+    seconds = time_impls(candidates, batch=cfg.micro_batch(), n_head=m.n_head, d_head=m.d_head, qlen=m.tgt_len,
+                         klen=m.tgt_len + m.mem_len, device=device, dtype=dtype, training=True)
+    measured["attn_s"] = {name: float(s) for name, s in seconds.items()}
+    return min(seconds, key=seconds.get), "measured"
+
+
+def time_precisions(cfg: RunConfig, device: torch.device, dtypes: tuple[str, ...] = ("fp32", "bf16"), *,
+                    seconds: float = MEASURE_SECONDS) -> dict[str, float]:
+    """Seconds per forward+backward at the run's shapes, per precision name: of the whole model when
+    model.vocab_size is known (embeddings and adaptive softmax included), else of one Transformer-XL layer.
+
+    The precisions take turns, repeat after repeat, for about `seconds` (at least two each), and each keeps
+    its best time: a burst of load from other processes then hits both alike instead of the one measured
+    while it lasted.
+    """
+    make_step = _model_step if cfg.model.vocab_size is not None else _layer_step
+    steps = {name: make_step(cfg, device, DTYPES[name]) for name in dtypes}
+    for step in steps.values():
+        step()  # warm-up: kernel selection, allocations
+    best = dict.fromkeys(steps, float("inf"))
+    end, rounds = time.perf_counter() + seconds, 0
+    while rounds < 2 or time.perf_counter() < end:
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            best[name] = min(best[name], time.perf_counter() - start)
+        rounds += 1
+    return best
+
+
+def _model_step(cfg: RunConfig, device: torch.device, dtype: torch.dtype) -> Callable[[], None]:
+    """The model's forward+backward on one micro batch (with a full memory) in `dtype`, as a function to time."""
+    from .model import TransformerXL
+
+    m = cfg.model
+    torch.manual_seed(0)
+    model = TransformerXL(m).to(device=device, dtype=dtype)
+    batch = cfg.micro_batch()
+    input_ids = torch.randint(0, m.vocab_size, (batch, m.tgt_len), device=device)  # [B, T]
+    # Labels skewed to the frequent ids, as text is: the adaptive softmax's tails see their usual share.
+    labels = (torch.rand(batch, m.tgt_len, device=device) ** 4 * m.vocab_size).long()  # [B, T]
+    mems = [torch.randn(batch, m.mem_len, m.d_model, device=device, dtype=dtype) for _ in range(m.n_layer)]
+
+    def step() -> None:
+        out = model(input_ids, labels, mems)
+        out.nll.mean().backward()
+
+    return step
+
+
+def _layer_step(cfg: RunConfig, device: torch.device, dtype: torch.dtype) -> Callable[[], None]:
+    """One layer's forward+backward at the run's shapes in `dtype`, as a function to time."""
+    from .model.attention import ATTN_IMPLS, attn_bias_from_mask, build_attn_mask, resolve_attn_impl
+    from .model.layer import TransformerXLLayer
+
+    m = cfg.model
+    batch = min(cfg.micro_batch(), 4)  # the per-token speed is what counts; keeps large presets quick
+    torch.manual_seed(0)
+    layer = TransformerXLLayer(m.d_model, m.n_head, m.d_head, m.d_inner, m.dropout, m.dropatt, m.pre_lnorm,
+                               m.layer_norm_epsilon, untie_r=True).to(device=device, dtype=dtype)
+    torch.nn.init.normal_(layer.attn.r_w_bias, 0.0, 0.02)
+    torch.nn.init.normal_(layer.attn.r_r_bias, 0.0, 0.02)
+    klen = m.tgt_len + m.mem_len
+    h = torch.randn(batch, m.tgt_len, m.d_model, device=device, dtype=dtype, requires_grad=True)  # [B, T, d]
+    mem = torch.randn(batch, m.mem_len, m.d_model, device=device, dtype=dtype)    # [B, M, d]
+    pos_emb = torch.randn(klen, m.d_model, device=device, dtype=dtype)            # [K, d]
+    attn_bias = attn_bias_from_mask(build_attn_mask(m.tgt_len, m.mem_len, m.mem_len, False, device), dtype)
+    attn_fn = ATTN_IMPLS[resolve_attn_impl("auto", device, dtype)]
+
+    def step() -> None:
+        out = layer(h, pos_emb, mem, attn_bias, attn_fn)                          # [B, T, d]
+        out.float().sum().backward()
+
+    return step
+
+
+def describe(choices: RunChoices) -> str:
+    """One line: each choice, where it came from, and the measured numbers."""
+    parts = [f"precision {choices.precision} ({choices.origin.get('precision', '?')})",
+             f"attn_impl {choices.attn_impl} ({choices.origin.get('attn_impl', '?')})"]
+    numbers = choices.measured
+    if "fwd_bwd_s_fp32" in numbers:
+        parts.append(f"{numbers['timed']} fwd+bwd {numbers['fwd_bwd_s_fp32'] * 1e3:.1f} ms fp32 / "
+                     f"{numbers['fwd_bwd_s_bf16'] * 1e3:.1f} ms bf16, matmul "
+                     f"{numbers['matmul_flops_fp32'] / 1e9:.0f} / {numbers['matmul_flops_bf16'] / 1e9:.0f} GFLOP/s")
+    if "attn_s" in numbers:
+        parts.append("attention " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in numbers["attn_s"].items()))
+    if choices.peak_flops:
+        parts.append(f"peak {choices.peak_flops / 1e12:.3g} TFLOP/s per device ({choices.peak_source})")
+    return " | ".join(parts)
+
