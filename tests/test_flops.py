@@ -27,7 +27,11 @@ def _model(tail_mode: str, **model):
 # (one shared projection), a plain softmax without projections; tails gathered and dense.
 CASES = [("gather", {"div_val": 2, "cutoffs": [40, 100]}), ("dense", {"div_val": 2, "cutoffs": [40, 100]}),
          ("gather", {"div_val": 1, "d_embed": 48, "cutoffs": [40]}), ("dense", {"div_val": 1, "cutoffs": [40]}),
-         ("gather", {"cutoffs": [], "untie_r": False, "pre_lnorm": True})]
+         ("gather", {"cutoffs": [], "untie_r": False, "pre_lnorm": True}),
+         # Vocabulary padding: the padded rows are computed, so they are counted.
+         ("gather", {"div_val": 2, "cutoffs": [40, 100], "pad_vocab_multiple": 64}),
+         ("dense", {"div_val": 1, "cutoffs": [40, 100], "pad_vocab_multiple": 64}),
+         ("gather", {"cutoffs": [], "pad_vocab_multiple": 64})]
 
 
 @pytest.mark.parametrize("tail_mode,model", CASES)

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from .config import ModelConfig
+from .model.softmax import logit_rows
 
 TAIL_MODES = ("gather", "dense")
 
@@ -90,7 +91,6 @@ def flops_breakdown(cfg: ModelConfig, *, micro_batch: int, cluster_shares: Seque
     d, hd, t = cfg.d_model, cfg.n_head * cfg.d_head, cfg.tgt_len
     k = t + (cfg.mem_len if mem_len is None else mem_len)
     n_clusters = len(cfg.cutoffs)
-    ends = [0, *cfg.cutoffs, cfg.vocab_size]
     if cluster_shares is None:
         cluster_shares = zipf_cluster_shares(cfg.cutoffs, cfg.vocab_size)
     if len(cluster_shares) != n_clusters + 1:
@@ -121,8 +121,9 @@ def flops_breakdown(cfg: ModelConfig, *, micro_batch: int, cluster_shares: Seque
     def cluster_cost(i: int, n_out: int) -> float:
         return (2 * d * d_embs[i] if has_proj else 0) + 2 * d_embs[i] * n_out
 
-    head = cluster_cost(0, ends[1] + n_clusters)
-    tails = sum((1.0 if tail_mode == "dense" else cluster_shares[i]) * cluster_cost(i, ends[i + 1] - ends[i])
+    rows = logit_rows(cfg.vocab_size, cfg.cutoffs, cfg.div_val, cfg.pad_vocab_multiple)  # padding is computed too
+    head = cluster_cost(0, rows[0])
+    tails = sum((1.0 if tail_mode == "dense" else cluster_shares[i]) * cluster_cost(i, rows[i])
                 for i in range(1, n_clusters + 1))
     full = 1 + backward
     return {

@@ -49,6 +49,22 @@ def padded_table_rows(vocab_size: int, cutoffs: list[int], div_val: int, pad_mul
     return [size if i == 0 and cutoffs else round_up(size, pad_multiple) for i, size in enumerate(sizes)]
 
 
+def logit_rows(vocab_size: int, cutoffs: list[int], div_val: int, pad_multiple: int) -> list[int]:
+    """Rows of each cluster's logits matmul as computed, padding included: the head's shortlist + cluster
+    logits rounded up (the whole padded table without tails), then each tail's size, the last tail with the
+    shared table's padding when div_val is 1 (what the FLOP count must count)."""
+    table = padded_table_rows(vocab_size, cutoffs, div_val, pad_multiple)
+    if not cutoffs:
+        return [table[0]]
+    ends = [0] + list(cutoffs) + [vocab_size]
+    tails = [ends[i + 1] - ends[i] for i in range(1, len(ends) - 1)]
+    if div_val == 1:
+        tails[-1] += table[0] - vocab_size
+    else:
+        tails = table[1:]
+    return [round_up(ends[1] + len(cutoffs), pad_multiple), *tails]
+
+
 @dataclass(frozen=True)
 class TailPlan:
     """How a batch's targets fall into the clusters, computed on the host from the labels (see tail_plan),
