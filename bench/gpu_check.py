@@ -340,17 +340,13 @@ def phase_model(p: Phase) -> None:
 
 
 def flops_per_token(cfg: ModelConfig, batch: int, labels: torch.Tensor, dense_tails: bool) -> tuple[float, str]:
-    """Model FLOPs per token: the product's count (txl_dist.flops) when present, else the benchmark's
-    (dense_tails: the adaptive softmax runs every token through every tail, as it does on a GPU when the
-    tails are cheap enough)."""
-    from bench.flop_count import cluster_shares, model_flops_per_token
+    """Model FLOPs per token as the product counts them for train/mfu (dense_tails: the adaptive softmax runs
+    every token through every tail, as it does on a GPU when the tails are cheap enough)."""
+    from txl_dist.flops import cluster_token_shares, flops_per_token as product_count
 
-    shares = None if dense_tails else cluster_shares(labels.cpu(), cfg.vocab_size, cfg.cutoffs)
-    try:
-        from txl_dist.flops import flops_per_token as product_count
-        return float(product_count(cfg)), "txl_dist.flops.flops_per_token"
-    except Exception:  # noqa: BLE001  (absent, or another signature: the benchmark's own count)
-        return model_flops_per_token(cfg, batch=batch, tail_shares=shares), "bench.flop_count"
+    shares = cluster_token_shares(labels.cpu().numpy().ravel(), cfg.cutoffs, cfg.vocab_size)
+    return (product_count(cfg, micro_batch=batch, cluster_shares=shares, tail_mode="dense" if dense_tails else "gather"),
+            "txl_dist.flops.flops_per_token")
 
 
 def train_shapes(smoke: bool) -> dict[str, ModelConfig]:

@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 import torch
 
-from bench.flop_count import cluster_shares, model_flops_per_token
+from txl_dist.flops import cluster_token_shares, flops_per_token as model_flops_per_token
 from txl_dist.config import MemorySettings, ModelConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -71,13 +71,9 @@ def zipf_segments(vocab_size: int, n: int, batch: int, tgt_len: int, seed: int) 
 
 
 def flops_per_token(cfg: ModelConfig, batch: int, labels: torch.Tensor) -> tuple[float, str]:
-    """The product's count (txl_dist.flops) when it is there, else the benchmark's own (bench/flop_count.py)."""
-    try:
-        from txl_dist.flops import flops_per_token as product_count
-        return float(product_count(cfg)), "txl_dist.flops.flops_per_token"
-    except Exception:  # noqa: BLE001  (not merged yet, or another signature)
-        shares = cluster_shares(labels, cfg.vocab_size, cfg.cutoffs)
-        return model_flops_per_token(cfg, batch=batch, tail_shares=shares), "bench.flop_count.model_flops_per_token"
+    """The product's count (what train/mfu uses), with the cluster shares of the labels trained on."""
+    shares = cluster_token_shares(labels.numpy().ravel(), cfg.cutoffs, cfg.vocab_size)
+    return model_flops_per_token(cfg, micro_batch=batch, cluster_shares=shares), "txl_dist.flops.flops_per_token"
 
 
 def interleaved(fns: dict[str, Callable[[], None]], reps: int, warmup: int = 1,
