@@ -443,14 +443,16 @@ class TrainCase:
 
 def phase_train(p: Phase) -> None:
     impls = [i for i in ATTN_IMPLS if i != "reference"]  # the oracle's speed is not a product question
-    for impl in [i for i in impls if not trains_here(i, p.device)]:
-        p.write("train_step", impl=impl, skipped=f"no backward for {impl} on {p.device.type}")
+    no_backward = [i for i in impls if not trains_here(i, p.device)]
     impls = [i for i in impls if trains_here(i, p.device)]
     batches = (2,) if p.smoke else (8, 16, 32)
     warmup, steps = (1, 1) if p.smoke else (3, 5)
     shapes = train_shapes(p.smoke)
     share = {"large": 0.6, "base": 0.4}
     for name, cfg in shapes.items():
+        for impl in no_backward:
+            p.write("train_step", shape=name, impl=impl, micro_batch=batches[0], checkpointing=False, compile=False,
+                    skipped=f"no backward for {impl} on {p.device.type}")
         box = time.monotonic() + share[name] * max(0.0, p.left())
         survey: dict[str, float] = {}
         cases: list[tuple[str, int, bool, bool]] = [(impl, batches[0], False, False) for impl in impls]
@@ -527,7 +529,7 @@ def phase_deepspeed(p: Phase, out: Path) -> None:
                 "eval.max_segments=2", "eval.n_streams=1", "checkpoint.interval=0",
                 f"deepspeed.zero_optimization.stage={stage}", "deepspeed.optimizer.params.torch_adam=true"]
         if p.smoke:
-            sets += [f"model.vocab_size={vocab}", "model.cutoffs=[200,500]", "deepspeed.bf16.enabled=false"]
+            sets += [f"model.vocab_size={vocab}", "model.cutoffs=[200,500]", "train.precision=fp32"]
         cmd = [sys.executable, "launch/train.py", "--config", cfg_path, "--resume", "none"]
         for s in sets:
             cmd += ["--set", s]

@@ -297,7 +297,7 @@ def bench_zero(args: argparse.Namespace) -> dict[str, Any]:
                 f"data.path={corpus}", f"run.dir={run_dir}", "tracking.enabled=false", f"train.max_steps={steps}",
                 "eval.interval=0", "eval.at_end=false", "eval.max_segments=1", "checkpoint.interval=0",
                 f"deepspeed.train_batch_size={streams}", f"deepspeed.train_micro_batch_size_per_gpu={micro}",
-                f"deepspeed.zero_optimization.stage={stage}", "deepspeed.bf16.enabled=false"]
+                f"deepspeed.zero_optimization.stage={stage}", "train.precision=fp32"]
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
                    "--master_port", str(free_port()), "launch/train.py",
                    "--config", "configs/tiny.json", "--resume", "none"]

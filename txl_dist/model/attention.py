@@ -211,8 +211,15 @@ def rel_attention_sdpa(q: torch.Tensor, kv: torch.Tensor, r_head_k: torch.Tensor
 def _compiled_flex_attention() -> Callable[..., torch.Tensor]:
     """flex_attention compiled once per process (lazily: importing the model compiles nothing). Called
     eagerly, flex_attention would materialize the scores; inside a compiled layer the plain function is
-    traced instead (rel_attention_flex)."""
+    traced instead (rel_attention_flex). Static shapes: torch 2.13's CPU kernel for dynamic shapes fails to
+    build (inductor C++ error), and a static kernel per key length is the fastest on any device."""
     return torch.compile(flex_attention, dynamic=False)
+
+
+FLEX_RECOMPILE_LIMIT = 64
+"""Key lengths the compiled flex_attention may specialize on. Evaluation and generation grow the memory
+segment by segment (eval.mem_len / eval.tgt_len + 1 key lengths: 14 for the large preset), which would pass
+torch's default recompile limit (8) and leave the steady state, full memory, on the unfused kernel."""
 
 
 def rel_attention_flex(q: torch.Tensor, kv: torch.Tensor, r_head_k: torch.Tensor,
@@ -255,10 +262,13 @@ def rel_attention_flex(q: torch.Tensor, kv: torch.Tensor, r_head_k: torch.Tensor
             return score + pos[b, h, query_idx, rel] + attn_bias[query_idx, key_idx]
         block_mask = None
     # Inside a compiled layer (train.compile) dynamo fuses flex_attention into the layer's graph itself.
-    flex = flex_attention if torch.compiler.is_compiling() else _compiled_flex_attention()
-    attn_vec = flex(
-        (head_q + r_w_bias[:, None]).contiguous(), head_k.contiguous(), head_v.contiguous(),
-        score_mod=score_mod, block_mask=block_mask, scale=scale)                  # [B, H, T, D]
+    args = ((head_q + r_w_bias[:, None]).contiguous(), head_k.contiguous(), head_v.contiguous())
+    if torch.compiler.is_compiling():
+        attn_vec = flex_attention(*args, score_mod=score_mod, block_mask=block_mask, scale=scale)  # [B, H, T, D]
+    else:
+        with torch._dynamo.config.patch(recompile_limit=FLEX_RECOMPILE_LIMIT):
+            attn_vec = _compiled_flex_attention()(*args, score_mod=score_mod, block_mask=block_mask,
+                                                  scale=scale)                    # [B, H, T, D]
     return attn_vec.transpose(1, 2).reshape(bsz, qlen, n_head * d_head)          # [B, T, H*D]
 
 
