@@ -3,9 +3,9 @@
 Everything is measured side by side in one run (interleaved repetitions, the median of each), and reported
 as ratios; absolute times depend on the machine and on whatever else runs on it.
 
-    .venv/bin/python bench/bench_attention.py                  # attention fp32 + bf16, model step fp32
-    .venv/bin/python bench/bench_attention.py --threads 1 --step-dtypes fp32 bf16
-    .venv/bin/python bench/bench_attention.py --threads 1 --clock cpu --no-model --forward-mlens 128 640
+    .venv/bin/python -m bench.bench_attention                  # attention fp32 + bf16, model step fp32
+    .venv/bin/python -m bench.bench_attention --threads 1 --step-dtypes fp32 bf16
+    .venv/bin/python -m bench.bench_attention --threads 1 --clock cpu --no-model --forward-mlens 128 640
 
 The forward-only comparison (evaluation and generation, no grad) includes flex, whose CPU kernel has no
 backward; it is compiled once per shape before the timed calls.
@@ -13,7 +13,6 @@ backward; it is compiled once per shape before the timed calls.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from typing import Callable
 
@@ -21,27 +20,12 @@ import torch
 
 import torch.nn.functional as F
 
+from bench.timing import interleaved
 from txl_dist.config import ModelConfig
 from txl_dist.model import TransformerXL
 from txl_dist.model.attention import ATTN_IMPLS, attn_bias_from_mask, build_attn_mask, flex_block_mask
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def interleaved(fns: dict[str, Callable[[], None]], reps: int, warmup: int = 1,
-                clock: Callable[[], float] = time.perf_counter) -> dict[str, tuple[float, float]]:
-    """Seconds per call of each function (min over repetitions, the least disturbed by other load; and
-    median), calls interleaved so load changes hit all alike."""
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
-            start = clock()
-            fn()
-            times[name].append(clock() - start)
-    return {name: (min(t), statistics.median(t)) for name, t in times.items()}
 
 
 def rel_attention_seq_first(q, kv, r_head_k, r_w_bias, r_r_bias, attn_bias):

@@ -4,9 +4,9 @@ plan, with and without vocabulary padding, and the head's weight concatenation a
 Everything is measured side by side in one run (interleaved repetitions; min and median of each) and
 reported as ratios, since absolute times depend on the machine and on whatever else runs on it.
 
-    .venv/bin/python bench/bench_softmax.py                    # fp32 and bf16 (if the CPU has bf16 units)
-    .venv/bin/python bench/bench_softmax.py --dtypes fp32 --threads 1 --reps 5
-    .venv/bin/python bench/bench_softmax.py --threads 1 --clock cpu     # on a busy shared machine
+    .venv/bin/python -m bench.bench_softmax                    # fp32 and bf16 (if the CPU has bf16 units)
+    .venv/bin/python -m bench.bench_softmax --dtypes fp32 --threads 1 --reps 5
+    .venv/bin/python -m bench.bench_softmax --threads 1 --clock cpu     # on a busy shared machine
 
 Cases:
 - step: TransformerXL forward + backward over a memory (the reference shape of BENCHMARKS.md: 6 layers,
@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import sys
 import time
 from typing import Callable
@@ -33,6 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from bench.timing import interleaved
 from txl_dist.config import ModelConfig
 from txl_dist.model import TransformerXL
 from txl_dist.model.softmax import tail_plan
@@ -40,22 +40,6 @@ from txl_dist.model.softmax import tail_plan
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 REFERENCE_SHAPE = dict(vocab_size=16000, n_layer=6, d_model=256, n_head=8, d_head=32, d_inner=1024,
                        cutoffs=[2000, 6000], div_val=1, tgt_len=128, mem_len=128, dropout=0.1, dropatt=0.0)
-
-
-def interleaved(fns: dict[str, Callable[[], None]], reps: int, warmup: int = 1,
-                clock: Callable[[], float] = time.perf_counter) -> dict[str, tuple[float, float]]:
-    """Seconds per call of each function (min, the least disturbed by other load; and median), calls
-    interleaved so that load changes hit all alike."""
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
-            start = clock()
-            fn()
-            times[name].append(clock() - start)
-    return {name: (min(t), statistics.median(t)) for name, t in times.items()}
 
 
 def step_cases(dtype: torch.dtype, batch: int) -> dict[str, Callable[[], None]]:

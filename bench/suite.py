@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 import torch
 
+from bench.timing import interleaved
 from txl_dist.flops import cluster_token_shares, flops_per_token as model_flops_per_token
 from txl_dist.config import MemorySettings, ModelConfig
 
@@ -74,24 +75,6 @@ def flops_per_token(cfg: ModelConfig, batch: int, labels: torch.Tensor) -> tuple
     """The product's count (what train/mfu uses), with the cluster shares of the labels trained on."""
     shares = cluster_token_shares(labels.numpy().ravel(), cfg.cutoffs, cfg.vocab_size)
     return model_flops_per_token(cfg, micro_batch=batch, cluster_shares=shares), "txl_dist.flops.flops_per_token"
-
-
-def interleaved(fns: dict[str, Callable[[], None]], reps: int, warmup: int = 1,
-                settle_s: float = 0.0) -> dict[str, tuple[float, float]]:
-    """Seconds per call of each function (min, median), calls interleaved so that load changes hit all
-    alike (bench/bench_attention.py's rule), with `settle_s` of idle time before each timed call: OpenMP
-    threads of the side that just ran keep spinning for a while and would slow the next side down."""
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
-            time.sleep(settle_s)
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: (min(t), sorted(t)[len(t) // 2]) for name, t in times.items()}
 
 
 def matmul_call(dtype: torch.dtype, n: int) -> tuple[Callable[[], None], float]:
