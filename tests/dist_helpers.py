@@ -207,12 +207,16 @@ def write_corpus(root: Path, splits: dict, vocab_size: int = 64, layout=(2, 4)) 
 
 def tiny_config(corpus: Path, run_dir: Path, **sections) -> dict:
     """A raw run config for a 2-layer, d_model 32 model on `corpus`, writing to `run_dir` (checkpoints in
-    run_dir/checkpoints); `sections` update it per section."""
+    run_dir/checkpoints); `sections` update it per section.
+
+    The attention path is pinned ("matmul"): tests compare separate runs bit for bit, and "auto" is measured
+    per run, so two fresh runs could pick paths that round differently (tests/test_runtime_choices.py
+    tests "auto" itself)."""
     import copy
 
     raw = {
         "model": {"n_layer": 2, "d_model": 32, "n_head": 2, "d_head": 16, "d_inner": 64, "cutoffs": [32],
-                  "div_val": 2, "tgt_len": 8, "mem_len": 8, "dropout": 0.1},
+                  "div_val": 2, "tgt_len": 8, "mem_len": 8, "dropout": 0.1, "attn_impl": "matmul"},
         "data": {"path": str(corpus)},
         "train": {"max_steps": 4, "seed": 11, "log_interval": 1},
         "eval": {"interval": 0, "tgt_len": 8, "mem_len": 16, "n_streams": 2, "max_segments": 3},

@@ -29,7 +29,8 @@ def corpus(tmp_path_factory):
 
 
 def _cfg(tmp_path, **train):
-    return config_from_dict(tiny_config(tmp_path / "corpus", tmp_path / "run", train=train))
+    return config_from_dict(tiny_config(tmp_path / "corpus", tmp_path / "run", train=train,
+                                        model={"attn_impl": "auto"}))
 
 
 def _layer_times(monkeypatch, fp32_s: float, bf16_s: float) -> list[str]:
