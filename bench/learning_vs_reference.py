@@ -86,8 +86,8 @@ def settings_from(cfg: RunConfig, steps: int, threads: int) -> Settings:
     # k - 1 (the trainer logs the same numbers as train/lr).
     lrs = [0.0] + [warmup_cosine_lr(s, steps, base_lr, sched.get("params", {})) for s in range(steps - 1)] \
         if sched else [base_lr] * steps
-    return Settings(cfg=cfg, steps=steps, n_streams=ds["train_batch_size"],
-                    eval_streams=cfg.eval.n_streams or 1, lrs=lrs, betas=tuple(opt["params"].get("betas", (0.9, 0.999))),
+    return Settings(cfg=cfg, steps=steps, n_streams=ds["train_batch_size"], eval_streams=cfg.eval.n_streams or 1,
+                    lrs=lrs, betas=tuple(opt["params"].get("betas", (0.9, 0.999))),
                     eps=opt["params"].get("eps", 1e-8), clip=ds.get("gradient_clipping", 0.0) or math.inf,
                     threads=threads)
 
@@ -113,6 +113,7 @@ def train_batches(s: Settings) -> tuple[torch.Tensor, torch.Tensor]:
 def eval_windows(s: Settings) -> dict[str, torch.Tensor]:
     """The windows our Evaluator reads from the test split, in order (the same loader settings)."""
     evaluator = Evaluator(s.cfg.data.path, s.cfg.eval, rank=0, world_size=1, n_streams=s.eval_streams)
+    # The Evaluator's own loader (not a second one built alike): the reference reads the very windows ours does.
     loader = evaluator._loader(s.cfg.data.test_split)
     windows: dict[str, torch.Tensor] = {}
     for i, mb in enumerate(loader):
@@ -258,10 +259,9 @@ def main(argv: list[str] | None = None) -> int:
             results["reference"][seed] = train_reference(s, python, work, seed, init_dir,
                                                          work / "batches.safetensors", work / "eval.safetensors")
             results["txl-dist"][seed] = train_ours(s, model, seed, inputs, labels)
-            print(f"seed {seed}: test ppl txl-dist "
-                  f"{math.exp(results['txl-dist'][seed]['eval_nll_sum'] / results['txl-dist'][seed]['eval_tokens']):.2f}"
-                  f", reference {math.exp(results['reference'][seed]['eval_nll_sum'] / results['reference'][seed]['eval_tokens']):.2f}",
-                  flush=True)
+            ppl = {side: math.exp(results[side][seed]["eval_nll_sum"] / results[side][seed]["eval_tokens"])
+                   for side in results}
+            print(f"seed {seed}: test ppl txl-dist {ppl['txl-dist']:.2f}, reference {ppl['reference']:.2f}", flush=True)
     lines, ok = report(results, s)
     m = cfg.model
     print(f"model: {m.n_layer} layers, d_model {m.d_model}, {m.n_head} heads x {m.d_head}, d_inner {m.d_inner}, "
