@@ -1,0 +1,76 @@
+"""The recipes (docs/recipes.md): the presets they run, and bench/learning_vs_reference.py at toy size.
+
+The learning-quality benchmark hands our weights, batches, learning rates and evaluation windows to the
+reference (transformers 4.37.2 in `.venv-ref`); with dropout off nothing random is left, so both sides must
+follow the same loss curve and reach the same test loss: a wrong handover (a shifted batch, another learning
+rate, other memory settings) shows up as a difference.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from bench.learning_vs_reference import main as learning_vs_reference
+from bench.learning_vs_reference import warmup_cosine_lr
+from corpus_helpers import make_corpus, synthetic_stream
+from hf_reference.refvenv import reference_python  # noqa: F401  (fixture)
+from txl_dist.config import load_config
+from txl_dist.data.format import Layout
+from test_config import CONFIGS
+
+PAPER_EVAL = {  # Dai et al. 2019, evaluation of the large models: tgt_len, mem_len, clamp_len, same_length
+    "large": (128, 1600, 1000, True),  # WikiText-103, 18.3 ppl
+    "enwik8_large": (128, 3800, 1000, True),  # enwik8, 0.99 bpc
+}
+
+
+def test_the_paper_presets_evaluate_with_the_papers_memory_settings():
+    for name, expected in PAPER_EVAL.items():
+        ev = load_config(CONFIGS[0].parent / f"{name}.json").eval
+        assert (ev.tgt_len, ev.mem_len, ev.clamp_len, ev.same_length) == expected, name
+
+
+def test_the_cpu_ptb_preset_is_shipped_and_fits_one_or_two_ranks():
+    cfg = load_config(CONFIGS[0].parent / "ptb_cpu.json")
+    assert cfg.data.path == "data/ptb"
+    for world_size in (1, 2):
+        ds = cfg.deepspeed_config(world_size)
+        assert ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * world_size == 16
+
+
+def test_the_learning_rates_follow_deepspeeds_warmup_cosine():
+    params = {"warmup_num_steps": 4, "warmup_type": "linear", "warmup_min_ratio": 0.0, "cos_min_ratio": 0.1}
+    lrs = [warmup_cosine_lr(step, 10, 1.0, params) for step in range(10)]
+    assert lrs[:4] == [0.0, 0.25, 0.5, 0.75]
+    assert lrs[3] < lrs[4] and lrs[4] == pytest.approx(0.1 + 0.9 * (1 + math.cos(math.pi / 6)) / 2)
+    assert lrs[-1] == pytest.approx(0.1)
+
+
+def test_without_dropout_both_sides_follow_the_same_curve(tmp_path, reference_python):  # noqa: F811
+    vocab = 97
+    corpus = make_corpus(tmp_path / "corpus", {"train": synthetic_stream(4000, vocab, seed=1),
+                                               "valid": synthetic_stream(600, vocab, seed=2),
+                                               "test": synthetic_stream(600, vocab, seed=3)},
+                         layout=Layout(1, 4), vocab_size=vocab)
+    out = tmp_path / "result.json"
+    settings = ["model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.d_head=16", "model.d_inner=64",
+                "model.cutoffs=[40,70]", "model.tgt_len=8", "model.mem_len=8", "model.dropout=0.0",
+                "eval.tgt_len=8", "eval.mem_len=16", "eval.clamp_len=6", "eval.n_streams=2",
+                "deepspeed.train_batch_size=4", "deepspeed.train_micro_batch_size_per_gpu=4",
+                "deepspeed.scheduler.params.warmup_num_steps=3"]
+    argv = ["--config", str(CONFIGS[0].parent / "tiny.json"), "--corpus", str(corpus), "--steps", "6",
+            "--seeds", "5", "--json-out", str(out)]
+    for item in settings:
+        argv += ["--set", item]
+    assert learning_vs_reference(argv) == 0
+    results = json.loads(out.read_text())["results"]
+    ours, ref = results["txl-dist"]["5"], results["reference"]["5"]
+    assert len(ours["train_loss"]) == len(ref["train_loss"]) == 6
+    assert ours["train_loss"] == pytest.approx(ref["train_loss"], abs=1e-4)
+    assert ours["train_loss"][-1] < ours["train_loss"][0]  # it learned, so the comparison compares something
+    # Every test token but the first of each of the 2 streams is predicted once, on both sides.
+    assert ours["eval_tokens"] == ref["eval_tokens"] == 600 - 2
+    assert ours["eval_nll_sum"] / ours["eval_tokens"] == pytest.approx(ref["eval_nll_sum"] / ref["eval_tokens"],
+                                                                       abs=1e-4)
