@@ -3,7 +3,7 @@
     python bench/gpu_check.py --out DIR [--cpu-smoke] [--budget-s 430]
 
 Phases, each time-boxed, each writing JSON lines to DIR/gpu_check.jsonl as it goes (a kill leaves what
-was measured), then DIR/gpu_check.md (a short table):
+was measured), then DIR/gpu_check_table.txt (a short table):
   env        device, torch / CUDA / Triton versions, free memory
   matmul     the device's matmul peak (bf16, fp16, tf32, fp32): the denominator of the measured MFU
   attention  relative attention alone, forward+backward, every implementation in ATTN_IMPLS (discovered),
@@ -46,7 +46,7 @@ from txl_dist.model.attention import (ATTN_IMPLS, attn_bias_from_mask, build_att
 
 REPO = Path(__file__).resolve().parents[1]
 JSONL = "gpu_check.jsonl"
-TABLE = "gpu_check.md"
+TABLE = "gpu_check_table.txt"
 
 PEAK_BF16_SPEC = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
 """Dense bf16 tensor-core peak (FLOP/s) by device name fragment, from the vendors' data sheets (SXM parts)."""
@@ -648,7 +648,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run every phase; JSON lines and the table go to --out."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT") or "gpu-check-out",
-                    help="folder for gpu_check.jsonl and gpu_check.md (default: $OUT when set)")
+                    help="folder for gpu_check.jsonl and gpu_check_table.txt (default: $OUT when set)")
     ap.add_argument("--cpu-smoke", action="store_true", help="every phase at toy size on the CPU (< 2 minutes)")
     ap.add_argument("--budget-s", type=float, default=float(sum(PHASE_BUDGET.values())),
                     help="total seconds for all phases (each gets its share)")

@@ -61,5 +61,5 @@ def test_cpu_smoke_runs_every_phase(tmp_path):
         assert all(r["tokens_per_s"] > 0 and r["mfu_measured_peak"] >= 0 for r in steps if r["shape"] == shape)
     (ds,) = by_kind["deepspeed"]
     assert ds["exit"] == 0 and ds["tokens_per_s_last"] > 0, ds
-    table = (out / "gpu_check.md").read_text()
+    table = (out / "gpu_check_table.txt").read_text()
     assert "| train | ok |" in table and "DeepSpeed trainer ZeRO 1: exit 0" in table
