@@ -190,7 +190,9 @@ def test_relayout_keeps_every_token(corpus, expected, tmp_path):
     shutil.copytree(corpus, copy)
     run("relayout", copy, "--world-size", 4, "--n-streams", 16, "--eval-streams", 4, "--quiet")
     m = read_manifest(copy)
-    assert len(m.splits["train"].files) == 5
+    # one file per rank block, and one for the remainder past S*L when there is one (the trained tokenizer
+    # decides the token count, which may be a multiple of 16)
+    assert len(m.splits["train"].files) == 4 + (m.splits["train"].n_tokens % 16 != 0)
     assert (m.splits["train"].layout.n_streams, m.splits["valid"].layout.n_streams) == (16, 4)
     assert m.provenance["relayout"][0]["command"][3] == "relayout"
     for split in ("train", "valid", "test"):
