@@ -20,6 +20,7 @@ import os
 from contextlib import contextmanager
 from typing import Iterable, Iterator
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -29,7 +30,7 @@ from .data import SplitTooShort, StreamLoader
 from .data.format import split_parts
 from .host_copy import to_device
 from .memory import MemoryBank
-from .model.softmax import tail_plan
+from .model.softmax import TailPlan, tail_plan
 from .streams import streams_per_rank
 
 
@@ -81,9 +82,7 @@ class Evaluator:
                 if self.cfg.max_segments is not None and segment >= self.cfg.max_segments:
                     break
                 # Non-blocking copies, and the softmax's cluster counts from the host labels: no sync here.
-                input_ids = to_device(mb.input_ids, self.device)  # [n, T]
-                labels = to_device(mb.labels, self.device)  # [n, T]
-                plan = tail_plan(mb.labels, cutoffs, self.device) if cutoffs else None
+                input_ids, labels, plan = batch_to_device(mb.input_ids, mb.labels, self.device, cutoffs)  # [n, T] x2
                 out = model(input_ids, labels=labels, mems=bank.get(mb.stream_ids, mb.reset), memory=memory,
                             tail_plan=plan)
                 bank.put(mb.stream_ids, out.mems)
@@ -116,6 +115,14 @@ def summarize(nll_sum: float, tokens: int, *, n_tokens: int, n_bytes: int, n_cha
         "bits_per_char": bits * n_tokens / n_chars if n_chars else float("nan"),
         "tokens": float(tokens),
     }
+
+
+def batch_to_device(input_ids: np.ndarray, labels: np.ndarray, device: torch.device,
+                    cutoffs: list[int]) -> tuple[torch.Tensor, torch.Tensor, TailPlan | None]:
+    """A micro batch [m, T] on `device` with the adaptive softmax's TailPlan made from the host labels (None
+    without tail clusters): what the evaluator and the trainer feed the model, with no host sync."""
+    plan = tail_plan(labels, cutoffs, device) if cutoffs else None
+    return to_device(input_ids, device), to_device(labels, device), plan
 
 
 @contextmanager

@@ -42,10 +42,8 @@ from .distributed import DistEnv
 from .engine import build_engine, deepspeed_config, global_grad_norm, model_dtype, zero_stage
 from .errors import RunFailed
 from .flops import flops_per_token
-from .evaluate import Evaluator
-from .host_copy import to_device
+from .evaluate import Evaluator, batch_to_device
 from .memory import MemoryBank, merge_state_dicts
-from .model.softmax import tail_plan
 from .startup import Resume, TrainStart, start_training
 from .stop_request import StopRequest
 
@@ -200,9 +198,7 @@ class Trainer:
         for micro in range(self.loader.accumulation_steps):
             mb = next(self._batches)
             # Non-blocking copies, and the softmax's cluster counts from the host labels: no sync here.
-            input_ids = to_device(mb.input_ids, self.device)  # [m, T]
-            labels = to_device(mb.labels, self.device)  # [m, T]
-            plan = tail_plan(mb.labels, cutoffs, self.device) if cutoffs else None
+            input_ids, labels, plan = batch_to_device(mb.input_ids, mb.labels, self.device, cutoffs)  # [m, T] x2
             mems = self.bank.get(mb.stream_ids, mb.reset)  # n_layer x [m, mlen, d_model] or None
             out = engine(input_ids, labels=labels, mems=mems, tail_plan=plan)
             engine.backward(out.nll.mean())
