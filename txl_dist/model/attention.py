@@ -5,8 +5,8 @@ sinusoid embedding of the distance between query i and key j.
 
 Three interchangeable implementations take the same arguments and return the same attention vectors:
 - `rel_attention_reference`: plain einsum + the reference code's rel-shift; the test oracle.
-- `rel_attention_matmul`: contiguous head-major layouts, batched matmuls, a free rel-shift, fp32 softmax
-  under bf16/fp16. The fastest on CPU (bench/bench_attention.py).
+- `rel_attention_matmul`: contiguous head-major layouts, batched matmuls, a free rel-shift, a softmax in
+  the scores' dtype (accumulating in float32). The fastest on CPU (bench/bench_attention.py).
 - `rel_attention_sdpa`: torch's scaled_dot_product_attention with the position term as an additive float
   mask (the memory-efficient kernel on CUDA). Slower on CPU (docs/architecture.md).
 - `rel_attention_flex`: FlexAttention (compiled): the content term is the fused kernel's own q.k, the
@@ -161,7 +161,10 @@ def rel_attention_matmul(q: torch.Tensor, kv: torch.Tensor, r_head_k: torch.Tens
     Head-major [H, B, T, D] layouts make the position term one large matmul per head (B*T query rows
     against the K+1 distances, no broadcast copy of r per batch row) and every other product a plain
     bmm over H*B; the content term accumulates onto the shifted position term in one baddbmm; the mask
-    is added in place (its backward is free); softmax runs in float32 when inputs are bf16/fp16.
+    is added in place (its backward is free). The softmax takes bf16/fp16 scores as they are: torch's CPU and
+    CUDA kernels accumulate in float32 and round once at the end, so the forward equals softmax in float32
+    cast back bit for bit, without the two float32 copies of the score tensor (and the float32 one saved for
+    backward) that an explicit upcast writes.
     """
     n_head, d_head = r_w_bias.shape
     bsz, qlen, _ = q.shape
@@ -174,10 +177,7 @@ def rel_attention_matmul(q: torch.Tensor, kv: torch.Tensor, r_head_k: torch.Tens
     scores = torch.baddbmm(bd, q_w.view(n_head * bsz, qlen, d_head),
                            head_k.view(n_head * bsz, klen, d_head).transpose(1, 2))  # [H*B, T, K]
     scores.add_(attn_bias)
-    if scores.dtype in (torch.float16, torch.bfloat16):
-        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)  # [H*B, T, K]
-    else:
-        probs = F.softmax(scores, dim=-1)                                          # [H*B, T, K]
+    probs = F.softmax(scores, dim=-1)                                              # [H*B, T, K]
     probs = F.dropout(probs, dropatt, training)
     attn_vec = torch.bmm(probs, head_v.view(n_head * bsz, klen, d_head))          # [H*B, T, D]
     attn_vec = attn_vec.view(n_head, bsz, qlen, d_head).permute(1, 2, 0, 3)        # [B, T, H, D] (view)
