@@ -35,7 +35,7 @@ def main() -> None:
     torch.set_num_threads(setup["threads"])
     torch.manual_seed(setup["seed"])
     model = TransfoXLLMHeadModel(TransfoXLConfig(**setup["config"])).to(DTYPES[setup["dtype"]]).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # the same optimizer as our side
     segments = zipf_segments(model.config.vocab_size, 16, setup["batch"], setup["tgt_len"], setup["seed"])
     state = {"mems": None, "i": 0}
 

@@ -4,7 +4,8 @@ table of BENCHMARKS.md (between its `bench:start` and `bench:end` markers).
 Every figure is a ratio of two things measured in the same run, repetitions interleaved (load changes on
 a shared machine hit both sides alike), best repetition reported:
   reference   training tokens/s against the reference Transformer-XL (HF transformers 4.37.2 in .venv-ref,
-              a subprocess driven step by step) at equal config, threads and precision: fp32, and bf16 where
+              a subprocess driven step by step) at equal config, threads, precision and optimizer (torch's
+              fused AdamW on both sides): fp32, and bf16 where
               the CPU has bf16 matmul units; MFU against the matmul peak measured between the same steps
   longmem     long-memory evaluation (tgt 64, mem 640) against recomputing the whole 704-token window per
               segment (mem_len 0): tokens/s at equal context
@@ -126,12 +127,12 @@ class ReferenceWorker:
 
 
 def our_training(cfg: ModelConfig, dtype: torch.dtype, batch: int) -> tuple[Callable[[int], None], torch.Tensor]:
-    """k training steps of our model (attn_impl auto, carried mems, AdamW) as the reference worker does them."""
+    """k training steps of our model (attn_impl auto, carried mems, fused AdamW) as the reference worker does them."""
     from txl_dist.model import TransformerXL
 
     torch.manual_seed(0)
     model = TransformerXL(cfg).to(dtype).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # as configs/tiny.json; the reference too
     segments = zipf_segments(cfg.vocab_size, 16, batch, cfg.tgt_len, 0)
     labels = segments.roll(-1, dims=2)
     state: dict[str, Any] = {"mems": None, "i": 0}
