@@ -454,7 +454,7 @@ def learning_row(lr: dict[str, Any], measured: dict[str, Any] | None) -> str:
     reached = [r for r in lr["per_seed"].values() if r["reached"]]
     when = f"; measured {measured['date']} at commit {measured['commit']}" if measured else ""
     ours = (f"s*/N {ratio_text(lr['token_ratio_mean'], bound)} ({len(reached)} of {len(lr['per_seed'])} seeds "
-            f"reached the reference's ppl; T_ours(s*) per seed "
+            f"reached the reference's ppl; T_ours(s*) / T_ref per seed "
             + ", ".join(ratio_text(r["time_ratio"], not r["reached"]) for r in lr["per_seed"].values()) + ")")
     ref_ppl = sum(r["reference_ppl"] for r in lr["per_seed"].values()) / len(lr["per_seed"])
     return (f"| learning per second: train time to the reference's final test ppl / the reference's train time "
