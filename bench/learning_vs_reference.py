@@ -309,7 +309,7 @@ def report(results: dict[str, dict[int, dict]], s: Settings) -> tuple[list[str],
 def learning_report(results: dict[str, dict[int, dict]], per_seed: dict[int, dict], summary: dict) -> list[str]:
     """The learning-per-second table per seed, the mean learning curves and the verdict line."""
     lines = ["| seed | reference test ppl P_ref (N steps) | T_ref s | first checkpoint s* with ppl <= P_ref | "
-             "our ppl at s* | reference ppl at s* | T_ours(s*) s | T_ours(s*) / T_ref | s* / N |",
+             "our ppl at s* (else N) | reference ppl there | T_ours(s*) s | T_ours(s*) / T_ref | s* / N |",
              "|---|---|---|---|---|---|---|---|---|"]
     for seed, r in sorted(per_seed.items()):
         where = f"{r['step']} of {r['steps']}" if r["reached"] else f"not reached in {r['steps']}"
