@@ -370,6 +370,8 @@ def toy_learning_corpus(root: Path) -> tuple[Path, list[str]]:
 
 
 def bench_learning(args: argparse.Namespace) -> dict[str, Any]:
+    """bench/learning_vs_reference.py in its own process (it sets its own thread count), fixed setting; its
+    learning-per-second figures, settings and each run's checkpoints (the per-step train losses dropped)."""
     steps, seeds, k = (20, (1,), 2) if args.quick else (LEARNING_STEPS, LEARNING_SEEDS, LEARNING_CHECKPOINTS)
     with tempfile.TemporaryDirectory(prefix="txl-bench-learning-") as tmp:
         corpus, sets = toy_learning_corpus(Path(tmp) / "corpus") if args.quick else (shakespeare_corpus(), [])
