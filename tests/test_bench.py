@@ -1,8 +1,10 @@
-"""The benchmark command: a --quick run of two sections rewrites only the marked block of a BENCHMARKS.md.
+"""The benchmark command: a --quick run of two sections rewrites only the marked block of a BENCHMARKS.md;
+the learning section's bookkeeping at toy size, and the row it keeps when not run.
 (Its FLOP count is the product's, txl_dist/flops.py, tested in tests/test_flops.py.)"""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -10,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from hf_reference.refvenv import reference_python  # noqa: F401  (fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -32,3 +36,42 @@ def test_quick_run_rewrites_only_the_marked_block(tmp_path):
     res = json.loads(result.read_text())
     assert res["longmem"]["speedup"] > 0 and res["checkpoint"]["save_mb_s"] > 0
     assert res["machine"]["torch"] == torch.__version__
+
+
+@pytest.mark.slow
+def test_quick_learning_section_finds_the_first_checkpoint_at_the_reference_ppl(tmp_path,
+                                                                               reference_python):  # noqa: F811
+    """`--sections learning --quick`: both sides at toy size (20 steps, checkpoints 10 and 20, one seed); the
+    figure is recomputed here from the raw checkpoints. A later run of another section keeps its row."""
+    from bench.suite import main as bench_main
+
+    out, result = tmp_path / "BENCHMARKS.md", tmp_path / "latest.json"
+    common = ["--quick", "--threads", str(torch.get_num_threads()), "--out", str(out), "--json", str(result)]
+    assert bench_main(["--sections", "learning", *common]) == 0
+    res = json.loads(result.read_text())
+    lr = res["learning"]
+    assert lr["settings"]["checkpoints"] == [10, 20] and lr["settings"]["seeds"] == [1]
+    ours, ref = lr["sides"]["txl-dist"]["runs"]["1"], lr["sides"]["reference"]["runs"]["1"]
+    for run in (ours, ref):
+        assert [c["step"] for c in run["checkpoints"]] == [10, 20]
+        assert 0 < run["checkpoints"][0]["train_s"] < run["checkpoints"][1]["train_s"] == run["train_s"]
+        assert {c["eval_tokens"] for c in run["checkpoints"]} == {ref["eval_tokens"]}
+    ref_loss = ref["checkpoints"][-1]["eval_nll_sum"] / ref["eval_tokens"]
+    first = next((c for c in ours["checkpoints"] if c["eval_nll_sum"] / c["eval_tokens"] <= ref_loss), None)
+    seed = lr["per_seed"]["1"]
+    assert seed["reached"] == (first is not None)
+    assert seed["step"] == (first["step"] if first else None)
+    assert seed["time_ratio"] == pytest.approx((first or ours["checkpoints"][-1])["train_s"] / ref["train_s"])
+    assert seed["reference_ppl"] == pytest.approx(math.exp(ref_loss))
+    assert lr["time_ratio_mean"] == seed["time_ratio"] and lr["lower_bound"] == (first is None)
+    assert lr["passed"] == (first is not None and seed["time_ratio"] <= 0.5)
+    row = next(line for line in out.read_text().splitlines() if line.startswith("| learning per second"))
+    assert row.endswith(f"| {'PASS' if lr['passed'] else 'FAIL'} (target <= 0.5) |")
+    assert f"| {'' if first else '> '}{seed['time_ratio']:.2f} |" in row and "measured" not in row
+
+    assert bench_main(["--sections", "longmem", *common]) == 0
+    text = out.read_text()
+    assert "| long-memory evaluation tokens/s" in text
+    kept = next(line for line in text.splitlines() if line.startswith("| learning per second"))
+    assert f"measured {res['machine']['date']} at commit {res['machine']['commit']}" in kept
+    assert json.loads(result.read_text())["learning"] == lr

@@ -48,24 +48,33 @@ def test_the_learning_rates_follow_deepspeeds_warmup_cosine():
     assert lrs[-1] == pytest.approx(0.1)
 
 
-def test_without_dropout_both_sides_follow_the_same_curve(tmp_path, reference_python):  # noqa: F811
-    vocab = 97
-    corpus = make_corpus(tmp_path / "corpus", {"train": synthetic_stream(4000, vocab, seed=1),
-                                               "valid": synthetic_stream(600, vocab, seed=2),
-                                               "test": synthetic_stream(600, vocab, seed=3)},
-                         layout=Layout(1, 4), vocab_size=vocab)
-    out = tmp_path / "result.json"
-    settings = ["model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.d_head=16", "model.d_inner=64",
-                "model.cutoffs=[40,70]", "model.tgt_len=8", "model.mem_len=8", "model.dropout=0.0",
-                "eval.tgt_len=8", "eval.mem_len=16", "eval.clamp_len=6", "eval.n_streams=2",
-                "deepspeed.train_batch_size=4", "deepspeed.train_micro_batch_size_per_gpu=4",
-                "deepspeed.scheduler.params.warmup_num_steps=3"]
-    argv = ["--config", str(CONFIGS[0].parent / "tiny.json"), "--corpus", str(corpus), "--steps", "6",
-            "--seeds", "5", "--json-out", str(out)]
-    for item in settings:
+TOY_VOCAB = 97
+TOY_SETTINGS = ["model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.d_head=16", "model.d_inner=64",
+                "model.cutoffs=[40,70]", "model.tgt_len=8", "model.mem_len=8", "eval.tgt_len=8", "eval.mem_len=16",
+                "eval.clamp_len=6", "eval.n_streams=2", "deepspeed.train_batch_size=4",
+                "deepspeed.train_micro_batch_size_per_gpu=4", "deepspeed.scheduler.params.warmup_num_steps=3"]
+
+
+def toy_corpus(root):
+    return make_corpus(root, {"train": synthetic_stream(4000, TOY_VOCAB, seed=1),
+                              "valid": synthetic_stream(600, TOY_VOCAB, seed=2),
+                              "test": synthetic_stream(600, TOY_VOCAB, seed=3)},
+                       layout=Layout(1, 4), vocab_size=TOY_VOCAB)
+
+
+def run_toy(corpus, out, *extra: str, settings: list[str] = ()) -> dict:
+    """bench/learning_vs_reference.py at toy size on one seed; its JSON."""
+    argv = ["--config", str(CONFIGS[0].parent / "tiny.json"), "--corpus", str(corpus), "--seeds", "5",
+            "--json-out", str(out), *extra]
+    for item in [*TOY_SETTINGS, *settings]:
         argv += ["--set", item]
     assert learning_vs_reference(argv) == 0
-    results = json.loads(out.read_text())["results"]
+    return json.loads(out.read_text())
+
+
+def test_without_dropout_both_sides_follow_the_same_curve(tmp_path, reference_python):  # noqa: F811
+    results = run_toy(toy_corpus(tmp_path / "corpus"), tmp_path / "result.json", "--steps", "6", "--checkpoints", "1",
+                      settings=["model.dropout=0.0"])["results"]
     ours, ref = results["txl-dist"]["5"], results["reference"]["5"]
     assert len(ours["train_loss"]) == len(ref["train_loss"]) == 6
     assert ours["train_loss"] == pytest.approx(ref["train_loss"], abs=1e-4)
@@ -74,3 +83,21 @@ def test_without_dropout_both_sides_follow_the_same_curve(tmp_path, reference_py
     assert ours["eval_tokens"] == ref["eval_tokens"] == 600 - 2
     assert ours["eval_nll_sum"] / ours["eval_tokens"] == pytest.approx(ref["eval_nll_sum"] / ref["eval_tokens"],
                                                                        abs=1e-4)
+
+
+def test_checkpoint_evaluations_leave_training_bitwise_unchanged(tmp_path, reference_python):  # noqa: F811
+    """Dropout on: the evaluations at checkpoints 3, 6 and 9 (eval mode, their own memory settings, the same RNG)
+    must give back the train mode, the training memory settings and the RNG state, on both sides."""
+    corpus = toy_corpus(tmp_path / "corpus")
+    plain = run_toy(corpus, tmp_path / "plain.json", "--steps", "9", "--checkpoints", "1")["results"]
+    checked = run_toy(corpus, tmp_path / "checked.json", "--steps", "9", "--checkpoints", "3")["results"]
+    for side in ("txl-dist", "reference"):
+        a, b = plain[side]["5"], checked[side]["5"]
+        assert [c["step"] for c in b["checkpoints"]] == [3, 6, 9] and len(a["checkpoints"]) == 1
+        assert b["train_loss"] == a["train_loss"], side  # bitwise: every dropout mask and update the same
+        assert b["eval_nll_sum"] == a["eval_nll_sum"], side
+        # The train clock stops for evaluations: its readings grow with the steps and end at the total.
+        times = [c["train_s"] for c in b["checkpoints"]]
+        assert times == sorted(times) and times[-1] == b["train_s"]
+    # Dropout made the two sides differ (each draws its own masks), so the sameness above is not the model's.
+    assert plain["txl-dist"]["5"]["train_loss"] != plain["reference"]["5"]["train_loss"]
