@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     windows = load_file(job["eval"])
     checkpoints = set(job.get("checkpoints") or [len(job["lrs"])])
     optimizer = torch.optim.AdamW(model.parameters(), lr=job["lrs"][0], betas=tuple(job["betas"]), eps=job["eps"],
-                                  weight_decay=0.0)
+                                  weight_decay=0.0, fused=job.get("fused") or None)
     model.train()
     mems = empty_mems(model, inputs.size(1))
     losses, evaluations = [], []

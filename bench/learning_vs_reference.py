@@ -3,8 +3,9 @@ TransfoXLLMHeadModel (transformers 4.37.2, in `.venv-ref`, run as a subprocess) 
 
 For every seed both sides start from the SAME weights (ours, initialized with the seed, handed over with
 `to_hf`), read the SAME batches (our StreamLoader's, in order: S streams of tgt_len tokens per step, mems
-carried from step to step), use the same optimizer (torch AdamW, no weight decay, global-norm clipping, the
-learning rate the trainer's DeepSpeed WarmupCosineLR gives every step), dropout on, float32, the same number
+carried from step to step), use the same optimizer (torch AdamW, fused when the config says so, no weight
+decay, global-norm clipping, the learning rate the trainer's DeepSpeed WarmupCosineLR gives every step),
+dropout on, float32, the same number
 of threads; the seed also seeds the dropout masks (each side draws its own). Both are evaluated on the same
 test windows (our evaluation loader's, in order) with the config's eval memory settings, at K checkpoints.
 Printed: test perplexity per seed, mean and spread (max - min over seeds), train and eval wall time, the
@@ -94,6 +95,8 @@ class Settings:
     eps: float
     clip: float
     threads: int
+    fused: bool = False
+    """torch's fused AdamW (the config's optimizer.params.fused) on both sides."""
 
 
 def settings_from(cfg: RunConfig, steps: int, threads: int) -> Settings:
@@ -113,7 +116,7 @@ def settings_from(cfg: RunConfig, steps: int, threads: int) -> Settings:
     return Settings(cfg=cfg, steps=steps, n_streams=ds["train_batch_size"], eval_streams=cfg.eval.n_streams or 1,
                     lrs=lrs, betas=tuple(opt["params"].get("betas", (0.9, 0.999))),
                     eps=opt["params"].get("eps", 1e-8), clip=ds.get("gradient_clipping", 0.0) or math.inf,
-                    threads=threads)
+                    threads=threads, fused=bool(opt["params"].get("fused", False)))
 
 
 def train_batches(s: Settings) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,7 +182,8 @@ def train_ours(s: Settings, model: TransformerXL, seed: int, inputs: torch.Tenso
     torch.set_num_threads(s.threads)
     torch.manual_seed(seed)  # dropout
     evaluator = Evaluator(s.cfg.data.path, s.cfg.eval, rank=0, world_size=1, n_streams=s.eval_streams)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=s.lrs[0], betas=s.betas, eps=s.eps, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=s.lrs[0], betas=s.betas, eps=s.eps, weight_decay=0.0,
+                                  fused=s.fused or None)
     model.train()
     mems = None
     losses, evaluations = [], []
@@ -217,7 +221,8 @@ def train_reference(s: Settings, python: Path, work: Path, seed: int, init_dir: 
     job = {"init_dir": str(init_dir), "batches": str(batches), "eval": str(windows), "lrs": s.lrs,
            "betas": list(s.betas), "eps": s.eps, "clip": s.clip, "seed": seed, "threads": s.threads,
            "eval_mem_len": s.cfg.eval.mem_len, "eval_clamp_len": s.cfg.eval.clamp_len,
-           "eval_same_length": s.cfg.eval.same_length, "checkpoints": checkpoints, "out": str(out)}
+           "eval_same_length": s.cfg.eval.same_length, "checkpoints": checkpoints, "fused": s.fused,
+           "out": str(out)}
     job_file = work / f"reference-{seed}.job.json"
     job_file.write_text(json.dumps(job))
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
