@@ -20,11 +20,12 @@ PHASES = ["env", "matmul", "attention", "model", "train", "deepspeed"]
 @pytest.mark.slow
 def test_cpu_smoke_runs_every_phase(tmp_path):
     out = tmp_path / "out"
-    # A generous overall time box: this checks that every phase runs, on machines that may be busy (the
-    # time boxes themselves only cut phases short; the smoke run needs ~20 s on an idle 2-core machine).
-    env = {k: v for k, v in os.environ.items() if k != "OUT"} | {"DS_ACCELERATOR": "cpu", "GPU_CHECK_TOTAL_S": "400"}
+    # A generous overall time box: this checks that every phase runs to the end, not how fast, so the phases'
+    # time boxes (shares of the total) must not cut any short on a busy machine. The smoke run needs 25-45 s
+    # on an idle 2-core machine; under a load of 5 on 2 cores one phase alone took over 80 s.
+    env = {k: v for k, v in os.environ.items() if k != "OUT"} | {"DS_ACCELERATOR": "cpu", "GPU_CHECK_TOTAL_S": "1500"}
     proc = subprocess.run(["bash", str(REPO / "bench" / "gpu_check.sh"), "--cpu-smoke", "--out", str(out)],
-                          cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=480)
+                          cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1700)
     assert proc.returncode == 0, proc.stdout[-4000:]
     records = [json.loads(line) for line in (out / "gpu_check.jsonl").read_text().splitlines()]
     status = {r["phase"]: r["status"] for r in records if r["kind"] == "phase"}
