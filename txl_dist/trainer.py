@@ -224,16 +224,19 @@ class Trainer:
         sums[2] = float(self.stop.reason() is not None) if self.stop is not None else 0.0
         sums[3] = flags.any().double()
         distributed.all_reduce_sum(sums)
-        host = torch.cat([sums, flags.double()]).tolist()  # the one host sync of the step
+        # DeepSpeed's norm (ZeRO 1-3, bf16/fp16) may be a device tensor: it rides along in the same transfer.
+        norm = own_norm if own_norm is not None else engine.get_global_grad_norm()
+        norm_on_device = isinstance(norm, torch.Tensor)
+        tail = [norm.detach().reshape(1).to(sums.device, torch.float64)] if norm_on_device else []
+        host = torch.cat([sums, flags.double(), *tail]).tolist()  # the one host sync of the step
         nll, tokens, stop, nonfinite_anywhere = host[:4]
-        for stream_ids, bad in zip(streams, host[4:]):
+        for stream_ids, bad in zip(streams, host[4:4 + len(streams)]):
             if bad:
                 self.bank.forget(stream_ids)
         self.step += 1
         self.tokens_seen += self.tokens_per_step
         step_time = time.perf_counter() - start
-        norm = own_norm if own_norm is not None else engine.get_global_grad_norm()
-        norm = None if norm is None else float(norm)
+        norm = host[-1] if norm_on_device else None if norm is None else float(norm)
         skipped = not engine.was_step_applied() or (norm is not None and not math.isfinite(norm))
         return {
             "train/loss": nll / tokens,
