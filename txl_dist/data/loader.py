@@ -23,7 +23,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from .arrow_io import TokenReader
+from .index_split import split_reader
 from ..streams import micro_steps_per_rank
 from .manifest import CorpusError, read_manifest, sha256_file
 
@@ -85,7 +85,7 @@ class StreamLoader:
         self.roll, self.seed, self.epochs, self.partial_last = roll, seed, epochs, partial_last
         if verify:
             self._verify_tokenizer()
-        self.reader = TokenReader(self.corpus_dir, self.manifest, split, verify=verify)  # names unknown splits
+        self.reader = split_reader(self.corpus_dir, self.manifest, split, verify=verify)  # names unknown splits
         self.stream_len = self._stream_length(self.reader.n_tokens)
         """L: tokens per stream."""
         self.accumulation_steps = n_streams // (micro_batch * world_size)
