@@ -58,7 +58,8 @@ def make_sources(root: Path) -> dict[str, Path]:
     out = {}
     for i, (name, (n, mean_doc)) in enumerate(SOURCES.items()):
         out[name] = make_corpus(root / name, {"train": synthetic_stream(n, seed=i, mean_doc=mean_doc),
-                                              "valid": synthetic_stream(2000, seed=10 + i)}, batch_tokens=700)
+                                              "valid": synthetic_stream(2000, seed=10 + i),
+                                              "test": synthetic_stream(1000, seed=20 + i)}, batch_tokens=700)
     return out
 
 
@@ -195,7 +196,8 @@ def test_a_changed_source_is_refused(tree, tmp_path, capsys):
     work = copy_of_tree(tree, tmp_path / "t")
     shutil.rmtree(work / "mid")  # prepared again from other text: same layout, another digest
     make_corpus(work / "mid", {"train": synthetic_stream(3000, seed=99, mean_doc=20),
-                               "valid": synthetic_stream(2000, seed=12)}, batch_tokens=700)
+                               "valid": synthetic_stream(2000, seed=12), "test": synthetic_stream(1000, seed=22)},
+                batch_tokens=700)
     err = refused(capsys, "verify", work / "index")
     assert "index source 'mid'" in err and "manifest digest" in err and "changed since" in err
 
