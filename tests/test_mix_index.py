@@ -145,6 +145,15 @@ def test_read_equals_the_copy_at_random_ranges(tree):
         np.testing.assert_array_equal(np.concatenate(pieces), want[123:])
         with pytest.raises(IndexError):
             reader.read(0, n + 1)
+    # gather opens (and verifies) only the files that hold its ranges, as read() does
+    source = read_manifest(tree / "long")
+    second = source.splits["train"].files[1]
+    with TokenReader(tree / "long", source, "train") as reader:
+        starts = second.first_token + np.array([5, 900, 40, 2000])  # across record batches of 700 tokens too
+        got = reader.gather(starts, starts + np.array([3, 600, 1, 10]))
+        assert reader.files_opened == [second.path]
+        np.testing.assert_array_equal(got, np.concatenate([reader.read(a, a + n) for a, n in
+                                                           zip(starts, [3, 600, 1, 10])]))
     # the unigram baseline (another reader of corpus splits) counts the same tokens
     np.testing.assert_array_equal(token_counts(tree / "index", "train", 1000), token_counts(tree / "copy", "train",
                                                                                             1000))
