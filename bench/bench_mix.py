@@ -134,6 +134,7 @@ def main(argv=None) -> None:
                 wall, cpu, anon, rss = run_measured(data_prep(
                     "mix", "--out", out, "--source", f"sh={work / 'sh'}:3", "--source", f"ptb={work / 'ptb'}:1",
                     "--world-size", 2, "--n-streams", 8, "--quiet", *(["--index"] if mode == "index" else [])))
+                (work / "cp").mkdir()
                 cp_wall, cp_cpu, _, _ = run_measured(["cp", "-r", str(work / "sh" / "train"),
                                                       str(work / "ptb" / "train"), str(work / "cp")])
                 shutil.rmtree(work / "cp")
