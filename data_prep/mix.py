@@ -135,20 +135,25 @@ def _open_source(spec: SourceSpec, index: int, weight: float, progress: bool) ->
 def _document_stops(spec: SourceSpec, manifest: Manifest, progress: bool) -> np.ndarray:
     """The end of every train document (one read of the train split; each file's sha256 checked on opening)."""
     split, eod = manifest.splits["train"], manifest.tokenizer.eod_id
-    pieces, pos, last = [], 0, None
+    # Filled in place (the manifest says how many): a list of pieces concatenated at the end would hold
+    # every end twice at its peak, 16 bytes per source document instead of 8.
+    stops = np.empty(split.n_documents, dtype=np.int64)  # [n_docs]
+    found, pos, last = 0, 0, None
     with TokenReader(spec.corpus, manifest, "train", verify=True) as reader, \
             tqdm(total=split.n_tokens, unit=" tok", unit_scale=True, desc=f"scan {spec.name}",
                  disable=not progress, file=sys.stderr) as bar:
         for tokens in reader.chunks(0, split.n_tokens):
-            pieces.append((np.flatnonzero(tokens == eod) + (pos + 1)).astype(np.int64, copy=False))
+            ends = np.flatnonzero(tokens == eod) + (pos + 1)  # [e]
+            if found + len(ends) <= len(stops):
+                stops[found:found + len(ends)] = ends
+            found += len(ends)
             pos += len(tokens)
             last = int(tokens[-1])
             bar.update(len(tokens))
-    stops = np.concatenate(pieces) if pieces else np.empty(0, dtype=np.int64)
-    if last != eod or len(stops) != split.n_documents:
+    if last != eod or found != split.n_documents:
         # Documents are told apart by their eods only: a text that itself holds the eod piece would be cut.
         raise PrepError(f"--source {spec.name}: {spec.corpus} train has {split.n_documents} documents but "
-                        f"{len(stops)} eod ids (id {eod}); documents cannot be told apart, re-run prepare")
+                        f"{found} eod ids (id {eod}); documents cannot be told apart, re-run prepare")
     return stops
 
 
