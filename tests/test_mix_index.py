@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import data_prep.mix
-from corpus_helpers import make_corpus, synthetic_stream
+from corpus_helpers import edit_manifest, make_corpus, synthetic_stream
 from data_prep.cli import main
 from dist_helpers import run_ranks, tiny_config, train_jobs
 from test_mix import split_tokens
@@ -281,6 +281,16 @@ def test_mix_index_refusals(tree, tmp_path, capsys):
     err = refused(capsys, "mix", "--out", tmp_path / "again", "--source", f"m={tree / 'index'}:1", "--index",
                   "--world-size", 2, "--n-streams", 8, "--quiet")
     assert "is an index mixture" in err and not (tmp_path / "again").exists()
+    # a source whose eod ids do not count its documents (more or fewer than the manifest says), either mode
+    for delta in (-1, 1):
+        odd = tmp_path / f"odd{delta}"
+        shutil.copytree(tree / "mid", odd)
+        edit_manifest(odd, lambda d: d["splits"]["train"].update(n_documents=d["splits"]["train"]["n_documents"]
+                                                                 + delta))
+        for mode in ([], ["--index"]):
+            err = refused(capsys, "mix", "--out", tmp_path / "x", "--source", f"odd={odd}:1", *mode,
+                          "--world-size", 2, "--n-streams", 8, "--quiet")
+            assert "documents cannot be told apart" in err, err
 
 
 # ----------------------------------------------------------------------------------------------------
