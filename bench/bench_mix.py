@@ -1,16 +1,18 @@
-"""`mix` benchmark: throughput against copying the same bytes, and peak RSS at two mixture sizes.
+"""`mix` benchmark: copy and index mode against copying the same bytes, peak RSS, and the loader on each.
 
 Two real sources, Shakespeare (one line per document) and PTB (one sentence per document), are prepared
 once with one small tokenizer, then each train stream is repeated whole (documents intact) into a source
 corpus of half the mixture's size. The mixture (weights 3:1, default length: the sum of the sources) is
-timed end to end (`python -m data_prep mix`: the sources' checksums and document scan, the schedule, the
-copy, the held-out splits, the manifest), then `cp -r` of the mixture's train folder (the same bytes) is
-timed right after it; both read from the page cache the mix left warm. Wall and CPU seconds are printed:
-on a shared machine the CPU seconds are the comparable numbers. Short documents (15-60 tokens) are
-the hard case: the bookkeeping grows with documents, not tokens.
+timed end to end in each mode (`python -m data_prep mix [--index]`: the sources' checksums and document
+scan, the schedule, the copy or the index, the held-out splits, the manifest), then `cp -r` of the sources'
+train folders (the same bytes as the mixture's train split) right after; all read from the page cache the
+first mix left warm. Wall and CPU seconds are printed: on a shared machine the CPU seconds are the
+comparable numbers. Short documents (15-60 tokens) are the hard case: the bookkeeping grows with
+documents, not tokens. Last, the loader: StreamLoader micro batches (rank 0 of 2, 64 streams, 8 per
+micro batch, tgt_len 128) read from the copy and from the index, in tokens per CPU second.
 
-    python bench/bench_mix.py                     # mixtures of 100 and 400 MB of tokens
-    python bench/bench_mix.py --sizes-mb 2000     # the issue's >= 2 GB run (needs ~8 GB of scratch disk)
+    python bench/bench_mix.py                                  # mixtures of 100 and 400 MB, both modes
+    python bench/bench_mix.py --sizes-mb 2000 --modes index    # the issue's >= 2 GB run, index mode only
 """
 from __future__ import annotations
 
@@ -78,9 +80,28 @@ def tile(corpus: Path, out: Path, n_tokens: int) -> None:
                                  provenance={"tool": "bench_mix", "tiled_from": str(corpus), "repeats": reps}))
 
 
+def loader_speed(corpus: Path, seconds: float = 3.0) -> float:
+    """Tokens per CPU second of StreamLoader micro batches (rank 0 of 2, 64 streams, micro batch 8, tgt_len 128),
+    the files already verified (verify=False: the read path only), for about `seconds` of CPU time."""
+    from txl_dist.data.loader import StreamLoader
+
+    loader = StreamLoader(corpus, "train", rank=0, world_size=2, n_streams=64, micro_batch=8, tgt_len=128,
+                          verify=False)
+    tokens, start = 0, time.process_time()
+    for batch in loader:
+        tokens += batch.input_ids.size
+        if time.process_time() - start > seconds:
+            break
+    rate = tokens / (time.process_time() - start)
+    loader.close()
+    return rate
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes-mb", type=int, nargs="+", default=[100, 400], help="mixture sizes (MB of tokens)")
+    p.add_argument("--modes", nargs="+", choices=["copy", "index"], default=["copy", "index"],
+                   help="mix modes to time (default both)")
     p.add_argument("--scratch", default=None, help="a new scratch folder, kept after (default: a temporary one)")
     args = p.parse_args(argv)
     if args.scratch and Path(args.scratch).exists():
@@ -100,26 +121,33 @@ def main(argv=None) -> None:
             subprocess.run(data_prep("prepare", "--out", small / name, "--line-docs", "--train", *inputs,
                                      "--tokenizer-model", small / "tok.model", "--num-proc", 2, "--quiet"),
                            check=True, stdout=subprocess.DEVNULL)
-        print(f"{'mixture MB':>10} {'documents':>11} {'mix s':>7} {'mix cpu s':>9} {'mix MB/cpu s':>12} "
-              f"{'cp s':>6} {'cp cpu s':>8} {'mix/cp cpu':>10} {'peak anon MiB':>13} {'peak RSS MiB':>12}")
+        print(f"{'mixture MB':>10} {'documents':>11} {'mode':>5} {'mix s':>7} {'mix cpu s':>9} {'MB/cpu s':>9} "
+              f"{'cp s':>6} {'cp cpu s':>8} {'mix/cp cpu':>10} {'peak anon MiB':>13} {'peak RSS MiB':>12} "
+              f"{'index MB':>8} {'loader Mtok/cpu s':>17}")
         for size in args.sizes_mb:
             work = scratch / f"{size}mb"
             for name in ("sh", "ptb"):
                 tile(small / name, work / name, size * 1_000_000 // 4)  # uint16: half the mixture's bytes each
-            wall, cpu, anon, rss = run_measured(data_prep(
-                "mix", "--out", work / "mix", "--source", f"sh={work / 'sh'}:3", "--source", f"ptb={work / 'ptb'}:1",
-                "--world-size", 2, "--n-streams", 8, "--quiet"))
-            train_bytes = sum(f.stat().st_size for f in (work / "mix" / "train").iterdir())
-            cp_wall, cp_cpu, _, _ = run_measured(["cp", "-r", str(work / "mix" / "train"), str(work / "copy")])
-            docs = read_manifest(work / "mix").splits["train"].n_documents
-            mb = train_bytes / 1e6
-            print(f"{mb:>10.0f} {docs:>11,} {wall:>7.1f} {cpu:>9.1f} {mb / cpu:>12.1f} {cp_wall:>6.2f} {cp_cpu:>8.2f} "
-                  f"{cpu / max(cp_cpu, 1e-3):>10.1f} {anon:>13.0f} {rss:>12.0f}", flush=True)
+            train_bytes = sum(f.stat().st_size for name in ("sh", "ptb") for f in (work / name / "train").iterdir())
+            for mode in args.modes:
+                out = work / f"mix-{mode}"
+                wall, cpu, anon, rss = run_measured(data_prep(
+                    "mix", "--out", out, "--source", f"sh={work / 'sh'}:3", "--source", f"ptb={work / 'ptb'}:1",
+                    "--world-size", 2, "--n-streams", 8, "--quiet", *(["--index"] if mode == "index" else [])))
+                (work / "cp").mkdir()
+                cp_wall, cp_cpu, _, _ = run_measured(["cp", "-r", str(work / "sh" / "train"),
+                                                      str(work / "ptb" / "train"), str(work / "cp")])
+                shutil.rmtree(work / "cp")
+                m = read_manifest(out)
+                index_mb = (out / m.mixture.documents_file).stat().st_size / 1e6
+                mb = train_bytes / 1e6
+                print(f"{mb:>10.0f} {m.splits['train'].n_documents:>11,} {mode:>5} {wall:>7.1f} {cpu:>9.1f} "
+                      f"{mb / cpu:>9.1f} {cp_wall:>6.2f} {cp_cpu:>8.2f} {cpu / max(cp_cpu, 1e-3):>10.1f} "
+                      f"{anon:>13.0f} {rss:>12.0f} {index_mb:>8.0f} {loader_speed(out) / 1e6:>17.2f}", flush=True)
             shutil.rmtree(work)
     finally:
         if args.scratch is None:
             shutil.rmtree(scratch, ignore_errors=True)
-
 
 if __name__ == "__main__":
     main()

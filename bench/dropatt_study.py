@@ -19,8 +19,7 @@ import numpy as np
 import torch
 
 from txl_dist.config import MemorySettings, ModelConfig
-from txl_dist.data.arrow_io import TokenReader
-from txl_dist.data.manifest import read_manifest
+from txl_dist.data.format import read_manifest, split_reader
 from txl_dist.model import TransformerXL
 
 
@@ -28,7 +27,7 @@ def streams(corpus: Path, split: str, n_streams: int) -> torch.Tensor:
     """The split's global stream cut into n_streams contiguous rows [S, L] (docs/architecture.md)."""
     manifest = read_manifest(corpus)
     n_tokens = manifest.splits[split].n_tokens
-    tokens = TokenReader(corpus, manifest, split).read(0, n_tokens).astype(np.int64)
+    tokens = split_reader(corpus, manifest, split).read(0, n_tokens).astype(np.int64)
     length = n_tokens // n_streams
     return torch.from_numpy(tokens[:n_streams * length].reshape(n_streams, length))
 

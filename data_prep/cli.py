@@ -139,6 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="length of the mixture's train split (default: the sum of the sources' train tokens); "
                         "the stream ends with the whole document that reaches N")
     p.add_argument("--seed", type=int, default=0, help="seed of every source's document order per epoch")
+    p.add_argument("--index", action="store_true",
+                   help="write the train split as an index of document ranges into the sources' train splits "
+                        "instead of a copy (fast, no second copy of the tokens on disk; the sources must then "
+                        "stay where they are, unchanged: see docs/mixtures.md); valid/test are copied either way")
     _layout_args(p, required=True)
     p.add_argument("--overwrite", action="store_true", help="replace an existing corpus folder")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -239,8 +243,8 @@ def _run(args: argparse.Namespace, command: list[str], recorded: dict) -> int:
         from data_prep.mix import mix, parse_source
         manifest = mix([parse_source(s) for s in args.source], args.out, train_tokens=args.train_tokens,
                        seed=args.seed, world_size=args.world_size, n_streams=args.n_streams,
-                       eval_streams=args.eval_streams, overwrite=args.overwrite, command=command, args=recorded,
-                       progress=not args.quiet)
+                       eval_streams=args.eval_streams, overwrite=args.overwrite, index=args.index, command=command,
+                       args=recorded, progress=not args.quiet)
         shares = ", ".join(f"{s.name} {s.share:.4f} ({s.epochs:.2f} epochs)" for s in manifest.mixture.sources)
         print(f"wrote mixture {args.out}: {manifest.splits['train'].n_tokens:,} train tokens; {shares}")
     elif args.command == "verify":

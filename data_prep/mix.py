@@ -28,6 +28,16 @@ concatenated in the order the sources were given (every held-out document of eve
 Memory: tokens are copied in bounded chunks; what grows with the corpus is the documents' bookkeeping,
 about 33 bytes per train document of the mixture (the schedule, the documents file) plus 8 per source
 document (its end offset).
+
+Index mode (`--index`): the train split is not copied. The documents file gets each document's start in
+its source (the schedule has it anyway) and becomes the split: the loader gathers a window's documents from
+the sources' memory-mapped files (txl_dist/data/index_split.py). What it saves: the copy (a second set of
+train bytes on disk), hashing the written bytes twice, and the first pass of the schedule (files are not
+cut at rank blocks, so the length need not be known before writing). What remains: scanning each source
+once for its document ends, with its files' sha256 checked (a corrupt source must not be indexed). What it
+costs: the mixture depends on its sources staying where they are, unchanged (checked on every opening),
+and its digest is the index's, not the tokens' (so a copy and an index mixture do not share checkpoints).
+Held-out splits are copied either way: they are small, and each source's must stay its own.
 """
 from __future__ import annotations
 
@@ -55,12 +65,15 @@ from txl_dist.data.format import (
     MixtureEntry,
     MixtureSource,
     SplitEntry,
+    IndexEntry,
     TokenReader,
     check_source_name,
+    index_tokens_sha256,
     read_manifest,
     sha256_file,
     write_manifest,
 )
+from txl_dist.data.index_split import source_reference
 from txl_dist.data.mixture import DOCUMENTS_FILE, DeviationSpread, DocumentsWriter
 
 HELD_OUT = ("valid", "test")
@@ -113,26 +126,34 @@ def _open_source(spec: SourceSpec, index: int, weight: float, progress: bool) ->
         raise PrepError(f"{tok_path}: missing or its sha256 differs from the manifest; not the corpus' tokenizer")
     if "train" not in manifest.splits:
         raise PrepError(f"--source {spec.name}: {spec.corpus} has no train split to mix")
+    if manifest.splits["train"].index is not None:
+        raise PrepError(f"--source {spec.name}: {spec.corpus} is an index mixture (mix --index), whose train split "
+                        "has no token files; mix its sources instead")
     return _Source(spec, index, manifest, weight, _document_stops(spec, manifest, progress))
 
 
 def _document_stops(spec: SourceSpec, manifest: Manifest, progress: bool) -> np.ndarray:
     """The end of every train document (one read of the train split; each file's sha256 checked on opening)."""
     split, eod = manifest.splits["train"], manifest.tokenizer.eod_id
-    pieces, pos, last = [], 0, None
+    # Filled in place (the manifest says how many): a list of pieces concatenated at the end would hold
+    # every end twice at its peak, 16 bytes per source document instead of 8.
+    stops = np.empty(split.n_documents, dtype=np.int64)  # [n_docs]
+    found, pos, last = 0, 0, None
     with TokenReader(spec.corpus, manifest, "train", verify=True) as reader, \
             tqdm(total=split.n_tokens, unit=" tok", unit_scale=True, desc=f"scan {spec.name}",
                  disable=not progress, file=sys.stderr) as bar:
         for tokens in reader.chunks(0, split.n_tokens):
-            pieces.append((np.flatnonzero(tokens == eod) + (pos + 1)).astype(np.int64, copy=False))
+            ends = np.flatnonzero(tokens == eod) + (pos + 1)  # [e]
+            if found + len(ends) <= len(stops):
+                stops[found:found + len(ends)] = ends
+            found += len(ends)
             pos += len(tokens)
             last = int(tokens[-1])
             bar.update(len(tokens))
-    stops = np.concatenate(pieces) if pieces else np.empty(0, dtype=np.int64)
-    if last != eod or len(stops) != split.n_documents:
+    if last != eod or found != split.n_documents:
         # Documents are told apart by their eods only: a text that itself holds the eod piece would be cut.
         raise PrepError(f"--source {spec.name}: {spec.corpus} train has {split.n_documents} documents but "
-                        f"{len(stops)} eod ids (id {eod}); documents cannot be told apart, re-run prepare")
+                        f"{found} eod ids (id {eod}); documents cannot be told apart, re-run prepare")
     return stops
 
 
@@ -233,8 +254,10 @@ def _rounds(sources: list[_Source], seed: int, train_tokens: int
 
 def mix(specs: Sequence[SourceSpec], out: str | os.PathLike, *, train_tokens: int | None = None, seed: int = 0,
         world_size: int, n_streams: int, eval_streams: int | None = None, overwrite: bool = False,
-        command: Sequence[str] | None = None, args: dict[str, Any] | None = None, progress: bool = True) -> Manifest:
-    """Write the mixture of `specs` as a corpus folder at `out` (see the module docstring); returns its manifest."""
+        index: bool = False, command: Sequence[str] | None = None, args: dict[str, Any] | None = None,
+        progress: bool = True) -> Manifest:
+    """Write the mixture of `specs` as a corpus folder at `out` (see the module docstring); returns its manifest.
+    With `index` the train split is an index of document ranges into the sources instead of a copy."""
     out = Path(out)
     if not specs:
         raise PrepError("no source: pass --source NAME=CORPUS_DIR:WEIGHT at least once")
@@ -249,6 +272,9 @@ def mix(specs: Sequence[SourceSpec], out: str | os.PathLike, *, train_tokens: in
     for s in specs:
         if s.corpus.resolve() == out.resolve():
             raise PrepError(f"--out {out} is the corpus of source {s.name}; write the mixture elsewhere")
+        if index and s.corpus.resolve().is_relative_to(out.resolve()):
+            raise PrepError(f"--index: source {s.name} ({s.corpus}) lies inside --out {out}, which is replaced as a "
+                            "whole; keep the sources the index points at outside the mixture's folder")
     check_output(out, overwrite)
     total_weight = sum(s.weight for s in specs)
     sources = [_open_source(s, i, s.weight / total_weight, progress) for i, s in enumerate(specs)]
@@ -256,14 +282,16 @@ def mix(specs: Sequence[SourceSpec], out: str | os.PathLike, *, train_tokens: in
     first = sources[0].manifest
     n_target = train_tokens if train_tokens is not None else sum(s.manifest.splits["train"].n_tokens for s in sources)
     # The files are cut at rank blocks, so the length must be known before the first token is written: a
-    # first pass of the (deterministic, cheap) schedule gives it, the second writes.
-    n_tokens = sum(int((stops - starts).sum()) for _, starts, stops in _rounds(sources, seed, n_target))
+    # first pass of the (deterministic, cheap) schedule gives it, the second writes. An index has no files.
+    n_tokens = None if index else sum(int((stops - starts).sum()) for _, starts, stops in _rounds(sources, seed,
+                                                                                                   n_target))
 
     held_out = {split: [s for s in sources if split in s.manifest.splits] for split in HELD_OUT}
     split_names = ["train"] + [n for split, parts in held_out.items() if parts
                                for n in [split] + [f"{split}/{s.spec.name}" for s in parts]]
     layouts = split_layouts(split_names, world_size, n_streams, eval_streams)
-    check_fits("train", n_tokens, layouts["train"], str(out))
+    if n_tokens is not None:
+        check_fits("train", n_tokens, layouts["train"], str(out))
     for split, parts in held_out.items():
         for s in parts:
             check_fits(split, s.manifest.splits[split].n_tokens, layouts[f"{split}/{s.spec.name}"], str(s.spec.corpus))
@@ -274,8 +302,12 @@ def mix(specs: Sequence[SourceSpec], out: str | os.PathLike, *, train_tokens: in
     with atomic_dir(out, overwrite=overwrite) as tmp:
         (tmp / first.tokenizer.file).parent.mkdir(parents=True, exist_ok=True)
         (tmp / first.tokenizer.file).write_bytes((sources[0].spec.corpus / first.tokenizer.file).read_bytes())
-        train, mixture = _write_train(tmp, sources, seed, n_target, n_tokens, layouts["train"], dtype, vocab,
-                                      progress)
+        if index:
+            train, mixture = _write_index(tmp, out, sources, seed, n_target, layouts["train"], progress)
+            check_fits("train", train.n_tokens, layouts["train"], str(out))
+        else:
+            train, mixture = _write_train(tmp, sources, seed, n_target, n_tokens, layouts["train"], dtype, vocab,
+                                          progress)
         splits = {"train": train}
         for split, parts in held_out.items():
             if parts:
@@ -332,21 +364,60 @@ def _write_train(tmp: Path, sources: list[_Source], seed: int, n_target: int, n_
     finally:
         for r in readers:
             r.close()
-    # Bytes and characters per document are not recorded by prepare: whole epochs count exactly, a partial
-    # epoch by its share of the source's tokens (the source's bytes per token). They feed bits per byte only.
-    text = {key: sum(round(getattr(s.manifest.splits["train"], key) * int(per_source_tokens[s.index])
-                           / s.manifest.splits["train"].n_tokens) for s in sources) for key in ("n_bytes", "n_chars")}
     train = SplitEntry(n_tokens=n_tokens, n_documents=int(per_source_docs.sum()), tokens_sha256=tokens_sha256,
-                       layout=layout, files=files, **text)
-    spreads = spread.result()
-    mixture = MixtureEntry(seed=seed, documents_file=DOCUMENTS_FILE, documents_sha256=documents_sha256, sources=[
+                       layout=layout, files=files, **_text_counts(sources, per_source_tokens))
+    return train, _mixture_record(sources, seed, n_tokens, per_source_tokens, per_source_docs, spread.result(),
+                                  documents_sha256)
+
+
+def _write_index(tmp: Path, out: Path, sources: list[_Source], seed: int, n_target: int, layout,
+                 progress: bool) -> tuple[SplitEntry, MixtureEntry]:
+    """The train split as an index: the documents file with each document's start in its source, written a
+    round of the schedule at a time (flat memory: one round), and no token copied or hashed."""
+    documents = DocumentsWriter(tmp / DOCUMENTS_FILE, index=True)
+    spread = DeviationSpread([s.weight for s in sources])
+    per_source_tokens = np.zeros(len(sources), dtype=np.int64)
+    per_source_docs = np.zeros(len(sources), dtype=np.int64)
+    written = 0
+    with tqdm(total=n_target, unit=" tok", unit_scale=True, desc="mix train (index)", disable=not progress,
+              file=sys.stderr) as bar:
+        for src, starts, stops in _rounds(sources, seed, n_target):
+            lengths = stops - starts  # [M]
+            mix_stops = written + np.cumsum(lengths)  # [M]: where each document ends in the mixture
+            documents.write(mix_stops, src, starts)
+            spread.add(mix_stops, src)
+            per_source_tokens += np.bincount(src, weights=lengths, minlength=len(sources)).astype(np.int64)
+            per_source_docs += np.bincount(src, minlength=len(sources))
+            if len(mix_stops):
+                bar.update(int(mix_stops[-1]) - written)
+                written = int(mix_stops[-1])
+    documents_sha256 = documents.close()
+    digests = [s.manifest.digest() for s in sources]
+    train = SplitEntry(n_tokens=written, n_documents=int(per_source_docs.sum()),
+                       tokens_sha256=index_tokens_sha256(documents_sha256, digests), layout=layout, files=[],
+                       index=IndexEntry(sources=[source_reference(out, s.spec.corpus) for s in sources]),
+                       **_text_counts(sources, per_source_tokens))
+    return train, _mixture_record(sources, seed, written, per_source_tokens, per_source_docs, spread.result(),
+                                  documents_sha256)
+
+
+def _text_counts(sources: list[_Source], per_source_tokens: np.ndarray) -> dict[str, int]:
+    """The train split's n_bytes and n_chars. Bytes and characters per document are not recorded by
+    prepare: whole epochs count exactly, a partial epoch by its share of the source's tokens (the source's
+    bytes per token). They feed bits per byte only."""
+    return {key: sum(round(getattr(s.manifest.splits["train"], key) * int(per_source_tokens[s.index])
+                           / s.manifest.splits["train"].n_tokens) for s in sources) for key in ("n_bytes", "n_chars")}
+
+
+def _mixture_record(sources: list[_Source], seed: int, n_tokens: int, per_source_tokens: np.ndarray,
+                    per_source_docs: np.ndarray, spreads: list[int], documents_sha256: str) -> MixtureEntry:
+    return MixtureEntry(seed=seed, documents_file=DOCUMENTS_FILE, documents_sha256=documents_sha256, sources=[
         MixtureSource(name=s.spec.name, manifest_digest=s.manifest.digest(), weight=s.weight,
                       source_tokens=s.manifest.splits["train"].n_tokens, tokens=int(per_source_tokens[k]),
                       documents=int(per_source_docs[k]), share=int(per_source_tokens[k]) / n_tokens,
                       epochs=int(per_source_tokens[k]) / s.manifest.splits["train"].n_tokens,
                       deviation_spread=spreads[k])
         for k, s in enumerate(sources)])
-    return train, mixture
 
 
 def _write_held_out(tmp: Path, split: str, parts: list[_Source], layouts: dict, dtype: str, vocab: int,

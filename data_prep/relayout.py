@@ -23,6 +23,9 @@ def relayout(corpus_dir: str | os.PathLike, *, world_size: int, n_streams: int, 
              progress: bool = True) -> Manifest:
     """Rewrite the corpus in place with files cut for the new layout; the token streams stay identical.
 
+    An index split (`mix --index`) keeps its index and gets the new layout hint only; its source folders are
+    named relative to the corpus folder, which stays where it is.
+
     The new corpus is built beside the old one and swapped in at the end; every old file's sha256 is checked
     as it is copied, so a damaged corpus is refused rather than re-blessed with fresh checksums. The copy's
     tokens_sha256 (hashed while writing) must equal the manifest's: digest() then stays the same, so
@@ -42,6 +45,11 @@ def relayout(corpus_dir: str | os.PathLike, *, world_size: int, n_streams: int, 
         (tmp / tok.file).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(tok_path, tmp / tok.file)
         for name, split in manifest.splits.items():
+            if split.index is not None:
+                # An index split has no files to cut: its rank blocks read the sources wherever their
+                # documents lie, so only the layout hint changes (and the documents file is kept below).
+                splits[name] = dataclasses.replace(split, layout=layouts[name])
+                continue
             writer = SplitWriter(tmp, name, split.n_tokens, layouts[name], manifest.dtype, tok.vocab_size)
             with tqdm(total=split.n_tokens, unit=" tok", unit_scale=True, desc=f"relayout {name}",
                       disable=not progress, file=sys.stderr) as bar:

@@ -6,7 +6,14 @@ from pathlib import Path
 
 from data_prep.layout import split_layouts
 from data_prep.tokenizer import load_processor
-from txl_dist.data.format import Manifest, TokenReader, rank_token_range, read_manifest, stream_length, verify_corpus
+from txl_dist.data.format import (
+    Manifest,
+    rank_token_range,
+    read_manifest,
+    split_reader,
+    stream_length,
+    verify_corpus,
+)
 from txl_dist.data.mixture import read_documents, source_tokens_before
 
 
@@ -14,10 +21,13 @@ def verify_report(corpus_dir: str | os.PathLike) -> str:
     """Re-check every checksum, count and token id (format.verify_corpus); a summary when all is well."""
     stats = verify_corpus(corpus_dir, check_tokens=True)
     lines = [f"OK {corpus_dir}: digest {stats['digest']}, vocab {stats['vocab_size']}, dtype {stats['dtype']}"]
+    manifest = read_manifest(corpus_dir)
     for name, s in stats["splits"].items():
+        stored = (f"{s['n_files']} files" if manifest.splits[name].index is None else
+                  f"an index into its sources (their tokens hash to {s['stream_sha256'][:16]}...)")
         lines.append(f"  {name}: {s['n_tokens']:,} tokens, {s['n_documents']:,} documents, {s['n_bytes']:,} bytes, "
-                     f"{s['n_files']} files, {s['n_eod']:,} eod, {s['n_distinct']:,} distinct ids")
-    mixture = read_manifest(corpus_dir).mixture
+                     f"{stored}, {s['n_eod']:,} eod, {s['n_distinct']:,} distinct ids")
+    mixture = manifest.mixture
     if mixture is not None:
         lines.append("  mixture (checked against its documents file): " + "; ".join(
             f"{m.name} share {m.share:.4f} of weight {m.weight:.4f}, {m.epochs:.3f} epochs" for m in mixture.sources))
@@ -53,9 +63,11 @@ def inspect_report(corpus_dir: str | os.PathLike, *, world_size: int | None = No
         hint = m.splits["train"].layout if "train" in m.splits else next(iter(layouts.values()))
         layouts = split_layouts(m.splits, world_size or hint.world_size, n_streams or hint.n_streams, eval_streams)
     for name, s in m.splits.items():
+        stored = (f"{len(s.files)} files cut for" if s.index is None else
+                  f"an index into {', '.join(s.index.sources)} (no token files), made for")
         lines.append(f"split {name}: {s.n_tokens:,} tokens, {s.n_documents:,} documents, {s.n_bytes:,} bytes, "
                      f"{s.n_chars:,} chars; {s.n_tokens / max(s.n_documents, 1):,.1f} tokens/document, "
-                     f"{s.n_bytes / max(s.n_tokens, 1):.2f} bytes/token; {len(s.files)} files cut for "
+                     f"{s.n_bytes / max(s.n_tokens, 1):.2f} bytes/token; {stored} "
                      f"world size {s.layout.world_size}, {s.layout.n_streams} streams")
         layout = layouts[name]
         lines.extend(_blocks(m, corpus_dir, name, layout.world_size, layout.n_streams, sp, samples, sample_tokens))
@@ -69,10 +81,12 @@ def _blocks(m: Manifest, corpus_dir: Path, name: str, w: int, n_streams: int, sp
     out = [f"  rank blocks for world size {w}, {n_streams} streams of {length:,} tokens "
            f"({s.n_tokens - n_streams * length:,} tokens past S*L unused):"]
     documents = read_documents(corpus_dir, m) if m.mixture is not None and name == "train" else None
-    with TokenReader(corpus_dir, m, name, verify=False) as reader:
+    with split_reader(corpus_dir, m, name, verify=False) as reader:
         for r in range(w):
             start, stop = rank_token_range(s.n_tokens, n_streams, w, r)
-            files = [s.files[i].path for i in reader.file_indices(start, stop)]
+            # an index split has no files of its own: its rank blocks read the sources' (verify names them)
+            files = [s.files[i].path for i in reader.file_indices(start, stop)] if s.index is None else [
+                m.mixture.documents_file]
             first = r * n_streams // w
             out.append(f"    rank {r}: tokens [{start:,}, {stop:,}), streams [{first}, {first + n_streams // w}), "
                        f"files {', '.join(files) or '-'}")

@@ -8,7 +8,9 @@ the mixture's tokens are read back with plain pyarrow.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import re
 import shutil
 from collections import Counter
@@ -309,6 +311,26 @@ def test_refusals(corpora, tmp_path, capsys):
                   *common)
     assert "tokenizer differs" in err and "sha256" in err
     assert not (tmp_path / "a").exists()
+
+
+def test_index_mixture_of_real_corpora_reads_verifies_and_inspects(mixture, corpora, tmp_path, capsys):
+    """`mix --index` of the same sources, weights and seed: the same train stream as the copy, no train file,
+    and verify and inspect work on it (tests/test_mix_index.py tests the index mode in depth)."""
+    from txl_dist.data.format import split_reader
+
+    out = tmp_path / "m"
+    assert run(*mix_args(corpora, out, "--seed", 7, "--index")) == 0
+    m = read_manifest(out)
+    with split_reader(out, m, "train") as reader:
+        np.testing.assert_array_equal(reader.read(0, reader.n_tokens), split_tokens(mixture, "train"))
+    copied = read_manifest(mixture).mixture  # the same record but for the documents file (one more column)
+    assert m.splits["train"].files == [] and m.mixture == dataclasses.replace(
+        copied, documents_sha256=m.mixture.documents_sha256)
+    capsys.readouterr()
+    assert run("verify", out) == 0 and run("inspect", out, "--samples", 1) == 0
+    text = capsys.readouterr().out
+    assert "an index into its sources" in text and f"an index into {Path(os.path.relpath(corpora['sh'], out))}" in text
+    assert text.count("      mixture: sh 0.7") == 2 and text.count("sample: ") >= 1
 
 
 # ----------------------------------------------------------------------------------------------------

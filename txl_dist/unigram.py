@@ -21,14 +21,14 @@ from pathlib import Path
 
 import numpy as np
 
-from txl_dist.data import CorpusError, TokenReader, read_manifest
+from txl_dist.data import CorpusError, read_manifest, split_reader
 from txl_dist.entry import guarded
 
 
 def token_counts(corpus_dir: str | Path, split: str, vocab_size: int) -> np.ndarray:
     """int64 [vocab_size]: how often each id occurs in the split's stream (read once, in record batches)."""
     manifest = read_manifest(corpus_dir)
-    reader = TokenReader(corpus_dir, manifest, split)
+    reader = split_reader(corpus_dir, manifest, split)
     counts = np.zeros(vocab_size, dtype=np.int64)
     for chunk in reader.chunks(0, reader.n_tokens):
         counts += np.bincount(chunk, minlength=vocab_size)[:vocab_size]

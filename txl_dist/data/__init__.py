@@ -9,6 +9,7 @@ from .format import (
     TokenizerEntry,
     TokenReader,
     file_boundaries,
+    split_reader,
     rank_token_range,
     read_manifest,
     stream_length,
@@ -20,6 +21,6 @@ from .loader import MicroBatch, SplitTooShort, StreamLoader
 
 __all__ = [
     "ArrowTokenWriter", "CorpusError", "FileEntry", "Layout", "Manifest", "SplitEntry", "TokenizerEntry",
-    "TokenReader", "file_boundaries", "rank_token_range", "read_manifest", "stream_length", "token_dtype",
-    "verify_corpus", "write_manifest", "MicroBatch", "SplitTooShort", "StreamLoader",
+    "TokenReader", "file_boundaries", "rank_token_range", "read_manifest", "split_reader", "stream_length",
+    "token_dtype", "verify_corpus", "write_manifest", "MicroBatch", "SplitTooShort", "StreamLoader",
 ]

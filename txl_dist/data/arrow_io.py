@@ -214,7 +214,6 @@ class TokenReader:
         self.verify = verify
         self._file_starts = [f.first_token for f in self.entry.files]
         self._open: dict[int, _OpenFile] = {}
-        self._all_batches: tuple[np.ndarray, list[np.ndarray]] | None = None
         self.files_opened: list[str] = []
         """Manifest paths of the files opened so far, in opening order."""
 
@@ -260,7 +259,8 @@ class TokenReader:
                out_at: np.ndarray | None = None) -> np.ndarray:
         """Copy the ranges [starts[i], stops[i]) to out[out_at[i]:...] (default: one after another in a new
         array); returns `out`. Vectorized per record batch: `mix` copies millions of short documents this way
-        without a Python step per document."""
+        without a Python step per document. Only the files holding the ranges are opened (and verified), as
+        read() does: an index mixture's loader gathers from a few files of a large source."""
         starts, stops = np.asarray(starts, dtype=np.int64), np.asarray(stops, dtype=np.int64)  # [n], [n]
         lengths = stops - starts  # [n]
         if len(lengths) and (lengths.min() < 1 or starts.min() < 0 or stops.max() > self.n_tokens):
@@ -268,35 +268,40 @@ class TokenReader:
         if out is None:
             out = np.empty(int(lengths.sum()), dtype=self.dtype)  # [sum of lengths]
             out_at = np.cumsum(lengths) - lengths  # [n]: where each range goes in `out`
-        batch_starts, arrays = self._batches()
-        first = np.searchsorted(batch_starts, starts, side="right") - 1  # [n]: batch of each range's first token
-        last = np.searchsorted(batch_starts, stops - 1, side="right") - 1  # [n]: ... and of its last one
-        for i in np.flatnonzero(first != last):  # a range across record batches: rare, copied piece by piece
+        file_starts = np.asarray(self._file_starts, dtype=np.int64)  # [n_files]
+        first = np.searchsorted(file_starts, starts, side="right") - 1  # [n]: file of each range's first token
+        last = np.searchsorted(file_starts, stops - 1, side="right") - 1  # [n]: ... and of its last one
+        for i in np.flatnonzero(first != last):  # a range across files: rare, copied piece by piece
             out[out_at[i]:out_at[i] + lengths[i]] = self.read(int(starts[i]), int(stops[i]))
+        inside = np.flatnonzero(first == last)
+        for i in np.unique(first[inside]):
+            f = self._file(int(i))
+            in_file = inside[first[inside] == i] if len(file_starts) > 1 else inside
+            self._gather_in_file(f, starts, lengths, in_file, out, out_at)
+        return out
+
+    def _gather_in_file(self, f: _OpenFile, starts: np.ndarray, lengths: np.ndarray, ranges: np.ndarray,
+                        out: np.ndarray, out_at: np.ndarray) -> None:
+        """gather() of the ranges (indices into starts/lengths) that lie inside file f."""
+        batch_starts = np.asarray(f.starts[:-1], dtype=np.int64)  # [n_batches]
+        first = np.searchsorted(batch_starts, starts[ranges], side="right") - 1  # [r]: batch of each range's start
+        last = np.searchsorted(batch_starts, starts[ranges] + lengths[ranges] - 1, side="right") - 1  # [r]
+        for j in np.flatnonzero(first != last):  # a range across record batches: rare, copied piece by piece
+            i = ranges[j]
+            out[out_at[i]:out_at[i] + lengths[i]] = self.read(int(starts[i]), int(starts[i] + lengths[i]))
         inside = np.flatnonzero(first == last)
         order = inside[np.argsort(first[inside], kind="stable")]
         bounds = np.flatnonzero(np.diff(first[order])) + 1
         for group in np.split(order, bounds) if len(order) else []:
+            b = int(first[group[0]])
+            group = ranges[group]
             n = lengths[group]  # [g]
             offset = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)  # [tokens]: position inside its range
-            b = int(first[group[0]])
-            out[np.repeat(out_at[group], n) + offset] = arrays[b][np.repeat(starts[group] - batch_starts[b], n) + offset]
-        return out
-
-    def _batches(self) -> tuple[np.ndarray, list[np.ndarray]]:
-        """Every record batch of the split (all files opened): global start offsets [n_batches], arrays."""
-        if self._all_batches is None:
-            starts, arrays = [], []
-            for i in range(len(self.entry.files)):
-                f = self._file(i)
-                starts += f.starts[:-1]
-                arrays += f.arrays
-            self._all_batches = (np.asarray(starts, dtype=np.int64), arrays)
-        return self._all_batches
+            out[np.repeat(out_at[group], n) + offset] = f.arrays[b][np.repeat(starts[group] - batch_starts[b], n)
+                                                                    + offset]
 
     def close(self) -> None:
         """Unmap every open file (views returned by read() must not be used afterwards)."""
-        self._all_batches = None
         for f in self._open.values():
             f.close()
         self._open.clear()

@@ -13,11 +13,14 @@ streams of L = n_tokens // S tokens; rank r of W owns streams [r*S/W, (r+1)*S/W)
 planned run each rank opens only its own files; any W dividing S can still read them.
 
 The definitions live in manifest.py (schema, layout arithmetic), arrow_io.py (writer, reader),
-mixture.py (a mixture's documents file) and verify.py; this module is the single import point.
+mixture.py (a mixture's documents file), index_split.py (a split stored as an index into other corpora,
+and split_reader, the factory every reader of a corpus split goes through) and verify.py; this module is
+the single import point.
 """
 from __future__ import annotations
 
 from .arrow_io import COLUMN, ArrowTokenWriter, TokenReader, token_schema, update_tokens_sha256
+from .index_split import IndexReader, split_reader
 from .manifest import (
     DTYPES,
     FORMAT_NAME,
@@ -25,6 +28,7 @@ from .manifest import (
     MANIFEST_FILE,
     CorpusError,
     FileEntry,
+    IndexEntry,
     Layout,
     Manifest,
     MixtureEntry,
@@ -34,6 +38,7 @@ from .manifest import (
     check_relative_path,
     check_source_name,
     file_boundaries,
+    index_tokens_sha256,
     rank_token_range,
     read_manifest,
     sha256_file,
@@ -46,8 +51,9 @@ from .verify import verify_corpus
 
 __all__ = [
     "COLUMN", "DTYPES", "FORMAT_NAME", "FORMAT_VERSION", "MANIFEST_FILE",
-    "ArrowTokenWriter", "CorpusError", "FileEntry", "Layout", "Manifest", "MixtureEntry", "MixtureSource",
-    "SplitEntry", "TokenReader", "TokenizerEntry", "check_relative_path", "check_source_name", "file_boundaries",
-    "rank_token_range", "read_manifest", "sha256_file", "split_parts", "stream_length", "token_dtype",
-    "token_schema", "update_tokens_sha256", "verify_corpus", "write_manifest",
+    "ArrowTokenWriter", "CorpusError", "FileEntry", "IndexEntry", "IndexReader", "Layout", "Manifest",
+    "MixtureEntry", "MixtureSource", "SplitEntry", "TokenReader", "TokenizerEntry", "check_relative_path",
+    "check_source_name", "file_boundaries", "index_tokens_sha256", "rank_token_range", "read_manifest",
+    "sha256_file", "split_parts", "split_reader", "stream_length", "token_dtype", "token_schema",
+    "update_tokens_sha256", "verify_corpus", "write_manifest",
 ]

@@ -71,6 +71,41 @@ class SplitEntry:
     tokens while `relayout` re-cuts the files (see update_tokens_sha256 in arrow_io.py)."""
     layout: Layout
     files: list[FileEntry] = field(default_factory=list)
+    """The Arrow files holding the stream, in stream order; empty for an index split (see `index`)."""
+    index: IndexEntry | None = None
+    """Only in an index split (`python -m data_prep mix --index`): the stream is not stored here but read
+    through the mixture's documents file from its sources' train splits. None (no key): the files hold it."""
+
+
+INDEX_TOKENS_SHA256 = "index"
+"""IndexEntry.tokens_sha256_covers: tokens_sha256 is index_tokens_sha256(), not the stream's hash."""
+
+
+@dataclass
+class IndexEntry:
+    """A split stored as an index of document ranges into other corpora (a mixture made with `mix --index`).
+
+    The documents file of the mixture record lists, per document in stream order, where it ends in this
+    stream, its source and where it starts in that source's train stream. Hashing the stream itself would
+    mean gathering every token, which index mode exists to avoid; so tokens_sha256 is the hash of what
+    determines the tokens exactly (the documents file and each source's digest, see index_tokens_sha256),
+    and `tokens_sha256_covers` says so. A copy and an index mixture of the same sources hence have different
+    digests (checkpoints do not move between them); `verify` still gathers and checks every token.
+    """
+
+    sources: list[str]
+    """Per mixture source (in mixture.sources order): its corpus folder, relative to this corpus folder when
+    the two share a folder below the filesystem root (so a moved tree of folders keeps working), else
+    absolute. Each source's manifest digest is mixture.sources[i].manifest_digest, checked on opening."""
+    tokens_sha256_covers: str = INDEX_TOKENS_SHA256
+    """What the split's tokens_sha256 hashes: 'index' (the documents file's sha256 and the sources' manifest
+    digests), the only value written today."""
+
+
+def index_tokens_sha256(documents_sha256: str, source_digests: list[str]) -> str:
+    """An index split's tokens_sha256: sha256 over the documents file's sha256 and each source's manifest
+    digest, in source order. Together they fix every token of the stream (which ranges of which tokens)."""
+    return hashlib.sha256(_canonical_json({"index": documents_sha256, "sources": source_digests})).hexdigest()
 
 
 @dataclass
@@ -154,6 +189,9 @@ class Manifest:
         d = dataclasses.asdict(self)
         if d["mixture"] is None:
             del d["mixture"]
+        for split in d["splits"].values():
+            if split["index"] is None:  # other splits read and write exactly as before index splits existed
+                del split["index"]
         return {"format": d.pop("format"), "version": d.pop("version"), **d}
 
     @classmethod
@@ -376,6 +414,9 @@ def _parse_manifest(d: Any, source: str) -> Manifest:
     if not isinstance(d["provenance"], dict):
         raise CorpusError(f"{source}: provenance must be a JSON object")
     mixture = _parse_mixture(d["mixture"], source, splits) if "mixture" in d else None
+    for name, split in splits.items():
+        if split.index is not None:
+            _check_index(split, name, mixture, source)
     return Manifest(tokenizer=tokenizer, dtype=dtype, splits=splits, provenance=d["provenance"], mixture=mixture)
 
 
@@ -428,7 +469,8 @@ def _parse_tokenizer(d: Any, source: str) -> TokenizerEntry:
 
 def _parse_split(d: Any, source: str, name: str) -> SplitEntry:
     where = f"splits.{name}"
-    s = _Fields(d, source, where, tuple(f.name for f in dataclasses.fields(SplitEntry)))
+    s = _Fields(d, source, where, tuple(f.name for f in dataclasses.fields(SplitEntry) if f.name != "index"),
+                ("index",))
     counts = {k: s.int(k) for k in ("n_tokens", "n_documents", "n_bytes", "n_chars")}
     lay = _Fields(d["layout"], source, f"{where}.layout", ("world_size", "n_streams"))
     layout = Layout(world_size=lay.int("world_size", lo=1), n_streams=lay.int("n_streams", lo=1))
@@ -446,8 +488,42 @@ def _parse_split(d: Any, source: str, name: str) -> SplitEntry:
                               f"expected {expect}: the files must tile the stream in order")
         expect += entry.n_tokens
         files.append(entry)
-    if expect != counts["n_tokens"]:
+    index = _parse_index(d["index"], source, where) if "index" in d else None
+    if index is not None and files:
+        raise CorpusError(f"{source}: {where} has both files and an index; an index split lists no files")
+    if index is None and expect != counts["n_tokens"]:
         raise CorpusError(f"{source}: {where}: the files hold {expect} tokens but n_tokens is {counts['n_tokens']}")
     if len({f.path for f in files}) != len(files):
         raise CorpusError(f"{source}: {where}.files lists the same path twice")
-    return SplitEntry(tokens_sha256=s.sha("tokens_sha256"), layout=layout, files=files, **counts)
+    return SplitEntry(tokens_sha256=s.sha("tokens_sha256"), layout=layout, files=files, index=index, **counts)
+
+
+def _parse_index(d: Any, source: str, where: str) -> IndexEntry:
+    f = _Fields(d, source, f"{where}.index", tuple(x.name for x in dataclasses.fields(IndexEntry)))
+    if f.str("tokens_sha256_covers") != INDEX_TOKENS_SHA256:
+        raise CorpusError(f"{source}: {where}.index.tokens_sha256_covers is {json.dumps(d['tokens_sha256_covers'])}"
+                          f", this reader knows '{INDEX_TOKENS_SHA256}'; re-run `python -m data_prep mix --index`")
+    if not isinstance(d["sources"], list) or not d["sources"]:
+        raise CorpusError(f"{source}: {where}.index.sources must be a non-empty JSON list of corpus folders")
+    for i, path in enumerate(d["sources"]):
+        key = f"{where}.index.sources[{i}]"
+        if not isinstance(path, str) or not path or any(ord(c) < 32 or ord(c) == 127 for c in path) or "\\" in path:
+            raise CorpusError(f"{source}: {key} must be a corpus folder path (POSIX, no control characters), "
+                              f"got {json.dumps(path)}")
+    return IndexEntry(sources=list(d["sources"]), tokens_sha256_covers=d["tokens_sha256_covers"])
+
+
+def _check_index(split: SplitEntry, name: str, mixture: MixtureEntry | None, source: str) -> None:
+    """An index split is a mixture's train split, with one source folder per mixture source and the
+    tokens_sha256 its documents file and sources' digests give."""
+    where = f"splits.{name}.index"
+    if mixture is None or name != "train":
+        raise CorpusError(f"{source}: {where}: only a mixture's train split can be an index "
+                          "(made by `python -m data_prep mix --index`)")
+    if len(split.index.sources) != len(mixture.sources):
+        raise CorpusError(f"{source}: {where}.sources lists {len(split.index.sources)} folders for the mixture's "
+                          f"{len(mixture.sources)} sources; re-run `python -m data_prep mix --index`")
+    want = index_tokens_sha256(mixture.documents_sha256, [s.manifest_digest for s in mixture.sources])
+    if split.tokens_sha256 != want:
+        raise CorpusError(f"{source}: splits.{name}.tokens_sha256 is not the hash of its index (documents_sha256 "
+                          "and the sources' manifest digests); re-run `python -m data_prep mix --index`")

@@ -2,9 +2,13 @@
 
 `python -m data_prep mix` writes `mixture/train-documents.arrow` beside the tokens: one row per document of
 the train split in stream order, `stop` (int64, where the document ends in the stream, its eod included)
-and `source` (uint8, the index of its source in manifest.mixture.sources). The loader never reads it (a
-mixture is read like any corpus); verify checks the mixture record against it and inspect shows the
-sources' shares per rank block from it. It costs 9 bytes per document.
+and `source` (uint8, the index of its source in manifest.mixture.sources). A copied mixture's loader never
+reads it (the mixture is read like any corpus); verify checks the mixture record against it and inspect
+shows the sources' shares per rank block from it. It costs 9 bytes per document.
+
+A mixture made with `mix --index` stores no train tokens: its documents file has a third column,
+`source_start` (int64, where the document starts in its source's train stream; 17 bytes per document),
+and IS the train split (index_split.IndexReader reads it memory-mapped).
 """
 from __future__ import annotations
 
@@ -19,22 +23,36 @@ from .manifest import CorpusError, Manifest, sha256_file
 
 DOCUMENTS_FILE = "mixture/train-documents.arrow"
 DOCUMENTS_SCHEMA = pa.schema([("stop", pa.int64()), ("source", pa.uint8())])
+INDEX_SCHEMA = pa.schema([("stop", pa.int64()), ("source", pa.uint8()), ("source_start", pa.int64())])
+"""The documents file of an index mixture (`mix --index`): also where each document starts in its source."""
+
+
+def documents_schema(manifest: Manifest) -> pa.Schema:
+    """The documents file's schema for this manifest: INDEX_SCHEMA when the train split is an index."""
+    train = manifest.splits.get("train")
+    return INDEX_SCHEMA if train is not None and train.index is not None else DOCUMENTS_SCHEMA
 
 
 class DocumentsWriter:
-    """Writes the documents file a block of documents at a time; `close()` returns its sha256."""
+    """Writes the documents file a block of documents at a time; `close()` returns its sha256. With `index`
+    it also writes each document's start in its source (INDEX_SCHEMA)."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, index: bool = False):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.schema = INDEX_SCHEMA if index else DOCUMENTS_SCHEMA
         self._file = pa.OSFile(str(self.path), "wb")
-        self._writer = pa.ipc.new_file(self._file, DOCUMENTS_SCHEMA)
+        self._writer = pa.ipc.new_file(self._file, self.schema)
 
-    def write(self, stops: np.ndarray, sources: np.ndarray) -> None:
-        """Append documents: where each ends in the stream, and its source id."""
-        self._writer.write_batch(pa.record_batch([pa.array(np.asarray(stops, dtype=np.int64)),
-                                                  pa.array(np.asarray(sources, dtype=np.uint8))],
-                                                 schema=DOCUMENTS_SCHEMA))
+    def write(self, stops: np.ndarray, sources: np.ndarray, source_starts: np.ndarray | None = None) -> None:
+        """Append documents: where each ends in the stream, its source id (and, for an index, where it
+        starts in its source's train stream)."""
+        columns = [pa.array(np.asarray(stops, dtype=np.int64)), pa.array(np.asarray(sources, dtype=np.uint8))]
+        if (source_starts is not None) != (self.schema is INDEX_SCHEMA):
+            raise ValueError(f"{self.path}: source_starts are written exactly when the file is an index")
+        if source_starts is not None:
+            columns.append(pa.array(np.asarray(source_starts, dtype=np.int64)))
+        self._writer.write_batch(pa.record_batch(columns, schema=self.schema))
 
     def close(self) -> str:
         self._writer.close()
@@ -44,6 +62,12 @@ class DocumentsWriter:
 
 def read_documents(corpus_dir: str | os.PathLike, manifest: Manifest) -> tuple[np.ndarray, np.ndarray]:
     """(stops int64 [n_docs], sources uint8 [n_docs]) of a mixture, checked against the manifest's sha256."""
+    return read_documents_table(corpus_dir, manifest)[:2]
+
+
+def read_documents_table(corpus_dir: str | os.PathLike, manifest: Manifest) -> tuple[np.ndarray, ...]:
+    """read_documents, plus source_start int64 [n_docs] for an index mixture (whole file in memory: for
+    verify and inspect; the loader maps it instead, index_split.DocumentIndex)."""
     mix = manifest.mixture
     if mix is None:
         raise CorpusError(f"{corpus_dir}: not a mixture (its manifest has no 'mixture' record)")
@@ -58,8 +82,10 @@ def read_documents(corpus_dir: str | os.PathLike, manifest: Manifest) -> tuple[n
             table = pa.ipc.open_file(f).read_all()
     except pa.ArrowException as e:
         raise CorpusError(f"{path}: not a readable Arrow IPC file ({one_line(e)})") from None
-    if table.schema != DOCUMENTS_SCHEMA:
-        raise CorpusError(f"{path}: columns are {table.schema.names}, expected stop (int64) and source (uint8)")
+    schema = documents_schema(manifest)
+    if table.schema != schema:
+        raise CorpusError(f"{path}: columns are {table.schema.names}, expected {', '.join(schema.names)} "
+                          "(int64, uint8[, int64]); re-run `python -m data_prep mix`")
     stops = table.column("stop").to_numpy()  # [n_docs]
     sources = table.column("source").to_numpy()  # [n_docs]
     n_tokens = manifest.splits["train"].n_tokens
@@ -67,6 +93,11 @@ def read_documents(corpus_dir: str | os.PathLike, manifest: Manifest) -> tuple[n
         raise CorpusError(f"{path}: document stops must increase and end at the train split's {n_tokens} tokens")
     if np.any(sources >= len(mix.sources)):
         raise CorpusError(f"{path}: a source id is not below the mixture's {len(mix.sources)} sources")
+    if schema is INDEX_SCHEMA:
+        source_starts = table.column("source_start").to_numpy()  # [n_docs]
+        if np.any(source_starts < 0):
+            raise CorpusError(f"{path}: a document starts before its source's stream; re-run `python -m data_prep mix`")
+        return stops, sources, source_starts
     return stops, sources
 
 

@@ -8,9 +8,10 @@ from typing import Any
 
 import numpy as np
 
-from .arrow_io import TokenReader, update_tokens_sha256
+from .arrow_io import update_tokens_sha256
+from .index_split import IndexReader, split_reader
 from .manifest import CorpusError, Manifest, read_manifest, sha256_file
-from .mixture import deviation_spread, read_documents
+from .mixture import deviation_spread, read_documents_table
 
 
 def verify_corpus(corpus_dir: str | os.PathLike, check_tokens: bool = True) -> dict[str, Any]:
@@ -22,6 +23,12 @@ def verify_corpus(corpus_dir: str | os.PathLike, check_tokens: bool = True) -> d
     holds at least n eod ids and ends with one (each document is followed by eod_id; the text itself may
     contain the eod piece, so more are allowed). A mixture's record is checked against its documents file
     (check_mixture).
+
+    An index split (`mix --index`) is read through its sources: opening it checks each source's manifest
+    digest and the index's sha256, and every source file's sha256 as it is touched; its tokens_sha256 is
+    the index's hash (checked when the manifest is read), so the scan instead checks that every document
+    starts where a source document starts and ends with eod_id. Every split's stream hash is returned as
+    `stream_sha256` (for an index split: what the same mixture copied would record as tokens_sha256).
     """
     corpus_dir = Path(corpus_dir)
     manifest = read_manifest(corpus_dir)
@@ -40,15 +47,22 @@ def verify_corpus(corpus_dir: str | os.PathLike, check_tokens: bool = True) -> d
                              "n_bytes": split.n_bytes, "n_chars": split.n_chars, "n_files": len(split.files)}
         # A mixture's train documents must each end with eod_id where the documents file says they end.
         doc_stops = documents[0] if documents is not None and name == "train" and check_tokens else None
-        with TokenReader(corpus_dir, manifest, name, verify=True) as reader:
+        with split_reader(corpus_dir, manifest, name, verify=True) as reader:
             counts = np.zeros(tok.vocab_size, dtype=np.int64) if check_tokens else None
             tokens_hash = hashlib.sha256()
             last = None
             reader_pos = 0
-            for entry in split.files:
-                path = corpus_dir / entry.path
-                # One record batch at a time (zero-copy views): memory stays flat for any file size.
-                for tokens in reader.chunks(entry.first_token, entry.first_token + entry.n_tokens):
+            if isinstance(reader, IndexReader):
+                pieces = [(corpus_dir / manifest.mixture.documents_file, 0, split.n_tokens)]
+                if counts is None:
+                    reader.open_range(0, split.n_tokens)  # every source file it reads from, verified
+                else:
+                    _check_index_documents(reader, documents, tok.eod_id)
+            else:
+                pieces = [(corpus_dir / e.path, e.first_token, e.first_token + e.n_tokens) for e in split.files]
+            for path, first, stop in pieces:
+                # One record batch (index: one gathered chunk) at a time: memory stays flat for any size.
+                for tokens in reader.chunks(first, stop):
                     if counts is None:
                         break  # opening the file (first chunk) verified its checksum, schema and count
                     lo, hi = int(tokens.min()), int(tokens.max())
@@ -68,7 +82,8 @@ def verify_corpus(corpus_dir: str | os.PathLike, check_tokens: bool = True) -> d
                     update_tokens_sha256(tokens_hash, tokens, manifest.dtype)
                     last = int(tokens[-1])
         if counts is not None:
-            if (got := tokens_hash.hexdigest()) != split.tokens_sha256:
+            s["stream_sha256"] = got = tokens_hash.hexdigest()
+            if split.index is None and got != split.tokens_sha256:
                 raise CorpusError(f"{corpus_dir / 'manifest.json'}: split '{name}': its tokens hash to {got[:12]}... "
                                   f"but tokens_sha256 is {split.tokens_sha256[:12]}...: the manifest does not describe "
                                   "these tokens; re-run prepare")
@@ -82,13 +97,31 @@ def verify_corpus(corpus_dir: str | os.PathLike, check_tokens: bool = True) -> d
     return stats
 
 
-def check_mixture(corpus_dir: Path, manifest: Manifest) -> tuple[np.ndarray, np.ndarray]:
+def _check_index_documents(reader: IndexReader, documents: tuple[np.ndarray, ...], eod_id: int) -> None:
+    """Every document of an index split starts where a document of its source starts (at 0 or right after
+    an eod of the source); with the scan's check that it ends with eod_id, each is a whole source document.
+    One vectorized gather of one token per document and source."""
+    _, sources, source_starts = documents
+    for k, source in enumerate(reader.sources):
+        starts = source_starts[(sources == k) & (source_starts > 0)]  # [d_k]
+        if np.any(starts > source.n_tokens):
+            raise CorpusError(f"{reader.documents.path}: a document of source {k} starts past its source's "
+                              f"{source.n_tokens} tokens; re-run `python -m data_prep mix --index`")
+        before = source.gather(starts - 1, starts)  # [d_k]: the source token before each document
+        if np.any(before != eod_id):
+            at = int(starts[np.argmax(before != eod_id)])
+            raise CorpusError(f"{reader.documents.path}: a document starts at token {at} of source "
+                              f"'{reader.source_refs[k]}', which is not the start of one of its documents")
+
+
+def check_mixture(corpus_dir: Path, manifest: Manifest) -> tuple[np.ndarray, ...]:
     """The mixture record against its documents file: per source its tokens, documents, share, epochs and
     deviation spread; the weights sum to 1; every source's held-out parts are splits. Returns the file's
-    (stops, sources) for the token scan."""
+    (stops, sources[, source_starts of an index]) for the token scan."""
     mix = manifest.mixture
     where = corpus_dir / "manifest.json"
-    stops, sources = read_documents(corpus_dir, manifest)
+    table = read_documents_table(corpus_dir, manifest)
+    stops, sources = table[:2]
     n_tokens = manifest.splits["train"].n_tokens
     lengths = np.diff(stops, prepend=0)  # [n_docs]
     tokens = np.bincount(sources, weights=lengths, minlength=len(mix.sources)).astype(np.int64)  # [K]
@@ -113,4 +146,4 @@ def check_mixture(corpus_dir: Path, manifest: Manifest) -> tuple[np.ndarray, np.
     for split in manifest.splits:
         if "/" in split and split.split("/", 1)[1] not in names:
             raise CorpusError(f"{where}: split '{split}' names no source of the mixture ({', '.join(sorted(names))})")
-    return stops, sources
+    return table

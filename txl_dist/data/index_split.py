@@ -1,0 +1,249 @@
+"""Index splits: a mixture's train stream read through its documents file from its sources, and the one
+factory that picks a split's reader.
+
+`python -m data_prep mix --index` writes no train tokens. The mixture's documents file
+(`mixture/train-documents.arrow`, INDEX_SCHEMA) lists per document in stream order where it ends in the
+mixture's stream (`stop`), its source and where it starts in that source's train stream (`source_start`);
+the manifest's `splits.train.index.sources` names each source's corpus folder and the mixture record its
+manifest digest. IndexReader gives that stream the interface of TokenReader (read, chunks, open_range,
+files_opened, close, n_tokens, dtype), so the loader, verify, inspect and the unigram baseline read an
+index split as they read files. Everything stays memory-mapped: the documents file (a rank's reads touch
+the pages of the documents in its block and a binary search's few others) and the sources' token files.
+
+Why the documents file is the index: it is already written (its stops and sources are what verify and
+inspect check), and one more column is all it needs; the stop column answers "which documents does the
+window [a, b) overlap" by binary search, so no per-document table is built in memory.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pyarrow as pa
+
+from ..errors import one_line
+from .arrow_io import TokenReader
+from .manifest import CorpusError, Manifest, read_manifest, sha256_file
+from .mixture import INDEX_SCHEMA
+
+READ_CHUNK_TOKENS = 1 << 20
+"""Tokens per piece of chunks() (and of open_range's walk over the documents): bounded memory."""
+
+
+def split_reader(corpus_dir: str | os.PathLike, manifest: Manifest, split: str, *,
+                 verify: bool = True) -> TokenReader | IndexReader:
+    """The reader of a corpus split: IndexReader for an index split (`mix --index`), else TokenReader.
+
+    Every reader of a corpus split is made here, so a new kind of split is one branch, not one per caller.
+    """
+    entry = manifest.splits.get(split)
+    if entry is not None and entry.index is not None:
+        return IndexReader(corpus_dir, manifest, split, verify=verify)
+    return TokenReader(corpus_dir, manifest, split, verify=verify)  # names an unknown split
+
+
+def source_folder(corpus_dir: str | os.PathLike, ref: str) -> Path:
+    """Where an index source lives: `ref` as written in splits.train.index.sources, relative to the corpus."""
+    return Path(ref) if Path(ref).is_absolute() else Path(corpus_dir) / ref
+
+
+def source_reference(corpus_dir: str | os.PathLike, source_dir: str | os.PathLike) -> str:
+    """How a mixture at corpus_dir names a source folder: relative when the two share a folder below the
+    filesystem root (moving that common folder, or the whole tree, keeps the mixture working), absolute
+    otherwise (the mixture can then move on its own while the source stays where it is)."""
+    out, src = Path(corpus_dir).resolve(), Path(source_dir).resolve()
+    common = Path(os.path.commonpath([out, src]))
+    if common == Path(common.anchor):
+        return str(src)
+    return Path(os.path.relpath(src, out)).as_posix()
+
+
+class DocumentIndex:
+    """The documents file of an index mixture, memory-mapped: per record batch, views of its columns.
+
+    mix writes one record batch per round of its schedule, so the lookup is two binary searches: the batch
+    (by its last stop, one small array in memory), then the documents inside it.
+    """
+
+    def __init__(self, path: Path, sha256: str, n_tokens: int, n_sources: int, verify: bool):
+        self.path = path
+        if not path.is_file():
+            raise CorpusError(f"{path}: the mixture's index (documents file) is missing; re-run "
+                              "`python -m data_prep mix --index`")
+        if verify and (got := sha256_file(path)) != sha256:
+            raise CorpusError(f"{path}: sha256 {got[:12]}... differs from the manifest's {sha256[:12]}...: the index "
+                              "is corrupt or replaced; re-run `python -m data_prep mix --index`")
+        try:
+            self._mmap = pa.memory_map(str(path), "r")
+            reader = pa.ipc.open_file(self._mmap)
+            if reader.schema != INDEX_SCHEMA:
+                raise CorpusError(f"{path}: columns are {reader.schema.names}, expected {', '.join(INDEX_SCHEMA.names)}"
+                                  "; re-run `python -m data_prep mix --index`")
+            batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
+            for b in batches:
+                b.validate()
+            batches = [b for b in batches if b.num_rows]
+            # Views of the mapped pages (a null-free primitive column never copies).
+            self.stops = [b.column(0).to_numpy(zero_copy_only=True) for b in batches]  # [n_batches][docs]
+            self.sources = [b.column(1).to_numpy(zero_copy_only=True) for b in batches]
+            self.source_starts = [b.column(2).to_numpy(zero_copy_only=True) for b in batches]
+        except (pa.ArrowException, OSError) as e:
+            raise CorpusError(f"{path}: not a readable Arrow IPC file (truncated or corrupt): {one_line(e)}; "
+                              "re-run `python -m data_prep mix --index`") from None
+        self.batch_ends = np.array([s[-1] for s in self.stops], dtype=np.int64)  # [n_batches]
+        if not len(self.batch_ends) or self.batch_ends[-1] != n_tokens or np.any(np.diff(self.batch_ends) <= 0):
+            raise CorpusError(f"{path}: its documents must end at the train split's {n_tokens} tokens, in order; "
+                              "re-run `python -m data_prep mix --index`")
+        self.n_sources = n_sources
+
+    def documents(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The documents overlapping stream tokens [start, stop) (start < stop), in order: where each starts
+        and ends in the stream, its source and where it starts in the source (int64/uint8 arrays [d])."""
+        first_batch = int(np.searchsorted(self.batch_ends, start, side="right"))
+        last_batch = int(np.searchsorted(self.batch_ends, stop - 1, side="right"))
+        parts = []
+        for b in range(first_batch, last_batch + 1):
+            stops = self.stops[b]  # [docs of batch b]
+            lo = int(np.searchsorted(stops, start, side="right"))
+            hi = int(np.searchsorted(stops, stop - 1, side="right")) + 1
+            hi = min(hi, len(stops))
+            before = int(stops[lo - 1]) if lo else (int(self.batch_ends[b - 1]) if b else 0)
+            doc_stops = stops[lo:hi]  # [d_b]
+            doc_starts = np.concatenate([[before], doc_stops[:-1]]).astype(np.int64)  # [d_b]
+            parts.append((doc_starts, doc_stops, self.sources[b][lo:hi], self.source_starts[b][lo:hi]))
+        if len(parts) == 1:
+            return parts[0]
+        return tuple(np.concatenate([p[i] for p in parts]) for i in range(4))
+
+    def close(self) -> None:
+        self.stops = self.sources = self.source_starts = []
+        self._mmap.close()
+
+
+class IndexReader:
+    """TokenReader's interface over an index split: the mixture's stream gathered from its sources.
+
+    Opening checks every source: its folder holds a corpus whose manifest digest is the one recorded at mix
+    time (CorpusError, one line naming the source, its path and the fix, when it is missing or changed).
+    With `verify` the documents file's sha256 is checked on opening and each source file's when first
+    touched, as TokenReader does for its own files.
+
+    read(start, stop) is a zero-copy view when the range lies inside one document (and one record batch of
+    its source); otherwise one array gathered per source with TokenReader.gather (vectorized: no Python step
+    per document or token).
+    """
+
+    def __init__(self, corpus_dir: str | os.PathLike, manifest: Manifest, split: str, *, verify: bool = True):
+        self.corpus_dir = Path(corpus_dir)
+        self.split = split
+        self.entry = manifest.splits[split]
+        self.n_tokens = self.entry.n_tokens
+        self.dtype = manifest.dtype
+        self.verify = verify
+        mixture = manifest.mixture  # read_manifest guarantees an index split is a mixture's train split
+        self.source_refs = list(self.entry.index.sources)
+        self.sources: list[TokenReader] = []
+        where = self.corpus_dir / "manifest.json"
+        for i, (ref, recorded) in enumerate(zip(self.source_refs, mixture.sources)):
+            folder = source_folder(self.corpus_dir, ref)
+            fix = ("put that corpus back there (or move the mixture and its sources together), or re-run "
+                   "`python -m data_prep mix --index`")
+            try:
+                source_manifest = read_manifest(folder)
+            except CorpusError as e:
+                raise CorpusError(f"{where}: index source '{recorded.name}' (splits.train.index.sources[{i}] "
+                                  f"'{ref}') cannot be opened at {folder}: {e}; {fix}") from None
+            if (got := source_manifest.digest()) != recorded.manifest_digest:
+                raise CorpusError(f"{where}: index source '{recorded.name}' at {folder} has manifest digest "
+                                  f"{got[:12]}..., the mixture was made from {recorded.manifest_digest[:12]}...: the "
+                                  f"source changed since; {fix}")
+            self.sources.append(TokenReader(folder, source_manifest, "train", verify=verify))
+        self.documents = DocumentIndex(self.corpus_dir / mixture.documents_file, mixture.documents_sha256,
+                                       self.n_tokens, len(mixture.sources), verify)
+        self._documents_file = mixture.documents_file
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Tokens [start, stop) of the split's stream, in the file dtype (a view when possible)."""
+        self._check_range(start, stop)
+        if start == stop:
+            return np.empty(0, dtype=self.dtype)
+        doc_starts, _, sources, from_, to, at = self._ranges(start, stop)
+        try:
+            if len(doc_starts) == 1:
+                k = int(sources[0])
+                out = self.sources[k].read(int(from_[0]), int(to[0]))
+            else:
+                out = np.empty(stop - start, dtype=self.dtype)  # [stop - start]
+                for k in np.unique(sources):
+                    sel = np.flatnonzero(sources == k)
+                    self.sources[k].gather(from_[sel], to[sel], out=out, out_at=at[sel])
+        except IndexError:
+            raise CorpusError(f"{self.documents.path}: a document of tokens [{start}, {stop}) lies outside its "
+                              "source's train stream: the index does not fit its sources; re-run "
+                              "`python -m data_prep mix --index`") from None
+        return out
+
+    def chunks(self, start: int, stop: int) -> Iterator[np.ndarray]:
+        """Tokens [start, stop) as consecutive arrays of at most READ_CHUNK_TOKENS (bounded memory)."""
+        self._check_range(start, stop)
+        for a in range(start, stop, READ_CHUNK_TOKENS):
+            yield self.read(a, min(stop, a + READ_CHUNK_TOKENS))
+
+    def open_range(self, start: int, stop: int) -> list[str]:
+        """Open (and verify) every source file the documents of [start, stop) read from; returns them as
+        '<source folder>/<path>'. A walk over the range's documents in bounded pieces."""
+        self._check_range(start, stop)
+        touched = [np.zeros(len(r.entry.files) + 1, dtype=np.int64) for r in self.sources]  # [files + 1] each
+        file_starts = [np.array([f.first_token for f in r.entry.files], dtype=np.int64) for r in self.sources]
+        for a in range(start, stop, 4 * READ_CHUNK_TOKENS):
+            _, _, sources, from_, to, _ = self._ranges(a, min(stop, a + 4 * READ_CHUNK_TOKENS))
+            for k in np.unique(sources):
+                sel = sources == k
+                first = np.searchsorted(file_starts[k], from_[sel], side="right") - 1  # [d_k]
+                last = np.searchsorted(file_starts[k], to[sel] - 1, side="right") - 1  # [d_k]
+                # a document's files are first..last: mark the interval (+1 at first, -1 after last)
+                np.add.at(touched[k], first, 1)
+                np.add.at(touched[k], last + 1, -1)
+        opened = []
+        for k, reader in enumerate(self.sources):
+            for i in np.flatnonzero(np.cumsum(touched[k][:-1]) > 0):
+                f = reader.entry.files[i]
+                reader.open_range(f.first_token, f.first_token + 1)
+                opened.append(f"{self.source_refs[k]}/{f.path}")
+        return opened
+
+    @property
+    def files_opened(self) -> list[str]:
+        """The documents file, then each source's files opened so far as '<source folder>/<its path>'."""
+        return [self._documents_file] + [f"{ref}/{path}" for ref, r in zip(self.source_refs, self.sources)
+                                         for path in r.files_opened]
+
+    def close(self) -> None:
+        """Unmap the documents file and every source file (arrays returned by read() must not be used after)."""
+        for r in self.sources:
+            r.close()
+        self.documents.close()
+
+    def __enter__(self) -> IndexReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _ranges(self, start: int, stop: int):
+        """The documents of [start, stop) clipped to it: (doc starts, doc stops, sources, from, to, at), where
+        [from, to) is the piece in the source's stream and `at` its offset in the window."""
+        doc_starts, doc_stops, sources, source_starts = self.documents.documents(start, stop)
+        lo = np.maximum(doc_starts, start)  # [d]
+        hi = np.minimum(doc_stops, stop)  # [d]
+        from_ = source_starts + (lo - doc_starts)  # [d]
+        if np.any(sources >= len(self.sources)):
+            raise CorpusError(f"{self.documents.path}: a source id is not below the mixture's {len(self.sources)} "
+                              "sources; re-run `python -m data_prep mix --index`")
+        return doc_starts, doc_stops, sources, from_, from_ + (hi - lo), lo - start
+
+    def _check_range(self, start: int, stop: int) -> None:
+        if not 0 <= start <= stop <= self.n_tokens:
+            raise IndexError(f"split '{self.split}': token range [{start}, {stop}) is outside [0, {self.n_tokens})")
