@@ -153,9 +153,11 @@ def corpus(tmp_path_factory):
 
 def train_args(corpus: Path, run_dir: Path, *extra: str) -> list[str]:
     """launch/slurm/train.sbatch's arguments: configs/tiny.json on the test corpus, a short run."""
-    # fp32 pinned: the test compares separate jobs bitwise, and "auto" is decided per run by measurement.
+    # fp32 and the attention path pinned: the test compares separate jobs bitwise, and "auto" is decided per
+    # run by measurement (under load two runs can measure different winners).
     sets = {"data.path": corpus, "run.dir": run_dir, "train.max_steps": MAX_STEPS, "train.log_interval": 1,
-            "eval.interval": 0, "tracking.system_metrics": "false", "train.precision": "fp32"}
+            "eval.interval": 0, "tracking.system_metrics": "false", "train.precision": "fp32",
+            "model.attn_impl": "matmul"}
     args = ["launch/slurm/train.sbatch", "--config", "configs/tiny.json"]
     for key, value in sets.items():
         args += ["--set", f"{key}={value}"]
