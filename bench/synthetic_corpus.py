@@ -38,14 +38,15 @@ def zipf_tokens(n_tokens: int, vocab_size: int, seed: int, mean_doc: int = 200) 
     return tokens.astype(np.int64)
 
 
-def write_corpus(root: Path, n_tokens: dict[str, int], vocab_size: int, layout: Layout, seed: int = 0) -> Path:
-    """Write a corpus folder with the given token count per split; returns it."""
+def write_corpus(root: Path, n_tokens: dict[str, int], vocab_size: int, layout: Layout, seed: int = 0,
+                 mean_doc: int = 200) -> Path:
+    """Write a corpus folder with the given token count per split (documents of ~mean_doc tokens); returns it."""
     root.mkdir(parents=True, exist_ok=True)
     (root / "tokenizer.model").write_bytes(b"synthetic benchmark corpus, vocab " + str(vocab_size).encode())
     dtype = token_dtype(vocab_size)
     entries = {}
     for k, (name, count) in enumerate(n_tokens.items()):
-        tokens = zipf_tokens(count, vocab_size, seed + k)
+        tokens = zipf_tokens(count, vocab_size, seed + k, mean_doc)
         (root / name).mkdir(exist_ok=True)
         cuts = file_boundaries(len(tokens), layout)
         files = []

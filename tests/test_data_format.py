@@ -202,6 +202,28 @@ def test_reader_reads_any_range_across_files_and_batches(tmp_path):
             r.read(1000, 1004)
 
 
+def test_gather_copies_short_and_long_ranges_anywhere(tmp_path):
+    # Ranges short (vectorized) and long (a slice copy each: SLICE_COPY_TOKENS), inside one record batch,
+    # across batches and across files, in random order, to a given out/out_at or a new array.
+    from txl_dist.data.arrow_io import SLICE_COPY_TOKENS
+
+    tokens = synthetic_stream(5003)
+    root = make_corpus(tmp_path / "c", {"train": tokens}, batch_tokens=700)
+    rng = np.random.default_rng(2)
+    lengths = np.concatenate([rng.integers(1, 20, 300), rng.integers(SLICE_COPY_TOKENS, 3 * SLICE_COPY_TOKENS, 30)])
+    starts = np.array([rng.integers(0, 5003 - n + 1) for n in lengths])
+    order = rng.permutation(len(lengths))
+    starts, stops = starts[order], (starts + lengths)[order]
+    expected = np.concatenate([tokens[a:b] for a, b in zip(starts, stops)])
+    with TokenReader(root, read_manifest(root), "train") as r:
+        np.testing.assert_array_equal(r.gather(starts, stops), expected)
+        out = np.zeros(len(expected) + 5, dtype=np.uint16)
+        at = np.cumsum(stops - starts) - (stops - starts) + 5  # [n]: after a 5-token gap
+        r.gather(starts, stops, out=out, out_at=at)
+        np.testing.assert_array_equal(out[5:], expected)
+        assert not out[:5].any()
+
+
 def test_reader_opens_only_touched_files(tmp_path):
     root = make_corpus(tmp_path / "c", {"train": synthetic_stream(1003)}, layout=Layout(4, 8))
     m = read_manifest(root)

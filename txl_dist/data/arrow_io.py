@@ -20,6 +20,10 @@ from ..errors import one_line
 from .manifest import DTYPES, CorpusError, FileEntry, Manifest, sha256_file
 
 COLUMN = "tokens"
+SLICE_COPY_TOKENS = 128
+"""gather() copies a range at least this long with one slice copy (memcpy speed, ~1 us of Python per range);
+shorter ones go through one vectorized index computation per record batch (7-24 ns per token, no Python step
+per range). Random ranges of 300 / 1,000 tokens: 3.0 / 1.1 ns per token against 7.4 / 6.5 indexed."""
 _ARROW_TYPES = {"uint16": pa.uint16(), "int32": pa.int32()}
 
 
@@ -295,10 +299,15 @@ class TokenReader:
         for group in np.split(order, bounds) if len(order) else []:
             b = int(first[group[0]])
             group = ranges[group]
+            array, base = f.arrays[b], batch_starts[b]
+            long = lengths[group] >= SLICE_COPY_TOKENS  # [g]
+            for i in group[long].tolist():  # a slice copy each: memcpy speed, one Python step per range
+                at, src = int(out_at[i]), int(starts[i] - base)
+                out[at:at + lengths[i]] = array[src:src + lengths[i]]
+            group = group[~long]
             n = lengths[group]  # [g]
             offset = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)  # [tokens]: position inside its range
-            out[np.repeat(out_at[group], n) + offset] = f.arrays[b][np.repeat(starts[group] - batch_starts[b], n)
-                                                                    + offset]
+            out[np.repeat(out_at[group], n) + offset] = array[np.repeat(starts[group] - base, n) + offset]
 
     def close(self) -> None:
         """Unmap every open file (views returned by read() must not be used afterwards)."""
