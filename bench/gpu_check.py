@@ -634,6 +634,14 @@ def write_table(rec: Recorder, out: Path) -> Path:
             lines.append(f"| {r['shape']} | {r['impl']} | {r['micro_batch']} | {r['checkpointing']} | {r['compile']} | "
                          f"{r.get('step_ms', r.get('error', r.get('skipped')))} | {r.get('tokens_per_s')} | "
                          f"{r.get('mfu_measured_peak')} | {r.get('mfu_spec_peak')} | {r.get('peak_memory_gib')} |")
+        # What a preset for this device should say: per shape, the fastest setting that ran.
+        for shape in dict.fromkeys(r["shape"] for r in train):
+            ran = [r for r in train if r["shape"] == shape and r.get("tokens_per_s")]
+            if ran:
+                b = max(ran, key=lambda r: r["tokens_per_s"])
+                lines.append(f"\nfastest for {shape}: attn_impl {b['impl']}, micro batch {b['micro_batch']}, activation "
+                             f"checkpointing {b['checkpointing']}, compile {b['compile']}: {b['tokens_per_s']} tokens/s, "
+                             f"MFU {b.get('mfu_measured_peak')} of the measured peak, {b.get('peak_memory_gib')} GiB")
     ds = [r for r in rec.records if r["kind"] == "deepspeed"]
     for r in ds:
         lines.append(f"\nDeepSpeed trainer ZeRO {r.get('zero_stage')}: exit {r.get('exit')}, "
