@@ -198,7 +198,28 @@ def _batch_starts(arrays: list[np.ndarray], entry: FileEntry, path: Path) -> lis
     return starts
 
 
-class TokenReader:
+class StreamReader:
+    """What every reader of a split's global stream shares (TokenReader here, IndexReader in index_split.py):
+    n_tokens, the range check, and use as a context manager that closes it."""
+
+    split: str
+    n_tokens: int
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_range(self, start: int, stop: int) -> None:
+        if not 0 <= start <= stop <= self.n_tokens:
+            raise IndexError(f"split '{self.split}': token range [{start}, {stop}) is outside [0, {self.n_tokens})")
+
+
+class TokenReader(StreamReader):
     """Random access to a split's global stream; opens (and verifies) a file only when first touched.
 
     `read(start, stop)` returns the tokens [start, stop) in the file dtype: a zero-copy view when the
@@ -315,12 +336,6 @@ class TokenReader:
             f.close()
         self._open.clear()
 
-    def __enter__(self) -> TokenReader:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     def _file(self, i: int) -> _OpenFile:
         f = self._open.get(i)
         if f is None:
@@ -329,7 +344,3 @@ class TokenReader:
             self._open[i] = f
             self.files_opened.append(entry.path)
         return f
-
-    def _check_range(self, start: int, stop: int) -> None:
-        if not 0 <= start <= stop <= self.n_tokens:
-            raise IndexError(f"split '{self.split}': token range [{start}, {stop}) is outside [0, {self.n_tokens})")

@@ -24,7 +24,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import one_line
-from .arrow_io import TokenReader
+from .arrow_io import StreamReader, TokenReader
 from .manifest import CorpusError, Manifest, read_manifest, sha256_file
 from .mixture import INDEX_SCHEMA
 
@@ -122,7 +122,7 @@ class DocumentIndex:
         self._mmap.close()
 
 
-class IndexReader:
+class IndexReader(StreamReader):
     """TokenReader's interface over an index split: the mixture's stream gathered from its sources.
 
     Opening checks every source: its folder holds a corpus whose manifest digest is the one recorded at mix
@@ -226,12 +226,6 @@ class IndexReader:
             r.close()
         self.documents.close()
 
-    def __enter__(self) -> IndexReader:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     def _ranges(self, start: int, stop: int):
         """The documents of [start, stop) clipped to it: (doc starts, doc stops, sources, from, to, at), where
         [from, to) is the piece in the source's stream and `at` its offset in the window."""
@@ -243,7 +237,3 @@ class IndexReader:
             raise CorpusError(f"{self.documents.path}: a source id is not below the mixture's {len(self.sources)} "
                               "sources; re-run `python -m data_prep mix --index`")
         return doc_starts, doc_stops, sources, from_, from_ + (hi - lo), lo - start
-
-    def _check_range(self, start: int, stop: int) -> None:
-        if not 0 <= start <= stop <= self.n_tokens:
-            raise IndexError(f"split '{self.split}': token range [{start}, {stop}) is outside [0, {self.n_tokens})")
