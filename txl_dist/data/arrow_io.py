@@ -202,8 +202,16 @@ class StreamReader:
     """What every reader of a split's global stream shares (TokenReader here, IndexReader in index_split.py):
     n_tokens, the range check, and use as a context manager that closes it."""
 
-    split: str
-    n_tokens: int
+    def __init__(self, corpus_dir: str | os.PathLike, manifest: Manifest, split: str, verify: bool):
+        if split not in manifest.splits:
+            raise CorpusError(f"{Path(corpus_dir) / 'manifest.json'}: no split '{split}'; "
+                              f"the corpus has {', '.join(sorted(manifest.splits))}")
+        self.corpus_dir = Path(corpus_dir)
+        self.split = split
+        self.entry = manifest.splits[split]
+        self.n_tokens = self.entry.n_tokens
+        self.dtype = manifest.dtype
+        self.verify = verify
 
     def close(self) -> None:
         raise NotImplementedError
@@ -228,15 +236,7 @@ class TokenReader(StreamReader):
     """
 
     def __init__(self, corpus_dir: str | os.PathLike, manifest: Manifest, split: str, *, verify: bool = True):
-        if split not in manifest.splits:
-            raise CorpusError(f"{Path(corpus_dir) / 'manifest.json'}: no split '{split}'; "
-                              f"the corpus has {', '.join(sorted(manifest.splits))}")
-        self.corpus_dir = Path(corpus_dir)
-        self.split = split
-        self.entry = manifest.splits[split]
-        self.n_tokens = self.entry.n_tokens
-        self.dtype = manifest.dtype
-        self.verify = verify
+        super().__init__(corpus_dir, manifest, split, verify)
         self._file_starts = [f.first_token for f in self.entry.files]
         self._open: dict[int, _OpenFile] = {}
         self.files_opened: list[str] = []

@@ -136,12 +136,7 @@ class IndexReader(StreamReader):
     """
 
     def __init__(self, corpus_dir: str | os.PathLike, manifest: Manifest, split: str, *, verify: bool = True):
-        self.corpus_dir = Path(corpus_dir)
-        self.split = split
-        self.entry = manifest.splits[split]
-        self.n_tokens = self.entry.n_tokens
-        self.dtype = manifest.dtype
-        self.verify = verify
+        super().__init__(corpus_dir, manifest, split, verify)
         mixture = manifest.mixture  # read_manifest guarantees an index split is a mixture's train split
         self.source_refs = list(self.entry.index.sources)
         self.sources: list[TokenReader] = []
