@@ -48,6 +48,7 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -332,6 +333,8 @@ def _write_train(tmp: Path, sources: list[_Source], seed: int, n_target: int, n_
     per_source_tokens = np.zeros(len(sources), dtype=np.int64)
     per_source_docs = np.zeros(len(sources), dtype=np.int64)
     written = 0
+    background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mix-writer")
+    pending: list[Future] = []
     try:
         with tqdm(total=n_tokens, unit=" tok", unit_scale=True, desc="mix train", disable=not progress,
                   file=sys.stderr) as bar:
@@ -352,16 +355,24 @@ def _write_train(tmp: Path, sources: list[_Source], seed: int, n_target: int, n_
                     for k in np.unique(part_src):
                         sel = np.flatnonzero(part_src == k)
                         readers[k].gather(starts[first:last][sel], stops[first:last][sel], out=chunk, out_at=at[sel])
-                    writer.write(chunk, "mix")
+                    # The writer (two sha256 passes, the Arrow batch, the file write: all release the GIL) works
+                    # on this chunk in its own thread while the next one is gathered; at most two in flight.
+                    pending.append(background.submit(writer.write, chunk, "mix"))
+                    if len(pending) > 1:
+                        pending.pop(0).result()
                     bar.update(len(chunk))
                     first = last
                 written += int(lengths.sum())
+            for done in pending:
+                done.result()
             files, tokens_sha256 = writer.close()
             documents_sha256 = documents.close()
     except BaseException:
+        background.shutdown(wait=True, cancel_futures=True)  # the writer thread is idle before the file goes
         writer.abort()
         raise
     finally:
+        background.shutdown(wait=True)
         for r in readers:
             r.close()
     train = SplitEntry(n_tokens=n_tokens, n_documents=int(per_source_docs.sum()), tokens_sha256=tokens_sha256,

@@ -313,6 +313,35 @@ def test_refusals(corpora, tmp_path, capsys):
     assert not (tmp_path / "a").exists()
 
 
+def test_a_write_that_fails_in_the_writer_thread_ends_the_mix_and_leaves_nothing(corpora, mixture, tmp_path,
+                                                                                  monkeypatch, capsys):
+    # The copy's writer runs in a background thread while the next chunk is gathered: its failure must
+    # reach the job (one line, exit 2), and the partial output must go. Small chunks: many in flight.
+    import data_prep.layout
+    import data_prep.mix
+
+    monkeypatch.setattr(data_prep.mix, "CHUNK_TOKENS", 5000)
+    calls = {"n": 0}
+    real_write = data_prep.layout.SplitWriter.write
+
+    def failing_write(self, tokens, source):
+        if self.split == "train":
+            calls["n"] += 1
+            if calls["n"] == 4:
+                raise data_prep.mix.PrepError("disk full (injected)")
+        return real_write(self, tokens, source)
+
+    monkeypatch.setattr(data_prep.layout.SplitWriter, "write", failing_write)
+    out = tmp_path / "m"
+    assert run(*mix_args(corpora, out, "--seed", 7)) == 2
+    assert capsys.readouterr().err.strip().splitlines() == ["error: disk full (injected)"]
+    assert calls["n"] == 4 and not out.exists() and not list(tmp_path.iterdir())
+    # Without the fault, small chunks give the very mixture of the default ones.
+    monkeypatch.setattr(data_prep.layout.SplitWriter, "write", real_write)
+    assert run(*mix_args(corpora, out, "--seed", 7)) == 0
+    assert read_manifest(out).digest() == read_manifest(mixture).digest()
+
+
 def test_index_mixture_of_real_corpora_reads_verifies_and_inspects(mixture, corpora, tmp_path, capsys):
     """`mix --index` of the same sources, weights and seed: the same train stream as the copy, no train file,
     and verify and inspect work on it (tests/test_mix_index.py tests the index mode in depth)."""
