@@ -120,7 +120,7 @@ class _Source:
     """int64 [n_docs]: where each train document ends in the source's stream (after its eod)."""
 
 
-def _open_source(spec: SourceSpec, index: int, weight: float, progress: bool) -> _Source:
+def _open_source(spec: SourceSpec, index: int, weight: float, progress: bool, scratch: Path) -> _Source:
     manifest = read_manifest(spec.corpus)
     tok_path = spec.corpus / manifest.tokenizer.file
     if not tok_path.is_file() or sha256_file(tok_path) != manifest.tokenizer.sha256:
@@ -130,15 +130,16 @@ def _open_source(spec: SourceSpec, index: int, weight: float, progress: bool) ->
     if manifest.splits["train"].index is not None:
         raise PrepError(f"--source {spec.name}: {spec.corpus} is an index mixture (mix --index), whose train split "
                         "has no token files; mix its sources instead")
-    return _Source(spec, index, manifest, weight, _document_stops(spec, manifest, progress))
+    return _Source(spec, index, manifest, weight,
+                   _document_stops(spec, manifest, progress, scratch / f"{index}.stops.npy"))
 
 
-def _document_stops(spec: SourceSpec, manifest: Manifest, progress: bool) -> np.ndarray:
-    """The end of every train document (one read of the train split; each file's sha256 checked on opening)."""
+def _document_stops(spec: SourceSpec, manifest: Manifest, progress: bool, path: Path) -> np.ndarray:
+    """The end of every train document (one read of the train split; each file's sha256 checked on opening),
+    in a memory-mapped file at `path`: page cache, not the process's memory (8 bytes per source document)."""
     split, eod = manifest.splits["train"], manifest.tokenizer.eod_id
-    # Filled in place (the manifest says how many): a list of pieces concatenated at the end would hold
-    # every end twice at its peak, 16 bytes per source document instead of 8.
-    stops = np.empty(split.n_documents, dtype=np.int64)  # [n_docs]
+    # Filled in place (the manifest says how many).
+    stops = np.lib.format.open_memmap(path, mode="w+", dtype=np.int64, shape=(split.n_documents,))  # [n_docs]
     found, pos, last = 0, 0, None
     with TokenReader(spec.corpus, manifest, "train", verify=True) as reader, \
             tqdm(total=split.n_tokens, unit=" tok", unit_scale=True, desc=f"scan {spec.name}",
@@ -175,6 +176,49 @@ SLICE_DOCS = 1 << 16
 """Documents of a source's epoch looked at per step while filling a round."""
 
 
+class Permutation:
+    """A seeded permutation of range(n) evaluated at any positions, in memory that does not grow with n.
+
+    A balanced Feistel network over the smallest domain of 2b bits holding n (4 rounds, each mixing one half
+    with a splitmix64-style hash of the other half and a round key drawn from the seed) is a bijection of
+    that domain; cycle walking (apply it again to every result >= n, until it lands below n) restricts it
+    to a bijection of range(n), in fewer than 4 applications on average as the domain is < 4n. Vectorized
+    over the positions asked: a source of 10^9 documents needs no permutation array (4 or 8 bytes per
+    document for a shuffled one).
+    """
+
+    ROUNDS = 4
+    _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+    def __init__(self, n: int, seed: Sequence[int]):
+        self.n = n
+        bits = max(2, (max(n, 2) - 1).bit_length())
+        self.half = np.uint64((bits + 1) // 2)
+        self.mask = np.uint64((1 << int(self.half)) - 1)
+        self.keys = np.random.default_rng(list(seed)).integers(0, 2**63, self.ROUNDS, dtype=np.uint64)
+
+    def _mix(self, x: np.ndarray, key: np.uint64) -> np.ndarray:
+        z = x ^ key  # [c] uint64, wrapping arithmetic from here on
+        z = (z ^ (z >> np.uint64(30))) * self._M1
+        z = (z ^ (z >> np.uint64(27))) * self._M2
+        return (z ^ (z >> np.uint64(31))) & self.mask
+
+    def _feistel(self, x: np.ndarray) -> np.ndarray:
+        left, right = x >> self.half, x & self.mask  # [c] each
+        for key in self.keys:
+            left, right = right, left ^ self._mix(right, key)
+        return (left << self.half) | right
+
+    def __call__(self, positions: np.ndarray) -> np.ndarray:
+        """int64 [c]: the permutation's values at positions (each in range(n))."""
+        y = self._feistel(np.asarray(positions, dtype=np.uint64))  # [c]
+        outside = np.flatnonzero(y >= np.uint64(self.n))
+        while len(outside):
+            y[outside] = self._feistel(y[outside])
+            outside = outside[y[outside] >= np.uint64(self.n)]
+        return y.astype(np.int64)
+
+
 class _Sequence:
     """A source's documents epoch after epoch, each epoch a seeded permutation of them, taken by key.
 
@@ -184,21 +228,18 @@ class _Sequence:
 
     def __init__(self, source: _Source, seed: int):
         self.stops, self.weight, self.seed, self.index = source.doc_stops, source.weight, seed, source.index
+        self.n_docs = len(self.stops)
         self.epoch, self.pos, self.before = 0, 0, 0
         self.order = self._permutation()
 
-    def _permutation(self) -> np.ndarray:
-        rng = np.random.default_rng([self.seed, self.index, self.epoch])
-        # int32 halves what every epoch holds; shuffling in place keeps the one int64 permutation out.
-        order = np.arange(len(self.stops), dtype=np.int32 if len(self.stops) < 2**31 else np.int64)
-        rng.shuffle(order)
-        return order
+    def _permutation(self) -> Permutation:
+        return Permutation(self.n_docs, [self.seed, self.index, self.epoch])
 
     def take(self, key_limit: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(keys float64, starts, stops int64) of the next documents whose key is below key_limit."""
         keys, starts, stops = [], [], []
         while True:
-            ids = self.order[self.pos:self.pos + SLICE_DOCS]  # [c]
+            ids = self.order(np.arange(self.pos, min(self.pos + SLICE_DOCS, self.n_docs)))  # [c]
             doc_stops = self.stops[ids]  # [c]
             doc_starts = np.where(ids > 0, self.stops[ids - 1], 0)  # [c]
             lengths = doc_stops - doc_starts  # [c]
@@ -209,7 +250,7 @@ class _Sequence:
             stops.append(doc_stops[:n])
             self.pos += n
             self.before += int(lengths[:n].sum())
-            if self.pos == len(self.order):
+            if self.pos == self.n_docs:
                 self.epoch, self.pos = self.epoch + 1, 0
                 self.order = self._permutation()
             if n < len(ids):
@@ -277,8 +318,19 @@ def mix(specs: Sequence[SourceSpec], out: str | os.PathLike, *, train_tokens: in
             raise PrepError(f"--index: source {s.name} ({s.corpus}) lies inside --out {out}, which is replaced as a "
                             "whole; keep the sources the index points at outside the mixture's folder")
     check_output(out, overwrite)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{out.name}.scan-", dir=out.parent) as scratch:
+        return _mix(specs, out, Path(scratch), train_tokens=train_tokens, seed=seed, world_size=world_size,
+                    n_streams=n_streams, eval_streams=eval_streams, overwrite=overwrite, index=index,
+                    command=command, args=args, progress=progress)
+
+
+def _mix(specs: Sequence[SourceSpec], out: Path, scratch: Path, *, train_tokens: int | None, seed: int,
+         world_size: int, n_streams: int, eval_streams: int | None, overwrite: bool, index: bool,
+         command: Sequence[str] | None, args: dict[str, Any] | None, progress: bool) -> Manifest:
+    """mix() once its arguments are checked; the sources' document ends live in files under `scratch`."""
     total_weight = sum(s.weight for s in specs)
-    sources = [_open_source(s, i, s.weight / total_weight, progress) for i, s in enumerate(specs)]
+    sources = [_open_source(s, i, s.weight / total_weight, progress, scratch) for i, s in enumerate(specs)]
     _check_same_tokenizer(sources)
     first = sources[0].manifest
     n_target = train_tokens if train_tokens is not None else sum(s.manifest.splits["train"].n_tokens for s in sources)

@@ -196,13 +196,14 @@ def test_order_is_the_greedy_one_step_by_step(tmp_path, monkeypatch):
     w = np.array(weights) / sum(weights)
     tie = np.random.default_rng([seed, 3]).permutation(3)
     taken, epoch, pos = [0, 0, 0], [0, 0, 0], [0, 0, 0]
-    perm = [np.random.default_rng([seed, k, 0]).permutation(len(docs[k])) for k in range(3)]
+    # Each epoch's order is mix.Permutation's (tested on its own below), evaluated here whole.
+    perm = [data_prep.mix.Permutation(len(docs[k]), [seed, k, 0])(np.arange(len(docs[k]))) for k in range(3)]
     want_src, want_tokens = [], []
     while sum(taken) < asked:
         k = min(range(3), key=lambda i: (taken[i] / w[i], tie[i]))
         if pos[k] == len(perm[k]):
             epoch[k], pos[k] = epoch[k] + 1, 0
-            perm[k] = np.random.default_rng([seed, k, epoch[k]]).permutation(len(docs[k]))
+            perm[k] = data_prep.mix.Permutation(len(docs[k]), [seed, k, epoch[k]])(np.arange(len(docs[k])))
         doc = docs[k][perm[k][pos[k]]]
         pos[k] += 1
         taken[k] += len(doc)
@@ -214,6 +215,21 @@ def test_order_is_the_greedy_one_step_by_step(tmp_path, monkeypatch):
     np.testing.assert_array_equal(split_tokens(tmp_path / "m", "train"), np.concatenate(want_tokens))
     assert [s.tokens for s in m.mixture.sources] == taken and epoch[2] > 2  # the small source repeated
     verify_corpus(tmp_path / "m")
+
+
+def test_permutation_is_a_seeded_bijection_evaluated_anywhere():
+    from data_prep.mix import Permutation
+
+    for n in (1, 2, 3, 4, 5, 17, 1000, 65537, 200_003):
+        values = Permutation(n, [1, 2, 3])(np.arange(n))
+        np.testing.assert_array_equal(np.sort(values), np.arange(n))  # every document once per epoch
+        # The value at a position does not depend on which other positions are asked with it.
+        at = np.random.default_rng(n).integers(0, n, 50)
+        np.testing.assert_array_equal(Permutation(n, [1, 2, 3])(at), values[at])
+    a, b = (Permutation(10_000, [1, 2, e])(np.arange(10_000)) for e in (0, 1))
+    assert (a != b).mean() > 0.99  # another epoch (or seed, or source) is another order
+    # Shuffled, not shifted: about a third of the range between neighbours, as for a random permutation.
+    assert 0.30 < np.abs(np.diff(a)).mean() / 10_000 < 0.37
 
 
 # ----------------------------------------------------------------------------------------------------
