@@ -25,9 +25,10 @@ Held-out splits are not mixed: each source's valid/test split is copied whole as
 `test/<name>` (evaluation reports each), and the mixture's own `valid` / `test` are those splits
 concatenated in the order the sources were given (every held-out document of every source once).
 
-Memory: tokens are copied in bounded chunks; what grows with the corpus is the documents' bookkeeping,
-about 33 bytes per train document of the mixture (the schedule, the documents file) plus 8 per source
-document (its end offset).
+Memory is flat in tokens and in documents: tokens are copied in bounded chunks, the schedule holds one
+round, each epoch's order is a Permutation evaluated slice by slice (no permutation array), and the
+sources' document ends (8 bytes per source document) live in memory-mapped files in a scratch folder beside
+the output (page cache, removed at the end).
 
 Index mode (`--index`): the train split is not copied. The documents file gets each document's start in
 its source (the schedule has it anyway) and becomes the split: the loader gathers a window's documents from
@@ -264,7 +265,8 @@ def schedule(sources: list[_Source], seed: int) -> Iterator[tuple[np.ndarray, np
     The smooth weighted round-robin of the module docstring. Every source's keys increase along its
     sequence, so taking the smallest key each time is a merge of the sequences by key; round r merges, with
     one sort, every document whose key lies in [r, r + 1) * ROUND_TOKENS, which are exactly the next ones.
-    Deterministic in (sources, weights, seed); memory: one round, plus each source's permutation.
+    Deterministic in (sources, weights, seed); memory: one round (the orders are computed, the document
+    ends memory-mapped).
     """
     seqs = [_Sequence(s, seed) for s in sources]
     # Ties between equal keys (at the start, or with commensurate lengths) go by a seeded order of the sources.
