@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 
 from data_prep.tokenizer import MODEL_TYPES, TrainerOptions
@@ -178,20 +180,38 @@ def _command(sub, name: str, what: str, example: str) -> argparse.ArgumentParser
                           formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (Slurm's time limit, `kill`, scancel) raised in the main thread, so that every job unwinds as
+    on Ctrl-C: the temporary output and scratch folders are removed on the way out."""
+
+
+def _raise_terminated(signum: int, frame) -> None:
+    raise Terminated()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one command; refused input prints one `error:` line and returns 2 (as every entry point does)."""
+    """Run one command; refused input prints one `error:` line and returns 2 (as every entry point does).
+    Ctrl-C and SIGTERM remove what the job had started to write and return 130 / 143."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     command = ["python", "-m", "data_prep", *argv]
     recorded = {k: v for k, v in vars(args).items() if k not in ("quiet", "verbose")}
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if in_main_thread else None
     try:
         return _run(args, command, recorded)
     except Refused as e:  # PrepError and CorpusError
         print(f"error: {e}", file=sys.stderr)
         return EXIT_REFUSED
+    except Terminated:
+        print("error: terminated (SIGTERM); nothing was written", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         print("error: interrupted; nothing was written", file=sys.stderr)
         return 130
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _run(args: argparse.Namespace, command: list[str], recorded: dict) -> int:

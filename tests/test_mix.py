@@ -358,6 +358,28 @@ def test_a_write_that_fails_in_the_writer_thread_ends_the_mix_and_leaves_nothing
     assert read_manifest(out).digest() == read_manifest(mixture).digest()
 
 
+def test_sigterm_mid_mix_leaves_no_output_and_no_scratch(corpora, tmp_path, monkeypatch, capsys):
+    # Slurm's time limit sends SIGTERM: the job must unwind as on Ctrl-C, removing its temporary output and
+    # the scan's scratch folder, and say so in one line.
+    import signal
+
+    import data_prep.mix
+
+    real = data_prep.mix._write_held_out
+
+    def terminated_while_copying_held_out(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(data_prep.mix, "_write_held_out", terminated_while_copying_held_out)
+    before = signal.getsignal(signal.SIGTERM)
+    out = tmp_path / "m"
+    assert run(*mix_args(corpora, out)) == 128 + signal.SIGTERM
+    assert capsys.readouterr().err.strip().splitlines() == ["error: terminated (SIGTERM); nothing was written"]
+    assert list(tmp_path.iterdir()) == []  # neither the output, nor .m.tmp-*, nor .m.scan-*
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
 def test_index_mixture_of_real_corpora_reads_verifies_and_inspects(mixture, corpora, tmp_path, capsys):
     """`mix --index` of the same sources, weights and seed: the same train stream as the copy, no train file,
     and verify and inspect work on it (tests/test_mix_index.py tests the index mode in depth)."""
