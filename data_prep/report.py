@@ -14,7 +14,7 @@ from txl_dist.data.format import (
     stream_length,
     verify_corpus,
 )
-from txl_dist.data.mixture import read_documents, source_tokens_before
+from txl_dist.data.mixture import source_tokens_at
 
 
 def verify_report(corpus_dir: str | os.PathLike) -> str:
@@ -80,7 +80,11 @@ def _blocks(m: Manifest, corpus_dir: Path, name: str, w: int, n_streams: int, sp
     length = stream_length(s.n_tokens, n_streams)
     out = [f"  rank blocks for world size {w}, {n_streams} streams of {length:,} tokens "
            f"({s.n_tokens - n_streams * length:,} tokens past S*L unused):"]
-    documents = read_documents(corpus_dir, m) if m.mixture is not None and name == "train" else None
+    shares = None
+    if m.mixture is not None and name == "train":  # each rank block's tokens per source, one streaming pass
+        bounds = [rank_token_range(s.n_tokens, n_streams, w, r) for r in range(w)]
+        before = source_tokens_at(corpus_dir, m, [p for b in bounds for p in b])  # [2w, K]
+        shares = before[1::2] - before[0::2]  # [w, K]
     with split_reader(corpus_dir, m, name, verify=False) as reader:
         for r in range(w):
             start, stop = rank_token_range(s.n_tokens, n_streams, w, r)
@@ -90,10 +94,8 @@ def _blocks(m: Manifest, corpus_dir: Path, name: str, w: int, n_streams: int, sp
             first = r * n_streams // w
             out.append(f"    rank {r}: tokens [{start:,}, {stop:,}), streams [{first}, {first + n_streams // w}), "
                        f"files {', '.join(files) or '-'}")
-            if documents is not None and stop > start:
-                k = len(m.mixture.sources)
-                block = source_tokens_before(*documents, k, stop) - source_tokens_before(*documents, k, start)
-                out.append("      mixture: " + ", ".join(f"{src.name} {block[i] / (stop - start):.4f}"
+            if shares is not None and stop > start:
+                out.append("      mixture: " + ", ".join(f"{src.name} {shares[r, i] / (stop - start):.4f}"
                                                          for i, src in enumerate(m.mixture.sources)))
             if r < samples and stop > start:
                 ids = reader.read(start, min(stop, start + sample_tokens)).tolist()

@@ -214,7 +214,20 @@ def test_order_is_the_greedy_one_step_by_step(tmp_path, monkeypatch):
     np.testing.assert_array_equal(sources, want_src)
     np.testing.assert_array_equal(split_tokens(tmp_path / "m", "train"), np.concatenate(want_tokens))
     assert [s.tokens for s in m.mixture.sources] == taken and epoch[2] > 2  # the small source repeated
-    verify_corpus(tmp_path / "m")
+    verify_corpus(tmp_path / "m")  # its documents file has a record batch per 1,000-token round: streamed
+    # Tokens of each source before any position (what inspect shows per rank block), streamed over the
+    # batches, against counting the stream's own tokens by source.
+    from txl_dist.data.mixture import source_tokens_at
+
+    token_source = np.repeat(sources, np.diff(stops, prepend=0))  # [n_tokens]: the source of every token
+    at = [0, 1, 999, 1000, 1001, int(stops[5]), int(stops[5]) - 1, int(stops[-1]), *np.random.default_rng(0)
+          .integers(0, int(stops[-1]), 30).tolist()]
+    want = np.stack([np.bincount(token_source[:p], minlength=3) for p in at])  # [P, 3]
+    np.testing.assert_array_equal(source_tokens_at(tmp_path / "m", m, at), want)
+    # The same as an index: verify checks every document's start in its source, batch by batch.
+    assert run("mix", "--out", tmp_path / "i", *args, "--train-tokens", asked, "--seed", seed, "--world-size", 2,
+               "--n-streams", 8, "--quiet", "--index") == 0
+    assert verify_corpus(tmp_path / "i")["splits"]["train"]["stream_sha256"] == m.splits["train"].tokens_sha256
 
 
 def test_permutation_is_a_seeded_bijection_evaluated_anywhere():

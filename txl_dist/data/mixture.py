@@ -4,7 +4,8 @@
 the train split in stream order, `stop` (int64, where the document ends in the stream, its eod included)
 and `source` (uint8, the index of its source in manifest.mixture.sources). A copied mixture's loader never
 reads it (the mixture is read like any corpus); verify checks the mixture record against it and inspect
-shows the sources' shares per rank block from it. It costs 9 bytes per document.
+shows the sources' shares per rank block from it, both streaming it a record batch at a time
+(document_batches: flat memory for any number of documents). It costs 9 bytes per document.
 
 A mixture made with `mix --index` stores no train tokens: its documents file has a third column,
 `source_start` (int64, where the document starts in its source's train stream; 17 bytes per document),
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -61,54 +63,101 @@ class DocumentsWriter:
 
 
 def read_documents(corpus_dir: str | os.PathLike, manifest: Manifest) -> tuple[np.ndarray, np.ndarray]:
-    """(stops int64 [n_docs], sources uint8 [n_docs]) of a mixture, checked against the manifest's sha256."""
+    """(stops int64 [n_docs], sources uint8 [n_docs]) of a mixture, checked against the manifest's sha256
+    (whole columns in memory: for tests and small mixtures; verify and inspect stream document_batches)."""
     return read_documents_table(corpus_dir, manifest)[:2]
 
 
 def read_documents_table(corpus_dir: str | os.PathLike, manifest: Manifest) -> tuple[np.ndarray, ...]:
-    """read_documents, plus source_start int64 [n_docs] for an index mixture (whole file in memory: for
-    verify and inspect; the loader maps it instead, index_split.DocumentIndex)."""
+    """read_documents, plus source_start int64 [n_docs] for an index mixture."""
+    batches = [tuple(np.array(c) for c in batch if c is not None) for batch in document_batches(corpus_dir, manifest)]
+    return tuple(np.concatenate(column) for column in zip(*batches))
+
+
+def document_batches(corpus_dir: str | os.PathLike, manifest: Manifest, *, verify: bool = True
+                     ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
+    """The mixture's documents file record batch by record batch, memory-mapped (flat memory for any number
+    of documents): (stops int64 [c], sources uint8 [c], source_starts int64 [c] for an index, else None).
+
+    Checked on the way: the file's sha256 against the manifest (first, with `verify`), its schema, stops that
+    increase across batches and end at the train split's n_tokens, source ids below the number of sources,
+    source starts >= 0. A failed check raises CorpusError when it is met, so a consumer may have seen the
+    batches before it."""
     mix = manifest.mixture
     if mix is None:
         raise CorpusError(f"{corpus_dir}: not a mixture (its manifest has no 'mixture' record)")
     path = Path(corpus_dir) / mix.documents_file
     if not path.is_file():
         raise CorpusError(f"{path}: the mixture's documents file is missing; re-run `python -m data_prep mix`")
-    if (got := sha256_file(path)) != mix.documents_sha256:
+    if verify and (got := sha256_file(path)) != mix.documents_sha256:
         raise CorpusError(f"{path}: sha256 {got[:12]}... differs from the manifest's {mix.documents_sha256[:12]}...: "
                           "the file is corrupt or replaced; re-run `python -m data_prep mix`")
-    try:
-        with pa.OSFile(str(path), "rb") as f:
-            table = pa.ipc.open_file(f).read_all()
-    except pa.ArrowException as e:
-        raise CorpusError(f"{path}: not a readable Arrow IPC file ({one_line(e)})") from None
     schema = documents_schema(manifest)
-    if table.schema != schema:
-        raise CorpusError(f"{path}: columns are {table.schema.names}, expected {', '.join(schema.names)} "
-                          "(int64, uint8[, int64]); re-run `python -m data_prep mix`")
-    stops = table.column("stop").to_numpy()  # [n_docs]
-    sources = table.column("source").to_numpy()  # [n_docs]
     n_tokens = manifest.splits["train"].n_tokens
-    if len(stops) == 0 or stops[-1] != n_tokens or np.any(np.diff(stops, prepend=0) <= 0):
-        raise CorpusError(f"{path}: document stops must increase and end at the train split's {n_tokens} tokens")
-    if np.any(sources >= len(mix.sources)):
-        raise CorpusError(f"{path}: a source id is not below the mixture's {len(mix.sources)} sources")
-    if schema is INDEX_SCHEMA:
-        source_starts = table.column("source_start").to_numpy()  # [n_docs]
-        if np.any(source_starts < 0):
-            raise CorpusError(f"{path}: a document starts before its source's stream; re-run `python -m data_prep mix`")
-        return stops, sources, source_starts
-    return stops, sources
+    try:
+        mapped = pa.memory_map(str(path), "r")
+        reader = pa.ipc.open_file(mapped)
+    except (pa.ArrowException, OSError) as e:
+        raise CorpusError(f"{path}: not a readable Arrow IPC file ({one_line(e)})") from None
+    with mapped:
+        if reader.schema != schema:
+            raise CorpusError(f"{path}: columns are {reader.schema.names}, expected {', '.join(schema.names)} "
+                              "(int64, uint8[, int64]); re-run `python -m data_prep mix`")
+        last = 0
+        for i in range(reader.num_record_batches):
+            try:
+                batch = reader.get_batch(i)
+                batch.validate()
+                columns = [batch.column(j).to_numpy(zero_copy_only=True) for j in range(len(schema))]
+            except (pa.ArrowException, OSError) as e:
+                raise CorpusError(f"{path}: not a readable Arrow IPC file ({one_line(e)})") from None
+            stops, sources = columns[0], columns[1]  # [c], [c]
+            if not len(stops):
+                continue
+            if np.any(np.diff(stops, prepend=last) <= 0):
+                raise CorpusError(f"{path}: document stops must increase and end at the train split's {n_tokens} "
+                                  "tokens")
+            if np.any(sources >= len(mix.sources)):
+                raise CorpusError(f"{path}: a source id is not below the mixture's {len(mix.sources)} sources")
+            source_starts = columns[2] if len(columns) > 2 else None
+            if source_starts is not None and np.any(source_starts < 0):
+                raise CorpusError(f"{path}: a document starts before its source's stream; re-run "
+                                  "`python -m data_prep mix`")
+            last = int(stops[-1])
+            yield stops, sources, source_starts
+        if last != n_tokens:
+            raise CorpusError(f"{path}: document stops must increase and end at the train split's {n_tokens} tokens")
 
 
-def source_tokens_before(stops: np.ndarray, sources: np.ndarray, n_sources: int, position: int) -> np.ndarray:
-    """int64 [n_sources]: tokens of each source in the stream's [0, position) (one pass; for a few positions)."""
-    doc = int(np.searchsorted(stops, position, side="right"))  # the document holding `position` (or n_docs)
-    lengths = np.diff(stops[:doc], prepend=0)  # [doc]
-    out = np.bincount(sources[:doc], weights=lengths, minlength=n_sources).astype(np.int64)  # [K]
-    if doc < len(stops):
-        out[sources[doc]] += position - (int(stops[doc - 1]) if doc else 0)
-    return out
+def source_tokens_at(corpus_dir: str | os.PathLike, manifest: Manifest, positions: list[int]) -> np.ndarray:
+    """int64 [len(positions), n_sources]: tokens of each source in the stream's [0, p) for every p in positions
+    (one streaming pass over the documents file)."""
+    n_sources = len(manifest.mixture.sources)
+    order = np.argsort(positions, kind="stable")
+    wanted = np.asarray(positions, dtype=np.int64)[order]  # [P] ascending
+    out = np.zeros((len(wanted), n_sources), dtype=np.int64)
+    totals = np.zeros(n_sources, dtype=np.int64)  # tokens of each source before the batch
+    prev, p = 0, 0
+    for stops, sources, _ in document_batches(corpus_dir, manifest, verify=False):
+        lengths = np.diff(stops, prepend=prev)  # [c]
+        hi = int(np.searchsorted(wanted, stops[-1], side="right"))  # positions inside this batch: (prev, last]
+        if hi > p:
+            at = wanted[p:hi]  # [q]
+            doc = np.searchsorted(stops, at, side="right")  # [q]: the document holding each position (or c)
+            for k in range(n_sources):
+                cum = np.concatenate([[0], np.cumsum(np.where(sources == k, lengths, 0))])  # [c + 1]
+                out[p:hi, k] = totals[k] + cum[doc]
+            inside = doc < len(stops)  # a position inside a document counts that document's part before it
+            starts = stops - lengths  # [c]
+            rows = np.flatnonzero(inside)
+            out[p + rows, sources[doc[rows]]] += at[rows] - starts[doc[rows]]
+            p = hi
+        totals += np.bincount(sources, weights=lengths, minlength=n_sources).astype(np.int64)
+        prev = int(stops[-1])
+    out[p:] = totals  # positions at or past the end
+    result = np.empty_like(out)
+    result[order] = out
+    return result
 
 
 class DeviationSpread:
@@ -116,7 +165,8 @@ class DeviationSpread:
 
     The deviation is linear inside a document, so its extremes lie at document boundaries (and t = 0): the
     exact bound on how far any window's share can stray from the weight, times the window's length. `mix`
-    (while writing) and verify (deviation_spread) both use this class, so they agree to the token.
+    (while writing) and verify (check_mixture, a batch of the documents file at a time) both use this
+    class, so they agree to the token.
     """
 
     def __init__(self, weights: list[float]):
@@ -140,12 +190,3 @@ class DeviationSpread:
     def result(self) -> list[int]:
         """The spreads, rounded up to whole tokens."""
         return [int(np.ceil(x - 1e-9)) for x in self.hi - self.lo]
-
-
-def deviation_spread(stops: np.ndarray, sources: np.ndarray, weights: list[float],
-                     chunk_docs: int = 1 << 20) -> list[int]:
-    """DeviationSpread over all documents at once (in chunks: flat memory)."""
-    spread = DeviationSpread(weights)
-    for a in range(0, len(stops), chunk_docs):
-        spread.add(stops[a:a + chunk_docs], sources[a:a + chunk_docs])
-    return spread.result()

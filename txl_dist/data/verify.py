@@ -11,7 +11,7 @@ import numpy as np
 from .arrow_io import update_tokens_sha256
 from .index_split import IndexReader, split_reader
 from .manifest import CorpusError, Manifest, read_manifest, sha256_file
-from .mixture import deviation_spread, read_documents_table
+from .mixture import DeviationSpread, document_batches
 
 
 def verify_corpus(corpus_dir: str | os.PathLike, check_tokens: bool = True) -> dict[str, Any]:
@@ -41,12 +41,14 @@ def verify_corpus(corpus_dir: str | os.PathLike, check_tokens: bool = True) -> d
                           "this is not the tokenizer the corpus was made with")
     stats: dict[str, Any] = {"digest": manifest.digest(), "vocab_size": tok.vocab_size, "dtype": manifest.dtype,
                              "splits": {}}
-    documents = check_mixture(corpus_dir, manifest) if manifest.mixture is not None else None
+    if manifest.mixture is not None:
+        check_mixture(corpus_dir, manifest)
     for name, split in manifest.splits.items():
         s: dict[str, Any] = {"n_tokens": split.n_tokens, "n_documents": split.n_documents,
                              "n_bytes": split.n_bytes, "n_chars": split.n_chars, "n_files": len(split.files)}
         # A mixture's train documents must each end with eod_id where the documents file says they end.
-        doc_stops = documents[0] if documents is not None and name == "train" and check_tokens else None
+        doc_ends = _DocumentEnds(corpus_dir, manifest) if (manifest.mixture is not None and name == "train"
+                                                           and check_tokens) else None
         with split_reader(corpus_dir, manifest, name, verify=True) as reader:
             counts = np.zeros(tok.vocab_size, dtype=np.int64) if check_tokens else None
             tokens_hash = hashlib.sha256()
@@ -57,7 +59,7 @@ def verify_corpus(corpus_dir: str | os.PathLike, check_tokens: bool = True) -> d
                 if counts is None:
                     reader.open_range(0, split.n_tokens)  # every source file it reads from, verified
                 else:
-                    _check_index_documents(reader, documents, tok.eod_id)
+                    _check_index_documents(reader, corpus_dir, manifest, tok.eod_id)
             else:
                 pieces = [(corpus_dir / e.path, e.first_token, e.first_token + e.n_tokens) for e in split.files]
             for path, first, stop in pieces:
@@ -70,10 +72,8 @@ def verify_corpus(corpus_dir: str | os.PathLike, check_tokens: bool = True) -> d
                         bad = lo if lo < 0 else hi
                         raise CorpusError(f"{path}: token id {bad} is outside [0, {tok.vocab_size}) of the tokenizer")
                     counts += np.bincount(tokens, minlength=tok.vocab_size)
-                    if doc_stops is not None:
-                        end = reader_pos + len(tokens)
-                        a, b = np.searchsorted(doc_stops, [reader_pos, end], side="right")
-                        inside = doc_stops[a:b] - 1 - reader_pos  # the chunk's document ends: their eods
+                    if doc_ends is not None:
+                        inside = doc_ends.until(reader_pos + len(tokens)) - 1 - reader_pos  # the chunk's eods
                         if len(inside) and np.any(tokens[inside] != tok.eod_id):
                             at = reader_pos + int(inside[np.argmax(tokens[inside] != tok.eod_id)])
                             raise CorpusError(f"{corpus_dir / manifest.mixture.documents_file}: a document ends at "
@@ -97,40 +97,70 @@ def verify_corpus(corpus_dir: str | os.PathLike, check_tokens: bool = True) -> d
     return stats
 
 
-def _check_index_documents(reader: IndexReader, documents: tuple[np.ndarray, ...], eod_id: int) -> None:
+class _DocumentEnds:
+    """A mixture's document stops handed out in stream order, batch by batch (flat memory): until(end) gives
+    the stops <= end not handed out yet. The documents file was checked (check_mixture) before."""
+
+    def __init__(self, corpus_dir: Path, manifest: Manifest):
+        self._batches = (b[0] for b in document_batches(corpus_dir, manifest, verify=False))
+        self._pending = np.empty(0, dtype=np.int64)
+
+    def until(self, end: int) -> np.ndarray:
+        pieces = []
+        while True:
+            n = int(np.searchsorted(self._pending, end, side="right"))
+            pieces.append(self._pending[:n])
+            if n < len(self._pending):
+                self._pending = self._pending[n:]
+                break
+            self._pending = next(self._batches, None)
+            if self._pending is None:
+                self._pending = np.empty(0, dtype=np.int64)
+                break
+        return np.concatenate(pieces)
+
+
+def _check_index_documents(reader: IndexReader, corpus_dir: Path, manifest: Manifest, eod_id: int) -> None:
     """Every document of an index split starts where a document of its source starts (at 0 or right after
     an eod of the source); with the scan's check that it ends with eod_id, each is a whole source document.
-    One vectorized gather of one token per document and source."""
-    _, sources, source_starts = documents
-    for k, source in enumerate(reader.sources):
-        starts = source_starts[(sources == k) & (source_starts > 0)]  # [d_k]
-        if np.any(starts > source.n_tokens):
-            raise CorpusError(f"{reader.documents.path}: a document of source {k} starts past its source's "
-                              f"{source.n_tokens} tokens; re-run `python -m data_prep mix --index`")
-        before = source.gather(starts - 1, starts)  # [d_k]: the source token before each document
-        if np.any(before != eod_id):
-            at = int(starts[np.argmax(before != eod_id)])
-            raise CorpusError(f"{reader.documents.path}: a document starts at token {at} of source "
-                              f"'{reader.source_refs[k]}', which is not the start of one of its documents")
+    One vectorized gather of one token per document and source, a batch of the documents file at a time."""
+    for _, sources, source_starts in document_batches(corpus_dir, manifest, verify=False):
+        for k, source in enumerate(reader.sources):
+            starts = source_starts[(sources == k) & (source_starts > 0)]  # [d_k]
+            if not len(starts):
+                continue
+            if np.any(starts > source.n_tokens):
+                raise CorpusError(f"{reader.documents.path}: a document of source {k} starts past its source's "
+                                  f"{source.n_tokens} tokens; re-run `python -m data_prep mix --index`")
+            before = source.gather(starts - 1, starts)  # [d_k]: the source token before each document
+            if np.any(before != eod_id):
+                at = int(starts[np.argmax(before != eod_id)])
+                raise CorpusError(f"{reader.documents.path}: a document starts at token {at} of source "
+                                  f"'{reader.source_refs[k]}', which is not the start of one of its documents")
 
 
-def check_mixture(corpus_dir: Path, manifest: Manifest) -> tuple[np.ndarray, ...]:
+def check_mixture(corpus_dir: Path, manifest: Manifest) -> None:
     """The mixture record against its documents file: per source its tokens, documents, share, epochs and
-    deviation spread; the weights sum to 1; every source's held-out parts are splits. Returns the file's
-    (stops, sources[, source_starts of an index]) for the token scan."""
+    deviation spread; the weights sum to 1; every source's held-out parts are splits. One streaming pass
+    over the documents file (document_batches checks its sha256, schema and stops)."""
     mix = manifest.mixture
     where = corpus_dir / "manifest.json"
-    table = read_documents_table(corpus_dir, manifest)
-    stops, sources = table[:2]
     n_tokens = manifest.splits["train"].n_tokens
-    lengths = np.diff(stops, prepend=0)  # [n_docs]
-    tokens = np.bincount(sources, weights=lengths, minlength=len(mix.sources)).astype(np.int64)  # [K]
-    docs = np.bincount(sources, minlength=len(mix.sources))  # [K]
-    spreads = deviation_spread(stops, sources, [s.weight for s in mix.sources])
+    tokens = np.zeros(len(mix.sources), dtype=np.int64)  # [K]
+    docs = np.zeros(len(mix.sources), dtype=np.int64)  # [K]
+    spread = DeviationSpread([s.weight for s in mix.sources])
+    prev = 0
+    for stops, sources, _ in document_batches(corpus_dir, manifest):
+        lengths = np.diff(stops, prepend=prev)  # [c]
+        tokens += np.bincount(sources, weights=lengths, minlength=len(mix.sources)).astype(np.int64)
+        docs += np.bincount(sources, minlength=len(mix.sources))
+        spread.add(stops, sources)
+        prev = int(stops[-1])
+    spreads = spread.result()
     if abs(sum(s.weight for s in mix.sources) - 1.0) > 1e-9:
         raise CorpusError(f"{where}: mixture weights sum to {sum(s.weight for s in mix.sources)}, not 1")
-    if len(stops) != manifest.splits["train"].n_documents:
-        raise CorpusError(f"{where}: the documents file lists {len(stops)} documents, splits.train.n_documents "
+    if int(docs.sum()) != manifest.splits["train"].n_documents:
+        raise CorpusError(f"{where}: the documents file lists {int(docs.sum())} documents, splits.train.n_documents "
                           f"is {manifest.splits['train'].n_documents}")
     for k, s in enumerate(mix.sources):
         got = {"tokens": int(tokens[k]), "documents": int(docs[k]), "deviation_spread": spreads[k]}
@@ -146,4 +176,3 @@ def check_mixture(corpus_dir: Path, manifest: Manifest) -> tuple[np.ndarray, ...
     for split in manifest.splits:
         if "/" in split and split.split("/", 1)[1] not in names:
             raise CorpusError(f"{where}: split '{split}' names no source of the mixture ({', '.join(sorted(names))})")
-    return table
