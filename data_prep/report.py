@@ -80,14 +80,13 @@ def _blocks(m: Manifest, corpus_dir: Path, name: str, w: int, n_streams: int, sp
     length = stream_length(s.n_tokens, n_streams)
     out = [f"  rank blocks for world size {w}, {n_streams} streams of {length:,} tokens "
            f"({s.n_tokens - n_streams * length:,} tokens past S*L unused):"]
+    bounds = [rank_token_range(s.n_tokens, n_streams, w, r) for r in range(w)]
     shares = None
     if m.mixture is not None and name == "train":  # each rank block's tokens per source, one streaming pass
-        bounds = [rank_token_range(s.n_tokens, n_streams, w, r) for r in range(w)]
         before = source_tokens_at(corpus_dir, m, [p for b in bounds for p in b])  # [2w, K]
         shares = before[1::2] - before[0::2]  # [w, K]
     with split_reader(corpus_dir, m, name, verify=False) as reader:
-        for r in range(w):
-            start, stop = rank_token_range(s.n_tokens, n_streams, w, r)
+        for r, (start, stop) in enumerate(bounds):
             # an index split has no files of its own: its rank blocks read the sources' (verify names them)
             files = [s.files[i].path for i in reader.file_indices(start, stop)] if s.index is None else [
                 m.mixture.documents_file]
