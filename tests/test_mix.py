@@ -364,7 +364,9 @@ def test_a_write_that_fails_in_the_writer_thread_ends_the_mix_and_leaves_nothing
     out = tmp_path / "m"
     assert run(*mix_args(corpora, out, "--seed", 7)) == 2
     assert capsys.readouterr().err.strip().splitlines() == ["error: disk full (injected)"]
-    assert calls["n"] == 4 and not out.exists() and not list(tmp_path.iterdir())
+    # Two chunks may be in flight: the one after the failing one can have reached the writer before the
+    # failure did; none after it.
+    assert calls["n"] in (4, 5) and not out.exists() and not list(tmp_path.iterdir())
     # Without the fault, small chunks give the very mixture of the default ones.
     monkeypatch.setattr(data_prep.layout.SplitWriter, "write", real_write)
     assert run(*mix_args(corpora, out, "--seed", 7)) == 0
