@@ -21,12 +21,10 @@ from pathlib import Path
 from typing import Iterator
 
 import numpy as np
-import pyarrow as pa
 
-from ..errors import one_line
 from .arrow_io import StreamReader, TokenReader
-from .manifest import CorpusError, Manifest, read_manifest, sha256_file
-from .mixture import INDEX_SCHEMA
+from .manifest import CorpusError, Manifest, read_manifest
+from .mixture import document_batches
 
 READ_CHUNK_TOKENS = 1 << 20
 """Tokens per piece of chunks() (and of open_range's walk over the documents): bounded memory."""
@@ -64,39 +62,19 @@ class DocumentIndex:
     """The documents file of an index mixture, memory-mapped: per record batch, views of its columns.
 
     mix writes one record batch per round of its schedule, so the lookup is two binary searches: the batch
-    (by its last stop, one small array in memory), then the documents inside it.
+    (by its last stop, one small array in memory), then the documents inside it. The file is opened and
+    checked by mixture.document_batches (sha256 with `verify`, schema, stops, source ids), whose views stay
+    valid after its generator ends (they keep the mapping alive).
     """
 
-    def __init__(self, path: Path, sha256: str, n_tokens: int, n_sources: int, verify: bool):
-        self.path = path
-        if not path.is_file():
-            raise CorpusError(f"{path}: the mixture's index (documents file) is missing; re-run "
-                              "`python -m data_prep mix --index`")
-        if verify and (got := sha256_file(path)) != sha256:
-            raise CorpusError(f"{path}: sha256 {got[:12]}... differs from the manifest's {sha256[:12]}...: the index "
-                              "is corrupt or replaced; re-run `python -m data_prep mix --index`")
-        try:
-            self._mmap = pa.memory_map(str(path), "r")
-            reader = pa.ipc.open_file(self._mmap)
-            if reader.schema != INDEX_SCHEMA:
-                raise CorpusError(f"{path}: columns are {reader.schema.names}, expected {', '.join(INDEX_SCHEMA.names)}"
-                                  "; re-run `python -m data_prep mix --index`")
-            batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
-            for b in batches:
-                b.validate()
-            batches = [b for b in batches if b.num_rows]
-            # Views of the mapped pages (a null-free primitive column never copies).
-            self.stops = [b.column(0).to_numpy(zero_copy_only=True) for b in batches]  # [n_batches][docs]
-            self.sources = [b.column(1).to_numpy(zero_copy_only=True) for b in batches]
-            self.source_starts = [b.column(2).to_numpy(zero_copy_only=True) for b in batches]
-        except (pa.ArrowException, OSError) as e:
-            raise CorpusError(f"{path}: not a readable Arrow IPC file (truncated or corrupt): {one_line(e)}; "
-                              "re-run `python -m data_prep mix --index`") from None
+    def __init__(self, corpus_dir: Path, manifest: Manifest, verify: bool):
+        self.path = corpus_dir / manifest.mixture.documents_file
+        self.stops, self.sources, self.source_starts = [], [], []  # [n_batches][docs of the batch] each
+        for stops, sources, source_starts in document_batches(corpus_dir, manifest, verify=verify):
+            self.stops.append(stops)
+            self.sources.append(sources)
+            self.source_starts.append(source_starts)
         self.batch_ends = np.array([s[-1] for s in self.stops], dtype=np.int64)  # [n_batches]
-        if not len(self.batch_ends) or self.batch_ends[-1] != n_tokens or np.any(np.diff(self.batch_ends) <= 0):
-            raise CorpusError(f"{path}: its documents must end at the train split's {n_tokens} tokens, in order; "
-                              "re-run `python -m data_prep mix --index`")
-        self.n_sources = n_sources
 
     def documents(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The documents overlapping stream tokens [start, stop) (start < stop), in order: where each starts
@@ -118,8 +96,8 @@ class DocumentIndex:
         return tuple(np.concatenate([p[i] for p in parts]) for i in range(4))
 
     def close(self) -> None:
+        """Drop the views: the mapping goes with the last of them."""
         self.stops = self.sources = self.source_starts = []
-        self._mmap.close()
 
 
 class IndexReader(StreamReader):
@@ -155,8 +133,7 @@ class IndexReader(StreamReader):
                                   f"{got[:12]}..., the mixture was made from {recorded.manifest_digest[:12]}...: the "
                                   f"source changed since; {fix}")
             self.sources.append(TokenReader(folder, source_manifest, "train", verify=verify))
-        self.documents = DocumentIndex(self.corpus_dir / mixture.documents_file, mixture.documents_sha256,
-                                       self.n_tokens, len(mixture.sources), verify)
+        self.documents = DocumentIndex(self.corpus_dir, manifest, verify)
         self._documents_file = mixture.documents_file
 
     def read(self, start: int, stop: int) -> np.ndarray:
@@ -227,8 +204,5 @@ class IndexReader(StreamReader):
         doc_starts, doc_stops, sources, source_starts = self.documents.documents(start, stop)
         lo = np.maximum(doc_starts, start)  # [d]
         hi = np.minimum(doc_stops, stop)  # [d]
-        from_ = source_starts + (lo - doc_starts)  # [d]
-        if np.any(sources >= len(self.sources)):
-            raise CorpusError(f"{self.documents.path}: a source id is not below the mixture's {len(self.sources)} "
-                              "sources; re-run `python -m data_prep mix --index`")
+        from_ = source_starts + (lo - doc_starts)  # [d]; source ids were checked when the index was opened
         return doc_starts, doc_stops, sources, from_, from_ + (hi - lo), lo - start

@@ -70,7 +70,7 @@ def read_documents(corpus_dir: str | os.PathLike, manifest: Manifest) -> tuple[n
 
 def read_documents_table(corpus_dir: str | os.PathLike, manifest: Manifest) -> tuple[np.ndarray, ...]:
     """read_documents, plus source_start int64 [n_docs] for an index mixture."""
-    batches = [tuple(np.array(c) for c in batch if c is not None) for batch in document_batches(corpus_dir, manifest)]
+    batches = [[c for c in batch if c is not None] for batch in document_batches(corpus_dir, manifest)]
     return tuple(np.concatenate(column) for column in zip(*batches))
 
 
@@ -87,22 +87,23 @@ def document_batches(corpus_dir: str | os.PathLike, manifest: Manifest, *, verif
     if mix is None:
         raise CorpusError(f"{corpus_dir}: not a mixture (its manifest has no 'mixture' record)")
     path = Path(corpus_dir) / mix.documents_file
+    schema = documents_schema(manifest)
+    rerun = "re-run `python -m data_prep mix" + (" --index`" if schema is INDEX_SCHEMA else "`")
     if not path.is_file():
-        raise CorpusError(f"{path}: the mixture's documents file is missing; re-run `python -m data_prep mix`")
+        raise CorpusError(f"{path}: the mixture's documents file is missing; {rerun}")
     if verify and (got := sha256_file(path)) != mix.documents_sha256:
         raise CorpusError(f"{path}: sha256 {got[:12]}... differs from the manifest's {mix.documents_sha256[:12]}...: "
-                          "the file is corrupt or replaced; re-run `python -m data_prep mix`")
-    schema = documents_schema(manifest)
+                          f"the file is corrupt or replaced; {rerun}")
     n_tokens = manifest.splits["train"].n_tokens
     try:
         mapped = pa.memory_map(str(path), "r")
         reader = pa.ipc.open_file(mapped)
     except (pa.ArrowException, OSError) as e:
-        raise CorpusError(f"{path}: not a readable Arrow IPC file ({one_line(e)})") from None
-    with mapped:
+        raise CorpusError(f"{path}: not a readable Arrow IPC file ({one_line(e)}); {rerun}") from None
+    with mapped:  # closing it leaves the yielded views valid: they keep the mapping alive
         if reader.schema != schema:
             raise CorpusError(f"{path}: columns are {reader.schema.names}, expected {', '.join(schema.names)} "
-                              "(int64, uint8[, int64]); re-run `python -m data_prep mix`")
+                              f"(int64, uint8[, int64]); {rerun}")
         last = 0
         for i in range(reader.num_record_batches):
             try:
@@ -110,7 +111,7 @@ def document_batches(corpus_dir: str | os.PathLike, manifest: Manifest, *, verif
                 batch.validate()
                 columns = [batch.column(j).to_numpy(zero_copy_only=True) for j in range(len(schema))]
             except (pa.ArrowException, OSError) as e:
-                raise CorpusError(f"{path}: not a readable Arrow IPC file ({one_line(e)})") from None
+                raise CorpusError(f"{path}: not a readable Arrow IPC file ({one_line(e)}); {rerun}") from None
             stops, sources = columns[0], columns[1]  # [c], [c]
             if not len(stops):
                 continue
@@ -121,8 +122,7 @@ def document_batches(corpus_dir: str | os.PathLike, manifest: Manifest, *, verif
                 raise CorpusError(f"{path}: a source id is not below the mixture's {len(mix.sources)} sources")
             source_starts = columns[2] if len(columns) > 2 else None
             if source_starts is not None and np.any(source_starts < 0):
-                raise CorpusError(f"{path}: a document starts before its source's stream; re-run "
-                                  "`python -m data_prep mix`")
+                raise CorpusError(f"{path}: a document starts before its source's stream; {rerun}")
             last = int(stops[-1])
             yield stops, sources, source_starts
         if last != n_tokens:
