@@ -58,7 +58,6 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from tests.hf_reference.refvenv import ensure_reference_venv
 from txl_dist.config import RunConfig, load_config
 from txl_dist.data import StreamLoader, read_manifest
 from txl_dist.evaluate import Evaluator
@@ -377,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
     s = settings_from(cfg, args.steps, args.threads)
     checkpoints = checkpoint_steps(s.steps, args.checkpoints)
+    from tests.hf_reference.refvenv import ensure_reference_venv  # here: it imports pytest
+
     python = ensure_reference_venv()
     results: dict[str, dict[int, dict]] = {"txl-dist": {}, "reference": {}}
     per_seed: dict[int, dict] = {}

@@ -39,6 +39,7 @@ from typing import Any, Callable
 
 import torch
 
+from bench.learning_vs_reference import ratio_text
 from bench.timing import interleaved
 from txl_dist.flops import cluster_token_shares, flops_per_token as model_flops_per_token
 from txl_dist.config import MemorySettings, ModelConfig
@@ -439,11 +440,6 @@ def verdict(value: float | None, target: float) -> str:
     if value is None:
         return "n/a"
     return f"{'PASS' if value >= target else 'FAIL'} (target >= {target:g})"
-
-
-def ratio_text(value: float, bound: bool) -> str:
-    """A figure, with ">" when it is only a lower bound."""
-    return f"> {value:.2f}" if bound else f"{value:.2f}"
 
 
 def verdict_at_most(value: float, target: float, bound: bool) -> str:
