@@ -33,6 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+from txl_dist.model.dropout import Dropout, dropout
+
 AttentionFn = Callable[..., torch.Tensor]
 
 
@@ -178,7 +180,7 @@ def rel_attention_matmul(q: torch.Tensor, kv: torch.Tensor, r_head_k: torch.Tens
                            head_k.view(n_head * bsz, klen, d_head).transpose(1, 2))  # [H*B, T, K]
     scores.add_(attn_bias)
     probs = F.softmax(scores, dim=-1)                                              # [H*B, T, K]
-    probs = F.dropout(probs, dropatt, training)
+    probs = dropout(probs, dropatt, training)
     attn_vec = torch.bmm(probs, head_v.view(n_head * bsz, klen, d_head))          # [H*B, T, D]
     attn_vec = attn_vec.view(n_head, bsz, qlen, d_head).permute(1, 2, 0, 3)        # [B, T, H, D] (view)
     return attn_vec.reshape(bsz, qlen, n_head * d_head)                           # [B, T, H*D]
@@ -419,7 +421,7 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         self.r_net = nn.Linear(d_model, n_head * d_head, bias=False)
         self.o_net = nn.Linear(n_head * d_head, d_model, bias=False)
         self.layer_norm = nn.LayerNorm(d_model, eps=layer_norm_epsilon)
-        self.drop = nn.Dropout(dropout)
+        self.drop = Dropout(dropout)
         if untie_r:
             self.r_w_bias = nn.Parameter(torch.empty(n_head, d_head))
             self.r_r_bias = nn.Parameter(torch.empty(n_head, d_head))

@@ -8,6 +8,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 
 from txl_dist.model.attention import AttentionFn, RelPartialLearnableMultiHeadAttn
+from txl_dist.model.dropout import Dropout
 
 
 class PositionwiseFF(nn.Module):
@@ -19,7 +20,7 @@ class PositionwiseFF(nn.Module):
         self.fc_in = nn.Linear(d_model, d_inner)
         self.fc_out = nn.Linear(d_inner, d_model)
         self.layer_norm = nn.LayerNorm(d_model, eps=layer_norm_epsilon)
-        self.drop = nn.Dropout(dropout)
+        self.drop = Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[B, T, d_model] -> [B, T, d_model]."""

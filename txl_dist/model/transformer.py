@@ -11,6 +11,7 @@ from torch import nn
 from txl_dist.config import MemorySettings, ModelConfig, validate_model
 from txl_dist.model.attention import (ATTN_IMPLS, attn_bias_from_mask, build_attn_mask, flex_block_mask,
                                       resolve_attn_impl)
+from txl_dist.model.dropout import Dropout
 from txl_dist.model.embedding import AdaptiveEmbedding, sinusoid_position_embedding
 from txl_dist.model.layer import TransformerXLLayer
 from txl_dist.model.softmax import ProjectedAdaptiveLogSoftmax, TailPlan
@@ -64,7 +65,7 @@ class TransformerXL(nn.Module):
 
         self.word_emb = AdaptiveEmbedding(cfg.vocab_size, d_embed, cfg.d_model, cfg.cutoffs, cfg.div_val,
                                           cfg.pad_vocab_multiple)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = Dropout(cfg.dropout)
         self.layers = nn.ModuleList(
             TransformerXLLayer(cfg.d_model, cfg.n_head, cfg.d_head, cfg.d_inner, cfg.dropout, cfg.dropatt,
                                cfg.pre_lnorm, cfg.layer_norm_epsilon, cfg.untie_r)
