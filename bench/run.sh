@@ -2,6 +2,7 @@
 # The CPU benchmark suite in one command: rewrites the table of BENCHMARKS.md (see bench/suite.py).
 #   bash bench/run.sh [--quick] [--threads N] [--sections reference longmem memory zero checkpoint]
 #   bash bench/run.sh --sections learning   # learning per second against the reference (~10 min; not in the default set)
+#   bash bench/run.sh --sections learning_comparison   # the same at the comparison model's shape (~20 min)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"

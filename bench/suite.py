@@ -16,6 +16,8 @@ a shared machine hit both sides alike), best repetition reported:
               the reference's final test perplexity over the reference's train time, on the same tokens
               (bench/learning_vs_reference.py: the tiny preset on the Shakespeare corpus of
               scripts/shakespeare_corpus.sh, made when missing; `--quick`: a toy model on a synthetic corpus)
+  learning_comparison  (not in the default set: ~20 minutes) the same at the comparison model's shape (6
+              layers, d_model 256, tgt = mem = 128; the corpus's 4k vocabulary), 300 steps, threads as above
 Targets (issue 9) are printed with PASS/FAIL beside the measured ratio. Raw results: bench/results/latest.json.
 A section not run by a command keeps its last results (and rows) from that file, with their date and commit,
 when that run was of the same kind (--quick or not): `--sections learning` does not erase the other rows, and
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import platform
@@ -34,6 +37,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -47,7 +51,8 @@ from txl_dist.config import MemorySettings, ModelConfig
 REPO = Path(__file__).resolve().parents[1]
 SECTIONS = ("reference", "longmem", "memory", "zero", "checkpoint")
 """The default set: minutes on 2 cores."""
-ALL_SECTIONS = (*SECTIONS, "learning")
+LEARNING_SECTIONS = ("learning", "learning_comparison")
+ALL_SECTIONS = (*SECTIONS, *LEARNING_SECTIONS)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 
@@ -55,9 +60,32 @@ TARGET_FP32_VS_REFERENCE = 1.5
 """Issue 9: fp32 training at least 1.5x the reference's tokens/s."""
 TARGET_BF16_MFU = 0.40
 """Issue 9: bf16 training at least 40% of the bf16 matmul peak measured in the same run."""
-LEARNING_STEPS, LEARNING_SEEDS, LEARNING_CHECKPOINTS, LEARNING_THREADS = 600, (1, 2, 3), 10, 1
-"""The learning section's fixed setting: the tiny preset's own run length (train.max_steps 600), 3 seeds,
-a test evaluation every 60 steps, 1 thread per side (the sides run one after the other)."""
+
+
+@dataclass(frozen=True)
+class LearningSetting:
+    """A learning section's fixed setting: configs/tiny.json with `sets`, `steps` optimizer steps, the seeds,
+    `checkpoints` test evaluations per run, `threads` per side (the sides run one after the other; None: the
+    suite's --threads)."""
+
+    label: str
+    steps: int
+    sets: tuple[str, ...] = ()
+    seeds: tuple[int, ...] = (1, 2, 3)
+    checkpoints: int = 10
+    threads: int | None = 1
+
+
+LEARNING_SETTINGS = {
+    # The tiny preset's own run length (train.max_steps 600), a test evaluation every 60 steps.
+    "learning": LearningSetting("tiny preset", 600),
+    # speed_config's shape on the Shakespeare corpus (its 4k vocabulary: cutoffs and div_val of tiny.json's
+    # family), the same 307k train tokens as the tiny setting, the threads of the speed comparison.
+    "learning_comparison": LearningSetting(
+        "the comparison model's shape", 300, threads=None,
+        sets=("model.n_layer=6", "model.d_model=256", "model.n_head=8", "model.d_inner=1024", "model.div_val=1",
+              "model.tgt_len=128", "model.mem_len=128", "deepspeed.scheduler.params.warmup_num_steps=30")),
+}
 
 
 def speed_config(quick: bool) -> ModelConfig:
@@ -371,20 +399,23 @@ def toy_learning_corpus(root: Path) -> tuple[Path, list[str]]:
     return corpus, sets
 
 
-def bench_learning(args: argparse.Namespace) -> dict[str, Any]:
-    """bench/learning_vs_reference.py in its own process (it sets its own thread count), fixed setting; its
-    learning-per-second figures, settings and each run's checkpoints (the per-step train losses dropped)."""
-    steps, seeds, k = (20, (1,), 2) if args.quick else (LEARNING_STEPS, LEARNING_SEEDS, LEARNING_CHECKPOINTS)
+def bench_learning(args: argparse.Namespace, setting: LearningSetting) -> dict[str, Any]:
+    """bench/learning_vs_reference.py in its own process (it sets its own thread count) at a fixed setting;
+    its learning-per-second figures, settings and each run's checkpoints (the per-step train losses dropped).
+    --quick: the toy model on a synthetic corpus (the bookkeeping, in seconds), whatever the setting."""
+    threads = setting.threads or args.threads
+    steps, seeds, k = (20, (1,), 2) if args.quick else (setting.steps, setting.seeds, setting.checkpoints)
     with tempfile.TemporaryDirectory(prefix="txl-bench-learning-") as tmp:
-        corpus, sets = toy_learning_corpus(Path(tmp) / "corpus") if args.quick else (shakespeare_corpus(), [])
+        corpus, sets = (toy_learning_corpus(Path(tmp) / "corpus") if args.quick
+                        else (shakespeare_corpus(), list(setting.sets)))
         out = Path(tmp) / "learning.json"
         cmd = [sys.executable, "bench/learning_vs_reference.py", "--config", "configs/tiny.json", "--corpus",
-               str(corpus), "--steps", str(steps), "--seeds", *map(str, seeds), "--threads", str(LEARNING_THREADS),
+               str(corpus), "--steps", str(steps), "--seeds", *map(str, seeds), "--threads", str(threads),
                "--checkpoints", str(k), "--json-out", str(out)]
         for item in sets:
             cmd += ["--set", item]
         # Its tables go to this command's output as they come (minutes); the numbers come back as JSON.
-        proc = subprocess.run(cmd, cwd=REPO, env=child_env(LEARNING_THREADS))
+        proc = subprocess.run(cmd, cwd=REPO, env=child_env(threads))
         if proc.returncode != 0:
             raise RuntimeError(f"bench/learning_vs_reference.py failed ({proc.returncode})")
         res = json.loads(out.read_text())
@@ -394,8 +425,8 @@ def bench_learning(args: argparse.Namespace) -> dict[str, Any]:
             r.pop("train_loss")  # per step; the checkpoints' test losses are the curve kept
         sides[side] = {"train_s_mean": sum(r["train_s"] for r in per_seed.values()) / len(per_seed),
                        "runs": per_seed}
-    return {"corpus": "synthetic (toy)" if args.quick else "data/shakespeare", "settings": res["settings"],
-            **res["learning"], "sides": sides}
+    return {"corpus": "synthetic (toy)" if args.quick else "data/shakespeare", "label": setting.label,
+            "settings": res["settings"], **res["learning"], "sides": sides}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -457,8 +488,9 @@ def learning_row(lr: dict[str, Any], measured: dict[str, Any] | None) -> str:
             + ", ".join(ratio_text(r["time_ratio"], not r["reached"]) for r in lr["per_seed"].values()) + ")")
     ref_ppl = sum(r["reference_ppl"] for r in lr["per_seed"].values()) / len(lr["per_seed"])
     return (f"| learning per second: train time to the reference's final test ppl / the reference's train time "
-            f"({st['n_layer']}-layer tiny preset, {lr['corpus']}, {st['steps']} steps, seeds "
-            f"{' '.join(map(str, st['seeds']))}, {st['threads']} thread, evaluated every "
+            f"({lr.get('label', 'tiny preset')}: {st['n_layer']} layers, d_model {st['d_model']}, tgt_len "
+            f"{st['tgt_len']}, {lr['corpus']}, {st['steps']} steps, seeds "
+            f"{' '.join(map(str, st['seeds']))}, {st['threads']} thread(s), evaluated every "
             f"{st['checkpoints'][0]} steps{when}) | {ours} | reference: ppl {ref_ppl:.1f} after {st['steps']} steps "
             f"in {lr['sides']['reference']['train_s_mean']:.1f} s (ours at equal steps "
             f"{lr['sides']['txl-dist']['train_s_mean']:.1f} s) | {ratio_text(lr['time_ratio_mean'], bound)} | "
@@ -527,16 +559,17 @@ def table(res: dict[str, Any], args: argparse.Namespace) -> list[str]:
                      f" | torch.load {ck['plain_load_mb_s']:.0f} | {ck['load_vs_plain']:.2f} | |")
     elif ck is not None:
         lines.append(f"| checkpoint save/load | failed: {ck.get('error')} | | | |")
-    lr = res.get("learning")
     carried = res.get("carried", {})
-    if isinstance(lr, dict) and "error" not in lr:
-        lines.append(learning_row(lr, carried.get("learning")))
-    elif lr is not None:
-        lines.append(f"| learning per second | failed: {lr.get('error')} | | | |")
-    else:
-        lines.append("| learning per second: reference test perplexity in <= 1/2 its train time | not measured yet: "
-                     "`bash bench/run.sh --sections learning` (~10 minutes) | | | target <= 0.5 |")
-    others = {name: when for name, when in carried.items() if name != "learning"}
+    for name, setting in LEARNING_SETTINGS.items():
+        lr = res.get(name)
+        if isinstance(lr, dict) and "error" not in lr:
+            lines.append(learning_row(lr, carried.get(name)))
+        elif lr is not None:
+            lines.append(f"| learning per second ({setting.label}) | failed: {lr.get('error')} | | | |")
+        else:
+            lines.append(f"| learning per second ({setting.label}): reference test perplexity in <= 1/2 its train "
+                         f"time | not measured yet: `bash bench/run.sh --sections {name}` | | | target <= 0.5 |")
+    others = {name: when for name, when in carried.items() if name not in LEARNING_SECTIONS}
     if others:
         lines.append("")
         lines.append("Not run by this command, kept from earlier runs: " + "; ".join(
@@ -580,13 +613,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="toy sizes, few repetitions: a smoke run, not numbers")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads of each side (default: cores)")
     ap.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=ALL_SECTIONS,
-                    help=f"default: {' '.join(SECTIONS)} (learning runs only when named)")
+                    help=f"default: {' '.join(SECTIONS)} (the learning sections run only when named)")
     ap.add_argument("--out", type=Path, default=REPO / "BENCHMARKS.md", help="the file whose table is rewritten")
     ap.add_argument("--json", type=Path, default=REPO / "bench" / "results" / "latest.json")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     fns = {"reference": bench_reference, "longmem": bench_longmem, "memory": bench_memory, "zero": bench_zero,
-           "checkpoint": bench_checkpoint, "learning": bench_learning}
+           "checkpoint": bench_checkpoint,
+           **{name: functools.partial(bench_learning, setting=setting) for name, setting in LEARNING_SETTINGS.items()}}
     res: dict[str, Any] = {"machine": machine(), "quick": args.quick, "threads": args.threads}
     for name in args.sections:
         start = time.perf_counter()

@@ -68,6 +68,8 @@ def test_quick_learning_section_finds_the_first_checkpoint_at_the_reference_ppl(
     row = next(line for line in out.read_text().splitlines() if line.startswith("| learning per second"))
     assert row.endswith(f"| {'PASS' if lr['passed'] else 'FAIL'} (target <= 0.5) |")
     assert f"| {'' if first else '> '}{seed['time_ratio']:.2f} |" in row and "measured" not in row
+    assert "| learning per second (the comparison model's shape): reference test perplexity in <= 1/2 its train " \
+           "time | not measured yet: `bash bench/run.sh --sections learning_comparison` |" in out.read_text()
 
     assert bench_main(["--sections", "longmem", *common]) == 0
     text = out.read_text()
