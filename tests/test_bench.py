@@ -77,3 +77,16 @@ def test_quick_learning_section_finds_the_first_checkpoint_at_the_reference_ppl(
     kept = next(line for line in text.splitlines() if line.startswith("| learning per second"))
     assert f"measured {res['machine']['date']} at commit {res['machine']['commit']}" in kept
     assert json.loads(result.read_text())["learning"] == lr
+
+
+def test_the_published_table_is_in_its_block():
+    """BENCHMARKS.md keeps the suite's table between its markers (an edit once dropped them with the table; the
+    next run then appended a new block at the end of the file)."""
+    from bench.suite import END, START
+
+    text = (REPO / "BENCHMARKS.md").read_text()
+    assert text.count(START) == 1 and text.count(END) == 1
+    head, rest = text.split(START)
+    block = rest.split(END)[0]
+    assert head.rstrip().endswith("## Latest table (CPU)")
+    assert "| training tokens/s, fp32 |" in block and "| learning per second" in block
