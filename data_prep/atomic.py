@@ -1,8 +1,18 @@
-"""Atomic folder outputs: work happens in a hidden temporary folder renamed over the target at the end."""
+"""Atomic folder outputs: work happens in a hidden temporary folder renamed over the target at the end.
+
+Each hidden folder (`.<out>.tmp-*`, `.<out>.scan-*`) is owned by its job through an exclusive flock on a file
+inside it, held for the job's lifetime (and by any worker it forks). A job killed without a chance to clean
+up (SIGKILL, the OOM killer, a lost node) leaves its folder behind, possibly gigabytes; the next job for the
+same output removes such folders, and only those: a folder whose lock another process holds is in use, and
+one without a lock file (being made or finished, or from an older version) is left alone.
+"""
 from __future__ import annotations
 
+import fcntl
+import glob
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -11,6 +21,67 @@ from pathlib import Path
 from txl_dist.atomic import current_umask
 
 from data_prep.errors import PrepError
+
+
+OWNER_LOCK = ".owner.lock"
+SCRATCH_KINDS = ("tmp", "scan")
+_OWNED: set[Path] = set()
+"""This process's own folders: skipped by name, because where flock is emulated by POSIX locks (NFS) a second
+lock by the same process would succeed and the folder would look abandoned."""
+
+
+def remove_abandoned(out: Path) -> list[Path]:
+    """Remove the hidden scratch folders of `out` whose owning job is gone; returns them."""
+    removed = []
+    for kind in SCRATCH_KINDS:
+        for folder in out.parent.glob(f".{glob.escape(out.name)}.{kind}-*"):
+            if folder.resolve() in _OWNED:
+                continue
+            try:
+                fd = os.open(folder / OWNER_LOCK, os.O_RDWR)
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:  # held: its job runs (or this file system has no flock: never guess)
+                os.close(fd)
+                continue
+            try:
+                shutil.rmtree(folder, ignore_errors=True)
+            finally:
+                os.close(fd)
+            print(f"removed {folder}: left by a job for {out.name} that was killed", file=sys.stderr)
+            removed.append(folder)
+    return removed
+
+
+@contextmanager
+def owned_scratch(out: Path, kind: str) -> Iterator[Path]:
+    """A new hidden folder `.<out name>.<kind>-*` beside `out`, owned by this job while the block runs and
+    removed after it unless the block moved it away (atomic_dir renames it to `out`). Abandoned folders of
+    `out` are removed first."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    remove_abandoned(out)
+    folder = Path(tempfile.mkdtemp(prefix=f".{out.name}.{kind}-", dir=out.parent))
+    lock = os.open(folder / OWNER_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+    key = folder.resolve()
+    _OWNED.add(key)
+    try:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            pass  # no flock here: the folder then just has no owner others can see as gone
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)  # gone already when moved into place
+        os.close(lock)
+        _OWNED.discard(key)
+
+
+def release(folder: Path) -> None:
+    """Drop the owner lock's file before `folder` becomes an output (the lock itself stays held until the
+    block ends; a folder without the file is never taken for abandoned)."""
+    (folder / OWNER_LOCK).unlink(missing_ok=True)
 
 
 def check_output(out: Path, overwrite: bool) -> None:
@@ -31,17 +102,13 @@ def atomic_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path
     """
     out = Path(out)
     check_output(out, overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    # mkdtemp makes the folder private (0700); an output folder gets the usual permissions.
-    os.chmod(tmp, 0o777 & ~current_umask())
-    try:
+    with owned_scratch(out, "tmp") as tmp:
+        # mkdtemp makes the folder private (0700); an output folder gets the usual permissions.
+        os.chmod(tmp, 0o777 & ~current_umask())
         yield tmp
         check_output(out, overwrite)  # someone may have created it meanwhile
+        release(tmp)
         replace_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def replace_dir(src: Path, dst: Path) -> None:

@@ -57,7 +57,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from data_prep.atomic import atomic_dir, check_output
+from data_prep.atomic import atomic_dir, check_output, owned_scratch
 from data_prep.errors import PrepError
 from data_prep.layout import CHUNK_TOKENS, SplitWriter, check_fits, split_layouts
 from data_prep.prepare import InputSpec, prepare, provenance, train_tokenizer_job
@@ -320,8 +320,7 @@ def mix(specs: Sequence[SourceSpec], out: str | os.PathLike, *, train_tokens: in
             raise PrepError(f"--index: source {s.name} ({s.corpus}) lies inside --out {out}, which is replaced as a "
                             "whole; keep the sources the index points at outside the mixture's folder")
     check_output(out, overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=f".{out.name}.scan-", dir=out.parent) as scratch:
+    with owned_scratch(out, "scan") as scratch:
         return _mix(specs, out, Path(scratch), train_tokens=train_tokens, seed=seed, world_size=world_size,
                     n_streams=n_streams, eval_streams=eval_streams, overwrite=overwrite, index=index,
                     command=command, args=args, progress=progress)

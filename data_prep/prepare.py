@@ -21,7 +21,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from data_prep.atomic import atomic_dir
+from data_prep.atomic import atomic_dir, owned_scratch
 from data_prep.encode import Encoded, Encoder
 from data_prep.errors import PrepError
 from data_prep.layout import SplitWriter, check_fits, iter_token_file, split_layouts
@@ -167,8 +167,7 @@ def train_tokenizer_job(spec: InputSpec, out: str | os.PathLike, trainer: Traine
     out = Path(out)
     if out.exists() and not overwrite:
         raise PrepError(f"{out} already exists; pass --overwrite to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=f".{out.name}.tmp-", dir=out.parent) as tmp:
+    with owned_scratch(out, "tmp") as tmp:
         job = _Job(spec, _read_options(spec.read, Path(tmp)), sources, Path(tmp), progress)
         with tqdm(desc="count documents", unit=" docs", disable=not progress, file=sys.stderr, leave=False) as bar:
             plan = make_plan(sources, spec.fractions(), job.opts, seed=spec.seed, count=False, progress=bar.update)

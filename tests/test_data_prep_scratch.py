@@ -1,0 +1,90 @@
+"""data_prep/atomic.py: a job's hidden scratch folders are owned (flock) and a killed job's are removed by the
+next job for the same output, never a live job's. Real processes, really killed."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from data_prep.atomic import OWNER_LOCK, atomic_dir, owned_scratch, remove_abandoned
+
+REPO = Path(__file__).resolve().parents[1]
+
+HOLDER = """
+import sys, time
+from pathlib import Path
+from data_prep.atomic import owned_scratch
+with owned_scratch(Path(sys.argv[1]), sys.argv[2]) as folder:
+    (folder / "part-0.arrow").write_bytes(b"x" * 4096)
+    print(folder, flush=True)
+    time.sleep(600)
+"""
+
+
+def start_holder(out: Path, kind: str) -> tuple[subprocess.Popen, Path]:
+    """A process that owns a scratch folder of `out` and waits (to be killed)."""
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(out), kind], stdout=subprocess.PIPE, text=True,
+                            env=env)
+    folder = Path(proc.stdout.readline().strip())
+    assert folder.is_dir() and folder.name.startswith(f".{out.name}.{kind}-")
+    return proc, folder
+
+
+def kill(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+
+
+@pytest.mark.parametrize("kind", ["tmp", "scan"])
+def test_a_killed_jobs_folder_is_removed_by_the_next_job(tmp_path, kind, capsys):
+    out = tmp_path / "corpus"
+    proc, folder = start_holder(out, kind)
+    kill(proc)
+    assert folder.is_dir()  # SIGKILL: nothing cleaned up
+    with atomic_dir(out) as work:
+        (work / "manifest.json").write_text("{}")
+    assert not folder.exists()
+    assert f"removed {folder}: left by a job for corpus that was killed" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus"]
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json"]  # no lock file in the output
+
+
+def test_a_live_jobs_folder_is_kept(tmp_path):
+    out = tmp_path / "corpus"
+    proc, folder = start_holder(out, "tmp")
+    try:
+        assert remove_abandoned(out) == []
+        with owned_scratch(out, "scan") as mine:
+            assert folder.is_dir() and mine.is_dir()
+        assert folder.is_dir() and (folder / "part-0.arrow").is_file()
+    finally:
+        kill(proc)
+    assert remove_abandoned(out) == [folder] and not folder.exists()
+
+
+def test_own_folders_survive_a_nested_job(tmp_path):
+    """mix holds a scan folder while its atomic_dir starts: the cleanup must not take this process's own."""
+    out = tmp_path / "mixture"
+    with owned_scratch(out, "scan") as scan:
+        (scan / "stops.bin").write_bytes(b"\0" * 64)
+        with atomic_dir(out) as work:
+            assert scan.is_dir() and work.is_dir()
+        assert (scan / "stops.bin").is_file()
+    assert not scan.exists()
+
+
+def test_folders_without_an_owner_file_are_left_alone(tmp_path):
+    """An older version's folder, or one between mkdtemp and its lock: not ours to judge."""
+    out = tmp_path / "corpus"
+    other = tmp_path / ".corpus.tmp-legacy"
+    other.mkdir()
+    unrelated = tmp_path / ".corpus2.tmp-x"
+    unrelated.mkdir()
+    (unrelated / OWNER_LOCK).write_text("")
+    assert remove_abandoned(out) == []
+    assert other.is_dir() and unrelated.is_dir()
