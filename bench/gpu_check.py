@@ -11,27 +11,40 @@ was measured), then DIR/gpu_check_table.txt (a short table):
              float64, beside the reference's own error in that dtype; time per call
   model      whole-model forward+backward on the device for every implementation (two segments with mems,
              and an evaluation segment with long memory, same_length and clamp_len) against the float64
-             reference model
-  train      configs/large.json and configs/wt103_base.json shapes in bf16: step time, tokens/s, MFU, peak
-             memory, for each implementation at micro batch 8; then for the fastest, micro batch 8/16/32 with
-             and without activation checkpointing and torch.compile (plain torch AdamW, no DeepSpeed)
+             reference model; every implementation but flex in both dtypes first, flex last
   deepspeed  when DeepSpeed imports: the project's own trainer (launch/train.py) on a synthetic corpus with
-             the base config, ZeRO 1 and 2, bf16, tracking off; its progress lines
+             the base config, ZeRO 1 and 2, bf16, tracking off; its output streams to DIR/deepspeed_zero<N>.log
+             (the end of it kept), its progress lines go to the record
+  train      configs/large.json and configs/wt103_base.json shapes in bf16: step time, tokens/s, MFU, peak
+             memory, for each implementation at micro batch 8; then for the fastest one the config accepts,
+             micro batch 8/16/32 with and without activation checkpointing, eager, then torch.compile'd (plain
+             torch AdamW, no DeepSpeed); the compile's warm-up time and dynamo's graph count per case
 
+One deadline (start + --budget-s) holds for all: each phase gets its share plus what earlier phases left
+(minus what they overran), deepspeed at least its share (the only end-to-end run of the product trainer),
+and train, last, what is left. DIR receives only small files (the device tool brings back at most 8 files
+of at most 16 MiB); the corpus and the trainer's run folders go to a temporary folder that is removed.
 Every record has "phase" and "kind"; each phase ends with a {"kind": "phase", "status": ...} record
-(ok, error, skipped or truncated, with the reason). --cpu-smoke runs every phase at toy size on the CPU.
+(ok, error, skipped, truncated or killed, with the reason). --cpu-smoke runs every phase at toy size on the
+CPU.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
+import gc
 import json
+import logging
 import os
 import platform
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -39,7 +52,7 @@ from typing import Any, Callable
 
 import torch
 
-from txl_dist.config import MemorySettings, ModelConfig, load_config
+from txl_dist.config import ConfigError, MemorySettings, ModelConfig, load_config, validate_model
 from txl_dist.model import TransformerXL
 from txl_dist.model.attention import (ATTN_IMPLS, attn_bias_from_mask, build_attn_mask, candidate_attn_impls,
                                       flex_block_mask)
@@ -51,10 +64,34 @@ TABLE = "gpu_check_table.txt"
 PEAK_BF16_SPEC = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
 """Dense bf16 tensor-core peak (FLOP/s) by device name fragment, from the vendors' data sheets (SXM parts)."""
 
-# Per phase: share of the budget (seconds on the GPU); the smoke run gets the same shares of its own.
-PHASE_BUDGET = {"env": 5, "matmul": 20, "attention": 45, "model": 30, "train": 230, "deepspeed": 100}
-SMOKE_BUDGET = {"env": 3, "matmul": 3, "attention": 8, "model": 10, "train": 25, "deepspeed": 51}
+# Per phase, in running order: share of the budget (seconds on the GPU); the smoke run gets the same shares
+# of its own. deepspeed runs before train: train can use whatever is left, the trainer run cannot.
+PHASE_BUDGET = {"env": 5, "matmul": 20, "attention": 45, "model": 30, "deepspeed": 100, "train": 230}
+SMOKE_BUDGET = {"env": 3, "matmul": 3, "attention": 8, "model": 10, "deepspeed": 51, "train": 25}
 """The smoke run's shares: on a CPU the trainer's start-up (imports, DeepSpeed) dominates."""
+GUARANTEED_PHASES = ("deepspeed",)
+"""Phases that get at least their own share even after earlier phases overran (the overrun is charged to
+the phases after them)."""
+
+FIRST_COMPILE_MIN_S = {"gpu": {"compile": 120.0, "flex": 60.0}, "smoke": {"compile": 5.0, "flex": 5.0}}
+"""Seconds a train shape's time box must still hold before its first compiled case and before its first flex
+case: their first steps compile (compile_layers: inductor forward and backward for two memory shapes; flex:
+its kernels, for shapes the attention phase may not have had), a minute or two on a GPU, far longer than the
+eager case before them that the usual guard (1.5 x the last case) goes by. The smoke run compiles with the
+eager backend."""
+TRAIN_RECOMPILE_LIMIT = 64
+"""dynamo's recompile limit during the train phase. Its default (8) is below what the compiled matrix needs:
+compile_layers uses static shapes, so every micro batch and memory shape, with and without checkpointing, is
+a graph of its own, and past the limit dynamo runs the layer eagerly with only a warning (the row would
+time eager code under the name compile)."""
+
+DS_FIRST_STAGE_SHARE = 0.55
+"""Of the deepspeed phase's time, what its first ZeRO stage may use, so that the second still runs."""
+LOG_TAIL_BYTES = 200_000
+"""What a DeepSpeed stage's log in DIR keeps of the trainer's output: its end."""
+LOG_CUT_BYTES = 2_000_000
+"""While the trainer runs, its log is cut back to its end whenever it grows past this (a kill of this
+script then still leaves a small file)."""
 
 
 class Recorder:
@@ -312,27 +349,33 @@ def phase_model(p: Phase) -> None:
     ids, labels = tokens[:, :-1], tokens[:, 1:]
     memory = MemorySettings(mem_len=3 * cfg.tgt_len, clamp_len=cfg.tgt_len, same_length=True)
     oracle = model_outputs(copy.deepcopy(base).double(), "reference", ids, labels, memory)
-    for dname, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        baseline = None
-        for impl in ["reference"] + [i for i in ATTN_IMPLS if i != "reference"]:
-            if p.left() < 2:
-                p.truncated.append(f"{impl}/{dname}")
-                continue
-            try:
-                got = model_outputs(copy.deepcopy(base).to(dtype), impl, ids, labels, memory)
-            except Exception as e:  # noqa: BLE001
-                p.write("model_error", impl=impl, dtype=dname, error=one_line(e))
-                continue
-            errs = {"max_abs_nll_eval": float((got["nll_eval_last"] - oracle["nll_eval_last"]).abs().max())}
-            if "nll1" in got:
-                errs["max_abs_nll"] = max(float((got[k] - oracle[k]).abs().max()) for k in ("nll1", "nll2"))
-                errs["max_rel_grad"] = max(float((got[k] - oracle[k]).norm() / oracle[k].norm().clamp_min(1e-30))
-                                           for k in oracle if k.startswith("grad."))
-            if impl == "reference":
-                baseline = errs
-            # An implementation is as good as the einsum reference in the same dtype, within a margin.
-            ok = baseline is not None and all(v <= 4 * baseline[k] + 1e-6 for k, v in errs.items())
-            p.write("model_error", impl=impl, dtype=dname, ok=ok, forward_only="nll1" not in got, **errs)
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    # The reference first (each dtype's baseline), flex last and bf16 before fp32: flex compiles, slowest in
+    # fp32, and must not eat the time of the implementations before it.
+    others = [i for i in ATTN_IMPLS if i not in ("reference", "flex")]
+    order = [(impl, d) for impl in ["reference", *others] for d in dtypes]
+    order += [("flex", d) for d in ("bf16", "fp32") if "flex" in ATTN_IMPLS]
+    baselines: dict[str, dict[str, float]] = {}
+    for impl, dname in order:
+        if p.left() < 2:
+            p.truncated.append(f"{impl}/{dname}")
+            continue
+        try:
+            got = model_outputs(copy.deepcopy(base).to(dtypes[dname]), impl, ids, labels, memory)
+        except Exception as e:  # noqa: BLE001
+            p.write("model_error", impl=impl, dtype=dname, error=one_line(e))
+            continue
+        errs = {"max_abs_nll_eval": float((got["nll_eval_last"] - oracle["nll_eval_last"]).abs().max())}
+        if "nll1" in got:
+            errs["max_abs_nll"] = max(float((got[k] - oracle[k]).abs().max()) for k in ("nll1", "nll2"))
+            errs["max_rel_grad"] = max(float((got[k] - oracle[k]).norm() / oracle[k].norm().clamp_min(1e-30))
+                                       for k in oracle if k.startswith("grad."))
+        if impl == "reference":
+            baselines[dname] = errs
+        # An implementation is as good as the einsum reference in the same dtype, within a margin.
+        baseline = baselines.get(dname)
+        ok = baseline is not None and all(v <= 4 * baseline[k] + 1e-6 for k, v in errs.items())
+        p.write("model_error", impl=impl, dtype=dname, ok=ok, forward_only="nll1" not in got, **errs)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -354,15 +397,46 @@ def train_shapes(smoke: bool) -> dict[str, ModelConfig]:
     for name, path in (("large", "configs/large.json"), ("base", "configs/wt103_base.json")):
         cfg = load_config(REPO / path).model
         if smoke:
-            cfg = dataclasses_replace(cfg, vocab_size=2000, n_layer=2, d_model=32, n_head=2, d_head=8, d_inner=64,
+            cfg = dataclasses.replace(cfg, vocab_size=2000, n_layer=2, d_model=32, n_head=2, d_head=8, d_inner=64,
                                       d_embed=32, cutoffs=[500, 1000], tgt_len=16, mem_len=16)
         shapes[name] = cfg
     return shapes
 
 
-def dataclasses_replace(cfg: ModelConfig, **changes: Any) -> ModelConfig:
-    import dataclasses
-    return dataclasses.replace(cfg, **changes)
+def config_refusal(cfg: ModelConfig, impl: str) -> str | None:
+    """The config's own one-line refusal of training this shape with this attention implementation (flex
+    with dropatt > 0), or None: a setting the product refuses is never recommended."""
+    try:
+        validate_model(dataclasses.replace(cfg, attn_impl=impl))
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+class DynamoWatch(logging.Handler):
+    """Over one case: how many graphs dynamo compiled, and how often it hit a recompile limit (after which it
+    runs that code eagerly, saying so only in a warning: a compiled row would time eager code)."""
+
+    def __enter__(self) -> DynamoWatch:
+        from torch._dynamo.utils import counters
+
+        self.counters = counters
+        self.graphs_before = counters["stats"]["unique_graphs"]
+        self.limit_hits = 0
+        self.logger = logging.getLogger("torch._dynamo")
+        self.logger.addHandler(self)
+        return self
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "hit config." in record.getMessage():  # "torch._dynamo hit config.recompile_limit (8)"
+            self.limit_hits += 1
+
+    def __exit__(self, *exc: Any) -> None:
+        self.logger.removeHandler(self)
+
+    def stats(self) -> dict[str, int]:
+        return {"dynamo_graphs": self.counters["stats"]["unique_graphs"] - self.graphs_before,
+                "recompile_limit_hits": self.limit_hits}
 
 
 class TrainCase:
@@ -415,21 +489,24 @@ class TrainCase:
             self.opt.zero_grad(set_to_none=True)
             mems = out.mems
 
-        for i in range(warmup):  # the first segment has no memory: shapes settle from the second on
-            step(i)
-        p.sync()
-        warm_s = time.perf_counter() - start_all
-        start = time.perf_counter()
-        for i in range(warmup, n):
-            step(i)
-        p.sync()
+        with DynamoWatch() as dynamo:
+            for i in range(warmup):  # the first segment has no memory: shapes settle from the second on
+                step(i)
+            p.sync()
+            warm_s = time.perf_counter() - start_all
+            start = time.perf_counter()
+            for i in range(warmup, n):
+                step(i)
+            p.sync()
         step_s = (time.perf_counter() - start) / steps
         tok_s = batch * cfg.tgt_len / step_s
         dense = model.crit.resolved_tail_mode(p.device) == "dense"
         fpt, counter = flops_per_token(cfg, batch, labels, dense)
-        rec = dict(step_ms=round(step_s * 1e3, 2), tokens_per_s=round(tok_s), warmup_s=round(warm_s, 2), dropatt=dropatt,
+        # compile_s: what the warm-up steps took beyond as many steady steps (compiles, autotuning).
+        rec = dict(step_ms=round(step_s * 1e3, 2), tokens_per_s=round(tok_s), warmup_s=round(warm_s, 2),
+                   compile_s=round(max(0.0, warm_s - warmup * step_s), 2), dropatt=dropatt, config_dropatt=cfg.dropatt,
                    model_tflops=round(fpt * tok_s / 1e12, 2), flops_per_token=round(fpt), flop_counter=counter,
-                   softmax_tails="dense" if dense else "gather")
+                   softmax_tails="dense" if dense else "gather", **dynamo.stats())
         peak = p.shared.get("peak_bf16")
         if peak:
             rec["mfu_measured_peak"] = round(fpt * tok_s / peak, 4)
@@ -441,67 +518,130 @@ class TrainCase:
         return rec
 
 
+class TrainMatrix:
+    """One shape's training cases inside its time box. A case starts only if one as long as the last still
+    fits, or, before the first compiled case and the first flex case, FIRST_COMPILE_MIN_S. The eager model
+    and its optimizer state are freed before the compiled one is built (peak memory is per model)."""
+
+    def __init__(self, p: Phase, name: str, cfg: ModelConfig, box: float, warmup: int, steps: int):
+        self.p, self.name, self.cfg, self.box, self.warmup, self.steps = p, name, cfg, box, warmup, steps
+        self.first_compile_min_s = FIRST_COMPILE_MIN_S["smoke" if p.smoke else "gpu"]
+        self.eager: TrainCase | None = None
+        self.compiled: TrainCase | None = None
+        self.flex_started = False
+        self.last_s = 0.0
+
+    def run(self, impl: str, batch: int, checkpointing: bool, use_compile: bool) -> dict[str, Any] | None:
+        """Runs one case and writes its record; returns it, or None when it was skipped or failed."""
+        p = self.p
+        key = dict(shape=self.name, impl=impl, micro_batch=batch, checkpointing=checkpointing, compile=use_compile)
+        needed = 1.5 * self.last_s
+        if use_compile and self.compiled is None:
+            needed = max(needed, self.first_compile_min_s["compile"])
+        if impl == "flex" and not self.flex_started:
+            needed = max(needed, self.first_compile_min_s["flex"])
+        left = self.box - time.monotonic()
+        if needed > left:
+            p.write("train_step", **key, skipped=f"time box: {left:.0f} s left, {needed:.0f} s needed")
+            p.truncated.append(f"{self.name}/{impl}/mb{batch}/ckpt{int(checkpointing)}/compile{int(use_compile)}")
+            return None
+        self.flex_started |= impl == "flex"
+        t0 = time.perf_counter()
+        rec = None
+        try:
+            if use_compile and self.compiled is None:
+                self.free_eager()
+                self.compiled = TrainCase(p, self.cfg, compiled=True)
+            elif not use_compile and self.eager is None:
+                self.eager = TrainCase(p, self.cfg, compiled=False)
+            runner = self.compiled if use_compile else self.eager
+            rec = runner.run(impl, batch, checkpointing, self.warmup, self.steps)
+            if use_compile:
+                rec["compile_via"] = runner.compile_via
+            refusal = config_refusal(self.cfg, impl)
+            if refusal:
+                rec["config_refuses"] = refusal
+            rec["case_s"] = round(time.perf_counter() - t0, 2)  # building the model included
+            p.write("train_step", **key, **rec)
+        except torch.cuda.OutOfMemoryError:
+            rec = None
+            p.write("train_step", **key, error="out of memory")
+            torch.cuda.empty_cache()
+        except Exception as e:  # noqa: BLE001
+            rec = None
+            p.write("train_step", **key, error=one_line(e), trace=traceback.format_exc()[-1500:])
+        self.last_s = time.perf_counter() - t0
+        return rec
+
+    def free_eager(self) -> None:
+        self.eager = None
+        gc.collect()
+        if self.p.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def close(self) -> None:
+        self.compiled = None  # the device memory goes before the next shape
+        self.free_eager()
+
+
 def phase_train(p: Phase) -> None:
+    dynamo = torch._dynamo.config
+    limit = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"  # before torch 2.6
+    with dynamo.patch(**{limit: max(TRAIN_RECOMPILE_LIMIT, getattr(dynamo, limit))}):
+        train_matrix(p)
+
+
+def train_matrix(p: Phase) -> None:
     impls = [i for i in ATTN_IMPLS if i != "reference"]  # the oracle's speed is not a product question
+    impls.sort(key=lambda impl: impl == "flex")  # flex last: its first case compiles
     no_backward = [i for i in impls if not trains_here(i, p.device)]
     impls = [i for i in impls if trains_here(i, p.device)]
     batches = (2,) if p.smoke else (8, 16, 32)
     warmup, steps = (1, 1) if p.smoke else (3, 5)
     shapes = train_shapes(p.smoke)
     share = {"large": 0.6, "base": 0.4}
-    for name, cfg in shapes.items():
+    for index, (name, cfg) in enumerate(shapes.items()):
         for impl in no_backward:
             p.write("train_step", shape=name, impl=impl, micro_batch=batches[0], checkpointing=False, compile=False,
                     skipped=f"no backward for {impl} on {p.device.type}")
-        box = time.monotonic() + share[name] * max(0.0, p.left())
+        # This shape's share of what is left, among the shapes still to run.
+        share_now = share[name] / sum(share[n] for n in list(shapes)[index:])
+        matrix = TrainMatrix(p, name, cfg, time.monotonic() + share_now * max(0.0, p.left()), warmup, steps)
         survey: dict[str, float] = {}
-        cases: list[tuple[str, int, bool, bool]] = [(impl, batches[0], False, False) for impl in impls]
-        eager = TrainCase(p, cfg, compiled=False)
-        compiled: TrainCase | None = None
-        last_s = 0.0
-        while cases:
-            impl, batch, ckpt, comp = cases.pop(0)
-            key = dict(shape=name, impl=impl, micro_batch=batch, checkpointing=ckpt, compile=comp)
-            # Time box: a case is started only if one as long as the last still fits.
-            if time.monotonic() + 1.5 * last_s > box:
-                p.write("train_step", **key, skipped="time box")
-                p.truncated.append(f"{name}/{impl}/mb{batch}/ckpt{int(ckpt)}/compile{int(comp)}")
-                continue
-            t0 = time.perf_counter()
-            runner = None
-            try:
-                if comp and compiled is None:
-                    compiled = TrainCase(p, cfg, compiled=True)
-                runner = compiled if comp else eager
-                rec = runner.run(impl, batch, ckpt, warmup, steps)
-                if comp:
-                    rec["compile_via"] = runner.compile_via
-                p.write("train_step", **key, **rec)
-                if (batch, ckpt, comp) == (batches[0], False, False):
-                    survey[impl] = rec["step_ms"]
-            except torch.cuda.OutOfMemoryError:
-                p.write("train_step", **key, error="out of memory")
-                torch.cuda.empty_cache()
-            except Exception as e:  # noqa: BLE001
-                p.write("train_step", **key, error=one_line(e), trace=traceback.format_exc()[-1500:])
-            last_s = time.perf_counter() - t0
-            if not cases and survey and len(survey) == len(impls) and "best" not in p.shared.get(name, {}):
-                best = min(survey, key=survey.get)
-                p.shared[name] = {"best": best}
-                p.write("train_best", shape=name, impl=best, survey_step_ms=survey)
-                # The rest of the matrix for the fastest implementation: eager first, compiled last.
-                cases = [(best, b, c, False) for b in batches for c in (False, True) if (b, c) != (batches[0], False)]
-                cases += [(best, b, c, True) for b in batches for c in (False, True)]
-        runner = eager = compiled = None  # free the device memory before the next shape
-        if p.device.type == "cuda":
-            torch.cuda.empty_cache()
+        for impl in impls:
+            rec = matrix.run(impl, batches[0], False, False)
+            if rec:
+                survey[impl] = rec["step_ms"]
+        refused = {impl: reason for impl in survey if (reason := config_refusal(cfg, impl))}
+        accepted = {impl: ms for impl, ms in survey.items() if impl not in refused}
+        if not accepted:
+            p.write("train_best", shape=name, impl=None, survey_step_ms=survey, refused=refused,
+                    reason="no implementation the config accepts ran")
+            matrix.close()
+            continue
+        best = min(accepted, key=accepted.get)
+        p.shared[name] = {"best": best}
+        p.write("train_best", shape=name, impl=best, survey_step_ms=survey, refused=refused)
+        # The rest of the matrix for the fastest implementation: eager first, compiled last.
+        for batch in batches:
+            for checkpointing in (False, True):
+                if (batch, checkpointing) != (batches[0], False):
+                    matrix.run(best, batch, checkpointing, False)
+        for batch in batches:
+            for checkpointing in (False, True):
+                matrix.run(best, batch, checkpointing, True)
+        matrix.close()
 
 
 # ----------------------------------------------------------------------------------------------------
 # f. the project's own trainer through DeepSpeed
 
 
-def phase_deepspeed(p: Phase, out: Path) -> None:
+def phase_deepspeed(p: Phase, out: Path, scratch: Path) -> None:
+    """Each ZeRO stage: a "deepspeed_started" record, the trainer's output streamed to DIR/deepspeed_zero<N>.log,
+    then a "deepspeed" record (also after a timeout or a SIGTERM). The corpus and the run folder (the trainer
+    saves a checkpoint at its last step, GBs at the base shape) live under scratch; each run folder is removed
+    after its stage."""
     try:
         import deepspeed  # noqa: F401
     except Exception as e:  # noqa: BLE001
@@ -516,14 +656,15 @@ def phase_deepspeed(p: Phase, out: Path) -> None:
     streams = base.deepspeed["train_batch_size"]
     steps = 4 if p.smoke else 12
     tgt = base.model.tgt_len
-    corpus = out / "corpus"
+    corpus = scratch / "corpus"
     if not (corpus / "manifest.json").exists():
         n_train = streams * (tgt * (steps + 2) + 1)
         write_corpus(corpus, {"train": n_train, "valid": 8 * tgt * 3 + 8, "test": 8 * tgt * 3 + 8}, vocab,
                      Layout(1, streams))
     stages = (1,) if p.smoke else (1, 2)
-    for stage in stages:
-        run_dir = out / f"run-zero{stage}"
+    for index, stage in enumerate(stages):
+        run_dir = scratch / f"run-zero{stage}"
+        log_path = out / f"deepspeed_zero{stage}.log"
         sets = [f"data.path={corpus}", f"run.dir={run_dir}", "tracking.enabled=false", f"train.max_steps={steps}",
                 f"train.log_interval={max(1, steps // 3)}", "eval.interval=0", "eval.at_end=false",
                 "eval.max_segments=2", "eval.n_streams=1", "checkpoint.interval=0",
@@ -533,25 +674,98 @@ def phase_deepspeed(p: Phase, out: Path) -> None:
         cmd = [sys.executable, "launch/train.py", "--config", cfg_path, "--resume", "none"]
         for s in sets:
             cmd += ["--set", s]
-        left = p.left()
-        if left < 20:
-            p.write("deepspeed", zero_stage=stage, skipped="time box")
+        last = index == len(stages) - 1
+        timeout_s = p.left() if last else p.left() * DS_FIRST_STAGE_SHARE
+        if timeout_s < 20:
+            p.write("deepspeed", zero_stage=stage, skipped=f"time box: {timeout_s:.0f} s for this stage")
             p.truncated.append(f"zero{stage}")
             continue
         env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                    PYTHONUNBUFFERED="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        p.write("deepspeed_started", zero_stage=stage, timeout_s=round(timeout_s, 1), log=log_path.name,
+                argv=cmd[1:])
         start = time.perf_counter()
         try:
-            proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                  timeout=left)
-            output, code = proc.stdout, proc.returncode
-        except subprocess.TimeoutExpired as e:
-            output, code = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), "timeout"
-        progress = [ln.strip() for ln in output.splitlines() if re.search(r"tok/s", ln)]
-        tok_s = [float(m.group(1)) for ln in progress if (m := re.search(r"([\d.]+) tok/s", ln))]
-        p.write("deepspeed", zero_stage=stage, exit=code, seconds=round(time.perf_counter() - start, 1),
-                tokens_per_s_last=tok_s[-1] if tok_s else None, progress=progress[-3:],
-                tail=None if code == 0 else output[-2000:])
+            code = run_logged(cmd, env, log_path, timeout_s)
+        except Terminated:
+            p.write("deepspeed", zero_stage=stage, exit="killed: SIGTERM (overall time box)",
+                    seconds=round(time.perf_counter() - start, 1), **trainer_progress(log_path))
+            raise
+        finally:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        progress = trainer_progress(log_path)
+        if code != 0:
+            progress["tail"] = log_path.read_text(errors="replace")[-2000:]
+        p.write("deepspeed", zero_stage=stage, exit=code, seconds=round(time.perf_counter() - start, 1), **progress)
+
+
+def trainer_progress(log_path: Path) -> dict[str, Any]:
+    """The trainer's last progress lines and its last tokens/s, from its log."""
+    text = log_path.read_text(errors="replace") if log_path.exists() else ""
+    progress = [ln.strip() for ln in text.splitlines() if "tok/s" in ln]
+    tok_s = [float(m.group(1)) for ln in progress if (m := re.search(r"([\d.]+) tok/s", ln))]
+    return {"tokens_per_s_last": tok_s[-1] if tok_s else None, "progress": progress[-3:]}
+
+
+def run_logged(cmd: list[str], env: dict[str, str], log_path: Path, timeout_s: float) -> int | str:
+    """Runs cmd in a process group of its own, its output copied to log_path as it comes (LogCopier); after
+    timeout_s, or when this script is stopped, the whole group is killed. Returns the exit status, or
+    "timeout"."""
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, process_group=0)
+    copier = LogCopier(proc.stdout, log_path)
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return "timeout"
+    finally:
+        if proc.poll() is None:
+            # SIGKILL, not SIGTERM: the trainer answers SIGTERM by saving a checkpoint first.
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+        copier.join()
+
+
+class LogCopier:
+    """Copies a child's output to a file as it comes, so that a kill leaves what was written. The file is cut
+    back to its last LOG_TAIL_BYTES whenever it passes LOG_CUT_BYTES, and once more at the end: the device
+    tool brings back no file over 16 MiB, and with too much in DIR nothing at all."""
+
+    CUT = b"[gpu_check: the start of this output was cut; its end follows]\n"
+
+    def __init__(self, stream: Any, path: Path):
+        self.stream, self.path = stream, path
+        self.thread = threading.Thread(target=self.copy, name=f"log {path.name}", daemon=True)
+        self.thread.start()
+
+    def copy(self) -> None:
+        tail = bytearray()
+        size = 0
+        with self.path.open("wb") as f:
+            while chunk := os.read(self.stream.fileno(), 65536):
+                f.write(chunk)
+                f.flush()
+                size += len(chunk)
+                tail += chunk
+                del tail[:-LOG_TAIL_BYTES]
+                if size > LOG_CUT_BYTES:
+                    size = self.rewrite(f, tail)
+            if size > LOG_TAIL_BYTES:
+                self.rewrite(f, tail)
+        self.stream.close()
+
+    def rewrite(self, f: Any, tail: bytearray) -> int:
+        f.seek(0)
+        f.truncate()
+        f.write(self.CUT + tail)
+        f.flush()
+        return len(self.CUT) + len(tail)
+
+    def join(self) -> None:
+        self.thread.join(timeout=10)  # the group is dead, so the pipe is at its end
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -597,7 +811,19 @@ def run_phase(name: str, fn: Callable[[Phase], None], rec: Recorder, device: tor
         status, reason = "error", one_line(e)
         p.write("trace", trace=traceback.format_exc()[-3000:])
     p.write("phase", status=status, reason=reason, seconds=round(time.perf_counter() - start, 2),
-            budget_s=budget_s)
+            budget_s=round(budget_s, 1))
+
+
+def phase_budget(name: str, share: float, carry: float, last: bool, time_left: float) -> float:
+    """Seconds a phase may use: its share plus the carry (what earlier phases left, negative after they
+    overran), at least its share for a GUARANTEED_PHASES one, all that is left for the last phase; never
+    past the overall deadline (time_left)."""
+    planned = share + carry
+    if name in GUARANTEED_PHASES:
+        planned = max(planned, share)
+    if last:
+        planned = time_left
+    return min(planned, time_left)
 
 
 def write_table(rec: Recorder, out: Path) -> Path:
@@ -629,24 +855,36 @@ def write_table(rec: Recorder, out: Path) -> Path:
     train = [r for r in rec.records if r["kind"] == "train_step"]
     if train:
         lines += ["", "| shape | impl | micro batch | ckpt | compile | ms/step | tokens/s | MFU (measured peak) | "
-                  "MFU (spec) | peak GiB |", "|---|---|---|---|---|---|---|---|---|---|"]
+                  "MFU (spec) | peak GiB | warm-up s (compile s) | dynamo graphs (limit hits) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in train:
-            lines.append(f"| {r['shape']} | {r['impl']} | {r['micro_batch']} | {r['checkpointing']} | {r['compile']} | "
+            # A setting the config refuses (flex with dropatt > 0, timed at dropatt 0) is labelled so.
+            impl = f"{r['impl']} (dropatt {r['dropatt']}: the config refuses)" if r.get("config_refuses") else r["impl"]
+            warm = f"{r['warmup_s']} ({r['compile_s']})" if "warmup_s" in r else ""
+            graphs = f"{r['dynamo_graphs']} ({r['recompile_limit_hits']})" if "dynamo_graphs" in r else ""
+            lines.append(f"| {r['shape']} | {impl} | {r['micro_batch']} | {r['checkpointing']} | {r['compile']} | "
                          f"{r.get('step_ms', r.get('error', r.get('skipped')))} | {r.get('tokens_per_s')} | "
-                         f"{r.get('mfu_measured_peak')} | {r.get('mfu_spec_peak')} | {r.get('peak_memory_gib')} |")
-        # What a preset for this device should say: per shape, the fastest setting that ran.
+                         f"{r.get('mfu_measured_peak')} | {r.get('mfu_spec_peak')} | {r.get('peak_memory_gib')} | "
+                         f"{warm} | {graphs} |")
+        # What a preset for this device should say: per shape, the fastest setting that ran and that the
+        # config accepts, with no compiled code that fell back to eager.
         for shape in dict.fromkeys(r["shape"] for r in train):
-            ran = [r for r in train if r["shape"] == shape and r.get("tokens_per_s")]
+            ran = [r for r in train if r["shape"] == shape and r.get("tokens_per_s") and not r.get("config_refuses")
+                   and not r.get("recompile_limit_hits")]
             if ran:
                 b = max(ran, key=lambda r: r["tokens_per_s"])
                 lines.append(f"\nfastest for {shape}: attn_impl {b['impl']}, micro batch {b['micro_batch']}, activation "
                              f"checkpointing {b['checkpointing']}, compile {b['compile']}: {b['tokens_per_s']} tokens/s, "
                              f"MFU {b.get('mfu_measured_peak')} of the measured peak, {b.get('peak_memory_gib')} GiB")
+            refused = {r["impl"]: r["config_refuses"] for r in train if r["shape"] == shape and r.get("config_refuses")}
+            for impl, reason in refused.items():
+                lines.append(f"(not a candidate for {shape}: {impl}: {reason})")
     ds = [r for r in rec.records if r["kind"] == "deepspeed"]
     for r in ds:
         lines.append(f"\nDeepSpeed trainer ZeRO {r.get('zero_stage')}: exit {r.get('exit')}, "
                      f"{r.get('tokens_per_s_last')} tok/s (last progress line), {r.get('seconds')} s"
-                     + (f" ({r['skipped']})" if r.get("skipped") else ""))
+                     + (f" ({r['skipped']})" if r.get("skipped") else "")
+                     + (f", log deepspeed_zero{r['zero_stage']}.log" if "exit" in r else ""))
     path = out / TABLE
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -670,28 +908,43 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print("gpu_check: no CUDA device (use --cpu-smoke to run the phases on the CPU)", file=sys.stderr)
         return 2
+    deadline = time.monotonic() + args.budget_s
     rec = Recorder(out)
-    rec.write({"phase": "start", "kind": "start", "argv": sys.argv[1:], "smoke": args.cpu_smoke})
+    # Scratch work (corpus, the trainer's run folders) stays out of --out, which the device tool brings back.
+    scratch = Path(tempfile.mkdtemp(prefix="txl-gpu-check-"))  # under $TMPDIR when set
+    rec.write({"phase": "start", "kind": "start", "argv": sys.argv[1:], "smoke": args.cpu_smoke,
+               "budget_s": args.budget_s, "scratch": str(scratch)})
     budgets = SMOKE_BUDGET if args.cpu_smoke else PHASE_BUDGET
     scale = args.budget_s / sum(budgets.values())
     signal.signal(signal.SIGTERM, _terminate)
     shared: dict[str, Any] = {}
     fns: dict[str, Callable[[Phase], None]] = {
         "env": phase_env, "matmul": phase_matmul, "attention": phase_attention, "model": phase_model,
-        "train": phase_train, "deepspeed": lambda p: phase_deepspeed(p, out)}
-    carry = 0.0  # time a phase left unused goes to the next ones
+        "deepspeed": lambda p: phase_deepspeed(p, out, scratch), "train": phase_train}
+    carry = 0.0  # the schedule's time minus what the phases so far took: an overrun makes it negative
     code = 0
-    for name in args.phases:
-        start = time.monotonic()
-        budget = budgets[name] * scale + carry
-        try:
-            run_phase(name, fns[name], rec, device, args.cpu_smoke, budget, shared)
-        except Terminated:
-            rec.write({"phase": name, "kind": "phase", "status": "killed", "reason": "SIGTERM (overall time box)",
-                       "seconds": round(time.monotonic() - start, 2), "budget_s": budget})
-            code = 124
-            break
-        carry = max(0.0, budget - (time.monotonic() - start))
+    try:
+        for index, name in enumerate(args.phases):
+            start = time.monotonic()
+            share = budgets[name] * scale
+            budget = phase_budget(name, share, carry, index == len(args.phases) - 1, deadline - start)
+            if budget < 1:
+                reason = ("overall deadline reached" if deadline - start < 1 else
+                          f"earlier phases overran their shares by more than this one's ({share:.0f} s)")
+                rec.write({"phase": name, "kind": "phase", "status": "skipped", "seconds": 0.0, "reason": reason,
+                           "budget_s": round(budget, 1)})
+                carry += share
+                continue
+            try:
+                run_phase(name, fns[name], rec, device, args.cpu_smoke, budget, shared)
+            except Terminated:
+                rec.write({"phase": name, "kind": "phase", "status": "killed", "reason": "SIGTERM (overall time box)",
+                           "seconds": round(time.monotonic() - start, 2), "budget_s": round(budget, 1)})
+                code = 124
+                break
+            carry += share - (time.monotonic() - start)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     table = write_table(rec, out)
     print(f"gpu_check: {rec.path} and {table}", flush=True)
     return code

@@ -4,11 +4,16 @@
 #   bash bench/gpu_check.sh [--out DIR] [--cpu-smoke]    # default DIR: $OUT when set
 #
 # GPU_CHECK_TOTAL_S overrides the overall time box (470 s on a GPU, 110 s for --cpu-smoke); the phases
-# share it minus 25 s for imports and the table.
-# The GPU machine has torch but not DeepSpeed and no network: scripts/fetch_gpu_wheels.sh (run beforehand,
-# where there is a network) leaves the wheels in .gpu-wheels/, installed here into a venv that sees the
-# system torch. If that install fails, the phases that need nothing but torch still run (the deepspeed
-# phase records why it did not).
+# share it minus 25 s for imports and the table, under one deadline (bench/gpu_check.py --budget-s).
+# DIR receives a handful of small files only (setup.log, gpu_check.jsonl, gpu_check_table.txt, one capped
+# log per DeepSpeed stage): the device tool brings back at most 8 files of at most 16 MiB. Scratch work
+# (the synthetic corpus, the trainer's run folders and checkpoints) goes to a temporary folder under
+# $TMPDIR (else /tmp) that gpu_check.py removes.
+# The GPU machine has torch but not DeepSpeed and no network; its python3 is itself a venv, so a
+# `python3 -m venv --system-site-packages` on top of it would not see torch. The wheels that
+# scripts/fetch_gpu_wheels.sh leaves in .gpu-wheels/ (run beforehand, where there is a network) are
+# installed with `pip install --target` into $TMPDIR/txl-gpu-check-site, put on PYTHONPATH. If that
+# install fails, the phases that need nothing but torch still run (the deepspeed phase records why not).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -36,21 +41,17 @@ if [ "$SMOKE" = 1 ]; then
     export DS_ACCELERATOR=cpu
     TOTAL_S="${GPU_CHECK_TOTAL_S:-110}"
 else
-    SYS_PY="${PYTHON:-python3}"
-    PY="$SYS_PY"
-    VENV="${TMPDIR:-/tmp}/txl-gpu-check-venv"
+    PY="${PYTHON:-python3}"
+    SITE="${TMPDIR:-/tmp}/txl-gpu-check-site"
     WHEELS="$ROOT/.gpu-wheels"
     {
-        echo "[gpu_check] setup $(date -u +%FT%TZ): wheels in $WHEELS: $(ls "$WHEELS" 2>/dev/null | wc -l)"
-        if [ -d "$WHEELS" ] && "$SYS_PY" -m venv --system-site-packages "$VENV" \
-            && "$VENV/bin/python" -m pip install --quiet --no-index --find-links "$WHEELS" deepspeed; then
-            PY="$VENV/bin/python"
-            echo "[gpu_check] deepspeed installed into $VENV"
-        elif [ -d "$WHEELS" ] && "$SYS_PY" -m pip install --quiet --no-index --no-deps \
-            --target "$VENV-site" "$WHEELS"/*.whl; then
-            # No venv module (or its pip failed): the same wheels into a folder on PYTHONPATH.
-            export PYTHONPATH="$PYTHONPATH:$VENV-site"
-            echo "[gpu_check] deepspeed installed into $VENV-site (pip --target)"
+        echo "[gpu_check] setup $(date -u +%FT%TZ): $PY is $(command -v "$PY"), wheels in $WHEELS: $(ls "$WHEELS" 2>/dev/null | wc -l)"
+        if ls "$WHEELS"/*.whl >/dev/null 2>&1 && "$PY" -m pip install -q --no-index --no-deps --no-compile \
+            --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/*.whl; then
+            export PYTHONPATH="$PYTHONPATH:$SITE"
+            echo "[gpu_check] wheels installed into $SITE (on PYTHONPATH)"
+            timeout 90 "$PY" -c "import deepspeed; print('[gpu_check] deepspeed', deepspeed.__version__)" \
+                || echo "[gpu_check] deepspeed does not import: the deepspeed phase will say why; the others run"
         else
             echo "[gpu_check] deepspeed NOT installed: the deepspeed phase will say so; the others run"
         fi

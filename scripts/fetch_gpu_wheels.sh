@@ -6,8 +6,9 @@
 #
 #   bash scripts/fetch_gpu_wheels.sh [DIR]        # default DIR: .gpu-wheels
 #
-# bench/gpu_check.sh installs them with `pip install --no-index --find-links DIR` into a venv that sees the
-# system torch. DeepSpeed is published as an sdist only: its wheel is built here with no compiled ops
+# bench/gpu_check.sh installs them all with `pip install --no-index --no-deps --target` into a folder on
+# PYTHONPATH (the machine's python3 is itself a venv: a venv on top of it would not see its torch), so keep
+# one version of each package here. DeepSpeed is published as an sdist only: its wheel is built here with no compiled ops
 # (DS_BUILD_OPS=0; they are JIT-built on first use, and the check uses none of them).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
 
 import torch
 
+from bench import gpu_check
 from txl_dist.model.attention import ATTN_IMPLS, candidate_attn_impls
 
 REPO = Path(__file__).resolve().parents[1]
-PHASES = ["env", "matmul", "attention", "model", "train", "deepspeed"]
+PHASES = ["env", "matmul", "attention", "model", "deepspeed", "train"]
 
 
 @pytest.mark.slow
@@ -27,6 +31,15 @@ def test_cpu_smoke_runs_every_phase(tmp_path):
     proc = subprocess.run(["bash", str(REPO / "bench" / "gpu_check.sh"), "--cpu-smoke", "--out", str(out)],
                           cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1700)
     assert proc.returncode == 0, proc.stdout[-4000:]
+    # What the device tool brings back: at most 8 files, 16 MiB each, 64 MiB in all, at most 2 folders
+    # down, plain names; with more, nothing comes back at all.
+    files = [f for f in out.rglob("*") if not f.is_dir()]
+    assert len(files) <= 8, files
+    assert all(f.is_file() and not f.is_symlink() for f in files), files
+    assert all(len(f.relative_to(out).parts) <= 3 for f in files), files
+    assert all(re.fullmatch(r"[A-Za-z0-9._-]+", part) for f in out.rglob("*") for part in f.relative_to(out).parts)
+    assert all(f.stat().st_size < 16 * 2**20 for f in files) and sum(f.stat().st_size for f in files) < 64 * 2**20
+    assert {f.name for f in files} == {"gpu_check.jsonl", "gpu_check_table.txt", "deepspeed_zero1.log"}
     records = [json.loads(line) for line in (out / "gpu_check.jsonl").read_text().splitlines()]
     status = {r["phase"]: r["status"] for r in records if r["kind"] == "phase"}
     assert list(status) == PHASES, status
@@ -60,7 +73,108 @@ def test_cpu_smoke_runs_every_phase(tmp_path):
         assert {i for i, _, _ in ran} >= trainable - {"reference"}
         assert {(c, k) for _, c, k in ran} == {(False, False), (True, False), (False, True), (True, True)}
         assert all(r["tokens_per_s"] > 0 and r["mfu_measured_peak"] >= 0 for r in steps if r["shape"] == shape)
+    # Compiled rows ran compiled code: dynamo made graphs for the first of each shape and never fell back to
+    # eager past its recompile limit; eager rows made none. Every row says what its warm-up took.
+    for shape in ("large", "base"):
+        compiled = [r for r in steps if r["shape"] == shape and r["compile"]]
+        assert compiled[0]["dynamo_graphs"] > 0, compiled
+    assert all(r["recompile_limit_hits"] == 0 for r in steps), steps
+    assert all(r["dynamo_graphs"] == 0 for r in steps if not r["compile"]), steps
+    assert all(r["warmup_s"] >= r["compile_s"] >= 0 for r in steps)
+    # The trainer's output streamed to its log in --out; the corpus and run folder went to a scratch folder
+    # that is gone.
+    (started,) = by_kind["deepspeed_started"]
     (ds,) = by_kind["deepspeed"]
     assert ds["exit"] == 0 and ds["tokens_per_s_last"] > 0, ds
+    assert started["time"] <= ds["time"] and started["log"] == "deepspeed_zero1.log"
+    assert ds["progress"] and ds["progress"][-1] in (out / "deepspeed_zero1.log").read_text()
+    (start,) = by_kind["start"]
+    assert not Path(start["scratch"]).exists()
     table = (out / "gpu_check_table.txt").read_text()
     assert "| train | ok |" in table and "DeepSpeed trainer ZeRO 1: exit 0" in table
+
+
+def test_phase_budget_charges_overruns_and_keeps_the_deadline():
+    # Time left over carries forward, an overrun is charged to the next phase, never past the deadline.
+    assert gpu_check.phase_budget("model", 30, 10, False, 500) == 40
+    assert gpu_check.phase_budget("model", 30, -25, False, 500) == 5
+    assert gpu_check.phase_budget("model", 30, 10, False, 12) == 12
+    # deepspeed (the product trainer's only run) keeps its share after overruns, within the deadline.
+    assert "deepspeed" in gpu_check.GUARANTEED_PHASES
+    assert gpu_check.phase_budget("deepspeed", 100, -60, False, 500) == 100
+    assert gpu_check.phase_budget("deepspeed", 100, -60, False, 70) == 70
+    assert gpu_check.phase_budget("deepspeed", 100, 20, False, 500) == 120
+    # The last phase gets all that is left, whatever its share.
+    assert gpu_check.phase_budget("train", 230, -60, True, 321) == 321
+
+
+def test_dynamo_watch_counts_graphs_and_recompile_limit_fallbacks():
+    torch._dynamo.reset()
+
+    def scaled(x: torch.Tensor) -> torch.Tensor:
+        return x * 2 + 1
+
+    fn = torch.compile(scaled, backend="eager", dynamic=False)
+    with torch._dynamo.config.patch(recompile_limit=2), gpu_check.DynamoWatch() as watch:
+        for n in range(1, 6):  # five static shapes: two compile, then dynamo gives up and runs it eagerly
+            assert torch.equal(fn(torch.ones(n)), torch.full((n,), 3.0))
+    assert watch.stats() == {"dynamo_graphs": 2, "recompile_limit_hits": 1}
+    with gpu_check.DynamoWatch() as eager:
+        scaled(torch.ones(3))
+    assert eager.stats() == {"dynamo_graphs": 0, "recompile_limit_hits": 0}
+
+
+def test_log_copier_keeps_the_end_of_a_long_output(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_check, "LOG_TAIL_BYTES", 1000)
+    monkeypatch.setattr(gpu_check, "LOG_CUT_BYTES", 5000)
+    read_fd, write_fd = os.pipe()
+    lines = [f"line {i:05d}\n".encode() for i in range(3000)]  # 33 kB: cut several times while it runs
+    writer = threading.Thread(target=lambda: (os.write(write_fd, b"".join(lines)), os.close(write_fd)))
+    writer.start()
+    path = tmp_path / "child.log"
+    with open(read_fd, "rb") as stream:
+        gpu_check.LogCopier(stream, path).join()
+    writer.join()
+    data = path.read_bytes()
+    assert data.startswith(gpu_check.LogCopier.CUT)
+    assert len(data) == len(gpu_check.LogCopier.CUT) + 1000
+    assert b"".join(lines).endswith(data[len(gpu_check.LogCopier.CUT):])
+
+
+def test_run_logged_kills_the_whole_group_on_timeout(tmp_path):
+    # The child starts a grandchild that holds the output pipe; a timeout kills both, and what the child
+    # printed before is in the log.
+    script = ("import subprocess, sys, time; g = subprocess.Popen([sys.executable, '-c', 'import time; "
+              "time.sleep(120)']); print('grandchild', g.pid, flush=True); time.sleep(120)")
+    path = tmp_path / "child.log"
+    code = gpu_check.run_logged([sys.executable, "-c", script], dict(os.environ), path, timeout_s=5)
+    assert code == "timeout"
+    (pid,) = re.findall(r"grandchild (\d+)", path.read_text())
+    stat = Path(f"/proc/{pid}/stat")
+    # Gone, or a zombie waiting for a parent that reaps (the kill was delivered).
+    assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def test_table_never_recommends_a_setting_the_config_refuses(tmp_path):
+    # large.json trains with dropatt 0.2, which flex does not have: flex is timed at dropatt 0 and may be the
+    # fastest, but the recommendation is the fastest setting the config accepts that ran compiled code.
+    large = gpu_check.load_config(REPO / "configs" / "large.json").model
+    assert large.dropatt > 0
+    refusal = gpu_check.config_refusal(large, "flex")
+    assert refusal and "dropatt" in refusal
+    assert gpu_check.config_refusal(large, "sdpa") is None
+    base = gpu_check.load_config(REPO / "configs" / "wt103_base.json").model
+    assert base.dropatt == 0 and gpu_check.config_refusal(base, "flex") is None
+
+    rec = gpu_check.Recorder(tmp_path)
+    row = dict(phase="train", kind="train_step", shape="large", micro_batch=8, checkpointing=False, warmup_s=1.0,
+               compile_s=0.5, step_ms=10.0, dynamo_graphs=0, recompile_limit_hits=0, config_dropatt=large.dropatt)
+    for impl, use_compile, tokens_per_s, hits in (("sdpa", False, 1000, 0), ("flex", False, 3000, 0),
+                                                  ("sdpa", True, 2000, 3)):
+        dropatt = 0.0 if impl == "flex" else large.dropatt
+        refuses = gpu_check.config_refusal(large, impl)
+        rec.write({**row, "impl": impl, "compile": use_compile, "tokens_per_s": tokens_per_s, "dropatt": dropatt,
+                   "recompile_limit_hits": hits, **({"config_refuses": refuses} if refuses else {})})
+    table = gpu_check.write_table(rec, tmp_path).read_text()
+    assert "fastest for large: attn_impl sdpa, micro batch 8, activation checkpointing False, compile False" in table
+    assert "flex (dropatt 0.0: the config refuses)" in table and "not a candidate for large: flex" in table
