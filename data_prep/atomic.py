@@ -8,6 +8,8 @@ one without a lock file (being made or finished, or from an older version) is le
 """
 from __future__ import annotations
 
+import ctypes
+import errno
 import fcntl
 import glob
 import os
@@ -112,11 +114,34 @@ def atomic_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path
 
 
 def replace_dir(src: Path, dst: Path) -> None:
-    """Move folder src to dst, replacing an existing dst (renamed aside first, then deleted)."""
-    if dst.exists():
+    """Move folder src to dst, replacing an existing dst: swapped in one step where the kernel and file system
+    can (so that no signal or crash finds dst missing), else renamed aside first; the old one is deleted."""
+    if dst.exists() and exchange(src, dst):
+        shutil.rmtree(src, ignore_errors=True)  # src now holds the previous dst
+    elif dst.exists():
         old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
         os.rename(dst, old / dst.name)
         os.rename(src, dst)
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.rename(src, dst)
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically (Linux renameat2 with RENAME_EXCHANGE); False where the C library, kernel or
+    file system has no such call (the caller then renames in two steps)."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))

@@ -88,3 +88,33 @@ def test_folders_without_an_owner_file_are_left_alone(tmp_path):
     (unrelated / OWNER_LOCK).write_text("")
     assert remove_abandoned(out) == []
     assert other.is_dir() and unrelated.is_dir()
+
+
+@pytest.mark.parametrize("swap", [True, False])
+def test_overwrite_replaces_the_output_whole(tmp_path, monkeypatch, swap):
+    """--overwrite: the new output replaces the old in one step where renameat2 can swap them, else in two
+    renames; either way nothing but the new output is left."""
+    import data_prep.atomic as atomic
+
+    if not swap:
+        monkeypatch.setattr(atomic, "exchange", lambda a, b: False)
+    out = tmp_path / "corpus"
+    out.mkdir()
+    (out / "old.arrow").write_text("old")
+    with atomic_dir(out, overwrite=True) as work:
+        (work / "new.arrow").write_text("new")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus"]
+    assert sorted(p.name for p in out.iterdir()) == ["new.arrow"]
+
+
+def test_exchange_swaps_or_declines(tmp_path):
+    from data_prep.atomic import exchange
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    (a / "from_a").touch()
+    if exchange(a, b):
+        assert [p.name for p in b.iterdir()] == ["from_a"] and not any(a.iterdir())
+    else:  # this file system cannot: nothing moved
+        assert [p.name for p in a.iterdir()] == ["from_a"] and not any(b.iterdir())
