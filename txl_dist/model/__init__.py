@@ -16,8 +16,7 @@ model.compile_layers()                          # train.compile: layers compiled
 Modules: embedding.py (AdaptiveEmbedding, sinusoid positions), attention.py (mask, rel-shift, the reference
 and fast relative attention incl. FlexAttention, the timing that start-up's "auto" uses, the attention
 sub-layer), dropout.py (dropout with a cheap CPU mask), layer.py (feed-forward, one layer), softmax.py
-(projected adaptive log-softmax),
-transformer.py (the model). Semantics follow the reference code
+(projected adaptive log-softmax), transformer.py (the model). Semantics follow the reference code
 (kimiyoung/transformer-xl, which HF TransfoXL 4.37.2 follows). Adaptive-softmax cluster i uses head column
 cutoffs[0] + i - 1, as HF 4.37.2's forward does (the original code's unused log_prob path indexes column -i).
 
