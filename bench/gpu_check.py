@@ -153,6 +153,20 @@ def timed(phase: Phase, fns: dict[str, Callable[[], Any]], reps: int, warmup: in
 # a. env
 
 
+NO_DEEPSPEED_ENV = "TXL_GPU_CHECK_NO_DEEPSPEED"
+"""Set by gpu_check.sh when DeepSpeed did not install or did not import within its time limit there: this
+process then does not try (an import that hung would hang a phase with no time limit of its own)."""
+
+
+def import_deepspeed() -> Any:
+    reason = os.environ.get(NO_DEEPSPEED_ENV)
+    if reason:
+        raise ImportError(f"gpu_check.sh: {reason}")
+    import deepspeed
+
+    return deepspeed
+
+
 def phase_env(p: Phase) -> None:
     info: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
                             "cuda": torch.version.cuda, "device": str(p.device), "cpu": platform.processor(),
@@ -163,8 +177,7 @@ def phase_env(p: Phase) -> None:
     except ImportError:
         info["triton"] = None
     try:
-        import deepspeed
-        info["deepspeed"] = deepspeed.__version__
+        info["deepspeed"] = import_deepspeed().__version__
     except Exception as e:  # noqa: BLE001  (absent or broken: the deepspeed phase records it)
         info["deepspeed"] = f"unavailable: {type(e).__name__}: {e}"[:200]
     if p.device.type == "cuda":
@@ -350,11 +363,12 @@ def phase_model(p: Phase) -> None:
     memory = MemorySettings(mem_len=3 * cfg.tgt_len, clamp_len=cfg.tgt_len, same_length=True)
     oracle = model_outputs(copy.deepcopy(base).double(), "reference", ids, labels, memory)
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
-    # The reference first (each dtype's baseline), flex last and bf16 before fp32: flex compiles, slowest in
-    # fp32, and must not eat the time of the implementations before it.
+    # The reference first (each dtype's baseline), flex last and in bf16 only: it compiles for every key
+    # length (6 graphs per dtype here) and must not eat the time of the others; the attention phase checks
+    # flex in both dtypes.
     others = [i for i in ATTN_IMPLS if i not in ("reference", "flex")]
     order = [(impl, d) for impl in ["reference", *others] for d in dtypes]
-    order += [("flex", d) for d in ("bf16", "fp32") if "flex" in ATTN_IMPLS]
+    order += [("flex", "bf16")] if "flex" in ATTN_IMPLS else []
     baselines: dict[str, dict[str, float]] = {}
     for impl, dname in order:
         if p.left() < 2:
@@ -519,9 +533,10 @@ class TrainCase:
 
 
 class TrainMatrix:
-    """One shape's training cases inside its time box. A case starts only if one as long as the last still
-    fits, or, before the first compiled case and the first flex case, FIRST_COMPILE_MIN_S. The eager model
-    and its optimizer state are freed before the compiled one is built (peak memory is per model)."""
+    """One shape's training cases inside its time box. A case starts only if one as long as the last of its
+    kind (eager, compiled) still fits, or, before the first compiled case and the first flex case,
+    FIRST_COMPILE_MIN_S. One model (with its optimizer state) is resident at a time: building the eager one
+    frees the compiled one and the other way round (peak memory is per model)."""
 
     def __init__(self, p: Phase, name: str, cfg: ModelConfig, box: float, warmup: int, steps: int):
         self.p, self.name, self.cfg, self.box, self.warmup, self.steps = p, name, cfg, box, warmup, steps
@@ -529,13 +544,15 @@ class TrainMatrix:
         self.eager: TrainCase | None = None
         self.compiled: TrainCase | None = None
         self.flex_started = False
-        self.last_s = 0.0
+        self.estimate_s = {False: 0.0, True: 0.0}
+        """What the next eager / compiled case will take, from the last one: an eager case's compiles (flex's
+        first shapes) are not repeated, a compiled case's are (each micro batch is a new graph)."""
 
     def run(self, impl: str, batch: int, checkpointing: bool, use_compile: bool) -> dict[str, Any] | None:
         """Runs one case and writes its record; returns it, or None when it was skipped or failed."""
         p = self.p
         key = dict(shape=self.name, impl=impl, micro_batch=batch, checkpointing=checkpointing, compile=use_compile)
-        needed = 1.5 * self.last_s
+        needed = 1.5 * self.estimate_s[use_compile]
         if use_compile and self.compiled is None:
             needed = max(needed, self.first_compile_min_s["compile"])
         if impl == "flex" and not self.flex_started:
@@ -550,9 +567,10 @@ class TrainMatrix:
         rec = None
         try:
             if use_compile and self.compiled is None:
-                self.free_eager()
+                self.free(compiled=False)
                 self.compiled = TrainCase(p, self.cfg, compiled=True)
             elif not use_compile and self.eager is None:
+                self.free(compiled=True)
                 self.eager = TrainCase(p, self.cfg, compiled=False)
             runner = self.compiled if use_compile else self.eager
             rec = runner.run(impl, batch, checkpointing, self.warmup, self.steps)
@@ -563,6 +581,9 @@ class TrainMatrix:
                 rec["config_refuses"] = refusal
             rec["case_s"] = round(time.perf_counter() - t0, 2)  # building the model included
             p.write("train_step", **key, **rec)
+            # flex recompiles for each new micro batch even eagerly (static shapes): its estimate keeps them
+            again = use_compile or impl == "flex"
+            self.estimate_s[use_compile] = rec["case_s"] - (0.0 if again else rec["compile_s"])
         except torch.cuda.OutOfMemoryError:
             rec = None
             p.write("train_step", **key, error="out of memory")
@@ -570,18 +591,23 @@ class TrainMatrix:
         except Exception as e:  # noqa: BLE001
             rec = None
             p.write("train_step", **key, error=one_line(e), trace=traceback.format_exc()[-1500:])
-        self.last_s = time.perf_counter() - t0
+        if rec is None:
+            self.estimate_s[use_compile] = time.perf_counter() - t0
         return rec
 
-    def free_eager(self) -> None:
-        self.eager = None
+    def free(self, compiled: bool) -> None:
+        """Drop one of the two models (and its optimizer state): only one is resident while a case runs."""
+        if compiled:
+            self.compiled = None
+        else:
+            self.eager = None
         gc.collect()
         if self.p.device.type == "cuda":
             torch.cuda.empty_cache()
 
     def close(self) -> None:
         self.compiled = None  # the device memory goes before the next shape
-        self.free_eager()
+        self.free(compiled=False)
 
 
 def phase_train(p: Phase) -> None:
@@ -607,29 +633,30 @@ def train_matrix(p: Phase) -> None:
         # This shape's share of what is left, among the shapes still to run.
         share_now = share[name] / sum(share[n] for n in list(shapes)[index:])
         matrix = TrainMatrix(p, name, cfg, time.monotonic() + share_now * max(0.0, p.left()), warmup, steps)
+        # What the config refuses (flex with dropatt > 0) is timed last, for information only: it can never be
+        # the recommendation, and its first case compiles.
+        refused = {impl: reason for impl in impls if (reason := config_refusal(cfg, impl))}
         survey: dict[str, float] = {}
         for impl in impls:
-            rec = matrix.run(impl, batches[0], False, False)
-            if rec:
+            if impl not in refused and (rec := matrix.run(impl, batches[0], False, False)):
                 survey[impl] = rec["step_ms"]
-        refused = {impl: reason for impl in survey if (reason := config_refusal(cfg, impl))}
-        accepted = {impl: ms for impl, ms in survey.items() if impl not in refused}
-        if not accepted:
+        if survey:
+            best = min(survey, key=survey.get)
+            p.shared[name] = {"best": best}
+            p.write("train_best", shape=name, impl=best, survey_step_ms=survey, refused=refused)
+            # The first compiled case right after the survey (it needs the most time left), then the eager
+            # rest, then the other compiled cases.
+            matrix.run(best, batches[0], False, True)
+            for use_compile in (False, True):
+                for batch in batches:
+                    for checkpointing in (False, True):
+                        if (batch, checkpointing) != (batches[0], False):
+                            matrix.run(best, batch, checkpointing, use_compile)
+        else:
             p.write("train_best", shape=name, impl=None, survey_step_ms=survey, refused=refused,
                     reason="no implementation the config accepts ran")
-            matrix.close()
-            continue
-        best = min(accepted, key=accepted.get)
-        p.shared[name] = {"best": best}
-        p.write("train_best", shape=name, impl=best, survey_step_ms=survey, refused=refused)
-        # The rest of the matrix for the fastest implementation: eager first, compiled last.
-        for batch in batches:
-            for checkpointing in (False, True):
-                if (batch, checkpointing) != (batches[0], False):
-                    matrix.run(best, batch, checkpointing, False)
-        for batch in batches:
-            for checkpointing in (False, True):
-                matrix.run(best, batch, checkpointing, True)
+        for impl in refused:
+            matrix.run(impl, batches[0], False, False)
         matrix.close()
 
 
@@ -643,7 +670,7 @@ def phase_deepspeed(p: Phase, out: Path, scratch: Path) -> None:
     saves a checkpoint at its last step, GBs at the base shape) live under scratch; each run folder is removed
     after its stage."""
     try:
-        import deepspeed  # noqa: F401
+        import_deepspeed()
     except Exception as e:  # noqa: BLE001
         p.write("deepspeed", skipped=f"deepspeed does not import: {one_line(e)}")
         raise Skipped("deepspeed unavailable")
@@ -654,7 +681,7 @@ def phase_deepspeed(p: Phase, out: Path, scratch: Path) -> None:
     base = load_config(REPO / cfg_path)
     vocab = 1000 if p.smoke else base.model.vocab_size
     streams = base.deepspeed["train_batch_size"]
-    steps = 4 if p.smoke else 12
+    steps = 4 if p.smoke else 6
     tgt = base.model.tgt_len
     corpus = scratch / "corpus"
     if not (corpus / "manifest.json").exists():
@@ -668,7 +695,10 @@ def phase_deepspeed(p: Phase, out: Path, scratch: Path) -> None:
         sets = [f"data.path={corpus}", f"run.dir={run_dir}", "tracking.enabled=false", f"train.max_steps={steps}",
                 f"train.log_interval={max(1, steps // 3)}", "eval.interval=0", "eval.at_end=false",
                 "eval.max_segments=2", "eval.n_streams=1", "checkpoint.interval=0",
-                f"deepspeed.zero_optimization.stage={stage}", "deepspeed.optimizer.params.torch_adam=true"]
+                f"deepspeed.zero_optimization.stage={stage}", "deepspeed.optimizer.params.torch_adam=true",
+                # "auto" would time flex at start-up (a compile inside this phase's box); the attention paths
+                # are the other phases' business, the trainer end to end is this one's.
+                "model.attn_impl=matmul"]
         if p.smoke:
             sets += [f"model.vocab_size={vocab}", "model.cutoffs=[200,500]", "train.precision=fp32"]
         cmd = [sys.executable, "launch/train.py", "--config", cfg_path, "--resume", "none"]
@@ -708,25 +738,29 @@ def trainer_progress(log_path: Path) -> dict[str, Any]:
 
 
 def run_logged(cmd: list[str], env: dict[str, str], log_path: Path, timeout_s: float) -> int | str:
-    """Runs cmd in a process group of its own, its output copied to log_path as it comes (LogCopier); after
-    timeout_s, or when this script is stopped, the whole group is killed. Returns the exit status, or
-    "timeout"."""
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, process_group=0)
-    copier = LogCopier(proc.stdout, log_path)
+    """Runs cmd in a process group of its own, its output copied to log_path as it comes (LogCopier); at the
+    end (its exit, timeout_s, or this script being stopped) whatever is left of the group is killed. Returns
+    the exit status, or "timeout"."""
+    proc: subprocess.Popen | None = None
+    copier: LogCopier | None = None
     try:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, process_group=0)
+        copier = LogCopier(proc.stdout, log_path)
         return proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return "timeout"
     finally:
-        if proc.poll() is None:
-            # SIGKILL, not SIGTERM: the trainer answers SIGTERM by saving a checkpoint first.
+        if proc is not None:
+            # SIGKILL, not SIGTERM: the trainer answers SIGTERM by saving a checkpoint first. Also after a
+            # normal exit: a child left in the group (a compile worker) would hold the log's pipe.
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
+            except (ProcessLookupError, PermissionError):
                 pass
             proc.wait()
-        copier.join()
+        if copier is not None:
+            copier.join()
 
 
 class LogCopier:
@@ -780,6 +814,9 @@ class Terminated(BaseException):
 
 
 def _terminate(signum: int, frame: Any) -> None:
+    # GNU timeout sends SIGTERM to this process and then to its whole group: the second one must not raise
+    # again inside the cleanup (the record, the group kill, the table).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise Terminated()
 
 
@@ -899,6 +936,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=float(sum(PHASE_BUDGET.values())),
                     help="total seconds for all phases (each gets its share)")
     ap.add_argument("--phases", nargs="+", default=list(PHASE_BUDGET), choices=list(PHASE_BUDGET))
+    ap.add_argument("--end-epoch", type=float, default=None,
+                    help="wall-clock time (seconds since the epoch) the phases must end by; gpu_check.sh passes its "
+                         "own start + time box - margin, so that Python's imports count too")
     args = ap.parse_args(argv)
     out = Path(args.out)
     if args.cpu_smoke:
@@ -909,6 +949,8 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_check: no CUDA device (use --cpu-smoke to run the phases on the CPU)", file=sys.stderr)
         return 2
     deadline = time.monotonic() + args.budget_s
+    if args.end_epoch is not None:
+        deadline = min(deadline, time.monotonic() + args.end_epoch - time.time())
     rec = Recorder(out)
     # Scratch work (corpus, the trainer's run folders) stays out of --out, which the device tool brings back.
     scratch = Path(tempfile.mkdtemp(prefix="txl-gpu-check-"))  # under $TMPDIR when set
@@ -944,6 +986,7 @@ def main(argv: list[str] | None = None) -> int:
                 break
             carry += share - (time.monotonic() - start)
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the table is written whatever arrives now
         shutil.rmtree(scratch, ignore_errors=True)
     table = write_table(rec, out)
     print(f"gpu_check: {rec.path} and {table}", flush=True)

@@ -50,10 +50,13 @@ else
             --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/*.whl; then
             export PYTHONPATH="$PYTHONPATH:$SITE"
             echo "[gpu_check] wheels installed into $SITE (on PYTHONPATH)"
-            timeout 90 "$PY" -c "import deepspeed; print('[gpu_check] deepspeed', deepspeed.__version__)" \
-                || echo "[gpu_check] deepspeed does not import: the deepspeed phase will say why; the others run"
+            if ! timeout 90 "$PY" -c "import deepspeed; print('[gpu_check] deepspeed', deepspeed.__version__)"; then
+                echo "[gpu_check] deepspeed does not import (or not within 90 s): the others run"
+                export TXL_GPU_CHECK_NO_DEEPSPEED="deepspeed did not import within 90 s (setup.log)"
+            fi
         else
             echo "[gpu_check] deepspeed NOT installed: the deepspeed phase will say so; the others run"
+            export TXL_GPU_CHECK_NO_DEEPSPEED="the DeepSpeed wheels did not install (setup.log)"
         fi
     } >"$SETUP_LOG" 2>&1
     cat "$SETUP_LOG"
@@ -62,9 +65,14 @@ fi
 
 LEFT=$(( TOTAL_S - ($(date +%s) - START) ))
 BUDGET=$(( LEFT - 25 ))  # the phases' own budget; the rest covers imports and the table
+if [ "$BUDGET" -lt 30 ]; then  # (timeout 0 would mean no limit at all)
+    echo "[gpu_check] only ${LEFT} s of the ${TOTAL_S} s left after set-up: nothing measured" >&2
+    exit 124
+fi
 echo "[gpu_check] python $PY, out $OUT_DIR, ${LEFT} s left, phase budget ${BUDGET} s"
+# --end-epoch: the phases end by the shell's clock, so Python's own start-up (torch, CUDA) counts too.
 timeout --signal=TERM --kill-after=10 "$LEFT" "$PY" "$ROOT/bench/gpu_check.py" --out "$OUT_DIR" \
-    --budget-s "$BUDGET" "${PASS[@]}"
+    --budget-s "$BUDGET" --end-epoch "$(( START + TOTAL_S - 25 ))" "${PASS[@]}"
 code=$?
 echo "[gpu_check] exit $code after $(( $(date +%s) - START )) s; results in $OUT_DIR"
 exit $code

@@ -62,7 +62,8 @@ def test_cpu_smoke_runs_every_phase(tmp_path):
     fp32_err = [r["max_abs_out"] for r in by_kind["attention_error"] if r["dtype"] == "fp32"]
     assert max(fp32_err) < 1e-4, by_kind["attention_error"]
     model = {(r["impl"], r["dtype"]): r for r in by_kind["model_error"]}
-    assert set(model) == {(i, d) for i in ATTN_IMPLS for d in ("fp32", "bf16")}
+    # flex in bf16 only there (its compiles per key length; the attention phase checks both dtypes)
+    assert set(model) == {(i, d) for i in ATTN_IMPLS for d in ("fp32", "bf16")} - {("flex", "fp32")}
     assert all(r["ok"] for r in model.values()), model
     # The training matrix: every non-reference impl surveyed, then the best with checkpointing and compile.
     steps = [r for r in by_kind["train_step"] if "error" not in r and "skipped" not in r]
