@@ -189,3 +189,12 @@ def test_table_never_recommends_a_setting_the_config_refuses(tmp_path):
     table = gpu_check.write_table(rec, tmp_path).read_text()
     assert "fastest for large: attn_impl sdpa, micro batch 8, activation checkpointing False, compile False" in table
     assert "flex (dropatt 0.0: the config refuses)" in table and "not a candidate for large: flex" in table
+
+
+def test_deepspeed_is_not_imported_when_setup_found_it_broken(monkeypatch):
+    # gpu_check.sh tried the import with a time limit; a hung import must not hang a phase without one.
+    monkeypatch.setenv(gpu_check.NO_DEEPSPEED_ENV, "deepspeed did not import within 90 s (setup.log)")
+    with pytest.raises(ImportError, match="within 90 s"):
+        gpu_check.import_deepspeed()
+    monkeypatch.delenv(gpu_check.NO_DEEPSPEED_ENV)
+    assert gpu_check.import_deepspeed().__version__
