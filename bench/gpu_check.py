@@ -538,8 +538,11 @@ class TrainMatrix:
     FIRST_COMPILE_MIN_S. One model (with its optimizer state) is resident at a time: building the eager one
     frees the compiled one and the other way round (peak memory is per model)."""
 
-    def __init__(self, p: Phase, name: str, cfg: ModelConfig, box: float, warmup: int, steps: int):
+    def __init__(self, p: Phase, name: str, cfg: ModelConfig, box: float, warmup: int, steps: int,
+                 impls: list[str]):
         self.p, self.name, self.cfg, self.box, self.warmup, self.steps = p, name, cfg, box, warmup, steps
+        self.refused = {impl: reason for impl in impls if (reason := config_refusal(cfg, impl))}
+        """The config's refusals among impls (flex with dropatt > 0): timed for information, never recommended."""
         self.first_compile_min_s = FIRST_COMPILE_MIN_S["smoke" if p.smoke else "gpu"]
         self.eager: TrainCase | None = None
         self.compiled: TrainCase | None = None
@@ -576,9 +579,8 @@ class TrainMatrix:
             rec = runner.run(impl, batch, checkpointing, self.warmup, self.steps)
             if use_compile:
                 rec["compile_via"] = runner.compile_via
-            refusal = config_refusal(self.cfg, impl)
-            if refusal:
-                rec["config_refuses"] = refusal
+            if impl in self.refused:
+                rec["config_refuses"] = self.refused[impl]
             rec["case_s"] = round(time.perf_counter() - t0, 2)  # building the model included
             p.write("train_step", **key, **rec)
             # flex recompiles for each new micro batch even eagerly (static shapes): its estimate keeps them
@@ -632,10 +634,10 @@ def train_matrix(p: Phase) -> None:
                     skipped=f"no backward for {impl} on {p.device.type}")
         # This shape's share of what is left, among the shapes still to run.
         share_now = share[name] / sum(share[n] for n in list(shapes)[index:])
-        matrix = TrainMatrix(p, name, cfg, time.monotonic() + share_now * max(0.0, p.left()), warmup, steps)
-        # What the config refuses (flex with dropatt > 0) is timed last, for information only: it can never be
-        # the recommendation, and its first case compiles.
-        refused = {impl: reason for impl in impls if (reason := config_refusal(cfg, impl))}
+        matrix = TrainMatrix(p, name, cfg, time.monotonic() + share_now * max(0.0, p.left()), warmup, steps, impls)
+        # What the config refuses is timed last, for information only: it can never be the recommendation, and
+        # its first case compiles.
+        refused = matrix.refused
         survey: dict[str, float] = {}
         for impl in impls:
             if impl not in refused and (rec := matrix.run(impl, batches[0], False, False)):
