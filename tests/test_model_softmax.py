@@ -1,5 +1,6 @@
 """Adaptive log-softmax: a normalized distribution, NLL consistent with it, both tail strategies equal,
-the host-made tail plan equal to none (and free of host reads), padding that leaves the numbers unchanged."""
+the host-made tail plan equal to none (and free of host reads), padding that leaves the numbers unchanged
+(tables padded to a multiple, tail rows padded to a bucket)."""
 import dataclasses
 
 import numpy as np
@@ -8,7 +9,7 @@ import torch
 
 from txl_dist.config import ModelConfig
 from txl_dist.model import TransformerXL
-from txl_dist.model.softmax import ProjectedAdaptiveLogSoftmax, tail_plan
+from txl_dist.model.softmax import ProjectedAdaptiveLogSoftmax, bucketed_rows, tail_plan
 
 VOCAB, D_MODEL = 40, 16
 SHAPES = {  # name: (d_embed, cutoffs, div_val)
@@ -155,6 +156,55 @@ def _model_and_batch(cutoffs=(10, 25), div_val=2, seed=0):
     labels = torch.randint(0, VOCAB, (3, 6), generator=g)
     labels[0, :4] = 0  # the head always has tokens; which tails do depends on the draw
     return model, ids, labels
+
+
+def test_bucketed_rows_few_shapes_little_waste():
+    assert bucketed_rows(0) == 0
+    buckets = [bucketed_rows(n) for n in range(1, 5000)]
+    assert all(b >= n for n, b in enumerate(buckets, 1))
+    assert all(b <= max(n + 7, n * 9 // 8) for n, b in enumerate(buckets, 1))     # <= 1/8 waste above 64
+    assert buckets == sorted(buckets)
+    for low in (64, 128, 1024, 2048):                                              # one octave (low, 2 low]
+        assert len({bucketed_rows(n) for n in range(low + 1, 2 * low + 1)}) <= 8
+
+
+@pytest.mark.parametrize("name", ["div1", "div2"])
+def test_gather_pads_tail_rows_to_a_bucket_without_changing_a_number(name, monkeypatch):
+    crit = make_crit(name)
+    hidden, target = hidden_and_target(n=40, seed=3)
+    # Cluster sizes 11 (head), 9 (first tail: tokens 10..24), 20 (second tail): padded to 16 and 24 rows.
+    target = torch.tensor([0] * 11 + [12] * 9 + [30] * 20)[torch.randperm(40, generator=torch.Generator().manual_seed(4))]
+    rows_seen = []
+    linear = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda x, *a: rows_seen.append(x.shape[0]) or linear(x, *a))
+    results = {}
+    for mode in ("dense", "gather"):
+        crit.tail_mode = mode
+        crit.zero_grad()
+        h = hidden.clone().requires_grad_()
+        nll = crit(h, target)
+        nll.sum().backward()
+        results[mode] = (nll.detach(), h.grad, [p.grad.clone() for p in crit.parameters()])
+    assert rows_seen[-3:] == [40, 16, 24]                                          # the gather pass: head, tails
+    (nll_d, gh_d, gp_d), (nll_g, gh_g, gp_g) = results["dense"], results["gather"]
+    torch.testing.assert_close(nll_g, nll_d, rtol=0, atol=1e-5)
+    torch.testing.assert_close(gh_g, gh_d, rtol=0, atol=1e-5)  # a padding row reads hidden[0]; adds nothing
+    for g, d in zip(gp_g, gp_d):
+        torch.testing.assert_close(g, d, rtol=0, atol=1e-5)
+
+
+def test_shared_table_gradient_equals_per_cluster_slices(monkeypatch):
+    # div_val 1 splits the one table once per forward; its gradient must be what slicing per cluster gives.
+    crit = make_crit("div1")
+    hidden, target = hidden_and_target(n=48, seed=5)
+    crit(hidden, target).sum().backward()
+    leaf = crit.out_layers[0].weight.detach().clone().requires_grad_()          # the same values, a new leaf
+    ends = crit.cutoff_ends
+    slices = tuple(leaf[ends[k]:ends[k + 1]] for k in range(3))
+    biases = tuple(crit.out_layers[0].bias[ends[k]:ends[k + 1]] for k in range(3))
+    monkeypatch.setattr(crit, "_shared_table_pieces", lambda: (slices, biases))
+    crit(hidden, target).sum().backward()
+    assert torch.equal(crit.out_layers[0].weight.grad, leaf.grad)
 
 
 def test_tail_plan_counts_and_order_from_the_host_labels():

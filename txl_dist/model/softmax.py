@@ -37,6 +37,26 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+IGNORED_TARGET = -100
+"""The target of a padding row in the gather tail mode (cross_entropy's ignore_index: NLL and gradient 0)."""
+
+TAIL_ROW_BUCKETS_PER_OCTAVE = 8
+
+
+def bucketed_rows(n: int) -> int:
+    """n tokens rounded up to one of TAIL_ROW_BUCKETS_PER_OCTAVE row counts per power of two (at least 8;
+    0 stays 0): at most 1/8 more rows than tokens for n >= 64.
+
+    The gather tail mode scores each cluster's tokens, a count that changes with every batch. On the CPU,
+    oneDNN's bf16 (AMX) matmul builds a kernel for each new shape on its first call, ~10 ms against a
+    0.2-0.6 ms product (docs/performance.md); with buckets a run meets a handful of shapes per cluster.
+    """
+    if n <= 0:
+        return 0
+    step = max(8, (1 << (n.bit_length() - 1)) // TAIL_ROW_BUCKETS_PER_OCTAVE)  # octave [2^b, 2^(b+1))
+    return round_up(n, step)
+
+
 def padded_table_rows(vocab_size: int, cutoffs: list[int], div_val: int, pad_multiple: int) -> list[int]:
     """Rows stored in each output/embedding table (div_val 1: one table; div_val > 1: one per cluster).
 
@@ -168,17 +188,28 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
                 rows[f"out_layers.{i}.weight"] = rows[f"out_layers.{i}.bias"] = size
         return rows
 
-    def _cluster_params(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _shared_table_pieces(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] | None:
+        """div_val 1: the one output table's weight and bias split into the clusters' rows (the last cluster
+        with the padding rows), once per forward; None for div_val > 1 (a table per cluster).
+
+        One split for all clusters, not a slice per cluster: a slice's backward fills a zero tensor of the
+        whole table and adds it to the table's gradient, once per cluster (and once more for the tied input
+        embedding); the split's backward concatenates the pieces' gradients once."""
+        if self.div_val != 1:
+            return None
+        ends = self.cutoff_ends[:-1] + [self.table_rows[0]]
+        sizes = [ends[i + 1] - ends[i] for i in range(self.n_clusters + 1)]
+        return self.out_layers[0].weight.split(sizes), self.out_layers[0].bias.split(sizes)
+
+    def _cluster_params(self, i: int, pieces=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(weight [rows_i, d_emb_i], bias [rows_i], proj [d_model, d_emb_i] or None) of cluster i; the head
         (i=0) gets the cluster logits appended after the shortlist. rows_i >= n_logits(i): the padding rows'
-        bias is -inf, so they never carry probability."""
+        bias is -inf, so they never carry probability. pieces: this forward's _shared_table_pieces()
+        (made here when not given)."""
         if self.div_val == 1:
-            lo = self.cutoff_ends[i]
-            # The last cluster also takes the table's padding rows.
-            hi = self.cutoff_ends[i + 1] if i < self.n_clusters else self.table_rows[0]
-            weight = self.out_layers[0].weight[lo:hi]
-            bias = self.out_layers[0].bias[lo:hi]
-            rows = hi - lo
+            weights, biases = pieces if pieces is not None else self._shared_table_pieces()
+            weight, bias = weights[i], biases[i]
+            rows = weight.shape[0]
         else:
             weight, bias = self.out_layers[i].weight, self.out_layers[i].bias
             rows = self.table_rows[i]
@@ -192,9 +223,10 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         proj = self.out_projs[i] if len(self.out_projs) else None
         return weight, bias, proj
 
-    def _logits(self, hidden: torch.Tensor, i: int) -> torch.Tensor:
-        """hidden [N, d_model] -> float32 logits [N, rows_i] of cluster i (the head: [N, S + C (+ pad)])."""
-        weight, bias, proj = self._cluster_params(i)
+    def _logits(self, hidden: torch.Tensor, i: int, pieces=None) -> torch.Tensor:
+        """hidden [N, d_model] -> float32 logits [N, rows_i] of cluster i (the head: [N, S + C (+ pad)]).
+        pieces: this forward's _shared_table_pieces()."""
+        weight, bias, proj = self._cluster_params(i, pieces)
         if proj is not None:
             hidden = hidden @ proj                                                 # [N, d_emb_i]
         # The matmul runs in the compute dtype; log-softmax and everything after it in float32.
@@ -239,7 +271,8 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
                              f"{tuple(plan.order.shape)}) does not describe {target.numel()} targets in "
                              f"{self.n_clusters + 1} clusters; make it with tail_plan(labels, cutoffs, device) "
                              "from these labels")
-        head_logits = self._logits(hidden, 0)                                      # [N, S + C (+ pad)]
+        pieces = self._shared_table_pieces()
+        head_logits = self._logits(hidden, 0, pieces)                              # [N, S + C (+ pad)]
         if not self.n_clusters:
             return F.cross_entropy(head_logits, target, reduction="none")         # [N]
         # Cluster id per token from python-int comparisons: no small tensor to copy to the device.
@@ -248,20 +281,21 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         head_target = torch.where(cluster == 0, target, self.shortlist_size + cluster - 1)  # [N]
         nll = F.cross_entropy(head_logits, head_target, reduction="none")          # [N]
         if self.resolved_tail_mode(hidden.device, planned=plan is not None) == "dense":
-            return nll + self._tail_nll_dense(hidden, target, cluster)
-        return nll + self._tail_nll_gather(hidden, target, cluster, plan)
+            return nll + self._tail_nll_dense(hidden, target, cluster, pieces)
+        return nll + self._tail_nll_gather(hidden, target, cluster, plan, pieces)
 
-    def _tail_nll_dense(self, hidden: torch.Tensor, target: torch.Tensor, cluster: torch.Tensor) -> torch.Tensor:
+    def _tail_nll_dense(self, hidden: torch.Tensor, target: torch.Tensor, cluster: torch.Tensor,
+                        pieces=None) -> torch.Tensor:
         tail_nll = torch.zeros(target.shape, dtype=torch.float32, device=target.device)  # [N]
         for i in range(1, self.n_clusters + 1):
             lo, hi = self.cutoff_ends[i], self.cutoff_ends[i + 1]
             local = (target - lo).clamp(0, hi - lo - 1)                            # [N]
-            nll_i = F.cross_entropy(self._logits(hidden, i), local, reduction="none")  # [N]
+            nll_i = F.cross_entropy(self._logits(hidden, i, pieces), local, reduction="none")  # [N]
             tail_nll = tail_nll + torch.where(cluster == i, nll_i, 0.0)            # [N]
         return tail_nll
 
     def _tail_nll_gather(self, hidden: torch.Tensor, target: torch.Tensor, cluster: torch.Tensor,
-                         plan: TailPlan | None) -> torch.Tensor:
+                         plan: TailPlan | None, pieces=None) -> torch.Tensor:
         if plan is None:
             # The one host sync: how many tokens each cluster has, for all clusters at once.
             counts = torch.bincount(cluster, minlength=self.n_clusters + 1).tolist()
@@ -273,22 +307,29 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         # An empty cluster still runs (on zero rows): its parameters must get a (zero) gradient on every
         # rank, or data-parallel gradient reduction (ZeRO 2/3 buckets) sees different sizes per rank.
         for i in range(1, self.n_clusters + 1):
-            idx = groups[i]                                                        # [n_i]
+            idx, n_i = groups[i], counts[i]                                        # [n_i]
             local = target.index_select(0, idx) - self.cutoff_ends[i]              # [n_i]
-            logits = self._logits(hidden.index_select(0, idx), i)                  # [n_i, size_i]
+            # Padded to a row bucket: the matmuls see a few shapes, not one per token count. A padding
+            # row scores token 0's hidden state against IGNORED_TARGET: its NLL and gradients are exactly 0.
+            rows = bucketed_rows(n_i)
+            idx_rows = F.pad(idx, (0, rows - n_i))                                 # [rows]
+            local = F.pad(local, (0, rows - n_i), value=IGNORED_TARGET)           # [rows]
+            logits = self._logits(hidden.index_select(0, idx_rows), i, pieces)     # [rows, size_i]
             indices.append(idx)
-            values.append(F.cross_entropy(logits, local, reduction="none"))        # [n_i]
+            values.append(F.cross_entropy(logits, local, reduction="none",
+                                          ignore_index=IGNORED_TARGET)[:n_i])     # [n_i]
         tail_nll = torch.zeros(target.shape, dtype=torch.float32, device=target.device)  # [N]
         return tail_nll.index_copy(0, torch.cat(indices), torch.cat(values))      # [N]
 
     def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, d_model] -> float32 log-probabilities of the whole vocabulary [N, vocab_size]."""
-        head_logprob = F.log_softmax(self._logits(hidden, 0), dim=-1)              # [N, S + C (+ pad)]
+        pieces = self._shared_table_pieces()
+        head_logprob = F.log_softmax(self._logits(hidden, 0, pieces), dim=-1)      # [N, S + C (+ pad)]
         if not self.n_clusters:
             return head_logprob[:, :self.vocab_size].contiguous()                  # [N, vocab_size]
         parts = [head_logprob[:, :self.shortlist_size]]                            # [N, S]
         for i in range(1, self.n_clusters + 1):
             cluster_logprob = head_logprob[:, self.shortlist_size + i - 1, None]   # [N, 1]
-            tail_logprob = F.log_softmax(self._logits(hidden, i), dim=-1)[:, :self.n_logits(i)]  # [N, size_i]
+            tail_logprob = F.log_softmax(self._logits(hidden, i, pieces), dim=-1)[:, :self.n_logits(i)]  # [N, size_i]
             parts.append(cluster_logprob + tail_logprob)                           # [N, size_i]
         return torch.cat(parts, dim=-1)                                            # [N, vocab_size]
