@@ -4,7 +4,11 @@ Each hidden folder (`.<out>.tmp-*`, `.<out>.scan-*`) is owned by its job through
 inside it, held for the job's lifetime (and by any worker it forks). A job killed without a chance to clean
 up (SIGKILL, the OOM killer, a lost node) leaves its folder behind, possibly gigabytes; the next job for the
 same output removes such folders, and only those: a folder whose lock another process holds is in use, and
-one without a lock file (being made or finished, or from an older version) is left alone.
+one without a lock file (being made, or from an older version) is left alone.
+
+An output is built in `<scratch>/output` and swapped with the previous one, which thereby lands inside the
+still-owned scratch folder: a kill at any moment leaves the old output to the next job's cleanup, never in a
+folder nobody owns. The lock file is removed last, so a kill during a removal leaves a folder still owned.
 """
 from __future__ import annotations
 
@@ -20,12 +24,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from txl_dist.atomic import current_umask
-
 from data_prep.errors import PrepError
 
 
 OWNER_LOCK = ".owner.lock"
+OUTPUT = "output"
+"""atomic_dir's output inside its scratch folder (beside the lock file, which never becomes part of it)."""
 SCRATCH_KINDS = ("tmp", "scan")
 _OWNED: set[Path] = set()
 """This process's own folders: skipped by name, because where flock is emulated by POSIX locks (NFS) a second
@@ -49,7 +53,7 @@ def remove_abandoned(out: Path) -> list[Path]:
                 os.close(fd)
                 continue
             try:
-                shutil.rmtree(folder, ignore_errors=True)
+                remove_scratch(folder)
             finally:
                 os.close(fd)
             print(f"removed {folder}: left by a job for {out.name} that was killed", file=sys.stderr)
@@ -75,15 +79,23 @@ def owned_scratch(out: Path, kind: str) -> Iterator[Path]:
             pass  # no flock here: the folder then just has no owner others can see as gone
         yield folder
     finally:
-        shutil.rmtree(folder, ignore_errors=True)  # gone already when moved into place
+        remove_scratch(folder)
         os.close(lock)
         _OWNED.discard(key)
 
 
-def release(folder: Path) -> None:
-    """Drop the owner lock's file before `folder` becomes an output (the lock itself stays held until the
-    block ends; a folder without the file is never taken for abandoned)."""
-    (folder / OWNER_LOCK).unlink(missing_ok=True)
+def remove_scratch(folder: Path) -> None:
+    """Delete a scratch folder, its lock file last: killed midway, it is still a folder its next job removes."""
+    if not folder.is_dir():
+        return
+    for child in folder.iterdir():
+        if child.name == OWNER_LOCK:
+            continue
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child, ignore_errors=True)
+        else:
+            child.unlink(missing_ok=True)
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def check_output(out: Path, overwrite: bool) -> None:
@@ -104,26 +116,23 @@ def atomic_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path
     """
     out = Path(out)
     check_output(out, overwrite)
-    with owned_scratch(out, "tmp") as tmp:
-        # mkdtemp makes the folder private (0700); an output folder gets the usual permissions.
-        os.chmod(tmp, 0o777 & ~current_umask())
+    with owned_scratch(out, "tmp") as scratch:
+        tmp = scratch / OUTPUT
+        tmp.mkdir()  # the umask's permissions (the scratch folder itself is mkdtemp's private 0700)
         yield tmp
         check_output(out, overwrite)  # someone may have created it meanwhile
-        release(tmp)
         replace_dir(tmp, out)
+    # Leaving owned_scratch deleted the previous output, which the swap had put inside it.
 
 
 def replace_dir(src: Path, dst: Path) -> None:
-    """Move folder src to dst, replacing an existing dst: swapped in one step where the kernel and file system
-    can (so that no signal or crash finds dst missing), else renamed aside first; the old one is deleted."""
-    if dst.exists() and exchange(src, dst):
-        shutil.rmtree(src, ignore_errors=True)  # src now holds the previous dst
-    elif dst.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
-        os.rename(dst, old / dst.name)
+    """Move folder src (inside an owned scratch folder) to dst, replacing an existing dst: swapped in one step
+    where the kernel and file system can (so that no signal or crash finds dst missing), else renamed aside
+    first. Either way the previous dst ends up inside src's scratch folder, to be deleted with it."""
+    if dst.exists() and not exchange(src, dst):
+        os.rename(dst, src.parent / f"previous-{dst.name}")
         os.rename(src, dst)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
+    elif not dst.exists():
         os.rename(src, dst)
 
 

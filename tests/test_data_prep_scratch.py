@@ -118,3 +118,66 @@ def test_exchange_swaps_or_declines(tmp_path):
         assert [p.name for p in b.iterdir()] == ["from_a"] and not any(a.iterdir())
     else:  # this file system cannot: nothing moved
         assert [p.name for p in a.iterdir()] == ["from_a"] and not any(b.iterdir())
+
+
+SWAPPER = """
+import sys, time
+from pathlib import Path
+import data_prep.atomic as atomic
+if sys.argv[2] == "two-renames":
+    atomic.exchange = lambda a, b: False
+swap = atomic.replace_dir
+def swap_then_wait(src, dst):
+    swap(src, dst)
+    print("swapped", flush=True)
+    time.sleep(600)
+atomic.replace_dir = swap_then_wait
+with atomic.atomic_dir(Path(sys.argv[1]), overwrite=True) as work:
+    (work / "new.arrow").write_text("new")
+"""
+
+
+@pytest.mark.parametrize("how", ["exchange", "two-renames"])
+def test_a_job_killed_right_after_the_swap_leaves_the_old_output_to_the_next_job(tmp_path, how):
+    """The previous output lands inside the killed job's owned scratch folder, so the next job removes it."""
+    out = tmp_path / "corpus"
+    out.mkdir()
+    (out / "old.arrow").write_bytes(b"o" * 4096)
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    proc = subprocess.Popen([sys.executable, "-c", SWAPPER, str(out), how], stdout=subprocess.PIPE, text=True,
+                            env=env)
+    assert proc.stdout.readline().strip() == "swapped"
+    kill(proc)
+    assert sorted(p.name for p in out.iterdir()) == ["new.arrow"]
+    [left] = [p for p in tmp_path.iterdir() if p.name != "corpus"]
+    assert (left / OWNER_LOCK).is_file() and list(left.rglob("old.arrow"))
+    assert remove_abandoned(out) == [left]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus"]
+
+
+def test_a_scratch_folder_loses_its_lock_file_last(tmp_path, monkeypatch):
+    """Killed in the middle of a removal, a scratch folder must still carry its lock file."""
+    import data_prep.atomic as atomic
+
+    folder = tmp_path / ".corpus.tmp-x"
+    (folder / "output" / "sub").mkdir(parents=True)
+    (folder / OWNER_LOCK).write_text("")
+    (folder / "a.arrow").write_text("a")
+    (folder / "z.arrow").write_text("z")
+    removed = []
+    rmtree, unlink = atomic.shutil.rmtree, Path.unlink
+
+    def record_rmtree(path, *a, **k):
+        removed.append(Path(path).name)
+        rmtree(path, *a, **k)
+
+    def record_unlink(self, *a, **k):
+        removed.append(self.name)
+        unlink(self, *a, **k)
+
+    monkeypatch.setattr(atomic.shutil, "rmtree", record_rmtree)
+    monkeypatch.setattr(Path, "unlink", record_unlink)
+    atomic.remove_scratch(folder)
+    assert not folder.exists()
+    assert removed[-1] == folder.name and OWNER_LOCK not in removed[:-1]
+    assert sorted(removed[:-1]) == ["a.arrow", "output", "z.arrow"]
