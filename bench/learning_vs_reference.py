@@ -107,10 +107,9 @@ def settings_from(cfg: RunConfig, steps: int, threads: int) -> Settings:
     if sched and sched.get("type") != "WarmupCosineLR":
         raise SystemExit("deepspeed.scheduler.type: this benchmark reproduces WarmupCosineLR only")
     base_lr = opt["params"]["lr"]
-    # As the trainer's engine applies it: DeepSpeed sets the scheduler's lr (0: not started) when it is built
-    # and moves the scheduler after each step, so optimizer step k (from 0) uses the scheduler's iteration
-    # k - 1 (the trainer logs the same numbers as train/lr).
-    lrs = [0.0] + [warmup_cosine_lr(s, steps, base_lr, sched.get("params", {})) for s in range(steps - 1)] \
+    # As the trainer's engine applies it (txl_dist.engine.build_engine): optimizer step k (from 0) uses the
+    # scheduler's iteration k (the trainer logs the same numbers as train/lr).
+    lrs = [warmup_cosine_lr(s, steps, base_lr, sched.get("params", {})) for s in range(steps)] \
         if sched else [base_lr] * steps
     return Settings(cfg=cfg, steps=steps, n_streams=ds["train_batch_size"], eval_streams=cfg.eval.n_streams or 1,
                     lrs=lrs, betas=tuple(opt["params"].get("betas", (0.9, 0.999))),

@@ -159,3 +159,42 @@ def test_compiled_layers_train_like_eager_under_zero3_with_checkpointing():
     assert compiled["torch_checkpoint"] and not eager["torch_checkpoint"]
     np.testing.assert_allclose(compiled["losses"], eager["losses"], rtol=1e-5, atol=1e-6)
     assert eager["losses"][-1] != eager["losses"][0]
+
+
+def _learning_rates(raw, n_steps):
+    """Runs on one rank: the learning rate each optimizer step trains at, and the schedule's own numbers."""
+    from deepspeed.runtime.lr_schedules import WarmupCosineLR
+
+    from txl_dist import distributed, engine as eng
+    from txl_dist.model import TransformerXL
+
+    distributed.init_process_group(distributed.discover())
+    cfg = config_from_dict(raw)
+    ds = eng.deepspeed_config(cfg, 1)
+    engine = eng.build_engine(lambda: TransformerXL(cfg.model), ds, seed=cfg.train.seed)
+    tokens = torch.from_numpy(np.random.default_rng(0).integers(0, 50, size=(2, 7)))
+    used = []
+    for _ in range(n_steps):
+        used.append(engine.optimizer.param_groups[0]["lr"])  # what the step below trains at (train/lr)
+        engine.backward(engine(tokens[:, :6], labels=tokens[:, 1:]).nll.mean())
+        engine.step()
+    # Independently: DeepSpeed's scheduler class, iteration k on a stand-in optimizer.
+    stand_in = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=ds["optimizer"]["params"]["lr"])
+    schedule = WarmupCosineLR(stand_in, **ds["scheduler"]["params"])
+    expected = []
+    for k in range(n_steps):
+        schedule.step(k)
+        expected.append(stand_in.param_groups[0]["lr"])
+    distributed.destroy_process_group()
+    return used, expected
+
+
+def test_optimizer_step_k_trains_at_the_schedules_iteration_k():
+    # DeepSpeed alone would train the first step at lr 0 (its iteration -1), ignoring warmup_min_ratio.
+    raw = copy.deepcopy(BASE)
+    raw["deepspeed"].update(train_batch_size=2, train_micro_batch_size_per_gpu=2)
+    raw["deepspeed"]["scheduler"]["params"].update(warmup_num_steps=4, warmup_min_ratio=0.5, cos_min_ratio=0.1)
+    (result,) = run_ranks(_learning_rates, 1, raw, 6, timeout=300)
+    used, expected = result
+    assert used == expected
+    assert used[0] == 3e-3 * 0.5 and used[1] == 3e-3 * 0.625 and used[3] < used[4]

@@ -387,6 +387,8 @@ case("deepspeed.unknown-key.bf16")(train_with(deepspeed={"bf16": {"enable": True
 case("deepspeed.unknown-key.optimizer.params")(train_with(deepspeed={"optimizer": {"params": {"weight_decy": 0.1}}}))
 case("deepspeed.unknown-key.scheduler.params")(
     train_with(deepspeed={"scheduler": {"params": {"warmup_num_step": 2}}}))
+case("deepspeed.scheduler-value")(
+    train_with(deepspeed={"scheduler": {"params": {"warmup_num_steps": 0}}}))
 case("deepspeed.unknown-key.activation_checkpointing")(
     train_with(deepspeed={"activation_checkpointing": {"partition_activation": True}}))
 case("deepspeed.wrong-type")(train_with(deepspeed={"gradient_clipping": "1.0"}))

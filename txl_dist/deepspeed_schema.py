@@ -389,6 +389,27 @@ def _check_scheduler(ds: dict) -> None:
                           f"(DeepSpeed calls {name}(optimizer, **params))")
     _check_arguments(params, getattr(lr_schedules, name), key="deepspeed.scheduler.params",
                      what=f"DeepSpeed's {name}")
+    if name in _BUILT_TO_CHECK:
+        _check_scheduler_values(name, params)
+
+
+_BUILT_TO_CHECK = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
+"""Schedulers whose constructors read nothing of the optimizer but its learning rates: built here on a stand-in
+optimizer, so that DeepSpeed's own value checks refuse at start-up, not inside deepspeed.initialize after the
+model is built (and on a cluster, after the queue)."""
+
+
+def _check_scheduler_values(name: str, params: dict) -> None:
+    stand_in = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    try:
+        getattr(lr_schedules, name)(stand_in, **params)
+    except (ValueError, TypeError) as e:
+        message = one_line(e)
+        if "warmup_num_steps" in message:
+            raise ConfigError(f"deepspeed.scheduler.params.warmup_num_steps: DeepSpeed's {name} refuses it: "
+                              f"{message}; it warms up over max(2, warmup_num_steps) steps, so 1 is the least "
+                              "warmup it has") from None
+        raise ConfigError(f"deepspeed.scheduler.params: DeepSpeed's {name} refuses them: {message}") from None
 
 
 def _check_arguments(params: dict, cls: type, *, key: str, what: str, taken: set[str] = frozenset(),

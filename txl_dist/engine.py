@@ -71,8 +71,9 @@ def build_engine(model_fn: Callable[[], nn.Module], ds_config: dict[str, Any], *
     holds all the weights. compile_layers (train.compile): torch.compile each layer
     (TransformerXL.compile_layers); activation checkpointing then recomputes the layers with torch's
     non-reentrant checkpoint, because DeepSpeed's is reentrant: it runs each layer under no_grad and again
-    with grad inside backward, a second graph per layer shape. Returns the DeepSpeedEngine
-    (`engine(...)`, `engine.backward`, `engine.step`).
+    with grad inside backward, a second graph per layer shape. The LR scheduler stands at iteration 0: optimizer
+    step k (from 0) trains at the schedule's iteration k. Returns the DeepSpeedEngine (`engine(...)`,
+    `engine.backward`, `engine.step`).
     """
     skip_shm_comm_build()
     # DeepSpeed's ZeRO calls these torch collectives at every step; the deprecation is theirs to fix and
@@ -103,6 +104,12 @@ def build_engine(model_fn: Callable[[], nn.Module], ds_config: dict[str, Any], *
     if compile_layers:
         model.compile_layers()
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    if engine.lr_scheduler is not None:
+        # DeepSpeed builds the scheduler at iteration -1, whose learning rate is 0 whatever warmup_min_ratio
+        # says, and moves it after each optimizer step: the first step would train at lr 0 and the schedule
+        # would run one step late. One move now makes optimizer step k (from 0) use the schedule's iteration
+        # k. A resumed run then loads the scheduler's state from its checkpoint, which replaces this.
+        engine.lr_scheduler.step()
     return engine
 
 
