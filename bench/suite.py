@@ -5,8 +5,11 @@ Every figure is a ratio of two things measured in the same run, repetitions inte
 a shared machine hit both sides alike), best repetition reported:
   reference   training tokens/s against the reference Transformer-XL (HF transformers 4.37.2 in .venv-ref,
               a subprocess driven step by step) at equal config, threads, precision and optimizer (torch's
-              fused AdamW on both sides): fp32, and bf16 where
-              the CPU has bf16 matmul units; MFU against the matmul peak measured between the same steps
+              fused AdamW on both sides), in the steady state (each side has trained on its 16 segments
+              once): fp32, and bf16 where the CPU has bf16 matmul units; MFU against the matmul peak
+              measured between the same steps
+  mfu         training MFU at the layer shapes of the large and WikiText-103 base presets (bf16 where the
+              CPU has bf16 matmul units, else fp32), each against the matmul peak measured between its steps
   longmem     long-memory evaluation (tgt 64, mem 640) against recomputing the whole 704-token window per
               segment (mem_len 0): tokens/s at equal context
   memory      peak RSS of training steps with and without activation checkpointing (fresh processes)
@@ -26,6 +29,7 @@ the default set keeps the last learning row.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import json
@@ -46,10 +50,10 @@ import torch
 from bench.learning_vs_reference import ratio_text
 from bench.timing import interleaved
 from txl_dist.flops import cluster_token_shares, flops_per_token as model_flops_per_token
-from txl_dist.config import MemorySettings, ModelConfig
+from txl_dist.config import MemorySettings, ModelConfig, model_config_from_dict
 
 REPO = Path(__file__).resolve().parents[1]
-SECTIONS = ("reference", "longmem", "memory", "zero", "checkpoint")
+SECTIONS = ("reference", "mfu", "longmem", "memory", "zero", "checkpoint")
 """The default set: minutes on 2 cores."""
 LEARNING_SECTIONS = ("learning", "learning_comparison")
 ALL_SECTIONS = (*SECTIONS, *LEARNING_SECTIONS)
@@ -210,6 +214,10 @@ def bench_reference(args: argparse.Namespace) -> dict[str, Any]:
             def reference() -> None:
                 ref_times.append(worker.steps(k))
 
+            # Steady state: each side first trains on every segment once, so that the matmul kernels oneDNN
+            # builds per new shape (the adaptive softmax's per-cluster token counts) exist on both sides.
+            ours(len(labels))
+            worker.steps(len(labels))
             fns = {"reference": reference, "ours": lambda: ours(k), "matmul": mm}
             times = interleaved(fns, reps, warmup=1, settle_s=0.3)
             ref_best = min(ref_times[1:])  # [0] was the warm-up
@@ -228,6 +236,46 @@ def bench_reference(args: argparse.Namespace) -> dict[str, Any]:
             }
         finally:
             worker.close()
+    return results
+
+
+MFU_PRESETS = (("large", 2), ("wt103_base_aligned", 4), ("wt103_base", 4))
+"""Presets whose layer shape (d_model, heads, d_inner, dropouts) the mfu section trains, with this many layers."""
+
+
+def preset_layer_config(name: str, n_layer: int, quick: bool) -> ModelConfig:
+    """configs/<name>.json's layers with the comparison's vocabulary, adaptive softmax, tgt_len and mem_len:
+    its layers' arithmetic at a size 2 cores train in under a second per step (in quick mode, one layer)."""
+    raw = json.loads((REPO / "configs" / f"{name}.json").read_text())["model"]
+    base = speed_config(quick)
+    return dataclasses.replace(model_config_from_dict(raw), vocab_size=base.vocab_size, cutoffs=list(base.cutoffs),
+                               div_val=1, d_embed=None, n_layer=1 if quick else n_layer, tgt_len=base.tgt_len,
+                               mem_len=base.mem_len)
+
+
+def bench_mfu(args: argparse.Namespace) -> dict[str, Any]:
+    """MFU where the layers are as wide as the presets': the comparison's narrow shape (d_model 256, heads of
+    32) leaves the matmul units underfed, which says little about the presets."""
+    dname = "bf16" if cpu_bf16_units() else "fp32"
+    dtype = DTYPES[dname]
+    batch = 4 if args.quick else 8
+    reps, k = (2, 1) if args.quick else (4, 2)
+    mm, mm_flops = matmul_call(dtype, 512 if args.quick else 1024)
+    results: dict[str, Any] = {"dtype": dname, "batch": batch, "threads": args.threads, "shapes": {}}
+    for name, n_layer in MFU_PRESETS:
+        cfg = preset_layer_config(name, n_layer, args.quick)
+        ours, labels = our_training(cfg, dtype, batch)
+        ours(2 if args.quick else 16)  # every segment once: oneDNN has built its kernels for each shape
+        times = interleaved({"ours": lambda: ours(k), "matmul": mm}, reps, warmup=0, settle_s=0.3)
+        peak = mm_flops / times["matmul"][0]
+        fpt, counter = flops_per_token(cfg, batch, labels)
+        tok_s = batch * cfg.tgt_len * k / times["ours"][0]
+        results["shapes"][name] = {
+            "n_layer": cfg.n_layer, "d_model": cfg.d_model, "n_head": cfg.n_head, "d_head": cfg.d_head,
+            "d_inner": cfg.d_inner, "dropatt": cfg.dropatt, "tgt_len": cfg.tgt_len, "mem_len": cfg.mem_len,
+            "tokens_per_s": round(tok_s, 1), "flops_per_token": round(fpt), "flop_counter": counter,
+            "matmul_peak_tflops": round(peak / 1e12, 4), "mfu": round(fpt * tok_s / peak, 4)}
+        del ours, labels
     return results
 
 
@@ -531,6 +579,18 @@ def table(res: dict[str, Any], args: argparse.Namespace) -> list[str]:
                          f"| {r['mfu']:.3f} | {target} |")
     elif ref is not None:
         lines.append(f"| training tokens/s | failed: {ref.get('error')} | | | |")
+    mfu = res.get("mfu")
+    if isinstance(mfu, dict) and "error" not in mfu:
+        for name, r in mfu["shapes"].items():
+            target = verdict(r["mfu"], TARGET_BF16_MFU) if mfu["dtype"] == "bf16" else ""
+            lines.append(f"| MFU, {mfu['dtype']} training step at {name}.json's layer shape ({r['n_layer']} layer(s) of "
+                         f"d_model {r['d_model']}, {r['n_head']} heads of {r['d_head']}, d_inner {r['d_inner']}, dropatt "
+                         f"{r['dropatt']:g}; vocabulary, batch, tgt_len {r['tgt_len']} and mem_len {r['mem_len']} as "
+                         f"above) | {r['mfu'] * 100:.1f}% ({r['flops_per_token'] / 1e6:.0f} MFLOP/token, "
+                         f"{r['tokens_per_s']:.0f} tok/s) | {mfu['dtype']} matmul peak measured between the steps "
+                         f"{r['matmul_peak_tflops'] * 1e3:.0f} GFLOP/s | {r['mfu']:.3f} | {target} |")
+    elif mfu is not None:
+        lines.append(f"| MFU at the presets' layer shapes | failed: {mfu.get('error')} | | | |")
     lm = res.get("longmem")
     if isinstance(lm, dict) and "error" not in lm:
         lines.append(f"| long-memory evaluation tokens/s (tgt {lm['tgt_len']}, mem {lm['mem_len']}, fp32, "
@@ -620,7 +680,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=REPO / "bench" / "results" / "latest.json")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    fns = {"reference": bench_reference, "longmem": bench_longmem, "memory": bench_memory, "zero": bench_zero,
+    fns = {"reference": bench_reference, "mfu": bench_mfu, "longmem": bench_longmem, "memory": bench_memory, "zero": bench_zero,
            "checkpoint": bench_checkpoint,
            **{name: functools.partial(bench_learning, setting=setting) for name, setting in LEARNING_SETTINGS.items()}}
     res: dict[str, Any] = {"machine": machine(), "quick": args.quick, "threads": args.threads}

@@ -25,7 +25,7 @@ def test_quick_run_rewrites_only_the_marked_block(tmp_path):
                    "## Speed changes\nhand-written rows\n")
     result = tmp_path / "latest.json"
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", DS_ACCELERATOR="cpu")
-    proc = subprocess.run([sys.executable, "-m", "bench", "--quick", "--sections", "longmem", "checkpoint",
+    proc = subprocess.run([sys.executable, "-m", "bench", "--quick", "--sections", "longmem", "checkpoint", "mfu",
                            "--out", str(out), "--json", str(result)], cwd=REPO, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:]
@@ -35,6 +35,13 @@ def test_quick_run_rewrites_only_the_marked_block(tmp_path):
     assert "| long-memory evaluation tokens/s" in text and "| checkpoint save MB/s" in text
     res = json.loads(result.read_text())
     assert res["longmem"]["speedup"] > 0 and res["checkpoint"]["save_mb_s"] > 0
+    # MFU at each listed preset's own layer shape (one layer at quick size), every figure measured.
+    from bench.suite import MFU_PRESETS
+    shapes = res["mfu"]["shapes"]
+    assert list(shapes) == [name for name, _ in MFU_PRESETS]
+    assert shapes["large"]["d_model"] == 1024 and shapes["wt103_base"]["d_head"] == 41
+    assert all(0 < r["mfu"] < 1 and r["matmul_peak_tflops"] > 0 for r in shapes.values())
+    assert text.count("training step at ") == len(MFU_PRESETS)
     assert res["machine"]["torch"] == torch.__version__
 
 
