@@ -275,7 +275,6 @@ def bench_mfu(args: argparse.Namespace) -> dict[str, Any]:
             "d_inner": cfg.d_inner, "dropatt": cfg.dropatt, "tgt_len": cfg.tgt_len, "mem_len": cfg.mem_len,
             "tokens_per_s": round(tok_s, 1), "flops_per_token": round(fpt), "flop_counter": counter,
             "matmul_peak_tflops": round(peak / 1e12, 4), "mfu": round(fpt * tok_s / peak, 4)}
-        del ours, labels
     return results
 
 

@@ -68,6 +68,7 @@ project adds (txl_dist/config.py, `validate_deepspeed`):
 | `deepspeed.zero_optimization.stage` | 0, 1, 2 or 3 |
 | `deepspeed.activation_checkpointing` | present: every layer is recomputed in the backward pass |
 | `deepspeed.scheduler.params.total_num_steps` | leave it out: it follows `train.max_steps` |
+| `deepspeed.scheduler` (WarmupLR, WarmupDecayLR, WarmupCosineLR) | its params are checked by building the scheduler at start-up (DeepSpeed refuses e.g. `warmup_num_steps: 0`; it warms up over max(2, n) steps); optimizer step k (from 0) trains at the schedule's iteration k (DeepSpeed alone would train the first step at lr 0) |
 | `deepspeed.bf16.check_grad_overflow`, `deepspeed.zero_optimization.compute_grad_norm` | must stay true (the non-finite guard, `train.max_nonfinite`, needs them) |
 """
 
