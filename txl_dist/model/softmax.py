@@ -26,6 +26,8 @@ from torch import nn
 from txl_dist.host_copy import to_device
 
 TailMode = Literal["auto", "dense", "gather"]
+TablePieces = tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]
+"""div_val 1: the shared table's weight and bias pieces, one per cluster (ProjectedAdaptiveLogSoftmax's split)."""
 
 DENSE_TAIL_MAX_RATIO = 0.25
 """'auto' scores the tails densely when that costs at most this fraction of the head's FLOPs (see
@@ -121,9 +123,10 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
     tail_mode picks how tail clusters are scored for the NLL:
     - "dense": every token through every tail, then a select by cluster. No host sync at all (good for
       GPUs and graph capture), but FLOPs grow with the tails' size.
-    - "gather": only the tokens of each cluster go through its tail. Given a TailPlan (the counts and
-      order from the host labels) it has no host sync; without one it has one for all clusters together
-      (one bincount(...).tolist()), none per cluster.
+    - "gather": only the tokens of each cluster go through its tail, their rows padded to a bucket size
+      (bucketed_rows) so that the matmuls meet few shapes. Given a TailPlan (the counts and order from the
+      host labels) it has no host sync; without one it has one for all clusters together (one
+      bincount(...).tolist()), none per cluster.
     - "auto" (default): "gather" when a TailPlan is given; else "dense" when the dense tails cost at most
       DENSE_TAIL_MAX_RATIO of the head (see dense_tail_cost_ratio) and the tensors are not on the CPU, where
       a sync costs nothing; else "gather".
@@ -188,7 +191,7 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
                 rows[f"out_layers.{i}.weight"] = rows[f"out_layers.{i}.bias"] = size
         return rows
 
-    def _shared_table_pieces(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] | None:
+    def _shared_table_pieces(self) -> TablePieces | None:
         """div_val 1: the one output table's weight and bias split into the clusters' rows (the last cluster
         with the padding rows), once per forward; None for div_val > 1 (a table per cluster).
 
@@ -201,7 +204,8 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         sizes = [ends[i + 1] - ends[i] for i in range(self.n_clusters + 1)]
         return self.out_layers[0].weight.split(sizes), self.out_layers[0].bias.split(sizes)
 
-    def _cluster_params(self, i: int, pieces=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _cluster_params(self, i: int, pieces: TablePieces | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(weight [rows_i, d_emb_i], bias [rows_i], proj [d_model, d_emb_i] or None) of cluster i; the head
         (i=0) gets the cluster logits appended after the shortlist. rows_i >= n_logits(i): the padding rows'
         bias is -inf, so they never carry probability. pieces: this forward's _shared_table_pieces()
@@ -223,7 +227,7 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         proj = self.out_projs[i] if len(self.out_projs) else None
         return weight, bias, proj
 
-    def _logits(self, hidden: torch.Tensor, i: int, pieces=None) -> torch.Tensor:
+    def _logits(self, hidden: torch.Tensor, i: int, pieces: TablePieces | None = None) -> torch.Tensor:
         """hidden [N, d_model] -> float32 logits [N, rows_i] of cluster i (the head: [N, S + C (+ pad)]).
         pieces: this forward's _shared_table_pieces()."""
         weight, bias, proj = self._cluster_params(i, pieces)
@@ -285,7 +289,7 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         return nll + self._tail_nll_gather(hidden, target, cluster, plan, pieces)
 
     def _tail_nll_dense(self, hidden: torch.Tensor, target: torch.Tensor, cluster: torch.Tensor,
-                        pieces=None) -> torch.Tensor:
+                        pieces: TablePieces | None = None) -> torch.Tensor:
         tail_nll = torch.zeros(target.shape, dtype=torch.float32, device=target.device)  # [N]
         for i in range(1, self.n_clusters + 1):
             lo, hi = self.cutoff_ends[i], self.cutoff_ends[i + 1]
@@ -295,7 +299,7 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         return tail_nll
 
     def _tail_nll_gather(self, hidden: torch.Tensor, target: torch.Tensor, cluster: torch.Tensor,
-                         plan: TailPlan | None, pieces=None) -> torch.Tensor:
+                         plan: TailPlan | None, pieces: TablePieces | None = None) -> torch.Tensor:
         if plan is None:
             # The one host sync: how many tokens each cluster has, for all clusters at once.
             counts = torch.bincount(cluster, minlength=self.n_clusters + 1).tolist()
