@@ -1,6 +1,7 @@
 """Every shipped preset starts and trains: configs/*.json with its own deepspeed section (optimizer, precision,
-ZeRO stage, activation checkpointing, LR schedule) and its train, eval and checkpoint settings, shrunk to a toy
-model on a toy corpus, 3 steps on one CPU rank, then its final evaluation. Config checks alone missed that
+ZeRO stage, activation checkpointing, LR schedule), its train and checkpoint settings and its evaluation's memory
+settings (the paper's mem_len 1600 / 3800, clamp_len, same_length), shrunk to a toy model on a toy corpus: 3
+steps on one CPU rank, then the final evaluations (3 segments each). Config checks alone missed that
 three presets could not start (DeepSpeed's WarmupCosineLR refused their warmup_num_steps 0 inside
 deepspeed.initialize)."""
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dist_helpers import REPO, learnable_stream, write_corpus
 PRESETS = sorted(p.stem for p in (REPO / "configs").glob("*.json"))
 TOY = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.d_head=16", "model.d_inner=64",
        "model.d_embed=null", "model.vocab_size=null", "model.cutoffs=[20,40]", "model.div_val=1", "model.tgt_len=8",
-       "model.mem_len=8", "eval.tgt_len=8", "eval.mem_len=8", "eval.max_segments=2", "tracking.enabled=false",
+       "model.mem_len=8", "eval.max_segments=3", "tracking.enabled=false",
        "train.max_steps=3", "train.log_interval=1", "eval.interval=0", "checkpoint.interval=0",
        "deepspeed.train_batch_size=4", "deepspeed.train_micro_batch_size_per_gpu=2"]
 
@@ -24,8 +25,8 @@ TOY = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.d_head=16
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     root = tmp_path_factory.mktemp("presets") / "corpus"
-    return write_corpus(root, {"train": learnable_stream(64 * 40, 64, 0), "valid": learnable_stream(400, 64, 1),
-                               "test": learnable_stream(400, 64, 2)}, vocab_size=64)
+    return write_corpus(root, {"train": learnable_stream(64 * 40, 64, 0), "valid": learnable_stream(2000, 64, 1),
+                               "test": learnable_stream(2000, 64, 2)}, vocab_size=64)
 
 
 @pytest.mark.slow
