@@ -200,9 +200,12 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         embedding); the split's backward concatenates the pieces' gradients once."""
         if self.div_val != 1:
             return None
+        weight, bias = self.out_layers[0].weight, self.out_layers[0].bias
+        if not self.n_clusters:
+            return (weight,), (bias,)  # the whole table: no split, nothing to concatenate in backward
         ends = self.cutoff_ends[:-1] + [self.table_rows[0]]
         sizes = [ends[i + 1] - ends[i] for i in range(self.n_clusters + 1)]
-        return self.out_layers[0].weight.split(sizes), self.out_layers[0].bias.split(sizes)
+        return weight.split(sizes), bias.split(sizes)
 
     def _cluster_params(self, i: int, pieces: TablePieces | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
