@@ -265,7 +265,7 @@ def bench_mfu(args: argparse.Namespace) -> dict[str, Any]:
     for name, n_layer in MFU_PRESETS:
         cfg = preset_layer_config(name, n_layer, args.quick)
         ours, labels = our_training(cfg, dtype, batch)
-        ours(2 if args.quick else 16)  # every segment once: oneDNN has built its kernels for each shape
+        ours(len(labels))  # every segment once, as in the reference section: the steady state
         times = interleaved({"ours": lambda: ours(k), "matmul": mm}, reps, warmup=0, settle_s=0.3)
         peak = mm_flops / times["matmul"][0]
         fpt, counter = flops_per_token(cfg, batch, labels)
