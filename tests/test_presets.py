@@ -41,6 +41,7 @@ def test_the_preset_trains_three_steps_at_toy_size(name, corpus, tmp_path):
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:]
-    after = proc.stdout.split("step 3/3 | loss", 1)[-1]
+    assert "step 3/3 | loss" in proc.stdout
+    after = proc.stdout.split("step 3/3 | loss", 1)[1]
     # After the steps: the final validation, the checkpoint and the test evaluation.
     assert "valid at step 3: loss" in after and "checkpoints/step_00000003" in after and "test at step 3: loss" in after
