@@ -725,18 +725,20 @@ def phase_deepspeed(p: Phase, out: Path, scratch: Path) -> None:
             raise
         finally:
             shutil.rmtree(run_dir, ignore_errors=True)
-        progress = trainer_progress(log_path)
-        if code != 0:
-            progress["tail"] = log_path.read_text(errors="replace")[-2000:]
+        progress = trainer_progress(log_path, tail_chars=2000 if code != 0 else 0)
         p.write("deepspeed", zero_stage=stage, exit=code, seconds=round(time.perf_counter() - start, 1), **progress)
 
 
-def trainer_progress(log_path: Path) -> dict[str, Any]:
-    """The trainer's last progress lines and its last tokens/s, from its log."""
+def trainer_progress(log_path: Path, tail_chars: int = 0) -> dict[str, Any]:
+    """The trainer's last progress lines and its last tokens/s, from its log; with tail_chars, also the log's
+    last characters (a failed run's error), from the same read."""
     text = log_path.read_text(errors="replace") if log_path.exists() else ""
     progress = [ln.strip() for ln in text.splitlines() if "tok/s" in ln]
     tok_s = [float(m.group(1)) for ln in progress if (m := re.search(r"([\d.]+) tok/s", ln))]
-    return {"tokens_per_s_last": tok_s[-1] if tok_s else None, "progress": progress[-3:]}
+    result = {"tokens_per_s_last": tok_s[-1] if tok_s else None, "progress": progress[-3:]}
+    if tail_chars:
+        result["tail"] = text[-tail_chars:]
+    return result
 
 
 def run_logged(cmd: list[str], env: dict[str, str], log_path: Path, timeout_s: float) -> int | str:
