@@ -55,7 +55,7 @@ import torch
 from txl_dist.config import ConfigError, MemorySettings, ModelConfig, load_config, validate_model
 from txl_dist.model import TransformerXL
 from txl_dist.model.attention import (ATTN_IMPLS, attn_bias_from_mask, build_attn_mask, candidate_attn_impls,
-                                      flex_block_mask)
+                                      flex_block_mask, recompile_limit)
 
 REPO = Path(__file__).resolve().parents[1]
 JSONL = "gpu_check.jsonl"
@@ -613,9 +613,7 @@ class TrainMatrix:
 
 
 def phase_train(p: Phase) -> None:
-    dynamo = torch._dynamo.config
-    limit = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"  # before torch 2.6
-    with dynamo.patch(**{limit: max(TRAIN_RECOMPILE_LIMIT, getattr(dynamo, limit))}):
+    with recompile_limit(TRAIN_RECOMPILE_LIMIT):
         train_matrix(p)
 
 

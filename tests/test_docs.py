@@ -171,6 +171,8 @@ def test_python_m_data_prep_help_in_a_fresh_process():
 DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 LAUNCHERS = {"deepspeed", "torchrun", "srun", "sbatch"}  # their own options come before the script
 PYTHONS = {"python", "python3", ".venv/bin/python"}
+STANDARD_MODULES = {"venv", "pip"}
+"""`python -m` modules of Python itself: the documents use them to set up, there is nothing of ours to check."""
 
 
 def shell_commands(path: Path) -> list[tuple[int, list[str]]]:
@@ -210,6 +212,8 @@ def resolve_command(words: list[str]) -> tuple[str | None, str | None, list[str]
             return (target if (REPO / target).is_file() else None), batch, words[1:]
     if words and words[0] in PYTHONS:
         words = words[1:]
+        if words[:1] == ["-m"] and words[1] in STANDARD_MODULES:
+            return None, None, []
         if words[:1] == ["-m"]:
             return f"python -m {words[1]}", None, words[2:]
     if not words:

@@ -157,7 +157,9 @@ def test_compiled_layers_train_like_eager_under_zero3_with_checkpointing():
     (result,) = run_ranks(_compiled_and_eager_losses, 1, raw, 4, timeout=600)
     eager, compiled = result[False], result[True]
     assert compiled["torch_checkpoint"] and not eager["torch_checkpoint"]
-    np.testing.assert_allclose(compiled["losses"], eager["losses"], rtol=1e-5, atol=1e-6)
+    # Inductor's fused kernels round differently from eager: 1e-6 relative with torch 2.13, 6e-5 with 2.11 by
+    # the fourth step. A wrong recompute or a missed gradient moves the losses by far more.
+    np.testing.assert_allclose(compiled["losses"], eager["losses"], rtol=2e-4, atol=1e-6)
     assert eager["losses"][-1] != eager["losses"][0]
 
 

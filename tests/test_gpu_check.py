@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from bench import gpu_check
-from txl_dist.model.attention import ATTN_IMPLS, candidate_attn_impls
+from txl_dist.model.attention import ATTN_IMPLS, candidate_attn_impls, recompile_limit
 
 REPO = Path(__file__).resolve().parents[1]
 PHASES = ["env", "matmul", "attention", "model", "deepspeed", "train"]
@@ -117,7 +117,7 @@ def test_dynamo_watch_counts_graphs_and_recompile_limit_fallbacks():
         return x * 2 + 1
 
     fn = torch.compile(scaled, backend="eager", dynamic=False)
-    with torch._dynamo.config.patch(recompile_limit=2), gpu_check.DynamoWatch() as watch:
+    with recompile_limit(2), gpu_check.DynamoWatch() as watch:
         for n in range(1, 6):  # five static shapes: two compile, then dynamo gives up and runs it eagerly
             assert torch.equal(fn(torch.ones(n)), torch.full((n,), 3.0))
     assert watch.stats() == {"dynamo_graphs": 2, "recompile_limit_hits": 1}

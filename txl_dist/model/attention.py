@@ -224,6 +224,13 @@ segment by segment (eval.mem_len / eval.tgt_len + 1 key lengths: 14 for the larg
 torch's default recompile limit (8) and leave the steady state, full memory, on the unfused kernel."""
 
 
+def recompile_limit(n: int):
+    """A context in which dynamo compiles a function for up to n shapes (then runs it eagerly). The setting is
+    `recompile_limit` from torch 2.7 on and `cache_size_limit` before (torch 2.6 has no recompile_limit)."""
+    config = torch._dynamo.config
+    return config.patch(**{"recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit": n})
+
+
 def rel_attention_flex(q: torch.Tensor, kv: torch.Tensor, r_head_k: torch.Tensor,
                        r_w_bias: torch.Tensor, r_r_bias: torch.Tensor, attn_bias: torch.Tensor | BlockMask,
                        dropatt: float = 0.0, training: bool = False) -> torch.Tensor:
@@ -268,7 +275,7 @@ def rel_attention_flex(q: torch.Tensor, kv: torch.Tensor, r_head_k: torch.Tensor
     if torch.compiler.is_compiling():
         attn_vec = flex_attention(*args, score_mod=score_mod, block_mask=block_mask, scale=scale)  # [B, H, T, D]
     else:
-        with torch._dynamo.config.patch(recompile_limit=FLEX_RECOMPILE_LIMIT):
+        with recompile_limit(FLEX_RECOMPILE_LIMIT):
             attn_vec = _compiled_flex_attention()(*args, score_mod=score_mod, block_mask=block_mask,
                                                   scale=scale)                    # [B, H, T, D]
     return attn_vec.transpose(1, 2).reshape(bsz, qlen, n_head * d_head)          # [B, T, H*D]
