@@ -171,12 +171,16 @@ class ReferenceWorker:
             self.proc.wait(30)
 
 
-def our_training(cfg: ModelConfig, dtype: torch.dtype, batch: int) -> tuple[Callable[[int], None], torch.Tensor]:
-    """k training steps of our model (attn_impl auto, carried mems, fused AdamW) as the reference worker does them."""
+def our_training(cfg: ModelConfig, dtype: torch.dtype, batch: int,
+                 compile_layers: bool = False) -> tuple[Callable[[int], None], torch.Tensor]:
+    """k training steps of our model (attn_impl auto, carried mems, fused AdamW) as the reference worker does them;
+    compile_layers: through TransformerXL.compile_layers (train.compile)."""
     from txl_dist.model import TransformerXL
 
     torch.manual_seed(0)
     model = TransformerXL(cfg).to(dtype).train()
+    if compile_layers:
+        model.compile_layers()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # as configs/tiny.json; the reference too
     segments = zipf_segments(cfg.vocab_size, 16, batch, cfg.tgt_len, 0)
     labels = segments.roll(-1, dims=2)

@@ -97,3 +97,21 @@ def test_the_published_table_is_in_its_block():
     block = rest.split(END)[0]
     assert head.rstrip().endswith("## Latest table (CPU)")
     assert "| training tokens/s, fp32 |" in block and "| learning per second" in block
+
+
+@pytest.mark.slow
+def test_compile_probe_times_every_case_both_ways():
+    """bench/compile_probe.py (why train.compile is slower on the CPU) runs, and each case is timed eager and
+    compiled, so the probe is ready when a new torch is to be checked."""
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    proc = subprocess.run([sys.executable, "-m", "bench.compile_probe", "--reps", "1", "--dtypes", "fp32",
+                           "--model", "--quick"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    from bench.compile_probe import ELEMENTWISE
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(results) == {f"fp32 | {name}" for name in ELEMENTWISE} | {
+        "fp32 | model step, dropout 0.0", "fp32 | model step, dropout 0.1"}
+    for r in results.values():
+        assert r["eager_ms"] > 0 and r["compiled_ms"] > 0
+        assert r["compiled_over_eager"] == pytest.approx(r["compiled_ms"] / r["eager_ms"], rel=0.05, abs=0.01)
