@@ -123,6 +123,40 @@ def test_checksum_work_is_shared_by_size_and_a_listed_path_cannot_leave_the_tag(
             checkpoint.verify(tag)
 
 
+
+def test_a_rank_forces_each_file_of_its_share_to_disk_while_it_hashes_them(tmp_path, monkeypatch):
+    """The save's checksum pass fsyncs every file of this rank's share (on a second thread, beside the hashing)
+    and returns the same digests as hashing alone; a failed fsync fails the pass instead of being lost."""
+    import hashlib
+    import os
+
+    contents = {"a.pt": os.urandom(3 << 20), "b.pt": b"", "sub/c.pt": b"state" * 1000}
+    for name, data in contents.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(data)
+    files = [(name, len(data)) for name, data in contents.items()]
+    synced = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd):
+        synced.append(os.path.realpath(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    got = checkpoint._hash_share(tmp_path, files, 0, 1, fsync=True)
+    assert got == {name: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+                   for name, data in contents.items()}
+    assert sorted(synced) == sorted(str((tmp_path / name).resolve()) for name in contents)
+    assert checkpoint._hash_share(tmp_path, files, 1, 2, fsync=False) == {
+        name: got[name] for name in checkpoint.share_of(files, 1, 2)}
+
+    def failing_fsync(fd):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(os, "fsync", failing_fsync)
+    with pytest.raises(OSError, match="Input/output error"):
+        checkpoint._hash_share(tmp_path, files, 0, 1, fsync=True)
+
 def test_resolve_path_takes_a_tag_a_checkpoint_folder_or_a_run_folder(tmp_path):
     run = tmp_path / "run"
     ckpt = run / "checkpoints"

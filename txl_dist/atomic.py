@@ -22,8 +22,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     tmp = Path(name)
     try:
         yield tmp
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
+        fsync_file(tmp)
         os.chmod(tmp, 0o666 & ~current_umask())
         os.replace(tmp, path)
         fsync_dir(path.parent)
@@ -37,6 +36,12 @@ def atomic_write(path: str | os.PathLike, data: str | bytes) -> Path:
     with atomic_path(path) as tmp:
         tmp.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
     return Path(path)
+
+
+def fsync_file(path: str | os.PathLike) -> None:
+    """Force a file's data to disk (written by a library that does not, such as torch.save)."""
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
