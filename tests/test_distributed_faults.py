@@ -337,3 +337,44 @@ def test_a_process_state_is_read_on_this_machine_only():
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
     assert process_state(RankInfo(0, "h", child.pid, here)) == "ended"
+
+
+def test_a_peer_that_publishes_late_is_known_within_a_fraction_of_a_beat():
+    """The beat thread reads a neighbour's and rank 0's host and pid soon after they publish, not a beat later:
+    a rank lost right after start-up is still named by host and pid (a read one beat later once left a killed
+    store host named as plain 'rank 0')."""
+    from datetime import timedelta
+
+    from dist_helpers import free_port
+    from txl_dist import watchdog
+
+    port = free_port()
+    store = torch.distributed.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=10), wait_for_workers=False)
+    address = watchdog.StoreAddress("127.0.0.1", port, hosted_by_rank0=False)
+    timeout_s = 60.0
+    assert watchdog.beat_period(timeout_s) == 10.0
+    wd = watchdog.Watchdog(1, 2, address, timeout_s, logging.getLogger("test"), callbacks=[])
+    try:
+        time.sleep(0.3)  # rank 1 has beaten and found nothing of rank 0
+        assert 0 not in wd.infos
+        store.set(wd.keys.info(0), json.dumps({"host": "h0", "pid": 4321, "machine": None}))
+        deadline = time.monotonic() + 2.0
+        while 0 not in wd.infos and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert 0 in wd.infos and wd.label(0) == "rank 0 (host h0, pid 4321)"
+    finally:
+        wd.stop(None)
+
+
+def test_a_process_that_is_exiting_counts_as_ended():
+    """Between closing its sockets and becoming a zombie, an exiting process still shows state R: its
+    PF_EXITING flag says it is going (field 9 of /proc/PID/stat)."""
+    from txl_dist.watchdog import state_of_stat
+
+    line = "4242 (python -m x) {state} 1 4242 4242 0 -1 {flags} 10 0 0 0 5 3 0 0 20 0 3 0 100 0 0"
+    assert state_of_stat(line.format(state="R", flags=0x400040)) == "running"
+    assert state_of_stat(line.format(state="S", flags=0x400040)) == "running"
+    assert state_of_stat(line.format(state="R", flags=0x400044)) == "ended"
+    assert state_of_stat(line.format(state="Z", flags=0x40040c)) == "ended"
+    assert state_of_stat(line.format(state="T", flags=0x400040)) == "stopped"
+    assert state_of_stat(f"{os.getpid()} (me) S 1 1 1 0 -1 4194560 1 0 0 0") == "running"

@@ -49,6 +49,8 @@ STORE_CALL_S = 3.0
 """Timeout of the main thread's store calls (explain_failure, stop): an answer within a few seconds."""
 PROBE_WAIT_S = 3.0
 """How long explain_failure waits for a probed rank to beat before it counts the rank as gone."""
+INFO_POLL_S = 0.1
+"""How often the beat thread reads the store while a neighbour's or rank 0's host and pid are still unknown."""
 ABORT_CALLBACK_BOUND_S = 5.0
 EXIT_AFTER_FAILURE_S = 30.0
 """After explain_failure, the process ends with status 1 within max(collective timeout, this) even if tearing
@@ -115,7 +117,7 @@ def _this_machine() -> str | None:
 
 def process_state(info: RankInfo) -> str | None:
     """'ended', 'stopped' or 'running' when `info`'s process is visible from here (same machine and pid
-    namespace), else None. An unreaped (zombie) process counts as ended."""
+    namespace), else None. An unreaped (zombie) or exiting process counts as ended."""
     if info.machine is None or info.machine != _this_machine():
         return None
     try:
@@ -124,8 +126,22 @@ def process_state(info: RankInfo) -> str | None:
         return "ended"
     except OSError:
         return None
-    state = stat.rsplit(")", 1)[-1].split()[0]  # the command name (in parentheses) may hold spaces
-    if state in ("Z", "X"):
+    return state_of_stat(stat)
+
+
+PF_EXITING = 0x4
+"""Set in a process's flags (/proc/PID/stat field 9) when it starts to exit, before its sockets close."""
+
+
+def state_of_stat(stat: str) -> str:
+    """'ended', 'stopped' or 'running' from the text of /proc/PID/stat.
+
+    A process killed while a peer waits on it closes its sockets (the peer's collective fails at once)
+    before it becomes a zombie; in between its state letter still says running, but PF_EXITING is set, so
+    the peer that looks in that moment names it as ended too (seen on a loaded machine)."""
+    fields = stat.rsplit(")", 1)[-1].split()  # the command name (in parentheses) may hold spaces
+    state, flags = fields[0], int(fields[6])
+    if state in ("Z", "X") or flags & PF_EXITING:
         return "ended"
     return "stopped" if state in ("T", "t") else "running"
 
@@ -313,7 +329,9 @@ class Watchdog:
                 store = None  # a call that failed half-way may leave a reply in flight: connect afresh
             if self._host_left_at is not None:
                 return  # rank 0 has left: no collective of the world can wait on anyone now
-            if self._stopping.wait(self.period):
+            # Until every neighbour and rank 0 have published, read again soon: a rank lost in the first
+            # seconds (even the first collective) must still be named by host and pid.
+            if self._stopping.wait(self.period if self._infos_complete() else min(self.period, INFO_POLL_S)):
                 return
 
     def _judge_contact(self) -> None:
@@ -352,6 +370,9 @@ class Watchdog:
                 continue
             self._stop_job(f"{self.label(r)} stopped responding: no heartbeat for {silent:.0f} s; stopping",
                            store=store)
+
+    def _infos_complete(self) -> bool:
+        return all(r in self.infos for r in [*self.watched, 0])
 
     def _read_infos(self, store: dist.TCPStore) -> None:
         """Neighbours' and rank 0's host and pid, kept here: needed to name them once the store is gone."""
