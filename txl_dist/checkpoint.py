@@ -437,8 +437,8 @@ def _hash_share(tag_dir: Path, files: list[tuple[str, int]], rank: int, world_si
                 fsync: bool) -> dict[str, dict[str, Any]]:
     """{name: {'bytes', 'sha256'}} of this rank's share of the files. With fsync each file is also forced to disk
     (DeepSpeed's torch.save does not), on a second thread: the disk writes the pages back while this thread
-    hashes them from the page cache, so the checksums add little to the fsync a save needs anyway (measured by
-    the benchmarks' checkpoint row). An error of either raises here."""
+    hashes them from the page cache, so the two overlap (BENCHMARKS.md, "Speed changes of issue 9"). An error of
+    either raises here."""
     names = share_of(files, rank, world_size)
     if not fsync:
         return {name: hash_file(tag_dir / name) for name in names}
