@@ -371,12 +371,16 @@ class Watchdog:
             self._stop_job(f"{self.label(r)} stopped responding: no heartbeat for {silent:.0f} s; stopping",
                            store=store)
 
+    def _named_ranks(self) -> list[int]:
+        """The ranks whose host and pid this one keeps: its neighbours and rank 0."""
+        return [*self.watched, 0]
+
     def _infos_complete(self) -> bool:
-        return all(r in self.infos for r in [*self.watched, 0])
+        return all(r in self.infos for r in self._named_ranks())
 
     def _read_infos(self, store: dist.TCPStore) -> None:
         """Neighbours' and rank 0's host and pid, kept here: needed to name them once the store is gone."""
-        for r in [*self.watched, 0]:
+        for r in self._named_ranks():
             if r not in self.infos and store.check([self.keys.info(r)]):
                 self.infos[r] = self._parse_info(r, store.get(self.keys.info(r)))
 
