@@ -123,7 +123,6 @@ def test_checksum_work_is_shared_by_size_and_a_listed_path_cannot_leave_the_tag(
             checkpoint.verify(tag)
 
 
-
 def test_a_rank_forces_each_file_of_its_share_to_disk_while_it_hashes_them(tmp_path, monkeypatch):
     """The save's checksum pass fsyncs every file of this rank's share (on a second thread, beside the hashing)
     and returns the same digests as hashing alone; a failed fsync fails the pass instead of being lost."""
@@ -156,6 +155,7 @@ def test_a_rank_forces_each_file_of_its_share_to_disk_while_it_hashes_them(tmp_p
     monkeypatch.setattr(os, "fsync", failing_fsync)
     with pytest.raises(OSError, match="Input/output error"):
         checkpoint._hash_share(tmp_path, files, 0, 1, fsync=True)
+
 
 def test_resolve_path_takes_a_tag_a_checkpoint_folder_or_a_run_folder(tmp_path):
     run = tmp_path / "run"
