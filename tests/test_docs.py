@@ -212,14 +212,13 @@ def resolve_command(words: list[str]) -> tuple[str | None, str | None, list[str]
             return (target if (REPO / target).is_file() else None), batch, words[1:]
     if words and words[0] in PYTHONS:
         words = words[1:]
-        if words[:1] == ["-m"] and words[1] in STANDARD_MODULES:
-            return None, None, []
         if words[:1] == ["-m"]:
-            return f"python -m {words[1]}", None, words[2:]
+            module = words[1] if len(words) > 1 else ""  # a bare `python -m` names no entry point: reported
+            return (None, None, []) if module in STANDARD_MODULES else (f"python -m {module}", None, words[2:])
     if not words:
         return None, None, []
     if words[0] == "bash":
-        return None, words[1], words[2:]
+        return None, (words[1] if len(words) > 1 else None), words[2:]
     if words[0].startswith("launch/") and words[0].endswith(".py"):
         return words[0], words[0], words[1:]
     return None, None, words
@@ -308,6 +307,9 @@ def test_the_command_check_catches_a_wrong_option_and_a_wrong_key():
     prep = parser_of(entry_points()["python -m data_prep"])
     name, _, args = resolve_command(shlex.split("python -m data_prep prepare --out x --vocab 3"))
     assert check_options(name, prep, args) == ["python -m data_prep prepare: no option --vocab"]
+    # Truncated commands are reported as what they name, not raised on: a bare `python -m` is no entry point.
+    assert resolve_command(["python", "-m"])[0] not in entry_points()
+    assert resolve_command(["bash"]) == (None, None, [])
 
 
 # ----------------------------------------------------------------------------------------------------
