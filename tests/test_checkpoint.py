@@ -198,6 +198,20 @@ def test_rng_states_round_trip_through_a_weights_only_file(tmp_path):
     assert got[0] == expected[0] and got[1] == expected[1] and torch.equal(got[2], expected[2])
 
 
+def test_cuda_rng_state_is_the_current_devices_alone(monkeypatch):
+    # No GPU here: torch.cuda's RNG functions stand in, to check which device's state is saved and restored.
+    # A list of every visible device's state (get_rng_state_all) would not load where a rank sees fewer GPUs
+    # (a per-task CUDA_VISIBLE_DEVICES) and would restore another device's state where it sees more.
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: calls.append(("get", device)) or torch.ones(4))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: calls.append(("set", device, state)))
+    state = checkpoint.rng_state()
+    checkpoint.set_rng_state(state)
+    assert calls[0] == ("get", 3) and calls[1][:2] == ("set", 3) and torch.equal(calls[1][2], torch.ones(4))
+
+
 def test_seeded_rng_differs_per_rank_and_repeats():
     checkpoint.seed_rng(1, rank=0)
     a = torch.rand(2)

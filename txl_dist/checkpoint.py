@@ -95,7 +95,10 @@ def rank_file(tag_dir: Path, rank: int) -> Path:
 
 
 def rng_state() -> dict[str, Any]:
-    """This process's RNG states: python, numpy (global), torch CPU, and CUDA when present."""
+    """This process's RNG states: python, numpy (global), torch CPU, and its own CUDA device's when present.
+
+    Only the current device's CUDA state: a rank that sees all of a node's GPUs and one that sees only its own
+    (a per-task CUDA_VISIBLE_DEVICES) then save and restore the same thing, its device's generator."""
     np_state = np.random.get_state(legacy=False)
     state = {
         "python": random.getstate(),
@@ -105,7 +108,7 @@ def rng_state() -> dict[str, Any]:
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
     return state
 
 
@@ -117,7 +120,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
                          "state": {"key": np.asarray(n["key"], dtype=np.uint32), "pos": n["pos"]}})
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state(state["cuda"], torch.cuda.current_device())
 
 
 def seed_rng(seed: int, rank: int, step: int = 0) -> None:
