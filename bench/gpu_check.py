@@ -16,9 +16,10 @@ was measured), then DIR/gpu_check_table.txt (a short table):
              the base config, ZeRO 1 and 2, bf16, tracking off; its output streams to DIR/deepspeed_zero<N>.log
              (the end of it kept), its progress lines go to the record
   train      configs/large.json and configs/wt103_base.json shapes in bf16: step time, tokens/s, MFU, peak
-             memory, for each implementation at micro batch 8; then for the fastest one the config accepts,
-             micro batch 8/16/32 with and without activation checkpointing, eager, then torch.compile'd (plain
-             torch AdamW, no DeepSpeed); the compile's warm-up time and dynamo's graph count per case
+             memory, for each implementation at micro batch 8 (flex after the first torch.compile'd case, which
+             takes the fastest of the others); then for the fastest one the config accepts, micro batch 8/16/32
+             with and without activation checkpointing, eager, then torch.compile'd (plain torch AdamW, no
+             DeepSpeed); the compile's warm-up time and dynamo's graph count per case
 
 One deadline (start + --budget-s) holds for all: each phase gets its share plus what earlier phases left
 (minus what they overran), deepspeed at least its share (the only end-to-end run of the product trainer),
@@ -43,6 +44,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
@@ -79,6 +81,8 @@ case: their first steps compile (compile_layers: inductor forward and backward f
 its kernels, for shapes the attention phase may not have had), a minute or two on a GPU, far longer than the
 eager case before them that the usual guard (1.5 x the last case) goes by. The smoke run compiles with the
 eager backend."""
+COMPILING_IMPLS = ("flex",)
+"""Attention implementations whose eager training steps compile (flex_attention's kernels, per shape)."""
 TRAIN_RECOMPILE_LIMIT = 64
 """dynamo's recompile limit during the train phase. Its default (8) is below what the compiled matrix needs:
 compile_layers uses static shapes, so every micro batch and memory shape, with and without checkpointing, is
@@ -176,6 +180,10 @@ def phase_env(p: Phase) -> None:
         info["triton"] = triton.__version__
     except ImportError:
         info["triton"] = None
+    # What inductor and Triton build with (their kernels' launchers and CPU code): without them every compiled
+    # path fails, and the failures' first lines do not say so.
+    info["c_compiler"] = next(filter(None, (shutil.which(c) for c in (os.environ.get("CC"), "gcc", "cc") if c)), None)
+    info["python_h"] = (Path(sysconfig.get_paths()["include"]) / "Python.h").is_file()
     try:
         info["deepspeed"] = import_deepspeed().__version__
     except Exception as e:  # noqa: BLE001  (absent or broken: the deepspeed phase records it)
@@ -288,7 +296,8 @@ def phase_attention(p: Phase) -> None:
     mask = build_attn_mask(shape["qlen"], shape["mlen"], shape["mlen"], False, p.device)
     oracle = attention_fwd_bwd("reference", x64, grad64, mask, torch.float64)[1]()
     reps = 3 if p.smoke else 10
-    for dname, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+    # bf16 first: what training runs in (flex compiles anew per dtype; fp32 is what an overrun gives up).
+    for dname, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
         if p.left() < 5:
             p.truncated.append(dname)
             continue
@@ -301,11 +310,11 @@ def phase_attention(p: Phase) -> None:
                 p.write("attention_error", impl=impl, dtype=dname, **shape, forward_only=not trains_here(impl, p.device),
                         **{f"max_abs_{k}": v for k, v in errors.items()})
             except Exception as e:  # noqa: BLE001  (an impl that cannot run here is a result)
-                p.write("attention_error", impl=impl, dtype=dname, error=one_line(e))
+                p.write("attention_error", impl=impl, dtype=dname, error=one_line(e), trace=trace_tail())
         try:
             seconds = timed(p, runs, reps, warmup=2)
         except Exception as e:  # noqa: BLE001
-            p.write("attention_time", dtype=dname, error=one_line(e))
+            p.write("attention_time", dtype=dname, error=one_line(e), trace=trace_tail())
             continue
         ref = seconds.get("reference")
         for impl, s in seconds.items():
@@ -377,7 +386,7 @@ def phase_model(p: Phase) -> None:
         try:
             got = model_outputs(copy.deepcopy(base).to(dtypes[dname]), impl, ids, labels, memory)
         except Exception as e:  # noqa: BLE001
-            p.write("model_error", impl=impl, dtype=dname, error=one_line(e))
+            p.write("model_error", impl=impl, dtype=dname, error=one_line(e), trace=trace_tail())
             continue
         errs = {"max_abs_nll_eval": float((got["nll_eval_last"] - oracle["nll_eval_last"]).abs().max())}
         if "nll1" in got:
@@ -592,7 +601,7 @@ class TrainMatrix:
             torch.cuda.empty_cache()
         except Exception as e:  # noqa: BLE001
             rec = None
-            p.write("train_step", **key, error=one_line(e), trace=traceback.format_exc()[-1500:])
+            p.write("train_step", **key, error=one_line(e), trace=trace_tail())
         if rec is None:
             self.estimate_s[use_compile] = time.perf_counter() - t0
         return rec
@@ -619,7 +628,6 @@ def phase_train(p: Phase) -> None:
 
 def train_matrix(p: Phase) -> None:
     impls = [i for i in ATTN_IMPLS if i != "reference"]  # the oracle's speed is not a product question
-    impls.sort(key=lambda impl: impl == "flex")  # flex last: its first case compiles
     no_backward = [i for i in impls if not trains_here(i, p.device)]
     impls = [i for i in impls if trains_here(i, p.device)]
     batches = (2,) if p.smoke else (8, 16, 32)
@@ -637,20 +645,31 @@ def train_matrix(p: Phase) -> None:
         # its first case compiles.
         refused = matrix.refused
         survey: dict[str, float] = {}
-        for impl in impls:
-            if impl not in refused and (rec := matrix.run(impl, batches[0], False, False)):
-                survey[impl] = rec["step_ms"]
+
+        def survey_of(candidates: list[str]) -> None:
+            for impl in candidates:
+                if impl not in refused and (rec := matrix.run(impl, batches[0], False, False)):
+                    survey[impl] = rec["step_ms"]
+
+        # The implementations whose eager steps compile nothing first, then the first compiled case (it needs
+        # the most time left: FIRST_COMPILE_MIN_S) with the fastest of them, then those that compile (flex):
+        # the attention phase has timed flex already, the compiled layers are timed nowhere else.
+        survey_of([i for i in impls if i not in COMPILING_IMPLS])
+        compiled_first = min(survey, key=survey.get) if survey else None
+        if compiled_first:
+            matrix.run(compiled_first, batches[0], False, True)
+        survey_of([i for i in impls if i in COMPILING_IMPLS])
         if survey:
             best = min(survey, key=survey.get)
             p.shared[name] = {"best": best}
             p.write("train_best", shape=name, impl=best, survey_step_ms=survey, refused=refused)
-            # The first compiled case right after the survey (it needs the most time left), then the eager
-            # rest, then the other compiled cases.
-            matrix.run(best, batches[0], False, True)
+            # The fastest implementation: the eager rest, then the compiled cases not run yet.
             for use_compile in (False, True):
                 for batch in batches:
                     for checkpointing in (False, True):
-                        if (batch, checkpointing) != (batches[0], False):
+                        done = (batch, checkpointing) == (batches[0], False) and (
+                            not use_compile or best == compiled_first)
+                        if not done:
                             matrix.run(best, batch, checkpointing, use_compile)
         else:
             p.write("train_best", shape=name, impl=None, survey_step_ms=survey, refused=refused,
@@ -833,6 +852,12 @@ def free_port() -> int:
 
 def one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+
+
+def trace_tail(chars: int = 1500) -> str:
+    """The end of the exception being handled, with its cause: inductor's and FlexAttention's errors say only
+    "backend='inductor' raised:" on their first line, the reason (a missing compiler, shared memory) after."""
+    return traceback.format_exc()[-chars:]
 
 
 def run_phase(name: str, fn: Callable[[Phase], None], rec: Recorder, device: torch.device, smoke: bool,

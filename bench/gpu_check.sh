@@ -72,7 +72,7 @@ fi
 echo "[gpu_check] python $PY, out $OUT_DIR, ${LEFT} s left, phase budget ${BUDGET} s"
 # --end-epoch: the phases end by the shell's clock, so Python's own start-up (torch, CUDA) counts too.
 timeout --signal=TERM --kill-after=10 "$LEFT" "$PY" "$ROOT/bench/gpu_check.py" --out "$OUT_DIR" \
-    --budget-s "$BUDGET" --end-epoch "$(( START + TOTAL_S - 25 ))" "${PASS[@]}"
+    --budget-s "$BUDGET" --end-epoch "$(( START + TOTAL_S - 25 ))" ${PASS[@]+"${PASS[@]}"}  # (an empty array under set -u: bash < 4.4)
 code=$?
 echo "[gpu_check] exit $code after $(( $(date +%s) - START )) s; results in $OUT_DIR"
 exit $code

@@ -96,6 +96,39 @@ def test_cpu_smoke_runs_every_phase(tmp_path):
     assert "| train | ok |" in table and "DeepSpeed trainer ZeRO 1: exit 0" in table
 
 
+def test_train_matrix_compiles_layers_before_the_flex_survey(tmp_path, monkeypatch):
+    # On a GPU: the first compiled case needs the most time left (FIRST_COMPILE_MIN_S), and flex's first case
+    # compiles too; the compiled layers go first, with the fastest of the others, then flex joins the survey
+    # and the fastest of all gets the rest. Only the order is checked here (a stand-in runs the cases).
+    calls = []
+
+    class StandIn:
+        def __init__(self, p, name, cfg, box, warmup, steps, impls):
+            self.name = name
+            self.refused = {i: r for i in impls if (r := gpu_check.config_refusal(cfg, i))}
+
+        def run(self, impl, batch, checkpointing, use_compile):
+            calls.append((self.name, impl, batch, checkpointing, use_compile))
+            return {"step_ms": {"flex": 1.0, "sdpa": 2.0, "matmul": 3.0}[impl]}
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(gpu_check, "TrainMatrix", StandIn)
+    monkeypatch.setattr(gpu_check, "trains_here", lambda impl, device: True)
+    p = gpu_check.Phase("train", gpu_check.Recorder(tmp_path), torch.device("cpu"), False, 100.0, {})
+    gpu_check.train_matrix(p)
+    base = [c[1:] for c in calls if c[0] == "base"]  # wt103_base: dropatt 0, flex allowed
+    assert base[:4] == [("matmul", 8, False, False), ("sdpa", 8, False, False), ("sdpa", 8, False, True),
+                        ("flex", 8, False, False)]
+    assert base[4:] == [("flex", b, c, k) for k in (False, True) for b in (8, 16, 32) for c in (False, True)
+                        if (b, c, k) != (8, False, False)]
+    large = [c[1:] for c in calls if c[0] == "large"]  # dropatt 0.2: flex refused, timed last for information
+    assert large[:3] == [("matmul", 8, False, False), ("sdpa", 8, False, False), ("sdpa", 8, False, True)]
+    assert large[-1] == ("flex", 8, False, False) and all(c[0] == "sdpa" for c in large[1:-1])
+    assert len(large) == 2 + 11 + 1  # the survey, sdpa's 12 cases less the one surveyed, flex for information
+
+
 def test_phase_budget_charges_overruns_and_keeps_the_deadline():
     # Time left over carries forward, an overrun is charged to the next phase, never past the deadline.
     assert gpu_check.phase_budget("model", 30, 10, False, 500) == 40
