@@ -12,6 +12,10 @@ was measured), then DIR/gpu_check_table.txt (a short table):
   model      whole-model forward+backward on the device for every implementation (two segments with mems,
              and an evaluation segment with long memory, same_length and clamp_len) against the float64
              reference model; every implementation but flex in both dtypes first, flex last
+  cuda_tests tests/test_gpu.py under pytest (CUDA-only correctness: every attention path and tail mode against
+             the reference, forward and backward, no host sync in a micro step, compiled layers equal to eager),
+             the tests without flex first, then flex's, each part's output in DIR/cuda_tests*.log; on a CPU
+             every test is skipped (the smoke run checks the wiring)
   deepspeed  when DeepSpeed imports: the project's own trainer (launch/train.py) on a synthetic corpus with
              the base config, ZeRO 1 and 2, bf16, tracking off; its output streams to DIR/deepspeed_zero<N>.log
              (the end of it kept), its progress lines go to the record
@@ -68,10 +72,11 @@ PEAK_BF16_SPEC = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12
 
 # Per phase, in running order: share of the budget (seconds on the GPU); the smoke run gets the same shares
 # of its own. deepspeed runs before train: train can use whatever is left, the trainer run cannot.
-PHASE_BUDGET = {"env": 5, "matmul": 20, "attention": 45, "model": 30, "deepspeed": 100, "train": 230}
-SMOKE_BUDGET = {"env": 3, "matmul": 3, "attention": 8, "model": 10, "deepspeed": 51, "train": 25}
+PHASE_BUDGET = {"env": 5, "matmul": 20, "attention": 45, "model": 30, "cuda_tests": 40, "deepspeed": 100,
+                "train": 210}
+SMOKE_BUDGET = {"env": 3, "matmul": 3, "attention": 8, "model": 10, "cuda_tests": 12, "deepspeed": 51, "train": 25}
 """The smoke run's shares: on a CPU the trainer's start-up (imports, DeepSpeed) dominates."""
-GUARANTEED_PHASES = ("deepspeed",)
+GUARANTEED_PHASES = ("cuda_tests", "deepspeed")
 """Phases that get at least their own share even after earlier phases overran (the overrun is charged to
 the phases after them)."""
 
@@ -680,7 +685,44 @@ def train_matrix(p: Phase) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------
-# f. the project's own trainer through DeepSpeed
+# f. the CUDA tests of the suite
+
+CUDA_TEST_PARTS = (("cuda_tests.log", "not flex"), ("cuda_tests_flex.log", "flex"))
+"""tests/test_gpu.py in two pytest runs (log name, -k selection): flex's tests compile per shape and dtype, so
+they come second and get what the first part left."""
+PYTEST_OUTCOME = re.compile(r"^(tests/test_gpu\.py::\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)", re.M)
+
+
+def phase_cuda_tests(p: Phase, out: Path) -> None:
+    """A "cuda_tests" record per part: the outcome counts, the failed tests with pytest's one-line reasons, and
+    the exit status ("timeout" when the time box ended it: the log says how far it got)."""
+    import importlib.util
+
+    if importlib.util.find_spec("pytest") is None:
+        p.write("cuda_tests", skipped="pytest is not installed")
+        raise Skipped("pytest unavailable")
+    if p.device.type == "cuda":
+        torch.cuda.empty_cache()  # this process's cached blocks: the tests run in a process of their own
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", PYTHONUNBUFFERED="1")
+    for log_name, selection in CUDA_TEST_PARTS:
+        if p.left() < 10:
+            p.truncated.append(selection)
+            continue
+        cmd = [sys.executable, "-m", "pytest", "-v", "-rfE", "-p", "no:cacheprovider", "-k", selection,
+               "tests/test_gpu.py"]
+        start = time.perf_counter()
+        code = run_logged(cmd, env, out / log_name, p.left())
+        text = (out / log_name).read_text(errors="replace")
+        outcomes: dict[str, int] = {}
+        for _, outcome in PYTEST_OUTCOME.findall(text):
+            outcomes[outcome.lower()] = outcomes.get(outcome.lower(), 0) + 1
+        reasons = [ln.strip()[:300] for ln in text.splitlines() if ln.startswith(("FAILED ", "ERROR "))]
+        p.write("cuda_tests", selection=selection, exit=code, seconds=round(time.perf_counter() - start, 1),
+                log=log_name, **outcomes, failures=reasons[:20])
+
+
+# ----------------------------------------------------------------------------------------------------
+# g. the project's own trainer through DeepSpeed
 
 
 def phase_deepspeed(p: Phase, out: Path, scratch: Path) -> None:
@@ -943,6 +985,10 @@ def write_table(rec: Recorder, out: Path) -> Path:
             refused = {r["impl"]: r["config_refuses"] for r in train if r["shape"] == shape and r.get("config_refuses")}
             for impl, reason in refused.items():
                 lines.append(f"(not a candidate for {shape}: {impl}: {reason})")
+    for r in (r for r in rec.records if r["kind"] == "cuda_tests" and "selection" in r):
+        counts = ", ".join(f"{r[k]} {k}" for k in ("passed", "failed", "error", "skipped") if r.get(k))
+        lines.append(f"\nCUDA tests (tests/test_gpu.py -k '{r['selection']}'): {counts or 'none ran'}, exit {r['exit']}, "
+                     f"{r['seconds']} s, log {r['log']}" + "".join(f"\n  {f}" for f in r["failures"]))
     ds = [r for r in rec.records if r["kind"] == "deepspeed"]
     for r in ds:
         lines.append(f"\nDeepSpeed trainer ZeRO {r.get('zero_stage')}: exit {r.get('exit')}, "
@@ -989,7 +1035,8 @@ def main(argv: list[str] | None = None) -> int:
     shared: dict[str, Any] = {}
     fns: dict[str, Callable[[Phase], None]] = {
         "env": phase_env, "matmul": phase_matmul, "attention": phase_attention, "model": phase_model,
-        "deepspeed": lambda p: phase_deepspeed(p, out, scratch), "train": phase_train}
+        "cuda_tests": lambda p: phase_cuda_tests(p, out), "deepspeed": lambda p: phase_deepspeed(p, out, scratch),
+        "train": phase_train}
     carry = 0.0  # the schedule's time minus what the phases so far took: an overrun makes it negative
     code = 0
     try:

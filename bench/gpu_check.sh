@@ -5,8 +5,8 @@
 #
 # GPU_CHECK_TOTAL_S overrides the overall time box (470 s on a GPU, 110 s for --cpu-smoke); the phases
 # share it minus 25 s for imports and the table, under one deadline (bench/gpu_check.py --budget-s).
-# DIR receives a handful of small files only (setup.log, gpu_check.jsonl, gpu_check_table.txt, one capped
-# log per DeepSpeed stage): the device tool brings back at most 8 files of at most 16 MiB. Scratch work
+# DIR receives 7 small files at most (setup.log, gpu_check.jsonl, gpu_check_table.txt, one capped log per
+# DeepSpeed stage, two of tests/test_gpu.py's): the device tool brings back at most 8 files of at most 16 MiB. Scratch work
 # (the synthetic corpus, the trainer's run folders and checkpoints) goes to a temporary folder under
 # $TMPDIR (else /tmp) that gpu_check.py removes.
 # The GPU machine has torch but not DeepSpeed and no network; its python3 is itself a venv, so a

@@ -4,6 +4,9 @@ Each fast attention implementation (matmul, sdpa, flex) and both adaptive-softma
 plain reference on the GPU, forward and backward: fp32 (TF32 off) within 1e-4, bf16 within 2e-2 relative.
 FlexAttention's backward exists only here (a CPU has none), and so do compiled layers on CUDA. A training micro
 step with a tail plan runs under torch.cuda.set_sync_debug_mode("error"): no host sync at all.
+
+The device check (bench/gpu_check.py, phase cuda_tests) runs this file in its own time box, the tests without
+flex first and then flex's: the tests that compile (flex's, the compiled layers) come last in each part.
 """
 import dataclasses
 
@@ -112,34 +115,6 @@ def test_cuda_flex_attention_alone_forward_backward(qlen, mlen, mem_len, same_le
         assert rel_err(g_got, g_ref) < REL_TOL[dtype], name
 
 
-@pytest.mark.parametrize("impl", ["matmul", "flex"])
-def test_cuda_compiled_layers_equal_eager_without_recompiles(impl):
-    from torch._dynamo.testing import CompileCounterWithBackend
-
-    torch._dynamo.reset()
-    eager, compiled = make_model().train(), make_model().train()
-    eager.attn_impl = compiled.attn_impl = impl
-    counter = CompileCounterWithBackend("inductor")
-    compiled.compile_layers(backend=counter)
-    compiled.set_activation_checkpointing(None)
-    ids = torch.randint(0, 500, (3, 65), device="cuda", generator=torch.Generator("cuda").manual_seed(4))
-    mems_eager = mems_compiled = None
-    for step in range(4):
-        window = slice(16 * step, 16 * step + 16), slice(16 * step + 1, 16 * step + 17)
-        losses = []
-        for model, mems in ((eager, mems_eager), (compiled, mems_compiled)):
-            model.zero_grad(set_to_none=True)
-            out = model(ids[:, window[0]], labels=ids[:, window[1]], mems=mems)
-            out.nll.mean().backward()
-            losses.append((out, {n: p.grad.clone() for n, p in model.named_parameters()}))
-        (out_e, grads_e), (out_c, grads_c) = losses
-        assert rel_err(out_c.nll, out_e.nll) < 1e-4
-        for name in grads_e:
-            assert rel_err(grads_c[name], grads_e[name]) < 1e-3, name
-        mems_eager, mems_compiled = out_e.mems, out_c.mems
-        assert counter.frame_count == min(step + 1, 2), step
-
-
 def test_cuda_dense_and_gather_tails_agree():
     model = make_model().train()
     ids = torch.randint(0, 500, (3, 33), device="cuda", generator=torch.Generator("cuda").manual_seed(3))
@@ -194,3 +169,31 @@ def test_cuda_padded_model_gives_the_unpadded_numbers(dtype):
     ids = torch.randint(0, 500, (3, 33), device="cuda", generator=torch.Generator("cuda").manual_seed(5))
     with torch.no_grad():
         torch.testing.assert_close(two_segments(padded, ids), two_segments(model, ids), **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("impl", ["matmul", "flex"])
+def test_cuda_compiled_layers_equal_eager_without_recompiles(impl):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    eager, compiled = make_model().train(), make_model().train()
+    eager.attn_impl = compiled.attn_impl = impl
+    counter = CompileCounterWithBackend("inductor")
+    compiled.compile_layers(backend=counter)
+    compiled.set_activation_checkpointing(None)
+    ids = torch.randint(0, 500, (3, 65), device="cuda", generator=torch.Generator("cuda").manual_seed(4))
+    mems_eager = mems_compiled = None
+    for step in range(4):
+        window = slice(16 * step, 16 * step + 16), slice(16 * step + 1, 16 * step + 17)
+        losses = []
+        for model, mems in ((eager, mems_eager), (compiled, mems_compiled)):
+            model.zero_grad(set_to_none=True)
+            out = model(ids[:, window[0]], labels=ids[:, window[1]], mems=mems)
+            out.nll.mean().backward()
+            losses.append((out, {n: p.grad.clone() for n, p in model.named_parameters()}))
+        (out_e, grads_e), (out_c, grads_c) = losses
+        assert rel_err(out_c.nll, out_e.nll) < 1e-4
+        for name in grads_e:
+            assert rel_err(grads_c[name], grads_e[name]) < 1e-3, name
+        mems_eager, mems_compiled = out_e.mems, out_c.mems
+        assert counter.frame_count == min(step + 1, 2), step

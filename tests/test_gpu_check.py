@@ -19,7 +19,7 @@ from bench import gpu_check
 from txl_dist.model.attention import ATTN_IMPLS, candidate_attn_impls, recompile_limit
 
 REPO = Path(__file__).resolve().parents[1]
-PHASES = ["env", "matmul", "attention", "model", "deepspeed", "train"]
+PHASES = ["env", "matmul", "attention", "model", "cuda_tests", "deepspeed", "train"]
 
 
 @pytest.mark.slow
@@ -40,7 +40,8 @@ def test_cpu_smoke_runs_every_phase(tmp_path):
     assert all(len(f.relative_to(out).parts) <= 3 for f in files), files
     assert all(re.fullmatch(r"[A-Za-z0-9._-]+", part) for f in out.rglob("*") for part in f.relative_to(out).parts)
     assert all(f.stat().st_size < 16 * 2**20 for f in files) and sum(f.stat().st_size for f in files) < 64 * 2**20
-    assert {f.name for f in files} == {"gpu_check.jsonl", "gpu_check_table.txt", "deepspeed_zero1.log"}
+    assert {f.name for f in files} == {"gpu_check.jsonl", "gpu_check_table.txt", "deepspeed_zero1.log",
+                                       "cuda_tests.log", "cuda_tests_flex.log"}
     records = [json.loads(line) for line in (out / "gpu_check.jsonl").read_text().splitlines()]
     status = {r["phase"]: r["status"] for r in records if r["kind"] == "phase"}
     assert list(status) == PHASES, status
@@ -83,6 +84,14 @@ def test_cpu_smoke_runs_every_phase(tmp_path):
     assert all(r["recompile_limit_hits"] == 0 for r in steps), steps
     assert all(r["dynamo_graphs"] == 0 for r in steps if not r["compile"]), steps
     assert all(r["warmup_s"] >= r["compile_s"] >= 0 for r in steps)
+    # tests/test_gpu.py ran in both parts, every test of it skipped here (no CUDA), none failed or missing.
+    parts = {r["selection"]: r for r in by_kind["cuda_tests"]}
+    assert set(parts) == {"not flex", "flex"} and all(r["exit"] == 0 and not r["failures"] for r in parts.values())
+    collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                                "tests/test_gpu.py"], cwd=REPO, capture_output=True, text=True).stdout
+    n_tests = sum(1 for line in collected.splitlines() if line.startswith("tests/test_gpu.py::"))
+    assert n_tests > 20 and parts["not flex"]["skipped"] + parts["flex"]["skipped"] == n_tests, (parts, n_tests)
+    assert "CUDA tests (tests/test_gpu.py -k 'flex')" in (out / "gpu_check_table.txt").read_text()
     # The trainer's output streamed to its log in --out; the corpus and run folder went to a scratch folder
     # that is gone.
     (started,) = by_kind["deepspeed_started"]
