@@ -70,6 +70,24 @@ def test_bad_environments_are_refused_in_one_line(environ, message):
     assert "\n" not in str(info.value)
 
 
+def test_a_node_whose_ranks_see_fewer_gpus_than_it_runs_ranks_is_refused(monkeypatch):
+    # No GPU here: torch.cuda's counts stand in. With a per-task GPU binding each of a node's 8 ranks sees one
+    # GPU, and cuda:<local rank> (DeepSpeed's choice too) would fail in torch as "invalid device ordinal".
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: pytest.fail("set_device before the check"))
+    monkeypatch.setattr(os, "environ", dict(os.environ, CUDA_VISIBLE_DEVICES="5"))  # export() writes here
+    env = DistEnv(11, 16, 3, 8, "127.0.0.1", 29500, "slurm")
+    for local_rank in (0, 3):  # every rank of the node refuses, local rank 0 too: they stop together
+        with pytest.raises(LaunchError, match=r"rank \d+: 8 ranks on this node but each sees 1 GPU\(s\) "
+                                              r"\(CUDA_VISIBLE_DEVICES=5\).*--gpus-per-task"):
+            distributed.init_process_group(DistEnv(8 + local_rank, 16, local_rank, 8, "127.0.0.1", 29500, "slurm"))
+    assert not torch.distributed.is_initialized()
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    distributed.check_visible_gpus(env)  # all 8 visible: fine
+    distributed.check_visible_gpus(DistEnv(0, 1, 0, 1, "127.0.0.1", 29500, "single"))
+
+
 def test_threads_are_shared_out_unless_omp_num_threads_is_set():
     before = torch.get_num_threads()
     try:

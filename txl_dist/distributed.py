@@ -168,6 +168,23 @@ def device_for(env: DistEnv) -> torch.device:
     return torch.device("cuda", env.local_rank) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def check_visible_gpus(env: DistEnv) -> None:
+    """Refuse a node whose ranks see fewer GPUs than it runs ranks: the device of a rank is cuda:<local rank>
+    (DeepSpeed too picks it by LOCAL_RANK), so every rank of a node must see all of the node's GPUs. A per-task
+    binding (srun --gpus-per-task, --gpu-bind, a CUDA_VISIBLE_DEVICES per rank) would otherwise fail inside
+    torch with "invalid device ordinal". The same test on every rank of a node: they refuse together."""
+    if not torch.cuda.is_available():
+        return
+    visible = torch.cuda.device_count()
+    if visible < env.local_world_size:
+        raise LaunchError(
+            f"rank {env.rank}: {env.local_world_size} ranks on this node but each sees {visible} GPU(s) "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): every rank must see all "
+            "of the node's GPUs (its device is cuda:<local rank>); launch without per-task GPU binding "
+            "(Slurm: --gpus-per-node=G with --ntasks-per-node=G, no --gpus-per-task or --gpu-bind), or run "
+            "fewer ranks per node")
+
+
 def default_backend() -> str:
     """The default group's backend: gloo for CPU tensors and, when CUDA is there, nccl for CUDA tensors."""
     return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
@@ -185,6 +202,7 @@ def init_process_group(env: DistEnv, *, collective_timeout_s: float = DEFAULT_CO
     if dist.is_initialized():
         return
     export(env)
+    check_visible_gpus(env)
     if torch.cuda.is_available():
         torch.cuda.set_device(env.local_rank)
     # Two beats longer than the watchdog's limit: a lost rank is reported by the watchdog's one line, not
