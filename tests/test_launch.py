@@ -98,7 +98,7 @@ def test_srun_style_environment(corpus, tmp_path):
     for rank in (0, 1):
         env = launcher_env() | {"SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(rank),
                                  "SLURM_NODEID": "0", "SLURM_TASKS_PER_NODE": "2",
-                                 "SLURM_LAUNCH_NODE_IPADDR": "127.0.0.1", "MASTER_PORT": port}
+                                 "SLURM_STEP_NODELIST": "127.0.0.1", "MASTER_PORT": port}
         procs.append(Launch([sys.executable, "launch/train.py", "--config", str(config), "--log-all-ranks"], env))
     codes = [p.wait() for p in procs]
     assert codes == [0, 0], procs[0].output[-3000:] + procs[1].output[-3000:]

@@ -24,10 +24,13 @@ def test_deepspeed_launcher_environment():
     assert (env.rank, env.world_size, env.local_rank, env.local_world_size, env.launcher) == (1, 2, 1, 2, "deepspeed")
 
 
-def test_slurm_environment_with_launch_node_address():
+def test_slurm_environment_rendezvous_at_the_steps_first_node():
+    # Task 0 runs on the step's first node; the node srun was typed on (a login node under salloc) is not
+    # part of the job, so SLURM_LAUNCH_NODE_IPADDR must not be the address.
     env = discover({"SLURM_PROCID": "5", "SLURM_NTASKS": "6", "SLURM_LOCALID": "2", "SLURM_NODEID": "1",
-                    "SLURM_TASKS_PER_NODE": "3(x2)", "SLURM_LAUNCH_NODE_IPADDR": "192.168.1.7"})
-    assert env == DistEnv(5, 6, 2, 3, "192.168.1.7", distributed.DEFAULT_MASTER_PORT, "slurm")
+                    "SLURM_TASKS_PER_NODE": "3(x2)", "SLURM_LAUNCH_NODE_IPADDR": "192.168.1.7",
+                    "SLURM_STEP_NODELIST": "gpu17,gpu18", "SLURM_JOB_NODELIST": "gpu16,gpu17,gpu18"})
+    assert env == DistEnv(5, 6, 2, 3, "gpu17", distributed.DEFAULT_MASTER_PORT, "slurm")
 
 
 def test_slurm_port_follows_the_job_id_unless_given():
@@ -86,6 +89,21 @@ def test_a_node_whose_ranks_see_fewer_gpus_than_it_runs_ranks_is_refused(monkeyp
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     distributed.check_visible_gpus(env)  # all 8 visible: fine
     distributed.check_visible_gpus(DistEnv(0, 1, 0, 1, "127.0.0.1", 29500, "single"))
+
+
+def test_the_open_file_limit_is_raised_to_the_hard_limit():
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard <= 256:
+        pytest.skip(f"hard limit {hard}: no room below it to lower the soft limit")
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))  # what a login shell's ulimit may pass on
+        now = distributed.raise_open_file_limit()
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == now > 256
+        assert now == hard or hard == resource.RLIM_INFINITY
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def test_threads_are_shared_out_unless_omp_num_threads_is_set():

@@ -582,13 +582,22 @@ def convert_if_needed(source: EngineSource, run_info: dict[str, Any]) -> None:
         convert_to_universal(tag_dir, out, zero_stage=run_info["zero_stage"])
 
 
+CONVERSION_MAX_WORKERS = 8
+"""Worker processes of a universal conversion, each for extracting shards and for merging parameters (at most
+the cores this process may use)."""
+
+
 def convert_to_universal(tag_dir: Path, out: Path, *, zero_stage: int) -> None:
     """DeepSpeed's universal checkpoint conversion of one tag, atomically (temporary folder + rename), with
     its loads restricted to weights (txl_dist.safe_load)."""
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
+    # The other ranks wait (control timeout) while this one converts: the node's idle cores do the work, a few
+    # shards at a time (each worker holds one optimizer shard or one parameter's pieces).
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    workers = str(max(1, min(CONVERSION_MAX_WORKERS, cores)))
     cmd = [sys.executable, "-m", "txl_dist.safe_load", "ds_to_universal", "--input_folder", str(tag_dir),
-           "--output_folder", str(tmp), "--num_extract_workers", "1", "--num_merge_workers", "1"]
+           "--output_folder", str(tmp), "--num_extract_workers", workers, "--num_merge_workers", workers]
     if zero_stage in (1, 2):
         cmd.append("--inject_missing_state")
     proc = subprocess.run(cmd, capture_output=True, text=True)

@@ -63,8 +63,9 @@ def discover(environ: Mapping[str, str] | None = None) -> DistEnv:
 
     torchrun and the deepspeed launcher set RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT (torchrun:
     LOCAL_WORLD_SIZE, deepspeed: LOCAL_SIZE). Under srun they are taken from SLURM_PROCID/SLURM_NTASKS/
-    SLURM_LOCALID; the address from SLURM_LAUNCH_NODE_IPADDR, else the first node of SLURM_JOB_NODELIST
-    (`scontrol show hostnames`); the port from MASTER_PORT, else 20000 + SLURM_JOB_ID % 20000. No
+    SLURM_LOCALID; the address from MASTER_ADDR, else the first node of the step (SLURM_STEP_NODELIST, else
+    SLURM_JOB_NODELIST: where srun starts task 0; not SLURM_LAUNCH_NODE_IPADDR, the node srun was typed on,
+    e.g. a login node under salloc); the port from MASTER_PORT, else 20000 + SLURM_JOB_ID % 20000. No
     launcher at all: a world of one on 127.0.0.1.
     """
     env = os.environ if environ is None else environ
@@ -80,7 +81,7 @@ def discover(environ: Mapping[str, str] | None = None) -> DistEnv:
         rank, world = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS")
         local_rank = _int(env, "SLURM_LOCALID", default=0)
         local_world = _slurm_tasks_on_this_node(env)
-        addr = env.get("MASTER_ADDR") or env.get("SLURM_LAUNCH_NODE_IPADDR") or _first_slurm_node(env)
+        addr = env.get("MASTER_ADDR") or _first_slurm_node(env)
     else:
         launcher, rank, world, local_rank, local_world = "single", 0, 1, 0, 1
         addr = env.get("MASTER_ADDR", "127.0.0.1")
@@ -127,9 +128,13 @@ def _slurm_tasks_on_this_node(env: Mapping[str, str]) -> int:
 
 
 def _first_slurm_node(env: Mapping[str, str]) -> str:
-    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    """The first host of the step's node list: a plain list ('n1,n2') read here, a ranged one ('n[1-4]')
+    expanded by `scontrol show hostnames`."""
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
     if not nodelist:
-        raise LaunchError("under srun without SLURM_LAUNCH_NODE_IPADDR or SLURM_JOB_NODELIST: set MASTER_ADDR")
+        raise LaunchError("under srun without SLURM_STEP_NODELIST or SLURM_JOB_NODELIST: set MASTER_ADDR")
+    if "[" not in nodelist:
+        return nodelist.split(",")[0]
     try:
         out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
                              check=True, timeout=60).stdout
@@ -168,6 +173,27 @@ def device_for(env: DistEnv) -> torch.device:
     return torch.device("cuda", env.local_rank) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def raise_open_file_limit() -> int:
+    """Raise this process's soft limit of open files to its hard limit; returns the soft limit now in force.
+
+    Rank 0 holds about 5 sockets per rank (the rendezvous store's clients: the process group's and the
+    watchdog's two; the two groups' gloo meshes): at a soft limit of 1024, a common default that Slurm passes
+    on from the submitting shell, a job of ~200 ranks would fail to connect. The hard limit is the site's."""
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return -1
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else 1 << 20  # Linux's default nr_open
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError):
+            pass  # a limit the kernel refuses (above nr_open): keep the one in force
+    return soft
+
+
 def check_visible_gpus(env: DistEnv) -> None:
     """Refuse a node whose ranks see fewer GPUs than it runs ranks: the device of a rank is cuda:<local rank>
     (DeepSpeed too picks it by LOCAL_RANK), so every rank of a node must see all of the node's GPUs. A per-task
@@ -203,6 +229,7 @@ def init_process_group(env: DistEnv, *, collective_timeout_s: float = DEFAULT_CO
         return
     export(env)
     check_visible_gpus(env)
+    raise_open_file_limit()
     if torch.cuda.is_available():
         torch.cuda.set_device(env.local_rank)
     # Two beats longer than the watchdog's limit: a lost rank is reported by the watchdog's one line, not
