@@ -64,6 +64,7 @@ def evaluate_checkpoint(cfg, tag_dir: Path, run_info: dict, split: str | None, e
     from txl_dist.startup import start_evaluation
 
     start = start_evaluation(cfg, tag_dir, run_info, env)
+    tag_dir, run_info = start.resume.tag_dir, start.resume.run_info  # rank 0's, on every rank
     try:
         cfg = start.cfg
         ds_config = deepspeed_config(cfg, env.world_size, load_universal=start.resume.source.universal)

@@ -78,6 +78,37 @@ def test_one_and_two_ranks_agree_with_a_plain_computation(trained, tmp_path):
     _assert_numbers(one, nll, count)
 
 
+def _eval_main_of_this_rank(argvs):
+    import os
+
+    return _eval_main(argvs[int(os.environ["RANK"])])
+
+
+def test_ranks_that_resolved_different_tags_evaluate_rank_zeros(trained, tmp_path):
+    # --checkpoint RUN names the run's newest tag, read by each rank before the process group exists: a save
+    # landing between two ranks' reads gives them different tags. Played here by naming step 2 on rank 0 and
+    # step 4 on rank 1: both must evaluate step 2 (rank 0's), with the numbers of a run where both named it.
+    corpus, _ = trained
+    raw = tiny_config(corpus, tmp_path / "run", train={"max_steps": 4}, checkpoint={"interval": 2, "keep": 2},
+                      deepspeed={"zero_optimization": {"stage": 1}})
+    run_ranks(train_jobs, 2, [(raw, "none")])
+    ckpt = tmp_path / "run" / "checkpoints"
+
+    def argv(tag: str, out: str) -> list[str]:
+        return ["--checkpoint", str(ckpt / tag), "--split", "valid", "--output", str(tmp_path / out)]
+
+    results = {}
+    for name, tags in (("mixed", ("step_00000002", "step_00000004")), ("step2", ("step_00000002",) * 2),
+                       ("step4", ("step_00000004",) * 2)):
+        assert run_ranks(_eval_main_of_this_rank, 2, [argv(tag, f"{name}.json") for tag in tags]) == [0, 0]
+        results[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    mixed, step2, step4 = results["mixed"], results["step2"], results["step4"]
+    assert step4["loss"] != step2["loss"]  # the two tags are told apart by their numbers
+    assert (mixed["step"], mixed["checkpoint"]) == (2, str(ckpt / "step_00000002"))
+    for key in ("loss", "tokens", "perplexity"):
+        assert mixed[key] == step2[key], key
+
+
 def test_max_segments_stops_each_stream_early(trained, tmp_path):
     from launch.export import export
     from txl_dist.evaluate import Evaluator

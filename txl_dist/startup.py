@@ -405,8 +405,18 @@ def eval_config(checkpoint_path: str, config: str | None, overrides: list[str]) 
 
 
 def start_evaluation(cfg: RunConfig, tag_dir: Path, run_info: dict[str, Any], env: DistEnv) -> EvalStart:
-    """Checks for evaluating a checkpoint on this world size (collective): config, corpus, fit, checksums."""
+    """Checks for evaluating a checkpoint on this world size (collective): config, corpus, fit, checksums.
+
+    Every rank resolved the checkpoint path on its own (eval_config, before the process group existed): a run
+    folder names its newest tag, and a save landing between two ranks' reads would give them different tags
+    (at ZeRO 1-2 a mix of both tags' optimizer shards). Rank 0's tag, with the config and record read from it,
+    is what every rank evaluates."""
     join(cfg, env)
+    own_tag = tag_dir
+    tag_dir, run_info, cfg = distributed.broadcast_object((tag_dir, run_info, cfg) if env.is_main else None)
+    if own_tag.resolve() != tag_dir.resolve():
+        log.warning("rank %d: the checkpoint path named %s here and %s on rank 0 (a save while the ranks started); "
+                    "evaluating rank 0's", env.rank, own_tag.name, tag_dir.name)
     # "auto" in an evaluation config means what the checkpoint's run chose (or a fresh decision when the
     # checkpoint recorded none, or was made on another device type).
     choices = runtime_choices.agree(cfg, env, run_info.get("run_choices"), peak=False)
