@@ -148,6 +148,36 @@ def test_only_rank_zero_logs_info_unless_all_ranks(restore_logging):
     assert "[rank 1]" in loud.handlers[0].formatter._fmt
 
 
+def _check_run_dir(paths):
+    from txl_dist.run_dir import RunDirUnusable
+    from txl_dist.startup import check_run_dir_shared
+
+    env = distributed.discover()
+    distributed.init_process_group(env)
+    try:
+        check_run_dir_shared(paths[env.rank], env)
+        return "shared"
+    except RunDirUnusable as e:
+        return f"refused: {e}"
+    finally:
+        distributed.destroy_process_group()
+
+
+def test_a_run_dir_that_is_not_one_folder_for_all_ranks_is_refused_on_every_rank(tmp_path):
+    from dist_helpers import run_ranks
+
+    shared, node0, node1 = tmp_path / "shared", tmp_path / "node0", tmp_path / "node1"
+    for d in (shared, node0, node1):
+        d.mkdir()
+    assert run_ranks(_check_run_dir, 2, [shared, shared]) == ["shared", "shared"]
+    # A node-local run.dir (/tmp on each node): the same name, two folders; played by a folder per rank.
+    results = run_ranks(_check_run_dir, 2, [node0, node1])
+    assert results[0] == results[1] and results[0].startswith(f"refused: run.dir {node0} is not one folder for all "
+                                                                "ranks: rank(s) 1 (")
+    assert "\n" not in results[0]
+    assert not list(shared.iterdir()) and not list(node0.iterdir())  # rank 0 removed its file both times
+
+
 def _start_up_fails_on_rank_1():
     env = distributed.discover()
     distributed.init_process_group(env)

@@ -8,6 +8,7 @@ RUN/logs/train.log        rank 0's log, appended by every job of the run (rank-N
 RUN/tracking/             the local metrics journal and the MLflow run id (txl_dist.tracking)
 RUN/mlflow.db, mlartifacts/  the default MLflow store when no tracking URI is set
 RUN/.lock                 held by rank 0 of the job that trains in this folder
+RUN/.shared-check-*       for a moment at start-up: the file every rank reads back (one folder for all ranks)
 ```
 The lock is an advisory flock on RUN/.lock: the kernel drops it when the holder's process ends, however it
 ends, so a dead job never keeps it. The file also says who holds it, for the refusal message. On file
@@ -64,6 +65,32 @@ class RunDir:
 
     def log_file(self, rank: int) -> Path:
         return self.logs / ("train.log" if rank == 0 else f"rank-{rank:05d}.log")
+
+
+SHARED_CHECK_PREFIX = ".shared-check-"
+"""A file rank 0 writes into the run folder at start-up and every rank reads back (startup.check_run_dir_shared)."""
+
+
+def write_shared_check(run_dir: Path) -> str:
+    """Write a new check file into run_dir; its name (which is also its content)."""
+    name = f"{SHARED_CHECK_PREFIX}{os.urandom(8).hex()}"
+    (run_dir / name).write_text(name)
+    return name
+
+
+def sees_shared_check(run_dir: Path, name: str, wait_s: float = 5.0) -> bool:
+    """Whether run_dir holds the check file `name` as written; a file written on another node may reach this one's
+    view of a network file system a moment later, so a missing file is looked for again until wait_s."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return (run_dir / name).read_text() == name
+        except FileNotFoundError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.25)
+        except OSError:
+            return False
 
 
 class RunLock:

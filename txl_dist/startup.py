@@ -26,6 +26,7 @@ import copy
 import dataclasses
 import logging
 import shutil
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, TypeVar
@@ -41,7 +42,8 @@ from .deepspeed_schema import check_deepspeed_config
 from .engine import deepspeed_config, zero_stage
 from .evaluate import Evaluator
 from .flops import sample_cluster_shares
-from .run_dir import RunDir, RunLock, acquire_lock, attach_log_file
+from .run_dir import RunDir, RunDirUnusable, RunLock, acquire_lock, attach_log_file, sees_shared_check, \
+    write_shared_check
 from .runtime_choices import RunChoices
 
 log = logging.getLogger(distributed.LOGGER_NAME)
@@ -227,6 +229,27 @@ def _on_main(env: DistEnv, fn: Callable[[], T]) -> T:
     return distributed.broadcast_object(_together(lambda: fn() if env.is_main else None))
 
 
+def check_run_dir_shared(path: Path, env: DistEnv) -> None:
+    """Refuse (every rank together) a run folder that is not the same folder on every rank: all ranks write
+    their checkpoint files into one tag folder that rank 0 then checks and renames, so a node-local run.dir
+    (/tmp, a node's scratch disk) would fail the first save, thousands of steps in. Rank 0 writes a file there
+    and every rank reads it back."""
+    if env.world_size == 1:
+        return
+    name, main_path = _on_main(env, lambda: (write_shared_check(path), path))
+    try:
+        missing = _together(lambda: None if sees_shared_check(path, name) else f"{env.rank} ({socket.gethostname()})")
+        missing = [m for m in distributed.gather_objects(missing) if m]
+        if missing:
+            raise RunDirUnusable(
+                f"run.dir {main_path} is not one folder for all ranks: rank(s) {', '.join(missing[:8])}"
+                f"{' and more' if len(missing) > 8 else ''} do not see the file rank 0 wrote there; put run.dir on "
+                "a file system every node mounts (checkpoints from all ranks go into one folder)")
+    finally:
+        if env.is_main:
+            (path / name).unlink(missing_ok=True)
+
+
 def _verified(candidates: list[Path], env: DistEnv, *, fallback: bool) -> tuple[Path, dict[str, Any]]:
     """The first candidate tag whose files verify on every rank's share; CheckpointError for a damaged one
     unless fallback (then the next candidate, with a warning)."""
@@ -279,6 +302,7 @@ def start_training(cfg: RunConfig, env: DistEnv, resume: str = "auto", *, log_fi
     try:
         # A phase of its own: a lock taken while another rank's checks failed would outlive the refusal.
         start.lock = _together(lambda: acquire_lock(run_dir.path) if env.is_main else None)
+        check_run_dir_shared(run_dir.path, env)
         if log_file:
             attach_log_file(log, run_dir.log_file(env.rank))
         start.resume = _choose_resume(start, env, resume)
