@@ -339,15 +339,36 @@ def test_a_process_state_is_read_on_this_machine_only():
     assert process_state(RankInfo(0, "h", child.pid, here)) == "ended"
 
 
-def test_a_peer_that_publishes_late_is_known_within_a_fraction_of_a_beat():
-    """The beat thread reads a neighbour's and rank 0's host and pid soon after they publish, not a beat later:
-    a rank lost right after start-up is still named by host and pid (a read one beat later once left a killed
-    store host named as plain 'rank 0')."""
+def test_peers_that_published_are_known_when_start_up_returns():
+    """Start-up waits (bounded) for the neighbours' and rank 0's host and pid: a store host stopped right after
+    start-up is named by host and pid (the beat thread's first read once came after such a stop)."""
     from datetime import timedelta
 
     from dist_helpers import free_port
     from txl_dist import watchdog
 
+    port = free_port()
+    store = torch.distributed.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=10), wait_for_workers=False)
+    address = watchdog.StoreAddress("127.0.0.1", port, hosted_by_rank0=False)
+    keys = watchdog._Keys("txl_watchdog//0/0")  # the namespace of the first group of the store
+    store.set(keys.info(0), json.dumps({"host": "h0", "pid": 4321, "machine": None}))
+    wd = watchdog.Watchdog(1, 2, address, 60.0, logging.getLogger("test"), callbacks=[])
+    try:
+        assert wd.keys.info(0) == keys.info(0)
+        assert wd.label(0) == "rank 0 (host h0, pid 4321)"  # at once, not at the beat thread's first read
+    finally:
+        wd.stop(None)
+
+
+def test_a_peer_that_publishes_late_is_known_within_a_fraction_of_a_beat(monkeypatch):
+    """The beat thread reads a neighbour's and rank 0's host and pid soon after they publish, not a beat later:
+    a rank that publishes after start-up stopped waiting for it is still named by host and pid."""
+    from datetime import timedelta
+
+    from dist_helpers import free_port
+    from txl_dist import watchdog
+
+    monkeypatch.setattr(watchdog, "INFO_START_WAIT_S", 0.1)  # start-up's own wait ends before rank 0 publishes
     port = free_port()
     store = torch.distributed.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=10), wait_for_workers=False)
     address = watchdog.StoreAddress("127.0.0.1", port, hosted_by_rank0=False)

@@ -51,6 +51,8 @@ PROBE_WAIT_S = 3.0
 """How long explain_failure waits for a probed rank to beat before it counts the rank as gone."""
 INFO_POLL_S = 0.1
 """How often the beat thread reads the store while a neighbour's or rank 0's host and pid are still unknown."""
+INFO_START_WAIT_S = 5.0
+"""How long start-up waits for the neighbours' and rank 0's host and pid (they publish within milliseconds)."""
 ABORT_CALLBACK_BOUND_S = 5.0
 EXIT_AFTER_FAILURE_S = 30.0
 """After explain_failure, the process ends with status 1 within max(collective timeout, this) even if tearing
@@ -281,6 +283,7 @@ class Watchdog:
         store = _connect(address, STORE_CALL_S)
         self.keys = _Keys(self._namespace(store))
         self._publish(store)
+        self._await_infos(store, INFO_START_WAIT_S)
         self._threads = {name: threading.Thread(target=self._guard, args=(loop,), daemon=True,
                                                 name=f"txl-watchdog-{name}")
                          for name, loop in [("beat", self._beat_loop), ("judge", self._judge_contact),
@@ -370,6 +373,21 @@ class Watchdog:
                 continue
             self._stop_job(f"{self.label(r)} stopped responding: no heartbeat for {silent:.0f} s; stopping",
                            store=store)
+
+    def _await_infos(self, store: dist.TCPStore, wait_s: float) -> None:
+        """Read the neighbours' and rank 0's host and pid before the job goes on. They publish in the same
+        moments (each rank right after the rendezvous), so this takes milliseconds, and a rank stopped in the
+        job's first second is still named by host and pid, even rank 0, after which the store no longer
+        answers. Bounded: a rank that does not publish in time is left to the beat loop's polling."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                self._read_infos(store)
+            except STORE_ERRORS:
+                return
+            if self._infos_complete() or time.monotonic() >= deadline:
+                return
+            time.sleep(INFO_POLL_S / 5)
 
     def _named_ranks(self) -> list[int]:
         """The ranks whose host and pid this one keeps: its neighbours and rank 0."""
