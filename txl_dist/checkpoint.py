@@ -594,8 +594,7 @@ def convert_to_universal(tag_dir: Path, out: Path, *, zero_stage: int) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     # The other ranks wait (control timeout) while this one converts: the node's idle cores do the work, a few
     # shards at a time (each worker holds one optimizer shard or one parameter's pieces).
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    workers = str(max(1, min(CONVERSION_MAX_WORKERS, cores)))
+    workers = str(max(1, min(CONVERSION_MAX_WORKERS, distributed.usable_cpus())))
     cmd = [sys.executable, "-m", "txl_dist.safe_load", "ds_to_universal", "--input_folder", str(tag_dir),
            "--output_folder", str(tmp), "--num_extract_workers", workers, "--num_merge_workers", workers]
     if zero_stage in (1, 2):

@@ -163,9 +163,13 @@ def configure_threads(env: DistEnv, environ: Mapping[str, str] | None = None) ->
     """
     environ = os.environ if environ is None else environ
     if "OMP_NUM_THREADS" not in environ:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        torch.set_num_threads(max(1, cores // env.local_world_size))
+        torch.set_num_threads(max(1, usable_cpus() // env.local_world_size))
     return torch.get_num_threads()
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity: what Slurm or taskset gave it), not the machine's."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def device_for(env: DistEnv) -> torch.device:

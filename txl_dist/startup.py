@@ -238,8 +238,8 @@ def check_run_dir_shared(path: Path, env: DistEnv) -> None:
         return
     name, main_path = _on_main(env, lambda: (write_shared_check(path), path))
     try:
-        missing = _together(lambda: None if sees_shared_check(path, name) else f"{env.rank} ({socket.gethostname()})")
-        missing = [m for m in distributed.gather_objects(missing) if m]
+        mine = _together(lambda: None if sees_shared_check(path, name) else f"{env.rank} ({socket.gethostname()})")
+        missing = [m for m in distributed.gather_objects(mine) if m]
         if missing:
             raise RunDirUnusable(
                 f"run.dir {main_path} is not one folder for all ranks: rank(s) {', '.join(missing[:8])}"
