@@ -53,6 +53,7 @@ import tempfile
 import threading
 import time
 import traceback
+from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
@@ -130,6 +131,7 @@ class Phase:
         self.name, self.rec, self.device, self.smoke = name, rec, device, smoke
         self.deadline = time.monotonic() + budget_s
         self.shared = shared  # results later phases use (the matmul peak)
+        self.first_compile_min_s = FIRST_COMPILE_MIN_S["smoke" if smoke else "gpu"]
         self.truncated: list[str] = []
 
     def left(self) -> float:
@@ -309,8 +311,7 @@ def phase_attention(p: Phase) -> None:
             continue
         runs = {}
         for impl in ATTN_IMPLS:
-            if impl in COMPILING_IMPLS and dname != "bf16" and p.left() < FIRST_COMPILE_MIN_S[
-                    "smoke" if p.smoke else "gpu"]["flex"]:
+            if impl in COMPILING_IMPLS and dname != "bf16" and p.left() < p.first_compile_min_s["flex"]:
                 p.truncated.append(f"{impl}/{dname}")
                 continue
             try:
@@ -562,7 +563,6 @@ class TrainMatrix:
         self.p, self.name, self.cfg, self.box, self.warmup, self.steps = p, name, cfg, box, warmup, steps
         self.refused = {impl: reason for impl in impls if (reason := config_refusal(cfg, impl))}
         """The config's refusals among impls (flex with dropatt > 0): timed for information, never recommended."""
-        self.first_compile_min_s = FIRST_COMPILE_MIN_S["smoke" if p.smoke else "gpu"]
         self.eager: TrainCase | None = None
         self.compiled: TrainCase | None = None
         self.flex_started = False
@@ -576,9 +576,9 @@ class TrainMatrix:
         key = dict(shape=self.name, impl=impl, micro_batch=batch, checkpointing=checkpointing, compile=use_compile)
         needed = 1.5 * self.estimate_s[use_compile]
         if use_compile and self.compiled is None:
-            needed = max(needed, self.first_compile_min_s["compile"])
+            needed = max(needed, p.first_compile_min_s["compile"])
         if impl == "flex" and not self.flex_started:
-            needed = max(needed, self.first_compile_min_s["flex"])
+            needed = max(needed, p.first_compile_min_s["flex"])
         left = self.box - time.monotonic()
         if needed > left:
             p.write("train_step", **key, skipped=f"time box: {left:.0f} s left, {needed:.0f} s needed")
@@ -708,7 +708,7 @@ def phase_cuda_tests(p: Phase, out: Path) -> None:
         raise Skipped("pytest unavailable")
     if p.device.type == "cuda":
         torch.cuda.empty_cache()  # this process's cached blocks: the tests run in a process of their own
-    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", PYTHONUNBUFFERED="1")
+    env = child_env()
     for log_name, selection in CUDA_TEST_PARTS:
         if p.left() < 10:
             p.truncated.append(selection)
@@ -718,9 +718,7 @@ def phase_cuda_tests(p: Phase, out: Path) -> None:
         start = time.perf_counter()
         code = run_logged(cmd, env, out / log_name, p.left())
         text = (out / log_name).read_text(errors="replace")
-        outcomes: dict[str, int] = {}
-        for _, outcome in PYTEST_OUTCOME.findall(text):
-            outcomes[outcome.lower()] = outcomes.get(outcome.lower(), 0) + 1
+        outcomes = Counter(outcome.lower() for _, outcome in PYTEST_OUTCOME.findall(text))
         reasons = [ln.strip()[:300] for ln in text.splitlines() if ln.startswith(("FAILED ", "ERROR "))]
         p.write("cuda_tests", selection=selection, exit=code, seconds=round(time.perf_counter() - start, 1),
                 log=log_name, **outcomes, failures=reasons[:20])
@@ -776,8 +774,7 @@ def phase_deepspeed(p: Phase, out: Path, scratch: Path) -> None:
             p.write("deepspeed", zero_stage=stage, skipped=f"time box: {timeout_s:.0f} s for this stage")
             p.truncated.append(f"zero{stage}")
             continue
-        env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-                   PYTHONUNBUFFERED="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        env = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         p.write("deepspeed_started", zero_stage=stage, timeout_s=round(timeout_s, 1), log=log_path.name,
                 argv=cmd[1:])
         start = time.perf_counter()
@@ -803,6 +800,12 @@ def trainer_progress(log_path: Path, tail_chars: int = 0) -> dict[str, Any]:
     if tail_chars:
         result["tail"] = text[-tail_chars:]
     return result
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a child that imports the repository (txl_dist, launch/), unbuffered."""
+    return dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", PYTHONUNBUFFERED="1",
+                **extra)
 
 
 def run_logged(cmd: list[str], env: dict[str, str], log_path: Path, timeout_s: float) -> int | str:
