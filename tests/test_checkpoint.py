@@ -187,6 +187,38 @@ def test_needs_universal_only_for_partitioned_state_of_another_world_size():
     assert not checkpoint.needs_universal({"zero_stage": 0, "world_size": 2}, 1)
 
 
+@pytest.mark.parametrize("n_streams, saved, now, rank, holders", [
+    (8, 4, 2, 1, [2, 3]),     # 4 -> 2 ranks: rank 1's streams 4-7 were saved by ranks 2 and 3
+    (12, 4, 3, 1, [1, 2]),    # blocks of 3 -> blocks of 4: streams 4-7 straddle saved ranks 1 and 2
+    (8, 2, 4, 3, [1]),        # 2 -> 4 ranks: streams 6-7 lie in saved rank 1's block
+])
+def test_an_elastic_resume_reads_only_the_rank_files_that_held_its_streams(tmp_path, n_streams, saved, now, rank,
+                                                                           holders):
+    from txl_dist.memory import MemoryBank, merge_state_dicts
+    from txl_dist.streams import streams_of_rank
+
+    tag = tmp_path / checkpoint.tag_for(2)
+    (tag / checkpoint.STATE_DIR).mkdir(parents=True)
+    for r in range(saved):
+        bank = MemoryBank()
+        ids = list(streams_of_rank(r, n_streams, saved))
+        bank.put(ids, [torch.arange(len(ids) * 6, dtype=torch.float32).reshape(len(ids), 3, 2) + 100 * ids[0]])
+        path = checkpoint.rank_file(tag, r)
+        if r in holders:
+            torch.save({"rank": r, "mems": bank.state_dict()}, path)
+        else:  # a file the resume must not open: reading it would fail
+            path.write_bytes(b"not a checkpoint")
+    wanted = streams_of_rank(rank, n_streams, now)
+    states = checkpoint.load_holders_of(tag, wanted, n_streams=n_streams, saved_world_size=saved)
+    assert [s["rank"] for s in states] == holders
+    bank = MemoryBank()
+    bank.load_state_dict(merge_state_dicts(s["mems"] for s in states), stream_ids=wanted)
+    for s in wanted:  # stream s of saved rank r is row s - first(r) of r's chunk
+        first = streams_of_rank(s * saved // n_streams, n_streams, saved)[0]
+        expected = torch.arange(6, dtype=torch.float32).reshape(3, 2) + 6 * (s - first) + 100 * first
+        assert torch.equal(bank.stream_mems(s)[0], expected)
+
+
 def test_rng_states_round_trip_through_a_weights_only_file(tmp_path):
     checkpoint.seed_rng(5, rank=1)
     state = checkpoint.rng_state()

@@ -54,6 +54,7 @@ import torch
 from . import distributed
 from .atomic import atomic_path, atomic_write, fsync_dir, fsync_file
 from .errors import Refused, RunFailed, one_line
+from .streams import ranks_holding
 
 LATEST = "latest"
 STATE_DIR = "txl_state"
@@ -633,6 +634,16 @@ def load_rank_states(tag_dir: str | os.PathLike, ranks: Iterable[int]) -> list[d
         except Exception as e:  # a corrupt or foreign file: unpickling errors have many types
             raise CheckpointError(f"{path}: cannot be read ({one_line(e)}); resume another tag") from None
     return states
+
+
+def load_holders_of(tag_dir: str | os.PathLike, stream_ids: Iterable[int], *, n_streams: int,
+                    saved_world_size: int) -> list[dict[str, Any]]:
+    """The rank files of the saved ranks whose streams overlap `stream_ids` (an elastic resume), in rank order.
+
+    A new rank reads only those (about S/W_new / (S/W_saved) + 1 files), not every saved rank's: memory per
+    rank and reads on the shared file system stay flat as the saved world size grows.
+    """
+    return load_rank_states(tag_dir, ranks_holding(stream_ids, n_streams, saved_world_size))
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -32,3 +32,20 @@ def micro_steps_per_rank(n_streams: int, micro_batch: int, world_size: int, *, s
         raise error(f"{micro}: {micro_batch} does not divide the {per_rank} streams of each of {world_size} ranks "
                     f"({streams} {n_streams}); use a multiple of {micro_batch} x {world_size} streams")
     return steps
+
+
+def streams_of_rank(rank: int, n_streams: int, world_size: int) -> range:
+    """The global ids of rank `rank`'s streams: the contiguous block [rank * S/W, (rank + 1) * S/W)."""
+    per_rank = streams_per_rank(n_streams, world_size)
+    return range(rank * per_rank, (rank + 1) * per_rank)
+
+
+def ranks_holding(stream_ids, n_streams: int, world_size: int) -> list[int]:
+    """The ranks of a world of `world_size` whose blocks hold `stream_ids` (global ids), sorted."""
+    per_rank = streams_per_rank(n_streams, world_size)
+    holders = set()
+    for s in stream_ids:
+        if not 0 <= int(s) < n_streams:
+            raise ValueError(f"stream {int(s)} is not one of the {n_streams} streams")
+        holders.add(int(s) // per_rank)
+    return sorted(holders)

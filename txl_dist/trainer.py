@@ -295,9 +295,10 @@ class Trainer:
         """Load a checkpoint: DeepSpeed's state, then this rank's mems, loader position and RNG.
 
         Same world size: the rank's own file, RNG included (exact resume, bitwise). Another world size:
-        the mems of the streams this rank owns now, from every rank file; the loader position (the same
-        on all ranks at a step boundary) from rank 0's; fresh per-rank RNG seeded from (seed, rank, step),
-        so an elastic resume continues the loss but is not bitwise equal to an uninterrupted run.
+        the mems of the streams this rank owns now, from the files of the saved ranks that held them; the
+        loader position (the same on all ranks at a step boundary) from the first of those; fresh per-rank
+        RNG seeded from (seed, rank, step), so an elastic resume continues the loss but is not bitwise equal
+        to an uninterrupted run.
         """
         tag_dir, run_info = resume.tag_dir, resume.run_info
         checkpoint.load_engine(self.engine, resume.source)
@@ -306,8 +307,9 @@ class Trainer:
             (state,) = checkpoint.load_rank_states(tag_dir, [self.env.rank])
             mems = state["mems"]
         else:
-            states = checkpoint.load_rank_states(tag_dir, range(run_info["world_size"]))
-            state = states[0]
+            states = checkpoint.load_holders_of(tag_dir, self.loader.stream_ids, n_streams=self.loader.n_streams,
+                                                saved_world_size=run_info["world_size"])
+            state = states[0]  # the trainer's and loader's entries are the same in every rank file
             mems = merge_state_dicts(s["mems"] for s in states)
         self.load_state_dict(state["trainer"])
         self.loader.load_state_dict(state["loader"])

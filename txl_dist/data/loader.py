@@ -24,7 +24,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from .index_split import split_reader
-from ..streams import micro_steps_per_rank
+from ..streams import micro_steps_per_rank, streams_of_rank
 from .manifest import CorpusError, read_manifest, sha256_file
 
 STATE_VERSION = 1
@@ -96,8 +96,7 @@ class StreamLoader:
         """L: tokens per stream."""
         self.accumulation_steps = n_streams // (micro_batch * world_size)
         """g: micro steps per optimizer step."""
-        per_rank = n_streams // world_size
-        self.stream_ids = np.arange(rank * per_rank, (rank + 1) * per_rank, dtype=np.int64)
+        self.stream_ids = np.asarray(streams_of_rank(rank, n_streams, world_size), dtype=np.int64)
         """GLOBAL ids of this rank's streams, in local order."""
         self.block = (int(self.stream_ids[0]) * self.stream_len, int(self.stream_ids[-1] + 1) * self.stream_len)
         """Global-stream tokens [start, stop) owned by this rank."""
