@@ -5,6 +5,8 @@
 KIND (the fault happens on rank RANK only):
   kill-in-save   SIGKILL itself while writing its DeepSpeed file of the checkpoint of step STEP
   enospc-in-save its DeepSpeed file of the checkpoint of step STEP fails with ENOSPC (a full disk)
+  slow-save      each of its DeepSpeed files of the checkpoint of step STEP takes SLOW_SAVE_S longer (slow storage)
+  refuse-load    reading its rank file of the checkpoint of step STEP is refused (the file vanished after start-up)
   kill-at-step   SIGKILL itself in the middle of step STEP (after the first micro batch's forward)
   stop-at-step   SIGSTOP itself at the start of step STEP (a hung rank)
   nan-at-step    the loss of stream 0 of its first micro batch is NaN at step STEP
@@ -19,9 +21,12 @@ import errno
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SLOW_SAVE_S = 10.0
 
 
 def _rank() -> int:
@@ -36,12 +41,15 @@ def install(kind: str, rank: int, step: int) -> None:
     from txl_dist import trainer
 
     staging = f".saving-step_{step:08d}"
-    if kind in ("kill-in-save", "enospc-in-save"):
+    if kind in ("kill-in-save", "enospc-in-save", "slow-save"):
         real_save = torch.save
 
         def faulty_save(obj, f, *args, **kwargs):
             path = str(f)
             if staging in path and "txl_state" not in path:
+                if kind == "slow-save":
+                    time.sleep(SLOW_SAVE_S)
+                    return real_save(obj, f, *args, **kwargs)
                 if kind == "kill-in-save":
                     Path(path).write_bytes(b"half a file")
                     os.kill(os.getpid(), signal.SIGKILL)
@@ -49,6 +57,15 @@ def install(kind: str, rank: int, step: int) -> None:
             return real_save(obj, f, *args, **kwargs)
 
         torch.save = faulty_save
+        return
+
+    if kind == "refuse-load":
+        from txl_dist import checkpoint
+
+        def refused(tag_dir, ranks):
+            raise checkpoint.CheckpointError(f"{checkpoint.rank_file(Path(tag_dir), rank)}: missing (refuse-load)")
+
+        checkpoint.load_rank_states = refused
         return
 
     real_step = trainer.Trainer.train_step

@@ -200,3 +200,44 @@ def test_optimizer_step_k_trains_at_the_schedules_iteration_k():
     used, expected = result
     assert used == expected
     assert used[0] == 3e-3 * 0.5 and used[1] == 3e-3 * 0.625 and used[3] < used[4]
+
+
+def _wait_in_zero_group(raw, late_by_s):
+    """After build_engine, rank 1 all-reduces on the group ZeRO uses while rank 0 joins `late_by_s` late;
+    rank 1's seconds until its collective ended, and whether it raised."""
+    import time
+
+    from deepspeed.utils import groups
+
+    from txl_dist import distributed, engine as eng
+    from txl_dist.model import TransformerXL
+
+    env = distributed.discover()
+    distributed.init_process_group(env, collective_timeout_s=2.0, control_timeout_s=60)
+    try:
+        cfg = config_from_dict(raw)
+        eng.build_engine(lambda: TransformerXL(cfg.model), eng.deepspeed_config(cfg, env.world_size),
+                         seed=cfg.train.seed)
+        group = groups._get_data_parallel_group()
+        distributed.barrier()
+        if env.rank == 0:
+            time.sleep(late_by_s)
+        start = time.monotonic()
+        try:
+            torch.distributed.all_reduce(torch.ones(1), group=group)
+            raised = False
+        except RuntimeError:
+            raised = True
+        waited = time.monotonic() - start
+        distributed.barrier()
+        return waited, raised
+    finally:
+        distributed.destroy_process_group()
+
+
+def test_zero_collectives_time_out_after_the_collective_timeout():
+    """ZeRO's collectives run on DeepSpeed's clone of the world group; it times out with train.collective_timeout_s
+    (2 s plus 2 beats here), not torch's default (30 min on gloo, 10 on NCCL), when a rank is late."""
+    late_by_s = 10.0
+    _, (waited, raised) = run_ranks(_wait_in_zero_group, 2, _variant(1), late_by_s, timeout=300)
+    assert raised and waited < late_by_s - 3, (waited, raised)

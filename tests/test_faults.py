@@ -128,6 +128,36 @@ def test_a_fault_in_the_middle_of_a_save_keeps_the_previous_checkpoint(corpus, t
     _assert_same_weights(_weights(run_dir, STEPS), straight)
 
 
+def test_a_save_slower_than_the_collective_timeout_completes(corpus, tmp_path):
+    """Rank 0 writes its 2 DeepSpeed files (ZeRO 1) for longer than train.collective_timeout_s: the other rank waits
+    for it within checkpoint.timeout_s (every wait of a save, DeepSpeed's barrier inside it included, is on the
+    control group), and the run goes on."""
+    from fault_job import SLOW_SAVE_S
+
+    timeout_s = 6
+    assert 2 * SLOW_SAVE_S > timeout_s + 2 * 2  # beyond the default group's timeout (collective_timeout_s + 2 beats)
+    run_dir = tmp_path / "run"
+    config = _config(corpus, run_dir, train={"collective_timeout_s": timeout_s, "max_steps": 3},
+                     checkpoint={"interval": 2, "timeout_s": 120})
+    procs = _start(config, "slow-save:0:2")
+    assert _finish(procs, timeout=SLOW_SAVE_S + 180) == [0, 0], procs[1].output[-3000:]
+    assert inventory(run_dir / "checkpoints").complete == ["step_00000002", "step_00000003"]
+    assert not any(_errors(p) for p in procs)
+
+
+def test_a_resume_refused_on_one_rank_is_refused_on_every_rank(corpus, tmp_path):
+    """A refusal while one rank restores (its rank file gone since start-up verified the tag) ends every rank
+    at once with exit 2; the other rank does not go on to wait in the first step's collectives."""
+    run_dir = tmp_path / "run"
+    config = _config(corpus, run_dir, train={"exit_step": 2})
+    assert _finish(_start(config)) == [0, 0]
+    procs = _start(config, "refuse-load:1:2", extra=["--set", "train.exit_step=null"])
+    assert _finish(procs, timeout=TIMEOUT_S + 60) == [2, 2], procs[0].output[-3000:]
+    assert "rank-00001.pt: missing (refuse-load)" in _errors(procs[1])[0]
+    assert "another rank failed while starting" in _errors(procs[0])[0]
+    assert inventory(run_dir / "checkpoints").complete == ["step_00000002"]
+
+
 def test_a_hung_rank_is_named_within_the_collective_timeout(corpus, tmp_path):
     run_dir = tmp_path / "run"
     procs = _start(_config(corpus, run_dir, train={"collective_timeout_s": 8}), "stop-at-step:1:3")

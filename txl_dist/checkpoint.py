@@ -304,7 +304,7 @@ def _save_into(engine, ckpt_dir: Path, tag: str, staging: Path, *, rank: int, wo
     step = step_of(tag)
     _agree(lambda: _prepare_staging(ckpt_dir, staging, min_free_bytes) if rank == 0 else None,
            f"checkpoint {tag} could not be started")
-    with _recorded_writes(engine) as recorder:
+    with _recorded_writes(engine) as recorder, _deepspeed_barriers_on_control_group():
         engine.save_checkpoint(str(ckpt_dir), tag=staging.name, save_latest=False)
     own_error = recorder.error
 
@@ -399,6 +399,30 @@ def _recorded_writes(engine) -> Iterator[_WriteRecorder]:
         recorder.error = recorder.error or one_line(e)
     finally:
         engine.checkpoint_engine = recorder._inner
+
+
+@contextmanager
+def _deepspeed_barriers_on_control_group() -> Iterator[None]:
+    """DeepSpeed's barriers inside save_checkpoint wait on the control group (timeout checkpoint.timeout_s).
+
+    On the default group a rank whose write is slower than train.collective_timeout_s (ZeRO 0: rank 0 writes
+    the whole model and optimizer) would fail the save on every rank, however long checkpoint.timeout_s is.
+    Its other collectives (the tag check) come before any write, so they wait for nobody's I/O.
+    """
+    from deepspeed import comm
+
+    default_group_barrier = comm.barrier
+
+    def barrier(group=None, *args, **kwargs):
+        if group is not None:
+            return default_group_barrier(group, *args, **kwargs)
+        distributed.barrier()
+
+    comm.barrier = barrier
+    try:
+        yield
+    finally:
+        comm.barrier = default_group_barrier
 
 
 def _agree(fn, what: str) -> list[Any]:

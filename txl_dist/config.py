@@ -176,7 +176,8 @@ class TrainConfig:
     saving over the last good checkpoint. fp16 counts its loss-scale overflows here too."""
     collective_timeout_s: float = 600.0
     """A rank that stops responding (killed, hung, its node lost) ends the job within about this many
-    seconds on every other rank, with one line naming it; also the timeout of each training collective."""
+    seconds on every other rank, with one line naming it; also the timeout of each training collective
+    (DeepSpeed's ZeRO collectives included), plus two heartbeats."""
     compile: bool = False
     """torch.compile each Transformer-XL layer for training (static shapes: one graph for the first segment,
     one for the steady state with full memory; evaluation stays eager); with activation checkpointing the

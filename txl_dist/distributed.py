@@ -221,6 +221,13 @@ def default_backend() -> str:
 
 
 _control_group: dist.ProcessGroup | None = None
+_collective_timeout: timedelta | None = None
+
+
+def collective_timeout() -> timedelta | None:
+    """The timeout of the default group (train.collective_timeout_s plus two beats); None before
+    init_process_group. Groups made for device collectives (DeepSpeed's) should use it too."""
+    return _collective_timeout
 
 
 def init_process_group(env: DistEnv, *, collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
@@ -228,7 +235,7 @@ def init_process_group(env: DistEnv, *, collective_timeout_s: float = DEFAULT_CO
     """Join the job: the default group (`backend`, else default_backend(); timeout collective_timeout_s),
     the gloo control group of the host-side helpers (timeout control_timeout_s) and the lost-rank
     watchdog (a rank silent for collective_timeout_s ends the job). A no-op when already initialized."""
-    global _control_group
+    global _control_group, _collective_timeout
     if dist.is_initialized():
         return
     export(env)
@@ -238,9 +245,9 @@ def init_process_group(env: DistEnv, *, collective_timeout_s: float = DEFAULT_CO
         torch.cuda.set_device(env.local_rank)
     # Two beats longer than the watchdog's limit: a lost rank is reported by the watchdog's one line, not
     # by the backend's own abort (NCCL's is a multi-line dump).
-    backend_timeout_s = collective_timeout_s + 2 * watchdog.beat_period(collective_timeout_s)
+    _collective_timeout = timedelta(seconds=collective_timeout_s + 2 * watchdog.beat_period(collective_timeout_s))
     dist.init_process_group(backend or default_backend(), init_method="env://", rank=env.rank,
-                            world_size=env.world_size, timeout=timedelta(seconds=backend_timeout_s))
+                            world_size=env.world_size, timeout=_collective_timeout)
     _control_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=control_timeout_s))
     watchdog.start(env.rank, env.world_size, watchdog.store_address(env.master_addr, env.master_port),
                    collective_timeout_s, logging.getLogger(LOGGER_NAME))
@@ -254,9 +261,9 @@ def destroy_process_group(error: BaseException | None = None) -> None:
     still propagating (destroy called from a `finally`) counts too. The other ranks then stop at once with
     a line naming this rank. A refusal (raised on every rank together) and SystemExit(0) are no failure.
     """
-    global _control_group
+    global _control_group, _collective_timeout
     watchdog.stop(_failure_line(error if error is not None else sys.exc_info()[1]))
-    _control_group = None
+    _control_group = _collective_timeout = None
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -27,6 +27,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from torch import nn
 
+from . import distributed
 from .config import RunConfig
 
 # Schedulers of DeepSpeed whose params include total_num_steps (WarmupLR has none).
@@ -82,6 +83,7 @@ def build_engine(model_fn: Callable[[], nn.Module], ds_config: dict[str, Any], *
     # DeepSpeed's comm layer must know the process group before zero.Init reads the world size from it
     # (otherwise it sees a world of one and refuses the batch layout).
     deepspeed.init_distributed()
+    _clone_world_group_with_the_collective_timeout()
     ds_config = copy.deepcopy(ds_config)  # deepspeed.initialize pops keys from it
     torch.manual_seed(seed)
     if zero_stage(ds_config) == 3:
@@ -111,6 +113,24 @@ def build_engine(model_fn: Callable[[], nn.Module], ds_config: dict[str, Any], *
         # k. A resumed run then loads the scheduler's state from its checkpoint, which replaces this.
         engine.lr_scheduler.step()
     return engine
+
+
+def _clone_world_group_with_the_collective_timeout() -> None:
+    """Make DeepSpeed's clone of the world group, on which ZeRO runs its gradient and parameter collectives,
+    with the default group's timeout (train.collective_timeout_s plus two beats).
+
+    DeepSpeed 0.19.8 clones the world group lazily (deepspeed.utils.groups._clone_world_group) with torch's
+    default timeout: 10 minutes on NCCL, 30 on gloo, whatever train.collective_timeout_s says. A clone made
+    here first is the one it keeps. Nothing to do outside init_process_group (no timeout known) or once a
+    clone exists.
+    """
+    from deepspeed.utils import groups
+
+    timeout = distributed.collective_timeout()
+    if timeout is None or getattr(groups, "_WORLD_GROUP", None) is not None:
+        return
+    groups._WORLD_GROUP = torch.distributed.new_group(ranks=list(range(torch.distributed.get_world_size())),
+                                                      timeout=timeout)
 
 
 def _reinitialize(model: nn.Module, seed: int) -> None:

@@ -422,7 +422,9 @@ def _build_from(start: TrainStart, env: DistEnv) -> Trainer:
     # A lost rank ends this process from the watchdog's thread: the MLflow run is marked FAILED first.
     distributed.on_abort(lambda: trainer.tracker.close("FAILED", timeout=3.0))
     if resume is not None:
-        trainer.restore(resume)
+        # Together: a refusal on one rank (a rank file gone since start-up verified it) is every rank's, as the
+        # entry point assumes of a refusal, and a slow rank is waited for on the control group's timeout.
+        distributed.together(lambda: trainer.restore(resume))
     if env.is_main:
         _log_run_start(trainer, start, env, n_params)
     return trainer
