@@ -1,101 +1,50 @@
 """Atomic folder outputs: work happens in a hidden temporary folder renamed over the target at the end.
 
-Each hidden folder (`.<out>.tmp-*`, `.<out>.scan-*`) is owned by its job through an exclusive flock on a file
-inside it, held for the job's lifetime (and by any worker it forks). A job killed without a chance to clean
-up (SIGKILL, the OOM killer, a lost node) leaves its folder behind, possibly gigabytes; the next job for the
-same output removes such folders, and only those: a folder whose lock another process holds is in use, and
-one without a lock file (being made, or from an older version) is left alone.
+The hidden folders (`.<out>.tmp-*`, `.<out>.scan-*`) are owned scratch folders (txl_dist/scratch.py): a
+killed job's are removed by the next job for the same output, never a live job's.
 
 An output is built in `<scratch>/output` and swapped with the previous one, which thereby lands inside the
 still-owned scratch folder: a kill at any moment leaves the old output to the next job's cleanup, never in a
-folder nobody owns. The lock file is removed last, so a kill during a removal leaves a folder still owned.
+folder nobody owns.
 """
 from __future__ import annotations
 
 import ctypes
 import errno
-import fcntl
-import glob
 import os
-import shutil
 import sys
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from data_prep.errors import PrepError
+from txl_dist import scratch
+from txl_dist.scratch import OWNER_LOCK, remove_scratch
 
+__all__ = ["OWNER_LOCK", "OUTPUT", "atomic_dir", "check_output", "exchange", "owned_scratch", "remove_abandoned",
+           "remove_scratch", "replace_dir"]
 
-OWNER_LOCK = ".owner.lock"
 OUTPUT = "output"
 """atomic_dir's output inside its scratch folder (beside the lock file, which never becomes part of it)."""
 SCRATCH_KINDS = ("tmp", "scan")
-_OWNED: set[Path] = set()
-"""This process's own folders: skipped by name, because where flock is emulated by POSIX locks (NFS) a second
-lock by the same process would succeed and the folder would look abandoned."""
+
+
+def _say_removed(out: Path, folder: Path) -> None:
+    print(f"removed {folder}: left by a job for {out.name} that was killed", file=sys.stderr)
 
 
 def remove_abandoned(out: Path) -> list[Path]:
-    """Remove the hidden scratch folders of `out` whose owning job is gone; returns them."""
-    removed = []
-    for kind in SCRATCH_KINDS:
-        for folder in out.parent.glob(f".{glob.escape(out.name)}.{kind}-*"):
-            if folder.resolve() in _OWNED:
-                continue
-            try:
-                fd = os.open(folder / OWNER_LOCK, os.O_RDWR)
-            except OSError:
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:  # held: its job runs (or this file system has no flock: never guess)
-                os.close(fd)
-                continue
-            try:
-                remove_scratch(folder)
-            finally:
-                os.close(fd)
-            print(f"removed {folder}: left by a job for {out.name} that was killed", file=sys.stderr)
-            removed.append(folder)
+    """Remove the hidden scratch folders of `out` whose owning job is gone; returns them (each said on stderr)."""
+    removed = scratch.remove_abandoned(out, SCRATCH_KINDS)
+    for folder in removed:
+        _say_removed(out, folder)
     return removed
 
 
-@contextmanager
-def owned_scratch(out: Path, kind: str) -> Iterator[Path]:
-    """A new hidden folder `.<out name>.<kind>-*` beside `out`, owned by this job while the block runs and
-    removed after it unless the block moved it away (atomic_dir renames it to `out`). Abandoned folders of
-    `out` are removed first."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    remove_abandoned(out)
-    folder = Path(tempfile.mkdtemp(prefix=f".{out.name}.{kind}-", dir=out.parent))
-    lock = os.open(folder / OWNER_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
-    key = folder.resolve()
-    _OWNED.add(key)
-    try:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            pass  # no flock here: the folder then just has no owner others can see as gone
-        yield folder
-    finally:
-        remove_scratch(folder)
-        os.close(lock)
-        _OWNED.discard(key)
-
-
-def remove_scratch(folder: Path) -> None:
-    """Delete a scratch folder, its lock file last: killed midway, it is still a folder its next job removes."""
-    if not folder.is_dir():
-        return
-    for child in folder.iterdir():
-        if child.name == OWNER_LOCK:
-            continue
-        if child.is_dir() and not child.is_symlink():
-            shutil.rmtree(child, ignore_errors=True)
-        else:
-            child.unlink(missing_ok=True)
-    shutil.rmtree(folder, ignore_errors=True)
+def owned_scratch(out: Path, kind: str):
+    """A new owned scratch folder of `out` (txl_dist.scratch.owned_scratch); abandoned ones of every kind of
+    data_prep are removed first, each said on stderr."""
+    return scratch.owned_scratch(out, kind, kinds=SCRATCH_KINDS, on_removed=lambda folder: _say_removed(out, folder))
 
 
 def check_output(out: Path, overwrite: bool) -> None:

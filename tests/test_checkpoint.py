@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -82,6 +85,59 @@ def test_leftovers_are_removed_and_a_tag_moved_aside_mid_replace_comes_back(tmp_
     assert sorted(removed) == [".replaced-step_00000030-123", ".saving-step_00000020", "step_00000077_universal"]
     assert _names(ckpt) == ["step_00000010", "step_00000030"]
     assert checkpoint.verify(ckpt / "step_00000030") is None
+
+
+HOLDER = """
+import sys, time
+from pathlib import Path
+from txl_dist.scratch import owned_scratch
+with owned_scratch(Path(sys.argv[1]), "tmp") as folder:
+    (folder / "output").mkdir()
+    print(folder, flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_conversion_in_progress_is_kept_and_a_killed_ones_folder_removed(tmp_path):
+    """A training job's start removes a universal conversion's scratch folder only when its job is gone: an
+    evaluation job (which holds no lock on the run folder) may be converting the tag right now."""
+    ckpt = tmp_path / "checkpoints"
+    for step in (10, 20):
+        _tag(ckpt, step)
+    holders = [subprocess.Popen([sys.executable, "-c", HOLDER, str(ckpt / f"step_000000{s}_universal")],
+                                stdout=subprocess.PIPE, text=True) for s in (10, 20)]
+    try:
+        folders = [Path(h.stdout.readline().strip()) for h in holders]
+        assert all(f.is_dir() and f.name.startswith(".step_000000") for f in folders)
+        assert checkpoint.inventory(ckpt).leftovers == sorted(f.name for f in folders)
+        holders[0].kill()
+        holders[0].wait(30)
+        assert checkpoint.remove_leftovers(ckpt) == [folders[0].name]
+        assert not folders[0].exists() and folders[1].is_dir()
+    finally:
+        for h in holders:
+            h.kill()
+            h.wait(30)
+
+
+def test_a_conversion_finished_meanwhile_by_another_job_is_used(tmp_path, monkeypatch):
+    """Two jobs convert the same tag at once (two evaluations of another world size): the second to finish
+    keeps the first one's copy and cleans up after itself."""
+    ckpt = tmp_path / "checkpoints"
+    tag = _tag(ckpt, 10)
+    out = ckpt / "step_00000010_universal"
+
+    def converter_racing_another_job(cmd, **kwargs):
+        mine = Path(cmd[cmd.index("--output_folder") + 1])
+        (mine / "zero").mkdir(parents=True)
+        (mine.parent / "latest_universal").write_text(mine.name)
+        (out / "zero").mkdir(parents=True)  # the other job's rename, while this one still converts
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(checkpoint.subprocess, "run", converter_racing_another_job)
+    checkpoint.convert_to_universal(tag, out, zero_stage=2)
+    assert (out / "zero").is_dir()
+    assert _names(ckpt) == ["step_00000010", "step_00000010_universal"]  # no scratch, no latest_universal
 
 
 def test_rollback_moves_newer_tags_aside_and_never_deletes_them(tmp_path):

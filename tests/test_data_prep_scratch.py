@@ -1,4 +1,4 @@
-"""data_prep/atomic.py: a job's hidden scratch folders are owned (flock) and a killed job's are removed by the
+"""data_prep/atomic.py and txl_dist/scratch.py: a job's hidden scratch folders are owned (flock) and a killed job's are removed by the
 next job for the same output, never a live job's. Real processes, really killed."""
 from __future__ import annotations
 
@@ -157,7 +157,9 @@ def test_a_job_killed_right_after_the_swap_leaves_the_old_output_to_the_next_job
 
 def test_a_scratch_folder_loses_its_lock_file_last(tmp_path, monkeypatch):
     """Killed in the middle of a removal, a scratch folder must still carry its lock file."""
-    import data_prep.atomic as atomic
+    import shutil
+
+    from txl_dist import scratch
 
     folder = tmp_path / ".corpus.tmp-x"
     (folder / "output" / "sub").mkdir(parents=True)
@@ -165,7 +167,7 @@ def test_a_scratch_folder_loses_its_lock_file_last(tmp_path, monkeypatch):
     (folder / "a.arrow").write_text("a")
     (folder / "z.arrow").write_text("z")
     removed = []
-    rmtree, unlink = atomic.shutil.rmtree, Path.unlink
+    rmtree, unlink = shutil.rmtree, Path.unlink
 
     def record_rmtree(path, *a, **k):
         removed.append(Path(path).name)
@@ -175,9 +177,9 @@ def test_a_scratch_folder_loses_its_lock_file_last(tmp_path, monkeypatch):
         removed.append(self.name)
         unlink(self, *a, **k)
 
-    monkeypatch.setattr(atomic.shutil, "rmtree", record_rmtree)
+    monkeypatch.setattr(shutil, "rmtree", record_rmtree)
     monkeypatch.setattr(Path, "unlink", record_unlink)
-    atomic.remove_scratch(folder)
+    scratch.remove_scratch(folder)
     assert not folder.exists()
     assert removed[-1] == folder.name and OWNER_LOCK not in removed[:-1]
     assert sorted(removed[:-1]) == ["a.arrow", "output", "z.arrow"]

@@ -54,12 +54,15 @@ import torch
 from . import distributed
 from .atomic import atomic_path, atomic_write, fsync_dir, fsync_file
 from .errors import Refused, RunFailed, one_line
+from .scratch import owned_scratch, remove_abandoned
 from .streams import ranks_holding
 
 LATEST = "latest"
 STATE_DIR = "txl_state"
 RUN_FILE = "run.json"
 UNIVERSAL_SUFFIX = "_universal"
+UNIVERSAL_SCRATCH = "tmp"
+"""The kind of a conversion's owned scratch folder: .step_NNNNNNNN_universal.tmp-* (txl_dist.scratch)."""
 STAGING_PREFIX = ".saving-"
 REPLACED_PREFIX = ".replaced-"
 SUPERSEDED_DIR = "superseded"
@@ -183,15 +186,23 @@ def read_latest(ckpt_dir: str | os.PathLike) -> str | None:
 
 
 def remove_leftovers(ckpt_dir: str | os.PathLike) -> list[str]:
-    """Remove interrupted saves and replacements (rank 0, at start, before anything is written); their names."""
+    """Remove interrupted saves and replacements, and killed conversions (rank 0, at start, before anything is
+    written); their names."""
     ckpt_dir = Path(ckpt_dir)
-    found = inventory(ckpt_dir).leftovers
-    for name in found:
-        path = ckpt_dir / name
-        if name.startswith(REPLACED_PREFIX):
-            _restore_replaced(ckpt_dir, name)
-        if path.exists():
-            shutil.rmtree(path, ignore_errors=True)
+    leftovers, found = inventory(ckpt_dir).leftovers, []
+    for name in leftovers:
+        if name.startswith((STAGING_PREFIX, REPLACED_PREFIX)):  # only the job holding the run folder makes these
+            path = ckpt_dir / name
+            if name.startswith(REPLACED_PREFIX):
+                _restore_replaced(ckpt_dir, name)
+            if path.exists():
+                shutil.rmtree(path, ignore_errors=True)
+            found.append(name)
+    # A universal conversion's folder, only when its job is gone: an evaluation may be converting right now.
+    outputs = {name[1:name.index(UNIVERSAL_SUFFIX) + len(UNIVERSAL_SUFFIX)]
+               for name in leftovers if UNIVERSAL_SUFFIX in name}
+    for out in sorted(outputs):
+        found += [p.name for p in remove_abandoned(ckpt_dir / out, (UNIVERSAL_SCRATCH,))]
     # A universal copy whose tag is gone.
     for p in ckpt_dir.glob(f"step_*{UNIVERSAL_SUFFIX}"):
         if not (ckpt_dir / p.name[:-len(UNIVERSAL_SUFFIX)]).is_dir():
@@ -615,24 +626,29 @@ the cores this process may use)."""
 def convert_to_universal(tag_dir: Path, out: Path, *, zero_stage: int) -> None:
     """DeepSpeed's universal checkpoint conversion of one tag, atomically (temporary folder + rename), with
     its loads restricted to weights (txl_dist.safe_load)."""
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     # The other ranks wait (control timeout) while this one converts: the node's idle cores do the work, a few
     # shards at a time (each worker holds one optimizer shard or one parameter's pieces).
     workers = str(max(1, min(CONVERSION_MAX_WORKERS, distributed.usable_cpus())))
-    cmd = [sys.executable, "-m", "txl_dist.safe_load", "ds_to_universal", "--input_folder", str(tag_dir),
-           "--output_folder", str(tmp), "--num_extract_workers", workers, "--num_merge_workers", workers]
-    if zero_stage in (1, 2):
-        cmd.append("--inject_missing_state")
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise CheckpointError(f"{tag_dir}: universal checkpoint conversion failed ({last}); "
-                              f"resume with the world size it was saved with ({zero_stage=})")
-    os.replace(tmp, out)
-    # DeepSpeed's converter also writes a `latest_universal` naming its (temporary) output: not ours to keep.
-    (out.parent / "latest_universal").unlink(missing_ok=True)
+    # An owned scratch folder: a training job starting meanwhile removes only a killed conversion's folder,
+    # never one in progress (an evaluation job's, which holds no lock on the run folder). DeepSpeed's converter
+    # also writes a `latest_universal` beside its output: inside the scratch folder, it goes with it.
+    with owned_scratch(out, UNIVERSAL_SCRATCH) as scratch:
+        tmp = scratch / "output"
+        cmd = [sys.executable, "-m", "txl_dist.safe_load", "ds_to_universal", "--input_folder", str(tag_dir),
+               "--output_folder", str(tmp), "--num_extract_workers", workers, "--num_merge_workers", workers]
+        if zero_stage in (1, 2):
+            cmd.append("--inject_missing_state")
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            raise CheckpointError(f"{tag_dir}: universal checkpoint conversion failed ({last}); "
+                                  f"resume with the world size it was saved with ({zero_stage=})")
+        try:
+            os.replace(tmp, out)
+        except OSError:
+            if not out.is_dir():
+                raise
+            # Another job converted the same tag meanwhile (a second evaluation): the same files; keep theirs.
 
 
 def load_engine(engine, source: EngineSource) -> None:
