@@ -11,8 +11,9 @@ RUN/.lock                 held by rank 0 of the job that trains in this folder
 RUN/.shared-check-*       for a moment at start-up: the file every rank reads back (one folder for all ranks)
 ```
 The lock is an advisory flock on RUN/.lock: the kernel drops it when the holder's process ends, however it
-ends, so a dead job never keeps it. The file also says who holds it, for the refusal message. On file
-systems without flock support the job warns and goes on unlocked.
+ends, so a dead job never keeps it (except on a network file system whose lock outlives a dead node: a
+requeued Slurm job then takes over its own earlier start's lock, see acquire_lock). The file also says who
+holds it, for the refusal message. On file systems without flock support the job warns and goes on unlocked.
 
 Standard library only.
 """
@@ -109,41 +110,115 @@ class RunLock:
             self._fd = None
 
 
-def acquire_lock(run_dir: Path, *, purpose: str = "training") -> RunLock:
-    """Lock run_dir/.lock, or RunDirBusy naming the job that holds it."""
-    import fcntl
+def acquire_lock(run_dir: Path, *, purpose: str = "training", stale_after_s: float = 0.0) -> RunLock:
+    """Lock run_dir/.lock, or RunDirBusy naming the job that holds it.
 
+    stale_after_s: when the holder is an earlier start of this very Slurm job (the same SLURM_JOB_ID, a lower
+    SLURM_RESTART_COUNT: Slurm requeued the job, so that start has ended), wait this long for the lock to be
+    released, then take it over. A network file system can keep a lock after its holder's node died (NFSv3's
+    lock manager until the node reboots, NFSv4 until its lease runs out); the wait lets the old start's
+    surviving ranks end (train.collective_timeout_s), so two jobs never write here at once.
+    """
     path = run_dir / LOCK_FILE
+    fd = _open_lock_file(run_dir, path)
+    locked = _try_flock(fd, run_dir)
+    if locked is None:
+        os.close(fd)
+        return RunLock(None, path)
+    if locked:
+        return _held(fd, path, purpose)
+    os.close(fd)
+    holder = _read_holder(path)
+    if stale_after_s > 0 and _earlier_start_of_this_job(holder):
+        return _take_over(run_dir, path, holder, purpose, stale_after_s)
+    raise RunDirBusy(f"run.dir {run_dir} is in use by another job ({_describe(holder)}); wait for it to end "
+                     "or choose another run.dir")
+
+
+def _open_lock_file(run_dir: Path, path: Path) -> int:
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
         raise RunDirUnusable(f"run.dir {run_dir}: cannot be made or written ({e.strerror or one_line(e)}"
                              f"{': ' + str(e.filename) if e.filename else ''}); choose another run.dir") from None
+
+
+def _try_flock(fd: int, run_dir: Path) -> bool | None:
+    """True when this process now holds the lock, False when another does, None (and a warning) when the file
+    system has no locks."""
+    import fcntl
+
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
     except OSError as e:
-        os.close(fd)
         if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            raise RunDirBusy(f"run.dir {run_dir} is in use by another job ({_holder(path)}); wait for it to end "
-                             "or choose another run.dir") from None
+            return False
         logging.getLogger("txl_dist").warning(
             "run.dir %s: this file system does not support locks (%s); nothing keeps a second job out",
             run_dir, one_line(e))
-        return RunLock(None, path)
+        return None
+
+
+def _held(fd: int, path: Path, purpose: str) -> RunLock:
     holder = {"host": socket.gethostname(), "pid": os.getpid(), "purpose": purpose,
-              "since": time.strftime("%Y-%m-%d %H:%M:%S"), "slurm_job_id": os.environ.get("SLURM_JOB_ID")}
+              "since": time.strftime("%Y-%m-%d %H:%M:%S"), "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+              "slurm_restart_count": int(os.environ.get("SLURM_RESTART_COUNT") or 0)}
     os.ftruncate(fd, 0)
     os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
     return RunLock(fd, path)
 
 
-def _holder(path: Path) -> str:
+def _earlier_start_of_this_job(holder: dict | None) -> bool:
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job or not holder or str(holder.get("slurm_job_id")) != job:
+        return False
     try:
-        h = json.loads(path.read_text())
-        job = f", Slurm job {h['slurm_job_id']}" if h.get("slurm_job_id") else ""
-        return f"{h.get('purpose', 'a job')} on host {h['host']}, pid {h['pid']}, since {h['since']}{job}"
-    except (OSError, ValueError, KeyError, TypeError):
+        return int(holder.get("slurm_restart_count", -1)) < int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+    except (TypeError, ValueError):
+        return False
+
+
+def _take_over(run_dir: Path, path: Path, holder: dict, purpose: str, wait_s: float) -> RunLock:
+    """Wait up to wait_s for an ended start's lock; then replace the lock file (a lock lives on the old file's
+    inode, so a new file is free) and take the new one."""
+    log = logging.getLogger("txl_dist")
+    log.warning("run.dir %s: the lock is still held by an earlier start of this Slurm job (%s), which Slurm "
+                "requeued; waiting up to %.0f s for it to be released, then taking it over",
+                run_dir, _describe(holder), wait_s)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
+        fd = _open_lock_file(run_dir, path)
+        if _try_flock(fd, run_dir):
+            return _held(fd, path, purpose)
+        os.close(fd)
+    path.unlink(missing_ok=True)
+    fd = _open_lock_file(run_dir, path)
+    if not _try_flock(fd, run_dir):
+        os.close(fd)
+        raise RunDirBusy(f"run.dir {run_dir} is in use by another job ({_describe(_read_holder(path))}); wait "
+                         "for it to end or choose another run.dir")
+    log.warning("run.dir %s: took over the lock of %s", run_dir, _describe(holder))
+    return _held(fd, path, purpose)
+
+
+def _read_holder(path: Path) -> dict | None:
+    try:
+        holder = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return holder if isinstance(holder, dict) else None
+
+
+def _describe(holder: dict | None) -> str:
+    try:
+        job = f", Slurm job {holder['slurm_job_id']}" if holder.get("slurm_job_id") else ""
+        restart = f" restart {holder['slurm_restart_count']}" if job and holder.get("slurm_restart_count") else ""
+        return (f"{holder.get('purpose', 'a job')} on host {holder['host']}, pid {holder['pid']}, "
+                f"since {holder['since']}{job}{restart}")
+    except (AttributeError, KeyError, TypeError):
         return "holder unknown"
 
 

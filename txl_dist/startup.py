@@ -301,7 +301,8 @@ def start_training(cfg: RunConfig, env: DistEnv, resume: str = "auto", *, log_fi
     start = TrainStart(resolved, manifest, run_dir, None, loader, evaluator, None, None)
     try:
         # A phase of its own: a lock taken while another rank's checks failed would outlive the refusal.
-        start.lock = _together(lambda: acquire_lock(run_dir.path) if env.is_main else None)
+        start.lock = _together(lambda: acquire_lock(run_dir.path, stale_after_s=resolved.train.collective_timeout_s)
+                               if env.is_main else None)
         check_run_dir_shared(run_dir.path, env)
         if log_file:
             attach_log_file(log, run_dir.log_file(env.rank))
