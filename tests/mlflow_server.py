@@ -28,6 +28,8 @@ from pathlib import Path
 
 import pytest
 
+from dist_helpers import free_port  # re-exported: the tracking tests take it from here
+
 START_TIMEOUT_S = 180.0
 """Seconds to wait for /health; ~10 s on an idle 2-core box, several times that when it is busy."""
 
@@ -88,13 +90,6 @@ def _signal_group(pgid: int, sig: int) -> bool:
     except ProcessLookupError:
         return False
     return True
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def mlflow_executable() -> str:

@@ -6,12 +6,13 @@ a NamedTuple that ZeRO-3's hooks can see, tied and shared (untie_r false) parame
 (world size 1): what is checked here is the model, not data parallelism."""
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
+
+from dist_helpers import free_port
 
 SCRIPT = r"""
 import copy, json, sys
@@ -62,12 +63,6 @@ losses = two_segments(engine, engine.backward)
 got = {"losses": losses, "grads": {n: safe_get_full_grad(p).tolist() for n, p in model.named_parameters()}}
 print("RESULT " + json.dumps({"expected": expected, "got": got}))
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow

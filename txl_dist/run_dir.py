@@ -8,6 +8,7 @@ RUN/logs/train.log        rank 0's log, appended by every job of the run (rank-N
 RUN/tracking/             the local metrics journal and the MLflow run id (txl_dist.tracking)
 RUN/mlflow.db, mlartifacts/  the default MLflow store when no tracking URI is set
 RUN/.lock                 held by rank 0 of the job that trains in this folder
+RUN/.corpus-hashes/       the sha256 of corpus files as hashed at an earlier start (txl_dist.data.hash_record)
 RUN/.shared-check-*       for a moment at start-up: the file every rank reads back (one folder for all ranks)
 ```
 The lock is an advisory flock on RUN/.lock: the kernel drops it when the holder's process ends, however it
@@ -59,6 +60,10 @@ class RunDir:
     @property
     def tracking(self) -> Path:
         return self.path / "tracking"
+
+    @property
+    def corpus_hashes(self) -> Path:
+        return self.path / ".corpus-hashes"
 
     @property
     def resolved_config(self) -> Path:

@@ -36,6 +36,7 @@ from .checkpoint import CheckpointError, EngineSource
 from .config import ConfigError, RunConfig, apply_override, changed_settings, check_cutoffs, config_from_dict, \
     default_value, load_config, model_config_from_dict, precision_of
 from .data import Manifest, SplitTooShort, StreamLoader, read_manifest
+from .data.hash_record import HashRecord
 from .distributed import DistEnv
 from .errors import Refused, one_line
 from .deepspeed_schema import check_deepspeed_config
@@ -297,13 +298,20 @@ def start_training(cfg: RunConfig, env: DistEnv, resume: str = "auto", *, log_fi
                               splits=eval_splits)
         return resolved, manifest, loader, evaluator
 
-    resolved, manifest, loader, evaluator = _together(local_checks)
+    # Files hashed by an earlier start of this run and unchanged since are not read again (hash_record.py).
+    hashes = HashRecord(run_dir.corpus_hashes)
+    with hashes.in_use():
+        resolved, manifest, loader, evaluator = _together(local_checks)
     start = TrainStart(resolved, manifest, run_dir, None, loader, evaluator, None, None)
     try:
         # A phase of its own: a lock taken while another rank's checks failed would outlive the refusal.
         start.lock = _together(lambda: acquire_lock(run_dir.path, stale_after_s=resolved.train.collective_timeout_s)
                                if env.is_main else None)
         check_run_dir_shared(run_dir.path, env)
+        hashes.save()  # only now: a refused start writes nothing
+        if hashes.hashed or hashes.remembered:
+            log.info("corpus: %d file(s) verified by sha256, %d unchanged since an earlier start of this run",
+                     len(hashes.hashed), len(hashes.remembered))
         if log_file:
             attach_log_file(log, run_dir.log_file(env.rank))
         start.resume = _choose_resume(start, env, resume)

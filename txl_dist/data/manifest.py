@@ -20,6 +20,8 @@ from txl_dist.atomic import atomic_write
 from txl_dist.errors import Refused
 from txl_dist.streams import streams_per_rank
 
+from . import hash_record
+
 FORMAT_NAME = "txl-dist-corpus"
 FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
@@ -277,12 +279,17 @@ def token_dtype(vocab_size: int) -> str:
 
 
 def sha256_file(path: str | os.PathLike, chunk_bytes: int = 1 << 22) -> str:
-    """Hex sha256 of a file's bytes, read in chunks (constant memory)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(chunk_bytes):
-            h.update(chunk)
-    return h.hexdigest()
+    """Hex sha256 of a file's bytes, read in chunks (constant memory); from the HashRecord in use, if any, when
+    the file is unchanged since it was hashed (txl_dist/data/hash_record.py)."""
+    def compute() -> str:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(chunk_bytes):
+                h.update(chunk)
+        return h.hexdigest()
+
+    record = hash_record.active()
+    return compute() if record is None else record.sha256(path, compute)
 
 
 def stream_length(n_tokens: int, n_streams: int) -> int:

@@ -1,0 +1,100 @@
+"""A training job verifies each corpus file's sha256 once per run folder, not at every start: the record in
+RUN/.corpus-hashes answers for files unchanged since (txl_dist/data/hash_record.py). A changed file is hashed
+again, so corruption is still refused; a refused start records nothing."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+from dist_helpers import learnable_stream, run_ranks, tiny_config, write_corpus
+from txl_dist.data import manifest as manifest_module
+from txl_dist.data.hash_record import HashRecord
+
+
+def test_a_record_answers_for_an_unchanged_file_and_hashes_a_changed_one(tmp_path):
+    data = tmp_path / "tokens.arrow"
+    data.write_bytes(b"a" * 1000)
+    expected = manifest_module.sha256_file(data)  # no record in use: hashed
+    first = HashRecord(tmp_path / "record")
+    with first.in_use():
+        assert manifest_module.sha256_file(data) == expected
+    assert first.hashed == [str(data)] and not (tmp_path / "record").exists()  # nothing written before save()
+    first.save()
+    again = HashRecord(tmp_path / "record")
+    with again.in_use():
+        assert manifest_module.sha256_file(data) == expected
+    assert again.hashed == [] and again.remembered == {str(data.resolve())}
+    # Changed in place (same size, new bytes, new modification time): hashed again, the change is seen.
+    data.write_bytes(b"b" * 1000)
+    st = data.stat()
+    os.utime(data, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    changed = HashRecord(tmp_path / "record")
+    with changed.in_use():
+        assert manifest_module.sha256_file(data) != expected
+    assert changed.hashed == [str(data)]
+    assert manifest_module.sha256_file(data) != expected  # outside the block: no record consulted
+
+
+def _starts(raw: dict, corrupt: str | None) -> list[str]:
+    """Three training starts on one run folder (the second unchanged, the third after `corrupt` changed, if
+    given); what each logged about the corpus, or its refusal."""
+    from txl_dist import distributed
+    from txl_dist.config import config_from_dict
+    from txl_dist.startup import start_training
+
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            if record.getMessage().startswith("corpus:"):
+                lines.append(record.getMessage())
+
+    env = distributed.discover()
+    distributed.setup_logging(env)
+    logging.getLogger(distributed.LOGGER_NAME).addHandler(Keep())
+    distributed.init_process_group(env)
+    try:
+        for i in range(3):
+            if i == 2 and corrupt:
+                with open(corrupt, "r+b") as f:
+                    f.seek(-8, os.SEEK_END)
+                    f.write(b"\xff" * 8)
+            try:
+                start = start_training(config_from_dict(raw), env, "auto")
+            except Exception as e:  # the refusal of the third start
+                lines.append(f"refused: {e}")
+                continue
+            start.tracker.close()
+            start.close()
+        return lines
+    finally:
+        distributed.destroy_process_group()
+
+
+def test_a_restart_does_not_hash_the_corpus_again_and_a_changed_file_is_still_refused(tmp_path):
+    corpus = write_corpus(tmp_path / "corpus", {"train": learnable_stream(4 * 97, 64, 0),
+                                                "valid": learnable_stream(80, 64, 1)})
+    n_files = 1 + sum(len(s["files"]) for s in json.loads((corpus / "manifest.json").read_text())["splits"].values())
+    raw = tiny_config(corpus, tmp_path / "run", eval={"at_end": False})
+    victim = corpus / json.loads((corpus / "manifest.json").read_text())["splits"]["train"]["files"][-1]["path"]
+    (first, second, third) = run_ranks(_starts, 1, raw, str(victim))[0]
+    assert first == f"corpus: {n_files} file(s) verified by sha256, 0 unchanged since an earlier start of this run"
+    assert second == f"corpus: 0 file(s) verified by sha256, {n_files} unchanged since an earlier start of this run"
+    assert third.startswith(f"refused: {victim}: sha256 ") and "differs from the manifest" in third
+
+
+def test_a_refused_start_records_nothing(tmp_path):
+    corpus = write_corpus(tmp_path / "corpus", {"train": learnable_stream(4 * 97, 64, 0),
+                                                "valid": learnable_stream(80, 64, 1)})
+    raw = tiny_config(corpus, tmp_path / "run", eval={"at_end": False})
+    from txl_dist.run_dir import acquire_lock
+
+    (tmp_path / "run").mkdir()
+    lock = acquire_lock(tmp_path / "run")  # another job holds the folder: the start is refused after the checks
+    try:
+        lines = run_ranks(_starts, 1, raw, None)[0]
+    finally:
+        lock.release()
+    assert len(lines) == 3 and all("in use by another job" in line for line in lines), lines
+    assert not (tmp_path / "run" / ".corpus-hashes").exists()
