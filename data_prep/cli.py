@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 import threading
@@ -11,6 +10,7 @@ from collections.abc import Sequence
 from data_prep.tokenizer import MODEL_TYPES, TrainerOptions
 from data_prep.errors import PrepError
 from txl_dist.errors import EXIT_REFUSED, Refused
+from txl_dist.host import raise_open_file_limit, usable_cpus
 
 _EXAMPLE = """example (the quickstart):
   python -m data_prep fetch-corpus shakespeare data/raw/shakespeare
@@ -18,10 +18,6 @@ _EXAMPLE = """example (the quickstart):
       --valid 'data/raw/shakespeare/valid/*.txt' --test 'data/raw/shakespeare/test/*.txt' \\
       --vocab-size 4096 --world-size 2 --n-streams 8
 """
-
-
-def _cpus() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _input_args(p: argparse.ArgumentParser) -> None:
@@ -102,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "with the held-out fractions, then all are mixed by weight into --out")
     g.add_argument("--train-tokens", type=int, default=None, metavar="N", help="the mixture's length (see mix)")
     g = p.add_argument_group("execution")
-    g.add_argument("--num-proc", type=int, default=_cpus(), help="tokenizer processes (default: the CPUs)")
+    g.add_argument("--num-proc", type=int, default=usable_cpus(), help="tokenizer processes (default: the CPUs)")
     g.add_argument("--shard", default=None, metavar="I/N",
                    help="tokenize only shard I of N into OUT/shard-I-of-N; then run `finalize OUT`")
     g.add_argument("--work-dir", default=None, help="scratch space (default: inside the temporary output)")
@@ -114,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="model file to write, e.g. tok.model")
     _input_args(p)
     _trainer_args(p)
-    p.add_argument("--num-proc", type=int, default=_cpus(), help="training threads (default: the CPUs)")
+    p.add_argument("--num-proc", type=int, default=usable_cpus(), help="training threads (default: the CPUs)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing model file")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--verbose", action="store_true", help="show SentencePiece's training log")
@@ -198,6 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     recorded = {k: v for k, v in vars(args).items() if k not in ("quiet", "verbose")}
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _raise_terminated) if in_main_thread else None
+    raise_open_file_limit()  # readers keep a descriptor per Arrow file touched: mixtures touch many
     try:
         return _run(args, command, recorded)
     except Refused as e:  # PrepError and CorpusError

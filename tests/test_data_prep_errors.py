@@ -260,3 +260,22 @@ def test_cli_exit_codes_in_a_subprocess(corpus):
     bad = subprocess.run([sys.executable, "-m", "data_prep", "verify", str(corpus)], env=env, capture_output=True,
                          text=True)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "tokenizer.model" in bad.stderr
+
+
+def test_a_data_prep_job_raises_its_open_file_limit(tmp_path):
+    """Readers keep a descriptor per Arrow file they touch (a mixture of many sources): a job started under a
+    soft limit of 64 runs under the hard limit (a refused job here, which is enough to see the limit)."""
+    script = ("import resource, sys\n"
+              "from data_prep.cli import main\n"
+              "main(['inspect', sys.argv[1]])\n"
+              "print('soft', resource.getrlimit(resource.RLIMIT_NOFILE)[0])")
+
+    def lower_soft_limit():
+        import resource
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+
+    import resource
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "no-corpus")], capture_output=True, text=True,
+                         preexec_fn=lower_soft_limit, timeout=120)
+    assert int(out.stdout.split("soft")[-1]) == (hard if hard != resource.RLIM_INFINITY else 1 << 20), out.stderr

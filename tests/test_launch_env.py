@@ -8,6 +8,7 @@ import torch
 
 from txl_dist import distributed
 from txl_dist.distributed import DistEnv, LaunchError, discover
+from txl_dist.host import raise_open_file_limit
 
 
 def test_torchrun_environment():
@@ -99,7 +100,7 @@ def test_the_open_file_limit_is_raised_to_the_hard_limit():
         pytest.skip(f"hard limit {hard}: no room below it to lower the soft limit")
     try:
         resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))  # what a login shell's ulimit may pass on
-        now = distributed.raise_open_file_limit()
+        now = raise_open_file_limit()
         assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == now > 256
         assert now == hard or hard == resource.RLIM_INFINITY
     finally:

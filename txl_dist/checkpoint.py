@@ -54,6 +54,7 @@ import torch
 from . import distributed
 from .atomic import atomic_path, atomic_write, fsync_dir, fsync_file
 from .errors import Refused, RunFailed, one_line
+from .host import usable_cpus
 from .scratch import owned_scratch, remove_abandoned
 from .streams import ranks_holding
 
@@ -628,7 +629,7 @@ def convert_to_universal(tag_dir: Path, out: Path, *, zero_stage: int) -> None:
     its loads restricted to weights (txl_dist.safe_load)."""
     # The other ranks wait (control timeout) while this one converts: the node's idle cores do the work, a few
     # shards at a time (each worker holds one optimizer shard or one parameter's pieces).
-    workers = str(max(1, min(CONVERSION_MAX_WORKERS, distributed.usable_cpus())))
+    workers = str(max(1, min(CONVERSION_MAX_WORKERS, usable_cpus())))
     # An owned scratch folder: a training job starting meanwhile removes only a killed conversion's folder,
     # never one in progress (an evaluation job's, which holds no lock on the run folder). DeepSpeed's converter
     # also writes a `latest_universal` beside its output: inside the scratch folder, it goes with it.

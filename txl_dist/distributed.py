@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from . import watchdog
+from .host import raise_open_file_limit, usable_cpus
 from .errors import Refused, one_line
 
 DEFAULT_MASTER_PORT = 29500
@@ -167,35 +168,9 @@ def configure_threads(env: DistEnv, environ: Mapping[str, str] | None = None) ->
     return torch.get_num_threads()
 
 
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity: what Slurm or taskset gave it), not the machine's."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
 def device_for(env: DistEnv) -> torch.device:
     """cuda:<local rank> when CUDA is there, else the CPU."""
     return torch.device("cuda", env.local_rank) if torch.cuda.is_available() else torch.device("cpu")
-
-
-def raise_open_file_limit() -> int:
-    """Raise this process's soft limit of open files to its hard limit; returns the soft limit now in force.
-
-    Rank 0 holds about 5 sockets per rank (the rendezvous store's clients: the process group's and the
-    watchdog's two; the two groups' gloo meshes): at a soft limit of 1024, a common default that Slurm passes
-    on from the submitting shell, a job of ~200 ranks would fail to connect. The hard limit is the site's."""
-    try:
-        import resource
-    except ImportError:  # not POSIX
-        return -1
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = hard if hard != resource.RLIM_INFINITY else 1 << 20  # Linux's default nr_open
-    if soft != resource.RLIM_INFINITY and soft < want:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-            soft = want
-        except (ValueError, OSError):
-            pass  # a limit the kernel refuses (above nr_open): keep the one in force
-    return soft
 
 
 def check_visible_gpus(env: DistEnv) -> None:
