@@ -98,3 +98,22 @@ def test_a_refused_start_records_nothing(tmp_path):
         lock.release()
     assert len(lines) == 3 and all("in use by another job" in line for line in lines), lines
     assert not (tmp_path / "run" / ".corpus-hashes").exists()
+
+
+def test_a_rank_that_hashes_far_more_than_its_block_is_told_to_relayout(tmp_path):
+    from txl_dist.config import config_from_dict
+    from txl_dist.data import StreamLoader, read_manifest
+    from txl_dist.startup import LAYOUT_WARNING_MIN_BYTES, layout_warning
+
+    corpus = write_corpus(tmp_path / "corpus", {"train": learnable_stream(4 * 97, 64, 0),
+                                                "valid": learnable_stream(80, 64, 1)}, layout=(1, 4))
+    cfg = config_from_dict(tiny_config(corpus, tmp_path / "run"))
+    manifest = read_manifest(corpus)
+    with StreamLoader(corpus, "train", rank=1, world_size=2, n_streams=4, micro_batch=1, tgt_len=8) as loader:
+        block_bytes = (loader.block[1] - loader.block[0]) * 2  # uint16
+        big = max(4 * block_bytes, LAYOUT_WARNING_MIN_BYTES)
+        line = layout_warning(cfg, manifest, loader, 2, big)
+        assert line.startswith(f"corpus: this rank hashed {big / 1e9:.1f} GB of corpus files to read its ")
+        assert "laid out for 1 rank(s) and 4 stream(s), this run has 2 and 4" in line
+        assert f"`python -m data_prep relayout {corpus} --world-size 2 --n-streams 4`" in line
+        assert layout_warning(cfg, manifest, loader, 2, big - 1) is None  # below 1 GiB (or 4 blocks): quiet

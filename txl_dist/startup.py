@@ -312,6 +312,9 @@ def start_training(cfg: RunConfig, env: DistEnv, resume: str = "auto", *, log_fi
         if hashes.hashed or hashes.remembered:
             log.info("corpus: %d file(s) verified by sha256, %d unchanged since an earlier start of this run",
                      len(hashes.hashed), len(hashes.remembered))
+        if env.is_main and (warning := layout_warning(resolved, manifest, loader, env.world_size,
+                                                      sum(Path(p).stat().st_size for p in hashes.hashed))):
+            log.warning("%s", warning)
         if log_file:
             attach_log_file(log, run_dir.log_file(env.rank))
         start.resume = _choose_resume(start, env, resume)
@@ -325,6 +328,27 @@ def start_training(cfg: RunConfig, env: DistEnv, resume: str = "auto", *, log_fi
         start.close()
         raise
     return start
+
+
+LAYOUT_WARNING_MIN_BYTES = 1 << 30
+
+
+def layout_warning(cfg: RunConfig, manifest: Manifest, loader: StreamLoader, world_size: int,
+                   hashed_bytes: int) -> str | None:
+    """A line when this rank hashed far more of the train split than its own block (at least 4x and 1 GiB):
+    the files were cut for another layout, so each rank reads files holding other ranks' streams; `relayout`
+    cuts one file set per rank. None otherwise, and for an index mixture (its blocks read the sources)."""
+    split = manifest.splits[cfg.data.train_split]
+    if split.index is not None:
+        return None
+    block_bytes = (loader.block[1] - loader.block[0]) * {"uint16": 2, "int32": 4}[manifest.dtype]
+    if hashed_bytes < max(4 * block_bytes, LAYOUT_WARNING_MIN_BYTES):
+        return None
+    return (f"corpus: this rank hashed {hashed_bytes / 1e9:.1f} GB of corpus files to read its {block_bytes / 1e9:.2f} "
+            f"GB block: split '{cfg.data.train_split}' is laid out for {split.layout.world_size} rank(s) and "
+            f"{split.layout.n_streams} stream(s), this run has {world_size} and {cfg.n_streams()}; "
+            f"`python -m data_prep relayout {cfg.data.path} --world-size {world_size} --n-streams {cfg.n_streams()}` "
+            "cuts one file set per rank (later starts of this run hash only files changed since)")
 
 
 def _choose_resume(start: TrainStart, env: DistEnv, resume: str) -> Resume | None:
