@@ -2,10 +2,10 @@
 
 A loader checks the sha256 of every file it opens (manifest.sha256_file). At tens of GB per rank that is
 minutes of reading at each start, and a job requeued at every time limit starts often. While a HashRecord is
-in use (`with record.in_use():`), sha256_file answers from the record for a file whose device, inode, size and
+in use (`with record.in_use():`), sha256_file answers from the record for a file whose path, inode, size and
 modification time are those it was hashed at, and hashes (and remembers) any other. `save()` writes what was
-hashed, one small JSON file per corpus file, so ranks and jobs that share the folder never write the same file
-at once. A file changed in place with its size and modification time kept is not noticed on later starts; its
+hashed, one small JSON file per corpus file, each atomically: ranks that hashed the same file leave one whole
+entry. A file changed in place with its size and modification time kept is not noticed on later starts; its
 first start noticed anything before.
 
 Standard library only.
@@ -26,7 +26,8 @@ _active: HashRecord | None = None
 
 
 def _identity(st: os.stat_result) -> list[int]:
-    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
+    # Not st_dev: an NFS client numbers its mounts itself, so nodes see one file under different devices.
+    return [st.st_ino, st.st_size, st.st_mtime_ns]
 
 
 class HashRecord:
