@@ -308,7 +308,6 @@ def start_training(cfg: RunConfig, env: DistEnv, resume: str = "auto", *, log_fi
         start.lock = _together(lambda: acquire_lock(run_dir.path, stale_after_s=resolved.train.collective_timeout_s)
                                if env.is_main else None)
         check_run_dir_shared(run_dir.path, env)
-        hashes.save()  # only now: a refused start writes nothing
         if hashes.hashed or hashes.remembered:
             log.info("corpus: %d file(s) verified by sha256, %d unchanged since an earlier start of this run",
                      len(hashes.hashed), len(hashes.remembered))
@@ -327,6 +326,7 @@ def start_training(cfg: RunConfig, env: DistEnv, resume: str = "auto", *, log_fi
     except BaseException:
         start.close()
         raise
+    hashes.save()  # only once nothing can refuse the start: a refused start writes nothing
     return start
 
 
