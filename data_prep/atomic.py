@@ -1,7 +1,7 @@
 """Atomic folder outputs: work happens in a hidden temporary folder renamed over the target at the end.
 
-The hidden folders (`.<out>.tmp-*`, `.<out>.scan-*`) are owned scratch folders (txl_dist/scratch.py): a
-killed job's are removed by the next job for the same output, never a live job's.
+The hidden folders (`.<out>.tmp-*`, `.<out>.scan-*`, `.<out>.sources-*`) are owned scratch folders
+(txl_dist/scratch.py): a killed job's are removed by the next job for the same output, never a live job's.
 
 An output is built in `<scratch>/output` and swapped with the previous one, which thereby lands inside the
 still-owned scratch folder: a kill at any moment leaves the old output to the next job's cleanup, never in a
@@ -26,7 +26,8 @@ __all__ = ["OWNER_LOCK", "OUTPUT", "atomic_dir", "check_output", "exchange", "ow
 
 OUTPUT = "output"
 """atomic_dir's output inside its scratch folder (beside the lock file, which never becomes part of it)."""
-SCRATCH_KINDS = ("tmp", "scan")
+SCRATCH_KINDS = ("tmp", "scan", "sources")
+"""atomic_dir's output, mix's document ends, `prepare --source`'s per-source corpora."""
 
 
 def _say_removed(out: Path, folder: Path) -> None:

@@ -102,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--shard", default=None, metavar="I/N",
                    help="tokenize only shard I of N into OUT/shard-I-of-N; then run `finalize OUT`")
     g.add_argument("--work-dir", default=None, help="scratch space (default: inside the temporary output)")
+    g.add_argument("--no-space-check", action="store_true",
+                   help="skip the up-front check that the disk can hold the output (estimated from the inputs' "
+                        "sizes at 1 token per byte, an upper bound: see docs/corpus_format.md)")
     g.add_argument("--overwrite", action="store_true", help="replace an existing output")
     g.add_argument("--quiet", action="store_true", help="no progress bars")
 
@@ -121,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="the corpus folder to write, e.g. data/mycorpus")
     _layout_args(p)
     p.add_argument("--overwrite", action="store_true", help="replace an existing corpus folder")
+    p.add_argument("--no-space-check", action="store_true",
+                   help="skip the check that the output's disk can hold the corpus (the shards' token bytes)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
     p = _command(sub, "mix", "interleave whole documents of prepared corpora by weight into one corpus",
@@ -241,20 +246,22 @@ def _run(args: argparse.Namespace, command: list[str], recorded: dict) -> int:
                             tokenizer_model=args.tokenizer_model, eod_piece=args.eod_piece, trainer=trainer,
                             num_proc=args.num_proc, world_size=args.world_size, n_streams=args.n_streams,
                             eval_streams=args.eval_streams, train_tokens=args.train_tokens, overwrite=args.overwrite,
-                            command=command, args=recorded, progress=not args.quiet)
+                            command=command, args=recorded, progress=not args.quiet,
+                            space_check=not args.no_space_check)
             print(f"wrote mixture {args.out}")
             return 0
         out = prepare(spec, args.out, tokenizer_model=args.tokenizer_model, eod_piece=args.eod_piece,
                       trainer=trainer, num_proc=args.num_proc, world_size=args.world_size,
                       n_streams=args.n_streams, eval_streams=args.eval_streams,
                       shard=parse_shard(args.shard) if args.shard else None, overwrite=args.overwrite,
-                      work_dir=args.work_dir, command=command, args=recorded, progress=not args.quiet)
+                      work_dir=args.work_dir, command=command, args=recorded, progress=not args.quiet,
+                      space_check=not args.no_space_check)
         print(f"wrote {'shard ' if args.shard else 'corpus '}{out}")
     elif args.command == "finalize":
         from data_prep.prepare import finalize
         out = finalize(args.parts, args.out, world_size=args.world_size, n_streams=args.n_streams,
                        eval_streams=args.eval_streams, overwrite=args.overwrite, command=command, args=recorded,
-                       progress=not args.quiet)
+                       progress=not args.quiet, space_check=not args.no_space_check)
         print(f"wrote corpus {out}")
     elif args.command == "mix":
         from data_prep.mix import mix, parse_source

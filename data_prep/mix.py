@@ -45,9 +45,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import shutil
 import sys
-import tempfile
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -61,7 +59,9 @@ from data_prep.atomic import atomic_dir, check_output, owned_scratch
 from data_prep.errors import PrepError
 from data_prep.layout import CHUNK_TOKENS, SplitWriter, check_fits, split_layouts
 from data_prep.prepare import InputSpec, prepare, provenance, train_tokenizer_job
-from data_prep.tokenizer import TrainerOptions
+from data_prep.sources import resolve_sources
+from data_prep.space import check_free_space, estimate_note, input_text_bytes, token_bytes
+from data_prep.tokenizer import TrainerOptions, describe_tokenizer
 from txl_dist.data.format import (
     Manifest,
     MixtureEntry,
@@ -518,30 +518,50 @@ def prepare_mixture(sources: Sequence[SourceSpec], spec: InputSpec, out: str | o
                     tokenizer_model: str | os.PathLike | None, eod_piece: str | None, trainer: TrainerOptions,
                     num_proc: int, world_size: int, n_streams: int, eval_streams: int | None,
                     train_tokens: int | None, overwrite: bool, command: Sequence[str] | None,
-                    args: dict[str, Any] | None, progress: bool) -> Manifest:
+                    args: dict[str, Any] | None, progress: bool, space_check: bool = True) -> Manifest:
     """`prepare --source NAME=FILES:WEIGHT ...`: raw text to a mixture in one step.
 
     One tokenizer for all sources (trained on all their training documents, or --tokenizer-model), each
     source prepared on its own with the held-out fractions of `spec` (so each has its own valid/test), then
-    mixed; the per-source corpora live in a temporary folder beside `out` and are removed at the end.
+    mixed. The per-source corpora live in an owned scratch folder beside `out` (`.<out>.sources-*`), removed
+    at the end, and by the next job for `out` when this one is killed.
     """
     out = Path(out)
     if spec.train or spec.valid or spec.test:
         raise PrepError("--source gives each source's files: drop --train/--valid/--test (hold out documents "
                         "of every source with --valid-fraction/--test-fraction)")
     check_output(out, overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.sources-", dir=out.parent))
-    try:
+    if space_check:
+        _check_mixture_space(sources, spec, out, tokenizer_model, eod_piece, trainer, train_tokens)
+    with owned_scratch(out, "sources") as work:
         if tokenizer_model is None:
             all_train = dataclasses.replace(spec, train=[str(s.corpus) for s in sources])
             tokenizer_model = train_tokenizer_job(all_train, work / "tokenizer.model", trainer, progress=progress)
         for s in sources:
             prepare(dataclasses.replace(spec, train=[str(s.corpus)]), work / s.name, tokenizer_model=tokenizer_model,
                     eod_piece=eod_piece, trainer=trainer, num_proc=num_proc, world_size=world_size,
-                    n_streams=n_streams, eval_streams=eval_streams, command=command, args=args, progress=progress)
+                    n_streams=n_streams, eval_streams=eval_streams, command=command, args=args, progress=progress,
+                    space_check=False)  # checked for the whole job above
         return mix([SourceSpec(s.name, work / s.name, s.weight) for s in sources], out, train_tokens=train_tokens,
                    seed=spec.seed, world_size=world_size, n_streams=n_streams, eval_streams=eval_streams,
                    overwrite=overwrite, command=command, args=args, progress=progress)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+
+
+def _check_mixture_space(sources: Sequence[SourceSpec], spec: InputSpec, out: Path,
+                         tokenizer_model: str | os.PathLike | None, eod_piece: str | None, trainer: TrainerOptions,
+                         train_tokens: int | None) -> None:
+    """All on out's file system: the per-source corpora, while the last one is made its token stream too, and
+    then the mixture (as large as the sources, or --train-tokens' worth plus the held-out documents)."""
+    vocab_size = trainer.vocab_size if tokenizer_model is None else describe_tokenizer(tokenizer_model,
+                                                                                       eod_piece).vocab_size
+    n_input = [input_text_bytes(resolve_sources([str(s.corpus)], f"--source {s.name}", spec.format),
+                                spec.read.text_field) for s in sources]
+    corpora = token_bytes(sum(n_input), vocab_size)
+    largest = token_bytes(max(n_input), vocab_size)
+    held_out = spec.valid_fraction + spec.test_fraction
+    mixture = corpora if train_tokens is None else int(
+        train_tokens * token_bytes(1, vocab_size) + held_out * corpora)
+    check_free_space([(out.parent, corpora, f"the sources' corpora: {estimate_note(sum(n_input), vocab_size)}"),
+                      (out.parent, max(largest, mixture), "then the mixture, or a source's token stream while it is "
+                                                          "laid out")],
+                     "prepare --source", "give --out on another file system")

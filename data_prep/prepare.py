@@ -22,10 +22,11 @@ from typing import Any
 from tqdm import tqdm
 
 from data_prep.atomic import atomic_dir, owned_scratch
-from data_prep.encode import Encoded, Encoder
+from data_prep.encode import Encoded, Encoder, document_texts
 from data_prep.errors import PrepError
 from data_prep.layout import SplitWriter, check_fits, iter_token_file, split_layouts
 from data_prep.plan import SPLITS, Plan, make_plan, routed_documents
+from data_prep.space import check_free_space, estimate_note, input_text_bytes, size_text, token_bytes
 from data_prep.shards import ShardInfo, SplitPart, find_shards, shard_name, write_shard_info
 from data_prep.sources import FORMATS, ReadOptions, Source, resolve_sources, scan_sources, source_files
 from data_prep.tokenizer import (
@@ -125,8 +126,11 @@ def prepare(spec: InputSpec, out: str | os.PathLike, *, tokenizer_model: str | o
             world_size: int = 1, n_streams: int = 1, eval_streams: int | None = None,
             shard: tuple[int, int] | None = None, overwrite: bool = False, work_dir: str | os.PathLike | None = None,
             command: Sequence[str] | None = None, args: dict[str, Any] | None = None,
-            progress: bool = True) -> Path:
-    """Prepare a corpus at `out` (or, with shard=(i, n), shard i's folder under `out`); returns its path."""
+            progress: bool = True, space_check: bool = True) -> Path:
+    """Prepare a corpus at `out` (or, with shard=(i, n), shard i's folder under `out`); returns its path.
+
+    With `space_check` a job refused up front when the disk(s) cannot hold its estimated output (data_prep/space.py).
+    """
     sources = spec.resolve()
     trainer = trainer or TrainerOptions()
     if num_proc < 1:
@@ -136,12 +140,16 @@ def prepare(spec: InputSpec, out: str | os.PathLike, *, tokenizer_model: str | o
         if shard is not None and shard[1] > 1:
             raise PrepError("--shard needs --tokenizer-model: every shard must use the same tokenizer "
                             "(train one first with `python -m data_prep train-tokenizer`)")
+        vocab_size = trainer.vocab_size
     else:
-        describe_tokenizer(tokenizer_model, eod_piece)  # refuse a bad model or eod piece before any work
+        # refuse a bad model or eod piece before any work
+        vocab_size = describe_tokenizer(tokenizer_model, eod_piece).vocab_size
     splits = [s for s in SPLITS if s in sources or s in spec.fractions()]
     layouts = split_layouts(splits, world_size, n_streams, eval_streams)
     out = Path(out)
     target = out / shard_name(*shard) if shard is not None else out
+    if space_check:
+        _check_prepare_space(sources, spec.read.text_field, vocab_size, target, work_dir, shard)
     if work_dir is not None:
         Path(work_dir).mkdir(parents=True, exist_ok=True)
     with atomic_dir(target, overwrite) as tmp:
@@ -157,6 +165,22 @@ def prepare(spec: InputSpec, out: str | os.PathLike, *, tokenizer_model: str | o
         finally:
             shutil.rmtree(work, ignore_errors=True)
     return target
+
+
+def _check_prepare_space(sources: dict[str, list[Source]], text_field: str, vocab_size: int, target: Path,
+                         work_dir: str | os.PathLike | None, shard: tuple[int, int] | None) -> None:
+    """prepare writes each split's token stream (into the work folder) and then lays it out beside `target`:
+    about twice the tokens' bytes, both kept until the end; a shard writes only its stream, its 1/n share."""
+    n_input = input_text_bytes((s for ss in sources.values() for s in ss), text_field)
+    note = estimate_note(n_input, vocab_size)
+    if shard is not None:
+        need = token_bytes(n_input, vocab_size) // shard[1]
+        needs = [(target.parent, need, f"shard {shard[0]}/{shard[1]}'s share of the tokens, 1/{shard[1]} of {note}")]
+    else:
+        need = token_bytes(n_input, vocab_size)
+        needs = [(Path(work_dir) if work_dir is not None else target.parent, need, f"the token stream: {note}"),
+                 (target.parent, need, "the corpus laid out: as much again")]
+    check_free_space(needs, "prepare", "give --out (or --work-dir) on another file system")
 
 
 def train_tokenizer_job(spec: InputSpec, out: str | os.PathLike, trainer: TrainerOptions, *,
@@ -178,15 +202,26 @@ def train_tokenizer_job(spec: InputSpec, out: str | os.PathLike, trainer: Traine
 
 def finalize(parts_dir: str | os.PathLike, out: str | os.PathLike, *, world_size: int = 1, n_streams: int = 1,
              eval_streams: int | None = None, overwrite: bool = False, command: Sequence[str] | None = None,
-             args: dict[str, Any] | None = None, progress: bool = True) -> Path:
+             args: dict[str, Any] | None = None, progress: bool = True, space_check: bool = True) -> Path:
     """Lay the shards of `parts_dir` out as the corpus `out` (cheap: copies tokens, no tokenizing)."""
     shards = find_shards(parts_dir)
     layouts = split_layouts(shards[0][1].splits, world_size, n_streams, eval_streams)
+    if space_check:  # the corpus takes what the shards' token files take (known here, not estimated)
+        need = sum(_file_size(d / part.file) for d, info in shards for part in info.splits.values())
+        check_free_space([(Path(out).parent, need, f"the shards' token files in {parts_dir}: {size_text(need)}")],
+                         "finalize", "give --out on another file system")
     prov = provenance(command, args, inputs=shards[0][1].provenance.get("inputs", []),
                       shards=[info.provenance for _, info in shards])
     with atomic_dir(out, overwrite) as tmp:
         build_corpus(shards, tmp, layouts, prov, progress)
     return Path(out)
+
+
+def _file_size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0  # missing: build_corpus names it
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -219,7 +254,7 @@ def _train(job: _Job, plan: Plan, model_path: Path, trainer: TrainerOptions, ver
     def documents():
         for _, _, docs in routed_documents(plan, job.opts, splits=["train"]):
             bar.update(len(docs))
-            yield from docs.to_pylist()
+            yield from document_texts(docs)
         bar.close()
         if job.progress:
             print(f"tokenizer: training {trainer.model_type} sentencepiece, vocab {trainer.vocab_size} ...",
@@ -260,7 +295,7 @@ def _tokenize_shard(job: _Job, shard_dir: Path, shard: tuple[int, int], tokenize
 
     try:
         with Encoder(str(model_path), tok.eod_id, dtype, num_proc) as encoder:
-            encoder.run(((s, docs) for s, _, docs in routed_documents(plan, job.opts)), sink)
+            encoder.run(routed_documents(plan, job.opts), sink)
         results = {s: w.close() for s, w in writers.items()}
     except BaseException:
         for w in writers.values():

@@ -2,14 +2,16 @@
 
 Formats (chosen per file from its name, or forced with --format):
   text     one document per file, or one per line with --line-docs (PTB, WikiText); newlines are
-           normalised by Python's universal-newline reading ("\\r\\n" -> "\\n")
+           normalised by Python's universal-newline reading ("\\r\\n" -> "\\n"). A file that is one
+           document is read here, into one UTF-8 buffer about its size (a `large_string`: no 2 GiB limit);
+           the tokenizer cuts a long one into pieces (data_prep/encode.py)
   json     JSON Lines (.jsonl/.json/.ndjson) with a text field (--text-field, default "text")
   parquet  (.parquet/.pq) with a text field
   arrow    a folder written by `datasets.Dataset.save_to_disk` with a text field
 
 Documents are streamed (`load_dataset(..., streaming=True)`, `load_from_disk` is memory-mapped) in Arrow
-batches, so no whole corpus is ever held in memory. `datasets` runs offline with its cache under the job's
-temporary folder unless HF_DATASETS_CACHE is set.
+batches, so no whole corpus is ever held in memory (the longest document is, once, as UTF-8). `datasets`
+runs offline with its cache under the job's temporary folder unless HF_DATASETS_CACHE is set.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 
 from data_prep.errors import PrepError
@@ -28,6 +31,10 @@ TEXT, JSON, PARQUET, ARROW = "text", "json", "parquet", "arrow"
 FORMATS = ("auto", TEXT, JSON, PARQUET, ARROW)
 _SUFFIX_KIND = {".jsonl": JSON, ".json": JSON, ".ndjson": JSON, ".parquet": PARQUET, ".pq": PARQUET}
 _CHUNK = 1 << 22
+_READ_CHARS = 1 << 22
+"""Characters decoded at a time when reading a plain-text document."""
+_TEXT_BATCH_BYTES = 1 << 22
+"""Plain-text documents (one per file) are handed on in batches of up to this many bytes; a larger file alone."""
 
 
 @dataclass(frozen=True)
@@ -156,10 +163,10 @@ def _check_chunk(decoder: codecs.IncrementalDecoder, chunk: bytes, offset: int, 
 
 def iter_documents(sources: Sequence[Source], opts: ReadOptions, batch_rows: int = 1024
                    ) -> Iterator[tuple[str, pa.Array]]:
-    """Yield (label, string array) batches of documents, in input order; label names the file(s).
+    """Yield (label, string array) batches of documents, in input order; label names the batch's file(s).
 
-    Consecutive plain-text files are read by one `load_dataset` call (per-call overhead matters for many
-    small files); every other input is read on its own so that an error can name it.
+    Consecutive plain-text files are read as one group (one `load_dataset` call with --line-docs: per-call
+    overhead matters for many small files); every other input is read on its own so that an error can name it.
     """
     i = 0
     while i < len(sources):
@@ -168,21 +175,16 @@ def iter_documents(sources: Sequence[Source], opts: ReadOptions, batch_rows: int
             while j < len(sources) and sources[j].kind == TEXT:
                 j += 1
         group = sources[i:j]
-        label = str(group[0].path) if len(group) == 1 else f"{group[0].path} .. {group[-1].path} ({len(group)} files)"
-        rows = 1 if group[0].kind == TEXT and not opts.line_docs else batch_rows
+        group_label = _files_label([s.path for s in group])
         n_rows = 0
-        for column in _read_group(group, opts, rows, label):
+        for label, column in _read_group(group, opts, batch_rows, group_label):
             if column.null_count:
                 raise PrepError(f"input {label}: {column.null_count} document(s) have no text "
                                 f"(null {opts.text_field!r}); drop them or fill them in")
             n_rows += len(column)
             yield label, column
-        if group[0].kind == TEXT and not opts.line_docs and n_rows != len(group):
-            # datasets silently skips a data file it cannot match; never lose a document quietly.
-            raise PrepError(f"input {label}: read {n_rows} documents from {len(group)} files; "
-                            "a file was skipped by the reader")
         if n_rows == 0:
-            raise PrepError(f"input {label}: holds no documents; remove it or give it text")
+            raise PrepError(f"input {group_label}: holds no documents; remove it or give it text")
         i = j
 
 
@@ -201,12 +203,17 @@ def count_documents(sources: Sequence[Source], opts: ReadOptions, progress=None)
     return n
 
 
-def _read_group(group: Sequence[Source], opts: ReadOptions, batch_rows: int, label: str) -> Iterator[pa.Array]:
+def _read_group(group: Sequence[Source], opts: ReadOptions, batch_rows: int, label: str
+                ) -> Iterator[tuple[str, pa.Array]]:
+    """(label, documents) batches of one group of inputs; the label names the batch's file(s)."""
     import datasets  # heavy import, only in the commands that read inputs
 
     kind = group[0].kind
     cache = str(opts.cache_dir) if opts.cache_dir else None
     try:
+        if kind == TEXT and not opts.line_docs:
+            yield from _read_text_documents(group, opts.errors, batch_rows)
+            return
         if kind == ARROW:
             ds = datasets.load_from_disk(str(group[0].path))
             if isinstance(ds, datasets.DatasetDict):
@@ -234,7 +241,7 @@ def _read_group(group: Sequence[Source], opts: ReadOptions, batch_rows: int, lab
             if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
                 raise PrepError(f"input {label}: field {opts.text_field!r} holds {column.type}, not text; "
                                 "pass --text-field NAME of a string field")
-            yield column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+            yield label, column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
     except PrepError:
         raise
     except UnicodeDecodeError as e:
@@ -242,6 +249,55 @@ def _read_group(group: Sequence[Source], opts: ReadOptions, batch_rows: int, lab
     except (ValueError, OSError, pa.ArrowException, datasets.exceptions.DatasetsError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise PrepError(f"input {label}: cannot be read as {kind} ({first})") from None
+
+
+def _read_text_documents(group: Sequence[Source], errors: str, batch_rows: int) -> Iterator[tuple[str, pa.Array]]:
+    """One document per plain-text file, in batches of up to batch_rows files and _TEXT_BATCH_BYTES (a larger
+    file alone), each labelled with its file(s).
+
+    Read here, not by `datasets`: it holds a file as one Python string (up to 4 bytes per character) and then
+    copies it into an Arrow `string`, which cannot hold 2 GiB; here a file becomes UTF-8 in one buffer about
+    its size, in a `large_string` (64-bit offsets).
+    """
+    parts: list[bytearray] = []
+    paths: list[Path] = []
+    n_bytes = 0
+    for source in group:
+        size = source.path.stat().st_size
+        if parts and (len(parts) == batch_rows or n_bytes + size > _TEXT_BATCH_BYTES):
+            yield _files_label(paths), _large_strings(parts)
+            parts, paths, n_bytes = [], [], 0
+        parts.append(_read_text_file(source.path, errors))
+        paths.append(source.path)
+        n_bytes += len(parts[-1])
+    if parts:
+        yield _files_label(paths), _large_strings(parts)
+
+
+def _read_text_file(path: Path, errors: str) -> bytearray:
+    """The file's text as UTF-8, exactly what `open(path, encoding="utf-8", errors=errors).read()` gives
+    (universal newlines: "\\r\\n" and "\\r" become "\\n"), decoded _READ_CHARS at a time into one buffer."""
+    out = bytearray(path.stat().st_size)  # the text's size, unless errors="replace" makes it longer
+    n = 0
+    with open(path, encoding="utf-8", errors=errors) as f:
+        while chunk := f.read(_READ_CHARS):
+            data = chunk.encode("utf-8")
+            out[n:n + len(data)] = data  # grows the buffer where the slice runs past its end
+            n += len(data)
+    del out[n:]
+    return out
+
+
+def _large_strings(parts: list[bytearray]) -> pa.Array:
+    """A large_string array of the UTF-8 texts; one text is wrapped without a copy."""
+    offsets = np.zeros(len(parts) + 1, dtype=np.int64)  # [n + 1]
+    np.cumsum([len(p) for p in parts], out=offsets[1:])
+    data = parts[0] if len(parts) == 1 else b"".join(parts)
+    return pa.LargeStringArray.from_buffers(len(parts), pa.py_buffer(offsets), pa.py_buffer(data))
+
+
+def _files_label(paths: Sequence[Path]) -> str:
+    return str(paths[0]) if len(paths) == 1 else f"{paths[0]} .. {paths[-1]} ({len(paths)} files)"
 
 
 def _check_field(names: Sequence[str], field: str, label: str) -> None:

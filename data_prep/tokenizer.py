@@ -4,6 +4,9 @@ A trained model has unk_id 0 and an end-of-document control piece "<eod>" (Sente
 no bos or pad. A control piece is never produced by encoding text, so an eod id in the stream always marks
 a document end. Training reads a random sample of sentences (lines of the training documents), so its
 memory depends on --tokenizer-sample, not on the corpus size.
+
+`document_cuts` says where a long document may be cut so that encoding its pieces one by one gives the ids
+of encoding it whole (data_prep/encode.py encodes long documents in pieces).
 """
 from __future__ import annotations
 
@@ -146,6 +149,12 @@ def describe_tokenizer(path: str | os.PathLike, eod_piece: str | None = None) ->
 
 def model_type(path: str | os.PathLike) -> str:
     """unigram, bpe, word or char, read from the model's trainer spec."""
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    return pb.TrainerSpec.ModelType.Name(_model_proto(path).trainer_spec.model_type).lower()
+
+
+def _model_proto(path: str | os.PathLike):
     # sentencepiece ships the protobuf schema of its model file; protobuf comes with mlflow.
     from sentencepiece import sentencepiece_model_pb2 as pb
 
@@ -154,4 +163,60 @@ def model_type(path: str | os.PathLike) -> str:
         proto.ParseFromString(Path(path).read_bytes())
     except Exception as e:  # protobuf's DecodeError is not exported under a stable name
         raise PrepError(f"tokenizer {path}: cannot parse the model file ({e})") from None
-    return pb.TrainerSpec.ModelType.Name(proto.trainer_spec.model_type).lower()
+    return proto
+
+
+SPACE = "\u2581"
+"""SentencePiece's visible space ("▁"), which escaped whitespace becomes."""
+BUILTIN_NORMALIZATIONS = ("nmt_nfkc", "nfkc", "nmt_nfkc_cf", "nfkc_cf", "identity")
+"""The rules `--normalization` offers: no rule of theirs maps a sequence holding a space or newline, so a cut
+after one never splits a normalization (tests/test_data_prep_pieces.py checks each on real models)."""
+
+
+@dataclass(frozen=True)
+class DocumentCuts:
+    """Where a document may be cut for this tokenizer: just after one of `chars` (in order of preference),
+    or nowhere (`chars` empty, `why_not` says why)."""
+
+    chars: tuple[bytes, ...]
+    why_not: str = ""
+
+
+def document_cuts(path: str | os.PathLike) -> DocumentCuts:
+    """The characters after which a document may be cut: encoding the pieces one by one then gives exactly the
+    ids of the whole document.
+
+    Why a cut after whitespace is exact: with SentencePiece's default normalizer flags (a dummy "▁" prefix,
+    extra whitespace removed, whitespace escaped as "▁"), the normalized whole is the normalized first piece
+    (its trailing whitespace dropped) followed by the normalized second (its leading whitespace dropped, the
+    dummy prefix standing for the run of whitespace between them). The ids then agree when no vocabulary
+    piece holds a "▁" after its first character (no piece can span the cut), "▁" is a piece of its own (no
+    unknown-piece run is merged across the cut, as SentencePiece merges consecutive unknowns) and the model
+    is not `word` (which makes a whole unknown word one unknown id and merges unknown words: two unknown
+    words on either side of a cut would become two ids instead of one). A newline is whitespace to the nmt_*
+    normalizations only (the others keep it as a character): those cut after newlines, the others after
+    spaces. (Unigram models sum path scores in float32, so at near-ties a long text encoded in one call may
+    choose differently than its pieces: docs/corpus_format.md, Long documents.)
+    """
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    proto = _model_proto(path)
+    norm, kind = proto.normalizer_spec, pb.TrainerSpec.ModelType.Name(proto.trainer_spec.model_type).lower()
+    types = pb.ModelProto.SentencePiece
+    if kind not in ("unigram", "bpe", "char"):
+        return DocumentCuts((), f"its model type is {kind}")
+    if norm.name not in BUILTIN_NORMALIZATIONS:
+        return DocumentCuts((), f"its normalization rule {norm.name!r} is none of {', '.join(BUILTIN_NORMALIZATIONS)}")
+    if not (norm.add_dummy_prefix and norm.remove_extra_whitespaces and norm.escape_whitespaces) \
+            or proto.trainer_spec.treat_whitespace_as_suffix:
+        return DocumentCuts((), "its normalizer keeps extra whitespace or has no dummy prefix")
+    words = [p.piece for p in proto.pieces if p.type in (types.NORMAL, types.USER_DEFINED)]
+    if SPACE not in words:
+        return DocumentCuts((), f"{SPACE!r} is not a piece of its vocabulary")
+    if any(SPACE in w[1:] for w in words):
+        return DocumentCuts((), f"a piece of its vocabulary holds {SPACE!r} after its first character")
+    user = [p.piece for p in proto.pieces if p.type == types.USER_DEFINED]
+    sp = load_processor(path)
+    chars = tuple(c.encode() for c in ("\n", " ")
+                  if sp.normalize(f"a{c}b") == f"{SPACE}a{SPACE}b" and not any(c in u for u in user))
+    return DocumentCuts(chars, "" if chars else "neither a newline nor a space is whitespace to it")

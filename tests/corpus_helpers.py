@@ -87,3 +87,22 @@ def flip_bytes(path: Path) -> None:
     mid = len(data) // 2
     data[mid:mid + 4] = bytes(b ^ 0xFF for b in data[mid:mid + 4])
     path.write_bytes(bytes(data))
+
+
+def tricky_text(n_words: int, seed: int = 0) -> str:
+    """Text that tests whitespace handling: many newlines, blank lines, runs of spaces, tabs, CRLF and lone CR,
+    leading and trailing whitespace, non-ASCII words and characters that NFKC rewrites (ligatures, full-width
+    forms, combining accents after a newline)."""
+    import random
+
+    rng = random.Random(seed)
+    words = ["the", "of", "and", "to", "a", "Thou", "hast", "héllo", "naïve", "straße", "ﬁne", "Ａｂｃ", "①",
+             "e\u0301t\u00e9", "日本語", "ΣΊΣΥΦΟΣ", "x\u2581y", "12,5", "don't", "—", "😀"]
+    gaps = [" ", " ", " ", "  ", "\n", "\n", "\n\n", "\n \n", " \n", "\n ", "\t", " \t", "\r\n", "\r\n\r\n", "\r",
+            "\u3000", "\u00a0", "\n\u0301", " \u0301", "\n\n\n\t "]
+    parts = [rng.choice(["", " ", "\n", "  \n\t", "\r\n"])]
+    for _ in range(n_words):
+        made_up = "".join(rng.choices("etaoinshrdlucmfwyp", k=rng.randint(1, 8)))
+        word = rng.choice(words) if rng.random() < 0.5 else made_up
+        parts += [word, rng.choice(gaps)]
+    return "".join(parts)

@@ -183,3 +183,44 @@ def test_a_scratch_folder_loses_its_lock_file_last(tmp_path, monkeypatch):
     assert not folder.exists()
     assert removed[-1] == folder.name and OWNER_LOCK not in removed[:-1]
     assert sorted(removed[:-1]) == ["a.arrow", "output", "z.arrow"]
+
+
+SOURCES_JOB = """
+import sys, time
+import data_prep.mix as mix
+def stop_before_mixing(specs, out, **kwargs):
+    print(specs[0].corpus.parent, flush=True)  # the per-source corpora are written: wait to be killed
+    time.sleep(600)
+mix.mix = stop_before_mixing
+from data_prep.cli import main
+main(sys.argv[1:])
+"""
+
+
+def test_a_killed_prepare_sources_job_leaves_its_corpora_to_the_next_job(tmp_path, capsys):
+    """`prepare --source` keeps its per-source corpora in an owned scratch folder: killed (SIGKILL) after
+    preparing them, it leaves them behind, and the next job for the same output removes them."""
+    from corpus_helpers import tricky_text
+    from data_prep.cli import main
+    from data_prep.tokenizer import TrainerOptions, train_tokenizer, training_sentences
+
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        for k in range(10):
+            (tmp_path / name / f"{k}.txt").write_text(tricky_text(100, seed=k), encoding="utf-8")
+    model = train_tokenizer(training_sentences(tricky_text(100, seed=k) for k in range(10)), tmp_path / "tok.model",
+                            TrainerOptions(vocab_size=400, model_type="bpe"))
+    out = tmp_path / "mixture"
+    argv = ["prepare", "--out", str(out), "--source", f"a={tmp_path / 'a'}/*.txt:1", "--source",
+            f"b={tmp_path / 'b'}/*.txt:2", "--valid-fraction", "0.2", "--tokenizer-model", str(model),
+            "--num-proc", "1", "--quiet"]
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    proc = subprocess.Popen([sys.executable, "-c", SOURCES_JOB, *argv], stdout=subprocess.PIPE, text=True, env=env)
+    work = Path(proc.stdout.readline().strip())
+    kill(proc)
+    assert work.parent == tmp_path and work.name.startswith(".mixture.sources-")
+    assert (work / "a" / "manifest.json").is_file() and (work / "b" / "manifest.json").is_file()
+    assert main(argv) == 0
+    assert not work.exists()
+    assert f"removed {work}: left by a job for mixture that was killed" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "mixture", "tok.model"]
