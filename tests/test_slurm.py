@@ -381,9 +381,10 @@ def test_prep_array_and_finalize_give_the_streams_of_a_single_prepare(cluster, t
 
     _write_texts(tmp_path / "raw")
     inputs = ["--train", "raw/train/*.txt", "--valid", "raw/valid/*.txt", "--test", "raw/test/*.txt"]
+    # --no-space-check reaches prepare and finalize, not train-tokenizer (whose parser has no such flag).
     out = cluster.run("bash", str(REPO / "launch" / "slurm" / "prep.sh"), "--shards", "2", "--out", "corpus",
                       "--world-size", "2", "--n-streams", "4", "--logs", "logs", *inputs, "--vocab-size", "512",
-                      cwd=tmp_path)
+                      "--no-space-check", cwd=tmp_path)
     jobs = {m.group(1): int(m.group(2)) for m in re.finditer(r"^txl-prep: (\w+) job (\d+)", out, re.MULTILINE)}
     assert set(jobs) == {"tokenizer", "array", "finalize"}, out
     info = cluster.wait(jobs["finalize"], timeout=400)

@@ -3,7 +3,7 @@
 #
 #   bash launch/slurm/prep.sh --shards N --out CORPUS [--world-size W --n-streams S [--eval-streams E]]
 #       [--tokenizer-model TOK.model] [--parts DIR] [--logs DIR] [--cpus-per-task C] [--sbatch OPTION ...]
-#       [--overwrite] INPUTS AND TOKENIZER OPTIONS (as for `python -m data_prep prepare`)
+#       [--overwrite] [--no-space-check] INPUTS AND TOKENIZER OPTIONS (as for `python -m data_prep prepare`)
 #
 # 1. train-tokenizer (only when no --tokenizer-model is given): one job, writes PARTS/tokenizer.model;
 # 2. prepare --shard i/N: an array job of N tasks (--dependency=afterok on 1), writes PARTS/shard-i-of-N;
@@ -24,7 +24,7 @@ die() { echo "txl-prep: error: $*" >&2; exit 2; }
 need() { if [ $# -lt 2 ] || [ -z "$2" ]; then die "$1 needs a value"; fi; }
 
 SHARDS="" OUT="" PARTS="" TOK="" LOGS="." CPUS=""
-LAYOUT=() OVERWRITE=() SBATCH_OPTS=() PASS=() PREPARE_ONLY=()
+LAYOUT=() OVERWRITE=() NO_SPACE_CHECK=() SBATCH_OPTS=() PASS=() PREPARE_ONLY=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --shards) need "$@"; SHARDS="$2"; shift 2 ;;
@@ -44,6 +44,7 @@ while [ $# -gt 0 ]; do
         --world-size | --n-streams | --eval-streams) need "$@"; LAYOUT+=("$1" "$2"); shift 2 ;;
         --world-size=* | --n-streams=* | --eval-streams=*) LAYOUT+=("$1"); shift ;;
         --overwrite) OVERWRITE=(--overwrite); shift ;;
+        --no-space-check) NO_SPACE_CHECK=(--no-space-check); shift ;;  # prepare's and finalize's, not the tokenizer's
         --eod-piece | --work-dir) need "$@"; PREPARE_ONLY+=("$1" "$2"); shift 2 ;;
         --eod-piece=* | --work-dir=*) PREPARE_ONLY+=("$1"); shift ;;
         --shard | --shard=*) die "--shard is set per array task; give --shards N" ;;
@@ -66,8 +67,9 @@ PY="${TXL_PYTHON:-}"
 [ -n "$PY" ] || { [ -x "$REPO/.venv/bin/python" ] && PY="$REPO/.venv/bin/python"; } || PY="$(command -v python3)"
 # The arguments each job will run with, checked now by data_prep's parser (not after hours in the queue).
 TOKENIZER_ARGS=(--out "$TOK" "${PASS[@]}" "${OVERWRITE[@]}")
-PREPARE_ARGS=(--out "$PARTS" --tokenizer-model "$TOK" "${PASS[@]}" "${PREPARE_ONLY[@]}" "${OVERWRITE[@]}")
-FINALIZE_ARGS=("$PARTS" --out "$OUT" "${LAYOUT[@]}" "${OVERWRITE[@]}")
+PREPARE_ARGS=(--out "$PARTS" --tokenizer-model "$TOK" "${PASS[@]}" "${PREPARE_ONLY[@]}" "${OVERWRITE[@]}"
+    "${NO_SPACE_CHECK[@]}")
+FINALIZE_ARGS=("$PARTS" --out "$OUT" "${LAYOUT[@]}" "${OVERWRITE[@]}" "${NO_SPACE_CHECK[@]}")
 check() {
     PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PY" - "$@" <<'EOF' || exit 2
 import sys
