@@ -49,9 +49,8 @@ def whole_document_ids(model: Path, docs: list[str]) -> np.ndarray:
     return np.array([i for d in docs for i in sp.encode(d) + [sp.eos_id()]], dtype=np.int64)
 
 
-def encode_with(model: Path, docs: pa.Array, monkeypatch, **encoder) -> tuple[np.ndarray, list[int], int]:
-    """Encode through Encoder in this process; returns (tokens, the byte length of every row a worker call
-    encoded, the documents counted)."""
+def record_encoded_rows(monkeypatch) -> list[int]:
+    """The byte length of every row a worker call encodes in this process, from now on (a list that grows)."""
     rows: list[int] = []
     real = data_prep.encode._encode
 
@@ -60,6 +59,13 @@ def encode_with(model: Path, docs: pa.Array, monkeypatch, **encoder) -> tuple[np
         return real(texts, *ends)
 
     monkeypatch.setattr(data_prep.encode, "_encode", recording)
+    return rows
+
+
+def encode_with(model: Path, docs: pa.Array, monkeypatch, **encoder) -> tuple[np.ndarray, list[int], int]:
+    """Encode through Encoder in this process; returns (tokens, the byte length of every row a worker call
+    encoded, the documents counted)."""
+    rows = record_encoded_rows(monkeypatch)
     out, n_docs = [], 0
 
     def sink(key, enc):
@@ -163,14 +169,8 @@ def test_prepare_encodes_a_long_document_in_pieces_in_parallel(models, tmp_path,
     model = models["nmt_nfkc", "bpe", True]
     doc = write_long_document(tmp_path / "book.txt", 14000)
     assert len(doc.encode()) > 40 * 2048 and "\r" not in doc
-    rows: list[int] = []
     real = data_prep.encode._encode
-
-    def recording(texts, *ends):
-        rows.extend(len(t.encode()) for t in texts.to_pylist())
-        return real(texts, *ends)
-
-    monkeypatch.setattr(data_prep.encode, "_encode", recording)
+    rows = record_encoded_rows(monkeypatch)
     common = ["--train", tmp_path / "book.txt", "--tokenizer-model", model, "--quiet"]
     assert main([str(a) for a in ["prepare", "--out", tmp_path / "one", "--num-proc", 1, *common]]) == 0
     np.testing.assert_array_equal(corpus_ids(tmp_path / "one"), whole_document_ids(model, [doc]))
