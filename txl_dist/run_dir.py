@@ -136,8 +136,7 @@ def acquire_lock(run_dir: Path, *, purpose: str = "training", stale_after_s: flo
     holder = _read_holder(path)
     if stale_after_s > 0 and _earlier_start_of_this_job(holder):
         return _take_over(run_dir, path, holder, purpose, stale_after_s)
-    raise RunDirBusy(f"run.dir {run_dir} is in use by another job ({_describe(holder)}); wait for it to end "
-                     "or choose another run.dir")
+    raise _busy(run_dir, holder)
 
 
 def _open_lock_file(run_dir: Path, path: Path) -> int:
@@ -203,10 +202,14 @@ def _take_over(run_dir: Path, path: Path, holder: dict, purpose: str, wait_s: fl
     fd = _open_lock_file(run_dir, path)
     if not _try_flock(fd, run_dir):
         os.close(fd)
-        raise RunDirBusy(f"run.dir {run_dir} is in use by another job ({_describe(_read_holder(path))}); wait "
-                         "for it to end or choose another run.dir")
+        raise _busy(run_dir, _read_holder(path))
     log.warning("run.dir %s: took over the lock of %s", run_dir, _describe(holder))
     return _held(fd, path, purpose)
+
+
+def _busy(run_dir: Path, holder: dict | None) -> RunDirBusy:
+    return RunDirBusy(f"run.dir {run_dir} is in use by another job ({_describe(holder)}); wait for it to end or "
+                      "choose another run.dir")
 
 
 def _read_holder(path: Path) -> dict | None:
