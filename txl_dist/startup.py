@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
+import numpy as np
+
 from . import checkpoint, distributed, runtime_choices
 from .checkpoint import CheckpointError, EngineSource
 from .config import ConfigError, RunConfig, apply_override, changed_settings, check_cutoffs, config_from_dict, \
@@ -341,7 +343,7 @@ def layout_warning(cfg: RunConfig, manifest: Manifest, loader: StreamLoader, wor
     split = manifest.splits[cfg.data.train_split]
     if split.index is not None:
         return None
-    block_bytes = (loader.block[1] - loader.block[0]) * {"uint16": 2, "int32": 4}[manifest.dtype]
+    block_bytes = (loader.block[1] - loader.block[0]) * np.dtype(manifest.dtype).itemsize
     if hashed_bytes < max(4 * block_bytes, LAYOUT_WARNING_MIN_BYTES):
         return None
     return (f"corpus: this rank hashed {hashed_bytes / 1e9:.1f} GB of corpus files to read its {block_bytes / 1e9:.2f} "
