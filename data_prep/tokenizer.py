@@ -149,9 +149,13 @@ def describe_tokenizer(path: str | os.PathLike, eod_piece: str | None = None) ->
 
 def model_type(path: str | os.PathLike) -> str:
     """unigram, bpe, word or char, read from the model's trainer spec."""
+    return _model_type(_model_proto(path))
+
+
+def _model_type(proto) -> str:
     from sentencepiece import sentencepiece_model_pb2 as pb
 
-    return pb.TrainerSpec.ModelType.Name(_model_proto(path).trainer_spec.model_type).lower()
+    return pb.TrainerSpec.ModelType.Name(proto.trainer_spec.model_type).lower()
 
 
 def _model_proto(path: str | os.PathLike):
@@ -201,7 +205,7 @@ def document_cuts(path: str | os.PathLike) -> DocumentCuts:
     from sentencepiece import sentencepiece_model_pb2 as pb
 
     proto = _model_proto(path)
-    norm, kind = proto.normalizer_spec, pb.TrainerSpec.ModelType.Name(proto.trainer_spec.model_type).lower()
+    norm, kind = proto.normalizer_spec, _model_type(proto)
     types = pb.ModelProto.SentencePiece
     if kind not in ("unigram", "bpe", "char"):
         return DocumentCuts((), f"its model type is {kind}")
