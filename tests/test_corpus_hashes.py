@@ -1,6 +1,7 @@
 """A training job verifies each corpus file's sha256 once per run folder, not at every start: the record in
 RUN/.corpus-hashes answers for files unchanged since (txl_dist/data/hash_record.py). A changed file is hashed
-again, so corruption is still refused; a refused start records nothing."""
+again, so corruption is still refused; a refused start records nothing. On more than one rank, each file is
+hashed by one rank and the others take its digest (txl_dist/startup.py: share_corpus_hashing)."""
 from __future__ import annotations
 
 import json
@@ -117,3 +118,88 @@ def test_a_rank_that_hashes_far_more_than_its_block_is_told_to_relayout(tmp_path
         assert "laid out for 1 rank(s) and 4 stream(s), this run has 2 and 4" in line
         assert f"`python -m data_prep relayout {corpus} --world-size 2 --n-streams 4`" in line
         assert layout_warning(cfg, manifest, loader, 2, big - 1) is None  # below 1 GiB (or 4 blocks): quiet
+
+
+def test_another_ranks_digest_answers_only_for_the_file_it_saw(tmp_path):
+    shared, local = tmp_path / "shared.arrow", tmp_path / "local.arrow"
+    shared.write_bytes(b"a" * 1000)
+    local.write_bytes(b"b" * 1000)
+    other = HashRecord(tmp_path / "record")
+    with other.in_use():
+        manifest_module.sha256_file(shared)
+        manifest_module.sha256_file(local)
+    entries = other.hashed_entries()
+    local.unlink()
+    local.write_bytes(b"c" * 1000)  # this rank's copy is another file (a node-local copy, say): a new inode
+    mine = HashRecord(tmp_path / "record")
+    mine.take(entries)
+    with mine.in_use():
+        assert manifest_module.sha256_file(shared) == entries[str(shared.resolve())]["sha256"]
+        assert manifest_module.sha256_file(local) != entries[str(local.resolve())]["sha256"]
+    assert mine.taken == {str(shared.resolve())} and mine.hashed == [str(local)]
+    mine.save()  # a taken digest is the hashing rank's to save
+    assert not (tmp_path / "record").exists() or len(list((tmp_path / "record").iterdir())) == 1
+
+
+def _first_start(raw: dict) -> tuple[list[str], str]:
+    """One training start on this rank: the files it hashed itself, and its refusal ('' when it started)."""
+    from txl_dist import distributed
+    from txl_dist.config import config_from_dict
+    from txl_dist.data.hash_record import HashRecord as Record
+    from txl_dist.startup import start_training
+
+    computed: list[str] = []
+    answer = Record.sha256
+
+    def counting(self, path, compute):
+        return answer(self, path, lambda: (computed.append(os.path.realpath(path)), compute())[1])
+
+    Record.sha256 = counting
+    env = distributed.discover()
+    distributed.init_process_group(env)
+    try:
+        start = start_training(config_from_dict(raw), env, "auto")
+    except Exception as e:
+        return computed, str(e)
+    finally:
+        Record.sha256 = answer
+    start.tracker.close()
+    start.close()
+    distributed.destroy_process_group()
+    return computed, ""
+
+
+def _two_rank_corpus(tmp_path, monkeypatch):
+    """A corpus laid out for 1 rank (the default of prepare), its train block cut into 4 files by the file cap."""
+    monkeypatch.setattr(manifest_module, "MAX_FILE_TOKENS", 97)
+    corpus = write_corpus(tmp_path / "corpus", {"train": learnable_stream(4 * 97, 64, 0),
+                                                "valid": learnable_stream(80, 64, 1)}, layout=(1, 4))
+    listed = json.loads((corpus / "manifest.json").read_text())
+    files = [corpus / listed["tokenizer"]["file"]] + [corpus / f["path"] for split in listed["splits"].values()
+                                                      for f in split["files"]]
+    return corpus, listed, {os.path.realpath(f) for f in files}
+
+
+def test_two_ranks_hash_each_corpus_file_once_on_a_first_start(tmp_path, monkeypatch):
+    corpus, listed, files = _two_rank_corpus(tmp_path, monkeypatch)
+    raw = tiny_config(corpus, tmp_path / "run", eval={"at_end": False})
+    (first, refused0), (second, refused1) = run_ranks(_first_start, 2, raw)
+    assert not refused0 and not refused1
+    # Without sharing both ranks hash the tokenizer, the valid file and every train file their blocks touch.
+    assert sorted(first + second) == sorted(files), (first, second)
+    train = {os.path.realpath(corpus / f["path"]) for f in listed["splits"]["train"]["files"]}
+    assert len(train) == 4 and train & set(first) and train & set(second)
+    saved = [json.loads(f.read_text())["path"] for f in (tmp_path / "run" / ".corpus-hashes").iterdir()]
+    assert sorted(saved) == sorted(files)  # each digest saved by the rank that computed it
+
+
+def test_a_corrupt_file_is_refused_by_a_rank_that_took_another_ranks_digest_of_it(tmp_path, monkeypatch):
+    corpus, listed, _ = _two_rank_corpus(tmp_path, monkeypatch)
+    raw = tiny_config(corpus, tmp_path / "run", eval={"at_end": False})
+    victim = corpus / listed["tokenizer"]["file"]  # every rank reads it, one rank hashes it
+    victim.write_bytes(victim.read_bytes() + b"changed")
+    (first, refused0), (second, refused1) = run_ranks(_first_start, 2, raw)
+    hashed_by = [rank for rank, computed in enumerate((first, second)) if os.path.realpath(victim) in computed]
+    assert len(hashed_by) == 1, (first, second)
+    took = (refused0, refused1)[1 - hashed_by[0]]
+    assert took.startswith(f"{victim}: sha256 differs from the manifest's"), took

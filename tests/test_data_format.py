@@ -168,6 +168,16 @@ def test_rank_ranges_and_file_boundaries_match_token_assignment(n_tokens, n_stre
     assert file_boundaries(n_tokens, Layout(world_size, n_streams)) == expected
 
 
+def test_a_rank_block_over_the_file_cap_is_cut_into_near_equal_files(monkeypatch):
+    from txl_dist.data import manifest
+
+    monkeypatch.setattr(manifest, "MAX_FILE_TOKENS", 200)
+    # 1003 tokens, 8 streams of 125 on 2 ranks: blocks [0, 500), [500, 1000), the untrained tail [1000, 1003).
+    assert file_boundaries(1003, Layout(2, 8)) == [0, 166, 333, 500, 666, 833, 1000, 1003]
+    assert file_boundaries(1000, Layout(1, 4)) == [0, 200, 400, 600, 800, 1000]
+    assert file_boundaries(1000, Layout(4, 4)) == [0, 125, 250, 375, 500, 625, 750, 875, 1000]
+
+
 def test_rank_range_errors():
     with pytest.raises(ValueError, match="8 streams cannot be split over 3 ranks"):
         rank_token_range(100, 8, 3, 0)

@@ -56,7 +56,12 @@ def loader(root, split="train", **kw) -> StreamLoader:
 
 @pytest.mark.parametrize("hint", [Layout(2, 8), Layout(4, 8), Layout(1, 4)])
 @pytest.mark.parametrize("world_size, micro_batch", [(1, 8), (1, 2), (2, 2), (4, 1), (8, 1)])
-def test_ranks_together_read_the_global_stream_cut_to_s_times_l(tmp_path, hint, world_size, micro_batch):
+@pytest.mark.parametrize("file_cap", [None, 37])  # 37: the files cut smaller than a rank block (MAX_FILE_TOKENS)
+def test_ranks_together_read_the_global_stream_cut_to_s_times_l(tmp_path, monkeypatch, hint, world_size, micro_batch,
+                                                                 file_cap):
+    if file_cap:
+        from txl_dist.data import manifest
+        monkeypatch.setattr(manifest, "MAX_FILE_TOKENS", file_cap)
     tokens = synthetic_stream(N_TOKENS, seed=3)
     root = make_corpus(tmp_path / "c", {"train": tokens}, layout=hint, batch_tokens=40)
     T = 10

@@ -7,7 +7,8 @@ to a run folder another job might own. The phases:
 0. every rank on its own, before the process group exists: the configuration for this world size (batch
    layout, eval streams, DeepSpeed's own schema; the same answer on every rank); then the process group
    (with the configured timeouts) is joined;
-1. every rank: the corpus (manifest, tokenizer, the rank's files verified), and on rank 0 the run
+1. every rank: the corpus (manifest, tokenizer, the rank's files verified; each file not remembered from
+   an earlier start of the run is hashed by one rank, share_corpus_hashing), and on rank 0 the run
    folder's lock;
 2. rank 0: what the checkpoint folder holds (interrupted saves are reported and removed) and which tags
    the job may resume from;
@@ -37,7 +38,9 @@ from . import checkpoint, distributed, runtime_choices
 from .checkpoint import CheckpointError, EngineSource
 from .config import ConfigError, RunConfig, apply_override, changed_settings, check_cutoffs, config_from_dict, \
     default_value, load_config, model_config_from_dict, precision_of
-from .data import Manifest, SplitTooShort, StreamLoader, read_manifest
+from .data import CorpusError, Manifest, SplitTooShort, StreamLoader, read_manifest
+from .data.index_split import split_files
+from .data.manifest import sha256_file
 from .data.hash_record import HashRecord
 from .distributed import DistEnv
 from .errors import Refused, one_line
@@ -300,9 +303,11 @@ def start_training(cfg: RunConfig, env: DistEnv, resume: str = "auto", *, log_fi
                               splits=eval_splits)
         return resolved, manifest, loader, evaluator
 
-    # Files hashed by an earlier start of this run and unchanged since are not read again (hash_record.py).
+    # Files hashed by an earlier start of this run and unchanged since are not read again (hash_record.py);
+    # the others are hashed once, by one rank each.
     hashes = HashRecord(run_dir.corpus_hashes)
     with hashes.in_use():
+        share_corpus_hashing(cfg, env, hashes)
         resolved, manifest, loader, evaluator = _together(local_checks)
     start = TrainStart(resolved, manifest, run_dir, None, loader, evaluator, None, None)
     try:
@@ -310,9 +315,10 @@ def start_training(cfg: RunConfig, env: DistEnv, resume: str = "auto", *, log_fi
         start.lock = _together(lambda: acquire_lock(run_dir.path, stale_after_s=resolved.train.collective_timeout_s)
                                if env.is_main else None)
         check_run_dir_shared(run_dir.path, env)
-        if hashes.hashed or hashes.remembered:
-            log.info("corpus: %d file(s) verified by sha256, %d unchanged since an earlier start of this run",
-                     len(hashes.hashed), len(hashes.remembered))
+        if hashes.hashed or hashes.remembered or hashes.taken:
+            taken = f" ({len(hashes.taken)} more hashed by other ranks)" if hashes.taken else ""
+            log.info("corpus: %d file(s) verified by sha256%s, %d unchanged since an earlier start of this run",
+                     len(hashes.hashed), taken, len(hashes.remembered))
         if env.is_main and (warning := layout_warning(resolved, manifest, loader, env.world_size,
                                                       sum(Path(p).stat().st_size for p in hashes.hashed))):
             log.warning("%s", warning)
@@ -330,6 +336,54 @@ def start_training(cfg: RunConfig, env: DistEnv, resume: str = "auto", *, log_fi
         raise
     hashes.save()  # only once nothing can refuse the start: a refused start writes nothing
     return start
+
+
+def share_corpus_hashing(cfg: RunConfig, env: DistEnv, hashes: HashRecord) -> None:
+    """Phase 1's hashing shared by the ranks: every corpus file the start reads that `hashes` does not answer
+    for is hashed by one rank (largest first to the least loaded, checkpoint.share_of), and every rank takes
+    the others' digests. Each rank then checks the files it opens against the manifest as before, answered
+    from those digests where the file is the one the hashing rank saw (hash_record.py); a file the ranks see
+    differently (a node-local copy) is hashed by each rank that opens it.
+
+    Without this, a corpus laid out for fewer ranks than the run (the default layout is 1 rank) has every
+    rank hash every file its block touches: at 64 ranks, the whole corpus read 64 times on a first start.
+    Best effort: a corpus that cannot be listed shares nothing, and the checks that follow refuse it."""
+    if env.world_size == 1:
+        return
+    listed = _on_main(env, lambda: _corpus_files_to_hash(cfg, hashes))
+
+    def hash_my_share() -> dict[str, dict]:
+        for path in checkpoint.share_of(listed, env.rank, env.world_size):
+            try:
+                sha256_file(path)
+            except OSError:
+                pass  # the rank that opens the file refuses it, with the reason
+        return hashes.hashed_entries()
+
+    for entries in distributed.gather_objects(_together(hash_my_share)):
+        hashes.take(entries)
+
+
+def _corpus_files_to_hash(cfg: RunConfig, hashes: HashRecord) -> list[tuple[str, int]]:
+    """(path, bytes) of the files phase 1 reads on some rank (the tokenizer, the train split and the eval
+    splits) that the record does not answer for; [] when the manifest cannot be read."""
+    corpus = Path(cfg.data.path)
+    try:
+        manifest = read_manifest(corpus)
+        files = [corpus / manifest.tokenizer.file]
+        splits = [cfg.data.train_split, cfg.data.valid_split] + ([cfg.data.test_split] if cfg.eval.at_end else [])
+        for split in dict.fromkeys(s for s in splits if s in manifest.splits):
+            files += split_files(corpus, manifest, split)
+    except (CorpusError, OSError):
+        return []
+    listed = []
+    for path in dict.fromkeys(files):
+        try:
+            if not hashes.answers(path):
+                listed.append((str(path), path.stat().st_size))
+        except OSError:
+            pass  # missing or unreadable: the rank that opens it refuses it
+    return listed
 
 
 LAYOUT_WARNING_MIN_BYTES = 1 << 30

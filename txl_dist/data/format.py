@@ -10,7 +10,8 @@ Import everything about the on-disk format from here. A corpus folder OUT holds
 A split's global stream is its documents in input order, each followed by eod_id. A run cuts it into S
 streams of L = n_tokens // S tokens; rank r of W owns streams [r*S/W, (r+1)*S/W), one contiguous block
 (rank_token_range). Files are cut at the rank blocks of the layout hint (file_boundaries), so in the
-planned run each rank opens only its own files; any W dividing S can still read them.
+planned run each rank opens only its own files; any W dividing S can still read them. A block of more than
+MAX_FILE_TOKENS is cut into several files (the ranks of a run then share its hashing).
 
 The definitions live in manifest.py (schema, layout arithmetic), arrow_io.py (writer, reader),
 mixture.py (a mixture's documents file), index_split.py (a split stored as an index into other corpora,

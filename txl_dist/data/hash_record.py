@@ -8,6 +8,10 @@ hashed, one small JSON file per corpus file, each atomically: ranks that hashed 
 entry. A file changed in place with its size and modification time kept is not noticed on later starts; its
 first start noticed anything before.
 
+The ranks of one start can share the hashing (txl_dist/startup.py): each hashes its share, and `take()` hands
+the others' digests to this record, which answers with one only where the file here has the identity the
+hashing rank saw (a node-local copy of the corpus is hashed by its own rank).
+
 Standard library only.
 """
 from __future__ import annotations
@@ -40,6 +44,9 @@ class HashRecord:
         """Files hashed while in use (not answered from the saved record), in order."""
         self.remembered: set[str] = set()
         """Files (real paths) answered from the saved record."""
+        self._taken: dict[str, dict] = {}
+        self.taken: set[str] = set()
+        """Files (real paths) answered with another rank's digest from this start (take())."""
 
     def _entry_file(self, real: str) -> Path:
         return self.folder / (hashlib.sha256(real.encode()).hexdigest()[:32] + ".json")
@@ -51,15 +58,44 @@ class HashRecord:
         new = self._new.get(real)
         if new is not None and new["identity"] == identity:  # hashed in this start already
             return new["sha256"]
-        entry = self._read(real)
-        if entry is not None and entry.get("identity") == identity and isinstance(entry.get("sha256"), str):
+        taken = self._taken.get(real)
+        if taken is not None and taken["identity"] == identity:
+            self.taken.add(real)
+            return taken["sha256"]
+        if (recorded := self._recorded(real, identity)) is not None:
             self.remembered.add(real)
-            return entry["sha256"]
+            return recorded
         digest = compute()
         if _identity(os.stat(real)) == identity:  # changed while it was read: remember nothing
             self._new[real] = {"version": RECORD_VERSION, "path": real, "identity": identity, "sha256": digest}
         self.hashed.append(str(path))
         return digest
+
+    def answers(self, path: str | os.PathLike) -> bool:
+        """Whether the saved record answers for `path` as the file is now (so it needs no hashing)."""
+        real = os.path.realpath(path)
+        try:
+            identity = _identity(os.stat(real))
+        except OSError:
+            return False
+        return self._recorded(real, identity) is not None
+
+    def hashed_entries(self) -> dict[str, dict]:
+        """What this record hashed in this start (by real path), for take() on the other ranks."""
+        return dict(self._new)
+
+    def take(self, entries: dict[str, dict]) -> None:
+        """Digests another rank computed in this start (its hashed_entries()): sha256() answers with one when
+        the file has the same identity here. They are not saved by this record (the hashing rank saves them)."""
+        for real, entry in entries.items():
+            if real not in self._new:
+                self._taken[real] = entry
+
+    def _recorded(self, real: str, identity: list[int]) -> str | None:
+        entry = self._read(real)
+        if entry is not None and entry.get("identity") == identity and isinstance(entry.get("sha256"), str):
+            return entry["sha256"]
+        return None
 
     def _read(self, real: str) -> dict | None:
         try:

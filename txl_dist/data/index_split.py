@@ -42,6 +42,20 @@ def split_reader(corpus_dir: str | os.PathLike, manifest: Manifest, split: str, 
     return TokenReader(corpus_dir, manifest, split, verify=verify)  # names an unknown split
 
 
+def split_files(corpus_dir: str | os.PathLike, manifest: Manifest, split: str) -> list[Path]:
+    """Every file a reader of `split` may open: the split's token files; for an index split, the mixture's
+    documents file and its sources' train files (their manifests are read, not checked: the reader checks)."""
+    corpus_dir = Path(corpus_dir)
+    entry = manifest.splits[split]
+    if entry.index is None:
+        return [corpus_dir / f.path for f in entry.files]
+    files = [corpus_dir / manifest.mixture.documents_file]
+    for ref in entry.index.sources:
+        folder = source_folder(corpus_dir, ref)
+        files += split_files(folder, read_manifest(folder), "train")
+    return files
+
+
 def source_folder(corpus_dir: str | os.PathLike, ref: str) -> Path:
     """Where an index source lives: `ref` as written in splits.train.index.sources, relative to the corpus."""
     return Path(ref) if Path(ref).is_absolute() else Path(corpus_dir) / ref

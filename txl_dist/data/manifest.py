@@ -316,8 +316,15 @@ def split_parts(splits: Any, split: str) -> list[str]:
     return [name for name in splits if name.startswith(f"{split}/")]
 
 
+MAX_FILE_TOKENS = 1 << 29
+"""Tokens in one corpus file at most (1 GiB of uint16): a larger rank block is cut into near-equal files, so
+the ranks of a run share the hashing of a corpus laid out for fewer ranks (txl_dist/startup.py,
+share_corpus_hashing): sha256 reads a file from start to end, so one file is hashed by one rank."""
+
+
 def file_boundaries(n_tokens: int, layout: Layout) -> list[int]:
-    """Cut points 0 = b0 < b1 < ... < bk = n_tokens: one file per rank block of `layout`.
+    """Cut points 0 = b0 < b1 < ... < bk = n_tokens: one file per rank block of `layout`, or several near-equal
+    ones when the block holds more than MAX_FILE_TOKENS.
 
     The tokens past S*L (never trained on) get a file of their own, so no rank of the planned run opens
     a file it does not need. Empty pieces are dropped (e.g. when n_tokens < n_streams).
@@ -326,8 +333,10 @@ def file_boundaries(n_tokens: int, layout: Layout) -> list[int]:
             for r in range(layout.world_size)]
     out = [0]
     for b in cuts + [n_tokens]:
-        if b > out[-1]:
-            out.append(b)
+        start = out[-1]
+        if b > start:
+            pieces = -(-(b - start) // MAX_FILE_TOKENS)
+            out += [start + (b - start) * i // pieces for i in range(1, pieces + 1)]
     return out
 
 
