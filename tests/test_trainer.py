@@ -159,3 +159,68 @@ def _train_tokens(corpus) -> np.ndarray:
 
     with StreamLoader(corpus, "train", rank=0, world_size=1, n_streams=1, micro_batch=1, tgt_len=8) as loader:
         return np.asarray(loader.reader.read(0, TRAIN_TOKENS), dtype=np.int64)
+
+
+# ----------------------------------------------------------------------------------------------------
+# A non-finite step at fp32 ZeRO stage 0 (the one configuration where DeepSpeed does not skip it itself)
+
+
+def _nonfinite_step_at_stage_0(raw: dict) -> dict:
+    """Three steps, the second with a NaN loss: the state before and after it, and the host reads it made."""
+    import copy
+
+    from txl_dist import distributed
+    from txl_dist.trainer import build
+
+    trainer = build(config_from_dict(raw), distributed.discover())
+
+    def state():
+        return ({k: v.clone() for k, v in trainer.engine.module.state_dict().items()},
+                copy.deepcopy(trainer.engine.optimizer.state_dict()["state"]))
+
+    try:
+        trainer.train_step()
+        before = state()
+
+        def poison(module, args, output):  # a product: the NaN reaches the gradients, as an overflow's would
+            handle.remove()
+            return output._replace(nll=output.nll * torch.full_like(output.nll, float("nan")))
+
+        handle = trainer.engine.module.register_forward_hook(poison)
+        reads = []
+        originals = {name: getattr(torch.Tensor, name) for name in ("tolist", "item", "__float__", "__bool__")}
+
+        def counting(name):
+            def read(self, *args):
+                reads.append(name)
+                return originals[name](self, *args)
+            return read
+
+        for name in originals:
+            setattr(torch.Tensor, name, counting(name))
+        try:
+            skipped = trainer.train_step()
+        finally:
+            for name, fn in originals.items():
+                setattr(torch.Tensor, name, fn)
+        after = state()
+        trainer.train_step()
+        moved = state()
+    finally:
+        trainer.tracker.close()
+        trainer.start.close()
+        distributed.destroy_process_group()
+    same = lambda a, b: all(torch.equal(a[0][k], b[0][k]) for k in a[0]) and all(  # noqa: E731
+        torch.equal(x, y) for s in a[1] for x, y in zip(a[1][s].values(), b[1][s].values()))
+    return {"nonfinite": skipped["nonfinite"], "kept": same(before, after), "moved": not same(after, moved),
+            "reads": reads}
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_nonfinite_step_at_fp32_stage_0_leaves_weights_and_optimizer_state(corpus, tmp_path, fused):
+    raw = tiny_config(corpus, tmp_path / "run", eval={"at_end": False}, deepspeed={"optimizer": {
+        "type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01, "torch_adam": True, "fused": fused}}})
+    (out,) = run_ranks(_nonfinite_step_at_stage_0, 1, raw)
+    assert out["nonfinite"] and out["kept"] and out["moved"], out
+    # The fused optimizer takes the verdict on the device: the step's one host read is its final transfer.
+    assert out["reads"] == (["tolist"] if fused else ["__float__", "tolist"]), out["reads"]

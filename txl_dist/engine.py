@@ -18,8 +18,10 @@ kernels (torch.ops.mkldnn._is_mkldnn_fp16_supported(), AVX512-FP16/AMX-FP16); bf
 from __future__ import annotations
 
 import copy
+import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import deepspeed
@@ -139,8 +141,8 @@ def _reinitialize(model: nn.Module, seed: int) -> None:
         model.reset_parameters()
 
 
-def global_grad_norm(engine) -> float | None:
-    """The 2-norm of the whole (data-parallel averaged) gradient, before clipping.
+def global_grad_norm(engine) -> torch.Tensor | None:
+    """The 2-norm of the whole (data-parallel averaged) gradient, before clipping: a 0-d tensor on the device.
 
     DeepSpeed reports it after engine.step() at ZeRO 1-3 and under its bf16/fp16 optimizers; a plain
     fp32 stage-0 engine reports None (docs/architecture.md). There the gradients are complete and identical on every
@@ -153,7 +155,33 @@ def global_grad_norm(engine) -> float | None:
     grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
     if not grads:
         return None
-    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+
+
+@contextmanager
+def skipped_unless_finite(engine, norm: torch.Tensor | None) -> Iterator[None]:
+    """Around engine.step(): when `norm` (the engine's own global_grad_norm; None: nothing to do) is not
+    finite, the optimizer leaves the weights and its state as they are, as DeepSpeed does itself everywhere
+    but at fp32 stage 0. torch's fused Adam/AdamW takes the verdict on the device (`found_inf`, as under a
+    GradScaler), so the step has no host sync; any other optimizer's step is skipped after reading the norm
+    on the host. The gradients stay (DeepSpeed's clipping indexes them), the LR schedule moves on."""
+    optimizer = engine.optimizer
+    if norm is None:
+        yield
+    elif isinstance(optimizer, torch.optim.Adam) and optimizer.defaults.get("fused"):
+        optimizer.found_inf = (~torch.isfinite(norm)).float()  # 0-d, like the steps it is subtracted from
+        try:
+            yield
+        finally:
+            del optimizer.found_inf
+    elif math.isfinite(float(norm)):
+        yield
+    else:
+        optimizer.step = lambda *args, **kwargs: None  # shadows the class's step for this one call
+        try:
+            yield
+        finally:
+            del optimizer.step
 
 
 def skip_shm_comm_build() -> None:

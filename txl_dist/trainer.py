@@ -16,7 +16,7 @@ checkpoint.interval steps, at the end, at train.exit_step, and on SIGTERM/SIGUSR
 gone (txl_dist.stop_request: all ranks agree at the next step boundary, save, and return exit status 0).
 
 Non-finite values: a step whose loss or gradient norm is not finite on any rank updates no weight (DeepSpeed
-skips it under bf16/fp16 and ZeRO 1-3; at fp32 stage 0 the trainer drops the gradients itself), the memory
+skips it under bf16/fp16 and ZeRO 1-3; at fp32 stage 0 engine.skipped_unless_finite does), the memory
 of every micro batch whose loss or new mems hold a non-finite value is thrown away (bank.forget), and
 `train/nonfinite_steps` counts it. train.max_nonfinite such steps in a row end the job with one line and exit
 status 1 (Diverged), without a save; a save also refuses weights that are no longer finite.
@@ -39,7 +39,8 @@ from .config import RunConfig
 from .curves import RunCurves
 from .data import StreamLoader
 from .distributed import DistEnv
-from .engine import build_engine, deepspeed_config, global_grad_norm, model_dtype, zero_stage
+from .engine import build_engine, deepspeed_config, global_grad_norm, model_dtype, skipped_unless_finite, \
+    zero_stage
 from .errors import RunFailed
 from .flops import flops_per_token
 from .evaluate import Evaluator, batch_to_device
@@ -215,16 +216,13 @@ class Trainer:
                 # Only where DeepSpeed reports no norm, fp32 at ZeRO stage 0: also the one configuration where
                 # DeepSpeed does not skip a non-finite step itself.
                 own_norm = global_grad_norm(engine)
-                if own_norm is not None and not math.isfinite(own_norm):
-                    # Without gradients torch's optimizer leaves every weight as it is: the step is skipped.
-                    for p in engine.module.parameters():
-                        p.grad = None
-            engine.step()
+            with skipped_unless_finite(engine, own_norm):
+                engine.step()
         flags = torch.cat(poisoned)  # [g]
         sums[2] = float(self.stop.reason() is not None) if self.stop is not None else 0.0
         sums[3] = flags.any().double()
         distributed.all_reduce_sum(sums)
-        # DeepSpeed's norm (ZeRO 1-3, bf16/fp16) may be a device tensor: it rides along in the same transfer.
+        # The norm (DeepSpeed's at ZeRO 1-3 and bf16/fp16, else our own) is a device tensor: it rides along.
         norm = own_norm if own_norm is not None else engine.get_global_grad_norm()
         norm_on_device = isinstance(norm, torch.Tensor)
         tail = [norm.detach().reshape(1).to(sums.device, torch.float64)] if norm_on_device else []
