@@ -55,7 +55,7 @@ from . import distributed
 from .atomic import atomic_path, atomic_write, fsync_dir, fsync_file
 from .errors import Refused, RunFailed, one_line
 from .host import usable_cpus
-from .scratch import owned_scratch, remove_abandoned
+from .scratch import owned_scratch, owner_lock, remove_abandoned
 from .streams import ranks_holding
 
 LATEST = "latest"
@@ -639,7 +639,8 @@ def convert_to_universal(tag_dir: Path, out: Path, *, zero_stage: int) -> None:
                "--output_folder", str(tmp), "--num_extract_workers", workers, "--num_merge_workers", workers]
         if zero_stage in (1, 2):
             cmd.append("--inject_missing_state")
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        # The converter holds the folder's lock too: a start after this job is killed leaves it to finish.
+        proc = subprocess.run(cmd, capture_output=True, text=True, pass_fds=(owner_lock(scratch),))
         if proc.returncode != 0:
             last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
             raise CheckpointError(f"{tag_dir}: universal checkpoint conversion failed ({last}); "

@@ -2,7 +2,7 @@
 nobody else.
 
 Each hidden folder (`.<out>.<kind>-*`) is owned by its job through an exclusive flock on a file inside it,
-held for the job's lifetime (and by any worker it forks). A job killed without a chance to clean up
+held for the job's lifetime (and by any worker it forks or hands it to: owner_lock). A job killed without a chance to clean up
 (SIGKILL, the OOM killer, a lost node) leaves its folder behind, possibly gigabytes; the next job for the
 same output removes such folders, and only those: a folder whose lock another process holds is in use (on
 any node, where the file system's locks are shared, as NFS's are), and one without a lock file (being made,
@@ -23,9 +23,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 OWNER_LOCK = ".owner.lock"
-_OWNED: set[Path] = set()
-"""This process's own folders: skipped by name, because where flock is emulated by POSIX locks (NFS) a second
-lock by the same process would succeed and the folder would look abandoned."""
+_OWNED: dict[Path, int] = {}
+"""This process's own folders and their lock's descriptor: skipped by name, because where flock is emulated by
+POSIX locks (NFS) a second lock by the same process would succeed and the folder would look abandoned."""
 
 
 def scratch_glob(out: Path, kind: str) -> str:
@@ -70,7 +70,7 @@ def owned_scratch(out: Path, kind: str, *, kinds: tuple[str, ...] | None = None,
     folder = Path(tempfile.mkdtemp(prefix=f".{out.name}.{kind}-", dir=out.parent))
     lock = os.open(folder / OWNER_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
     key = folder.resolve()
-    _OWNED.add(key)
+    _OWNED[key] = lock
     try:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -80,7 +80,15 @@ def owned_scratch(out: Path, kind: str, *, kinds: tuple[str, ...] | None = None,
     finally:
         remove_scratch(folder)
         os.close(lock)
-        _OWNED.discard(key)
+        _OWNED.pop(key, None)
+
+
+def owner_lock(folder: Path) -> int:
+    """The lock descriptor of a scratch folder this process owns, for a subprocess that works in it to inherit
+    (`subprocess.run(..., pass_fds=(owner_lock(folder),))`): a flock belongs to the open file, so the folder
+    stays owned while that process runs, even when this one is killed (its successor must not remove a folder
+    a still-running worker writes into)."""
+    return _OWNED[folder.resolve()]
 
 
 def remove_scratch(folder: Path) -> None:
