@@ -148,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "stay where they are, unchanged: see docs/mixtures.md); valid/test are copied either way")
     _layout_args(p, required=True)
     p.add_argument("--overwrite", action="store_true", help="replace an existing corpus folder")
+    p.add_argument("--no-space-check", action="store_true",
+                   help="skip the check that the output's disk can hold the mixture (the train tokens asked for, "
+                        "the documents file, the held-out copies: from the sources' manifests)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
     p = _command(sub, "verify", "re-check every checksum, count and token id of a corpus",
@@ -168,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
                  "python -m data_prep relayout data/shakespeare --world-size 4 --n-streams 16")
     p.add_argument("corpus", help="the corpus folder to re-cut in place, e.g. data/shakespeare")
     _layout_args(p, required=True)
+    p.add_argument("--no-space-check", action="store_true",
+                   help="skip the check that the corpus' disk can hold the new files beside the old ones (what the "
+                        "re-cut files take now)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return parser
 
@@ -268,7 +274,7 @@ def _run(args: argparse.Namespace, command: list[str], recorded: dict) -> int:
         manifest = mix([parse_source(s) for s in args.source], args.out, train_tokens=args.train_tokens,
                        seed=args.seed, world_size=args.world_size, n_streams=args.n_streams,
                        eval_streams=args.eval_streams, overwrite=args.overwrite, index=args.index, command=command,
-                       args=recorded, progress=not args.quiet)
+                       args=recorded, progress=not args.quiet, space_check=not args.no_space_check)
         shares = ", ".join(f"{s.name} {s.share:.4f} ({s.epochs:.2f} epochs)" for s in manifest.mixture.sources)
         print(f"wrote mixture {args.out}: {manifest.splits['train'].n_tokens:,} train tokens; {shares}")
     elif args.command == "verify":
@@ -281,6 +287,6 @@ def _run(args: argparse.Namespace, command: list[str], recorded: dict) -> int:
     elif args.command == "relayout":
         from data_prep.relayout import relayout
         relayout(args.corpus, world_size=args.world_size, n_streams=args.n_streams, eval_streams=args.eval_streams,
-                 command=command, args=recorded, progress=not args.quiet)
+                 command=command, args=recorded, progress=not args.quiet, space_check=not args.no_space_check)
         print(f"relaid {args.corpus} for world size {args.world_size}, {args.n_streams} streams")
     return 0

@@ -60,7 +60,7 @@ from data_prep.errors import PrepError
 from data_prep.layout import CHUNK_TOKENS, SplitWriter, check_fits, split_layouts
 from data_prep.prepare import InputSpec, prepare, provenance, train_tokenizer_job
 from data_prep.sources import resolve_sources
-from data_prep.space import check_free_space, estimate_note, input_text_bytes, token_bytes
+from data_prep.space import check_free_space, estimate_note, input_text_bytes, size_text, token_bytes
 from data_prep.tokenizer import TrainerOptions, describe_tokenizer
 from txl_dist.data.format import (
     Manifest,
@@ -76,7 +76,7 @@ from txl_dist.data.format import (
     write_manifest,
 )
 from txl_dist.data.index_split import source_reference
-from txl_dist.data.mixture import DOCUMENTS_FILE, DeviationSpread, DocumentsWriter
+from txl_dist.data.mixture import DOCUMENTS_FILE, DOCUMENTS_SCHEMA, INDEX_SCHEMA, DeviationSpread, DocumentsWriter
 
 HELD_OUT = ("valid", "test")
 
@@ -299,9 +299,10 @@ def _rounds(sources: list[_Source], seed: int, train_tokens: int
 def mix(specs: Sequence[SourceSpec], out: str | os.PathLike, *, train_tokens: int | None = None, seed: int = 0,
         world_size: int, n_streams: int, eval_streams: int | None = None, overwrite: bool = False,
         index: bool = False, command: Sequence[str] | None = None, args: dict[str, Any] | None = None,
-        progress: bool = True) -> Manifest:
+        progress: bool = True, space_check: bool = True) -> Manifest:
     """Write the mixture of `specs` as a corpus folder at `out` (see the module docstring); returns its manifest.
-    With `index` the train split is an index of document ranges into the sources instead of a copy."""
+    With `index` the train split is an index of document ranges into the sources instead of a copy. With
+    `space_check` a job refused up front when out's disk cannot hold what it will write (_check_mix_space)."""
     out = Path(out)
     if not specs:
         raise PrepError("no source: pass --source NAME=CORPUS_DIR:WEIGHT at least once")
@@ -320,6 +321,8 @@ def mix(specs: Sequence[SourceSpec], out: str | os.PathLike, *, train_tokens: in
             raise PrepError(f"--index: source {s.name} ({s.corpus}) lies inside --out {out}, which is replaced as a "
                             "whole; keep the sources the index points at outside the mixture's folder")
     check_output(out, overwrite)
+    if space_check:
+        _check_mix_space(specs, out, train_tokens, index)
     with owned_scratch(out, "scan") as scratch:
         return _mix(specs, out, Path(scratch), train_tokens=train_tokens, seed=seed, world_size=world_size,
                     n_streams=n_streams, eval_streams=eval_streams, overwrite=overwrite, index=index,
@@ -544,7 +547,8 @@ def prepare_mixture(sources: Sequence[SourceSpec], spec: InputSpec, out: str | o
                     space_check=False)  # checked for the whole job above
         return mix([SourceSpec(s.name, work / s.name, s.weight) for s in sources], out, train_tokens=train_tokens,
                    seed=spec.seed, world_size=world_size, n_streams=n_streams, eval_streams=eval_streams,
-                   overwrite=overwrite, command=command, args=args, progress=progress)
+                   overwrite=overwrite, command=command, args=args, progress=progress,
+                   space_check=False)  # checked for the whole job above
 
 
 def _check_mixture_space(sources: Sequence[SourceSpec], spec: InputSpec, out: Path,
@@ -565,3 +569,28 @@ def _check_mixture_space(sources: Sequence[SourceSpec], spec: InputSpec, out: Pa
                       (out.parent, max(largest, mixture), "then the mixture, or a source's token stream while it is "
                                                           "laid out")],
                      "prepare --source", "give --out on another file system")
+
+
+def _check_mix_space(specs: Sequence[SourceSpec], out: Path, train_tokens: int | None, index: bool) -> None:
+    """What mix will write beside `out`, from the sources' manifests alone (before the scan reads any token),
+    all on out's file system: the train tokens (copy mode; the stream overshoots by less than one document),
+    the documents file (the documents those tokens hold at each source's mean document length, a row of the
+    file's columns each), every held-out split twice (`valid/<name>` and `valid`) and the scan's document
+    ends (8 bytes per source document, kept until the end). An index copies no train token."""
+    manifests = [read_manifest(s.corpus) for s in specs]  # a bad one is refused here as it would be later
+    trains = [(s.weight, m.splits["train"]) for s, m in zip(specs, manifests) if "train" in m.splits]
+    dtype = manifests[0].dtype  # one tokenizer for all (checked after the scan)
+    itemsize = np.dtype(dtype).itemsize
+    n_tokens = train_tokens if train_tokens is not None else sum(t.n_tokens for _, t in trains)
+    total_weight = sum(w for w, _ in trains)
+    n_docs = math.ceil(sum(w / total_weight * n_tokens * t.n_documents / max(t.n_tokens, 1) for w, t in trains))
+    row_bytes = sum(f.type.bit_width for f in (INDEX_SCHEMA if index else DOCUMENTS_SCHEMA)) // 8
+    held_out = 2 * itemsize * sum(m.splits[split].n_tokens for m in manifests for split in HELD_OUT
+                                  if split in m.splits)
+    source_docs = sum(t.n_documents for _, t in trains)
+    needs = [] if index else [(out.parent, n_tokens * itemsize,
+                               f"the train split: {n_tokens:,} tokens x {itemsize} bytes per {dtype} token")]
+    needs += [(out.parent, n_docs * row_bytes, f"the documents file: about {n_docs:,} documents x {row_bytes} bytes"),
+              (out.parent, held_out, f"the held-out splits, per source and together: {size_text(held_out)}"),
+              (out.parent, source_docs * 8, f"the scan's document ends: {source_docs:,} x 8 bytes")]
+    check_free_space(needs, "mix --index" if index else "mix", "give --out on another file system")

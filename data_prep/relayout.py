@@ -15,12 +15,13 @@ from data_prep.atomic import atomic_dir
 from data_prep.errors import PrepError
 from data_prep.layout import SplitWriter, check_fits, iter_token_file, split_layouts
 from data_prep.prepare import provenance
+from data_prep.space import check_free_space, files_bytes, size_text
 from txl_dist.data.format import Manifest, read_manifest, sha256_file, write_manifest
 
 
 def relayout(corpus_dir: str | os.PathLike, *, world_size: int, n_streams: int, eval_streams: int | None = None,
              command: Sequence[str] | None = None, args: dict[str, Any] | None = None,
-             progress: bool = True) -> Manifest:
+             progress: bool = True, space_check: bool = True) -> Manifest:
     """Rewrite the corpus in place with files cut for the new layout; the token streams stay identical.
 
     An index split (`mix --index`) keeps its index and gets the new layout hint only; its source folders are
@@ -29,7 +30,8 @@ def relayout(corpus_dir: str | os.PathLike, *, world_size: int, n_streams: int, 
     The new corpus is built beside the old one and swapped in at the end; every old file's sha256 is checked
     as it is copied, so a damaged corpus is refused rather than re-blessed with fresh checksums. The copy's
     tokens_sha256 (hashed while writing) must equal the manifest's: digest() then stays the same, so
-    checkpoints made on the old layout resume on the new one.
+    checkpoints made on the old layout resume on the new one. With `space_check` a job refused up front when
+    the disk cannot hold the new files (_check_relayout_space).
     """
     corpus_dir = Path(corpus_dir)
     manifest = read_manifest(corpus_dir)
@@ -40,6 +42,8 @@ def relayout(corpus_dir: str | os.PathLike, *, world_size: int, n_streams: int, 
     layouts = split_layouts(manifest.splits, world_size, n_streams, eval_streams)
     for name, split in manifest.splits.items():
         check_fits(name, split.n_tokens, layouts[name], str(corpus_dir))
+    if space_check:
+        _check_relayout_space(corpus_dir, manifest)
     splits = {}
     with atomic_dir(corpus_dir, overwrite=True) as tmp:
         (tmp / tok.file).parent.mkdir(parents=True, exist_ok=True)
@@ -75,3 +79,18 @@ def relayout(corpus_dir: str | os.PathLike, *, world_size: int, n_streams: int, 
         new = Manifest(tokenizer=tok, dtype=manifest.dtype, splits=splits, provenance=prov, mixture=manifest.mixture)
         write_manifest(tmp, new)
     return new
+
+
+def _check_relayout_space(corpus_dir: Path, manifest: Manifest) -> None:
+    """The new corpus takes what the old one's re-cut files take now (the same tokens; only the Arrow framing
+    of the new cut differs, a few hundred bytes a file) plus the tokenizer and documents file it copies. The
+    old files stay until the new corpus is swapped in, so all of it is needed on top of what the disk holds
+    now; an index split has no files to cut and takes nothing."""
+    recut = files_bytes(corpus_dir / f.path for split in manifest.splits.values() for f in split.files)
+    copies = {"tokenizer": corpus_dir / manifest.tokenizer.file}
+    if manifest.mixture is not None:
+        copies["documents file"] = corpus_dir / manifest.mixture.documents_file
+    copied = files_bytes(copies.values())
+    check_free_space([(corpus_dir.parent, recut, f"the re-cut splits, as large as their files now: {size_text(recut)}"),
+                      (corpus_dir.parent, copied, f"the {' and '.join(copies)} copied: {size_text(copied)}")],
+                     "relayout", "move the corpus to another file system first")

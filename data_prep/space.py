@@ -14,6 +14,9 @@ NFKC expands (U+FDFA becomes 18 characters) are the cases above one token per by
 Input bytes are the file sizes, except Parquet, whose text column is counted uncompressed (from its
 metadata), since the file is compressed; a Parquet writer's dictionary encoding stores repeated texts once,
 and they are counted once.
+
+mix and relayout rewrite prepared corpora, whose manifests and files tell what they will write: they use
+check_free_space (and files_bytes) with no estimate from text (data_prep/mix.py, data_prep/relayout.py).
 """
 from __future__ import annotations
 
@@ -39,6 +42,11 @@ def input_text_bytes(sources: Iterable[Source], text_field: str) -> int:
         for path in source_files(source):
             total += _parquet_text_bytes(path, text_field) if source.kind == PARQUET else _size(path)
     return total
+
+
+def files_bytes(paths: Iterable[Path]) -> int:
+    """Bytes the files take now (a missing one counts 0: the job itself names it)."""
+    return sum(_size(path) for path in paths)
 
 
 def _size(path: Path) -> int:

@@ -1,6 +1,8 @@
-"""prepare, finalize and prepare --source refuse up front, in one line, when the output's disk cannot hold what
-they will write (data_prep/space.py): the estimate, 1 token per input byte of the corpus dtype, written twice
-(token stream and layout) by prepare; the shards' token bytes for finalize. --no-space-check skips it.
+"""prepare, finalize, prepare --source, mix and relayout refuse up front, in one line, when the output's disk
+cannot hold what they will write (data_prep/space.py): the estimate, 1 token per input byte of the corpus dtype,
+written twice (token stream and layout) by prepare; the shards' token bytes for finalize; for mix, from the
+sources' manifests, the train tokens asked for, the documents file, the held-out copies and the scan's document
+ends; for relayout, what the re-cut files take now. --no-space-check skips it.
 
 The free space is faked (shutil.disk_usage) so that the check meets exactly the estimate.
 """
@@ -14,10 +16,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from corpus_helpers import tricky_text
+from corpus_helpers import make_corpus, synthetic_stream, tricky_text
 from data_prep.cli import main
 from data_prep.sources import resolve_sources
 from data_prep.tokenizer import TrainerOptions, train_tokenizer, training_sentences
+from txl_dist.data.format import Layout, read_manifest
 
 
 @pytest.fixture(scope="module")
@@ -99,3 +102,86 @@ def test_parquet_text_counts_uncompressed(tmp_path):
     n_text = sum(len(t) for t in texts)
     assert (tmp_path / "t.parquet").stat().st_size < n_text / 100
     assert n_text <= input_text_bytes(resolve_sources([str(tmp_path / "t.parquet")], "--train"), "text") < 1.01 * n_text
+
+
+# ----------------------------------------------------------------------------------------------------
+# mix and relayout: what they write is known from the manifests
+
+
+MIX_WEIGHTS = {"short": 1.0, "long": 3.0}
+
+
+@pytest.fixture
+def sources(tmp_path) -> dict[str, Path]:
+    """Two corpora of uint16 tokens (vocabulary 1,000), documents of about 5 and 50 tokens, each with a valid
+    split."""
+    return {name: make_corpus(tmp_path / name, {"train": synthetic_stream(20_000, seed=k, mean_doc=mean_doc),
+                                                 "valid": synthetic_stream(1_000, seed=10 + k)}, layout=Layout(1, 1))
+            for k, (name, mean_doc) in enumerate((("short", 5), ("long", 50)))}
+
+
+def mix_args(sources: dict[str, Path], out: Path, *extra) -> list:
+    return ["mix", "--out", out, *[a for n, w in MIX_WEIGHTS.items() for a in ("--source", f"{n}={sources[n]}:{w}")],
+            "--train-tokens", 30_000, "--world-size", 1, "--n-streams", 1, "--quiet", *extra]
+
+
+def mix_need(sources: dict[str, Path], train_tokens: int, index: bool) -> int:
+    """The documented estimate (docs/corpus_format.md, Disk space), from the manifests."""
+    trains = [read_manifest(sources[n]).splits["train"] for n in MIX_WEIGHTS]
+    shares = [w / sum(MIX_WEIGHTS.values()) for w in MIX_WEIGHTS.values()]
+    n_docs = -(-sum(share * train_tokens * t.n_documents / t.n_tokens for share, t in zip(shares, trains)) // 1)
+    valid = sum(read_manifest(c).splits["valid"].n_tokens for c in sources.values())
+    return ((0 if index else 2 * train_tokens) + int(n_docs) * (17 if index else 9) + 2 * 2 * valid
+            + 8 * sum(t.n_documents for t in trains))
+
+
+def corpus_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*.arrow"))
+
+
+def test_mix_refuses_when_the_disk_cannot_hold_the_mixture(sources, tmp_path, monkeypatch, capsys):
+    need = mix_need(sources, 30_000, index=False)
+    with_free_space(monkeypatch, need - 1)
+    line = refusal(capsys, mix_args(sources, tmp_path / "mix"))
+    assert f"for mix in {tmp_path}:" in line and "the train split: 30,000 tokens x 2 bytes per uint16 token" in line
+    assert "documents x 9 bytes" in line and "held-out splits" in line and "document ends" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["long", "short"]  # nothing written, no scratch folder
+    assert main([str(a) for a in mix_args(sources, tmp_path / "mix", "--no-space-check")]) == 0
+    # the estimate is what mix wrote (the scan's document ends are gone by now), within the Arrow framing, the
+    # last document's overshoot and the documents' count at mean lengths
+    scan = 8 * sum(read_manifest(c).splits["train"].n_documents for c in sources.values())
+    assert 0.95 * need <= corpus_bytes(tmp_path / "mix") + scan <= 1.05 * need
+    with_free_space(monkeypatch, need)
+    assert main([str(a) for a in mix_args(sources, tmp_path / "mix", "--overwrite")]) == 0
+
+
+def test_mix_index_needs_no_room_for_the_train_tokens(sources, tmp_path, monkeypatch, capsys):
+    need = mix_need(sources, 30_000, index=True)
+    with_free_space(monkeypatch, need - 1)
+    line = refusal(capsys, mix_args(sources, tmp_path / "index", "--index"))
+    assert f"for mix --index in {tmp_path}:" in line and "documents x 17 bytes" in line and "train split" not in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["long", "short"]
+    with_free_space(monkeypatch, need)
+    assert "for mix in" in refusal(capsys, mix_args(sources, tmp_path / "copy"))  # the copy needs its tokens too
+    assert main([str(a) for a in mix_args(sources, tmp_path / "index", "--index")]) == 0
+
+
+def test_relayout_needs_the_new_files_beside_the_old(sources, tmp_path, monkeypatch, capsys):
+    """The old files stay until the swap, so relayout needs what the re-cut files take now, on top; a
+    mixture's documents file is copied too."""
+    assert main([str(a) for a in mix_args(sources, tmp_path / "mix", "--no-space-check")]) == 0
+    corpus = tmp_path / "mix"
+    before = {p: p.read_bytes() for p in corpus.rglob("*") if p.is_file()}
+    need = sum(f.stat().st_size for f in corpus.rglob("*") if f.is_file() and f.name != "manifest.json")
+    args = ["relayout", corpus, "--world-size", 2, "--n-streams", 8, "--quiet"]
+    with_free_space(monkeypatch, need - 1)
+    line = refusal(capsys, args)
+    assert f"for relayout in {tmp_path}:" in line and "the tokenizer and documents file copied" in line
+    assert {p: p.read_bytes() for p in corpus.rglob("*") if p.is_file()} == before  # untouched, no scratch left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["long", "mix", "short"]
+    old_bytes = corpus_bytes(corpus)
+    with_free_space(monkeypatch, need)
+    assert main([str(a) for a in args]) == 0
+    assert abs(corpus_bytes(corpus) - old_bytes) < 0.05 * old_bytes  # more files: only their framing differs
+    with_free_space(monkeypatch, 0)
+    assert main([str(a) for a in [*args, "--no-space-check"]]) == 0

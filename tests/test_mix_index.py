@@ -10,11 +10,15 @@ of many small record batches, so that windows cross documents, record batches an
 """
 from __future__ import annotations
 
+import builtins
+import io
 import json
+import os
 import shutil
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pytest
 
 import data_prep.mix
@@ -186,6 +190,29 @@ def test_verify_reads_every_token_and_matches_the_copy(tree):
     assert stats["splits"]["train"]["n_eod"] == copy.splits["train"].n_documents
 
 
+@pytest.mark.parametrize("kind", ["copy", "index"])
+@pytest.mark.parametrize("check_tokens", [True, False])
+def test_verify_reads_the_documents_file_once(tree, kind, check_tokens, monkeypatch):
+    """The documents file (GBs at 100B tokens) is mapped once and hashed from that mapping; the record's check,
+    the eods where documents end and the index reader all read the same views. It used to be opened to hash
+    and mapped again for every check (copy: 3 times, index: 6)."""
+    documents = (tree / kind / DOCUMENTS_FILE).resolve()
+    opened = []
+
+    def counting(real):
+        def wrapper(path, *args, **kwargs):
+            if isinstance(path, (str, os.PathLike)) and Path(path).resolve() == documents:
+                opened.append(real.__name__)
+            return real(path, *args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(pa, "memory_map", counting(pa.memory_map))
+    monkeypatch.setattr(builtins, "open", counting(builtins.open))
+    monkeypatch.setattr(io, "open", counting(io.open))  # pathlib's
+    verify_corpus(tree / kind, check_tokens=check_tokens)
+    assert opened == ["memory_map"]
+
+
 # ----------------------------------------------------------------------------------------------------
 # Sources moved, changed, truncated; a corrupt index
 
@@ -345,3 +372,20 @@ def test_training_on_the_index_equals_the_copy_and_resumes(tree, tmp_path):
     for step in (3, 4):
         np.testing.assert_allclose(on_one["losses"][step], indexed["losses"][step], rtol=1e-4)
 
+
+
+def test_split_files_lists_every_file_a_loader_of_the_index_split_opens(tree):
+    from txl_dist.data.index_split import split_files
+
+    listed = {p.resolve() for p in split_files(tree / "index", read_manifest(tree / "index"), "train")}
+    opened = set()
+    for rank in range(2):
+        with StreamLoader(tree / "index", "train", rank=rank, world_size=2, n_streams=8, micro_batch=2,
+                          tgt_len=24) as loader:
+            reader = loader.reader
+            opened |= {(tree / "index" / reader._documents_file).resolve()}
+            opened |= {(src.corpus_dir / p).resolve() for src in reader.sources for p in src.files_opened}
+    assert opened and opened <= listed
+    assert (tree / "index" / DOCUMENTS_FILE).resolve() in listed
+    assert {(tree / name / "train").resolve() for name in SOURCES} == {p.parent for p in listed} - {
+        (tree / "index" / DOCUMENTS_FILE).resolve().parent}

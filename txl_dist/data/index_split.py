@@ -30,15 +30,16 @@ READ_CHUNK_TOKENS = 1 << 20
 """Tokens per piece of chunks() (and of open_range's walk over the documents): bounded memory."""
 
 
-def split_reader(corpus_dir: str | os.PathLike, manifest: Manifest, split: str, *,
-                 verify: bool = True) -> TokenReader | IndexReader:
+def split_reader(corpus_dir: str | os.PathLike, manifest: Manifest, split: str, *, verify: bool = True,
+                 documents: DocumentIndex | None = None) -> TokenReader | IndexReader:
     """The reader of a corpus split: IndexReader for an index split (`mix --index`), else TokenReader.
+    `documents`: the mixture's documents file already opened (and checked) by the caller, for an index split.
 
     Every reader of a corpus split is made here, so a new kind of split is one branch, not one per caller.
     """
     entry = manifest.splits.get(split)
     if entry is not None and entry.index is not None:
-        return IndexReader(corpus_dir, manifest, split, verify=verify)
+        return IndexReader(corpus_dir, manifest, split, verify=verify, documents=documents)
     return TokenReader(corpus_dir, manifest, split, verify=verify)  # names an unknown split
 
 
@@ -73,12 +74,14 @@ def source_reference(corpus_dir: str | os.PathLike, source_dir: str | os.PathLik
 
 
 class DocumentIndex:
-    """The documents file of an index mixture, memory-mapped: per record batch, views of its columns.
+    """The documents file of a mixture, memory-mapped: per record batch, views of its columns (source_starts:
+    None per batch for a copied mixture, whose file has no such column; documents() needs them).
 
     mix writes one record batch per round of its schedule, so the lookup is two binary searches: the batch
     (by its last stop, one small array in memory), then the documents inside it. The file is opened and
     checked by mixture.document_batches (sha256 with `verify`, schema, stops, source ids), whose views stay
-    valid after its generator ends (they keep the mapping alive).
+    valid after its generator ends (they keep the mapping alive). verify opens one for all its checks and
+    hands it to the IndexReader, so that the file is read once.
     """
 
     def __init__(self, corpus_dir: Path, manifest: Manifest, verify: bool):
@@ -119,15 +122,16 @@ class IndexReader(StreamReader):
 
     Opening checks every source: its folder holds a corpus whose manifest digest is the one recorded at mix
     time (CorpusError, one line naming the source, its path and the fix, when it is missing or changed).
-    With `verify` the documents file's sha256 is checked on opening and each source file's when first
-    touched, as TokenReader does for its own files.
+    With `verify` the documents file's sha256 is checked on opening (by the caller, who then hands it in as
+    `documents`) and each source file's when first touched, as TokenReader does for its own files.
 
     read(start, stop) is a zero-copy view when the range lies inside one document (and one record batch of
     its source); otherwise one array gathered per source with TokenReader.gather (vectorized: no Python step
     per document or token).
     """
 
-    def __init__(self, corpus_dir: str | os.PathLike, manifest: Manifest, split: str, *, verify: bool = True):
+    def __init__(self, corpus_dir: str | os.PathLike, manifest: Manifest, split: str, *, verify: bool = True,
+                 documents: DocumentIndex | None = None):
         super().__init__(corpus_dir, manifest, split, verify)
         mixture = manifest.mixture  # read_manifest guarantees an index split is a mixture's train split
         self.source_refs = list(self.entry.index.sources)
@@ -147,7 +151,9 @@ class IndexReader(StreamReader):
                                   f"{got[:12]}..., the mixture was made from {recorded.manifest_digest[:12]}...: the "
                                   f"source changed since; {fix}")
             self.sources.append(TokenReader(folder, source_manifest, "train", verify=verify))
-        self.documents = DocumentIndex(self.corpus_dir, manifest, verify)
+        # A documents file handed in was opened and checked by the caller, who also closes it.
+        self._owns_documents = documents is None
+        self.documents = DocumentIndex(self.corpus_dir, manifest, verify) if documents is None else documents
         self._documents_file = mixture.documents_file
 
     def read(self, start: int, stop: int) -> np.ndarray:
@@ -210,7 +216,8 @@ class IndexReader(StreamReader):
         """Unmap the documents file and every source file (arrays returned by read() must not be used after)."""
         for r in self.sources:
             r.close()
-        self.documents.close()
+        if self._owns_documents:
+            self.documents.close()
 
     def _ranges(self, start: int, stop: int):
         """The documents of [start, stop) clipped to it: (doc starts, doc stops, sources, from, to, at), where

@@ -278,11 +278,15 @@ def token_dtype(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 65535 else "int32"
 
 
-def sha256_file(path: str | os.PathLike, chunk_bytes: int = 1 << 22) -> str:
+def sha256_file(path: str | os.PathLike, chunk_bytes: int = 1 << 22, mapped: Any = None) -> str:
     """Hex sha256 of a file's bytes, read in chunks (constant memory); from the HashRecord in use, if any, when
-    the file is unchanged since it was hashed (txl_dist/data/hash_record.py)."""
+    the file is unchanged since it was hashed (txl_dist/data/hash_record.py). `mapped`: the file's bytes as a
+    caller already memory-mapped them (any buffer), hashed from there so that the file is not read twice."""
     def compute() -> str:
         h = hashlib.sha256()
+        if mapped is not None:
+            h.update(memoryview(mapped))  # page by page from the mapping: no copy, no second read
+            return h.hexdigest()
         with open(path, "rb") as f:
             while chunk := f.read(chunk_bytes):
                 h.update(chunk)

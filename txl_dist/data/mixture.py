@@ -4,8 +4,9 @@
 the train split in stream order, `stop` (int64, where the document ends in the stream, its eod included)
 and `source` (uint8, the index of its source in manifest.mixture.sources). A copied mixture's loader never
 reads it (the mixture is read like any corpus); verify checks the mixture record against it and inspect
-shows the sources' shares per rank block from it, both streaming it a record batch at a time
-(document_batches: flat memory for any number of documents). It costs 9 bytes per document.
+shows the sources' shares per rank block from it, both through document_batches: memory-mapped record
+batches (flat memory for any number of documents; verify maps and hashes it once for all its checks,
+index_split.DocumentIndex). It costs 9 bytes per document.
 
 A mixture made with `mix --index` stores no train tokens: its documents file has a third column,
 `source_start` (int64, where the document starts in its source's train stream; 17 bytes per document),
@@ -64,7 +65,7 @@ class DocumentsWriter:
 
 def read_documents(corpus_dir: str | os.PathLike, manifest: Manifest) -> tuple[np.ndarray, np.ndarray]:
     """(stops int64 [n_docs], sources uint8 [n_docs]) of a mixture, checked against the manifest's sha256
-    (whole columns in memory: for tests and small mixtures; verify and inspect stream document_batches)."""
+    (whole columns in memory: for tests and small mixtures; verify and inspect read document_batches)."""
     return read_documents_table(corpus_dir, manifest)[:2]
 
 
@@ -91,16 +92,20 @@ def document_batches(corpus_dir: str | os.PathLike, manifest: Manifest, *, verif
     rerun = "re-run `python -m data_prep mix" + (" --index`" if schema is INDEX_SCHEMA else "`")
     if not path.is_file():
         raise CorpusError(f"{path}: the mixture's documents file is missing; {rerun}")
-    if verify and (got := sha256_file(path)) != mix.documents_sha256:
-        raise CorpusError(f"{path}: sha256 {got[:12]}... differs from the manifest's {mix.documents_sha256[:12]}...: "
-                          f"the file is corrupt or replaced; {rerun}")
     n_tokens = manifest.splits["train"].n_tokens
     try:
         mapped = pa.memory_map(str(path), "r")
-        reader = pa.ipc.open_file(mapped)
     except (pa.ArrowException, OSError) as e:
         raise CorpusError(f"{path}: not a readable Arrow IPC file ({one_line(e)}); {rerun}") from None
     with mapped:  # closing it leaves the yielded views valid: they keep the mapping alive
+        # Hashed from the mapping the batches are then read from: the file (GBs at 100B tokens) is read once.
+        if verify and (got := sha256_file(path, mapped=mapped.read_buffer())) != mix.documents_sha256:
+            raise CorpusError(f"{path}: sha256 {got[:12]}... differs from the manifest's "
+                              f"{mix.documents_sha256[:12]}...: the file is corrupt or replaced; {rerun}")
+        try:
+            reader = pa.ipc.open_file(mapped)
+        except (pa.ArrowException, OSError) as e:
+            raise CorpusError(f"{path}: not a readable Arrow IPC file ({one_line(e)}); {rerun}") from None
         if reader.schema != schema:
             raise CorpusError(f"{path}: columns are {reader.schema.names}, expected {', '.join(schema.names)} "
                               f"(int64, uint8[, int64]); {rerun}")

@@ -9,9 +9,9 @@ from typing import Any
 import numpy as np
 
 from .arrow_io import update_tokens_sha256
-from .index_split import IndexReader, split_reader
+from .index_split import DocumentIndex, IndexReader, split_reader
 from .manifest import CorpusError, Manifest, read_manifest, sha256_file
-from .mixture import DeviationSpread, document_batches
+from .mixture import DeviationSpread
 
 
 def verify_corpus(corpus_dir: str | os.PathLike, check_tokens: bool = True) -> dict[str, Any]:
@@ -29,6 +29,10 @@ def verify_corpus(corpus_dir: str | os.PathLike, check_tokens: bool = True) -> d
     the index's hash (checked when the manifest is read), so the scan instead checks that every document
     starts where a source document starts and ends with eod_id. Every split's stream hash is returned as
     `stream_sha256` (for an index split: what the same mixture copied would record as tokens_sha256).
+
+    A mixture's documents file (GBs at 100B tokens) is read once: mapped, hashed and checked as one
+    DocumentIndex, whose views every check of it then reads (the record, the eods where documents end, the
+    index split's reader).
     """
     corpus_dir = Path(corpus_dir)
     manifest = read_manifest(corpus_dir)
@@ -41,15 +45,17 @@ def verify_corpus(corpus_dir: str | os.PathLike, check_tokens: bool = True) -> d
                           "this is not the tokenizer the corpus was made with")
     stats: dict[str, Any] = {"digest": manifest.digest(), "vocab_size": tok.vocab_size, "dtype": manifest.dtype,
                              "splits": {}}
-    if manifest.mixture is not None:
-        check_mixture(corpus_dir, manifest)
+    # Opened once for every check of it; unmapped with its last view when verify returns.
+    documents = DocumentIndex(corpus_dir, manifest, verify=True) if manifest.mixture is not None else None
+    if documents is not None:
+        check_mixture(corpus_dir, manifest, documents)
     for name, split in manifest.splits.items():
         s: dict[str, Any] = {"n_tokens": split.n_tokens, "n_documents": split.n_documents,
                              "n_bytes": split.n_bytes, "n_chars": split.n_chars, "n_files": len(split.files)}
         # A mixture's train documents must each end with eod_id where the documents file says they end.
-        doc_ends = _DocumentEnds(corpus_dir, manifest) if (manifest.mixture is not None and name == "train"
-                                                           and check_tokens) else None
-        with split_reader(corpus_dir, manifest, name, verify=True) as reader:
+        doc_ends = _DocumentEnds(documents) if (documents is not None and name == "train" and check_tokens) else None
+        with split_reader(corpus_dir, manifest, name, verify=True,
+                          documents=documents if name == "train" else None) as reader:
             counts = np.zeros(tok.vocab_size, dtype=np.int64) if check_tokens else None
             tokens_hash = hashlib.sha256()
             last = None
@@ -59,7 +65,7 @@ def verify_corpus(corpus_dir: str | os.PathLike, check_tokens: bool = True) -> d
                 if counts is None:
                     reader.open_range(0, split.n_tokens)  # every source file it reads from, verified
                 else:
-                    _check_index_documents(reader, corpus_dir, manifest, tok.eod_id)
+                    _check_index_documents(reader, tok.eod_id)
             else:
                 pieces = [(corpus_dir / e.path, e.first_token, e.first_token + e.n_tokens) for e in split.files]
             for path, first, stop in pieces:
@@ -98,11 +104,11 @@ def verify_corpus(corpus_dir: str | os.PathLike, check_tokens: bool = True) -> d
 
 
 class _DocumentEnds:
-    """A mixture's document stops handed out in stream order, batch by batch (flat memory): until(end) gives
-    the stops <= end not handed out yet. The documents file was checked (check_mixture) before."""
+    """A mixture's document stops handed out in stream order, batch by batch: until(end) gives the stops
+    <= end not handed out yet. Views of the documents file's mapping, checked when it was opened."""
 
-    def __init__(self, corpus_dir: Path, manifest: Manifest):
-        self._batches = (b[0] for b in document_batches(corpus_dir, manifest, verify=False))
+    def __init__(self, documents: DocumentIndex):
+        self._batches = iter(documents.stops)
         self._pending = np.empty(0, dtype=np.int64)
 
     def until(self, end: int) -> np.ndarray:
@@ -120,11 +126,11 @@ class _DocumentEnds:
         return np.concatenate(pieces)
 
 
-def _check_index_documents(reader: IndexReader, corpus_dir: Path, manifest: Manifest, eod_id: int) -> None:
+def _check_index_documents(reader: IndexReader, eod_id: int) -> None:
     """Every document of an index split starts where a document of its source starts (at 0 or right after
     an eod of the source); with the scan's check that it ends with eod_id, each is a whole source document.
     One vectorized gather of one token per document and source, a batch of the documents file at a time."""
-    for _, sources, source_starts in document_batches(corpus_dir, manifest, verify=False):
+    for sources, source_starts in zip(reader.documents.sources, reader.documents.source_starts):
         for k, source in enumerate(reader.sources):
             starts = source_starts[(sources == k) & (source_starts > 0)]  # [d_k]
             if not len(starts):
@@ -139,10 +145,10 @@ def _check_index_documents(reader: IndexReader, corpus_dir: Path, manifest: Mani
                                   f"'{reader.source_refs[k]}', which is not the start of one of its documents")
 
 
-def check_mixture(corpus_dir: Path, manifest: Manifest) -> None:
+def check_mixture(corpus_dir: Path, manifest: Manifest, documents: DocumentIndex | None = None) -> None:
     """The mixture record against its documents file: per source its tokens, documents, share, epochs and
-    deviation spread; the weights sum to 1; every source's held-out parts are splits. One streaming pass
-    over the documents file (document_batches checks its sha256, schema and stops)."""
+    deviation spread; the weights sum to 1; every source's held-out parts are splits. One pass over the
+    documents file, opened here (its sha256, schema and stops checked) unless the caller opened it."""
     mix = manifest.mixture
     where = corpus_dir / "manifest.json"
     n_tokens = manifest.splits["train"].n_tokens
@@ -150,7 +156,9 @@ def check_mixture(corpus_dir: Path, manifest: Manifest) -> None:
     docs = np.zeros(len(mix.sources), dtype=np.int64)  # [K]
     spread = DeviationSpread([s.weight for s in mix.sources])
     prev = 0
-    for stops, sources, _ in document_batches(corpus_dir, manifest):
+    if documents is None:
+        documents = DocumentIndex(corpus_dir, manifest, verify=True)
+    for stops, sources in zip(documents.stops, documents.sources):
         lengths = np.diff(stops, prepend=prev)  # [c]
         tokens += np.bincount(sources, weights=lengths, minlength=len(mix.sources)).astype(np.int64)
         docs += np.bincount(sources, minlength=len(mix.sources))
