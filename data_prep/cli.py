@@ -6,6 +6,7 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 
 from data_prep.tokenizer import MODEL_TYPES, TrainerOptions
 from data_prep.errors import PrepError
@@ -100,7 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("execution")
     g.add_argument("--num-proc", type=int, default=usable_cpus(), help="tokenizer processes (default: the CPUs)")
     g.add_argument("--shard", default=None, metavar="I/N",
-                   help="tokenize only shard I of N into OUT/shard-I-of-N; then run `finalize OUT`")
+                   help="tokenize only shard I of N into OUT/shard-I-of-N; then run `finalize OUT`. With "
+                        "OUT/plan.json (see --plan) a shard reads only its own documents")
+    g.add_argument("--plan", action="store_true",
+                   help="read every input once into OUT/plan.json (sizes, checksums, document counts, seek points) "
+                        "and stop: run it before the --shard tasks, with their arguments, so that none of them "
+                        "reads all inputs (docs/slurm.md); a plan that still fits is kept unless --overwrite")
     g.add_argument("--work-dir", default=None, help="scratch space (default: inside the temporary output)")
     g.add_argument("--no-space-check", action="store_true",
                    help="skip the up-front check that the disk can hold the output (estimated from the inputs' "
@@ -246,8 +252,9 @@ def _run(args: argparse.Namespace, command: list[str], recorded: dict) -> int:
             return 0
         if args.source:
             from data_prep.mix import parse_source, prepare_mixture
-            if args.shard:
-                raise PrepError("--shard cannot make a mixture: prepare each source, then run `mix`")
+            if args.shard or args.plan:
+                raise PrepError(f"--{'shard' if args.shard else 'plan'} cannot make a mixture: prepare each source, "
+                                "then run `mix`")
             prepare_mixture([parse_source(s) for s in args.source], spec, args.out,
                             tokenizer_model=args.tokenizer_model, eod_piece=args.eod_piece, trainer=trainer,
                             num_proc=args.num_proc, world_size=args.world_size, n_streams=args.n_streams,
@@ -256,13 +263,23 @@ def _run(args: argparse.Namespace, command: list[str], recorded: dict) -> int:
                             space_check=not args.no_space_check)
             print(f"wrote mixture {args.out}")
             return 0
+        if args.plan:
+            from data_prep.prepare import plan_job
+            if args.shard:
+                raise PrepError("--plan writes the plan every --shard task reads: run it once, without --shard")
+            path, made = plan_job(spec, args.out, overwrite=args.overwrite, command=command, args=recorded,
+                                  progress=not args.quiet)
+            print(f"wrote plan {path}" if made else f"kept plan {path}: it fits these inputs and options")
+            return 0
         out = prepare(spec, args.out, tokenizer_model=args.tokenizer_model, eod_piece=args.eod_piece,
                       trainer=trainer, num_proc=args.num_proc, world_size=args.world_size,
                       n_streams=args.n_streams, eval_streams=args.eval_streams,
                       shard=parse_shard(args.shard) if args.shard else None, overwrite=args.overwrite,
                       work_dir=args.work_dir, command=command, args=recorded, progress=not args.quiet,
                       space_check=not args.no_space_check)
-        print(f"wrote {'shard ' if args.shard else 'corpus '}{out}")
+        from data_prep.plan_file import PLAN_FILE
+        planned = " (following its plan.json)" if args.shard and (Path(args.out) / PLAN_FILE).exists() else ""
+        print(f"wrote {'shard ' if args.shard else 'corpus '}{out}{planned}")
     elif args.command == "finalize":
         from data_prep.prepare import finalize
         out = finalize(args.parts, args.out, world_size=args.world_size, n_streams=args.n_streams,

@@ -5,6 +5,10 @@ Inputs come as groups: `--train`, `--valid`, `--test` each name their split's do
 choice of document indices, so every shard process and every re-run picks the same ones). Within a split,
 documents keep their input order. `--shard i/n` gives shard i the i-th of n contiguous document ranges of
 every split, so concatenating the shards' streams in shard order rebuilds each split's global stream.
+
+With the planning pass's records of the inputs (`prepare --plan`, data_prep/plan_file.py) nothing is counted
+here, and a shard starts reading each input group at the seek point nearest before the first document it
+needs (data_prep/seek.py) instead of at the group's start.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import numpy as np
 import pyarrow as pa
 
 from data_prep.errors import PrepError
+from data_prep.seek import InputRecord, documents_from
 from data_prep.sources import TEXT, ReadOptions, Source, count_documents, iter_documents
 
 SPLITS = ("train", "valid", "test")
@@ -28,6 +33,8 @@ class InputGroup:
     sources: list[Source]
     holdout: dict[str, np.ndarray] = field(default_factory=dict)
     """Held-out split name -> sorted document indices (within this group) that go there instead."""
+    records: list[InputRecord] | None = None
+    """The planning pass's record of each source (counts, seek points), or None: count and read from the start."""
 
 
 @dataclass
@@ -51,13 +58,15 @@ class Plan:
 
 
 def make_plan(inputs: dict[str, list[Source]], fractions: dict[str, float], opts: ReadOptions, *,
-              seed: int = 0, shard: tuple[int, int] = (0, 1), count: bool = True, progress=None) -> Plan:
+              seed: int = 0, shard: tuple[int, int] = (0, 1), count: bool = True, progress=None,
+              records: dict[str, list[InputRecord]] | None = None) -> Plan:
     """Build the plan: count documents (only when needed) and pick held-out documents.
 
     `inputs` maps split -> sources (train required); `fractions` maps a held-out split -> fraction of the
     training inputs' documents. Counting reads the inputs once (cheap: no tokenizing) unless every input is
-    one-document-per-file text, or neither shards nor fractions need the counts (`count=False`);
-    `progress(n)` is called as documents are counted.
+    one-document-per-file text, or neither shards nor fractions need the counts (`count=False`), or `records`
+    (split -> the planning pass's record of each source) give them; `progress(n)` is called as documents are
+    counted.
     """
     if "train" not in inputs:
         raise PrepError("no training input: pass --train FILES")
@@ -72,8 +81,11 @@ def make_plan(inputs: dict[str, list[Source]], fractions: dict[str, float], opts
     for split in SPLITS:
         if split not in inputs:
             continue
-        group = InputGroup(split, inputs[split])
-        n = count_documents(group.sources, opts, progress) if need_counts else -1
+        group = InputGroup(split, inputs[split], records=records[split] if records is not None else None)
+        if group.records is not None:
+            n = sum(r.documents for r in group.records)
+        else:
+            n = count_documents(group.sources, opts, progress) if need_counts else -1
         if split == "train" and fractions:
             group.holdout = _pick_holdout(n, fractions, seed)
             for held, idx in group.holdout.items():
@@ -111,14 +123,22 @@ def routed_documents(plan: Plan, opts: ReadOptions, splits: Sequence[str] | None
             continue
         ranges = {s: plan.doc_range(s) for s in targets} if sharded else {}
         seen = dict.fromkeys(targets, 0)  # documents of each split passed so far
-        sources, first_doc = group.sources, 0
-        if sharded and not group.holdout and all(s.kind == TEXT for s in sources) and not opts.line_docs:
-            # one document per file: the shard's range is a slice of the files, the rest is never read
-            lo, hi = ranges[group.split]
-            sources, first_doc = sources[lo:hi], lo
+        sources, doc = group.sources, 0
+        batches = None
+        # one document per file: the shard's range is a slice of the files, the rest is never read
+        files = ranges[group.split] if (sharded and not group.holdout and all(s.kind == TEXT for s in sources)
+                                        and not opts.line_docs) else None
+        if sharded and group.records is not None:
+            start = _first_needed(group, ranges)
+            if start is None:
+                continue  # none of this group's documents is in this shard
+            doc, batches = documents_from(sources, group.records, start, opts, files=files)
+            seen = _passed(group, targets, doc)
+        elif files is not None:
+            lo, hi = files
+            sources, doc = sources[lo:hi], lo
             seen[group.split] = lo
-        doc = first_doc
-        for label, docs in iter_documents(sources, opts):
+        for label, docs in batches if batches is not None else iter_documents(sources, opts):
             for split, part in _split_batch(group, docs, doc, targets):
                 start = seen[split]
                 seen[split] += len(part)
@@ -127,8 +147,40 @@ def routed_documents(plan: Plan, opts: ReadOptions, splits: Sequence[str] | None
                 if a < b:
                     yield split, label, part.slice(a, b - a) if (a, b) != (0, len(part)) else part
             doc += len(docs)
-            if sharded and all(seen[s] >= ranges[s][1] for s in targets):
-                break  # this shard's documents are all read
+            if sharded and all(seen[s] >= ranges[s][1] or ranges[s][0] >= ranges[s][1] for s in targets):
+                break  # this shard's documents are all read (an empty range needs none)
+        if batches is not None:
+            batches.close()  # its open file, now
+
+
+def _first_needed(group: InputGroup, ranges: dict[str, tuple[int, int]]) -> int | None:
+    """The group's index of the first document the shard needs (None: none): the first of each split's range,
+    a held-out split's found in its index list, the group's own split's among the documents not held out."""
+    held = _all_held(group)
+    firsts = []
+    for split, (lo, hi) in ranges.items():
+        if lo >= hi:
+            continue
+        if split == group.split:
+            # the lo-th document not held out: lo plus the held-out ones before it (held[j] - j kept ones precede
+            # held document j)
+            firsts.append(lo + int(np.searchsorted(held - np.arange(len(held)), lo, side="right")))
+        else:
+            firsts.append(int(group.holdout[split][lo]))
+    return min(firsts) if firsts else None
+
+
+def _passed(group: InputGroup, targets: set[str], doc: int) -> dict[str, int]:
+    """Documents of each split among the group's first `doc`."""
+    held = _all_held(group)
+    return {s: doc - int(np.searchsorted(held, doc)) if s == group.split
+            else int(np.searchsorted(group.holdout[s], doc)) for s in targets}
+
+
+def _all_held(group: InputGroup) -> np.ndarray:
+    if not group.holdout:
+        return np.zeros(0, dtype=np.int64)
+    return np.sort(np.concatenate(list(group.holdout.values())))
 
 
 def _split_batch(group: InputGroup, docs: pa.Array, first: int, targets: set[str]

@@ -1,9 +1,11 @@
-"""The `prepare`, `train-tokenizer` and `finalize` jobs.
+"""The `prepare`, `prepare --plan`, `train-tokenizer` and `finalize` jobs.
 
 prepare = check and hash inputs -> plan (splits, hold-out, shard ranges) -> tokenizer (train or copy) ->
 tokenize in parallel into one stream file per split (a shard folder) -> lay the stream(s) out as the corpus.
-With `--shard i/n` a process stops after its shard folder; `finalize` then lays all shards out. Every
-output appears atomically (built in a temporary folder, renamed at the end).
+With `--shard i/n` a process stops after its shard folder; `finalize` then lays all shards out. A shard
+finding OUT/plan.json (written once by `prepare --plan`, data_prep/plan_file.py) takes the checksums and
+counts from it instead of reading every input, and reads only its own documents. Every output appears
+atomically (built in a temporary folder, renamed at the end).
 """
 from __future__ import annotations
 
@@ -26,6 +28,17 @@ from data_prep.encode import Encoded, Encoder, document_texts
 from data_prep.errors import PrepError
 from data_prep.layout import SplitWriter, check_fits, iter_token_file, split_layouts
 from data_prep.plan import SPLITS, Plan, make_plan, routed_documents
+from data_prep.plan_file import (
+    PLAN_FILE,
+    InputPlan,
+    load_for_shard,
+    mismatch,
+    provenance_entries,
+    read_plan,
+    scan_inputs,
+    total_bytes,
+    write_plan,
+)
 from data_prep.space import check_free_space, estimate_note, input_text_bytes, size_text, token_bytes
 from data_prep.shards import ShardInfo, SplitPart, find_shards, shard_name, write_shard_info
 from data_prep.sources import FORMATS, ReadOptions, Source, resolve_sources, scan_sources, source_files
@@ -119,6 +132,8 @@ class _Job:
     work: Path
     progress: bool
     inputs: dict[str, list[dict]] = field(default_factory=dict)
+    planned: InputPlan | None = None
+    """OUT/plan.json when a shard follows it (counts, checksums and seek points of every input)."""
 
 
 def prepare(spec: InputSpec, out: str | os.PathLike, *, tokenizer_model: str | os.PathLike | None = None,
@@ -148,6 +163,9 @@ def prepare(spec: InputSpec, out: str | os.PathLike, *, tokenizer_model: str | o
     layouts = split_layouts(splits, world_size, n_streams, eval_streams)
     out = Path(out)
     target = out / shard_name(*shard) if shard is not None else out
+    planned = None
+    if shard is not None and (out / PLAN_FILE).exists():  # refused before any work unless it fits
+        planned = load_for_shard(out / PLAN_FILE, spec.plan_key(), sources)
     if space_check:
         _check_prepare_space(sources, spec.read.text_field, vocab_size, target, work_dir, shard)
     if work_dir is not None:
@@ -155,7 +173,7 @@ def prepare(spec: InputSpec, out: str | os.PathLike, *, tokenizer_model: str | o
     with atomic_dir(target, overwrite) as tmp:
         work = Path(tempfile.mkdtemp(prefix=".work-", dir=work_dir or tmp))
         try:
-            job = _Job(spec, _read_options(spec.read, work), sources, work, progress)
+            job = _Job(spec, _read_options(spec.read, work), sources, work, progress, planned=planned)
             shard_dir = tmp if shard is not None else work / shard_name(0, 1)
             shard_dir.mkdir(exist_ok=True)
             info = _tokenize_shard(job, shard_dir, shard or (0, 1), tokenizer_model, eod_piece, trainer, num_proc,
@@ -198,6 +216,32 @@ def train_tokenizer_job(spec: InputSpec, out: str | os.PathLike, trainer: Traine
         model = _train(job, plan, Path(tmp) / TOKENIZER_FILE, trainer, verbose)
         os.replace(model, out)
     return out
+
+
+def plan_job(spec: InputSpec, out: str | os.PathLike, *, overwrite: bool = False, progress: bool = True,
+             command: Sequence[str] | None = None, args: dict[str, Any] | None = None) -> tuple[Path, bool]:
+    """`prepare --plan`: read every input once into OUT/plan.json for the `prepare --shard` tasks of the same
+    inputs and options. Returns (its path, whether it was written now): a plan that still fits is kept unless
+    `overwrite`, one that does not is refused."""
+    sources = spec.resolve()
+    if Path(out).exists() and not Path(out).is_dir():
+        raise PrepError(f"{out} exists and is not a folder; give --out the folder of the shards")
+    path = Path(out) / PLAN_FILE
+    if path.exists() and not overwrite:
+        why = mismatch(read_plan(path), spec.plan_key(), sources)
+        if why:
+            raise PrepError(f"{path} already exists, {why}; pass --overwrite to replace it")
+        return path, False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with owned_scratch(path, "tmp") as tmp:
+        opts = _read_options(spec.read, Path(tmp))
+        with tqdm(total=total_bytes(sources), unit="B", unit_scale=True, desc="plan: read inputs",
+                  disable=not progress, file=sys.stderr) as bar:
+            records = scan_inputs(sources, opts, progress=bar.update)
+        # refuses bad fractions (or a hold-out that leaves no training document) now, not in every task
+        make_plan(sources, spec.fractions(), opts, seed=spec.seed, records=records)
+        write_plan(path, spec.plan_key(), records, provenance(command, args))
+    return path, True
 
 
 def finalize(parts_dir: str | os.PathLike, out: str | os.PathLike, *, world_size: int = 1, n_streams: int = 1,
@@ -265,12 +309,19 @@ def _train(job: _Job, plan: Plan, model_path: Path, trainer: TrainerOptions, ver
 
 def _tokenize_shard(job: _Job, shard_dir: Path, shard: tuple[int, int], tokenizer_model, eod_piece,
                     trainer: TrainerOptions, num_proc: int, command, args) -> ShardInfo:
-    """Steps of one shard: scan, plan, tokenizer, tokenize every split into shard_dir/<split>.arrow."""
-    _scan(job)
+    """Steps of one shard: scan (or the plan file's records), plan, tokenizer, tokenize every split into
+    shard_dir/<split>.arrow."""
+    records = None
+    if job.planned is not None:
+        job.inputs, records = provenance_entries(job.planned, job.sources), job.planned.inputs
+    else:
+        _scan(job)
     prov = provenance(command, args, inputs=provenance_inputs(job.inputs))
+    if job.planned is not None:
+        prov["plan"] = {"file": str(job.planned.path), "sha256": job.planned.sha256}
     with tqdm(desc="count documents", unit=" docs", disable=not job.progress, file=sys.stderr, leave=False) as bar:
         plan = make_plan(job.sources, job.spec.fractions(), job.opts, seed=job.spec.seed, shard=shard,
-                         count=shard[1] > 1, progress=bar.update)
+                         count=shard[1] > 1, progress=bar.update, records=records)
     model_path = shard_dir / TOKENIZER_FILE
     if tokenizer_model is not None:
         shutil.copyfile(tokenizer_model, model_path)

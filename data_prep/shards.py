@@ -2,7 +2,9 @@
 
 PARTS/shard-0000i-of-0000n/ holds tokenizer.model, one token stream file per split (<split>.arrow: the
 shard's documents, each followed by eod_id, in the corpus format's Arrow schema) and shard.json with the
-counts and the plan (inputs, options) that every shard of one job must share.
+counts and the plan (inputs, options) that every shard of one job must share. PARTS/plan.json, when
+`prepare --plan` wrote it, is what the shards read instead of scanning every input (data_prep/plan_file.py);
+finalize does not read it.
 """
 from __future__ import annotations
 

@@ -35,6 +35,8 @@ _READ_CHARS = 1 << 22
 """Characters decoded at a time when reading a plain-text document."""
 _TEXT_BATCH_BYTES = 1 << 22
 """Plain-text documents (one per file) are handed on in batches of up to this many bytes; a larger file alone."""
+BATCH_ROWS = 1024
+"""Documents per batch read (datasets re-cuts its rows into batches of exactly this many, across files)."""
 
 
 @dataclass(frozen=True)
@@ -113,61 +115,81 @@ def scan_sources(sources: Sequence[Source], opts: ReadOptions, progress=None) ->
     entries = []
     for source in sources:
         for path in source_files(source):
-            check = source.kind == JSON or (source.kind == TEXT and opts.errors == "strict")
-            hint = "; pass --errors replace to substitute U+FFFD" if source.kind == TEXT else ""
-            size, digest = _hash_and_check(path, check, hint, progress)
+            size, digest = hash_and_check(path, checks_utf8(source.kind, opts), utf8_hint(source.kind), progress)
             if size == 0 and source.kind != ARROW:
                 raise PrepError(f"input {path} is empty; remove it or give it text")
             entries.append({"path": str(path), "bytes": size, "sha256": digest})
     return entries
 
 
-def _hash_and_check(path: Path, check_utf8: bool, hint: str, progress=None) -> tuple[int, str]:
+def checks_utf8(kind: str, opts: ReadOptions) -> bool:
+    """Whether an input of this kind must be valid UTF-8: JSON Lines always, plain text unless --errors replace."""
+    return kind == JSON or (kind == TEXT and opts.errors == "strict")
+
+
+def utf8_hint(kind: str) -> str:
+    """What an invalid-UTF-8 refusal of an input of this kind adds."""
+    return "; pass --errors replace to substitute U+FFFD" if kind == TEXT else ""
+
+
+def hash_and_check(path: Path, check_utf8: bool, hint: str, progress=None) -> tuple[int, str]:
     h = hashlib.sha256()
-    decoder = codecs.getincrementaldecoder("utf-8")("strict")
+    checker = Utf8Checker(path, hint) if check_utf8 else None
     offset = 0
     try:
         with open(path, "rb") as f:
             while chunk := f.read(_CHUNK):
                 h.update(chunk)
-                if check_utf8:
-                    _check_chunk(decoder, chunk, offset, path, hint)
+                if checker is not None:
+                    checker.feed(chunk, offset)
                 offset += len(chunk)
                 if progress is not None:
                     progress(len(chunk))
     except OSError as e:
         raise PrepError(f"input {path}: cannot be read ({e.strerror})") from None
-    if check_utf8:
-        tail = len(decoder.getstate()[0])  # bytes of an unfinished character at the end of the file
-        try:
-            decoder.decode(b"", final=True)
-        except UnicodeDecodeError:
-            raise PrepError(f"input {path}: invalid UTF-8 at byte offset {offset - tail} "
-                            f"(the file ends inside a character){hint}") from None
+    if checker is not None:
+        checker.finish(offset)
     return offset, h.hexdigest()
 
 
-def _check_chunk(decoder: codecs.IncrementalDecoder, chunk: bytes, offset: int, path: Path, hint: str) -> None:
-    """Feed one chunk (starting at byte `offset`) to the incremental decoder; name the first bad byte."""
-    pending = len(decoder.getstate()[0])  # bytes of a character split across the previous chunk boundary
-    try:
-        decoder.decode(chunk)
-    except UnicodeDecodeError as e:
-        raise PrepError(f"input {path}: invalid UTF-8 at byte offset {offset - pending + e.start}{hint}") from None
+class Utf8Checker:
+    """Checks consecutive chunks of one file for UTF-8 and names the file and byte offset of the first bad byte."""
 
+    def __init__(self, path: Path, hint: str):
+        self.path, self.hint = path, hint
+        self.decoder = codecs.getincrementaldecoder("utf-8")("strict")
+
+    def feed(self, chunk: bytes, offset: int) -> None:
+        """Check the chunk that starts at byte `offset` (where the previous one ended, or at a character start)."""
+        pending = len(self.decoder.getstate()[0])  # bytes of a character split across the previous chunk boundary
+        try:
+            self.decoder.decode(chunk)
+        except UnicodeDecodeError as e:
+            raise PrepError(f"input {self.path}: invalid UTF-8 at byte offset {offset - pending + e.start}"
+                            f"{self.hint}") from None
+
+    def finish(self, end: int) -> None:
+        """The chunks ended at byte `end`: they must not end inside a character."""
+        tail = len(self.decoder.getstate()[0])  # bytes of an unfinished character at the end
+        try:
+            self.decoder.decode(b"", final=True)
+        except UnicodeDecodeError:
+            raise PrepError(f"input {self.path}: invalid UTF-8 at byte offset {end - tail} "
+                            f"(the file ends inside a character){self.hint}") from None
 
 
 # ----------------------------------------------------------------------------------------------------
 # Reading documents
 
 
-def iter_documents(sources: Sequence[Source], opts: ReadOptions, batch_rows: int = 1024
+def iter_documents(sources: Sequence[Source], opts: ReadOptions, batch_rows: int | None = None
                    ) -> Iterator[tuple[str, pa.Array]]:
     """Yield (label, string array) batches of documents, in input order; label names the batch's file(s).
 
     Consecutive plain-text files are read as one group (one `load_dataset` call with --line-docs: per-call
     overhead matters for many small files); every other input is read on its own so that an error can name it.
     """
+    batch_rows = batch_rows or BATCH_ROWS
     i = 0
     while i < len(sources):
         j = i + 1
@@ -175,12 +197,10 @@ def iter_documents(sources: Sequence[Source], opts: ReadOptions, batch_rows: int
             while j < len(sources) and sources[j].kind == TEXT:
                 j += 1
         group = sources[i:j]
-        group_label = _files_label([s.path for s in group])
+        group_label = files_label([s.path for s in group])
         n_rows = 0
         for label, column in _read_group(group, opts, batch_rows, group_label):
-            if column.null_count:
-                raise PrepError(f"input {label}: {column.null_count} document(s) have no text "
-                                f"(null {opts.text_field!r}); drop them or fill them in")
+            check_no_nulls(label, column, opts.text_field)
             n_rows += len(column)
             yield label, column
         if n_rows == 0:
@@ -212,14 +232,14 @@ def _read_group(group: Sequence[Source], opts: ReadOptions, batch_rows: int, lab
     cache = str(opts.cache_dir) if opts.cache_dir else None
     try:
         if kind == TEXT and not opts.line_docs:
-            yield from _read_text_documents(group, opts.errors, batch_rows)
+            yield from read_text_documents(group, opts.errors, batch_rows)
             return
         if kind == ARROW:
             ds = datasets.load_from_disk(str(group[0].path))
             if isinstance(ds, datasets.DatasetDict):
                 raise PrepError(f"input {label}: is a DatasetDict ({', '.join(ds)}); "
                                 "give the folder of one split, e.g. {label}/train")
-            _check_field(ds.column_names, opts.text_field, label)
+            check_field(ds.column_names, opts.text_field, label)
             ds = ds.select_columns([opts.text_field])
         else:
             # glob.escape: datasets treats data_files as patterns; a '[' in a file name would match nothing.
@@ -236,11 +256,9 @@ def _read_group(group: Sequence[Source], opts: ReadOptions, batch_rows: int, lab
             if kind == TEXT:
                 column = table.column("text")
             else:
-                _check_field(table.column_names, opts.text_field, label)
+                check_field(table.column_names, opts.text_field, label)
                 column = table.column(opts.text_field)
-            if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
-                raise PrepError(f"input {label}: field {opts.text_field!r} holds {column.type}, not text; "
-                                "pass --text-field NAME of a string field")
+            check_text_type(label, column.type, opts.text_field)
             yield label, column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
     except PrepError:
         raise
@@ -251,7 +269,7 @@ def _read_group(group: Sequence[Source], opts: ReadOptions, batch_rows: int, lab
         raise PrepError(f"input {label}: cannot be read as {kind} ({first})") from None
 
 
-def _read_text_documents(group: Sequence[Source], errors: str, batch_rows: int) -> Iterator[tuple[str, pa.Array]]:
+def read_text_documents(group: Sequence[Source], errors: str, batch_rows: int) -> Iterator[tuple[str, pa.Array]]:
     """One document per plain-text file, in batches of up to batch_rows files and _TEXT_BATCH_BYTES (a larger
     file alone), each labelled with its file(s).
 
@@ -263,15 +281,25 @@ def _read_text_documents(group: Sequence[Source], errors: str, batch_rows: int) 
     paths: list[Path] = []
     n_bytes = 0
     for source in group:
-        size = source.path.stat().st_size
-        if parts and (len(parts) == batch_rows or n_bytes + size > _TEXT_BATCH_BYTES):
-            yield _files_label(paths), _large_strings(parts)
+        if text_batch_full(len(parts), n_bytes, source.path.stat().st_size, batch_rows):
+            yield files_label(paths), _large_strings(parts)
             parts, paths, n_bytes = [], [], 0
         parts.append(_read_text_file(source.path, errors))
         paths.append(source.path)
         n_bytes += len(parts[-1])
     if parts:
-        yield _files_label(paths), _large_strings(parts)
+        yield files_label(paths), _large_strings(parts)
+
+
+def text_batch_full(n_files: int, n_text_bytes: int, next_file_size: int, batch_rows: int) -> bool:
+    """Whether a batch of one-document-per-file texts (n_files of them, n_text_bytes of UTF-8) is handed on
+    before the next file (of next_file_size bytes on disk) is read."""
+    return n_files > 0 and (n_files == batch_rows or n_text_bytes + next_file_size > _TEXT_BATCH_BYTES)
+
+
+def read_text_batch(paths: Sequence[Path], errors: str) -> pa.Array:
+    """One-document-per-file texts, one batch (see read_text_documents)."""
+    return _large_strings([_read_text_file(p, errors) for p in paths])
 
 
 def _read_text_file(path: Path, errors: str) -> bytearray:
@@ -296,11 +324,29 @@ def _large_strings(parts: list[bytearray]) -> pa.Array:
     return pa.LargeStringArray.from_buffers(len(parts), pa.py_buffer(offsets), pa.py_buffer(data))
 
 
-def _files_label(paths: Sequence[Path]) -> str:
+def is_text_type(type_: pa.DataType) -> bool:
+    return pa.types.is_string(type_) or pa.types.is_large_string(type_)
+
+
+def check_text_type(label: str, type_: pa.DataType, field: str) -> None:
+    """The text field must hold strings."""
+    if not is_text_type(type_):
+        raise PrepError(f"input {label}: field {field!r} holds {type_}, not text; "
+                        "pass --text-field NAME of a string field")
+
+
+def check_no_nulls(label: str, column: pa.Array, field: str) -> None:
+    """Every document must have text."""
+    if column.null_count:
+        raise PrepError(f"input {label}: {column.null_count} document(s) have no text "
+                        f"(null {field!r}); drop them or fill them in")
+
+
+def files_label(paths: Sequence[Path]) -> str:
     return str(paths[0]) if len(paths) == 1 else f"{paths[0]} .. {paths[-1]} ({len(paths)} files)"
 
 
-def _check_field(names: Sequence[str], field: str, label: str) -> None:
+def check_field(names: Sequence[str], field: str, label: str) -> None:
     if field not in names:
         raise PrepError(f"input {label}: no field {field!r} (fields: {', '.join(names)}); "
                         "pass --text-field NAME")

@@ -10,8 +10,8 @@ rank.
 - a job stopped at train.exit_step is not requeued, and its 2-node checkpoint continues on 1 node;
 - eval.sbatch evaluates a checkpoint on 2 nodes; refused input fails the job with exit status 2, and a killed
   rank fails it (the other rank names it) well within train.collective_timeout_s; neither is requeued;
-- prep.sh (train-tokenizer, an array of 2 `prepare --shard`, a dependent finalize) gives the token streams of
-  a single `prepare`.
+- prep.sh (train-tokenizer and `prepare --plan` side by side, an array of 2 `prepare --shard` that depends on
+  both and follows the plan, a dependent finalize) gives the token streams of a single `prepare`.
 
 Skipped, with the script's one-line reason, only where the cluster cannot be had (not root, or Slurm missing
 and no apt-get to install it). About 2.5 minutes, 10-15 s of which is the requeue delay (AuthInfo cred_expire,
@@ -386,20 +386,28 @@ def test_prep_array_and_finalize_give_the_streams_of_a_single_prepare(cluster, t
                       "--world-size", "2", "--n-streams", "4", "--logs", "logs", *inputs, "--vocab-size", "512",
                       "--no-space-check", cwd=tmp_path)
     jobs = {m.group(1): int(m.group(2)) for m in re.finditer(r"^txl-prep: (\w+) job (\d+)", out, re.MULTILINE)}
-    assert set(jobs) == {"tokenizer", "array", "finalize"}, out
+    assert set(jobs) == {"tokenizer", "plan", "array", "finalize"}, out
+    assert f"after job(s) {jobs['plan']} {jobs['tokenizer']}" in out, out
     info = cluster.wait(jobs["finalize"], timeout=400)
     logs = "\n".join(p.read_text() for p in sorted((tmp_path / "logs").iterdir()))
     assert info["JobState"] == "COMPLETED", logs
-    # The chain: the shards start once the tokenizer is trained, finalize once every shard is written.
+    # The chain: the shards start once the tokenizer is trained and the plan made, finalize once every shard
+    # is written.
     (tokenizer,) = cluster.records(jobs["tokenizer"])
+    (plan,) = cluster.records(jobs["plan"])
+    assert plan["JobState"] == "COMPLETED", logs
     tasks = cluster.records(jobs["array"])
     assert len(tasks) == 2 and {t["JobState"] for t in tasks} == {"COMPLETED"}, tasks
-    assert all(tokenizer["EndTime"] <= t["StartTime"] and t["EndTime"] <= info["StartTime"] for t in tasks)
-    for i in range(2):
+    assert all(tokenizer["EndTime"] <= t["StartTime"] and plan["EndTime"] <= t["StartTime"]
+               and t["EndTime"] <= info["StartTime"] for t in tasks)
+    plan_log = (tmp_path / "logs" / f"txl-prep-plan-{jobs['plan']}.out").read_text()
+    assert "prepare --out corpus.parts" in plan_log and "wrote plan corpus.parts/plan.json" in plan_log, plan_log
+    for i in range(2):  # each task followed the plan (no task hashed or counted every input)
         log = (tmp_path / "logs" / f"txl-prep-shard-{jobs['array']}_{i}.out").read_text()
         assert f"--shard {i}/2" in log and "data_prep prepare exited with status 0" in log, log
+        assert f"wrote shard corpus.parts/shard-0000{i}-of-00002 (following its plan.json)" in log, log
     assert sorted(p.name for p in (tmp_path / "corpus.parts").iterdir()) == \
-        ["shard-00000-of-00002", "shard-00001-of-00002", "tokenizer.model"]
+        ["plan.json", "shard-00000-of-00002", "shard-00001-of-00002", "tokenizer.model"]
     # A single prepare with the same inputs and the tokenizer the tokenizer job trained.
     cwd = os.getcwd()
     os.chdir(tmp_path)

@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
-# Prepare a corpus on a Slurm cluster: submits up to three jobs of launch/slurm/prep.sbatch and returns.
+# Prepare a corpus on a Slurm cluster: submits up to four jobs of launch/slurm/prep.sbatch and returns.
 #
 #   bash launch/slurm/prep.sh --shards N --out CORPUS [--world-size W --n-streams S [--eval-streams E]]
 #       [--tokenizer-model TOK.model] [--parts DIR] [--logs DIR] [--cpus-per-task C] [--sbatch OPTION ...]
 #       [--overwrite] [--no-space-check] INPUTS AND TOKENIZER OPTIONS (as for `python -m data_prep prepare`)
 #
 # 1. train-tokenizer (only when no --tokenizer-model is given): one job, writes PARTS/tokenizer.model;
-# 2. prepare --shard i/N: an array job of N tasks (--dependency=afterok on 1), writes PARTS/shard-i-of-N;
-# 3. finalize PARTS --out CORPUS: one job that starts when every task of 2 has succeeded
+# 2. prepare --plan: one job, beside 1, reads every input once into PARTS/plan.json (sizes, checksums,
+#    document counts, seek points), so that no task of 3 reads all inputs;
+# 3. prepare --shard i/N: an array job of N tasks (--dependency=afterok on 1 and 2), writes
+#    PARTS/shard-i-of-N, each task reading only its own documents;
+# 4. finalize PARTS --out CORPUS: one job that starts when every task of 3 has succeeded
 #    (--dependency=afterok:<array job>); the corpus is laid out for the run's --world-size/--n-streams.
 # The token streams are those a single `prepare` with the same inputs and tokenizer writes.
 # PARTS defaults to CORPUS.parts (remove it once the corpus is verified). Job logs go to --logs (default: the
 # current folder). Jobs that depend on a failed one are cancelled (--kill-on-invalid-dep=yes).
 # Every option is checked by data_prep's own parser before anything is submitted (exit 2 on a bad one).
-# --sbatch passes one option to all three sbatch calls (repeatable), e.g. --sbatch --partition=cpu; sbatch's
+# --sbatch passes one option to every sbatch call (repeatable), e.g. --sbatch --partition=cpu; sbatch's
 # own environment variables (SBATCH_PARTITION, SBATCH_ACCOUNT, SBATCH_TIMELIMIT, ...) work too.
 # Prints one line per job: "txl-prep: <what> job <id> ..."; the last one is the finalize job.
 set -euo pipefail
@@ -48,7 +51,7 @@ while [ $# -gt 0 ]; do
         --eod-piece | --work-dir) need "$@"; PREPARE_ONLY+=("$1" "$2"); shift 2 ;;
         --eod-piece=* | --work-dir=*) PREPARE_ONLY+=("$1"); shift ;;
         --shard | --shard=*) die "--shard is set per array task; give --shards N" ;;
-        -h | --help) sed -n '2,20p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h | --help) sed -n '2,21p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) PASS+=("$1"); shift ;;
     esac
 done
@@ -78,6 +81,7 @@ build_parser().parse_args(sys.argv[1:])
 EOF
 }
 [ "$OWN_TOKENIZER" = 0 ] || check train-tokenizer "${TOKENIZER_ARGS[@]}"
+check prepare "${PREPARE_ARGS[@]}" --plan
 check prepare "${PREPARE_ARGS[@]}" --shard "0/$SHARDS"
 check finalize "${FINALIZE_ARGS[@]}"
 if [ "$OWN_TOKENIZER" = 0 ] && [ ! -f "$TOK" ]; then
@@ -92,17 +96,24 @@ CPU_OPTS=()
 SCRIPT="$HERE/prep.sbatch"
 job_id() { echo "${1%%;*}"; }  # --parsable prints "id" or "id;cluster"
 
-DEP=()
+mkdir -p "$PARTS"
+AFTER=""
 if [ "$OWN_TOKENIZER" = 1 ]; then
-    mkdir -p "$PARTS"
     tok_job="$(job_id "$("${SBATCH[@]}" "${CPU_OPTS[@]}" --job-name=txl-prep-tokenizer \
         --output="$LOGS/%x-%j.out" "$SCRIPT" train-tokenizer "${TOKENIZER_ARGS[@]}")")"
     echo "txl-prep: tokenizer job $tok_job: train-tokenizer -> $TOK"
-    DEP=(--dependency="afterok:$tok_job")
+    AFTER=":$tok_job"
 fi
-array_job="$(job_id "$("${SBATCH[@]}" "${CPU_OPTS[@]}" "${DEP[@]}" --job-name=txl-prep-shard \
-    --array="0-$((SHARDS - 1))" --output="$LOGS/%x-%A_%a.out" "$SCRIPT" prepare "${PREPARE_ARGS[@]}")")"
-echo "txl-prep: array job $array_job ($SHARDS task(s)): prepare --shard i/$SHARDS -> $PARTS"
+# The plan job gets the tasks' own arguments (it reads only the inputs and how to read them; the tokenizer it
+# names may not exist yet) and runs beside the tokenizer job: both read every input, neither needs the other.
+plan_job="$(job_id "$("${SBATCH[@]}" "${CPU_OPTS[@]}" --job-name=txl-prep-plan \
+    --output="$LOGS/%x-%j.out" "$SCRIPT" prepare "${PREPARE_ARGS[@]}" --plan)")"
+echo "txl-prep: plan job $plan_job: prepare --plan -> $PARTS/plan.json"
+array_job="$(job_id "$("${SBATCH[@]}" "${CPU_OPTS[@]}" --dependency="afterok:$plan_job$AFTER" \
+    --job-name=txl-prep-shard --array="0-$((SHARDS - 1))" --output="$LOGS/%x-%A_%a.out" \
+    "$SCRIPT" prepare "${PREPARE_ARGS[@]}")")"
+echo "txl-prep: array job $array_job ($SHARDS task(s), after job(s) ${plan_job}${AFTER//:/ }):" \
+    "prepare --shard i/$SHARDS -> $PARTS"
 final_job="$(job_id "$("${SBATCH[@]}" --dependency="afterok:$array_job" --job-name=txl-prep-finalize \
     --output="$LOGS/%x-%j.out" "$SCRIPT" finalize "${FINALIZE_ARGS[@]}")")"
 echo "txl-prep: finalize job $final_job (after every task of $array_job succeeds): finalize -> $OUT"
