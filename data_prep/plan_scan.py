@@ -104,15 +104,21 @@ def _scan_text_document(path: Path, opts: ReadOptions, progress) -> dict:
                     progress(len(chunk))
     except OSError as e:
         raise PrepError(f"input {path}: cannot be read ({e.strerror})") from None
-    if checker is not None:
-        checker.finish(size)
-    if size == 0:
-        raise PrepError(f"input {path} is empty; remove it or give it text")
+    _end_of_input(path, checker, size)
     if checker is None and (valid is None or valid.getstate()[0]):
         text_bytes = pc.binary_length(read_text_batch([path], opts.errors))[0].as_py()  # replacements change it
     else:
         text_bytes = size - crlf
     return {**_file_entry(path, before, h.hexdigest()), "text_bytes": text_bytes}
+
+
+def _end_of_input(path: Path, checker: Utf8Checker | None, size: int) -> None:
+    """After reading an input whole: the end of its UTF-8 check (a sequence cut off at the end), and an empty
+    input refused."""
+    if checker is not None:
+        checker.finish(size)
+    if size == 0:
+        raise PrepError(f"input {path} is empty; remove it or give it text")
 
 
 def _scan_lines(source: Source, opts: ReadOptions, record: InputRecord, progress) -> None:
@@ -144,10 +150,7 @@ def _scan_lines(source: Source, opts: ReadOptions, record: InputRecord, progress
                     progress(len(chunk))
     except OSError as e:
         raise PrepError(f"input {path}: cannot be read ({e.strerror})") from None
-    if checker is not None:
-        checker.finish(end)
-    if end == 0:
-        raise PrepError(f"input {path} is empty; remove it or give it text")
+    _end_of_input(path, checker, end)
     record.files.append(_file_entry(path, before, h.hexdigest()))
 
 
