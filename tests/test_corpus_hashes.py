@@ -203,3 +203,42 @@ def test_a_corrupt_file_is_refused_by_a_rank_that_took_another_ranks_digest_of_i
     assert len(hashed_by) == 1, (first, second)
     took = (refused0, refused1)[1 - hashed_by[0]]
     assert took.startswith(f"{victim}: sha256 differs from the manifest's"), took
+
+
+def _one_rank_start_hashing_two_files_at_once(raw: dict) -> int:
+    """A one-rank training start whose first two corpus hashes must run at the same time (a barrier of 2: one
+    after the other, the first would wait 20 s and fail); returns how many files it hashed."""
+    import threading
+
+    from txl_dist import distributed, startup
+    from txl_dist.config import config_from_dict
+    from txl_dist.data.hash_record import HashRecord as Record
+
+    startup.usable_cpus = lambda: 4  # CI has 2 cores; any machine then hashes on 2 threads or more
+    together = threading.Barrier(2, timeout=20)
+    answer, calls = Record.sha256, []
+
+    def meeting(self, path, compute):
+        def computed():
+            calls.append(path)
+            if len(calls) <= 2:
+                together.wait()
+            return compute()
+        return answer(self, path, computed)
+
+    Record.sha256 = meeting
+    env = distributed.discover()
+    distributed.init_process_group(env)
+    try:
+        start = startup.start_training(config_from_dict(raw), env, "auto")
+    finally:
+        distributed.destroy_process_group()
+    start.tracker.close()
+    start.close()
+    return len(calls)
+
+
+def test_one_rank_hashes_its_corpus_files_on_several_threads(tmp_path, monkeypatch):
+    corpus, _, files = _two_rank_corpus(tmp_path, monkeypatch)
+    raw = tiny_config(corpus, tmp_path / "run", eval={"at_end": False})
+    assert run_ranks(_one_rank_start_hashing_two_files_at_once, 1, raw) == [len(files)]

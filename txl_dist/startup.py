@@ -28,6 +28,7 @@ import dataclasses
 import logging
 import shutil
 import socket
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, TypeVar
@@ -48,6 +49,7 @@ from .deepspeed_schema import check_deepspeed_config
 from .engine import deepspeed_config, zero_stage
 from .evaluate import Evaluator
 from .flops import sample_cluster_shares
+from .host import usable_cpus
 from .run_dir import RunDir, RunDirUnusable, RunLock, acquire_lock, attach_log_file, sees_shared_check, \
     write_shared_check
 from .runtime_choices import RunChoices
@@ -340,28 +342,39 @@ def start_training(cfg: RunConfig, env: DistEnv, resume: str = "auto", *, log_fi
 
 def share_corpus_hashing(cfg: RunConfig, env: DistEnv, hashes: HashRecord) -> None:
     """Phase 1's hashing shared by the ranks: every corpus file the start reads that `hashes` does not answer
-    for is hashed by one rank (largest first to the least loaded, checkpoint.share_of), and every rank takes
-    the others' digests. Each rank then checks the files it opens against the manifest as before, answered
-    from those digests where the file is the one the hashing rank saw (hash_record.py); a file the ranks see
-    differently (a node-local copy) is hashed by each rank that opens it.
+    for is hashed by one rank (largest first to the least loaded, checkpoint.share_of), its files on several
+    threads, and every rank takes the others' digests. Each rank then checks the files it opens against the
+    manifest as before, answered from those digests where the file is the one the hashing rank saw
+    (hash_record.py); a file the ranks see differently (a node-local copy) is hashed by each rank that opens it.
 
     Without this, a corpus laid out for fewer ranks than the run (the default layout is 1 rank) has every
-    rank hash every file its block touches: at 64 ranks, the whole corpus read 64 times on a first start.
-    Best effort: a corpus that cannot be listed shares nothing, and the checks that follow refuse it."""
-    if env.world_size == 1:
-        return
+    rank hash every file its block touches: at 64 ranks, the whole corpus read 64 times on a first start; and
+    one rank hashed its files one after the other. Best effort: a corpus that cannot be listed shares nothing,
+    and the checks that follow refuse it."""
     listed = _on_main(env, lambda: _corpus_files_to_hash(cfg, hashes))
+    mine = checkpoint.share_of(listed, env.rank, env.world_size)
+    threads = max(1, min(HASH_THREADS, len(mine), usable_cpus() // env.local_world_size))
+
+    def hash_one(path: str) -> None:
+        try:
+            sha256_file(path)  # hashlib releases the GIL: the threads hash in parallel
+        except OSError:
+            pass  # the rank that opens the file refuses it, with the reason
 
     def hash_my_share() -> dict[str, dict]:
-        for path in checkpoint.share_of(listed, env.rank, env.world_size):
-            try:
-                sha256_file(path)
-            except OSError:
-                pass  # the rank that opens the file refuses it, with the reason
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(hash_one, mine))
         return hashes.hashed_entries()
 
+    if env.world_size == 1:
+        hash_my_share()
+        return
     for entries in distributed.gather_objects(_together(hash_my_share)):
         hashes.take(entries)
+
+
+HASH_THREADS = 8
+"""Files a rank hashes at once at start-up (at most; and at most its share of the machine's cores)."""
 
 
 def _corpus_files_to_hash(cfg: RunConfig, hashes: HashRecord) -> list[tuple[str, int]]:
