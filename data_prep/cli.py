@@ -99,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "with the held-out fractions, then all are mixed by weight into --out")
     g.add_argument("--train-tokens", type=int, default=None, metavar="N", help="the mixture's length (see mix)")
     g = p.add_argument_group("execution")
-    g.add_argument("--num-proc", type=int, default=usable_cpus(), help="tokenizer processes (default: the CPUs)")
+    g.add_argument("--num-proc", type=int, default=usable_cpus(),
+                   help="tokenizer processes; with --plan, inputs read at once (default: the CPUs)")
     g.add_argument("--shard", default=None, metavar="I/N",
                    help="tokenize only shard I of N into OUT/shard-I-of-N; then run `finalize OUT`. With "
                         "OUT/plan.json (see --plan) a shard reads only its own documents")
@@ -268,7 +269,7 @@ def _run(args: argparse.Namespace, command: list[str], recorded: dict) -> int:
             if args.shard:
                 raise PrepError("--plan writes the plan every --shard task reads: run it once, without --shard")
             path, made = plan_job(spec, args.out, overwrite=args.overwrite, command=command, args=recorded,
-                                  progress=not args.quiet)
+                                  progress=not args.quiet, num_proc=args.num_proc)
             print(f"wrote plan {path}" if made else f"kept plan {path}: it fits these inputs and options")
             return 0
         out = prepare(spec, args.out, tokenizer_model=args.tokenizer_model, eod_piece=args.eod_piece,

@@ -31,6 +31,7 @@ import hashlib
 import json
 import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,9 +60,18 @@ class InputPlan:
     """Of the file's content (the canonical JSON of everything else): shard.json's provenance names it."""
 
 
-def scan_inputs(sources: dict[str, list[Source]], opts: ReadOptions, progress=None) -> dict[str, list[InputRecord]]:
-    """The planning pass: every input read once (seek.scan_input); `progress(n_bytes)` as bytes are read."""
-    return {split: [scan_input(s, opts, progress) for s in ss] for split, ss in sources.items()}
+def scan_inputs(sources: dict[str, list[Source]], opts: ReadOptions, progress=None,
+                workers: int = 1) -> dict[str, list[InputRecord]]:
+    """The planning pass: every input read once (plan_scan.scan_input), up to `workers` inputs at a time (on
+    threads: sha256 and pyarrow's JSON parser release the GIL, so they read and hash in parallel, as a parallel
+    file system wants); `progress(n_bytes)` as bytes are read. The records do not depend on `workers`."""
+    pairs = [(split, s) for split, ss in sources.items() for s in ss]
+    with ThreadPoolExecutor(max(1, min(workers, len(pairs)))) as pool:
+        records = list(pool.map(lambda pair: scan_input(pair[1], opts, progress), pairs))  # in input order
+    out: dict[str, list[InputRecord]] = {split: [] for split in sources}
+    for (split, _), record in zip(pairs, records):
+        out[split].append(record)
+    return out
 
 
 def write_plan(path: Path, options: dict[str, Any], inputs: dict[str, list[InputRecord]],

@@ -8,6 +8,7 @@ from __future__ import annotations
 import codecs
 import hashlib
 import os
+import threading
 from pathlib import Path
 
 import pyarrow as pa
@@ -34,6 +35,9 @@ from data_prep.sources import (
 )
 
 
+_DATASETS = threading.Lock()
+
+
 def scan_input(source: Source, opts: ReadOptions, progress=None) -> InputRecord:
     """Hash, check, count and find seek points of one input, reading each of its files once (a `datasets` count
     follows for inputs read from their start). `progress(n_bytes)` is called as bytes are read."""
@@ -51,7 +55,8 @@ def scan_input(source: Source, opts: ReadOptions, progress=None) -> InputRecord:
         else:
             _plan_arrow(source, opts, record)
     if record.seek == START and record.documents == 0:
-        record.documents = count_documents([source], opts)  # datasets' reading, exactly as without a plan
+        with _DATASETS:  # one `datasets` load at a time: its cache folder is shared
+            record.documents = count_documents([source], opts)  # datasets' reading, exactly as without a plan
     if record.documents == 0:
         raise PrepError(f"input {source.path}: holds no documents; remove it or give it text")
     return record

@@ -219,7 +219,8 @@ def train_tokenizer_job(spec: InputSpec, out: str | os.PathLike, trainer: Traine
 
 
 def plan_job(spec: InputSpec, out: str | os.PathLike, *, overwrite: bool = False, progress: bool = True,
-             command: Sequence[str] | None = None, args: dict[str, Any] | None = None) -> tuple[Path, bool]:
+             num_proc: int = 1, command: Sequence[str] | None = None,
+             args: dict[str, Any] | None = None) -> tuple[Path, bool]:
     """`prepare --plan`: read every input once into OUT/plan.json for the `prepare --shard` tasks of the same
     inputs and options. Returns (its path, whether it was written now): a plan that still fits is kept unless
     `overwrite`, one that does not is refused."""
@@ -237,7 +238,7 @@ def plan_job(spec: InputSpec, out: str | os.PathLike, *, overwrite: bool = False
         opts = _read_options(spec.read, Path(tmp))
         with tqdm(total=total_bytes(sources), unit="B", unit_scale=True, desc="plan: read inputs",
                   disable=not progress, file=sys.stderr) as bar:
-            records = scan_inputs(sources, opts, progress=bar.update)
+            records = scan_inputs(sources, opts, progress=bar.update, workers=num_proc)
         # refuses bad fractions (or a hold-out that leaves no training document) now, not in every task
         make_plan(sources, spec.fractions(), opts, seed=spec.seed, records=records)
         write_plan(path, spec.plan_key(), records, provenance(command, args))

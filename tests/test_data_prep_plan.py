@@ -142,6 +142,9 @@ def test_shards_following_the_plan_are_the_shards_that_scan(model, tmp_path, sma
         run("prepare", "--out", tmp_path / "scanned", "--shard", f"{i}/{N_SHARDS}", *common)
     run("prepare", "--plan", "--out", tmp_path / "planned", *common)
     plan = json.loads((tmp_path / "planned" / "plan.json").read_text())
+    # --num-proc: inputs read on several threads give the same records.
+    run("prepare", "--plan", "--out", tmp_path / "planned-3", *common, "--num-proc", 3)
+    assert json.loads((tmp_path / "planned-3" / "plan.json").read_text())["inputs"] == plan["inputs"]
     seeks = {Path(r["path"]).name: (r["seek"], len(r["points"])) for rs in plan["inputs"].values() for r in rs}
     if write is write_mixed:  # every kind of seek point, and a JSON array that datasets reads from its start
         assert {name: how for name, (how, _) in seeks.items()} == {
