@@ -2,12 +2,12 @@
 nobody else.
 
 Each hidden folder (`.<out>.<kind>-*`) is owned by its job through an exclusive flock on a file inside it,
-held for the job's lifetime (and by any worker it forks or hands it to: owner_lock). A job killed without a chance to clean up
-(SIGKILL, the OOM killer, a lost node) leaves its folder behind, possibly gigabytes; the next job for the
-same output removes such folders, and only those: a folder whose lock another process holds is in use (on
-any node, where the file system's locks are shared, as NFS's are), and one without a lock file (being made,
-or from an older version) is left alone. The lock file is removed last, so a kill during a removal leaves a
-folder still owned.
+held for the job's lifetime (and by any worker it forks or hands the lock to: owner_lock). A job killed
+without a chance to clean up (SIGKILL, the OOM killer, a lost node) leaves its folder behind, possibly
+gigabytes; the next job for the same output removes such folders, and only those: a folder whose lock
+another process holds is in use (on any node, where the file system's locks are shared, as NFS's are), and
+one without a lock file (being made, or from an older version) is left alone. The lock file is removed
+last, so a kill during a removal leaves a folder still owned.
 
 Used by data_prep's outputs and by the universal checkpoint conversion. Standard library only.
 """

@@ -222,7 +222,8 @@ class Trainer:
         sums[2] = float(self.stop.reason() is not None) if self.stop is not None else 0.0
         sums[3] = flags.any().double()
         distributed.all_reduce_sum(sums)
-        # The norm (DeepSpeed's at ZeRO 1-3 and bf16/fp16, else our own) is a device tensor: it rides along.
+        # The norm (DeepSpeed's at ZeRO 1-3 and bf16/fp16, else our own) rides along in the same transfer when
+        # it is a device tensor.
         norm = own_norm if own_norm is not None else engine.get_global_grad_norm()
         norm_on_device = isinstance(norm, torch.Tensor)
         tail = [norm.detach().reshape(1).to(sums.device, torch.float64)] if norm_on_device else []
