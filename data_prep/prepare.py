@@ -39,7 +39,8 @@ from data_prep.plan_file import (
     total_bytes,
     write_plan,
 )
-from data_prep.space import check_free_space, estimate_note, input_text_bytes, size_text, token_bytes
+from data_prep.space import check_free_space, estimate_note, files_bytes, input_text_bytes, size_text, \
+    token_bytes
 from data_prep.shards import ShardInfo, SplitPart, find_shards, shard_name, write_shard_info
 from data_prep.sources import FORMATS, ReadOptions, Source, resolve_sources, scan_sources, source_files
 from data_prep.tokenizer import (
@@ -252,7 +253,7 @@ def finalize(parts_dir: str | os.PathLike, out: str | os.PathLike, *, world_size
     shards = find_shards(parts_dir)
     layouts = split_layouts(shards[0][1].splits, world_size, n_streams, eval_streams)
     if space_check:  # the corpus takes what the shards' token files take (known here, not estimated)
-        need = sum(_file_size(d / part.file) for d, info in shards for part in info.splits.values())
+        need = files_bytes(d / part.file for d, info in shards for part in info.splits.values())
         check_free_space([(Path(out).parent, need, f"the shards' token files in {parts_dir}: {size_text(need)}")],
                          "finalize", "give --out on another file system")
     prov = provenance(command, args, inputs=shards[0][1].provenance.get("inputs", []),
@@ -260,13 +261,6 @@ def finalize(parts_dir: str | os.PathLike, out: str | os.PathLike, *, world_size
     with atomic_dir(out, overwrite) as tmp:
         build_corpus(shards, tmp, layouts, prov, progress)
     return Path(out)
-
-
-def _file_size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0  # missing: build_corpus names it
 
 
 # ----------------------------------------------------------------------------------------------------
