@@ -18,12 +18,14 @@ was measured), then DIR/gpu_check_table.txt (a short table):
              every test is skipped (the smoke run checks the wiring)
   deepspeed  when DeepSpeed imports: the project's own trainer (launch/train.py) on a synthetic corpus with
              the base config, ZeRO 1 and 2, bf16, tracking off; its output streams to DIR/deepspeed_zero<N>.log
-             (the end of it kept), its progress lines go to the record
+             (the end of it kept), its progress lines go to the record; ZeRO 1 profiles its steps 4-5
+             (train.profile_steps), the line naming its busiest operators and kernels goes to the record too
   train      configs/large.json and configs/wt103_base.json shapes in bf16: step time, tokens/s, MFU, peak
              memory, for each implementation at micro batch 8 (flex after the first torch.compile'd case, which
              takes the fastest of the others); then for the fastest one the config accepts, micro batch 8/16/32
              with and without activation checkpointing, eager, then torch.compile'd (plain torch AdamW, no
-             DeepSpeed); the compile's warm-up time and dynamo's graph count per case
+             DeepSpeed); the compile's warm-up time and dynamo's graph count per case; and a profile of the
+             fastest one's eager step: its busiest operators and kernels by self device time (train_profile)
 
 One deadline (start + --budget-s) holds for all: each phase gets its share plus what earlier phases left
 (minus what they overran), deepspeed at least its share (the only end-to-end run of the product trainer),
@@ -61,6 +63,7 @@ import torch
 
 from txl_dist.config import ConfigError, MemorySettings, ModelConfig, load_config, validate_model
 from txl_dist.model import TransformerXL
+from txl_dist.profiling import self_time_key, top_operators
 from txl_dist.model.attention import (ATTN_IMPLS, attn_bias_from_mask, build_attn_mask, candidate_attn_impls,
                                       flex_block_mask, recompile_limit)
 
@@ -91,6 +94,12 @@ much left (the suite's CUDA tests check flex in fp32 as well)."""
 COMPILING_IMPLS = ("flex",)
 """Attention implementations whose eager training steps compile (flex_attention's kernels, per shape)."""
 TRAIN_RECOMPILE_LIMIT = 64
+PROFILE_TOP_OPS = 15
+"""Operators and kernels a train_profile record lists (by self time: device time on a GPU)."""
+PROFILE_NAME_CHARS = 120
+"""CUDA kernel names are C++ template instantiations: cut to this many characters."""
+PROFILE_MIN_S = {"gpu": 20.0, "smoke": 3.0}
+"""Time box left that a profile of the best eager case needs (4 steps and torch's summary of the events)."""
 """dynamo's recompile limit during the train phase. Its default (8) is below what the compiled matrix needs:
 compile_layers uses static shapes, so every micro batch and memory shape, with and without checkpointing, is
 a graph of its own, and past the limit dynamo runs the layer eagerly with only a warning (the row would
@@ -494,26 +503,28 @@ class TrainCase:
         fused = p.device.type == "cuda"
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=fused)
 
-    def run(self, impl: str, batch: int, checkpointing: bool, warmup: int, steps: int) -> dict[str, Any]:
-        p, cfg, model = self.p, self.cfg, self.model
+    def _setup(self, impl: str, checkpointing: bool) -> float:
+        """The model set to this case; the attention dropout it trains with."""
+        model = self.model
         model.attn_impl = impl
         # FlexAttention has no attention dropout (the config refuses flex with dropatt > 0): time it at
         # dropatt 0 and say so in the record; the other paths keep the preset's dropatt.
-        dropatt = 0.0 if impl == "flex" else cfg.dropatt
+        dropatt = 0.0 if impl == "flex" else self.cfg.dropatt
         for layer in model.layers:
             layer.attn.dropatt = dropatt
         model.set_activation_checkpointing(enabled=checkpointing)
+        return dropatt
+
+    def _stepper(self, batch: int, n: int) -> tuple[Callable[[int], None], torch.Tensor]:
+        """step(i) trains on segment i of n random Zipf segments [batch, tgt_len] with the carried mems; and
+        the labels [n, batch, tgt_len]."""
+        p, cfg, model = self.p, self.cfg, self.model
         g = torch.Generator().manual_seed(3)
         zipf = 1.0 / torch.arange(1, cfg.vocab_size + 1, dtype=torch.float64)
-        n = warmup + steps
         tokens = torch.multinomial(zipf, n * batch * cfg.tgt_len + batch, replacement=True, generator=g)
         tokens = tokens[: n * batch * cfg.tgt_len].view(n, batch, cfg.tgt_len).to(p.device)
         labels = tokens.roll(-1, dims=2)
-        if p.device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(p.device)
         mems = None
-        start_all = time.perf_counter()
 
         def step(i: int) -> None:
             nonlocal mems
@@ -522,6 +533,41 @@ class TrainCase:
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
             mems = out.mems
+
+        return step, labels
+
+    def profile(self, impl: str, batch: int, steps: int) -> dict[str, Any]:
+        """`steps` training steps (after two unrecorded ones: the first has no memory) under torch.profiler:
+        the busiest operators and kernels by self time (device time on a GPU), as the trainer's
+        train.profile_steps logs them (txl_dist/profiling.py)."""
+        p = self.p
+        self._setup(impl, checkpointing=False)
+        step, _ = self._stepper(batch, steps + 2)
+        step(0)
+        step(1)
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if p.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        p.sync()
+        with torch.profiler.profile(activities=activities) as prof:
+            for i in range(2, steps + 2):
+                step(i)
+            p.sync()
+        averages = prof.key_averages()
+        ops = top_operators(averages, p.device.type, PROFILE_TOP_OPS)
+        for op in ops:
+            op["name"] = op["name"][:PROFILE_NAME_CHARS]
+        return dict(sorted_by=self_time_key(p.device.type), steps=steps, ops=ops)
+
+    def run(self, impl: str, batch: int, checkpointing: bool, warmup: int, steps: int) -> dict[str, Any]:
+        p, cfg, model = self.p, self.cfg, self.model
+        dropatt = self._setup(impl, checkpointing)
+        n = warmup + steps
+        step, labels = self._stepper(batch, n)
+        if p.device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(p.device)
+        start_all = time.perf_counter()
 
         with DynamoWatch() as dynamo:
             for i in range(warmup):  # the first segment has no memory: shapes settle from the second on
@@ -616,6 +662,24 @@ class TrainMatrix:
             self.estimate_s[use_compile] = time.perf_counter() - t0
         return rec
 
+    def profile(self, impl: str, batch: int) -> None:
+        """Writes a train_profile record: the busiest operators of `impl`'s eager steps, where time allows."""
+        p = self.p
+        key = dict(shape=self.name, impl=impl, micro_batch=batch, checkpointing=False, compile=False)
+        left, needed = self.box - time.monotonic(), PROFILE_MIN_S["smoke" if p.smoke else "gpu"]
+        if needed > left:
+            p.write("train_profile", **key, skipped=f"time box: {left:.0f} s left, {needed:.0f} s needed")
+            return
+        t0 = time.perf_counter()
+        try:
+            if self.eager is None:  # the eager cases that follow use it too
+                self.free(compiled=True)
+                self.eager = TrainCase(p, self.cfg, compiled=False)
+            rec = self.eager.profile(impl, batch, steps=2)
+            p.write("train_profile", **key, **rec, seconds=round(time.perf_counter() - t0, 2))
+        except Exception as e:  # noqa: BLE001 - a profile is information: the cases after it still run
+            p.write("train_profile", **key, error=one_line(e), trace=trace_tail())
+
     def free(self, compiled: bool) -> None:
         """Drop one of the two models (and its optimizer state): only one is resident while a case runs."""
         if compiled:
@@ -673,6 +737,7 @@ def train_matrix(p: Phase) -> None:
             best = min(survey, key=survey.get)
             p.shared[name] = {"best": best}
             p.write("train_best", shape=name, impl=best, survey_step_ms=survey, refused=refused)
+            matrix.profile(best, batches[0])  # where its step's time goes: for the next optimization
             # The fastest implementation: the eager rest, then the compiled cases not run yet.
             for use_compile in (False, True):
                 for batch in batches:
@@ -765,6 +830,8 @@ def phase_deepspeed(p: Phase, out: Path, scratch: Path) -> None:
                 "model.attn_impl=matmul"]
         if p.smoke:
             sets += [f"model.vocab_size={vocab}", "model.cutoffs=[200,500]", "train.precision=fp32"]
+        if index == 0:  # the product's own profile window (CUDA kernels included); its summary is in the log
+            sets.append(f"train.profile_steps=[{steps - 2},{steps - 1}]")
         cmd = [sys.executable, "launch/train.py", "--config", cfg_path, "--resume", "none"]
         for s in sets:
             cmd += ["--set", s]
@@ -796,7 +863,8 @@ def trainer_progress(log_path: Path, tail_chars: int = 0) -> dict[str, Any]:
     text = log_path.read_text(errors="replace") if log_path.exists() else ""
     progress = [ln.strip() for ln in text.splitlines() if "tok/s" in ln]
     tok_s = [float(m.group(1)) for ln in progress if (m := re.search(r"([\d.]+) tok/s", ln))]
-    result = {"tokens_per_s_last": tok_s[-1] if tok_s else None, "progress": progress[-3:]}
+    profile = [ln.strip() for ln in text.splitlines() if "profile of steps" in ln]
+    result = {"tokens_per_s_last": tok_s[-1] if tok_s else None, "progress": progress[-3:], "profile": profile[-1:]}
     if tail_chars:
         result["tail"] = text[-tail_chars:]
     return result
@@ -993,6 +1061,12 @@ def write_table(rec: Recorder, out: Path) -> Path:
             refused = {r["impl"]: r["config_refuses"] for r in train if r["shape"] == shape and r.get("config_refuses")}
             for impl, reason in refused.items():
                 lines.append(f"(not a candidate for {shape}: {impl}: {reason})")
+    for r in (r for r in rec.records if r["kind"] == "train_profile"):
+        if r.get("ops"):
+            top = ", ".join(f"{op['name'][:60]} {100 * op['share']:.1f}%" for op in r["ops"][:6])
+            lines.append(f"\nbusiest in {r['shape']}/{r['impl']}/mb{r['micro_batch']} (by {r['sorted_by']}): {top}")
+        else:
+            lines.append(f"\nprofile {r['shape']}/{r['impl']}: {r.get('error', r.get('skipped'))}")
     for r in (r for r in rec.records if r["kind"] == "cuda_tests" and "selection" in r):
         counts = ", ".join(f"{r[k]} {k}" for k in ("passed", "failed", "error", "skipped") if r.get(k))
         lines.append(f"\nCUDA tests (tests/test_gpu.py -k '{r['selection']}'): {counts or 'none ran'}, exit {r['exit']}, "
@@ -1003,6 +1077,7 @@ def write_table(rec: Recorder, out: Path) -> Path:
                      f"{r.get('tokens_per_s_last')} tok/s (last progress line), {r.get('seconds')} s"
                      + (f" ({r['skipped']})" if r.get("skipped") else "")
                      + (f", log deepspeed_zero{r['zero_stage']}.log" if "exit" in r else ""))
+        lines += [f"  {line.split(' ', 1)[-1]}" for line in r.get("profile", [])]
     path = out / TABLE
     path.write_text("\n".join(lines) + "\n")
     return path

@@ -84,6 +84,14 @@ def test_cpu_smoke_runs_every_phase(tmp_path):
     assert all(r["recompile_limit_hits"] == 0 for r in steps), steps
     assert all(r["dynamo_graphs"] == 0 for r in steps if not r["compile"]), steps
     assert all(r["warmup_s"] >= r["compile_s"] >= 0 for r in steps)
+    # Each shape's fastest eager case was profiled: its busiest operators by self CPU time here.
+    profiles = {r["shape"]: r for r in by_kind["train_profile"]}
+    assert set(profiles) == {"large", "base"}, by_kind["train_profile"]
+    for shape, r in profiles.items():
+        assert r["impl"] == next(b["impl"] for b in by_kind["train_best"] if b["shape"] == shape)
+        assert r["sorted_by"] == "self_cpu_time_total" and len(r["ops"]) == 15, r
+        assert 0 < sum(op["share"] for op in r["ops"]) <= 1.0001 and any(op["name"] == "aten::mm" for op in r["ops"])
+    assert "busiest in large/" in (out / "gpu_check_table.txt").read_text()
     # tests/test_gpu.py ran in both parts, every test of it skipped here (no CUDA), none failed or missing.
     parts = {r["selection"]: r for r in by_kind["cuda_tests"]}
     assert set(parts) == {"not flex", "flex"} and all(r["exit"] == 0 and not r["failures"] for r in parts.values())
@@ -99,6 +107,9 @@ def test_cpu_smoke_runs_every_phase(tmp_path):
     assert ds["exit"] == 0 and ds["tokens_per_s_last"] > 0, ds
     assert started["time"] <= ds["time"] and started["log"] == "deepspeed_zero1.log"
     assert ds["progress"] and ds["progress"][-1] in (out / "deepspeed_zero1.log").read_text()
+    # The trainer profiled two of its steps (train.profile_steps) and logged its busiest operators.
+    (profile,) = ds["profile"]
+    assert "profile of steps 2..3 written to" in profile and "aten::mm" in profile, ds
     (start,) = by_kind["start"]
     assert not Path(start["scratch"]).exists()
     table = (out / "gpu_check_table.txt").read_text()
@@ -120,6 +131,9 @@ def test_train_matrix_compiles_layers_before_the_flex_survey(tmp_path, monkeypat
             calls.append((self.name, impl, batch, checkpointing, use_compile))
             return {"step_ms": {"flex": 1.0, "sdpa": 2.0, "matmul": 3.0}[impl]}
 
+        def profile(self, impl, batch):
+            calls.append((self.name, "profile " + impl, batch, False, False))
+
         def close(self):
             pass
 
@@ -128,14 +142,16 @@ def test_train_matrix_compiles_layers_before_the_flex_survey(tmp_path, monkeypat
     p = gpu_check.Phase("train", gpu_check.Recorder(tmp_path), torch.device("cpu"), False, 100.0, {})
     gpu_check.train_matrix(p)
     base = [c[1:] for c in calls if c[0] == "base"]  # wt103_base: dropatt 0, flex allowed
-    assert base[:4] == [("matmul", 8, False, False), ("sdpa", 8, False, False), ("sdpa", 8, False, True),
-                        ("flex", 8, False, False)]
-    assert base[4:] == [("flex", b, c, k) for k in (False, True) for b in (8, 16, 32) for c in (False, True)
+    # The fastest is profiled once the survey has found it, before the rest of its cases.
+    assert base[:5] == [("matmul", 8, False, False), ("sdpa", 8, False, False), ("sdpa", 8, False, True),
+                        ("flex", 8, False, False), ("profile flex", 8, False, False)]
+    assert base[5:] == [("flex", b, c, k) for k in (False, True) for b in (8, 16, 32) for c in (False, True)
                         if (b, c, k) != (8, False, False)]
     large = [c[1:] for c in calls if c[0] == "large"]  # dropatt 0.2: flex refused, timed last for information
     assert large[:3] == [("matmul", 8, False, False), ("sdpa", 8, False, False), ("sdpa", 8, False, True)]
-    assert large[-1] == ("flex", 8, False, False) and all(c[0] == "sdpa" for c in large[1:-1])
-    assert len(large) == 2 + 11 + 1  # the survey, sdpa's 12 cases less the one surveyed, flex for information
+    assert large[3] == ("profile sdpa", 8, False, False)
+    assert large[-1] == ("flex", 8, False, False) and all(c[0] == "sdpa" for c in large[4:-1])
+    assert len(large) == 2 + 1 + 11 + 1  # the survey, the profile, sdpa's 12 cases less the one surveyed, flex
 
 
 def test_phase_budget_charges_overruns_and_keeps_the_deadline():

@@ -37,8 +37,8 @@ class RunDirConfig:
 
     dir: str = "runs/default"
     """The run folder: checkpoints/ (tags and `latest`), config.resolved.json, logs/, tracking/ (the local
-    metrics journal and the MLflow run id), the default MLflow store (mlflow.db, mlartifacts/) and the lock
-    that keeps a second job out. Two runs never share one."""
+    metrics journal and the MLflow run id), profile/ (train.profile_steps), the default MLflow store
+    (mlflow.db, mlartifacts/) and the lock that keeps a second job out. Two runs never share one."""
 
     def checkpoint_dir(self) -> Path:
         return Path(self.dir) / "checkpoints"
@@ -192,6 +192,14 @@ class TrainConfig:
     peak_flops: float | None = None
     """Peak FLOP/s of ONE device for the MFU metric (train/mfu); null: the documented table entry for the
     device and precision, else a matmul peak measured at start-up (docs/performance.md)."""
+    profile_steps: list[int] | None = None
+    """[first, last]: record optimizer steps first..last (inclusive) with torch.profiler on the ranks of
+    train.profile_ranks. Each writes <run.dir>/profile/steps_<first>-<last>/rank<r>.trace.json.gz (a Chrome
+    trace, for Perfetto or chrome://tracing) and rank<r>.ops.txt (operators by self time: device time on a
+    GPU, CPU time else); rank 0 logs its busiest operators. Evaluations and saves inside the window are recorded too.
+    Profiled steps run slower (train/step_time_s shows it), with the same numbers. null: no profiling."""
+    profile_ranks: list[int] | None = field(default_factory=lambda: [0])
+    """The global ranks that record train.profile_steps; null: every rank (one trace per rank)."""
 
 
 @dataclass
@@ -328,7 +336,8 @@ class RunConfig:
 # metrics go, how often progress is printed, where it stops this time, how long ranks wait for each other.
 VOLATILE_SECTIONS = ("run", "checkpoint", "tracking")
 VOLATILE_KEYS = ("train.exit_step", "train.log_interval", "train.collective_timeout_s", "train.max_nonfinite",
-                 "train.compile", "train.peak_flops", "model.attn_impl")
+                 "train.compile", "train.peak_flops", "train.profile_steps", "train.profile_ranks",
+                 "model.attn_impl")
 
 
 def precision_of(train_precision: str | None, deepspeed: dict[str, Any]) -> str | None:
@@ -623,6 +632,17 @@ def validate(cfg: RunConfig) -> None:
     check_precision(t.precision, cfg.deepspeed)
     if t.peak_flops is not None:
         _positive("train.peak_flops", t.peak_flops)
+    check_profile_window(t.profile_steps, t.profile_ranks, t.max_steps)
+
+
+def check_profile_window(steps: list[int] | None, ranks: list[int] | None, max_steps: int) -> None:
+    """train.profile_steps is [first, last] within the run's steps; train.profile_ranks names ranks."""
+    if steps is not None and not (len(steps) == 2 and 1 <= steps[0] <= steps[1] <= max_steps):
+        raise ConfigError(f"train.profile_steps: {json.dumps(steps)} must be [first, last] with 1 <= first <= last "
+                          f"<= train.max_steps ({max_steps}), e.g. [10, 12]; or null (no profiling)")
+    if ranks is not None and (not ranks or min(ranks) < 0):
+        raise ConfigError(f"train.profile_ranks: {json.dumps(ranks)} must name ranks (>= 0), e.g. [0], or be null "
+                          "(every rank)")
 
 
 def check_precision(precision: str | None, deepspeed: dict[str, Any]) -> None:

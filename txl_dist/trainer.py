@@ -45,6 +45,7 @@ from .errors import RunFailed
 from .flops import flops_per_token
 from .evaluate import Evaluator, batch_to_device
 from .memory import MemoryBank, merge_state_dicts
+from .profiling import StepProfiler
 from .startup import Resume, TrainStart, start_training
 from .stop_request import StopRequest
 
@@ -91,6 +92,9 @@ class Trainer:
         """What start-up opened for this trainer (closed by close())."""
         self.curves = RunCurves(cfg.run.dir)
         """<run.dir>/curves.png, redrawn by rank 0 after each evaluation and at the end."""
+        self.profiler = StepProfiler(cfg.train.profile_steps, cfg.train.profile_ranks, rank=env.rank,
+                                     is_main=env.is_main, world_size=env.world_size, run_dir=cfg.run.dir,
+                                     device=self.device)
         self._batches = iter(loader)
 
     # ------------------------------------------------------------------------------------------------
@@ -123,9 +127,11 @@ class Trainer:
             log.info("nothing to do: the checkpoint is at step %d, training stops at %d", self.step, last)
             return 0
         self.stop = StopRequest()
+        self.profiler.announce(self.step + 1)
         try:
             return self._loop(last)
         finally:
+            self.profiler.close(self.step)
             self.stop.restore()
 
     def _loop(self, last: int) -> int:
@@ -135,7 +141,9 @@ class Trainer:
                  cfg.n_streams(), cfg.model.tgt_len, self.loader.accumulation_steps, cfg.micro_batch())
         window_time, window_steps = 0.0, 0  # training time only: evaluations and saves do not count
         while self.step < last:
+            self.profiler.before_step(self.step + 1)
             stats = self.train_step()
+            self.profiler.after_step(self.step)
             stop = stats.pop("stop")
             diverged = self._count_nonfinite(stats.pop("nonfinite"))
             stats["train/nonfinite_steps"] = float(self.nonfinite_steps)

@@ -1,0 +1,98 @@
+"""train.profile_steps / train.profile_ranks on 2 real gloo ranks: the chosen ranks write a Chrome trace of
+exactly the window's steps and an operator table, the others nothing; the losses are those of an unprofiled
+run; a job that stops inside the window writes what it recorded; bad windows are refused."""
+from __future__ import annotations
+
+import gzip
+import json
+import re
+
+import pytest
+
+from dist_helpers import learnable_stream, run_ranks, tiny_config, train_jobs, write_corpus
+from txl_dist.config import ConfigError, config_from_dict
+from txl_dist.profiling import self_time_key, top_operators, window_folder
+
+VOCAB = 64
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("profiling") / "corpus"
+    return write_corpus(root, {"train": learnable_stream(4 * 49, VOCAB, 0), "valid": learnable_stream(80, VOCAB, 1),
+                               "test": learnable_stream(80, VOCAB, 2)}, vocab_size=VOCAB)
+
+
+def _steps_in_trace(path) -> list[int]:
+    with gzip.open(path, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    return sorted(int(m.group(1)) for e in events if (m := re.fullmatch(r"ProfilerStep#(\d+)", str(e.get("name")))))
+
+
+def test_the_chosen_ranks_profile_the_window_and_the_numbers_do_not_change(corpus, tmp_path):
+    plain = tiny_config(corpus, tmp_path / "plain")
+    every_rank = tiny_config(corpus, tmp_path / "every_rank", train={"profile_steps": [2, 3], "profile_ranks": None})
+    rank_1 = tiny_config(corpus, tmp_path / "rank_1", train={"profile_steps": [2, 2], "profile_ranks": [1]})
+    stopped = tiny_config(corpus, tmp_path / "stopped", train={"profile_steps": [3, 4], "exit_step": 3})
+    rank0, rank1 = run_ranks(train_jobs, 2, [(plain, "none"), (every_rank, "none"), (rank_1, "none"),
+                                             (stopped, "none")], timeout=600)
+    assert [r["code"] for r in rank0 + rank1] == [0] * 8
+    assert rank0[1]["losses"] == rank0[0]["losses"]  # bitwise: the profiler only observes
+    assert rank0[2]["losses"] == rank0[0]["losses"]
+    assert len(rank0[0]["losses"]) == 4
+
+    assert not (tmp_path / "plain" / "profile").exists()
+    folder = window_folder(tmp_path / "every_rank", 2, 3)
+    for rank in (0, 1):
+        assert _steps_in_trace(folder / f"rank{rank:05d}.trace.json.gz") == [2, 3]
+        table = (folder / f"rank{rank:05d}.ops.txt").read_text()
+        assert table.startswith(f"rank {rank}, steps 2..3, sorted by self_cpu_time_total")
+        assert "aten::" in table
+
+    folder = window_folder(tmp_path / "rank_1", 2, 2)
+    assert sorted(p.name for p in folder.iterdir()) == ["rank00001.ops.txt", "rank00001.trace.json.gz"]
+    assert _steps_in_trace(folder / "rank00001.trace.json.gz") == [2]
+
+    # exit_step 3 inside the window [3, 4]: the job stops after step 3 and writes what it recorded.
+    folder = window_folder(tmp_path / "stopped", 3, 4)
+    assert sorted(p.name for p in folder.iterdir()) == ["rank00000.ops.txt", "rank00000.trace.json.gz"]
+    assert _steps_in_trace(folder / "rank00000.trace.json.gz") == [3]
+    assert (folder / "rank00000.ops.txt").read_text().startswith("rank 0, steps 3..3,")
+
+
+@pytest.mark.parametrize("train, message", [
+    ({"profile_steps": [0, 2]}, "train.profile_steps: [0, 2] must be [first, last] with 1 <= first <= last"),
+    ({"profile_steps": [3, 2]}, "train.profile_steps: [3, 2] must be"),
+    ({"profile_steps": [2, 5]}, "<= train.max_steps (4)"),
+    ({"profile_steps": [2]}, "train.profile_steps: [2] must be"),
+    ({"profile_steps": [1, 2], "profile_ranks": []}, "train.profile_ranks: [] must name ranks"),
+    ({"profile_steps": [1, 2], "profile_ranks": [-1]}, "train.profile_ranks: [-1] must name ranks"),
+])
+def test_a_bad_profile_window_is_refused_with_one_line(tmp_path, train, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        config_from_dict(tiny_config(tmp_path / "corpus", tmp_path / "run", train=train))
+
+
+def test_the_profile_settings_may_change_on_resume(tmp_path):
+    plain = config_from_dict(tiny_config(tmp_path / "corpus", tmp_path / "run"))
+    profiled = config_from_dict(tiny_config(tmp_path / "corpus", tmp_path / "run",
+                                            train={"profile_steps": [1, 2], "profile_ranks": None}))
+    assert plain.digest() == profiled.digest()
+
+
+def test_operators_are_ranked_by_self_device_time_on_a_gpu_and_self_cpu_time_else():
+    from torch.autograd.profiler_util import FunctionEventAvg
+
+    def op(name, cpu_us, device_us):
+        e = FunctionEventAvg()
+        e.key, e.count = name, 1
+        e.self_cpu_time_total = cpu_us
+        setattr(e, self_time_key("cuda"), device_us)
+        return e
+
+    assert self_time_key("cpu") == "self_cpu_time_total"
+    assert self_time_key("cuda") in vars(FunctionEventAvg())  # the name this torch gives device time
+    ops = [op("aten::mm", 100.0, 3000.0), op("aten::copy_", 300.0, 1000.0)]
+    assert top_operators(ops, "cuda", 1) == [{"name": "aten::mm", "calls": 1, "self_ms": 3.0, "share": 0.75}]
+    assert [o["name"] for o in top_operators(ops, "cpu", 2)] == ["aten::copy_", "aten::mm"]
+    assert top_operators(ops, "cpu", 2)[0]["share"] == 0.75

@@ -1,0 +1,158 @@
+"""A window of training steps under torch.profiler (train.profile_steps on train.profile_ranks).
+
+Each profiling rank writes into <run.dir>/profile/steps_<first>-<last>/:
+- rank<r>.trace.json.gz: the Chrome trace (Perfetto and chrome://tracing open it gzipped), one
+  `ProfilerStep#<step>` span per optimizer step;
+- rank<r>.ops.txt: torch's operator table, sorted by self device time on a GPU, else by self CPU time.
+Rank 0 logs where they go when the window opens, and its busiest operators when it closes. A job that stops
+inside the window (a stop request, a fault) writes what it recorded. The profiler only observes: the steps'
+numbers are those of an unprofiled run (tests/test_profiling.py).
+"""
+from __future__ import annotations
+
+import gzip
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.autograd.profiler_util import FunctionEventAvg
+
+from . import distributed
+from .atomic import atomic_path, atomic_write
+
+log = logging.getLogger(distributed.LOGGER_NAME)
+
+PROFILE_DIR = "profile"
+"""The profiles' folder inside the run folder."""
+OPS_TABLE_ROWS = 60
+LOGGED_OPS = 8
+
+# torch renamed the CUDA timings "device" timings (2.4); both names are tried so that either torch works (they
+# are instance attributes: the class itself has neither).
+_DEVICE_SELF_TIME = next((name for name in ("self_device_time_total", "self_cuda_time_total")
+                          if hasattr(FunctionEventAvg(), name)), None)
+
+
+def window_folder(run_dir: str | os.PathLike, first: int, last: int) -> Path:
+    """<run.dir>/profile/steps_<first>-<last> (8-digit step numbers, as the checkpoint tags)."""
+    return Path(run_dir) / PROFILE_DIR / f"steps_{first:08d}-{last:08d}"
+
+
+def self_time_key(device_type: str) -> str:
+    """The key_averages() attribute that ranks operators: self device time on a GPU, self CPU time else."""
+    return _DEVICE_SELF_TIME if device_type == "cuda" and _DEVICE_SELF_TIME else "self_cpu_time_total"
+
+
+def top_operators(averages: list[Any], device_type: str, limit: int) -> list[dict[str, Any]]:
+    """The `limit` operators (or kernels) with the most self time in a profile's key_averages(): name, calls,
+    self time in ms and its share of all self time (of that kind: device on a GPU, CPU else)."""
+    key = self_time_key(device_type)
+    total = sum(getattr(e, key) for e in averages) or 1.0
+    ranked = sorted(averages, key=lambda e: getattr(e, key), reverse=True)[:limit]
+    return [{"name": e.key, "calls": e.count, "self_ms": round(getattr(e, key) / 1e3, 3),
+             "share": round(getattr(e, key) / total, 4)} for e in ranked]
+
+
+class StepProfiler:
+    """Opens torch.profiler before optimizer step `first` and closes it after step `last` (or at close()),
+    on the ranks chosen; a no-op elsewhere and outside the window."""
+
+    def __init__(self, steps: list[int] | None, ranks: list[int] | None, *, rank: int, is_main: bool,
+                 world_size: int, run_dir: str | os.PathLike, device: torch.device):
+        self.window = tuple(steps) if steps else None
+        self.ranks = ranks
+        self.rank, self.is_main, self.world_size, self.device = rank, is_main, world_size, device
+        self.records = self.window is not None and (ranks is None or rank in ranks)
+        self.folder = window_folder(run_dir, *self.window) if self.window else None
+        self._profiler: torch.profiler.profile | None = None
+        self._first_recorded: int | None = None
+        self._step_span: torch.profiler.record_function | None = None
+        self._done = False
+
+    def announce(self, next_step: int) -> None:
+        """Rank 0, before training: where the window lies against the steps this job runs."""
+        if not (self.window and self.is_main):
+            return
+        first, last = self.window
+        missing = sorted(set(self.ranks or ()) - set(range(self.world_size)))
+        if missing:
+            log.warning("train.profile_ranks: rank(s) %s do not exist at world size %d", missing, self.world_size)
+        if next_step > last:
+            log.info("train.profile_steps %d..%d: already trained (this job starts at step %d); no profile",
+                     first, last, next_step)
+
+    def before_step(self, step: int) -> None:
+        """Called before optimizer step `step` (1-based) runs."""
+        if self._profiler is None:
+            self._open(step)
+        if self._profiler is not None:
+            # The span profilers and trace viewers know a step by (torch's own schedule writes the same).
+            self._step_span = torch.profiler.record_function(f"ProfilerStep#{step}")
+            self._step_span.__enter__()
+
+    def _open(self, step: int) -> None:
+        if not self.records or self._done:
+            return
+        first, last = self.window
+        if not first <= step <= last:
+            return
+        if self.is_main:
+            ranks = "every rank" if self.ranks is None else f"rank(s) {', '.join(map(str, self.ranks))}"
+            log.info("profiling steps %d..%d on %s into %s", step, last, ranks, self.folder)
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self._profiler = torch.profiler.profile(activities=activities, record_shapes=True)
+        self._profiler.start()
+        self._first_recorded = step
+
+    def after_step(self, step: int) -> None:
+        """Called after optimizer step `step`: marks the step in the trace; closes the window at its last."""
+        if self._profiler is None:
+            return
+        self._end_step_span()
+        if step >= self.window[1]:
+            self._finish(step)
+
+    def close(self, step: int) -> None:
+        """The job ends (normally, on a stop request or a fault) after `step`: write what was recorded."""
+        if self._profiler is not None:
+            try:
+                self._finish(step)
+            except Exception as e:  # noqa: BLE001 - a failed profile must not hide the job's own outcome
+                log.warning("rank %d: the profile of steps %d..%d was not written: %s", self.rank,
+                            self._first_recorded, step, e)
+
+    def _end_step_span(self) -> None:
+        span, self._step_span = self._step_span, None
+        if span is not None:
+            span.__exit__(None, None, None)
+
+    def _finish(self, step: int) -> None:
+        self._end_step_span()
+        profiler, self._profiler, self._done = self._profiler, None, True
+        profiler.stop()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        trace = self.folder / f"rank{self.rank:05d}.trace.json.gz"
+        raw = self.folder / f".rank{self.rank:05d}.trace.{os.getpid()}.json"
+        try:
+            profiler.export_chrome_trace(str(raw))
+            with atomic_path(trace) as tmp, open(raw, "rb") as src, gzip.open(tmp, "wb", compresslevel=3) as dst:
+                shutil.copyfileobj(src, dst, 1 << 22)
+        finally:
+            raw.unlink(missing_ok=True)
+        averages = profiler.key_averages()
+        key = self_time_key(self.device.type)
+        table = averages.table(sort_by=key, row_limit=OPS_TABLE_ROWS, max_name_column_width=90)
+        recorded = f"steps {self._first_recorded}..{step}"
+        atomic_write(self.folder / f"rank{self.rank:05d}.ops.txt",
+                     f"rank {self.rank}, {recorded}, sorted by {key}\n{table}\n")
+        if self.is_main:
+            top = top_operators(averages, self.device.type, LOGGED_OPS)
+            log.info("profile of %s written to %s; by %s: %s", recorded, self.folder, key,
+                     ", ".join(f"{op['name']} {100 * op['share']:.1f}%" for op in top))
