@@ -253,9 +253,13 @@ class Recorder(Tracker):
 
     def __init__(self):
         self.metrics: dict[int, dict[str, float]] = {}
+        self.artifacts: list[tuple[str, str | None]] = []
 
     def log_metrics(self, metrics, step):
         self.metrics.setdefault(step, {}).update(metrics)
+
+    def log_artifact(self, path, artifact_path=None):
+        self.artifacts.append((str(path), artifact_path))
 
 
 def train_job(raw: dict, resume: str = "auto") -> dict:
@@ -273,7 +277,7 @@ def train_job(raw: dict, resume: str = "auto") -> dict:
         t.close()
     losses = {s: m["train/loss"] for s, m in t.tracker.metrics.items() if "train/loss" in m}
     return {"code": code, "losses": losses, "step": t.step, "tokens_seen": t.tokens_seen,
-            "metrics": t.tracker.metrics}
+            "metrics": t.tracker.metrics, "artifacts": t.tracker.artifacts}
 
 
 def train_jobs(jobs: list[tuple[dict, str]]) -> list[dict]:

@@ -48,6 +48,9 @@ def test_the_chosen_ranks_profile_the_window_and_the_numbers_do_not_change(corpu
         table = (folder / f"rank{rank:05d}.ops.txt").read_text()
         assert table.startswith(f"rank {rank}, steps 2..3, sorted by self_cpu_time_total")
         assert "aten::" in table
+    # The operator table goes to the tracker (MLflow on rank 0); the trace (MBs) stays in the run folder.
+    assert rank0[1]["artifacts"] == [(str(folder / "rank00000.ops.txt"), "profile")]
+    assert rank0[0]["artifacts"] == [] and rank0[2]["artifacts"] == []
 
     folder = window_folder(tmp_path / "rank_1", 2, 2)
     assert sorted(p.name for p in folder.iterdir()) == ["rank00001.ops.txt", "rank00001.trace.json.gz"]
@@ -58,6 +61,7 @@ def test_the_chosen_ranks_profile_the_window_and_the_numbers_do_not_change(corpu
     assert sorted(p.name for p in folder.iterdir()) == ["rank00000.ops.txt", "rank00000.trace.json.gz"]
     assert _steps_in_trace(folder / "rank00000.trace.json.gz") == [3]
     assert (folder / "rank00000.ops.txt").read_text().startswith("rank 0, steps 3..3,")
+    assert rank0[3]["artifacts"] == [(str(folder / "rank00000.ops.txt"), "profile")]
 
 
 @pytest.mark.parametrize("train, message", [

@@ -4,7 +4,8 @@ Each profiling rank writes into <run.dir>/profile/steps_<first>-<last>/:
 - rank<r>.trace.json.gz: the Chrome trace (Perfetto and chrome://tracing open it gzipped), one
   `ProfilerStep#<step>` span per optimizer step;
 - rank<r>.ops.txt: torch's operator table, sorted by self device time on a GPU, else by self CPU time.
-Rank 0 logs where they go when the window opens, and its busiest operators when it closes. A job that stops
+Rank 0 logs where they go when the window opens, and its busiest operators when it closes; its operator
+table also goes to the MLflow run (artifacts, profile/). A job that stops
 inside the window (a stop request, a fault) writes what it recorded. The profiler only observes: the steps'
 numbers are those of an unprofiled run (tests/test_profiling.py).
 """
@@ -109,29 +110,32 @@ class StepProfiler:
         self._profiler.start()
         self._first_recorded = step
 
-    def after_step(self, step: int) -> None:
-        """Called after optimizer step `step`: marks the step in the trace; closes the window at its last."""
+    def after_step(self, step: int) -> Path | None:
+        """Called after optimizer step `step`: ends the step's span; at the window's last step, writes the
+        profile and returns the operator table's path."""
         if self._profiler is None:
-            return
+            return None
         self._end_step_span()
-        if step >= self.window[1]:
-            self._finish(step)
+        return self._finish(step) if step >= self.window[1] else None
 
-    def close(self, step: int) -> None:
-        """The job ends (normally, on a stop request or a fault) after `step`: write what was recorded."""
-        if self._profiler is not None:
-            try:
-                self._finish(step)
-            except Exception as e:  # noqa: BLE001 - a failed profile must not hide the job's own outcome
-                log.warning("rank %d: the profile of steps %d..%d was not written: %s", self.rank,
-                            self._first_recorded, step, e)
+    def close(self, step: int) -> Path | None:
+        """The job ends (normally, on a stop request or a fault) after `step`: writes what was recorded and
+        returns the operator table's path (None when nothing was recorded or the writing failed)."""
+        if self._profiler is None:
+            return None
+        try:
+            return self._finish(step)
+        except Exception as e:  # noqa: BLE001 - a failed profile must not hide the job's own outcome
+            log.warning("rank %d: the profile of steps %d..%d was not written: %s", self.rank,
+                        self._first_recorded, step, e)
+            return None
 
     def _end_step_span(self) -> None:
         span, self._step_span = self._step_span, None
         if span is not None:
             span.__exit__(None, None, None)
 
-    def _finish(self, step: int) -> None:
+    def _finish(self, step: int) -> Path:
         self._end_step_span()
         profiler, self._profiler, self._done = self._profiler, None, True
         profiler.stop()
@@ -150,9 +154,10 @@ class StepProfiler:
         key = self_time_key(self.device.type)
         table = averages.table(sort_by=key, row_limit=OPS_TABLE_ROWS, max_name_column_width=90)
         recorded = f"steps {self._first_recorded}..{step}"
-        atomic_write(self.folder / f"rank{self.rank:05d}.ops.txt",
-                     f"rank {self.rank}, {recorded}, sorted by {key}\n{table}\n")
+        ops = atomic_write(self.folder / f"rank{self.rank:05d}.ops.txt",
+                           f"rank {self.rank}, {recorded}, sorted by {key}\n{table}\n")
         if self.is_main:
             top = top_operators(averages, self.device.type, LOGGED_OPS)
             log.info("profile of %s written to %s; by %s: %s", recorded, self.folder, key,
                      ", ".join(f"{op['name']} {100 * op['share']:.1f}%" for op in top))
+        return ops

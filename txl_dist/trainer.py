@@ -131,8 +131,16 @@ class Trainer:
         try:
             return self._loop(last)
         finally:
-            self.profiler.close(self.step)
+            self._log_profile(self.profiler.close(self.step))
             self.stop.restore()
+
+    def _log_profile(self, ops_table: Path | None) -> None:
+        if ops_table is None:
+            return
+        try:
+            self.tracker.log_artifact(ops_table, "profile")
+        except Exception as e:  # noqa: BLE001 - also runs while a fault unwinds: it must not replace it
+            log.warning("tracking: the profile's operator table was not logged: %s", e)
 
     def _loop(self, last: int) -> int:
         cfg = self.cfg
@@ -143,7 +151,7 @@ class Trainer:
         while self.step < last:
             self.profiler.before_step(self.step + 1)
             stats = self.train_step()
-            self.profiler.after_step(self.step)
+            self._log_profile(self.profiler.after_step(self.step))
             stop = stats.pop("stop")
             diverged = self._count_nonfinite(stats.pop("nonfinite"))
             stats["train/nonfinite_steps"] = float(self.nonfinite_steps)
