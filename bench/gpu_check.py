@@ -63,7 +63,7 @@ import torch
 
 from txl_dist.config import ConfigError, MemorySettings, ModelConfig, load_config, validate_model
 from txl_dist.model import TransformerXL
-from txl_dist.profiling import self_time_key, top_operators
+from txl_dist.profiling import ranking_key, top_operators
 from txl_dist.model.attention import (ATTN_IMPLS, attn_bias_from_mask, build_attn_mask, candidate_attn_impls,
                                       flex_block_mask, recompile_limit)
 
@@ -557,7 +557,7 @@ class TrainCase:
         ops = top_operators(averages, p.device.type, PROFILE_TOP_OPS)
         for op in ops:
             op["name"] = op["name"][:PROFILE_NAME_CHARS]
-        return dict(sorted_by=self_time_key(p.device.type), steps=steps, ops=ops)
+        return dict(sorted_by=ranking_key(averages, p.device.type), steps=steps, ops=ops)
 
     def run(self, impl: str, batch: int, checkpointing: bool, warmup: int, steps: int) -> dict[str, Any]:
         p, cfg, model = self.p, self.cfg, self.model

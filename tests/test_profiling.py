@@ -11,7 +11,7 @@ import pytest
 
 from dist_helpers import learnable_stream, run_ranks, tiny_config, train_jobs, write_corpus
 from txl_dist.config import ConfigError, config_from_dict
-from txl_dist.profiling import self_time_key, top_operators, window_folder
+from txl_dist.profiling import ranking_key, self_time_key, top_operators, window_folder
 
 VOCAB = 64
 
@@ -100,3 +100,8 @@ def test_operators_are_ranked_by_self_device_time_on_a_gpu_and_self_cpu_time_els
     assert top_operators(ops, "cuda", 1) == [{"name": "aten::mm", "calls": 1, "self_ms": 3.0, "share": 0.75}]
     assert [o["name"] for o in top_operators(ops, "cpu", 2)] == ["aten::copy_", "aten::mm"]
     assert top_operators(ops, "cpu", 2)[0]["share"] == 0.75
+    # A GPU profile without device times (no kernel tracing available) is ranked by CPU time instead.
+    no_kernels = [op("aten::mm", 100.0, 0.0), op("aten::copy_", 300.0, 0.0)]
+    assert ranking_key(no_kernels, "cuda") == "self_cpu_time_total"
+    assert top_operators(no_kernels, "cuda", 1)[0]["name"] == "aten::copy_"
+    assert ranking_key(ops, "cuda") == self_time_key("cuda")

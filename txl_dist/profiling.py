@@ -47,10 +47,20 @@ def self_time_key(device_type: str) -> str:
     return _DEVICE_SELF_TIME if device_type == "cuda" and _DEVICE_SELF_TIME else "self_cpu_time_total"
 
 
+def ranking_key(averages: list[Any], device_type: str) -> str:
+    """self_time_key, or self CPU time when the profile holds no device time (a GPU whose kernel tracing,
+    CUPTI, was not available: torch then records the CPU side only)."""
+    key = self_time_key(device_type)
+    if key != "self_cpu_time_total" and not any(getattr(e, key) for e in averages):
+        return "self_cpu_time_total"
+    return key
+
+
 def top_operators(averages: list[Any], device_type: str, limit: int) -> list[dict[str, Any]]:
     """The `limit` operators (or kernels) with the most self time in a profile's key_averages(): name, calls,
-    self time in ms and its share of all self time (of that kind: device on a GPU, CPU else)."""
-    key = self_time_key(device_type)
+    self time in ms and its share of all self time (of that kind: device on a GPU, CPU else; see
+    ranking_key)."""
+    key = ranking_key(averages, device_type)
     total = sum(getattr(e, key) for e in averages) or 1.0
     ranked = sorted(averages, key=lambda e: getattr(e, key), reverse=True)[:limit]
     return [{"name": e.key, "calls": e.count, "self_ms": round(getattr(e, key) / 1e3, 3),
@@ -151,7 +161,7 @@ class StepProfiler:
         finally:
             raw.unlink(missing_ok=True)
         averages = profiler.key_averages()
-        key = self_time_key(self.device.type)
+        key = ranking_key(averages, self.device.type)
         table = averages.table(sort_by=key, row_limit=OPS_TABLE_ROWS, max_name_column_width=90)
         recorded = f"steps {self._first_recorded}..{step}"
         ops = atomic_write(self.folder / f"rank{self.rank:05d}.ops.txt",
