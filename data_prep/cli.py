@@ -8,7 +8,7 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from data_prep.tokenizer import MODEL_TYPES, TrainerOptions
+from data_prep.tokenizer import MODEL_TYPES, TRAINING_THREADS, TrainerOptions
 from data_prep.errors import PrepError
 from txl_dist.errors import EXIT_REFUSED, Refused
 from txl_dist.host import raise_open_file_limit, usable_cpus
@@ -47,11 +47,12 @@ def _trainer_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model-type", choices=MODEL_TYPES, default="unigram",
                    help="SentencePiece algorithm (default: unigram)")
     g.add_argument("--tokenizer-sample", type=int, default=1_000_000, metavar="N",
-                   help="train on a random sample of N sentences (lines) of the training split")
+                   help="train on a random sample of N sentences (lines) of the training split (N >= 101)")
     g.add_argument("--byte-fallback", action=argparse.BooleanOptionalAction, default=None,
                    help="unknown characters become byte pieces (default: on for unigram and bpe)")
     g.add_argument("--character-coverage", type=float, default=0.9995,
-                   help="share of the characters the vocabulary covers (default: 0.9995; 1.0 for small alphabets)")
+                   help="share of the characters the vocabulary covers, in [0.98, 1] (default: 0.9995; 1.0 for "
+                        "small alphabets)")
     g.add_argument("--normalization", default="nmt_nfkc",
                    choices=("nmt_nfkc", "nfkc", "nmt_nfkc_cf", "nfkc_cf", "identity"),
                    help="SentencePiece text normalization (default: nmt_nfkc; identity keeps the text as it is)")
@@ -90,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("tokenizer")
     g.add_argument("--tokenizer-model", default=None, metavar="PATH",
                    help="reuse this SentencePiece model instead of training one (copied into the output)")
-    g.add_argument("--eod-piece", default=None, help="end-of-document piece of a reused model without an eos piece")
+    g.add_argument("--eod-piece", default=None,
+                   help="end-of-document piece of a reused model without an eos piece: one of its control pieces")
     _trainer_args(p)
     _layout_args(p)
     g = p.add_argument_group("a mixture in one step (instead of --train/--valid/--test; see the mix command)")
@@ -100,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--train-tokens", type=int, default=None, metavar="N", help="the mixture's length (see mix)")
     g = p.add_argument_group("execution")
     g.add_argument("--num-proc", type=int, default=usable_cpus(),
-                   help="tokenizer processes; with --plan, inputs read at once (default: the CPUs)")
+                   help="tokenizing processes; with --plan, inputs read at once (default: the CPUs). Tokenizer "
+                        f"training always uses {TRAINING_THREADS} threads: the model does not depend on the machine")
     g.add_argument("--shard", default=None, metavar="I/N",
                    help="tokenize only shard I of N into OUT/shard-I-of-N; then run `finalize OUT`. With "
                         "OUT/plan.json (see --plan) a shard reads only its own documents")
@@ -120,7 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="model file to write, e.g. tok.model")
     _input_args(p)
     _trainer_args(p)
-    p.add_argument("--num-proc", type=int, default=usable_cpus(), help="training threads (default: the CPUs)")
+    p.add_argument("--num-proc", type=int, default=usable_cpus(),
+                   help=f"accepted as in prepare; SentencePiece always trains with {TRAINING_THREADS} threads, so that "
+                        "the model does not depend on the machine")
     p.add_argument("--overwrite", action="store_true", help="replace an existing model file")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--verbose", action="store_true", help="show SentencePiece's training log")
@@ -245,7 +250,9 @@ def _run(args: argparse.Namespace, command: list[str], recorded: dict) -> int:
         trainer = TrainerOptions(vocab_size=args.vocab_size, model_type=args.model_type,
                                  sample_sentences=args.tokenizer_sample, byte_fallback=args.byte_fallback,
                                  character_coverage=args.character_coverage, normalization=args.normalization,
-                                 seed=args.seed, num_threads=args.num_proc)
+                                 seed=args.seed)
+        if args.num_proc < 1:
+            raise PrepError(f"--num-proc must be >= 1, got {args.num_proc}")
         if args.command == "train-tokenizer":
             out = train_tokenizer_job(spec, args.out, trainer, overwrite=args.overwrite, progress=not args.quiet,
                                       verbose=args.verbose)

@@ -42,7 +42,8 @@ from data_prep.plan_file import (
 from data_prep.space import check_free_space, estimate_note, files_bytes, input_text_bytes, size_text, \
     token_bytes
 from data_prep.shards import ShardInfo, SplitPart, find_shards, shard_name, write_shard_info
-from data_prep.sources import FORMATS, ReadOptions, Source, resolve_sources, scan_sources, source_files
+from data_prep.sources import FORMATS, ReadOptions, Source, check_disjoint_splits, resolve_sources, scan_sources, \
+    source_files
 from data_prep.tokenizer import (
     TOKENIZER_FILE,
     TrainerOptions,
@@ -84,7 +85,9 @@ class InputSpec:
         if not self.train:
             raise PrepError("no training input: pass --train FILES")
         given = {"train": self.train, "valid": self.valid, "test": self.test}
-        return {s: resolve_sources(p, f"--{s}", self.format) for s, p in given.items() if p}
+        sources = {s: resolve_sources(p, f"--{s}", self.format) for s, p in given.items() if p}
+        check_disjoint_splits(sources)
+        return sources
 
     def fractions(self) -> dict[str, float]:
         """Held-out split -> fraction of the training inputs' documents (only those asked for)."""
@@ -167,6 +170,8 @@ def prepare(spec: InputSpec, out: str | os.PathLike, *, tokenizer_model: str | o
     planned = None
     if shard is not None and (out / PLAN_FILE).exists():  # refused before any work unless it fits
         planned = load_for_shard(out / PLAN_FILE, spec.plan_key(), sources)
+    if work_dir is not None:
+        _check_work_dir(Path(work_dir), target)
     if space_check:
         _check_prepare_space(sources, spec.read.text_field, vocab_size, target, work_dir, shard)
     if work_dir is not None:
@@ -184,6 +189,15 @@ def prepare(spec: InputSpec, out: str | os.PathLike, *, tokenizer_model: str | o
         finally:
             shutil.rmtree(work, ignore_errors=True)
     return target
+
+
+def _check_work_dir(work_dir: Path, target: Path) -> None:
+    """The output is built beside `target` and swapped in at the end: a work folder inside it would create the
+    output before the job ran (then refused as existing) or be replaced under the job's feet."""
+    work, out = work_dir.resolve(), target.resolve()
+    if work == out or out in work.parents:
+        raise PrepError(f"--work-dir {work_dir} is inside the output {target}, which is built elsewhere and "
+                        "swapped in at the end; give a work folder outside it")
 
 
 def _check_prepare_space(sources: dict[str, list[Source]], text_field: str, vocab_size: int, target: Path,
@@ -322,7 +336,7 @@ def _tokenize_shard(job: _Job, shard_dir: Path, shard: tuple[int, int], tokenize
         shutil.copyfile(tokenizer_model, model_path)
         prov["tokenizer"] = {"source": str(tokenizer_model)}
     else:
-        _train(job, plan, model_path, dataclasses.replace(trainer, num_threads=num_proc))
+        _train(job, plan, model_path, trainer)
         prov["tokenizer"] = {"trained": dataclasses.asdict(dataclasses.replace(trainer, seed=job.spec.seed))}
     tok = describe_tokenizer(model_path, eod_piece)
     dtype = token_dtype(tok.vocab_size)

@@ -5,7 +5,8 @@ import os
 from pathlib import Path
 
 from data_prep.layout import split_layouts
-from data_prep.tokenizer import load_processor
+from data_prep.errors import PrepError
+from data_prep.tokenizer import load_processor, model_type_of, sp_model_proto
 from txl_dist.data.format import (
     Manifest,
     rank_token_range,
@@ -20,6 +21,7 @@ from txl_dist.data.mixture import source_tokens_at
 def verify_report(corpus_dir: str | os.PathLike) -> str:
     """Re-check every checksum, count and token id (format.verify_corpus); a summary when all is well."""
     stats = verify_corpus(corpus_dir, check_tokens=True)
+    check_tokenizer_entry(corpus_dir)
     lines = [f"OK {corpus_dir}: digest {stats['digest']}, vocab {stats['vocab_size']}, dtype {stats['dtype']}"]
     manifest = read_manifest(corpus_dir)
     for name, s in stats["splits"].items():
@@ -34,6 +36,25 @@ def verify_report(corpus_dir: str | os.PathLike) -> str:
     return "\n".join(lines)
 
 
+def check_tokenizer_entry(corpus_dir: str | os.PathLike) -> None:
+    """The manifest's tokenizer fields must describe its tokenizer file (a checksum only proves the file is the one
+    the manifest names, not that the manifest's ids and size are that model's)."""
+    tok = read_manifest(corpus_dir).tokenizer
+    path = Path(corpus_dir) / tok.file
+    sp = load_processor(path)
+    proto = sp_model_proto(sp)
+    found = {"vocab_size": sp.get_piece_size(), "unk_id": sp.unk_id(), "bos_id": sp.bos_id(), "pad_id": sp.pad_id(),
+             "model_type": model_type_of(proto)}
+    for name, value in found.items():
+        recorded = getattr(tok, name)
+        if recorded not in (None, "") and recorded != value:
+            raise PrepError(f"{Path(corpus_dir) / 'manifest.json'}: tokenizer {name} is {recorded!r}, but {path} "
+                            f"has {value!r}; the manifest does not describe its tokenizer")
+    if not (0 <= tok.eod_id < sp.get_piece_size() and sp.is_control(tok.eod_id)):
+        raise PrepError(f"{Path(corpus_dir) / 'manifest.json'}: tokenizer eod_id {tok.eod_id} is not a control piece "
+                        f"of {path}; the manifest does not describe its tokenizer")
+
+
 def inspect_report(corpus_dir: str | os.PathLike, *, world_size: int | None = None, n_streams: int | None = None,
                    eval_streams: int | None = None, samples: int = 2, sample_tokens: int = 40) -> str:
     """Statistics, the rank blocks of a layout and decoded samples, as text.
@@ -43,6 +64,12 @@ def inspect_report(corpus_dir: str | os.PathLike, *, world_size: int | None = No
     as `prepare` would. Files are not checksummed here
     (run verify for that); only the files holding the samples are read.
     """
+    for option, value in (("--world-size", world_size), ("--n-streams", n_streams), ("--eval-streams", eval_streams)):
+        if value is not None and value < 1:  # 0 would silently mean "the manifest's" below
+            raise PrepError(f"{option} must be >= 1, got {value}")
+    for option, value in (("--samples", samples), ("--sample-tokens", sample_tokens)):
+        if value < 0:
+            raise PrepError(f"{option} must be >= 0, got {value}")
     corpus_dir = Path(corpus_dir)
     m = read_manifest(corpus_dir)
     tok = m.tokenizer
@@ -61,7 +88,8 @@ def inspect_report(corpus_dir: str | os.PathLike, *, world_size: int | None = No
     layouts = {n: s.layout for n, s in m.splits.items()}
     if (world_size, n_streams, eval_streams) != (None, None, None):
         hint = m.splits["train"].layout if "train" in m.splits else next(iter(layouts.values()))
-        layouts = split_layouts(m.splits, world_size or hint.world_size, n_streams or hint.n_streams, eval_streams)
+        layouts = split_layouts(m.splits, hint.world_size if world_size is None else world_size,
+                                hint.n_streams if n_streams is None else n_streams, eval_streams)
     for name, s in m.splits.items():
         stored = (f"{len(s.files)} files cut for" if s.index is None else
                   f"an index into {', '.join(s.index.sources)} (no token files), made for")

@@ -301,7 +301,8 @@ def _verified_text_batch(sources: Sequence[Source], records: Sequence[InputRecor
         if digest != record.files[0]["sha256"]:
             raise PrepError(f"input {source.path}: its sha256 differs from the plan's; it changed since the plan "
                             "was made: plan again")
-    return files_label([s.path for s in sources]), read_text_batch([s.path for s in sources], opts.errors)
+    texts = read_text_batch([s.path for s in sources], opts.errors, [s.size for s in sources])
+    return files_label([s.path for s in sources]), texts
 
 
 def _checked(label: str, column: pa.Array, opts: ReadOptions) -> pa.Array:

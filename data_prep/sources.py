@@ -18,6 +18,8 @@ from __future__ import annotations
 import codecs
 import glob
 import hashlib
+import json
+import stat
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +47,9 @@ class Source:
 
     path: Path
     kind: str
+    size: int | None = None
+    """A file's size in bytes when it was resolved (None for a folder): inputs are read more than once, and a
+    file whose size changed in between is refused rather than read as different text."""
 
 
 @dataclass(frozen=True)
@@ -85,17 +90,67 @@ def resolve_sources(patterns: Sequence[str], option: str, fmt: str = "auto") -> 
     return sources
 
 
+def check_disjoint_splits(sources: dict[str, list[Source]]) -> None:
+    """No input (by its real path, so also not through a link) may feed two splits: evaluation text would
+    leak into training."""
+    owner: dict[Path, str] = {}
+    for split, split_sources in sources.items():
+        for s in split_sources:
+            key = s.path.resolve()
+            if key in owner:
+                raise PrepError(f"--{split}: {s.path} is also given to --{owner[key]}; "
+                                "each input may appear once")
+            owner[key] = split
+
+
+_SAVED_MARKERS = ("state.json", "dataset_info.json", "dataset_dict.json")
+"""Files `save_to_disk` writes at the top of a Dataset (the first two) or a DatasetDict (the last) folder."""
+
+_NOT_REGULAR = ((stat.S_ISFIFO, "a pipe (FIFO)"), (stat.S_ISCHR, "a character device"),
+                (stat.S_ISSOCK, "a socket"), (stat.S_ISBLK, "a block device"))
+
+_COMPRESSED = ((b"\x1f\x8b", "gzip"), (b"\xfd7zXZ\x00", "xz"), (b"\x28\xb5\x2f\xfd", "zstd"))
+_BZIP2_BLOCK_MAGICS = (b"\x31\x41\x59\x26\x53\x59", b"\x17\x72\x45\x38\x50\x90")
+"""bzip2: "BZh", a level digit, then a block or end-of-stream magic (so no text starting "BZh" matches)."""
+
+
 def _source(path: Path, option: str, fmt: str) -> Source:
-    if path.is_dir():
-        saved = (path / "state.json").is_file() or (path / "dataset_info.json").is_file()
-        if fmt not in ("auto", ARROW) or not saved:
+    try:
+        st = path.stat()
+    except OSError as e:
+        raise PrepError(f"{option} {path}: cannot be read ({e.strerror})") from None
+    if stat.S_ISDIR(st.st_mode):
+        if fmt not in ("auto", ARROW) or not any((path / m).is_file() for m in _SAVED_MARKERS):
             raise PrepError(f"{option} {path}: is a folder but not a `save_to_disk` dataset; "
                             "give files or a glob such as DIR/*.txt")
         return Source(path, ARROW)
+    for is_kind, what in _NOT_REGULAR:
+        # every input is read at least twice (checked and hashed, then tokenized): a stream would be empty the
+        # second time, and a FIFO with no writer would block forever
+        if is_kind(st.st_mode):
+            raise PrepError(f"{option} {path}: is {what}, not a regular file; inputs are read more than once, "
+                            "so write it to a file first")
     if fmt == ARROW:
         raise PrepError(f"{option} {path}: --format arrow expects a `save_to_disk` folder, got a file")
     kind = fmt if fmt != "auto" else _SUFFIX_KIND.get(path.suffix.lower(), TEXT)
-    return Source(path, kind)
+    if kind in (TEXT, JSON):
+        _refuse_compressed(path, option)
+    return Source(path, kind, st.st_size)
+
+
+def _refuse_compressed(path: Path, option: str) -> None:
+    """Compressed bytes are not text: with --errors replace they would become a corpus of U+FFFD."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(10)
+    except OSError as e:
+        raise PrepError(f"{option} {path}: cannot be read ({e.strerror})") from None
+    kind = next((name for magic, name in _COMPRESSED if head.startswith(magic)), None)
+    if head[:3] == b"BZh" and head[3:4].isdigit() and head[4:10] in _BZIP2_BLOCK_MAGICS:
+        kind = "bzip2"
+    if kind is not None:
+        raise PrepError(f"{option} {path}: is {kind}-compressed; decompress it first "
+                        "(data_prep reads plain text, JSON Lines, Parquet and save_to_disk folders)")
 
 
 def source_files(source: Source) -> list[Path]:
@@ -118,6 +173,8 @@ def scan_sources(sources: Sequence[Source], opts: ReadOptions, progress=None) ->
             size, digest = hash_and_check(path, checks_utf8(source.kind, opts), utf8_hint(source.kind), progress)
             if size == 0 and source.kind != ARROW:
                 raise PrepError(f"input {path} is empty; remove it or give it text")
+            if source.size is not None and size != source.size:
+                raise_changed(path, source.size, size)
             entries.append({"path": str(path), "bytes": size, "sha256": digest})
     return entries
 
@@ -150,6 +207,11 @@ def hash_and_check(path: Path, check_utf8: bool, hint: str, progress=None) -> tu
     if checker is not None:
         checker.finish(offset)
     return offset, h.hexdigest()
+
+
+def raise_changed(path: Path, expected: int, found: int) -> None:
+    raise PrepError(f"input {path}: changed while the job ran ({expected:,} bytes when found, {found:,} now); "
+                    "run again once it is complete")
 
 
 class Utf8Checker:
@@ -235,10 +297,12 @@ def _read_group(group: Sequence[Source], opts: ReadOptions, batch_rows: int, lab
             yield from read_text_documents(group, opts.errors, batch_rows)
             return
         if kind == ARROW:
+            if saved_dataset_is_empty(group[0].path):
+                raise PrepError(f"input {label}: holds no documents; remove it or give it text")
             ds = datasets.load_from_disk(str(group[0].path))
             if isinstance(ds, datasets.DatasetDict):
                 raise PrepError(f"input {label}: is a DatasetDict ({', '.join(ds)}); "
-                                "give the folder of one split, e.g. {label}/train")
+                                f"give the folder of one split, e.g. {label}/{next(iter(ds), 'train')}")
             check_field(ds.column_names, opts.text_field, label)
             ds = ds.select_columns([opts.text_field])
         else:
@@ -269,6 +333,16 @@ def _read_group(group: Sequence[Source], opts: ReadOptions, batch_rows: int, lab
         raise PrepError(f"input {label}: cannot be read as {kind} ({first})") from None
 
 
+def saved_dataset_is_empty(folder: Path) -> bool:
+    """Whether a save_to_disk Dataset folder holds no data file (datasets' load_from_disk fails on one with an
+    IndexError)."""
+    try:
+        state = json.loads((folder / "state.json").read_text())
+    except (OSError, ValueError):
+        return False  # not a Dataset's state (a DatasetDict, or damaged): load_from_disk says what it is
+    return isinstance(state, dict) and state.get("_data_files") == []
+
+
 def read_text_documents(group: Sequence[Source], errors: str, batch_rows: int) -> Iterator[tuple[str, pa.Array]]:
     """One document per plain-text file, in batches of up to batch_rows files and _TEXT_BATCH_BYTES (a larger
     file alone), each labelled with its file(s).
@@ -284,7 +358,7 @@ def read_text_documents(group: Sequence[Source], errors: str, batch_rows: int) -
         if text_batch_full(len(parts), n_bytes, source.path.stat().st_size, batch_rows):
             yield files_label(paths), _large_strings(parts)
             parts, paths, n_bytes = [], [], 0
-        parts.append(_read_text_file(source.path, errors))
+        parts.append(_read_text_file(source.path, errors, source.size))
         paths.append(source.path)
         n_bytes += len(parts[-1])
     if parts:
@@ -297,21 +371,28 @@ def text_batch_full(n_files: int, n_text_bytes: int, next_file_size: int, batch_
     return n_files > 0 and (n_files == batch_rows or n_text_bytes + next_file_size > _TEXT_BATCH_BYTES)
 
 
-def read_text_batch(paths: Sequence[Path], errors: str) -> pa.Array:
-    """One-document-per-file texts, one batch (see read_text_documents)."""
-    return _large_strings([_read_text_file(p, errors) for p in paths])
+def read_text_batch(paths: Sequence[Path], errors: str, sizes: Sequence[int | None] | None = None) -> pa.Array:
+    """One-document-per-file texts, one batch (see read_text_documents); `sizes`: the files' sizes in bytes
+    when they were found (a file of another size now is refused)."""
+    sizes = sizes or [None] * len(paths)
+    return _large_strings([_read_text_file(p, errors, n) for p, n in zip(paths, sizes)])
 
 
-def _read_text_file(path: Path, errors: str) -> bytearray:
-    """The file's text as UTF-8, exactly what `open(path, encoding="utf-8", errors=errors).read()` gives
-    (universal newlines: "\\r\\n" and "\\r" become "\\n"), decoded _READ_CHARS at a time into one buffer."""
+def _read_text_file(path: Path, errors: str, expected_size: int | None = None) -> bytearray:
+    """The file's text as UTF-8, exactly what `open(path, encoding="utf-8-sig", errors=errors).read()` gives
+    (universal newlines: "\\r\\n" and "\\r" become "\\n"; a leading byte order mark dropped, as JSON Lines
+    readers drop it), decoded _READ_CHARS at a time into one buffer. A file whose bytes read differ from
+    `expected_size` (it changed since it was scanned) is refused."""
     out = bytearray(path.stat().st_size)  # the text's size, unless errors="replace" makes it longer
     n = 0
-    with open(path, encoding="utf-8", errors=errors) as f:
+    with open(path, encoding="utf-8-sig", errors=errors) as f:
         while chunk := f.read(_READ_CHARS):
             data = chunk.encode("utf-8")
             out[n:n + len(data)] = data  # grows the buffer where the slice runs past its end
             n += len(data)
+        n_read = f.buffer.tell()
+    if expected_size is not None and n_read != expected_size:
+        raise_changed(path, expected_size, n_read)
     del out[n:]
     return out
 

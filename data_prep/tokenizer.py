@@ -26,6 +26,13 @@ EOD_PIECE = "<eod>"
 TOKENIZER_FILE = "tokenizer.model"
 # Lines are cut to this many characters for training: SentencePiece skips longer sentences entirely.
 _MAX_SENTENCE_CHARS = 4096
+TRAINING_THREADS = 16
+"""Threads SentencePiece trains with, whatever the machine (--num-proc does not change it): the model then
+depends only on the text and the options, never on where it was trained."""
+MIN_SAMPLE_SENTENCES = 101
+"""SentencePiece's smallest input_sentence_size (it refuses 1..100)."""
+COVERAGE_RANGE = (0.98, 1.0)
+"""SentencePiece's allowed character_coverage."""
 
 
 @dataclass(frozen=True)
@@ -42,7 +49,9 @@ class TrainerOptions:
     normalization: str = "nmt_nfkc"
     """SentencePiece normalization rule: nmt_nfkc, nfkc, nmt_nfkc_cf, nfkc_cf or identity."""
     seed: int = 0
-    num_threads: int = 1
+    num_threads: int = TRAINING_THREADS
+    """SentencePiece training threads: fixed, not the machine's CPUs, since its unigram training gives another
+    model for another thread count."""
 
     def resolved_byte_fallback(self) -> bool:
         """Byte fallback as it will be used."""
@@ -61,8 +70,15 @@ def check_trainer_options(opts: TrainerOptions) -> None:
         raise PrepError(f"--vocab-size {opts.vocab_size} is too small: the special pieces"
                         f"{' and 256 byte pieces' if opts.resolved_byte_fallback() else ''} need {low - 1}; "
                         f"use at least {low}")
-    if opts.sample_sentences < 1:
-        raise PrepError(f"--tokenizer-sample must be >= 1, got {opts.sample_sentences}")
+    if opts.sample_sentences < MIN_SAMPLE_SENTENCES:
+        raise PrepError(f"--tokenizer-sample must be >= {MIN_SAMPLE_SENTENCES} (SentencePiece samples at least "
+                        f"that many sentences), got {opts.sample_sentences}")
+    low, high = COVERAGE_RANGE
+    if not low <= opts.character_coverage <= high:
+        raise PrepError(f"--character-coverage must be in [{low}, {high}] (SentencePiece's range), "
+                        f"got {opts.character_coverage}")
+    if not 1 <= opts.num_threads <= 1024:
+        raise PrepError(f"training threads must be in [1, 1024] (SentencePiece's range), got {opts.num_threads}")
 
 
 def training_sentences(documents: Iterable[str]) -> Iterator[str]:
@@ -84,9 +100,10 @@ def train_tokenizer(sentences: Iterable[str], out: str | os.PathLike, opts: Trai
     check_trainer_options(opts)
     spm.set_random_generator_seed(opts.seed)
     model = io.BytesIO()
+    feed = _RecordingFeed(sentences)
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(sentences), model_writer=model,
+            sentence_iterator=iter(feed), model_writer=model,
             vocab_size=opts.vocab_size, model_type=opts.model_type,
             input_sentence_size=opts.sample_sentences, shuffle_input_sentence=True,
             max_sentence_length=4 * _MAX_SENTENCE_CHARS,
@@ -95,10 +112,30 @@ def train_tokenizer(sentences: Iterable[str], out: str | os.PathLike, opts: Trai
             unk_id=0, eos_id=1, eos_piece=EOD_PIECE, bos_id=-1, pad_id=-1,
             num_threads=opts.num_threads, minloglevel=0 if verbose else 2)
     except (RuntimeError, OSError) as e:
+        if feed.error is not None:
+            raise feed.error from None
         raise PrepError(f"sentencepiece training failed: {_sp_message(e)}") from None
+    if feed.error is not None:
+        raise feed.error
     out = Path(out)
     out.write_bytes(model.getvalue())
     return out
+
+
+class _RecordingFeed:
+    """The sentences for SentencePiece, keeping what their reading raised: SentencePiece aborts on it but turns
+    it into a RuntimeError of several lines (an input's one-line refusal inside its own C++ message)."""
+
+    def __init__(self, sentences: Iterable[str]):
+        self.sentences = sentences
+        self.error: BaseException | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        try:
+            yield from self.sentences
+        except BaseException as e:  # noqa: BLE001 - also Ctrl-C and SIGTERM, re-raised as they were
+            self.error = e
+            raise
 
 
 def _sp_message(e: Exception) -> str:
@@ -137,6 +174,10 @@ def describe_tokenizer(path: str | os.PathLike, eod_piece: str | None = None) ->
         eod_id = sp.piece_to_id(eod_piece)
         if eod_id == sp.unk_id() and eod_piece != sp.id_to_piece(sp.unk_id()):
             raise PrepError(f"tokenizer {path}: --eod-piece {eod_piece!r} is not in its vocabulary")
+        # encoding text never produces a control piece, so only one can mark document ends unambiguously
+        if not sp.is_control(eod_id) or eod_id == sp.unk_id():
+            raise PrepError(f"tokenizer {path}: --eod-piece {eod_piece!r} is not a control piece (text can "
+                            f"encode to it); pass one of its control pieces: {control_pieces(sp)}")
     else:
         eod_id = sp.eos_id()
         if eod_id < 0:
@@ -147,12 +188,28 @@ def describe_tokenizer(path: str | os.PathLike, eod_piece: str | None = None) ->
                           pad_id=sp.pad_id())
 
 
+def control_pieces(sp: spm.SentencePieceProcessor, most: int = 8) -> str:
+    """The model's control pieces (never produced by encoding text), quoted, for a message."""
+    pieces = [repr(sp.id_to_piece(i)) for i in range(sp.get_piece_size()) if sp.is_control(i)]
+    return ", ".join(pieces[:most]) + (f" (and {len(pieces) - most} more)" if len(pieces) > most else "") or "none"
+
+
 def model_type(path: str | os.PathLike) -> str:
     """unigram, bpe, word or char, read from the model's trainer spec."""
-    return _model_type(_model_proto(path))
+    return model_type_of(_model_proto(path))
 
 
-def _model_type(proto) -> str:
+def sp_model_proto(sp: spm.SentencePieceProcessor):
+    """The ModelProto of a loaded model (no second read of its file)."""
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    proto = pb.ModelProto()
+    proto.ParseFromString(sp.serialized_model_proto())
+    return proto
+
+
+def model_type_of(proto) -> str:
+    """unigram, bpe, word or char, from a ModelProto."""
     from sentencepiece import sentencepiece_model_pb2 as pb
 
     return pb.TrainerSpec.ModelType.Name(proto.trainer_spec.model_type).lower()
@@ -205,7 +262,7 @@ def document_cuts(path: str | os.PathLike) -> DocumentCuts:
     from sentencepiece import sentencepiece_model_pb2 as pb
 
     proto = _model_proto(path)
-    norm, kind = proto.normalizer_spec, _model_type(proto)
+    norm, kind = proto.normalizer_spec, model_type_of(proto)
     types = pb.ModelProto.SentencePiece
     if kind not in ("unigram", "bpe", "char"):
         return DocumentCuts((), f"its model type is {kind}")

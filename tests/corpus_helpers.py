@@ -1,6 +1,7 @@
 """Corpus folders for tests: a synthetic token stream written through the format's own public writer.
 
-No tokenizer is needed: the format treats tokenizer.model as bytes (only its sha256 is checked).
+The tokenizer is a SentencePiece model built directly (no training): `vocab_size` pieces, <unk> at 0 and the
+end-of-document control piece at EOD, what `verify` checks the manifest's tokenizer fields against.
 """
 from __future__ import annotations
 
@@ -35,6 +36,28 @@ def synthetic_stream(n_tokens: int, vocab_size: int = 1000, seed: int = 0, mean_
     return tokens
 
 
+def sentencepiece_model(vocab_size: int, eod_id: int = EOD) -> bytes:
+    """A loadable unigram SentencePiece model of `vocab_size` pieces: <unk> at 0, the control piece <eod> at
+    eod_id, the rest normal pieces."""
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    model = pb.ModelProto()
+    kind = pb.ModelProto.SentencePiece
+    for i in range(vocab_size):
+        piece = model.pieces.add()
+        if i == 0:
+            piece.piece, piece.type = "<unk>", kind.UNKNOWN
+        elif i == eod_id:
+            piece.piece, piece.type = "<eod>", kind.CONTROL
+        else:
+            piece.piece, piece.type, piece.score = f"\u2581p{i}", kind.NORMAL, -float(i)
+    model.trainer_spec.model_type = pb.TrainerSpec.UNIGRAM
+    model.trainer_spec.vocab_size = vocab_size
+    model.trainer_spec.unk_id, model.trainer_spec.bos_id, model.trainer_spec.pad_id = 0, -1, -1
+    model.normalizer_spec.name = "identity"
+    return model.SerializeToString()
+
+
 def make_corpus(root: Path, splits: dict[str, np.ndarray], layout: Layout = Layout(2, 8), vocab_size: int = 1000,
                 batch_tokens: int | None = None, bytes_per_token: int = 5, chars_per_token: int = 4) -> Path:
     """Write a corpus folder: files cut by file_boundaries(layout), record batches of batch_tokens.
@@ -43,7 +66,7 @@ def make_corpus(root: Path, splits: dict[str, np.ndarray], layout: Layout = Layo
     tokens_sha256 is computed here from the tokens themselves (an oracle independent of the writers).
     """
     root.mkdir(parents=True, exist_ok=True)
-    (root / "tokenizer.model").write_bytes(b"stand-in for a SentencePiece model " + str(vocab_size).encode())
+    (root / "tokenizer.model").write_bytes(sentencepiece_model(vocab_size))
     dtype = token_dtype(vocab_size)
     entries = {}
     for name, tokens in splits.items():

@@ -145,7 +145,7 @@ def test_bad_tokenizer_and_options(model, plays, tmp_path, capsys):
     assert "--tokenizer-model" in msg
     msg = fail(capsys, *prepare_args(tmp_path / "o", model, p, extra=["--shard", "2/2"]))
     assert "--shard '2/2'" in msg
-    msg = fail(capsys, *prepare_args(tmp_path / "o", model, p, extra=["--valid", p, "--valid-fraction", "0.1"]))
+    msg = fail(capsys, *prepare_args(tmp_path / "o", model, p, extra=["--valid", plays[1], "--valid-fraction", "0.1"]))
     assert "--valid-fraction" in msg
     msg = fail(capsys, "prepare", "--out", tmp_path / "o", "--train", p, "--model-type", "char", "--byte-fallback")
     assert "--byte-fallback" in msg
@@ -279,3 +279,171 @@ def test_a_data_prep_job_raises_its_open_file_limit(tmp_path):
     out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "no-corpus")], capture_output=True, text=True,
                          preexec_fn=lower_soft_limit, timeout=120)
     assert int(out.stdout.split("soft")[-1]) == (hard if hard != resource.RLIM_INFINITY else 1 << 20), out.stderr
+
+
+# ----------------------------------------------------------------------------------------------------
+# Inputs that are not plain files of text, and inputs given twice
+
+
+def test_a_pipe_is_refused_before_it_is_read(model, plays, tmp_path, capsys):
+    """`--train <(cat FILE)`: a stream is read once; the corpus needs its inputs twice (scan, then tokenize)."""
+    read_end, write_end = os.pipe()
+    os.write(write_end, plays[0].read_bytes()[:4096])
+    os.close(write_end)  # the stream ends: the old code read it whole once, then found it empty
+    try:
+        msg = fail(capsys, *prepare_args(tmp_path / "out", model, f"/dev/fd/{read_end}"))
+    finally:
+        os.close(read_end)
+    assert "pipe" in msg and "not a regular file" in msg and "write it to a file first" in msg
+    msg = fail(capsys, *prepare_args(tmp_path / "out", model, "/dev/null"))
+    assert "/dev/null" in msg and "character device" in msg
+    assert untouched(tmp_path, set())
+
+
+def test_a_named_fifo_is_refused_instead_of_waiting_for_a_writer(model, tmp_path):
+    os.mkfifo(tmp_path / "fifo")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-m", "data_prep", *map(str, prepare_args(tmp_path / "out", model,
+                                                                                     tmp_path / "fifo"))],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "fifo: is a pipe (FIFO)" in out.stderr
+    assert untouched(tmp_path, {"fifo"})
+
+
+def test_a_file_that_changes_between_scan_and_read_is_refused(plays, tmp_path):
+    from data_prep.errors import PrepError
+    from data_prep.sources import ReadOptions, read_text_documents, resolve_sources, scan_sources
+
+    path = Path(shutil.copy(plays[0], tmp_path / "a.txt"))
+    sources = resolve_sources([str(path)], "--train")
+    path.write_bytes(path.read_bytes()[:-100])  # shrank after it was found
+    with pytest.raises(PrepError, match="a.txt: changed while the job ran"):
+        scan_sources(sources, ReadOptions())
+    sources = resolve_sources([str(path)], "--train")
+    scan_sources(sources, ReadOptions())
+    path.write_bytes(path.read_bytes()[:-100])  # shrank after it was scanned
+    with pytest.raises(PrepError, match="a.txt: changed while the job ran"):
+        list(read_text_documents(sources, "strict", 8))
+
+
+def test_a_file_given_to_two_splits_is_refused(model, plays, tmp_path, capsys):
+    (tmp_path / "link.txt").symlink_to(plays[0])
+    msg = fail(capsys, *prepare_args(tmp_path / "out", model, plays[0], plays[1], extra=["--valid", plays[0]]))
+    assert f"--valid: {plays[0]} is also given to --train; each input may appear once" in msg
+    msg = fail(capsys, *prepare_args(tmp_path / "out", model, plays[1], extra=["--test", tmp_path / "link.txt",
+                                                                              "--valid", plays[0]]))
+    assert "link.txt is also given to --valid" in msg
+    assert untouched(tmp_path, {"link.txt"})
+
+
+@pytest.mark.parametrize("kind", ["gzip", "bzip2", "xz", "zstd"])
+def test_compressed_inputs_are_refused_with_what_to_do(model, plays, tmp_path, capsys, kind):
+    import bz2
+    import gzip
+    import lzma
+    text = plays[0].read_bytes()
+    data = {"gzip": gzip.compress, "bzip2": bz2.compress, "xz": lzma.compress,
+            "zstd": lambda b: b"\x28\xb5\x2f\xfd" + b"\x00" * 8}[kind](text)
+    for name in ("docs.txt", "docs.jsonl"):  # by their bytes, whatever the name says
+        (tmp_path / name).write_bytes(data)
+        msg = fail(capsys, *prepare_args(tmp_path / "out", model, tmp_path / name, extra=["--errors", "replace"]))
+        assert f"{name}: is {kind}-compressed; decompress it first" in msg
+        (tmp_path / name).unlink()
+    assert untouched(tmp_path, set())
+
+
+def test_text_that_merely_starts_like_bzip2_is_read(model, tmp_path):
+    (tmp_path / "a.txt").write_text("BZh9 is not a bzip2 header when no block follows.\n")
+    run(*prepare_args(tmp_path / "out", model, tmp_path / "a.txt"))
+
+
+def test_save_to_disk_without_documents_and_dataset_dicts(model, tmp_path, capsys):
+    import datasets
+    datasets.Dataset.from_dict({"text": pa.array([], pa.string())}).save_to_disk(str(tmp_path / "empty"))
+    msg = fail(capsys, *prepare_args(tmp_path / "out", model, tmp_path / "empty"))
+    assert "empty: holds no documents" in msg
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["a b"]})}).save_to_disk(str(tmp_path / "dd"))
+    msg = fail(capsys, *prepare_args(tmp_path / "out", model, tmp_path / "dd"))
+    assert f"is a DatasetDict (train); give the folder of one split, e.g. {tmp_path / 'dd'}/train" in msg
+    assert untouched(tmp_path, {"empty", "dd"})
+
+
+# ----------------------------------------------------------------------------------------------------
+# Tokenizer options and errors found while the tokenizer trains
+
+
+def test_eod_piece_must_be_a_control_piece(model, plays, tmp_path, capsys):
+    spm.SentencePieceTrainer.train(input=str(plays[0]), model_prefix=str(tmp_path / "user"), vocab_size=300,
+                                   model_type="bpe", eos_id=-1, bos_id=-1, user_defined_symbols=["<doc>"],
+                                   control_symbols=["<end>"], minloglevel=2)
+    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "user.model"))
+    word = next(sp.id_to_piece(i) for i in range(sp.get_piece_size()) if sp.id_to_piece(i).startswith("\u2581t"))
+    for piece in ("<doc>", word, "<unk>"):  # encoding text produces each of them
+        msg = fail(capsys, "prepare", "--out", tmp_path / "out", "--tokenizer-model", tmp_path / "user.model",
+                   "--eod-piece", piece, "--train", plays[0], "--quiet", "--num-proc", 1)
+        assert f"--eod-piece {piece!r} is not a control piece" in msg and "'<end>'" in msg
+    assert untouched(tmp_path, {"user.model", "user.vocab"})
+
+
+@pytest.mark.parametrize("command", ["prepare", "train-tokenizer"])
+def test_an_input_error_found_while_training_is_the_inputs_refusal(plays, tmp_path, capsys, command):
+    (tmp_path / "null.jsonl").write_text('{"text": "a"}\n{"text": null}\n')
+    args = [command, "--out", tmp_path / "out", "--vocab-size", 300, "--quiet", "--num-proc", 1]
+    first = fail(capsys, *args, "--train", tmp_path / "null.jsonl", plays[0])
+    second = fail(capsys, *args, "--train", plays[0], tmp_path / "null.jsonl")
+    assert second == first == f"error: input {tmp_path / 'null.jsonl'}: 1 document(s) have no text (null 'text'); " \
+                              "drop them or fill them in"
+    assert untouched(tmp_path, {"null.jsonl"})
+
+
+def test_trainer_options_outside_sentencepiece_limits(plays, tmp_path, capsys):
+    args = ["prepare", "--out", tmp_path / "out", "--train", plays[0], "--quiet", "--num-proc", 1]
+    assert "--tokenizer-sample must be >= 101" in fail(capsys, *args, "--tokenizer-sample", 100)
+    for coverage in (0.97, 1.01):
+        msg = fail(capsys, *args, "--character-coverage", coverage)
+        assert f"--character-coverage must be in [0.98, 1.0] (SentencePiece's range), got {coverage}" in msg
+    msg = fail(capsys, "train-tokenizer", "--out", tmp_path / "t.model", "--train", plays[0], "--num-proc", 0)
+    assert "--num-proc must be >= 1, got 0" in msg
+    assert untouched(tmp_path, set())
+
+
+def test_the_trained_tokenizer_does_not_depend_on_num_proc(plays, tmp_path):
+    from data_prep.tokenizer import TRAINING_THREADS
+    common = ["--train", *plays[:2], "--vocab-size", 400, "--quiet", "--world-size", 1]
+    run("prepare", "--out", tmp_path / "one", "--num-proc", 1, *common)
+    run("prepare", "--out", tmp_path / "two", "--num-proc", 2, *common)
+    one, two = read_manifest(tmp_path / "one"), read_manifest(tmp_path / "two")
+    assert one.tokenizer.sha256 == two.tokenizer.sha256 and one.digest() == two.digest()
+    assert one.provenance["tokenizer"]["trained"]["num_threads"] == TRAINING_THREADS
+    run("train-tokenizer", "--out", tmp_path / "t1.model", "--num-proc", 1, *common[:-2])
+    run("train-tokenizer", "--out", tmp_path / "t2.model", "--num-proc", 2, *common[:-2])
+    assert sha256_file(tmp_path / "t1.model") == sha256_file(tmp_path / "t2.model") == one.tokenizer.sha256
+
+
+# ----------------------------------------------------------------------------------------------------
+# Work folder, inspect and verify options
+
+
+def test_a_work_dir_inside_a_new_output_is_refused_before_anything_is_made(model, plays, tmp_path, capsys):
+    msg = fail(capsys, *prepare_args(tmp_path / "out", model, plays[0], extra=["--work-dir", tmp_path / "out/w"]))
+    assert f"--work-dir {tmp_path / 'out/w'} is inside the output {tmp_path / 'out'}" in msg
+    assert untouched(tmp_path, set())
+    run(*prepare_args(tmp_path / "out", model, plays[0], extra=["--work-dir", tmp_path / "w"]))
+
+
+def test_inspect_refuses_counts_below_their_minimum(corpus, capsys):
+    assert "--sample-tokens must be >= 0, got -1" in fail(capsys, "inspect", corpus, "--sample-tokens", -1)
+    assert "--samples must be >= 0, got -2" in fail(capsys, "inspect", corpus, "--samples", -2)
+    for option in ("--world-size", "--n-streams", "--eval-streams"):
+        for value in (0, -1):
+            assert f"{option} must be >= 1, got {value}" in fail(capsys, "inspect", corpus, option, value)
+
+
+@pytest.mark.parametrize("field,value", [("vocab_size", 500), ("model_type", "unigram"), ("unk_id", 2)])
+def test_verify_refuses_tokenizer_fields_that_do_not_describe_the_model(corpus, capsys, field, value):
+    manifest = json.loads((corpus / "manifest.json").read_text())
+    found = manifest["tokenizer"][field]
+    manifest["tokenizer"][field] = value
+    (corpus / "manifest.json").write_text(json.dumps(manifest))
+    msg = fail(capsys, "verify", corpus)
+    assert f"tokenizer {field} is {value!r}, but {corpus / 'tokenizer.model'} has {found!r}" in msg

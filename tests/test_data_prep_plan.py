@@ -106,12 +106,15 @@ def write_mixed(root: Path) -> list[str]:
 
 
 def write_files(root: Path, holdout: bool = True) -> list[str]:
-    """Plain text, one document per file; valid held out, or from files of its own."""
+    """Plain text, one document per file (some starting with a byte order mark); valid held out, or from files
+    of its own."""
     rng = random.Random(4)
     for split, n in (("train", 40), ("valid", 0 if holdout else 5)):
         (root / split).mkdir()
         for i in range(n):
-            (root / split / f"{i:02d}.txt").write_text(text(rng, rng.randint(3, 30)) + "\r\n", encoding="utf-8")
+            bom = "\ufeff" if i % 7 == 3 else ""  # dropped when read: the plan's text sizes must say so too
+            (root / split / f"{i:02d}.txt").write_text(bom + text(rng, rng.randint(3, 30)) + "\r\n",
+                                                        encoding="utf-8")
     valid = ["--valid-fraction", "0.2", "--seed", "5"] if holdout else ["--valid", root / "valid" / "*.txt"]
     return ["--train", root / "train" / "*.txt", *valid]
 
@@ -195,6 +198,26 @@ def test_shards_following_the_plan_are_the_shards_that_scan(model, tmp_path, sma
                                     else {"train", "valid"})
     shard0 = json.loads((tmp_path / "planned" / "shard-00000-of-00003" / "shard.json").read_text())
     assert shard0["provenance"]["plan"]["file"] == str(tmp_path / "planned" / "plan.json")
+
+
+def test_a_plain_text_file_drops_its_byte_order_mark(model, tmp_path):
+    """As JSON Lines readers do: the mark is no text, so neither the tokens nor the byte and character counts
+    hold it (the plan's text size of the file neither)."""
+    import sentencepiece as spm
+    from data_prep.sources import ReadOptions, resolve_sources
+
+    body = text(random.Random(6), 40) + "\r\n" + text(random.Random(7), 9) + "\n"
+    (tmp_path / "a.txt").write_bytes("\ufeff".encode() + body.encode())
+    run("prepare", "--out", tmp_path / "c", "--train", tmp_path / "a.txt", "--tokenizer-model", model,
+        "--num-proc", 1, "--quiet")
+    read = body.replace("\r\n", "\n")
+    split = read_manifest(tmp_path / "c").splits["train"]
+    assert (split.n_bytes, split.n_chars) == (len(read.encode()), len(read))
+    sp = spm.SentencePieceProcessor(model_file=str(model))
+    tokens = pa.ipc.open_file(str(tmp_path / "c/train/00000.arrow")).read_all().column(0).to_pylist()
+    assert tokens == sp.encode(read) + [sp.eos_id()]
+    record = scan_input(resolve_sources([str(tmp_path / "a.txt")], "--train")[0], ReadOptions())
+    assert record.files[0]["text_bytes"] == len(read.encode())
 
 
 def test_line_counts_and_lines_are_what_datasets_reads(tmp_path, small_seeks):
