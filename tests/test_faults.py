@@ -5,6 +5,7 @@ the fault ends. The faults themselves live in tests/fault_job.py."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import time
@@ -275,15 +276,21 @@ def _no_worker_left(config: str) -> bool:
     return True
 
 
-@pytest.mark.parametrize("launcher, sig", [("torchrun", signal.SIGUSR1), ("deepspeed", signal.SIGTERM)])
-def test_a_signal_to_the_launcher_saves_and_leaves_no_orphan(corpus, tmp_path, launcher, sig):
+@pytest.mark.parametrize("launcher, sig, to_group", [
+    ("torchrun", signal.SIGUSR1, False), ("deepspeed", signal.SIGTERM, False),
+    # Ctrl-C in a terminal: SIGINT to the launcher and its workers at once (torchrun forwards another one)
+    ("torchrun", signal.SIGINT, True), ("deepspeed", signal.SIGINT, True)])
+def test_a_signal_to_the_launcher_saves_and_leaves_no_orphan(corpus, tmp_path, launcher, sig, to_group):
     run_dir = tmp_path / "run"
     config = _config(corpus, run_dir, train={"max_steps": 1000})
     script = str(REPO / "launch" / "train.py")
     count = "--nproc_per_node" if launcher == "torchrun" else "--num_gpus"
     proc = Launch([venv_bin(launcher), count, "2", "--master_port", str(free_port()), script, "--config", config])
     proc.wait_for("step 3/1000")
-    proc.proc.send_signal(sig)
+    if to_group:
+        os.killpg(proc.proc.pid, sig)
+    else:
+        proc.proc.send_signal(sig)
     proc.wait(120)
     deadline = time.monotonic() + 60
     while not _no_worker_left(config):
@@ -296,8 +303,34 @@ def test_a_signal_to_the_launcher_saves_and_leaves_no_orphan(corpus, tmp_path, l
     info = json.loads((run_dir / "checkpoints" / tags[-1] / "txl_state" / "run.json").read_text())
     assert info["step"] == step
     log = (run_dir / "logs" / "train.log").read_text()
-    assert "is gone" in log or "SIGTERM" in log or "SIGUSR1" in log, log[-2000:]
+    assert "is gone" in log or "SIGTERM" in log or "SIGUSR1" in log or "SIGINT" in log, log[-2000:]
     assert f"stopping after step {step}" in log
+    if to_group:
+        assert "Ctrl-C: saving a checkpoint at the next step boundary" in proc.output
+
+
+def test_ctrl_c_asks_for_a_save_and_a_second_one_later_stops_at_once(monkeypatch):
+    import txl_dist.stop_request as stop_request
+
+    clock = [100.0]
+    monkeypatch.setattr(stop_request.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(stop_request, "_first_interrupt", None)
+    monkeypatch.setattr(stop_request, "_early_signal", None)
+    previous = signal.getsignal(signal.SIGINT)
+    request = stop_request.StopRequest()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)  # a real signal: the handler runs before the next line
+        assert request.reason() == "SIGINT"
+        clock[0] += 0.05  # torchrun forwards the terminal's Ctrl-C: the same press, not an insistent user
+        os.kill(os.getpid(), signal.SIGINT)
+        assert request.reason() == "SIGINT"
+        clock[0] += stop_request.FORCE_AFTER_S
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)  # (the handler raises here at the latest)
+    finally:
+        request.restore()
+    assert signal.getsignal(signal.SIGINT) is previous
 
 
 def test_a_stop_signal_during_start_up_is_kept_and_honoured_after_the_first_step(corpus, tmp_path):

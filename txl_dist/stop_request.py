@@ -1,10 +1,12 @@
 """Why a run should stop at the next step boundary: a signal, or the launcher that started it is gone.
 
-SIGTERM and SIGUSR1 (Slurm's warning before a time limit, `scancel --signal=USR1`) only set a flag; the
-trainer agrees with the other ranks at the next step boundary, saves a checkpoint and exits 0. The entry
-point catches them from its first line on (catch_stop_signals): a signal that comes during start-up (imports,
-the engine build) is kept and honoured after the first step, and one that comes after training (while the
-MLflow run closes) does not kill the process.
+SIGTERM, SIGUSR1 (Slurm's warning before a time limit, `scancel --signal=USR1`) and SIGINT (Ctrl-C) only set
+a flag; the trainer agrees with the other ranks at the next step boundary, saves a checkpoint and exits 0. The
+entry point catches them from its first line on (catch_stop_signals): a signal that comes during start-up
+(imports, the engine build) is kept and honoured after the first step, and one that comes after training
+(while the MLflow run closes) does not kill the process. A second Ctrl-C, FORCE_AFTER_S or more after the
+first, stops at once without saving (KeyboardInterrupt): the one that torchrun forwards on top of the
+terminal's, milliseconds later, does not count.
 
 The launchers handle signals sent to them alone badly: `deepspeed` (single node) has no handler and dies,
 leaving its launch process and the workers running as orphans; torchrun dies of SIGUSR1 unless it is
@@ -20,7 +22,9 @@ import signal
 import time
 from pathlib import Path
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+FORCE_AFTER_S = 2.0
+"""A Ctrl-C this long or longer after the first one aborts the job instead of waiting for its save."""
 # Command-line fragments of the processes that launch workers (python -m ... or the console scripts).
 LAUNCHER_MARKERS = ("torch.distributed.run", "torchrun", "deepspeed.launcher.launch", "bin/deepspeed",
                     "deepspeed.launcher.runner")
@@ -28,10 +32,29 @@ CHECK_EVERY_S = 1.0
 
 
 _early_signal: int | None = None
+_first_interrupt: float | None = None
+"""When the first Ctrl-C of this process came (time.monotonic())."""
+
+
+def _note_interrupt(signum: int) -> None:
+    """Ctrl-C: the first is a stop request (say so at once: the next step boundary may be far); one that comes
+    FORCE_AFTER_S later is the user insisting."""
+    global _first_interrupt
+    if signum != signal.SIGINT:
+        return
+    now = time.monotonic()
+    if _first_interrupt is None:
+        _first_interrupt = now
+        if os.environ.get("RANK", "0") == "0":
+            os.write(2, b"\nCtrl-C: saving a checkpoint at the next step boundary, then exiting; press Ctrl-C again "
+                        b"to stop at once without saving\n")
+    elif now - _first_interrupt >= FORCE_AFTER_S:
+        raise KeyboardInterrupt
 
 
 def _keep_early(signum, frame) -> None:
     global _early_signal
+    _note_interrupt(signum)
     _early_signal = signum
 
 
@@ -57,6 +80,7 @@ class StopRequest:
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame) -> None:
+        _note_interrupt(signum)
         self.signal = signum
 
     def reason(self) -> str | None:

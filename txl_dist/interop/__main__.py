@@ -8,8 +8,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from txl_dist.errors import Refused, one_line
 from txl_dist.interop.convert import from_hf, to_hf
 from txl_dist.interop.native import load_native, save_native
+from txl_dist.interop.outputs import check_distinct_folders, check_output_folder
 
 
 _FROM_HF = "python -m txl_dist.interop from-hf path/to/hf_transfo_xl out/native"
@@ -39,13 +41,19 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run one conversion; bad input exits with a one-line error."""
     args = build_parser().parse_args(argv)
+    src, src_name = (args.src_dir, "SRC_DIR") if args.command == "from-hf" else (args.src, "SRC")
     try:
+        # Before the weights are read: both kinds of folder keep theirs in model.safetensors, so converting
+        # a folder into itself would overwrite the source.
+        check_distinct_folders(src, src_name, args.out_dir, "OUT_DIR", "the output's model.safetensors would "
+                               "replace the source's")
+        check_output_folder(args.out_dir, "OUT_DIR")
         if args.command == "from-hf":
-            out = save_native(from_hf(args.src_dir), args.out_dir)
+            out = save_native(from_hf(src), args.out_dir)
         else:
-            out = to_hf(load_native(args.src), args.out_dir)
-    except (ValueError, OSError) as e:  # ConfigError and HFFormatError are ValueErrors; all one-liners
-        print(f"error: {e}", file=sys.stderr)
+            out = to_hf(load_native(src), args.out_dir)
+    except (Refused, ValueError, OSError) as e:  # the package's refusals are one-liners
+        print(f"error: {one_line(e, limit=2000)}", file=sys.stderr)
         raise SystemExit(2) from None
     print(f"wrote {out}")
     return 0

@@ -7,15 +7,17 @@ We write config.json + model.safetensors (metadata {"format": "pt"}, which from_
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path, PureWindowsPath
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from txl_dist.atomic import atomic_path, atomic_write
 from txl_dist.config import read_json_object
-from txl_dist.errors import Refused
+from txl_dist.errors import Refused, one_line
 
 CONFIG_NAME = "config.json"
 SAFE_WEIGHTS = "model.safetensors"
@@ -35,10 +37,19 @@ def read_hf_config(src_dir: str | Path) -> dict[str, Any]:
 
 
 def _load_one(path: Path) -> dict[str, torch.Tensor]:
-    if path.suffix == ".safetensors":
-        return load_file(path)
-    # weights_only: a .bin is a pickle; never run code from a downloaded file.
-    return torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        if path.suffix == ".safetensors":
+            return load_file(path)
+        # weights_only: a .bin is a pickle; never run code from a downloaded file.
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (SafetensorError, pickle.UnpicklingError, EOFError, RuntimeError, OSError) as e:
+        raise unreadable_weights(path, e) from None
+
+
+def unreadable_weights(path: Path, error: BaseException) -> HFFormatError:
+    """The one-line refusal of a weights file that does not load (truncated by a copy, damaged, not weights)."""
+    return HFFormatError(f"{path}: cannot read the weights ({one_line(error, limit=200)}); the file is truncated "
+                         "or damaged: write or download it again")
 
 
 def read_hf_weights(src_dir: str | Path) -> dict[str, torch.Tensor]:

@@ -9,10 +9,12 @@ import dataclasses
 import json
 from pathlib import Path
 
+from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
 
 from txl_dist.atomic import atomic_path, atomic_write
 from txl_dist.config import ConfigError, ModelConfig, model_config_from_dict, read_json_object
+from txl_dist.errors import one_line
 from txl_dist.model import TransformerXL
 
 MODEL_CONFIG_NAME = "model_config.json"
@@ -48,7 +50,11 @@ def load_native(src_dir: str | Path) -> TransformerXL:
         raise ConfigError(f"{src / WEIGHTS_NAME} does not exist; the folder needs its weights next to "
                           f"{MODEL_CONFIG_NAME}")
     model = TransformerXL(cfg)
-    missing, unexpected = load_model(model, str(src / WEIGHTS_NAME), strict=False)
+    try:
+        missing, unexpected = load_model(model, str(src / WEIGHTS_NAME), strict=False)
+    except (SafetensorError, OSError) as e:
+        raise ConfigError(f"{src / WEIGHTS_NAME}: cannot read the weights ({one_line(e, limit=200)}); the file is "
+                          "truncated or damaged: write it again (launch/export.py, or from-hf)") from None
     if missing or unexpected:
         raise ConfigError(
             f"{src / WEIGHTS_NAME} does not fit {MODEL_CONFIG_NAME}: missing {sorted(missing)[:5]}, "
