@@ -71,6 +71,22 @@ def test_exact_resume_is_bitwise_for_zero_0_to_3_fp32_and_bf16(corpus, tmp_path)
     assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_00000002", "step_00000004"]  # keep 2
 
 
+def test_a_resume_with_a_changed_schedule_trains_its_first_step_on_the_new_schedule(corpus, tmp_path):
+    # A lower lr after a divergence, or more steps: the first resumed step must not keep the old schedule's lr.
+    def config(run, lr, **train):
+        return tiny_config(corpus, tmp_path / run, train={"max_steps": 6, **train},
+                           deepspeed={"zero_optimization": {"stage": 1}, "optimizer": {"params": {"lr": lr}}})
+
+    jobs = [(config("fresh", 1e-3), "none"), (config("resumed", 3e-3, exit_step=3), "none"),
+            (config("resumed", 1e-3), "auto")]
+    fresh, first, second = run_ranks(train_jobs, 1, jobs, timeout=600)[0]
+    lrs = {s: m["train/lr"] for s, m in {**first["metrics"], **second["metrics"]}.items()}
+    fresh_lrs = {s: m["train/lr"] for s, m in fresh["metrics"].items()}
+    assert [lrs[s] for s in (1, 2, 3)] == [3 * fresh_lrs[s] for s in (1, 2, 3)]  # the first job's schedule
+    assert [lrs[s] for s in (4, 5, 6)] == [fresh_lrs[s] for s in (4, 5, 6)]  # from the first resumed step on
+    assert len(set(fresh_lrs.values())) == 6  # the schedule moves at every step: the comparison can fail
+
+
 # ----------------------------------------------------------------------------------------------------
 # Elastic resume
 

@@ -662,6 +662,13 @@ def load_engine(engine, source: EngineSource) -> None:
                                          load_lr_scheduler_states=True)
     if path is None:
         raise CheckpointError(f"{source.load_dir / source.tag}: DeepSpeed found no checkpoint to load")
+    scheduler = engine.lr_scheduler
+    if scheduler is not None and hasattr(scheduler, "last_batch_iteration"):
+        # The optimizer's state brought back the learning rate the saved run's schedule set for the next step;
+        # the scheduler's state is only its position, and this run's config (lr, warmup, max_steps) may have
+        # changed the schedule (e.g. a lower lr after a divergence). Set the next step's lr from this run's
+        # schedule at that position: the same number when nothing changed.
+        scheduler.step(scheduler.last_batch_iteration)
 
 
 def load_rank_states(tag_dir: str | os.PathLike, ranks: Iterable[int]) -> list[dict[str, Any]]:
