@@ -96,6 +96,31 @@ def test_a_misread_key_is_refused_in_one_line_naming_it(settings, key, suggestio
         assert message.endswith(f"(did you mean '{suggestion}'?)") or f"(did you mean '{suggestion}'?);" in message
 
 
+@pytest.mark.parametrize("torch_adam, settings", [
+    pytest.param(True, {"optimizer.params.lr": "0.001"}, id="torch-adamw-lr-as-string"),
+    pytest.param(True, {"optimizer.params.lr": -1}, id="torch-adamw-negative-lr"),
+    pytest.param(True, {"optimizer.params.betas": [0.9]}, id="torch-adamw-one-beta"),
+    # DeepSpeed's CPU Adam compiles an op when built: its values are checked for type only
+    pytest.param(False, {"optimizer.params.lr": "0.001"}, id="deepspeed-cpu-adam-lr-as-string"),
+    pytest.param(False, {"optimizer.params.betas": [0.9]}, id="deepspeed-cpu-adam-one-beta"),
+])
+def test_optimizer_values_are_refused_before_the_model_is_built(torch_adam, settings):
+    # They used to fail inside deepspeed.initialize with a traceback, after the run folder and the model.
+    ds = with_values(handed_over(EVERY_SECTION), {"optimizer.params.torch_adam": torch_adam, **settings})
+    text = refusal(ds)
+    assert "\n" not in text and text.startswith("deepspeed.optimizer.params"), text
+
+
+def test_a_precision_the_device_lacks_is_refused_before_the_model_is_built(monkeypatch):
+    from deepspeed.accelerator import get_accelerator
+
+    ds = with_values(handed_over(EVERY_SECTION), {"bf16.enabled": False, "fp16.enabled": True})
+    monkeypatch.setattr(get_accelerator(), "is_fp16_supported", lambda: False)
+    assert refusal(ds).startswith("train.precision / deepspeed.fp16.enabled: DeepSpeed")
+    monkeypatch.setattr(get_accelerator(), "is_fp16_supported", lambda: True)
+    check_deepspeed_config(ds, 2)
+
+
 @pytest.mark.parametrize("torch_adam", [True, False], ids=["torch-adamw", "deepspeed-cpu-adam"])
 def test_a_config_with_every_section_this_project_uses_passes(torch_adam):
     ds = with_values(handed_over(EVERY_SECTION), {"optimizer.params.torch_adam": torch_adam})

@@ -18,6 +18,7 @@ from typing import Any
 import deepspeed
 import pydantic
 import torch
+from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime import config as ds_config_module
 from deepspeed.runtime import lr_schedules
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel, get_scalar_param
@@ -46,8 +47,19 @@ def check_deepspeed_config(ds: dict[str, Any], world_size: int) -> None:
     config = _read_as_deepspeed(ds, world_size, reading)
     _check_unread_keys(ds, reading, config)
     _check_scalar_types(ds, reading)
+    _check_precision_supported(config)
     _check_optimizer(ds, config)
     _check_scheduler(ds)
+
+
+def _check_precision_supported(config: ds_config_module.DeepSpeedConfig) -> None:
+    # DeepSpeed refuses these inside deepspeed.initialize, after the model is built: here, before any work.
+    accelerator = get_accelerator()
+    for name, enabled, supported in (("fp16", config.float16_config.enabled, accelerator.is_fp16_supported),
+                                     ("bf16", config.bfloat16_config.enabled, accelerator.is_bf16_supported)):
+        if enabled and not supported():
+            raise ConfigError(f"train.precision / deepspeed.{name}.enabled: {_DS_VERSION} does not support {name} "
+                              f"on this {accelerator.device_name()} device; use another precision (or \"auto\")")
 
 
 _DS_VERSION = f"DeepSpeed {deepspeed.__version__}"
@@ -300,7 +312,29 @@ def _check_optimizer(ds: dict, config: ds_config_module.DeepSpeedConfig) -> None
     if built is not None:
         cls, taken, own = built
         what = f"{cls.__module__}.{cls.__qualname__}, which {_DS_VERSION} builds for type '{name}' here"
-        _check_arguments(params, cls, key="deepspeed.optimizer.params", what=what, taken=taken, own=own)
+        _check_arguments(params, cls, key="deepspeed.optimizer.params", what=what, taken=taken, own=set(own))
+        _check_optimizer_values(cls, {k: v for k, v in params.items() if k not in taken}, own, what)
+
+
+def _check_optimizer_values(cls: type, params: dict, own: dict, what: str) -> None:
+    """A torch.optim class is built here on a stand-in parameter, so that its own value checks (lr >= 0,
+    betas in [0, 1), their types) refuse at start-up, not in deepspeed.initialize after the model is built.
+    DeepSpeed's own classes may compile an op when built: their usual values are only checked for type."""
+    if cls.__module__.startswith("torch.optim"):
+        stand_in = torch.nn.Parameter(torch.zeros(1))
+        try:
+            cls([stand_in], **params, **own)
+        except (ValueError, TypeError, IndexError, RuntimeError) as e:
+            raise ConfigError(f"deepspeed.optimizer.params: {what} refuses them: {one_line(e)}") from None
+        return
+    for key in ("lr", "eps", "weight_decay"):
+        if key in params and (isinstance(params[key], bool) or not isinstance(params[key], (int, float))):
+            raise ConfigError(f"deepspeed.optimizer.params.{key}: must be a number, got {_json(params[key])}")
+    betas = params.get("betas", [0.0, 0.0])
+    if not (isinstance(betas, (list, tuple)) and len(betas) == 2 and all(
+            isinstance(b, (int, float)) and not isinstance(b, bool) for b in betas)):
+        raise ConfigError(f"deepspeed.optimizer.params.betas: must be two numbers, e.g. [0.9, 0.999], got "
+                          f"{_json(betas)}")
 
 
 def _is_known_optimizer(name: str) -> bool:
@@ -341,7 +375,7 @@ _MUP_OPTIMIZERS = {"muadam": "MuAdam", "muadamw": "MuAdamW", "musgd": "MuSGD"}
 
 
 def _optimizer_built(name: str, params: dict,
-                     config: ds_config_module.DeepSpeedConfig) -> tuple[type, set[str], set[str]] | None:
+                     config: ds_config_module.DeepSpeedConfig) -> tuple[type, set[str], dict[str, Any]] | None:
     """The class DeepSpeed's _configure_basic_optimizer builds for `name` here, the keys of `params` it
     consumes itself and the keyword arguments it passes itself; None for Muon, whose params DeepSpeed
     spreads over two param groups of its own."""
@@ -352,26 +386,26 @@ def _optimizer_built(name: str, params: dict,
         given = set(params)
         adam_w_mode = params.pop(c.ADAM_W_MODE, c.ADAM_W_MODE_DEFAULT)
         cls, own = engine.get_optimizer_configuration(params, lower == c.ADAMW_OPTIMIZER or adam_w_mode)
-        return cls, given - set(params), set(own)
+        return cls, given - set(params), dict(own)
     if lower == c.MUON_OPTIMIZER:
         return None
     if lower == c.ADAGRAD_OPTIMIZER:
         from deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
-        return (DeepSpeedCPUAdagrad if on_cpu else torch.optim.Adagrad), set(), set()
+        return (DeepSpeedCPUAdagrad if on_cpu else torch.optim.Adagrad), set(), {}
     if lower == c.LAMB_OPTIMIZER:
         from deepspeed.ops.lamb import FusedLamb
-        return FusedLamb, set(), set()
+        return FusedLamb, set(), {}
     if lower == c.LION_OPTIMIZER:
         from deepspeed.ops.lion import DeepSpeedCPULion, FusedLion
-        return (DeepSpeedCPULion if on_cpu else FusedLion), set(), set()
+        return (DeepSpeedCPULion if on_cpu else FusedLion), set(), {}
     if lower in _MUP_OPTIMIZERS:
         try:
             import mup
         except ImportError:
             raise ConfigError(f"deepspeed.optimizer.type: '{name}' needs the mup package, which is not "
                               "installed") from None
-        return getattr(mup, _MUP_OPTIMIZERS[lower]), set(), set()
-    return getattr(torch.optim, name), set(), set()
+        return getattr(mup, _MUP_OPTIMIZERS[lower]), set(), {}
+    return getattr(torch.optim, name), set(), {}
 
 
 def _check_scheduler(ds: dict) -> None:
