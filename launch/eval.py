@@ -9,8 +9,8 @@ run.json) unless --config names another; --set overrides either (e.g. the eval s
 size that divides eval.n_streams (ZeRO 1-3 checkpoints of another world size go through the universal
 conversion, as for training). Rank 0 prints a short table (loss, perplexity, bits per token/byte/char, the
 tokens predicted, the memory settings), then the result as JSON; --json-out also writes the JSON to a file
-(atomically). Exit status 0; 2 for refused input (one line says why); 1 for a fault during the evaluation
-(a lost rank).
+(atomically; its folder must exist, and the path is checked before the evaluation). Exit status 0; 2 for
+refused input (one line says why); 1 for a fault during the evaluation (a lost rank).
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from pathlib import Path
 from txl_dist import distributed
 from txl_dist.atomic import atomic_write
 from txl_dist.entry import guarded
+from txl_dist.errors import RunFailed
 
 
 EPILOG = """examples:
@@ -46,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split", default=None, metavar="NAME",
                    help="split to evaluate, e.g. valid (default: data.test_split)")
     p.add_argument("--json-out", "--output", dest="json_out", default=None, metavar="FILE",
-                   help="also write the result as JSON to this file, atomically (rank 0), e.g. result.json")
+                   help="also write the result as JSON to this file, atomically (rank 0; its folder must exist, "
+                        "checked before evaluating), e.g. result.json")
     p.add_argument("--log-all-ranks", action="store_true", help="every rank prints, prefixed with its rank")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return p
@@ -105,18 +107,29 @@ def main(argv: list[str] | None = None) -> int:
     log = logging.getLogger(distributed.LOGGER_NAME)
 
     def job() -> int:
-        from txl_dist.startup import eval_config
+        from txl_dist.interop.outputs import check_output_file
+        from txl_dist.startup import eval_config, evaluation_batch, join
 
         env = distributed.discover()
         distributed.setup_logging(env, args.log_all_ranks)
         cfg, tag_dir, run_info = eval_config(args.checkpoint, args.config, args.overrides)
+        cfg = evaluation_batch(cfg, env.world_size)
+        if args.json_out:
+            # Only rank 0 writes it, so only rank 0 can judge the path; the group (joined here, which
+            # start_evaluation then finds made) lets every rank refuse with it instead of waiting for it.
+            join(cfg, env)
+            distributed.together(lambda: check_output_file(args.json_out, "--json-out") if env.is_main else None)
         distributed.configure_threads(env)
         result = evaluate_checkpoint(cfg, tag_dir, run_info, args.split, env)
         if env.is_main:
             text = json.dumps(result, indent=2)
             print(result_table(result), text, sep="\n\n", flush=True)
             if args.json_out:
-                atomic_write(args.json_out, text + "\n")
+                try:
+                    atomic_write(args.json_out, text + "\n")
+                except OSError as e:  # the path was checked at the start: a full disk, a folder removed since
+                    raise RunFailed(f"--json-out {args.json_out}: cannot write it ({e.strerror or e}); the result "
+                                    "is printed above") from None
         return 0
 
     return guarded(job, log)

@@ -6,7 +6,10 @@ HuggingFace Transformer-XL folder (TransfoXLLMHeadModel of transformers 4.37.2 l
 PATH is a run folder, its checkpoints/ folder (the newest complete tag) or a step_* tag; its files are
 verified against their checksums and read with weights-only unpickling. DIR gets model_config.json +
 model.safetensors (txl_dist.interop.load_native reads it back). One process, CPU, no launcher needed.
-Exit status 0, or 2 for a refused checkpoint (one line says why).
+The output folders are checked first: one that cannot be made or written (below a regular file, in a
+read-only place), or --hf naming the --out folder itself (both write model.safetensors), is refused before
+the checkpoint is read. Exit status 0, 2 for a refused checkpoint or output (one line says why), 1 when
+writing fails midway (a full disk).
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import logging
 import sys
 
 from txl_dist.entry import guarded
+from txl_dist.errors import RunFailed
 
 
 EPILOG = """examples:
@@ -44,6 +48,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
 
 
+def check_outputs(out: str, hf: str | None) -> None:
+    """Refuse output folders that cannot be written, or that are one folder, before the checkpoint is read."""
+    from txl_dist.interop.outputs import check_distinct_folders, check_output_folder
+
+    check_output_folder(out, "--out")
+    if hf:
+        check_output_folder(hf, "--hf")
+        # Nested folders are fine (each writes only its own top level); one folder is not.
+        check_distinct_folders(out, "--out", hf, "--hf", "the HuggingFace model.safetensors would replace the "
+                               "native one")
+
+
 def export(checkpoint: str, out: str, hf: str | None = None):
     """Build the checkpoint's model on the CPU with its fp32 weights, write the folder(s); returns the model."""
     from txl_dist import checkpoint as ckpt
@@ -51,13 +67,18 @@ def export(checkpoint: str, out: str, hf: str | None = None):
     from txl_dist.model import TransformerXL
     from txl_dist.startup import start_export
 
+    check_outputs(out, hf)
     tag_dir, run_info, model_cfg = start_export(checkpoint)
     model = TransformerXL(model_cfg)
     ckpt.load_fp32_weights(model, tag_dir, run_info["zero_stage"])
     model.eval()
-    save_native(model, out)
-    if hf:
-        to_hf(model, hf)
+    try:
+        save_native(model, out)
+        if hf:
+            to_hf(model, hf)
+    except OSError as e:  # the folders were checked at the start: a full disk, a folder removed since
+        raise RunFailed(f"export to {e.filename or out}: {e.strerror or e}; the files already there are whole "
+                        "(each is written atomically), run the export again") from None
     return model
 
 

@@ -78,6 +78,21 @@ def test_one_and_two_ranks_agree_with_a_plain_computation(trained, tmp_path):
     _assert_numbers(one, nll, count)
 
 
+def test_any_world_size_dividing_the_eval_streams_evaluates(trained, tmp_path):
+    # 3 ranks cannot hold the 4 training streams of the checkpoint, but they can evaluate 3 streams (this was
+    # refused: the training batch's rule was applied to an evaluation).
+    corpus, ckpt = trained
+    sets = ["--set", "eval.max_segments=null", "--set", "eval.n_streams=3"]
+    out1, out3 = tmp_path / "w1.json", tmp_path / "w3.json"
+    assert run_ranks(_eval_main, 1, ["--checkpoint", str(ckpt), "--split", "valid", "--output", str(out1), *sets]) == [0]
+    assert run_ranks(_eval_main, 3, ["--checkpoint", str(ckpt), "--split", "valid", "--output", str(out3),
+                                     *sets]) == [0, 0, 0]
+    one, three = json.loads(out1.read_text()), json.loads(out3.read_text())
+    assert (three["world_size"], three["eval_streams"]) == (3, 3)
+    assert one["tokens"] == three["tokens"] == 3 * (VALID_TOKENS // 3 - 1)
+    np.testing.assert_allclose(one["loss"], three["loss"], rtol=1e-6)
+
+
 def _eval_main_of_this_rank(argvs):
     import os
 

@@ -166,6 +166,29 @@ def test_sampling_follows_the_filtered_distribution():
     torch.testing.assert_close(counts, sharp / sharp.sum(), atol=0.02, rtol=0)
 
 
+@pytest.mark.parametrize("temperature", [1e-38, 1e-300, 5e-324])
+def test_a_tiny_temperature_samples_like_greedy(model, temperature):
+    # Near-uniform rows (every log-prob about -4.2): divided by 1e-38 in float32 they all overflowed to -inf,
+    # and 1e-300 itself rounded to 0 in float32, so multinomial met NaN.
+    log_probs = torch.log_softmax(torch.randn(16, VOCAB, generator=torch.Generator().manual_seed(0)) * 0.1, -1)
+    tiny = SamplingSettings(temperature=temperature)
+    assert next_tokens(log_probs, tiny, torch.Generator().manual_seed(0)).tolist() == log_probs.argmax(-1).tolist()
+    prompt = [1, 5, 9, 2]
+    assert generate(model, prompt, 6, tiny, num_samples=2, seed=3) == \
+        generate(model, prompt, 6, SamplingSettings(greedy=True), num_samples=2)
+
+
+@pytest.mark.parametrize("top_p", [1e-46, 5e-324, 1e-6])
+def test_a_tiny_top_p_keeps_the_most_probable_token(top_p):
+    # 1e-46 is 0 in float32: every token's mass-before (0 for the best one) reached it, and all were dropped.
+    log_probs = torch.log_softmax(torch.randn(16, VOCAB, generator=torch.Generator().manual_seed(1)), -1)
+    assert torch.isfinite(filter_top_p(log_probs, top_p)).sum(-1).tolist() == [1] * 16
+    for temperature in (1.0, 1e-38):
+        chosen = next_tokens(log_probs, SamplingSettings(temperature=temperature, top_p=top_p, top_k=3),
+                             torch.Generator().manual_seed(0))
+        assert chosen.tolist() == log_probs.argmax(-1).tolist()
+
+
 def test_session_save_and_restore_continues_identically(model, tmp_path):
     settings = SamplingSettings(temperature=1.0, top_p=0.95)
     session = GenerationSession(model, mem_len=12, chunk_len=3, seed=5)
@@ -342,3 +365,19 @@ def test_cli_refusal_is_one_line_on_stderr_and_exit_status_2(tmp_path):
                            "--prompt", "x", "--top-p", "2"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert proc.returncode == EXIT_REFUSED and proc.stdout == ""
     assert proc.stderr.splitlines() == ["error: --top-p must be in (0, 1] (1 = off), got 2.0"]
+
+
+def test_cli_model_folder_with_truncated_weights_is_one_line_exit_2(model, tmp_path, caplog):
+    from txl_dist.interop import save_native, to_hf
+
+    native, hf = save_native(model, tmp_path / "native"), to_hf(model, tmp_path / "hf")
+    for folder in (native, hf):
+        weights = folder / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # a copy cut short
+        caplog.clear()
+        with caplog.at_level(logging.ERROR, logger="txl_dist"):
+            # Refused at the weights, before the tokenizer is looked at (it does not exist).
+            assert _generate_main(["--model", str(folder), "--tokenizer", str(tmp_path / "tok.model"),
+                                   "--prompt", "x"]) == EXIT_REFUSED
+        err = [r.getMessage() for r in caplog.records]
+        assert len(err) == 1 and err[0].startswith(f"error: {weights}: cannot read the weights ("), err

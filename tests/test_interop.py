@@ -330,6 +330,78 @@ def test_cli_config_that_our_model_cannot_build_is_one_line_error(tmp_path, caps
     assert err.startswith("error: ") and "sample_softmax 64" in err and "\n" not in err
 
 
+def _cli_error(capsys, argv) -> str:
+    """The CLI's one error line for argv (exit status 2)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err, err
+    return err
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def test_truncated_weights_are_a_one_line_refusal_naming_the_file(tmp_path, capsys):
+    model = small_model(CONFIGS["plain"])
+    native, hf = save_native(model, tmp_path / "native"), to_hf(model, tmp_path / "hf")
+    bin_hf = tmp_path / "bin"
+    bin_hf.mkdir()
+    (bin_hf / "config.json").write_text((hf / "config.json").read_text())
+    torch.save(load_file(hf / "model.safetensors"), bin_hf / "pytorch_model.bin")
+    for path in (native / "model.safetensors", hf / "model.safetensors", bin_hf / "pytorch_model.bin"):
+        _truncate(path)
+    # A copy cut short: the header promises more bytes than the file has (safetensors' own error was a traceback).
+    with pytest.raises(Refused, match="model.safetensors: cannot read the weights .* truncated or damaged"):
+        load_native(native)
+    err = _cli_error(capsys, ["to-hf", str(native), str(tmp_path / "out")])
+    assert err.startswith(f"error: {native / 'model.safetensors'}: cannot read the weights (")
+    for src, name in ((hf, "model.safetensors"), (bin_hf, "pytorch_model.bin")):
+        err = _cli_error(capsys, ["from-hf", str(src), str(tmp_path / "out")])
+        assert err.startswith(f"error: {src / name}: cannot read the weights (")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("command", ["to-hf", "from-hf"])
+def test_converting_a_folder_into_itself_is_refused(tmp_path, capsys, monkeypatch, command):
+    model = small_model(CONFIGS["plain"])
+    src = save_native(model, tmp_path / "x") if command == "to-hf" else to_hf(model, tmp_path / "x")
+    before = {p.name: p.read_bytes() for p in src.iterdir()}
+    monkeypatch.chdir(tmp_path)
+    # Spelled differently, one folder: the output's model.safetensors would have replaced the source's (exit 0).
+    err = _cli_error(capsys, [command, "x", "./x/"])
+    assert "x and OUT_DIR ./x/ are the same folder" in err
+    assert {p.name: p.read_bytes() for p in src.iterdir()} == before
+
+
+def test_an_output_folder_that_cannot_be_made_is_refused_before_reading(tmp_path, capsys):
+    (tmp_path / "afile").write_text("a regular file\n")
+    # No source at all: the output is checked first, so its refusal is the one line.
+    err = _cli_error(capsys, ["to-hf", str(tmp_path / "nowhere"), str(tmp_path / "afile" / "sub")])
+    assert err == f"error: OUT_DIR {tmp_path / 'afile' / 'sub'}: cannot be made ({tmp_path / 'afile'} is not a " \
+                  "folder); choose another path"
+    err = _cli_error(capsys, ["from-hf", str(tmp_path / "nowhere"), str(tmp_path / "afile")])
+    assert err == f"error: OUT_DIR {tmp_path / 'afile'}: exists and is not a folder; choose another path"
+    assert (tmp_path / "afile").read_text() == "a regular file\n"
+
+
+def test_output_checks_write_nothing_and_see_unwritable_places(tmp_path):
+    from txl_dist.interop.outputs import OutputError, check_output_file, check_output_folder
+
+    assert check_output_folder(tmp_path / "new" / "deeper", "--out") == tmp_path / "new" / "deeper"
+    assert check_output_file(tmp_path / "result.json", "--json-out") == tmp_path / "result.json"
+    assert list(tmp_path.iterdir()) == []  # the probes are gone, no folder made
+    if Path("/proc/self").is_dir():  # root may write nearly anywhere, but not into /proc
+        with pytest.raises(OutputError, match=r"^--out /proc/txl-x: cannot be written \(.*: /proc\)"):
+            check_output_folder("/proc/txl-x", "--out")
+    with pytest.raises(OutputError, match="the folder .*missing does not exist"):
+        check_output_file(tmp_path / "missing" / "r.json", "--json-out")
+    with pytest.raises(OutputError, match="is a folder; name a file"):
+        check_output_file(tmp_path, "--json-out")
+
+
 # ------------------------------------------------------------------------------------------------
 # Shard names from an index.json cannot leave the folder
 

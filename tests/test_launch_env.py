@@ -60,7 +60,54 @@ def test_slurm_first_node_from_scontrol(tmp_path, monkeypatch):
 
 
 def test_no_launcher_is_a_world_of_one():
-    assert discover({}) == DistEnv(0, 1, 0, 1, "127.0.0.1", distributed.DEFAULT_MASTER_PORT, "single")
+    assert discover({}) == DistEnv(0, 1, 0, 1, "127.0.0.1", distributed.ANY_FREE_PORT, "single")
+    assert discover({"MASTER_PORT": "4321"}).master_port == 4321
+    # Under a launcher the ranks must meet on an agreed port: the fixed default stays.
+    assert discover({"RANK": "0", "WORLD_SIZE": "1"}).master_port == distributed.DEFAULT_MASTER_PORT
+
+
+# Joins a world of one as `python launch/train.py` does (no launcher, no MASTER_PORT), then waits until the
+# other process has joined too, so that both hold their stores at once.
+_JOIN_ALONE = '''
+import sys, time
+from pathlib import Path
+from txl_dist import distributed
+env = distributed.discover()
+distributed.init_process_group(env, collective_timeout_s=30, control_timeout_s=30)
+try:
+    mine, other = Path(sys.argv[1]), Path(sys.argv[2])
+    mine.write_text(str(distributed.collective_timeout()))
+    deadline = time.monotonic() + 60
+    while not other.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert other.exists(), "the other process never joined"
+    assert distributed.gather_objects(7) == [7]
+finally:
+    distributed.destroy_process_group()
+'''
+
+
+def test_two_single_process_jobs_on_one_machine_join_at_once(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    from dist_helpers import REPO, launcher_env
+
+    marks = [tmp_path / "a", tmp_path / "b"]
+    procs = [subprocess.Popen([sys.executable, "-c", _JOIN_ALONE, str(mine), str(other)], cwd=REPO,
+                              env=launcher_env() | {"OMP_NUM_THREADS": "1"}, stderr=subprocess.PIPE, text=True)
+             for mine, other in (marks, marks[::-1])]
+    deadline = time.monotonic() + 120
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if any(p.returncode for p in procs):  # one failed: the other would only wait for it
+            break
+        time.sleep(0.1)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    errors = [p.communicate()[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errors
 
 
 @pytest.mark.parametrize("environ, message", [

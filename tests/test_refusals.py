@@ -640,6 +640,31 @@ def _(s):
     s.train(s.config(run={"dir": s.values["run"]}))
 
 
+# Outputs (checked before the checkpoint is read or evaluated; the paths are relative to the case's folder)
+
+
+@case("output.export-same-folder")
+def _(s):
+    s.export("--checkpoint", s.trained_run(), "--out", "exported", "--hf", "./exported/")
+
+
+@case("output.export-below-a-file")
+def _(s):
+    (s.root / "file").write_text("a regular file\n")
+    s.export("--checkpoint", s.trained_run(), "--out", "file/exported")
+
+
+@case("output.eval-json-out-folder-missing")
+def _(s):
+    s.eval("--checkpoint", s.trained_run(), "--json-out", "missing/result.json")
+
+
+@case("output.eval-json-out-is-a-folder")
+def _(s):
+    (s.root / "results").mkdir()
+    s.eval("--checkpoint", s.trained_run(), "--json-out", "results")
+
+
 # Tracking
 
 
@@ -654,7 +679,7 @@ def _(s):
 # The tests
 
 ROWS = read_table() if DOC.is_file() else []
-CATEGORIES = ("config", "deepspeed", "launch", "data", "checkpoint", "run-folder", "tracking")
+CATEGORIES = ("config", "deepspeed", "launch", "data", "checkpoint", "run-folder", "output", "tracking")
 
 
 def test_every_row_has_a_case_and_every_case_a_row():

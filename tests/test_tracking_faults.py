@@ -318,3 +318,20 @@ def test_a_lost_delivery_record_resends_one_chunk_that_the_store_takes_once(
     out = replay_cli(tmp_path)
     assert out.returncode == 0 and "sent 1 metric values" in out.stdout, out.stderr
     assert history(client, t.run_id, "train/loss") == [(s, float(s)) for s in range(1, 6)]
+
+
+@pytest.mark.parametrize("what", ["missing", "file", "run_id-folder"])
+def test_replay_of_something_that_is_no_run_dir_is_one_line_exit_2(tmp_path, capsys, what):
+    from txl_dist.tracking.__main__ import main
+
+    run_dir = tmp_path / "run"
+    if what == "file":  # a log or config file named by mistake: reading below it was a NotADirectoryError traceback
+        run_dir.write_text("not a run dir\n")
+    elif what == "run_id-folder":
+        (run_dir / "tracking" / "run_id").mkdir(parents=True)
+    assert main(["replay", str(run_dir)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    expected = {"missing": f"error: replay: {run_dir}/tracking/run_id not found; this run dir has no MLflow run",
+                "file": f"error: replay: {run_dir}/tracking/run_id not found; this run dir has no MLflow run",
+                "run_id-folder": f"error: tracking: cannot read {run_dir}/tracking/run_id (IsADirectoryError"}[what]
+    assert len(err) == 1 and err[0].startswith(expected), err

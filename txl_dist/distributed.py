@@ -12,6 +12,7 @@ Every collective helper also works with a world of one and no process group.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -30,6 +31,9 @@ from .host import raise_open_file_limit, usable_cpus
 from .errors import Refused, one_line
 
 DEFAULT_MASTER_PORT = 29500
+ANY_FREE_PORT = 0
+"""DistEnv.master_port of a process without a launcher or MASTER_PORT: init_process_group opens its store on
+a free port (and exports that one as MASTER_PORT)."""
 DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0  # config: train.collective_timeout_s
 DEFAULT_CONTROL_TIMEOUT_S = 3600.0  # config: checkpoint.timeout_s
 LOGGER_NAME = "txl_dist"
@@ -67,7 +71,8 @@ def discover(environ: Mapping[str, str] | None = None) -> DistEnv:
     SLURM_LOCALID; the address from MASTER_ADDR, else the first node of the step (SLURM_STEP_NODELIST, else
     SLURM_JOB_NODELIST: where srun starts task 0; not SLURM_LAUNCH_NODE_IPADDR, the node srun was typed on,
     e.g. a login node under salloc); the port from MASTER_PORT, else 20000 + SLURM_JOB_ID % 20000. No
-    launcher at all: a world of one on 127.0.0.1.
+    launcher at all: a world of one on 127.0.0.1, on MASTER_PORT if set, else ANY_FREE_PORT (picked by
+    init_process_group).
     """
     env = os.environ if environ is None else environ
     names = ("RANK", "WORLD_SIZE")
@@ -86,10 +91,14 @@ def discover(environ: Mapping[str, str] | None = None) -> DistEnv:
     else:
         launcher, rank, world, local_rank, local_world = "single", 0, 1, 0, 1
         addr = env.get("MASTER_ADDR", "127.0.0.1")
-    # Under Slurm, jobs sharing a node need distinct ports: derive one from the job id unless given.
+    # Under Slurm, jobs sharing a node need distinct ports: derive one from the job id unless given. A
+    # process on its own needs no agreed port: any free one (chosen when its store opens), so that two
+    # single-process jobs on one machine do not both ask for 29500.
     default_port = DEFAULT_MASTER_PORT
     if launcher == "slurm" and env.get("SLURM_JOB_ID", "").isdigit():
         default_port = 20000 + int(env["SLURM_JOB_ID"]) % 20000
+    elif launcher == "single":
+        default_port = ANY_FREE_PORT
     port = _int(env, "MASTER_PORT", default=default_port)
     if not 0 <= rank < world:
         raise LaunchError(f"{names[0]}={rank} is outside 0..{world - 1} ({names[1]}={world}); check how the job "
@@ -213,16 +222,27 @@ def init_process_group(env: DistEnv, *, collective_timeout_s: float = DEFAULT_CO
     global _control_group, _collective_timeout
     if dist.is_initialized():
         return
+    # Two beats longer than the watchdog's limit: a lost rank is reported by the watchdog's one line, not
+    # by the backend's own abort (NCCL's is a multi-line dump).
+    timeout = timedelta(seconds=collective_timeout_s + 2 * watchdog.beat_period(collective_timeout_s))
+    store = None
+    if env.master_port == ANY_FREE_PORT and env.world_size == 1:
+        # Port 0: the kernel picks a free one as the store listens, so no other process can take it between a
+        # probe and the bind.
+        store = dist.TCPStore(env.master_addr, ANY_FREE_PORT, 1, is_master=True, timeout=timeout)
+        env = dataclasses.replace(env, master_port=store.port)
     export(env)
     check_visible_gpus(env)
     raise_open_file_limit()
     if torch.cuda.is_available():
         torch.cuda.set_device(env.local_rank)
-    # Two beats longer than the watchdog's limit: a lost rank is reported by the watchdog's one line, not
-    # by the backend's own abort (NCCL's is a multi-line dump).
-    _collective_timeout = timedelta(seconds=collective_timeout_s + 2 * watchdog.beat_period(collective_timeout_s))
-    dist.init_process_group(backend or default_backend(), init_method="env://", rank=env.rank,
-                            world_size=env.world_size, timeout=_collective_timeout)
+    _collective_timeout = timeout
+    if store is None:
+        dist.init_process_group(backend or default_backend(), init_method="env://", rank=env.rank,
+                                world_size=env.world_size, timeout=timeout)
+    else:
+        dist.init_process_group(backend or default_backend(), store=store, rank=env.rank, world_size=env.world_size,
+                                timeout=timeout)
     _control_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=control_timeout_s))
     watchdog.start(env.rank, env.world_size, watchdog.store_address(env.master_addr, env.master_port),
                    collective_timeout_s, logging.getLogger(LOGGER_NAME))

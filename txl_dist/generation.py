@@ -24,7 +24,7 @@ of keys (mem_len + 1), which is what same_length enforces for the multi-token se
 it on would only hide the oldest state, and in a prompt segment it would take context from its later tokens.
 clamp_len defaults to the model's training value.
 
-Sampling: temperature, then top-k, then top-p (nucleus), in float32 on the CPU with the session's own
+Sampling: temperature, then top-k, then top-p (nucleus), in float64 on the CPU with the session's own
 torch.Generator (never the global RNG), so a seed gives the same tokens on every device up to the logits'
 numerics. Greedy decoding (SamplingSettings(greedy=True)) takes the most probable token (lowest id on ties).
 """
@@ -90,26 +90,34 @@ def filter_top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:
 def filter_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     """logits [..., V] keeping, per row, the fewest most probable tokens whose probabilities reach top_p.
 
-    A token is dropped when the tokens more probable than it already sum to >= top_p, so the most probable
-    token always stays. Computed in float32.
+    A token is dropped when the tokens more probable than it already sum to >= top_p; the most probable
+    token always stays, however small top_p is. Computed in float64 (a top_p below float32's smallest
+    number, e.g. 1e-46, would otherwise round to 0 and drop every token); returns float64 logits.
     """
     if top_p >= 1.0:
         return logits
-    logits = logits.float()
+    logits = logits.double()
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)             # [..., V]
     probs = torch.softmax(sorted_logits, dim=-1)                                   # [..., V]
     mass_before = torch.cumsum(probs, dim=-1) - probs                              # [..., V]
     drop_sorted = mass_before >= top_p                                             # [..., V]
+    drop_sorted[..., 0] = False
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)           # [..., V]
     return logits.masked_fill(drop, float("-inf"))
 
 
 def next_tokens(log_probs: torch.Tensor, sampling: SamplingSettings,
                 generator: torch.Generator | None) -> torch.Tensor:
-    """log_probs [B, V] (float32, CPU) -> the chosen token ids [B] (int64)."""
+    """log_probs [B, V] (float32, CPU) -> the chosen token ids [B] (int64).
+
+    Sampling works in float64 with the most probable token of each row at 0 before the temperature divides:
+    every other logit is then <= 0, so a tiny temperature (1e-38, 1e-300) sends them to -inf but never the
+    best one, and sampling becomes greedy (ties among the best shared at random) instead of all -inf (NaN).
+    """
     if sampling.greedy:
         return torch.argmax(log_probs, dim=-1)
-    logits = log_probs.float() / sampling.temperature                              # [B, V]
+    logits = log_probs.double()                                                    # [B, V]
+    logits = (logits - logits.max(dim=-1, keepdim=True).values) / sampling.temperature  # [B, V]
     logits = filter_top_p(filter_top_k(logits, sampling.top_k), sampling.top_p)   # [B, V]
     probs = torch.softmax(logits, dim=-1)                                          # [B, V]
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)            # [B]

@@ -530,6 +530,18 @@ def eval_config(checkpoint_path: str, config: str | None, overrides: list[str]) 
     return cfg, tag_dir, run_info
 
 
+def evaluation_batch(cfg: RunConfig, world_size: int) -> RunConfig:
+    """cfg with a training batch this world size can hold (deepspeed.train_batch_size = the micro batch x the
+    world size) when the trained one cannot: an evaluation builds an engine but trains nothing, so only
+    eval.n_streams has to divide over its ranks."""
+    try:
+        cfg.gradient_accumulation_steps(world_size)
+        return cfg
+    except ConfigError:
+        ds = {**cfg.deepspeed, "train_batch_size": cfg.micro_batch() * world_size}
+        return dataclasses.replace(cfg, deepspeed=ds)
+
+
 def start_evaluation(cfg: RunConfig, tag_dir: Path, run_info: dict[str, Any], env: DistEnv) -> EvalStart:
     """Checks for evaluating a checkpoint on this world size (collective): config, corpus, fit, checksums.
 
@@ -537,6 +549,7 @@ def start_evaluation(cfg: RunConfig, tag_dir: Path, run_info: dict[str, Any], en
     folder names its newest tag, and a save landing between two ranks' reads would give them different tags
     (at ZeRO 1-2 a mix of both tags' optimizer shards). Rank 0's tag, with the config and record read from it,
     is what every rank evaluates."""
+    cfg = evaluation_batch(cfg, env.world_size)
     join(cfg, env)
     own_tag = tag_dir
     tag_dir, run_info, cfg = distributed.broadcast_object((tag_dir, run_info, cfg) if env.is_main else None)

@@ -2,6 +2,9 @@
 
     python -m txl_dist.interop from-hf SRC_DIR OUT_DIR   HF save_pretrained folder -> native folder
     python -m txl_dist.interop to-hf SRC OUT_DIR         native folder -> HF folder (from_pretrained loads it)
+
+OUT_DIR is checked before anything is read: it must be makeable and writable, and not the source folder.
+Refused input (those, a source that is no such folder, truncated weights) is one `error:` line, exit status 2.
 """
 from __future__ import annotations
 

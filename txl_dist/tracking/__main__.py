@@ -5,7 +5,7 @@ import argparse
 import logging
 import sys
 
-from txl_dist.errors import EXIT_FAILED, EXIT_REFUSED, Refused, RunFailed
+from txl_dist.errors import EXIT_FAILED, EXIT_REFUSED, Refused, RunFailed, one_line
 
 from .replay import replay
 from .secrets import scrub_secrets
@@ -34,10 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         report = replay(args.run_dir, args.uri)
     except Refused as e:
-        print(scrub_secrets(str(e)), file=sys.stderr)
+        print(f"error: {scrub_secrets(one_line(e, limit=2000))}", file=sys.stderr)
         return EXIT_REFUSED
     except RunFailed as e:
-        print(scrub_secrets(str(e)), file=sys.stderr)
+        print(f"error: {scrub_secrets(one_line(e, limit=2000))}", file=sys.stderr)
         return EXIT_FAILED
     print(report.summary())
     return 0

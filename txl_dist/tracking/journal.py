@@ -172,8 +172,11 @@ class TrackingFolder:
     def _read(path: Path) -> str | None:
         try:
             return path.read_text(encoding="utf-8").strip() or None
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # NotADirectory: the run dir given is a file
             return None
+        except (OSError, UnicodeDecodeError) as e:
+            raise TrackingError(f"tracking: cannot read {path} ({type(e).__name__}: {getattr(e, 'strerror', None) or e}"
+                                "); it should hold one line written by the training job: fix or remove it") from None
 
     def lock(self, holder: str) -> None:
         """Take the folder's lock (created if needed), or TrackingError if another process holds it."""

@@ -1,0 +1,96 @@
+"""Output locations, checked before any work: launch/export.py, launch/eval.py --json-out and the interop CLI
+refuse a place they cannot write (one line naming it) before they load weights or evaluate, instead of
+failing there with a traceback.
+
+Nothing is created by a check. Whether a place can be written is found out by making and removing a
+temporary entry there: os.access says yes to nearly everything for root, and knows nothing of read-only
+mounts or of /proc.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from txl_dist.errors import Refused
+
+PROBE_PREFIX = ".txl-probe-"
+
+
+class OutputError(Refused, ValueError):
+    """An output location that cannot be written, or two outputs that would overwrite each other's files."""
+
+
+def check_output_folder(path: str | os.PathLike, flag: str) -> Path:
+    """The folder `path` (made later, with its parents) can be made and written; else OutputError.
+
+    Refused: an existing path that is not a folder, a path below a regular file, a place that cannot be
+    written (read-only, /proc, no permission). `flag` names the option in the message, e.g. '--out'.
+    """
+    out = Path(path)
+    if os.path.lexists(out) and not out.is_dir():  # a file, or a link to nothing
+        raise OutputError(f"{flag} {path}: exists and is not a folder; choose another path")
+    existing = next((p for p in (out, *out.parents) if _exists(p, flag, path)), Path("."))
+    if not existing.is_dir():
+        raise OutputError(f"{flag} {path}: cannot be made ({existing} is not a folder); choose another path")
+    _probe(existing, flag, path, folder=True)
+    return out
+
+
+def check_output_file(path: str | os.PathLike, flag: str) -> Path:
+    """A file can be written atomically at `path` (a temporary beside it, renamed over it); else OutputError.
+
+    Refused: a folder at `path`, a parent folder that does not exist or is not a folder, one that cannot be
+    written. The parent is not made: a mistyped folder is more likely than a wanted new one.
+    """
+    out = Path(path)
+    if _exists(out, flag, path) and out.is_dir():
+        raise OutputError(f"{flag} {path}: is a folder; name a file, e.g. {out / 'result.json'}")
+    parent = out.parent
+    if not _exists(parent, flag, path):
+        raise OutputError(f"{flag} {path}: the folder {parent} does not exist; make it first or choose another "
+                          "path")
+    if not parent.is_dir():
+        raise OutputError(f"{flag} {path}: {parent} is not a folder; choose another path")
+    _probe(parent, flag, path, folder=False)
+    return out
+
+
+def check_distinct_folders(first: str | os.PathLike, first_flag: str, second: str | os.PathLike, second_flag: str,
+                           why: str) -> None:
+    """OutputError when the two paths name the same folder (after '.', '..', a trailing '/' and symlinks)."""
+    a, b = Path(first), Path(second)
+    same = a.resolve() == b.resolve()
+    if not same and a.exists() and b.exists():
+        try:
+            same = os.path.samefile(a, b)  # one folder under two names that resolve() keeps apart (a bind mount)
+        except OSError:
+            pass
+    if same:
+        raise OutputError(f"{first_flag} {first} and {second_flag} {second} are the same folder ({why}); give "
+                          "each its own folder")
+
+
+def _exists(candidate: Path, flag: str, path: str | os.PathLike) -> bool:
+    # Path.exists raises for a place this user may not even look into (no search permission).
+    try:
+        candidate.stat()
+        return True
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError as e:
+        raise OutputError(f"{flag} {path}: cannot be written ({e.strerror or type(e).__name__}: {candidate}); "
+                          "choose another path") from None
+
+
+def _probe(where: Path, flag: str, path: str | os.PathLike, *, folder: bool) -> None:
+    try:
+        if folder:
+            os.rmdir(tempfile.mkdtemp(prefix=PROBE_PREFIX, dir=where))
+        else:
+            fd, name = tempfile.mkstemp(prefix=PROBE_PREFIX, dir=where)
+            os.close(fd)
+            os.unlink(name)
+    except OSError as e:
+        raise OutputError(f"{flag} {path}: cannot be written ({e.strerror or type(e).__name__}: {where}); choose "
+                          "another path") from None
