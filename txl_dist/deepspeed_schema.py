@@ -10,6 +10,7 @@ import collections
 import copy
 import inspect
 import json
+import logging
 import sys
 import typing
 from collections.abc import KeysView
@@ -435,6 +436,8 @@ model is built (and on a cluster, after the queue)."""
 
 def _check_scheduler_values(name: str, params: dict) -> None:
     stand_in = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    level = lr_schedules.logger.level
+    lr_schedules.logger.setLevel(logging.ERROR)  # its warnings about the stand-in would precede every start
     try:
         getattr(lr_schedules, name)(stand_in, **params)
     except (ValueError, TypeError) as e:
@@ -444,6 +447,8 @@ def _check_scheduler_values(name: str, params: dict) -> None:
                               f"{message}; it warms up over max(2, warmup_num_steps) steps, so 1 is the least "
                               "warmup it has") from None
         raise ConfigError(f"deepspeed.scheduler.params: DeepSpeed's {name} refuses them: {message}") from None
+    finally:
+        lr_schedules.logger.setLevel(level)
 
 
 def _check_arguments(params: dict, cls: type, *, key: str, what: str, taken: set[str] = frozenset(),

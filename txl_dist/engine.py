@@ -18,6 +18,7 @@ kernels (torch.ops.mkldnn._is_mkldnn_fp16_supported(), AVX512-FP16/AMX-FP16); bf
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import warnings
 from collections.abc import Callable, Iterator
@@ -107,7 +108,8 @@ def build_engine(model_fn: Callable[[], nn.Module], ds_config: dict[str, Any], *
         model.set_activation_checkpointing(deepspeed.checkpointing.checkpoint)
     if compile_layers:
         model.compile_layers()
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    with _dropped_deepspeed_warning(_SCHEDULER_NOT_STARTED):  # the step() below starts it
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
     if engine.lr_scheduler is not None:
         # DeepSpeed builds the scheduler at iteration -1, whose learning rate is 0 whatever warmup_min_ratio
         # says, and moves it after each optimizer step: the first step would train at lr 0 and the schedule
@@ -115,6 +117,24 @@ def build_engine(model_fn: Callable[[], nn.Module], ds_config: dict[str, Any], *
         # k. A resumed run then loads the scheduler's state from its checkpoint, which replaces this.
         engine.lr_scheduler.step()
     return engine
+
+
+_SCHEDULER_NOT_STARTED = "Attempting to get learning rate from scheduler before it has started"
+
+
+@contextmanager
+def _dropped_deepspeed_warning(prefix: str) -> Iterator[None]:
+    """Leave out one DeepSpeed log message that says nothing to the user here."""
+    from deepspeed.utils import logger
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(prefix)
+
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
 
 
 def _clone_world_group_with_the_collective_timeout() -> None:
