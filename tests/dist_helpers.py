@@ -197,6 +197,13 @@ def learnable_stream(n_tokens: int, vocab_size: int, seed: int) -> "np.ndarray":
     return tokens
 
 
+def learnable_corpus(root: Path, train_tokens: int, vocab_size: int = 64) -> Path:
+    """write_corpus of learnable streams: train_tokens of train, 80 tokens each of valid and test."""
+    return write_corpus(root, {"train": learnable_stream(train_tokens, vocab_size, 0),
+                               "valid": learnable_stream(80, vocab_size, 1),
+                               "test": learnable_stream(80, vocab_size, 2)}, vocab_size=vocab_size)
+
+
 def write_corpus(root: Path, splits: dict, vocab_size: int = 64, layout=(2, 4)) -> Path:
     """A prepared corpus folder (manifest, tokenizer file, Arrow files) through the public format API."""
     from corpus_helpers import make_corpus

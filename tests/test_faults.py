@@ -14,7 +14,7 @@ import psutil
 import pytest
 import torch
 
-from dist_helpers import REPO, Launch, free_port, launcher_env, learnable_stream, tiny_config, venv_bin, write_corpus
+from dist_helpers import Launch, REPO, free_port, launcher_env, learnable_corpus, tiny_config, venv_bin
 from txl_dist.checkpoint import inventory, read_latest
 
 VOCAB = 64
@@ -25,8 +25,7 @@ TIMEOUT_S = 20  # train.collective_timeout_s of these jobs
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     root = tmp_path_factory.mktemp("faults") / "corpus"
-    return write_corpus(root, {"train": learnable_stream(4 * 97, VOCAB, 0), "valid": learnable_stream(80, VOCAB, 1),
-                               "test": learnable_stream(80, VOCAB, 2)}, vocab_size=VOCAB)
+    return learnable_corpus(root, 4 * 97, VOCAB)
 
 
 def _config(corpus, run_dir, **sections) -> str:

@@ -8,8 +8,7 @@ import sys
 
 import pytest
 
-from dist_helpers import (REPO, Launch, free_port, launcher_env, learnable_stream, run_ranks, tiny_config, venv_bin,
-                          write_corpus)
+from dist_helpers import Launch, REPO, free_port, launcher_env, learnable_corpus, run_ranks, tiny_config, venv_bin
 from mlflow_server import mlflow_server  # noqa: F401  (pytest finds the fixture by name)
 from txl_dist.checkpoint import read_latest, read_run_info, rank_file
 
@@ -20,8 +19,7 @@ MAX_STEPS = 30
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     root = tmp_path_factory.mktemp("launch") / "corpus"
-    return write_corpus(root, {"train": learnable_stream(4 * 49, VOCAB, 0), "valid": learnable_stream(80, VOCAB, 1),
-                               "test": learnable_stream(80, VOCAB, 2)}, vocab_size=VOCAB)
+    return learnable_corpus(root, 4 * 49, VOCAB)
 
 
 def _train_main(argv):

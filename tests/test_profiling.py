@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from dist_helpers import learnable_stream, run_ranks, tiny_config, train_jobs, write_corpus
+from dist_helpers import learnable_corpus, run_ranks, tiny_config, train_jobs
 from txl_dist.config import ConfigError, config_from_dict
 from txl_dist.profiling import ranking_key, self_time_key, top_operators, window_folder
 
@@ -19,8 +19,7 @@ VOCAB = 64
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     root = tmp_path_factory.mktemp("profiling") / "corpus"
-    return write_corpus(root, {"train": learnable_stream(4 * 49, VOCAB, 0), "valid": learnable_stream(80, VOCAB, 1),
-                               "test": learnable_stream(80, VOCAB, 2)}, vocab_size=VOCAB)
+    return learnable_corpus(root, 4 * 49, VOCAB)
 
 
 def _steps_in_trace(path) -> list[int]:
