@@ -20,7 +20,7 @@ that failed, a diverged loss; one line says what, the newest complete checkpoint
 """
 from __future__ import annotations
 
-from txl_dist.stop_request import catch_stop_signals  # standard library only: the imports below are slow
+from txl_dist.stop_request import catch_stop_signals, ignore_stop_signals  # standard library only: slow imports below
 
 if __name__ == "__main__":  # a stop signal during the imports below must not kill the rank
     catch_stop_signals()
@@ -84,7 +84,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return trainer.run(cfg, env, resume=args.resume, log_all_ranks=args.log_all_ranks)
 
-    return guarded(job, log)
+    try:
+        return guarded(job, log)
+    finally:
+        ignore_stop_signals()
 
 
 if __name__ == "__main__":

@@ -111,3 +111,32 @@ def test_config_errors_exit_2_with_one_line(corpus, tmp_path):
     config = tmp_path / "run.json"
     config.write_text(json.dumps(tiny_config(corpus, tmp_path / "ckpt")))
     assert main(["--config", str(config), "--set", "train.max_stepz=3"]) == 2
+
+
+def test_a_stop_signal_after_the_job_does_not_end_the_process(corpus, tmp_path):
+    # Slurm's --signal warning after a user's scancel --signal=USR1: the rank has saved and returns 0, but a
+    # USR1 during the interpreter's shutdown (which puts back the default action of the signals Python
+    # handled: death) used to kill it (exit 138), and Slurm then failed the job instead of requeueing it.
+    # Here a second process sends USR1 every half millisecond while this one returns from main and exits.
+    import subprocess
+
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps(tiny_config(corpus, tmp_path / "ckpt")))
+    sender = ("import os, signal, sys, time\n"
+              "end = time.monotonic() + 20\n"
+              "while time.monotonic() < end:\n"
+              "    try:\n"
+              "        os.kill(int(sys.argv[1]), signal.SIGUSR1)\n"
+              "    except ProcessLookupError:\n"
+              "        break\n"
+              "    time.sleep(0.0005)\n")
+    script = ("import os, subprocess, sys, time\n"
+              "from launch.train import main\n"
+              f"code = main(['--config', {str(config)!r}, '--set', 'train.max_stepz=3'])\n"
+              f"subprocess.Popen([sys.executable, '-c', {sender!r}, str(os.getpid())], stdout=subprocess.DEVNULL, "
+              "stderr=subprocess.DEVNULL)\n"
+              "time.sleep(1.0)\n"
+              "sys.exit(0 if code == 2 else 1)\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=launcher_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])

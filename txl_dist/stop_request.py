@@ -65,6 +65,16 @@ def catch_stop_signals() -> None:
         signal.signal(sig, _keep_early)
 
 
+def ignore_stop_signals() -> None:
+    """The job is over: SIGTERM and SIGUSR1 have nothing left to stop. Ignored at the system level, they stay
+    ignored while the interpreter shuts down (which puts back the default action, death, of any signal Python
+    handled): a second warning signal (scancel --signal=USR1 and Slurm's own --signal) arriving then would
+    otherwise end a rank that saved, and Slurm would count the job as failed instead of requeueing it."""
+    for sig in STOP_SIGNALS:
+        if sig != signal.SIGINT:  # Ctrl-C during the exit still ends the process, as the user asks
+            signal.signal(sig, signal.SIG_IGN)
+
+
 class StopRequest:
     """Installed once per job on each rank; `reason()` says why to stop, or None."""
 
