@@ -33,9 +33,10 @@ def test_the_chosen_ranks_profile_the_window_and_the_numbers_do_not_change(corpu
     every_rank = tiny_config(corpus, tmp_path / "every_rank", train={"profile_steps": [2, 3], "profile_ranks": None})
     rank_1 = tiny_config(corpus, tmp_path / "rank_1", train={"profile_steps": [2, 2], "profile_ranks": [1]})
     stopped = tiny_config(corpus, tmp_path / "stopped", train={"profile_steps": [3, 4], "exit_step": 3})
+    resumed = tiny_config(corpus, tmp_path / "stopped", train={"profile_steps": [3, 4]})
     rank0, rank1 = run_ranks(train_jobs, 2, [(plain, "none"), (every_rank, "none"), (rank_1, "none"),
-                                             (stopped, "none")], timeout=600)
-    assert [r["code"] for r in rank0 + rank1] == [0] * 8
+                                             (stopped, "none"), (resumed, "auto")], timeout=600)
+    assert [r["code"] for r in rank0 + rank1] == [0] * 10
     assert rank0[1]["losses"] == rank0[0]["losses"]  # bitwise: the profiler only observes
     assert rank0[2]["losses"] == rank0[0]["losses"]
     assert len(rank0[0]["losses"]) == 4
@@ -48,7 +49,7 @@ def test_the_chosen_ranks_profile_the_window_and_the_numbers_do_not_change(corpu
         assert table.startswith(f"rank {rank}, steps 2..3, sorted by self_cpu_time_total")
         assert "aten::" in table
     # The operator table goes to the tracker (MLflow on rank 0); the trace (MBs) stays in the run folder.
-    assert rank0[1]["artifacts"] == [(str(folder / "rank00000.ops.txt"), "profile")]
+    assert rank0[1]["artifacts"] == [(str(folder / "rank00000.ops.txt"), "profile/steps_00000002-00000003")]
     assert rank0[0]["artifacts"] == [] and rank0[2]["artifacts"] == []
 
     folder = window_folder(tmp_path / "rank_1", 2, 2)
@@ -60,7 +61,12 @@ def test_the_chosen_ranks_profile_the_window_and_the_numbers_do_not_change(corpu
     assert sorted(p.name for p in folder.iterdir()) == ["rank00000.ops.txt", "rank00000.trace.json.gz"]
     assert _steps_in_trace(folder / "rank00000.trace.json.gz") == [3]
     assert (folder / "rank00000.ops.txt").read_text().startswith("rank 0, steps 3..3,")
-    assert rank0[3]["artifacts"] == [(str(folder / "rank00000.ops.txt"), "profile")]
+    assert rank0[3]["artifacts"] == [(str(folder / "rank00000.ops.txt"), "profile/steps_00000003-00000004")]
+    # Resumed inside the window: the rest of it goes to a folder (and MLflow path) of its own, beside the first.
+    after = window_folder(tmp_path / "stopped", 4, 4)
+    assert _steps_in_trace(after / "rank00000.trace.json.gz") == [4]
+    assert _steps_in_trace(folder / "rank00000.trace.json.gz") == [3]
+    assert rank0[4]["artifacts"] == [(str(after / "rank00000.ops.txt"), "profile/steps_00000004-00000004")]
 
 
 @pytest.mark.parametrize("train, message", [

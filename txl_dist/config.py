@@ -194,10 +194,11 @@ class TrainConfig:
     device and precision, else a matmul peak measured at start-up (docs/performance.md)."""
     profile_steps: list[int] | None = None
     """[first, last]: record optimizer steps first..last (inclusive) with torch.profiler on the ranks of
-    train.profile_ranks. Each writes <run.dir>/profile/steps_<first>-<last>/rank<r>.trace.json.gz (a Chrome
+    train.profile_ranks. Each writes into <run.dir>/profile/steps_<f>-<last>/ (f: the first step this job
+    records; a job resumed inside the window writes beside the stopped one) rank<r>.trace.json.gz (a Chrome
     trace, for Perfetto or chrome://tracing) and rank<r>.ops.txt (operators by self time: device time on a
-    GPU, CPU time else); rank 0 logs its busiest operators. Evaluations and saves inside the window are recorded too.
-    Profiled steps run slower (train/step_time_s shows it), with the same numbers. null: no profiling."""
+    GPU, CPU time else); rank 0 logs its busiest operators. Evaluations and saves inside the window are
+    recorded too. Profiled steps run slower (train/step_time_s shows it), with the same numbers. null: off."""
     profile_ranks: list[int] | None = field(default_factory=lambda: [0])
     """The global ranks that record train.profile_steps; null: every rank (one trace per rank)."""
 

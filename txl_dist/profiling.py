@@ -1,11 +1,12 @@
 """A window of training steps under torch.profiler (train.profile_steps on train.profile_ranks).
 
-Each profiling rank writes into <run.dir>/profile/steps_<first>-<last>/:
+Each profiling rank writes into <run.dir>/profile/steps_<first>-<last>/ (first: the first step this job
+records; a job resumed inside the window writes a folder of its own):
 - rank<r>.trace.json.gz: the Chrome trace (Perfetto and chrome://tracing open it gzipped), one
   `ProfilerStep#<step>` span per optimizer step;
 - rank<r>.ops.txt: torch's operator table, sorted by self device time on a GPU, else by self CPU time.
 Rank 0 logs where they go when the window opens, and its busiest operators when it closes; its operator
-table also goes to the MLflow run (artifacts, profile/). A job that stops
+table also goes to the MLflow run (artifacts, profile/<the folder's name>/). A job that stops
 inside the window (a stop request, a fault) writes what it recorded. The profiler only observes: the steps'
 numbers are those of an unprofiled run (tests/test_profiling.py).
 """
@@ -38,7 +39,8 @@ _DEVICE_SELF_TIME = next((name for name in ("self_device_time_total", "self_cuda
 
 
 def window_folder(run_dir: str | os.PathLike, first: int, last: int) -> Path:
-    """<run.dir>/profile/steps_<first>-<last> (8-digit step numbers, as the checkpoint tags)."""
+    """<run.dir>/profile/steps_<first>-<last> (8-digit step numbers, as the checkpoint tags): `first` is the
+    first step this job records, so a job resumed inside a window writes beside what the stopped one wrote."""
     return Path(run_dir) / PROFILE_DIR / f"steps_{first:08d}-{last:08d}"
 
 
@@ -77,7 +79,9 @@ class StepProfiler:
         self.ranks = ranks
         self.rank, self.is_main, self.world_size, self.device = rank, is_main, world_size, device
         self.records = self.window is not None and (ranks is None or rank in ranks)
-        self.folder = window_folder(run_dir, *self.window) if self.window else None
+        self.run_dir = run_dir
+        self.folder: Path | None = None
+        """Where this job's profile goes (set when the window opens)."""
         self._profiler: torch.profiler.profile | None = None
         self._first_recorded: int | None = None
         self._step_span: torch.profiler.record_function | None = None
@@ -110,6 +114,7 @@ class StepProfiler:
         first, last = self.window
         if not first <= step <= last:
             return
+        self.folder = window_folder(self.run_dir, step, last)
         if self.is_main:
             ranks = "every rank" if self.ranks is None else f"rank(s) {', '.join(map(str, self.ranks))}"
             log.info("profiling steps %d..%d on %s into %s", step, last, ranks, self.folder)

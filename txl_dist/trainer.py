@@ -138,7 +138,7 @@ class Trainer:
         if ops_table is None:
             return
         try:
-            self.tracker.log_artifact(ops_table, "profile")
+            self.tracker.log_artifact(ops_table, f"profile/{ops_table.parent.name}")
         except Exception as e:  # noqa: BLE001 - also runs while a fault unwinds: it must not replace it
             log.warning("tracking: the profile's operator table was not logged: %s", e)
 
