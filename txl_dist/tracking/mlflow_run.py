@@ -27,6 +27,7 @@ downloaded.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -48,8 +49,12 @@ from .errors import TrackingError
 from .journal import TrackingFolder, _Batch, _DeliveryLog, _Journal, _JournalSummary, _OutboxItem, _summarize
 from .secrets import _one_line, _remember_secrets, _scrub_library_logs, scrub_secrets, shown_uri
 from .store import (MAX_KEY_LENGTH, MAX_METRICS_PER_BATCH, MAX_PARAM_VALUE_LENGTH, _check_reopenable, _chunks,
-                    _deliver_item, _quick_http_failures, _send_metrics)
+                    RUNNING_HTTP_LIMITS, _deliver_item, _quick_http_failures, _send_metrics)
 from .tracker import Delivery, Tracker, _check_status
+
+STORE_PAUSE_S = 30.0
+"""After a failed call, how long the writer leaves the store alone (counting what comes as failed) before
+trying it again."""
 
 logger = logging.getLogger("txl_dist.tracking")  # one logger for the whole package
 
@@ -188,6 +193,11 @@ class MlflowTracker(Tracker):
         self._journal = _Journal(self.folder.journal)
         self._delivered = _DeliveryLog(self.folder.delivered)
         self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
+        self._http_limits = contextlib.ExitStack()
+        self._http_limits.enter_context(_quick_http_failures(RUNNING_HTTP_LIMITS))
+        self._store_paused_until = 0.0
+        """After a failed call the store is left alone for STORE_PAUSE_S: what comes meanwhile is counted as
+        failed at once (it is in the journal or outbox for replay) instead of each call retrying on its own."""
         self._writer = threading.Thread(target=self._send_loop, name="txl-mlflow-writer", daemon=True)
         self._writer.start()
         logger.info("MLflow run %s (%s) at %s", self._run_id, "re-opened" if self.reopened else "new",
@@ -430,6 +440,7 @@ class MlflowTracker(Tracker):
         if writer_done:  # a writer still in a request may yet record its chunk as delivered
             self._delivered.close()
         self.folder.unlock()
+        self._http_limits.close()
         self._report(status)
         return self.delivery
 
@@ -451,6 +462,10 @@ class MlflowTracker(Tracker):
                                                       "end_time": int(time.time() * 1000)})
         except OSError as e:
             self._failed("run status (writing the outbox)", 0, e)
+            return
+        if self._store_paused():
+            self._failed("run status", 0, ConnectionError("the store failed moments ago; the status waits in the "
+                                                          "outbox"))
             return
         errors: list[BaseException] = []
 
@@ -517,6 +532,9 @@ class MlflowTracker(Tracker):
         self._journal.flush()
         for chunk in _chunks(batches):
             n = sum(len(b.metrics) for b in chunk)
+            if self._store_paused():
+                self._count_failed(n)
+                continue
             try:
                 _send_metrics(self._client, self._run_id, chunk)
             except Exception as e:
@@ -527,6 +545,9 @@ class MlflowTracker(Tracker):
                 self.delivery.sent += n
 
     def _deliver(self, item: _OutboxItem) -> None:
+        if self._store_paused():
+            self._count_failed(1)
+            return
         try:
             _deliver_item(self._client, self._run_id, item)
         except Exception as e:
@@ -555,7 +576,15 @@ class MlflowTracker(Tracker):
             self.delivery.failed += n
             if self.delivery.first_error is None:
                 self.delivery.first_error = _one_line(exc)
+            self._store_paused_until = time.monotonic() + STORE_PAUSE_S
         self._warn_once(f"could not log {what} to {self.shown_uri} ({_one_line(exc)})")
+
+    def _count_failed(self, n: int) -> None:
+        with self._lock:
+            self.delivery.failed += n
+
+    def _store_paused(self) -> bool:
+        return time.monotonic() < self._store_paused_until
 
     def _warn_once(self, message: str) -> None:
         # One warning per run: a server that is down would otherwise warn at every step.
@@ -563,8 +592,11 @@ class MlflowTracker(Tracker):
             if self._warned:
                 return
             self._warned = True
-        logger.warning("tracking: %s; training goes on, further failures are counted and reported by close()",
-                       message)
+        then = ("the rest stays in the journal" if self._closed else
+                f"training goes on; the store is tried again every {STORE_PAUSE_S:.0f} s, what fails meanwhile "
+                "stays in the journal")
+        logger.warning("tracking: %s; %s (`python -m txl_dist.tracking replay %s` sends it)", message, then,
+                       self.run_dir)
 
 
 def _left(deadline: float | None) -> float | None:

@@ -24,6 +24,14 @@ OPENING_HTTP_LIMITS = {
 }
 """Upper bounds for the opening calls: a silent host costs ~2 x 15 s, a refused port ~1 s (MLflow's
 defaults, 7 retries doubling from 2 s with a 120 s timeout, take minutes)."""
+RUNNING_HTTP_LIMITS = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": 2,
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": 1,
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": 20,
+}
+"""Upper bounds while a run logs (the writer thread, system metrics, the close): a store that went away is
+noticed in seconds (a refused port ~3 s, a silent host ~1 min), not after minutes of MLflow's retries that
+would also hold the job's exit; what fails stays in the journal for replay."""
 
 
 def _chunks(batches: list[_Batch]) -> Iterator[list[_Batch]]:
@@ -82,15 +90,15 @@ def _mark_terminated(client, run_id: str, status: str, end_time: int) -> None:
 
 
 @contextlib.contextmanager
-def _quick_http_failures() -> Iterator[None]:
-    """Lower MLflow's HTTP retries and timeout (OPENING_HTTP_LIMITS) inside the block, never raise them.
+def _quick_http_failures(limits: dict[str, int] = OPENING_HTTP_LIMITS) -> Iterator[None]:
+    """Lower MLflow's HTTP retries and timeout (`limits`) inside the block, never raise them.
 
     MLflow reads these variables at each request, so the limits bind exactly the calls made in the block.
     They are process-wide while it runs: the opening happens before this tracker's writer thread starts.
     """
-    saved = {name: os.environ.get(name) for name in OPENING_HTTP_LIMITS}
+    saved = {name: os.environ.get(name) for name in limits}
     try:
-        for name, limit in OPENING_HTTP_LIMITS.items():
+        for name, limit in limits.items():
             try:
                 current = int(saved[name]) if saved[name] is not None else limit
             except ValueError:
