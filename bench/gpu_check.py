@@ -63,7 +63,7 @@ import torch
 
 from txl_dist.config import ConfigError, MemorySettings, ModelConfig, load_config, validate_model
 from txl_dist.model import TransformerXL
-from txl_dist.profiling import ranking_key, top_operators
+from txl_dist.profiling import profiler_activities, ranking_key, top_operators
 from txl_dist.model.attention import (ATTN_IMPLS, attn_bias_from_mask, build_attn_mask, candidate_attn_impls,
                                       flex_block_mask, recompile_limit)
 
@@ -545,11 +545,8 @@ class TrainCase:
         step, _ = self._stepper(batch, steps + 2)
         step(0)
         step(1)
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if p.device.type == "cuda":
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
         p.sync()
-        with torch.profiler.profile(activities=activities) as prof:
+        with torch.profiler.profile(activities=profiler_activities(p.device)) as prof:
             for i in range(2, steps + 2):
                 step(i)
             p.sync()

@@ -44,6 +44,14 @@ def window_folder(run_dir: str | os.PathLike, first: int, last: int) -> Path:
     return Path(run_dir) / PROFILE_DIR / f"steps_{first:08d}-{last:08d}"
 
 
+def profiler_activities(device: torch.device) -> list[torch.profiler.ProfilerActivity]:
+    """What torch.profiler records for a model on `device`: the CPU side, and the CUDA kernels on a GPU."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return activities
+
+
 def self_time_key(device_type: str) -> str:
     """The key_averages() attribute that ranks operators: self device time on a GPU, self CPU time else."""
     return _DEVICE_SELF_TIME if device_type == "cuda" and _DEVICE_SELF_TIME else "self_cpu_time_total"
@@ -109,19 +117,16 @@ class StepProfiler:
             self._step_span.__enter__()
 
     def _open(self, step: int) -> None:
-        if not self.records or self._done:
+        if self._done or self.window is None or not self.window[0] <= step <= self.window[1]:
             return
-        first, last = self.window
-        if not first <= step <= last:
-            return
-        self.folder = window_folder(self.run_dir, step, last)
-        if self.is_main:
+        self.folder = window_folder(self.run_dir, step, self.window[1])
+        if self.is_main:  # also when rank 0 itself does not record (train.profile_ranks without 0)
             ranks = "every rank" if self.ranks is None else f"rank(s) {', '.join(map(str, self.ranks))}"
-            log.info("profiling steps %d..%d on %s into %s", step, last, ranks, self.folder)
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if self.device.type == "cuda":
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        self._profiler = torch.profiler.profile(activities=activities, record_shapes=True)
+            log.info("profiling steps %d..%d on %s into %s", step, self.window[1], ranks, self.folder)
+        if not self.records:
+            self._done = True
+            return
+        self._profiler = torch.profiler.profile(activities=profiler_activities(self.device), record_shapes=True)
         self._profiler.start()
         self._first_recorded = step
 
