@@ -58,14 +58,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
 
 
-def evaluate_checkpoint(cfg, tag_dir: Path, run_info: dict, split: str | None, env: distributed.DistEnv) -> dict:
-    """Load the checkpoint's weights into an engine of this world size and evaluate one split (collective)."""
+def evaluate_checkpoint(cfg, tag_dir: Path, run_info: dict, split: str | None, env: distributed.DistEnv,
+                        check_outputs=None) -> dict:
+    """Load the checkpoint's weights into an engine of this world size and evaluate one split (collective);
+    check_outputs: rank 0's check of what it will write, before any work (startup.start_evaluation)."""
     from txl_dist import checkpoint as ckpt
     from txl_dist.engine import build_engine, deepspeed_config
     from txl_dist.model import TransformerXL
     from txl_dist.startup import start_evaluation
 
-    start = start_evaluation(cfg, tag_dir, run_info, env)
+    start = start_evaluation(cfg, tag_dir, run_info, env, check_outputs)
     tag_dir, run_info = start.resume.tag_dir, start.resume.run_info  # rank 0's, on every rank
     try:
         cfg = start.cfg
@@ -108,19 +110,15 @@ def main(argv: list[str] | None = None) -> int:
 
     def job() -> int:
         from txl_dist.interop.outputs import check_output_file
-        from txl_dist.startup import eval_config, evaluation_batch, join
+        from txl_dist.startup import eval_config
 
         env = distributed.discover()
         distributed.setup_logging(env, args.log_all_ranks)
         cfg, tag_dir, run_info = eval_config(args.checkpoint, args.config, args.overrides)
-        cfg = evaluation_batch(cfg, env.world_size)
-        if args.json_out:
-            # Only rank 0 writes it, so only rank 0 can judge the path; the group (joined here, which
-            # start_evaluation then finds made) lets every rank refuse with it instead of waiting for it.
-            join(cfg, env)
-            distributed.together(lambda: check_output_file(args.json_out, "--json-out") if env.is_main else None)
         distributed.configure_threads(env)
-        result = evaluate_checkpoint(cfg, tag_dir, run_info, args.split, env)
+        # Only rank 0 writes it, so only rank 0 can judge the path; every rank refuses with it.
+        check = (lambda: check_output_file(args.json_out, "--json-out")) if args.json_out else None
+        result = evaluate_checkpoint(cfg, tag_dir, run_info, args.split, env, check)
         if env.is_main:
             text = json.dumps(result, indent=2)
             print(result_table(result), text, sep="\n\n", flush=True)

@@ -542,8 +542,10 @@ def evaluation_batch(cfg: RunConfig, world_size: int) -> RunConfig:
         return dataclasses.replace(cfg, deepspeed=ds)
 
 
-def start_evaluation(cfg: RunConfig, tag_dir: Path, run_info: dict[str, Any], env: DistEnv) -> EvalStart:
-    """Checks for evaluating a checkpoint on this world size (collective): config, corpus, fit, checksums.
+def start_evaluation(cfg: RunConfig, tag_dir: Path, run_info: dict[str, Any], env: DistEnv,
+                     check_outputs: Callable[[], None] | None = None) -> EvalStart:
+    """Checks for evaluating a checkpoint on this world size (collective): config, corpus, fit, checksums, and
+    check_outputs (what rank 0 will write, e.g. --json-out: run on rank 0, refused on every rank together).
 
     Every rank resolved the checkpoint path on its own (eval_config, before the process group existed): a run
     folder names its newest tag, and a save landing between two ranks' reads would give them different tags
@@ -551,6 +553,8 @@ def start_evaluation(cfg: RunConfig, tag_dir: Path, run_info: dict[str, Any], en
     is what every rank evaluates."""
     cfg = evaluation_batch(cfg, env.world_size)
     join(cfg, env)
+    if check_outputs is not None:
+        _on_main(env, check_outputs)
     own_tag = tag_dir
     tag_dir, run_info, cfg = distributed.broadcast_object((tag_dir, run_info, cfg) if env.is_main else None)
     if own_tag.resolve() != tag_dir.resolve():
