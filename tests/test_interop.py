@@ -431,3 +431,23 @@ def test_an_index_whose_weight_map_is_not_an_object_is_refused(tmp_path):
     (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": ["model.safetensors"]}))
     with pytest.raises(HFFormatError, match="not a shard index"):
         from_hf(src)
+
+
+def test_a_write_that_fails_after_the_checks_is_a_fault_exit_1_and_leaves_no_weights(tmp_path, capsys,
+                                                                                  monkeypatch):
+    import errno
+
+    import txl_dist.interop.hf_files as hf_files
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    src = save_native(small_model(CONFIGS["plain"]), tmp_path / "native")
+    monkeypatch.setattr(hf_files, "save_file", disk_full)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["to-hf", str(src), str(tmp_path / "hf")])
+    # The input was fine (exit 2 would tell the user to change it): the machine failed, as a job's fault does.
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: writing {tmp_path / 'hf'} failed: [Errno 28] No space left on device", err
+    assert not (tmp_path / "hf" / "model.safetensors").exists() and not (tmp_path / "hf" / "config.json").exists()

@@ -4,14 +4,16 @@
     python -m txl_dist.interop to-hf SRC OUT_DIR         native folder -> HF folder (from_pretrained loads it)
 
 OUT_DIR is checked before anything is read: it must be makeable and writable, and not the source folder.
-Refused input (those, a source that is no such folder, truncated weights) is one `error:` line, exit status 2.
+Refused input (those, a source that is no such folder, truncated weights) is one `error:` line, exit status 2;
+a write that fails after the checks passed (a full disk, say) is one `error:` line, exit status 1, like a job's
+fault (txl_dist/entry.py).
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
-from txl_dist.errors import Refused, one_line
+from txl_dist.errors import EXIT_FAILED, EXIT_REFUSED, Refused, one_line
 from txl_dist.interop.convert import from_hf, to_hf
 from txl_dist.interop.native import load_native, save_native
 from txl_dist.interop.outputs import check_distinct_folders, check_output_folder
@@ -51,15 +53,20 @@ def main(argv: list[str] | None = None) -> int:
         check_distinct_folders(src, src_name, args.out_dir, "OUT_DIR", "the output's model.safetensors would "
                                "replace the source's")
         check_output_folder(args.out_dir, "OUT_DIR")
-        if args.command == "from-hf":
-            out = save_native(from_hf(src), args.out_dir)
-        else:
-            out = to_hf(load_native(src), args.out_dir)
+        model = from_hf(src) if args.command == "from-hf" else load_native(src)
     except (Refused, ValueError, OSError) as e:  # the package's refusals are one-liners
-        print(f"error: {one_line(e, limit=2000)}", file=sys.stderr)
-        raise SystemExit(2) from None
+        _exit(EXIT_REFUSED, one_line(e, limit=2000))
+    try:
+        out = save_native(model, args.out_dir) if args.command == "from-hf" else to_hf(model, args.out_dir)
+    except OSError as e:  # the input was fine: a fault of the machine, and each file is written whole or not at all
+        _exit(EXIT_FAILED, f"writing {args.out_dir} failed: {one_line(e, limit=2000)}")
     print(f"wrote {out}")
     return 0
+
+
+def _exit(status: int, message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(status) from None
 
 
 if __name__ == "__main__":
