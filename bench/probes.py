@@ -3,6 +3,7 @@ runs them as subprocesses and reads one JSON line from their stdout.
 
     python -m bench.probes step-memory --checkpointing 0|1 [--quick]
     python -m bench.probes checkpoint --dir DIR [--quick]
+    python -m bench.probes grad-accum [--stage 1|2|3] [--micro-steps 4] [--reps 5] [--quick]
 """
 from __future__ import annotations
 
@@ -65,10 +66,7 @@ def step_memory(checkpointing: bool, quick: bool) -> dict:
 def checkpoint_speed(folder: Path, quick: bool, reps: int) -> dict:
     """checkpoint.save / load_engine of a one-rank DeepSpeed engine against plain torch.save / torch.load of
     the same state (the module's and the optimizer's state_dict), repetitions interleaved."""
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-    from bench.gpu_check import free_port
-
-    os.environ["MASTER_PORT"] = str(free_port())
+    _one_rank_process_group()
     from txl_dist import checkpoint
     from txl_dist.engine import build_engine
     from txl_dist.model import TransformerXL
@@ -115,6 +113,56 @@ def checkpoint_speed(folder: Path, quick: bool, reps: int) -> dict:
             **{f"{k}_s": round(s, 3) for k, s in best.items()}}
 
 
+def _one_rank_process_group() -> None:
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+    from bench.gpu_check import free_port
+
+    os.environ["MASTER_PORT"] = str(free_port())
+
+
+def grad_accum_cost(stage: int, micro_steps: int, reps: int, quick: bool) -> dict:
+    """bf16 training steps with gradients accumulated in fp32 (the default at ZeRO 1-3) against bf16, one
+    engine each, the same model and batches, timed in turns; and the optimizer's extra fp32 gradient bytes."""
+    _one_rank_process_group()
+    from txl_dist.config import config_from_dict
+    from txl_dist.engine import build_engine, deepspeed_config
+    from txl_dist.model import TransformerXL
+
+    model_cfg = memory_model_config(quick)
+    micro = 2
+    engines = {}
+    for accum in ("fp32", "bf16"):
+        raw = {"train": {"max_steps": 10**6}, "deepspeed": {
+            "train_batch_size": micro * micro_steps, "train_micro_batch_size_per_gpu": micro,
+            "bf16": {"enabled": True}, "zero_optimization": {"stage": stage}, "gradient_clipping": 1.0,
+            "data_types": {"grad_accum_dtype": accum}, "steps_per_print": 10**9,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True, "fused": True}}}}
+        ds = deepspeed_config(config_from_dict(raw), 1)
+        engines[accum] = build_engine(lambda: TransformerXL(model_cfg), ds, seed=0)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, model_cfg.vocab_size, (micro_steps, micro, model_cfg.tgt_len), generator=g)
+
+    def step(engine) -> float:
+        start = time.perf_counter()
+        for x in ids:
+            engine.backward(engine(x, x).nll.float().mean())
+            engine.step()
+        return time.perf_counter() - start
+
+    times: dict[str, list[float]] = {k: [] for k in engines}
+    for name, engine in engines.items():  # warm-up: kernels built, optimizer state allocated
+        step(engine)
+    for _ in range(reps):
+        for name, engine in engines.items():
+            times[name].append(step(engine))
+    best = {k: min(v) for k, v in times.items()}
+    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in engines["fp32"].module.parameters())  # ZeRO-3: whole
+    return {"stage": stage, "micro_steps": micro_steps, "n_params": n_params,
+            "step_s_fp32_accum": round(best["fp32"], 4), "step_s_bf16_accum": round(best["bf16"], 4),
+            "ratio_fp32_over_bf16": round(best["fp32"] / best["bf16"], 3),
+            "optimizer": {k: type(e.optimizer).__name__ for k, e in engines.items()}}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="probe", required=True)
@@ -125,9 +173,16 @@ def main(argv: list[str] | None = None) -> None:
     ck.add_argument("--dir", type=Path, required=True)
     ck.add_argument("--reps", type=int, default=3)
     ck.add_argument("--quick", action="store_true")
+    acc = sub.add_parser("grad-accum")
+    acc.add_argument("--stage", type=int, choices=(1, 2, 3), default=2)
+    acc.add_argument("--micro-steps", type=int, default=4)
+    acc.add_argument("--reps", type=int, default=5)
+    acc.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
     if args.probe == "step-memory":
         result = step_memory(bool(args.checkpointing), args.quick)
+    elif args.probe == "grad-accum":
+        result = grad_accum_cost(args.stage, args.micro_steps, args.reps, args.quick)
     else:
         result = checkpoint_speed(args.dir, args.quick, args.reps)
     print("PROBE " + json.dumps(result), flush=True)

@@ -241,3 +241,49 @@ def test_zero_collectives_time_out_after_the_collective_timeout():
     late_by_s = 10.0
     _, (waited, raised) = run_ranks(_wait_in_zero_group, 2, _variant(1), late_by_s, timeout=300)
     assert raised and waited < late_by_s - 3, (waited, raised)
+
+
+class _Scale(torch.nn.Module):
+    """loss = w * x: the gradient of micro batch x is x itself (scaled by 1 / gradient accumulation steps)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        return (self.w * x).sum()
+
+
+def _accumulated_gradient(stage, grad_accum_dtype):
+    """Runs in a rank: one bf16 optimizer step of 8 micro batches (x = 256, 1 six times, 2) through the
+    product's deepspeed_config and build_engine; the gradient DeepSpeed accumulated (its global norm)."""
+    from txl_dist import engine as eng
+
+    raw = copy.deepcopy(BASE)
+    ds = raw["deepspeed"]
+    ds.update(train_batch_size=8, train_micro_batch_size_per_gpu=1, zero_optimization={"stage": stage},
+              bf16={"enabled": True})
+    if grad_accum_dtype is not None:
+        ds["data_types"] = {"grad_accum_dtype": grad_accum_dtype}
+    ds_config = eng.deepspeed_config(config_from_dict(raw), 1)
+    engine = eng.build_engine(_Scale, ds_config, seed=0)
+    for x in [256.0] + [1.0] * 6 + [2.0]:
+        engine.backward(engine(torch.tensor([x])))
+        engine.step()
+    return ds_config.get("data_types"), float(engine.get_global_grad_norm())
+
+
+def test_bf16_runs_accumulate_gradients_in_fp32_at_zero_1_to_3():
+    # Each micro batch's gradient is exact in bf16 (32, 0.125 six times, 0.25: DeepSpeed divides by the 8 micro
+    # steps), and so is their sum, 33; the partial sums are not: in bf16, 32 + 0.125 rounds back to 32.
+    for stage in (1, 2, 3):
+        data_types, norm = run_ranks(_accumulated_gradient, 1, stage, None)[0]
+        assert data_types == {"grad_accum_dtype": "fp32"}, stage  # the default the product fills in
+        assert norm == 33.0, (stage, norm)
+    # What a config that asks for bf16 accumulation gets (the old default): the six small gradients are lost.
+    data_types, norm = run_ranks(_accumulated_gradient, 1, 2, "bf16")[0]
+    assert data_types == {"grad_accum_dtype": "bf16"} and norm == 32.25
+    # Stage 0 has no fp32 accumulation in DeepSpeed: nothing is filled in there (and asking for it is refused at
+    # start-up: tests/test_deepspeed_config.py).
+    data_types, norm = run_ranks(_accumulated_gradient, 1, 0, None)[0]
+    assert data_types is None and norm == 32.25

@@ -175,11 +175,14 @@ def test_a_hung_rank_is_named_within_the_collective_timeout(corpus, tmp_path):
         procs[1].kill()
 
 
-def test_a_nonfinite_step_is_skipped_and_the_poisoned_memory_reset(corpus, tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_nonfinite_step_is_skipped_and_the_poisoned_memory_reset(corpus, tmp_path, precision):
+    # bf16 at ZeRO 1 accumulates in fp32 by default, which is DeepSpeed's BF16_Optimizer (its own overflow path).
     run_dir = tmp_path / "run"
     ckpt = run_dir / "checkpoints"
     # Stop right after the poisoned step 3 (a save at exit_step happens even during non-finite steps).
-    first = _start(_config(corpus, run_dir, train={"exit_step": 3}, checkpoint={"interval": 1, "keep": 0}),
+    train = {"precision": precision}
+    first = _start(_config(corpus, run_dir, train={"exit_step": 3, **train}, checkpoint={"interval": 1, "keep": 0}),
                    "nan-at-step:1:3")
     assert _finish(first) == [0, 0], first[0].output[-3000:]
     assert "step 3: non-finite loss or gradient norm; the step was skipped" in first[0].output
@@ -191,7 +194,7 @@ def test_a_nonfinite_step_is_skipped_and_the_poisoned_memory_reset(corpus, tmp_p
     assert forgotten == [2], rank1["mems"]["mems"].keys()
     assert rank1["trainer"]["nonfinite_steps"] == 1 and rank1["trainer"]["nonfinite_streak"] == 1
     # The run goes on from there (the forgotten memory starts empty), the next step moves the weights again.
-    rest = _start(_config(corpus, run_dir, checkpoint={"interval": 1, "keep": 0}))
+    rest = _start(_config(corpus, run_dir, train=train, checkpoint={"interval": 1, "keep": 0}))
     assert _finish(rest) == [0, 0], rest[0].output[-3000:]
     with pytest.raises(AssertionError):
         _assert_same_weights(_weights(run_dir, 4), _weights(run_dir, 3))

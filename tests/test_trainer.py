@@ -87,6 +87,25 @@ def test_a_resume_with_a_changed_schedule_trains_its_first_step_on_the_new_sched
     assert len(set(fresh_lrs.values())) == 6  # the schedule moves at every step: the comparison can fail
 
 
+def test_a_bf16_run_saved_with_bf16_accumulation_continues_with_the_fp32_default(corpus, tmp_path):
+    # Runs started before fp32 accumulation became the default (their optimizer was another DeepSpeed class at
+    # ZeRO 1: DeepSpeedZeroOptimizer, now BF16_Optimizer) continue from their checkpoints.
+    n, k = 4, 2
+    jobs = []
+    for stage in (1, 2):
+        old = _variant(corpus, tmp_path / f"z{stage}", stage, True, train={"max_steps": n, "exit_step": k})
+        old["deepspeed"]["data_types"] = {"grad_accum_dtype": "bf16"}
+        jobs += [(old, "none"), (_variant(corpus, tmp_path / f"z{stage}", stage, True, train={"max_steps": n}), "auto"),
+                 (_variant(corpus, tmp_path / f"z{stage}_straight", stage, True, train={"max_steps": n}), "none")]
+    results = run_ranks(train_jobs, 2, jobs, timeout=900)[0]
+    for i, stage in enumerate((1, 2)):
+        first, resumed, straight = results[3 * i: 3 * i + 3]
+        assert [r["code"] for r in (first, resumed, straight)] == [0, 0, 0], stage
+        assert sorted(resumed["losses"]) == [3, 4], stage
+        for step in (3, 4):  # the accumulation dtype of two steps barely moves a bf16 loss
+            np.testing.assert_allclose(resumed["losses"][step], straight["losses"][step], rtol=1e-3)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Elastic resume
 

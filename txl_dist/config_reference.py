@@ -66,6 +66,7 @@ project adds (txl_dist/config.py, `validate_deepspeed`):
 | `deepspeed.gradient_accumulation_steps` | never set: it is S / (m x world size), so one config runs on any world size that divides S |
 | `deepspeed.bf16.enabled`, `deepspeed.fp16.enabled` | at most one; the model and its mems take that dtype (fp32 otherwise) |
 | `deepspeed.zero_optimization.stage` | 0, 1, 2 or 3 |
+| `deepspeed.data_types.grad_accum_dtype` | left out in a bf16/fp16 run at ZeRO 1-3: `"fp32"` (micro-batch gradients summed in fp32; in bf16, 32 + 0.125 rounds back to 32; docs/performance.md). `"bf16"` keeps DeepSpeed's own default (4 bytes per parameter less, the sum rounded at every micro step). At stage 0 DeepSpeed sums in the model's dtype only, and any other value is refused |
 | `deepspeed.activation_checkpointing` | present: every layer is recomputed in the backward pass |
 | `deepspeed.scheduler.params.total_num_steps` | leave it out: it follows `train.max_steps` |
 | `deepspeed.scheduler` (WarmupLR, WarmupDecayLR, WarmupCosineLR) | its params are checked by building the scheduler at start-up (DeepSpeed refuses e.g. `warmup_num_steps: 0`; it warms up over max(2, n) steps); optimizer step k (from 0) trains at the schedule's iteration k (DeepSpeed alone would train the first step at lr 0) |

@@ -49,6 +49,7 @@ def check_deepspeed_config(ds: dict[str, Any], world_size: int) -> None:
     _check_unread_keys(ds, reading, config)
     _check_scalar_types(ds, reading)
     _check_precision_supported(config)
+    _check_gradient_accumulation_dtype(config)
     _check_optimizer(ds, config)
     _check_scheduler(ds)
 
@@ -61,6 +62,26 @@ def _check_precision_supported(config: ds_config_module.DeepSpeedConfig) -> None
         if enabled and not supported():
             raise ConfigError(f"train.precision / deepspeed.{name}.enabled: {_DS_VERSION} does not support {name} "
                               f"on this {accelerator.device_name()} device; use another precision (or \"auto\")")
+
+
+def _check_gradient_accumulation_dtype(config: ds_config_module.DeepSpeedConfig) -> None:
+    # DeepSpeed reads the name inside deepspeed.initialize, after the model is built; at stage 0 it accumulates
+    # in the model's dtype only (another one is a NotImplementedError there: "unsupported mix").
+    if config.grad_accum_dtype is None:
+        return
+    try:
+        accum = ds_config_module.DtypeEnum(config.grad_accum_dtype).name
+    except ValueError:
+        accum = None
+    if accum not in ("fp32", "bf16", "fp16"):
+        raise ConfigError(f"deepspeed.data_types.grad_accum_dtype: {_json(config.grad_accum_dtype)} is not a dtype "
+                          f"{_DS_VERSION} accumulates in; use \"fp32\", \"bf16\" or \"fp16\"")
+    model = "fp16" if config.float16_config.enabled else "bf16" if config.bfloat16_config.enabled else "fp32"
+    if config.zero_optimization_stage == 0 and accum != model:
+        raise ConfigError(
+            f"deepspeed.data_types.grad_accum_dtype: {accum} with a {model} model needs ZeRO stage 1-3 "
+            f"({_DS_VERSION} accumulates in the model's dtype at stage 0); set deepspeed.zero_optimization.stage "
+            f"to 1 or remove grad_accum_dtype")
 
 
 _DS_VERSION = f"DeepSpeed {deepspeed.__version__}"
