@@ -136,6 +136,21 @@ def test_elastic_resume_2_to_1_and_1_to_2_ranks_continues_the_loss(corpus, tmp_p
     assert (tmp_path / "from1" / "checkpoints" / "step_00000002_universal" / "zero").is_dir()
 
 
+def test_elastic_resume_of_a_bf16_zero_1_run_goes_through_deepspeeds_bf16_optimizer(corpus, tmp_path):
+    # bf16 at ZeRO 1 sums gradients in fp32, which is DeepSpeed's BF16_Optimizer: its optimizer files take
+    # another path through the universal conversion than the ZeRO optimizer's of the test above.
+    def cfg(run, **train):
+        return _variant(corpus, tmp_path / run, 1, True, train={"max_steps": 4, **train}, model={"dropout": 0.0})
+
+    first, straight = run_ranks(train_jobs, 2, [(cfg("from2", exit_step=2), "none"), (cfg("straight2"), "none")])[0]
+    (resumed,) = run_ranks(train_jobs, 1, [(cfg("from2"), "auto")])[0]
+    assert first["code"] == straight["code"] == resumed["code"] == 0
+    assert sorted(resumed["losses"]) == [3, 4]
+    for step in (3, 4):
+        np.testing.assert_allclose(resumed["losses"][step], straight["losses"][step], rtol=1e-4)
+    assert (tmp_path / "from2" / "checkpoints" / "step_00000002_universal" / "zero").is_dir()
+
+
 # ----------------------------------------------------------------------------------------------------
 # Per-rank mems
 
