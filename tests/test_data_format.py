@@ -72,7 +72,7 @@ def test_digest_identifies_the_tokens_not_their_files(tmp_path):
 
 
 def test_token_dtype_and_int32_files(tmp_path):
-    assert token_dtype(65535) == "uint16" and token_dtype(65536) == "int32"
+    assert token_dtype(65536) == "uint16" and token_dtype(65537) == "int32"
     tokens = synthetic_stream(500, vocab_size=70000)
     assert tokens.max() > 65535
     root = make_corpus(tmp_path / "c", {"train": tokens}, vocab_size=70000)
@@ -84,6 +84,22 @@ def test_token_dtype_and_int32_files(tmp_path):
         np.testing.assert_array_equal(r.read(0, 500), tokens)
     with pytest.raises(CorpusError, match="dtype 'uint16' does not match vocab_size 70000"):
         Manifest.from_dict({**m.to_dict(), "dtype": "uint16"})
+
+
+def test_a_vocabulary_of_exactly_2_to_the_16_pieces_is_stored_as_uint16_and_older_int32_corpora_read(tmp_path):
+    # ids 0..65535 fit uint16: such corpora took int32 (twice the disk and page cache) until 2026-12.
+    tokens = synthetic_stream(500, vocab_size=65536)
+    tokens[7] = 65535
+    root = make_corpus(tmp_path / "c", {"train": tokens}, vocab_size=65536)
+    m = read_manifest(root)
+    assert m.dtype == "uint16"
+    verify_corpus(root)
+    with TokenReader(root, m, "train") as r:
+        np.testing.assert_array_equal(r.read(0, 500), tokens)
+    assert Manifest.from_dict({**m.to_dict(), "dtype": "int32"}).dtype == "int32"  # written by the old rule
+    with pytest.raises(CorpusError, match="dtype 'int32' does not match vocab_size 65535"):
+        Manifest.from_dict({**m.to_dict(), "dtype": "int32", "tokenizer": {**m.to_dict()["tokenizer"],
+                                                                           "vocab_size": 65535}})
 
 
 @pytest.mark.parametrize("edit, message", [

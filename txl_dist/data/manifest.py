@@ -176,7 +176,7 @@ class Manifest:
 
     tokenizer: TokenizerEntry
     dtype: str
-    """'uint16' when vocab_size <= 65535, else 'int32' (see token_dtype)."""
+    """'uint16' when vocab_size <= 65536, else 'int32' (see token_dtype)."""
     splits: dict[str, SplitEntry]
     provenance: dict[str, Any]
     """How the corpus was made (created, tool, command, args, inputs); not part of digest()."""
@@ -271,11 +271,16 @@ def _canonical_json(obj: Any) -> bytes:
 # Small helpers shared by the writer (data_prep) and the reader
 
 
+UINT16_VOCAB = 2**16
+"""The largest vocabulary whose ids fit uint16. Corpora written before 65536 itself was counted in
+(2026-12) store a 65536-piece vocabulary as int32; they stay readable (_dtype_fits)."""
+
+
 def token_dtype(vocab_size: int) -> str:
-    """The on-disk token dtype for a vocabulary: 'uint16' when vocab_size <= 65535, else 'int32'."""
+    """The on-disk token dtype for a vocabulary: 'uint16' when vocab_size <= 65536 (ids 0..65535), else 'int32'."""
     if not isinstance(vocab_size, int) or vocab_size < 1:
         raise ValueError(f"vocab_size must be a positive integer, got {vocab_size!r}")
-    return "uint16" if vocab_size <= 65535 else "int32"
+    return "uint16" if vocab_size <= UINT16_VOCAB else "int32"
 
 
 def sha256_file(path: str | os.PathLike, chunk_bytes: int = 1 << 22, mapped: Any = None) -> str:
@@ -415,6 +420,11 @@ class _Fields:
         return v
 
 
+def _dtype_fits(dtype: str, vocab_size: int) -> bool:
+    """The dtype prepare writes for vocab_size, or int32 for exactly 2**16 pieces (the rule before 2026-12)."""
+    return dtype == token_dtype(vocab_size) or (dtype == "int32" and vocab_size == UINT16_VOCAB)
+
+
 def _parse_manifest(d: Any, source: str) -> Manifest:
     top = _Fields(d, source, "", ("format", "version", "tokenizer", "dtype", "splits", "provenance"), ("mixture",))
     if d["format"] != FORMAT_NAME:
@@ -425,7 +435,7 @@ def _parse_manifest(d: Any, source: str) -> Manifest:
                           f"(this reader knows version {FORMAT_VERSION}); re-run prepare with this version")
     tokenizer = _parse_tokenizer(d["tokenizer"], source)
     dtype = top.str("dtype")
-    if dtype != token_dtype(tokenizer.vocab_size):
+    if not _dtype_fits(dtype, tokenizer.vocab_size):
         raise CorpusError(f"{source}: dtype '{dtype}' does not match vocab_size {tokenizer.vocab_size} "
                           f"(expected '{token_dtype(tokenizer.vocab_size)}')")
     if not isinstance(d["splits"], dict) or not d["splits"]:
