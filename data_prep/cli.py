@@ -49,13 +49,27 @@ def _trainer_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer-sample", type=int, default=1_000_000, metavar="N",
                    help="train on a random sample of N sentences (lines) of the training split (N >= 101)")
     g.add_argument("--byte-fallback", action=argparse.BooleanOptionalAction, default=None,
-                   help="unknown characters become byte pieces (default: on for unigram and bpe)")
+                   help="characters outside the vocabulary become UTF-8 byte pieces instead of <unk> (default: on "
+                        "for unigram and bpe, off for char; not for word)")
     g.add_argument("--character-coverage", type=float, default=0.9995,
                    help="share of the characters the vocabulary covers, in [0.98, 1] (default: 0.9995; 1.0 for "
                         "small alphabets)")
     g.add_argument("--normalization", default="nmt_nfkc",
                    choices=("nmt_nfkc", "nfkc", "nmt_nfkc_cf", "nfkc_cf", "identity"),
-                   help="SentencePiece text normalization (default: nmt_nfkc; identity keeps the text as it is)")
+                   help="SentencePiece text normalization (default: nmt_nfkc, which also turns newlines and tabs "
+                        "into spaces; identity keeps the characters as they are)")
+    g.add_argument("--newline-piece", action="store_true",
+                   help="keep newlines: \\n becomes a piece of its own (SentencePiece's user_defined_symbols), "
+                        "never normalized or merged (default off: the nmt_* normalizations make a newline a "
+                        "space, the others leave it to --byte-fallback, else <unk>; training never sees one)")
+    g.add_argument("--remove-extra-whitespaces", action=argparse.BooleanOptionalAction, default=True,
+                   help="SentencePiece's: drop leading, trailing and repeated spaces (default: on; "
+                        "--no-remove-extra-whitespaces keeps every space)")
+    g.add_argument("--add-dummy-prefix", action=argparse.BooleanOptionalAction, default=True,
+                   help="SentencePiece's: encode the text as if a space came before it (default: on; "
+                        "--no-add-dummy-prefix: the ids spell exactly the text). Text kept byte for byte: "
+                        "--normalization identity --byte-fallback --newline-piece --no-remove-extra-whitespaces "
+                        "--no-add-dummy-prefix")
 
 
 def _layout_args(p: argparse.ArgumentParser, required: bool = False) -> None:
@@ -251,7 +265,9 @@ def _run(args: argparse.Namespace, command: list[str], recorded: dict) -> int:
         trainer = TrainerOptions(vocab_size=args.vocab_size, model_type=args.model_type,
                                  sample_sentences=args.tokenizer_sample, byte_fallback=args.byte_fallback,
                                  character_coverage=args.character_coverage, normalization=args.normalization,
-                                 seed=args.seed)
+                                 newline_piece=args.newline_piece,
+                                 remove_extra_whitespaces=args.remove_extra_whitespaces,
+                                 add_dummy_prefix=args.add_dummy_prefix, seed=args.seed)
         if args.num_proc < 1:
             raise PrepError(f"--num-proc must be >= 1, got {args.num_proc}")
         if args.command == "train-tokenizer":

@@ -5,6 +5,15 @@ no bos or pad. A control piece is never produced by encoding text, so an eod id 
 a document end. Training reads a random sample of sentences (lines of the training documents), so its
 memory depends on --tokenizer-sample, not on the corpus size.
 
+By default (SentencePiece's defaults) the text is not kept as it is: the nmt_* normalizations turn newlines
+and tabs into spaces, and extra whitespace (leading, trailing, repeated spaces) is removed, so decoding gives
+the words with single spaces. A tokenizer whose ids spell every byte of its text back
+(decode(encode(x)) == x) keeps newlines as a piece of their own (newline_piece), keeps every space
+(no remove_extra_whitespaces), adds no "▁" before the text (no add_dummy_prefix), leaves the characters
+alone (identity normalization) and spells characters outside its vocabulary as UTF-8 byte pieces
+(byte_fallback); only a "▁" in the text (SentencePiece's visible space) still decodes as a space, as
+SentencePiece has no option to escape it: docs/corpus_format.md, Keeping the text as it is.
+
 `document_cuts` says where a long document may be cut so that encoding its pieces one by one gives the ids
 of encoding it whole (data_prep/encode.py encodes long documents in pieces).
 """
@@ -22,6 +31,8 @@ from data_prep.errors import PrepError
 from txl_dist.data.format import TokenizerEntry, sha256_file
 
 MODEL_TYPES = ("unigram", "bpe", "char", "word")
+BYTE_FALLBACK_TYPES = ("unigram", "bpe", "char")
+"""The model types SentencePiece's byte fallback is offered for (tests/test_data_prep_verbatim.py: char too)."""
 EOD_PIECE = "<eod>"
 TOKENIZER_FILE = "tokenizer.model"
 # Lines are cut to this many characters for training: SentencePiece skips longer sentences entirely.
@@ -44,10 +55,19 @@ class TrainerOptions:
     sample_sentences: int = 1_000_000
     """SentencePiece input_sentence_size: sentences sampled (uniformly, seeded) from the training split."""
     byte_fallback: bool | None = None
-    """Unknown characters become UTF-8 byte pieces; None: on for unigram and bpe (the only types supporting it)."""
+    """Unknown characters become UTF-8 byte pieces; None: on for unigram and bpe (off for char, whose corpora
+    it would change; not supported for word)."""
     character_coverage: float = 0.9995
     normalization: str = "nmt_nfkc"
     """SentencePiece normalization rule: nmt_nfkc, nfkc, nmt_nfkc_cf, nfkc_cf or identity."""
+    newline_piece: bool = False
+    """The newline is a piece of its own (SentencePiece's user_defined_symbols): normalization leaves it alone
+    (the nmt_* rules would make it a space) and no other piece holds it (the trainer reads lines without it)."""
+    remove_extra_whitespaces: bool = True
+    """SentencePiece's: drop leading, trailing and repeated spaces (False: every space is a "▁" id)."""
+    add_dummy_prefix: bool = True
+    """SentencePiece's: a "▁" goes before the text, so that its first word encodes as after a space (False:
+    the ids stand for the text's characters only, and a long document can be cut after its newlines)."""
     seed: int = 0
     num_threads: int = TRAINING_THREADS
     """SentencePiece training threads: fixed, not the machine's CPUs, since its unigram training gives another
@@ -57,19 +77,24 @@ class TrainerOptions:
         """Byte fallback as it will be used."""
         return self.model_type in ("unigram", "bpe") if self.byte_fallback is None else self.byte_fallback
 
+    def user_defined_symbols(self) -> list[str]:
+        """The pieces SentencePiece always keeps whole, never normalizes and never merges."""
+        return ["\n"] if self.newline_piece else []
+
 
 def check_trainer_options(opts: TrainerOptions) -> None:
     """Refuse impossible settings before reading any input."""
     if opts.model_type not in MODEL_TYPES:
         raise PrepError(f"--model-type {opts.model_type!r}: choose one of {', '.join(MODEL_TYPES)}")
-    if opts.byte_fallback and opts.model_type not in ("unigram", "bpe"):
-        raise PrepError(f"--byte-fallback works with unigram and bpe models, not {opts.model_type}; "
-                        "drop it or pass --no-byte-fallback")
-    low = 2 + (256 if opts.resolved_byte_fallback() else 0) + 1
-    if opts.vocab_size < low:
+    if opts.byte_fallback and opts.model_type not in BYTE_FALLBACK_TYPES:
+        raise PrepError(f"--byte-fallback works with {', '.join(BYTE_FALLBACK_TYPES)} models, not "
+                        f"{opts.model_type}; drop it or pass --no-byte-fallback")
+    fixed = 2 + (256 if opts.resolved_byte_fallback() else 0) + len(opts.user_defined_symbols())
+    if opts.vocab_size < fixed + 1:
+        extra = [what for what, on in (("256 byte pieces", opts.resolved_byte_fallback()),
+                                       ("the newline piece", opts.newline_piece)) if on]
         raise PrepError(f"--vocab-size {opts.vocab_size} is too small: the special pieces"
-                        f"{' and 256 byte pieces' if opts.resolved_byte_fallback() else ''} need {low - 1}; "
-                        f"use at least {low}")
+                        f"{''.join(f' and {e}' for e in extra)} need {fixed}; use at least {fixed + 1}")
     if opts.sample_sentences < MIN_SAMPLE_SENTENCES:
         raise PrepError(f"--tokenizer-sample must be >= {MIN_SAMPLE_SENTENCES} (SentencePiece samples at least "
                         f"that many sentences), got {opts.sample_sentences}")
@@ -108,7 +133,7 @@ def train_tokenizer(sentences: Iterable[str], out: str | os.PathLike, opts: Trai
             input_sentence_size=opts.sample_sentences, shuffle_input_sentence=True,
             max_sentence_length=4 * _MAX_SENTENCE_CHARS,
             byte_fallback=opts.resolved_byte_fallback(), character_coverage=opts.character_coverage,
-            normalization_rule_name=opts.normalization,
+            normalization_rule_name=opts.normalization, **_text_keeping_options(opts),
             unk_id=0, eos_id=1, eos_piece=EOD_PIECE, bos_id=-1, pad_id=-1,
             num_threads=opts.num_threads, minloglevel=0 if verbose else 2)
     except (RuntimeError, OSError) as e:
@@ -120,6 +145,16 @@ def train_tokenizer(sentences: Iterable[str], out: str | os.PathLike, opts: Trai
     out = Path(out)
     out.write_bytes(model.getvalue())
     return out
+
+
+def _text_keeping_options(opts: TrainerOptions) -> dict:
+    """The SentencePiece options that keep more of the text, passed only where they differ from SentencePiece's
+    defaults: a value passed is written into the model file even when it is the default, which would change
+    the file (and its sha256, recorded by corpora and checkpoints) of every tokenizer trained before them."""
+    options = {"user_defined_symbols": opts.user_defined_symbols(),
+               "remove_extra_whitespaces": opts.remove_extra_whitespaces, "add_dummy_prefix": opts.add_dummy_prefix}
+    defaults = {"user_defined_symbols": [], "remove_extra_whitespaces": True, "add_dummy_prefix": True}
+    return {name: value for name, value in options.items() if value != defaults[name]}
 
 
 class _RecordingFeed:
@@ -256,8 +291,10 @@ def document_cuts(path: str | os.PathLike) -> DocumentCuts:
     is not `word` (which makes a whole unknown word one unknown id and merges unknown words: two unknown
     words on either side of a cut would become two ids instead of one). A newline is whitespace to the nmt_*
     normalizations only (the others keep it as a character): those cut after newlines, the others after
-    spaces. (Unigram models sum path scores in float32, so at near-ties a long text encoded in one call may
-    choose differently than its pieces: docs/corpus_format.md, Long documents.)
+    spaces. A normalizer that keeps the text (neither a dummy prefix nor whitespace removal) cuts after
+    newlines when "\n" is a user-defined piece (`_verbatim_cuts`). (Unigram models sum path scores in float32,
+    so at near-ties a long text encoded in one call may choose differently than its pieces:
+    docs/corpus_format.md, Long documents.)
     """
     from sentencepiece import sentencepiece_model_pb2 as pb
 
@@ -268,8 +305,11 @@ def document_cuts(path: str | os.PathLike) -> DocumentCuts:
         return DocumentCuts((), f"its model type is {kind}")
     if norm.name not in BUILTIN_NORMALIZATIONS:
         return DocumentCuts((), f"its normalization rule {norm.name!r} is none of {', '.join(BUILTIN_NORMALIZATIONS)}")
-    if not (norm.add_dummy_prefix and norm.remove_extra_whitespaces and norm.escape_whitespaces) \
-            or proto.trainer_spec.treat_whitespace_as_suffix:
+    if proto.trainer_spec.treat_whitespace_as_suffix:
+        return DocumentCuts((), "it treats whitespace as a suffix")
+    if not norm.add_dummy_prefix and not norm.remove_extra_whitespaces:
+        return _verbatim_cuts(proto)
+    if not (norm.add_dummy_prefix and norm.remove_extra_whitespaces and norm.escape_whitespaces):
         return DocumentCuts((), "its normalizer keeps extra whitespace or has no dummy prefix")
     words = [p.piece for p in proto.pieces if p.type in (types.NORMAL, types.USER_DEFINED)]
     if SPACE not in words:
@@ -281,3 +321,21 @@ def document_cuts(path: str | os.PathLike) -> DocumentCuts:
     chars = tuple(c.encode() for c in ("\n", " ")
                   if sp.normalize(f"a{c}b") == f"{SPACE}a{SPACE}b" and not any(c in u for u in user))
     return DocumentCuts(chars, "" if chars else "neither a newline nor a space is whitespace to it")
+
+
+def _verbatim_cuts(proto) -> DocumentCuts:
+    """Cuts for a normalizer without a dummy prefix and without whitespace removal (--newline-piece
+    --no-remove-extra-whitespaces --no-add-dummy-prefix): it adds nothing at the start of a text and drops no
+    whitespace, and no built-in rule maps a sequence holding a newline, so the normalized whole is its
+    normalized pieces end to end. Just after a newline that is a user-defined piece (always one id, never
+    normalized) and that no other piece holds, no id can span the cut, so each side is encoded alone: a char
+    model one character at a time, BPE merging pairs that never include the newline, unigram's best path
+    passing through it (up to its float32 sums, as for the other cuts); nor can a run of unknown characters
+    (one id) reach across it."""
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    holding_newline = [(p.piece, p.type) for p in proto.pieces if "\n" in p.piece]
+    if holding_newline != [("\n", pb.ModelProto.SentencePiece.USER_DEFINED)]:
+        return DocumentCuts((), "its normalizer keeps whitespace and has no dummy prefix, but a newline is not "
+                                "a user-defined piece of its own (--newline-piece)")
+    return DocumentCuts((b"\n",))

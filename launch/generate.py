@@ -11,7 +11,8 @@ it was trained on (data.path of its configuration, checked against the tokenizer
 (config.json + weights); its tokenizer is --tokenizer, else DIR/tokenizer.model. The prompt starts a new
 document (the end-of-document id goes first, as in the training stream) unless --continue-document; an
 empty --prompt '' generates a document from nothing. One process; CPU unless --device cuda. Exit status 0, or
-2 for refused input (one line says why).
+2 for refused input (one line says why). Only the samples go to stdout (whatever a library prints meanwhile
+goes to stderr), so --json output can be parsed as it is.
 """
 from __future__ import annotations
 
@@ -58,7 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     dec.add_argument("--top-k", type=int, default=0, help="sample among the k most probable tokens (0 = all)")
     dec.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off)")
     dec.add_argument("--greedy", action="store_true", help="always the most probable token (no sampling)")
-    dec.add_argument("--seed", type=int, default=None, help="sampling seed (default: random, printed with --json)")
+    dec.add_argument("--seed", type=int, default=None,
+                     help="sampling seed in [0, 2**64 - 1] (default: random, printed with --json)")
     dec.add_argument("--ignore-eod", action="store_true",
                      help="keep generating past an end-of-document (default: a sample ends there)")
     mem = p.add_argument_group("memory")
@@ -112,7 +114,7 @@ def _from_checkpoint(path: str):
 
     tag_dir, run_info, model_cfg = start_export(path)
     model = TransformerXL(model_cfg)
-    # DeepSpeed's ZeRO consolidation prints its progress to stdout and stderr: stdout is the samples' (--json).
+    # DeepSpeed's ZeRO consolidation prints its progress to stdout and stderr: noise to a user of generate.
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         ckpt.load_fp32_weights(model, tag_dir, run_info["zero_stage"])
     corpus = run_info["config"]["data"]["path"]
@@ -182,7 +184,7 @@ def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
 
 def check_args(args: argparse.Namespace):
     """The decoding settings, refused with one line naming the option before any model is loaded."""
-    from txl_dist.generation import GenerationError, SamplingSettings
+    from txl_dist.generation import GenerationError, SamplingSettings, check_seed
 
     for flag, value, low in (("--max-new-tokens", args.max_new_tokens, 0), ("--num-samples", args.num_samples, 1),
                              ("--mem-len", args.mem_len, 0), ("--chunk-len", args.chunk_len, 1)):
@@ -195,41 +197,50 @@ def check_args(args: argparse.Namespace):
     if not args.greedy and not args.temperature > 0:
         raise GenerationError(f"--temperature must be > 0 when sampling, got {args.temperature}; use --greedy for "
                               "the most probable token")
+    check_seed(args.seed, "--seed")
     return SamplingSettings(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, greedy=args.greedy)
 
 
+def samples_output(args: argparse.Namespace) -> str:
+    """Load, generate and format the samples: the text, or one JSON object with --json."""
+    import torch
+
+    from txl_dist.generation import GenerationError, generate
+
+    sampling = check_args(args)
+    prompt = read_prompt(args.prompt, args.prompt_file)
+    loaded = load(args.checkpoint, args.model, args.tokenizer, args.device)
+    tok = loaded.tokenizer
+    prompt_ids = tok.encode(prompt, start_of_document=not args.continue_document)
+    if not prompt_ids:
+        raise GenerationError("--continue-document needs a prompt with at least one token")
+    seed = args.seed if args.seed is not None else int(torch.seed() % 2**31)
+    samples = generate(loaded.model, prompt_ids, args.max_new_tokens, sampling, num_samples=args.num_samples,
+                       stop_id=None if args.ignore_eod else tok.eod_id, seed=seed, mem_len=args.mem_len,
+                       clamp_len=args.clamp_len, chunk_len=args.chunk_len)
+    # Decoded with the prompt, so that pieces join across the boundary as they would in the corpus.
+    texts = [tok.decode(prompt_ids + ids) for ids in samples]
+    if args.json:
+        return json.dumps({"source": loaded.source, "prompt": prompt, "prompt_ids": prompt_ids, "seed": seed,
+                           "sampling": dataclasses.asdict(sampling), "samples": [
+                               {"ids": ids, "text": text} for ids, text in zip(samples, texts)]}, indent=2)
+    if len(texts) == 1:
+        return texts[0]
+    return "\n".join(f"--- sample {i + 1} of {len(texts)} ---\n{text}" for i, text in enumerate(texts))
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Generate and print the samples (text, or one JSON object with --json)."""
+    """Generate and print the samples (text, or one JSON object with --json); nothing else goes to stdout."""
     args = parse_args(argv)
     log = logging.getLogger("txl_dist")
 
     def job() -> int:
-        import torch
-
-        from txl_dist.generation import GenerationError, generate
-
-        sampling = check_args(args)
-        prompt = read_prompt(args.prompt, args.prompt_file)
-        loaded = load(args.checkpoint, args.model, args.tokenizer, args.device)
-        tok = loaded.tokenizer
-        prompt_ids = tok.encode(prompt, start_of_document=not args.continue_document)
-        if not prompt_ids:
-            raise GenerationError("--continue-document needs a prompt with at least one token")
-        seed = args.seed if args.seed is not None else int(torch.seed() % 2**31)
-        samples = generate(loaded.model, prompt_ids, args.max_new_tokens, sampling, num_samples=args.num_samples,
-                           stop_id=None if args.ignore_eod else tok.eod_id, seed=seed, mem_len=args.mem_len,
-                           clamp_len=args.clamp_len, chunk_len=args.chunk_len)
-        # Decoded with the prompt, so that pieces join across the boundary as they would in the corpus.
-        texts = [tok.decode(prompt_ids + ids) for ids in samples]
-        if args.json:
-            print(json.dumps({"source": loaded.source, "prompt": prompt, "prompt_ids": prompt_ids, "seed": seed,
-                              "sampling": dataclasses.asdict(sampling), "samples": [
-                                  {"ids": ids, "text": text} for ids, text in zip(samples, texts)]}, indent=2))
-        else:
-            for i, text in enumerate(texts):
-                if len(texts) > 1:
-                    print(f"--- sample {i + 1} of {len(texts)} ---")
-                print(text)
+        # stdout is for the samples (a program parses --json from it). What the libraries print meanwhile goes
+        # to stderr: DeepSpeed, imported with the checkpoint readers, logs to stdout (its accelerator warning
+        # when DS_ACCELERATOR is unset), through a handler bound to the sys.stdout it finds at import.
+        with contextlib.redirect_stdout(sys.stderr):
+            output = samples_output(args)
+        print(output, flush=True)
         return 0
 
     return guarded(job, log)

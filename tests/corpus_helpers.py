@@ -97,6 +97,16 @@ def tokens_sha256(tokens: np.ndarray, dtype: str) -> str:
     return hashlib.sha256(np.asarray(tokens).astype(np.dtype(dtype).newbyteorder("<")).tobytes()).hexdigest()
 
 
+def split_ids(corpus: Path, split: str) -> np.ndarray:
+    """A split's token stream as int64, read straight from its Arrow files in manifest order."""
+    import pyarrow as pa
+
+    manifest = json.loads((Path(corpus) / "manifest.json").read_text())
+    files = manifest["splits"][split]["files"]
+    return np.concatenate([pa.ipc.open_file(pa.OSFile(str(Path(corpus) / f["path"]))).read_all().column(0).to_numpy()
+                           for f in files]).astype(np.int64)
+
+
 def edit_manifest(root: Path, edit) -> None:
     """Change manifest.json in place with `edit(dict)`, bypassing validation (to test the reader's checks)."""
     d = json.loads((root / "manifest.json").read_text())

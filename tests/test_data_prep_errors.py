@@ -147,8 +147,8 @@ def test_bad_tokenizer_and_options(model, plays, tmp_path, capsys):
     assert "--shard '2/2'" in msg
     msg = fail(capsys, *prepare_args(tmp_path / "o", model, p, extra=["--valid", plays[1], "--valid-fraction", "0.1"]))
     assert "--valid-fraction" in msg
-    msg = fail(capsys, "prepare", "--out", tmp_path / "o", "--train", p, "--model-type", "char", "--byte-fallback")
-    assert "--byte-fallback" in msg
+    msg = fail(capsys, "prepare", "--out", tmp_path / "o", "--train", p, "--model-type", "word", "--byte-fallback")
+    assert "--byte-fallback works with unigram, bpe, char models, not word" in msg
     msg = fail(capsys, "prepare", "--out", tmp_path / "o", "--train", p, "--vocab-size", 60000, "--model-type", "bpe",
                "--quiet", "--num-proc", 1)
     assert "vocab" in msg.lower()

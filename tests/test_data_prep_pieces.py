@@ -104,6 +104,45 @@ def test_pieces_give_the_ids_of_the_whole_document(models, norm, kind, fallback,
         assert len(rows) > 4 * len(docs) and max(rows) < longest  # (a piece runs on to the next cut character)
 
 
+NEWLINE_KEEPING = [  # (normalization, model type, byte fallback, whitespace kept: no removal, no dummy prefix)
+    ("identity", "unigram", True, True), ("identity", "bpe", True, True), ("identity", "char", True, True),
+    ("identity", "char", False, True), ("nmt_nfkc", "bpe", True, True),
+    ("nmt_nfkc", "unigram", True, False), ("identity", "char", False, False)]
+"""Tokenizers with a newline piece (--newline-piece), most also keeping every space and adding no dummy
+prefix (--no-remove-extra-whitespaces --no-add-dummy-prefix: the enwik8 recipe's)."""
+
+
+@pytest.fixture(scope="module")
+def newline_models(tmp_path_factory) -> dict[tuple[str, str, bool, bool], Path]:
+    root = tmp_path_factory.mktemp("newline-models")
+    sentences = list(training_sentences([tricky_text(3000, seed) for seed in range(3)]))
+    out = {}
+    for norm, kind, fallback, kept in NEWLINE_KEEPING:
+        options = TrainerOptions(vocab_size=VOCAB[kind] + (256 if fallback else 0), model_type=kind,
+                                 byte_fallback=fallback, normalization=norm, character_coverage=0.995,
+                                 newline_piece=True, remove_extra_whitespaces=not kept, add_dummy_prefix=not kept)
+        out[norm, kind, fallback, kept] = train_tokenizer(sentences, root / f"{norm}-{kind}-{fallback}-{kept}.model",
+                                                          options)
+    return out
+
+
+@pytest.mark.parametrize("norm,kind,fallback,kept", NEWLINE_KEEPING)
+def test_tokenizers_with_a_newline_piece_cut_exactly(newline_models, norm, kind, fallback, kept, monkeypatch):
+    """A newline piece: pieces give the whole documents' ids, cut after newlines where the whitespace is kept
+    too (so the 90 MB split of the enwik8 recipe is not encoded in one call), else after spaces."""
+    from data_prep.tokenizer import document_cuts
+
+    model = newline_models[norm, kind, fallback, kept]
+    docs = [tricky_text(40, seed) for seed in range(10, 50)] + ["", " \n ", "one", "\n\n\t two  \r\n"]
+    tokens, rows, n_docs = encode_with(model, pa.array(docs), monkeypatch, piece_bytes=24, task_bytes=256)
+    if kind == "unigram":
+        unigram_ids_agree(model, tokens, docs)
+    else:
+        np.testing.assert_array_equal(tokens, whole_document_ids(model, docs))
+    assert n_docs == len(docs) and document_cuts(model).chars == ((b"\n",) if kept else (b" ",))
+    assert len(rows) > 4 * len(docs) and max(rows) < max(len(d.encode()) for d in docs)
+
+
 def unigram_ids_agree(model: Path, tokens: np.ndarray, docs: list[str]) -> None:
     """Per document: the same pieces' text, and a segmentation scoring the same as the whole document's.
 

@@ -1,10 +1,12 @@
 """Generation: incremental decoding against cached mems equals re-running the full context; sampling is
 reproducible by seed and filters as documented; a session saved and restored continues identically; the CLI
-refuses bad arguments with one line and generates text from a checkpoint of a real (tiny) training run."""
+refuses bad arguments with one line and generates text from a checkpoint of a real (tiny) training run, with
+nothing but the samples on stdout."""
 from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import shutil
 import subprocess
@@ -222,6 +224,11 @@ def test_session_refusals(model):
     with pytest.raises(GenerationError, match="top_p must be in"):
         SamplingSettings(top_p=1.5).check()
     SamplingSettings(temperature=0.0, greedy=True).check()  # temperature is not used by greedy decoding
+    # torch.Generator overflows past 64 bits and maps a negative seed onto a positive one (-1 is 2**64 - 1).
+    for seed in (-1, 2**64, 1.5):
+        with pytest.raises(GenerationError, match=r"seed must be an integer in \[0, 2\*\*64 - 1\]"):
+            GenerationSession(model, seed=seed)
+    assert GenerationSession(model, seed=2**64 - 1).generator.initial_seed() == 2**64 - 1
     model.train()
     try:
         with pytest.raises(GenerationError, match="model.eval"):
@@ -331,6 +338,8 @@ def test_cli_generates_text_from_a_trained_checkpoint(trained, tmp_path, capsys)
     (["--max-new-tokens", "-3"], "--max-new-tokens must be >= 0"),
     (["--num-samples", "0"], "--num-samples must be >= 1"),
     (["--mem-len", "-1"], "--mem-len must be >= 0"),
+    (["--seed", "-1"], "--seed must be an integer in [0, 2**64 - 1], got -1"),
+    (["--seed", str(2**64)], f"--seed must be an integer in [0, 2**64 - 1], got {2**64}"),
     (["--no-prompt"], "pass exactly one of --prompt TEXT and --prompt-file FILE"),
     (["--prompt-file", "missing.txt"], "--prompt-file missing.txt: cannot read it"),
     (["--checkpoint", "nowhere"], "nowhere: not a checkpoint"),
@@ -358,6 +367,19 @@ def test_cli_refuses_bad_arguments_with_one_line(trained, tmp_path, monkeypatch,
     err = [r.getMessage() for r in caplog.records]
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
     assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_cli_stdout_is_only_the_json_whatever_the_environment(trained, tmp_path):
+    """DeepSpeed logs to stdout when it is imported (without DS_ACCELERATOR: "Setting accelerator to CPU"):
+    that goes to stderr, so that a program can parse stdout. A fresh process, as the README runs it."""
+    _, run = trained
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"} | {"OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(REPO / "launch" / "generate.py"), "--checkpoint", str(run),
+                           "--prompt", "The king", "--max-new-tokens", "3", "--seed", str(2**64 - 1), "--json"],
+                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["seed"] == 2**64 - 1 and len(out["samples"][0]["ids"]) == 3
 
 
 def test_cli_refusal_is_one_line_on_stderr_and_exit_status_2(tmp_path):

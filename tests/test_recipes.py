@@ -1,4 +1,5 @@
-"""The recipes (docs/recipes.md): the presets they run, and bench/learning_vs_reference.py at toy size.
+"""The recipes (docs/recipes.md): the presets they run, the enwik8 recipe's tokenizer options (every byte of
+the text kept), and bench/learning_vs_reference.py at toy size.
 
 The learning-quality benchmark hands our weights, batches, learning rates and evaluation windows to the
 reference (transformers 4.37.2 in `.venv-ref`); with dropout off nothing random is left, so both sides must
@@ -9,12 +10,14 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 
 import pytest
 
 from bench.learning_vs_reference import main as learning_vs_reference
 from bench.learning_vs_reference import warmup_cosine_lr
-from corpus_helpers import make_corpus, synthetic_stream
+from corpus_helpers import make_corpus, split_ids, synthetic_stream, tricky_text
+from dist_helpers import REPO
 from hf_reference.refvenv import reference_python  # noqa: F401  (fixture)
 from txl_dist.config import load_config
 from txl_dist.data.format import Layout
@@ -46,6 +49,56 @@ def test_the_learning_rates_follow_deepspeeds_warmup_cosine():
     assert lrs[:4] == [0.0, 0.25, 0.5, 0.75]
     assert lrs[3] < lrs[4] and lrs[4] == pytest.approx(0.1 + 0.9 * (1 + math.cos(math.pi / 6)) / 2)
     assert lrs[-1] == pytest.approx(0.1)
+
+
+def recipe_prepare_options(corpus: str) -> list[str]:
+    """The options of docs/recipes.md's `python -m data_prep prepare --out CORPUS` command, but for its inputs
+    and layout (those of the test go in their place)."""
+    text = (REPO / "docs" / "recipes.md").read_text().replace("\\\n", " ")
+    [command] = [line for line in text.splitlines() if line.startswith(f"python -m data_prep prepare --out {corpus} ")]
+    args, kept = shlex.split(command)[4:], []
+    while args:
+        option = args.pop(0)
+        if option in ("--out", "--train", "--valid", "--test", "--world-size", "--n-streams"):
+            args.pop(0)
+        else:
+            kept.append(option)
+    return kept
+
+
+def test_the_enwik8_recipe_keeps_every_byte_of_the_text(tmp_path):
+    """The recipe's tokenizer options on text of newlines, blank lines, tabs, runs of spaces and characters of
+    many scripts, where valid and test hold characters that train lacks: no split has an <unk>, each decodes
+    to its text (read as prepare reads it: CRLF and CR are newlines) and counts all its bytes, so its bits per
+    byte are those of the text. A char model's vocabulary is its training characters plus the end-of-document,
+    unknown, newline and 256 byte pieces: the recipe's --vocab-size 6000 is a maximum, not refused."""
+    import sentencepiece as spm
+
+    from data_prep.cli import main as prep
+
+    texts = {}
+    for split, seed, extra in (("train", 1, ""), ("valid", 2, "Ω ∮ 😺\x01"), ("test", 3, "\u00ad ꙮ")):
+        (tmp_path / f"{split}.txt").write_bytes((tricky_text(600, seed) + extra).encode())
+        with open(tmp_path / f"{split}.txt", encoding="utf-8") as f:  # universal newlines, as prepare reads
+            texts[split] = f.read()
+    corpus = tmp_path / "enwik8"
+    assert prep(["prepare", "--out", str(corpus), *(f"--{s}={tmp_path / s}.txt" for s in texts),
+                 *recipe_prepare_options("data/enwik8"), "--num-proc", "1", "--quiet"]) == 0
+    manifest = json.loads((corpus / "manifest.json").read_text())
+    sp = spm.SentencePieceProcessor(model_file=str(corpus / "tokenizer.model"))
+    # SentencePiece's one lossy character: its visible space "▁" (U+2581), which spaces become, decodes as one.
+    visible_space = "\u2581"
+    characters = set(texts["train"].replace(" ", visible_space)) - {"\n"}
+    assert manifest["tokenizer"]["vocab_size"] == 2 + 1 + 256 + len(characters)  # <unk> <eod>, "\n", bytes
+    for split, text in texts.items():
+        ids = split_ids(corpus, split)
+        assert (ids != sp.unk_id()).all(), split
+        assert ids[-1] == sp.eos_id() and (ids == sp.eos_id()).sum() == 1
+        assert sp.decode(ids[:-1].tolist()) == text.replace(visible_space, " "), split
+        assert manifest["splits"][split]["n_bytes"] == len(text.encode())
+    assert any(sp.is_byte(i) for i in split_ids(corpus, "valid").tolist())  # characters train lacks: bytes
+    for text in ("a\n\n\nb", "a\tb", "a   b", "  lead\n\n trail  ", "\n", "ünï 日本 😀 \x01"):
+        assert sp.decode(sp.encode(text)) == text
 
 
 TOY_VOCAB = 97

@@ -48,6 +48,19 @@ class GenerationError(Refused, ValueError):
     """A generation argument the session will not work with; one line naming it and the fix."""
 
 
+SEED_MAX = 2**64 - 1
+"""The largest seed: torch.Generator keeps 64 unsigned bits. It also takes negative seeds, but maps them onto
+the same range (-1 is 2**64 - 1), so a seed is refused unless it is in [0, SEED_MAX]."""
+
+
+def check_seed(seed: int | None, name: str = "seed") -> None:
+    """Refuse a seed torch.Generator cannot take (it would raise a bare overflow error) or would alias."""
+    if seed is None:
+        return
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= SEED_MAX:
+        raise GenerationError(f"{name} must be an integer in [0, 2**64 - 1], got {seed!r}")
+
+
 # ----------------------------------------------------------------------------------------------------
 # Sampling
 
@@ -153,6 +166,7 @@ class GenerationSession:
                 raise GenerationError(f"{name} must be an integer >= {low}, got {value!r}")
         if not isinstance(clamp_len, int) or isinstance(clamp_len, bool):
             raise GenerationError(f"clamp_len must be an integer (<= 0: no clamping), got {clamp_len!r}")
+        check_seed(seed)
         self.model = model
         self.memory = MemorySettings(mem_len=mem_len, clamp_len=clamp_len, same_length=False)
         """What every forward of this session passes to the model (same_length off: see the module doc)."""
