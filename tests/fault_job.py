@@ -7,6 +7,8 @@ KIND (the fault happens on rank RANK only):
   enospc-in-save its DeepSpeed file of the checkpoint of step STEP fails with ENOSPC (a full disk)
   slow-save      each of its DeepSpeed files of the checkpoint of step STEP takes SLOW_SAVE_S longer (slow storage)
   refuse-load    reading its rank file of the checkpoint of step STEP is refused (the file vanished after start-up)
+  fail-in-load   DeepSpeed's load of the checkpoint of step STEP fails on it (a file gone after start-up verified
+                 it) while the other ranks go on into the load's collectives; prints `fail-in-load at <time.time()>`
   kill-at-step   SIGKILL itself in the middle of step STEP (after the first micro batch's forward)
   stop-at-step   SIGSTOP itself at the start of step STEP (a hung rank)
   nan-at-step    the loss of stream 0 of its first micro batch is NaN at step STEP
@@ -57,6 +59,20 @@ def install(kind: str, rank: int, step: int) -> None:
             return real_save(obj, f, *args, **kwargs)
 
         torch.save = faulty_save
+        return
+
+    if kind == "fail-in-load":
+        from deepspeed.runtime.engine import DeepSpeedEngine
+
+        real_load = DeepSpeedEngine.load_checkpoint
+
+        def failing_load(self, load_dir, tag=None, **kwargs):
+            if str(tag).startswith(f"step_{step:08d}"):
+                print(f"fail-in-load at {time.time()}", flush=True)
+                raise FileNotFoundError(errno.ENOENT, "file gone in fail-in-load", f"{load_dir}/{tag}/zero")
+            return real_load(self, load_dir, tag=tag, **kwargs)
+
+        DeepSpeedEngine.load_checkpoint = failing_load
         return
 
     if kind == "refuse-load":

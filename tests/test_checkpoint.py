@@ -81,10 +81,30 @@ def test_leftovers_are_removed_and_a_tag_moved_aside_mid_replace_comes_back(tmp_
     aside = _tag(ckpt, 30)
     aside.rename(ckpt / ".replaced-step_00000030-123")
     (ckpt / "step_00000077_universal").mkdir()  # a universal copy whose tag is gone
+    # A kill between retention's rename and its removal: the old tag stays gone (it still holds its run.json).
+    _tag(ckpt, 5).rename(ckpt / ".replaced-step_00000005-pruned")
+    (ckpt / ".latest.x1y2.tmp").write_text("step_00000030\n")  # a kill between writing `latest` and its rename
     removed = checkpoint.remove_leftovers(ckpt)
-    assert sorted(removed) == [".replaced-step_00000030-123", ".saving-step_00000020", "step_00000077_universal"]
+    assert sorted(removed) == [".latest.x1y2.tmp", ".replaced-step_00000005-pruned", ".replaced-step_00000030-123",
+                               ".saving-step_00000020", "step_00000077_universal"]
     assert _names(ckpt) == ["step_00000010", "step_00000030"]
     assert checkpoint.verify(ckpt / "step_00000030") is None
+    kinds = {name: checkpoint.leftover_kind(name) for name in removed}
+    assert kinds == {".latest.x1y2.tmp": "save", ".replaced-step_00000005-pruned": "removal",
+                     ".replaced-step_00000030-123": "save", ".saving-step_00000020": "save",
+                     "step_00000077_universal": None}
+
+
+def test_the_start_reports_a_half_pruned_tag_as_an_interrupted_removal(caplog):
+    import logging
+
+    from txl_dist.startup import _report_leftovers
+
+    with caplog.at_level(logging.WARNING, logger="txl_dist"):
+        _report_leftovers(Path("ckpt"), [".saving-step_00000020", ".replaced-step_00000005-pruned"])
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["checkpoint folder ckpt: removed 1 interrupted save(s): .saving-step_00000020",
+                     "checkpoint folder ckpt: finished 1 interrupted removal(s): .replaced-step_00000005-pruned"]
 
 
 HOLDER = """
@@ -135,7 +155,7 @@ def test_a_conversion_finished_meanwhile_by_another_job_is_used(tmp_path, monkey
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
     monkeypatch.setattr(checkpoint.subprocess, "run", converter_racing_another_job)
-    checkpoint.convert_to_universal(tag, out, zero_stage=2)
+    assert checkpoint.convert_to_universal(tag, out, zero_stage=2) is False  # theirs kept: the caller verifies it
     assert (out / "zero").is_dir()
     assert _names(ckpt) == ["step_00000010", "step_00000010_universal"]  # no scratch, no latest_universal
 
@@ -225,9 +245,25 @@ def test_resolve_path_takes_a_tag_a_checkpoint_folder_or_a_run_folder(tmp_path):
         checkpoint.resolve_path(ckpt / "step_00000009")
     with pytest.raises(CheckpointError, match="not a checkpoint"):
         checkpoint.resolve_path(tmp_path)
-    (ckpt / "latest").write_text("garbage\n")
-    with pytest.raises(CheckpointError, match="not a tag of this project"):
-        checkpoint.inventory(ckpt)
+
+
+
+@pytest.mark.parametrize("latest", ["garbage\n", "", b"\xff\xfe"])
+def test_a_latest_that_names_no_tag_is_ignored_not_refused(tmp_path, latest):
+    """Nothing depends on `latest`: an empty, garbage or unreadable one blocks neither resume (the newest complete
+    tag), nor eval and export (resolve_path); inventory says why it is ignored, and the next save rewrites it."""
+    run = tmp_path / "run"
+    ckpt = run / "checkpoints"
+    _tag(ckpt, 5)
+    newest = _tag(ckpt, 7)
+    path = ckpt / "latest"
+    path.write_bytes(latest) if isinstance(latest, bytes) else path.write_text(latest)
+    inv = checkpoint.inventory(ckpt)
+    assert inv.complete == ["step_00000005", "step_00000007"] and inv.latest is None
+    assert str(path) in inv.latest_problem
+    assert checkpoint.read_latest(ckpt) is None
+    assert checkpoint.candidate_tags("auto", ckpt)[0] == newest
+    assert checkpoint.resolve_path(run) == newest and checkpoint.resolve_path(ckpt) == newest
 
 
 def test_run_info_of_another_version_is_refused(tmp_path):
@@ -382,3 +418,135 @@ def test_a_tag_saved_again_replaces_the_old_one_only_once_the_new_one_is_complet
     checkpoint._move_into_place(ckpt, staging, old)
     assert (old / "new-file").read_bytes() == b"new" and not (old / "mp_rank_00_model_states.pt").exists()
     assert _names(ckpt) == ["step_00000005"]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Universal copies: recorded, verified, made again when they do not verify
+
+
+def _fake_converter(cmd, **kwargs):
+    """ds_to_universal's output: model states and per-parameter fragments."""
+    out = Path(cmd[cmd.index("--output_folder") + 1])
+    for name, data in {"mp_rank_00_model_states.pt": b"states", "zero/w/fp32.pt": b"w" * 1000,
+                       "zero/w/exp_avg.pt": b"m" * 1000, "zero/b/fp32.pt": b"b" * 10}.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_bytes(data)
+    return subprocess.CompletedProcess(cmd, 0, "", "")
+
+
+def test_a_universal_copy_records_its_files_and_is_verified_against_them(tmp_path, monkeypatch):
+    """The copy's record (written last, inside the copy before its rename) lists every file's size and sha256
+    and the tag's run.json it was made from; every way the copy can be wrong is a problem, shared by rank."""
+    ckpt = tmp_path / "checkpoints"
+    tag = _tag(ckpt, 10)
+    out = ckpt / "step_00000010_universal"
+    monkeypatch.setattr(checkpoint.subprocess, "run", _fake_converter)
+    assert "missing" in checkpoint.verify_universal(out, tag)
+    assert checkpoint.convert_to_universal(tag, out, zero_stage=2) is True
+    record = json.loads((out / "txl_state" / "universal.json").read_text())
+    assert sorted(record["files"]) == ["mp_rank_00_model_states.pt", "zero/b/fp32.pt", "zero/w/exp_avg.pt",
+                                       "zero/w/fp32.pt"]
+    assert record["files"]["zero/b/fp32.pt"] == checkpoint.hash_file(out / "zero/b/fp32.pt")
+    assert checkpoint.verify_universal(out, tag) is None
+    assert all(checkpoint.verify_universal(out, tag, rank=r, world_size=2) is None for r in range(2))
+    assert _names(ckpt) == ["step_00000010", "step_00000010_universal"]
+
+    flipped = out / "zero/w/fp32.pt"
+    flipped.write_bytes(b"x" + b"w" * 999)
+    problems = [checkpoint.verify_universal(out, tag, rank=r, world_size=2) for r in range(2)]
+    assert [p for p in problems if p] == [f"{flipped}: sha256 differs from the one recorded at save time (corrupted)"]
+    flipped.write_bytes(b"w" * 1000)
+    (out / "zero/b/fp32.pt").unlink()
+    assert "zero/b/fp32.pt: missing" in checkpoint.verify_universal(out, tag)
+    (out / "zero/b/fp32.pt").write_bytes(b"b" * 10)
+    run_json = tag / "txl_state" / "run.json"
+    run_json.write_text(run_json.read_text() + " ")  # the tag saved again since the copy was made
+    assert "made from another save of step_00000010" in checkpoint.verify_universal(out, tag)
+    (out / "txl_state" / "universal.json").unlink()  # a copy made by an older version, or never finished
+    assert "a copy made by an older version, or unfinished" in checkpoint.verify_universal(out, tag)
+
+
+def test_a_copy_that_does_not_verify_is_converted_again_and_the_bad_one_discarded(tmp_path, monkeypatch):
+    ckpt = tmp_path / "checkpoints"
+    tag = _tag(ckpt, 10)
+    out = ckpt / "step_00000010_universal"
+    (out / "zero" / "w").mkdir(parents=True)
+    (out / "zero" / "w" / "fp32.pt").write_bytes(b"bad weights")  # no record: an older version's copy
+    monkeypatch.setattr(checkpoint.subprocess, "run", _fake_converter)
+    assert checkpoint.convert_to_universal(tag, out, zero_stage=1) is True
+    assert (out / "zero" / "w" / "fp32.pt").read_bytes() == b"w" * 1000
+    assert checkpoint.verify_universal(out, tag) is None
+    assert _names(ckpt) == ["step_00000010", "step_00000010_universal"]  # the bad copy went with the scratch
+
+
+def test_sizes_read_right_at_any_scale_and_the_pre_save_refusal_uses_them(tmp_path, monkeypatch):
+    import errno
+    import shutil
+
+    assert [checkpoint.size_text(n) for n in (0, 900, 15360, 5 << 20, 3 << 30)] == [
+        "0 bytes", "900 bytes", "15.0 KiB", "5.0 MiB", "3.0 GiB"]
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda p: usage._replace(free=15360))
+    with pytest.raises(OSError) as refused:
+        checkpoint._prepare_staging(tmp_path / "ckpt", tmp_path / "ckpt" / ".saving-step_00000004", 1536 << 10)
+    assert refused.value.errno == errno.ENOSPC
+    assert str(refused.value) == (f"[Errno 28] No space left on device: 15.0 KiB free on the file system of "
+                                  f"{tmp_path / 'ckpt'}, a checkpoint needs about 1.5 MiB; free space or lower "
+                                  "checkpoint.keep")
+
+
+TORCH_FULL_DISK = "[enforce fail at inline_container.cc:672] . unexpected pos 15360 vs 15254"
+
+
+class _FailingEngine:
+    """DeepSpeed's checkpoint engine whose torch.save fails as torch's zip writer does on a full disk."""
+
+    def save(self, state_dict, path):
+        Path(path).write_bytes(b"half a file")
+        raise RuntimeError(TORCH_FULL_DISK + "\nframe #0: c10::detail::torchCheckFail")
+
+
+@pytest.mark.parametrize("free, expected", [
+    (4096, "{path}: [Errno 28] No space left on device (" + TORCH_FULL_DISK + ")"),
+    (10 << 30, "{path}: " + TORCH_FULL_DISK)])  # room enough: not a full disk, torch's words as they are
+def test_a_write_that_fails_on_a_full_file_system_says_no_space_left(tmp_path, monkeypatch, free, expected):
+    import shutil
+
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda p: usage._replace(free=free))
+    recorder = checkpoint._WriteRecorder(_FailingEngine())
+    path = tmp_path / "mp_rank_00_model_states.pt"
+    assert recorder.save({"module": {"w": torch.zeros(4096)}}, str(path)) is None
+    assert recorder.error == expected.format(path=path)
+    assert not path.exists()
+
+
+@pytest.fixture
+def small_file_system(tmp_path):
+    """A 256 KiB tmpfs (a real file system that fills up), or a skip where this process may not mount one."""
+    mount_point = tmp_path / "small"
+    mount_point.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount_point)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN): {mounted.stderr.strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+def test_a_save_onto_a_really_full_file_system_says_no_space_left(small_file_system):
+    """torch.save through the recorder (DeepSpeed's files) and the rank file's own write, on a file system too
+    small for them: both name ENOSPC, with torch's words."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    recorder = checkpoint._WriteRecorder(TorchCheckpointEngine())
+    path = small_file_system / "mp_rank_00_model_states.pt"
+    assert recorder.save({"module": {"w": torch.zeros(1 << 17)}}, str(path)) is None  # 512 KiB
+    assert recorder.error.startswith(f"{path}: [Errno 28] No space left on device (")
+    assert not path.exists()
+    state = small_file_system / "rank-00000.pt"
+    with pytest.raises(OSError, match=r"rank-00000.pt: \[Errno 28\] No space left on device \("):
+        checkpoint.write_rank_state(state, {"mems": torch.zeros(1 << 17)})
+    assert list(small_file_system.iterdir()) == []

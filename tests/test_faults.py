@@ -147,15 +147,27 @@ def test_a_save_slower_than_the_collective_timeout_completes(corpus, tmp_path):
 
 def test_a_resume_refused_on_one_rank_is_refused_on_every_rank(corpus, tmp_path):
     """A refusal while one rank restores (its rank file gone since start-up verified the tag) ends every rank
-    at once with exit 2; the other rank does not go on to wait in the first step's collectives."""
+    at once with exit 2; the other rank does not go on to wait in the first step's collectives. Saved by 1 rank,
+    so that 2 ranks load its universal copy: DeepSpeed's load has collectives then."""
     run_dir = tmp_path / "run"
     config = _config(corpus, run_dir, train={"exit_step": 2})
-    assert _finish(_start(config)) == [0, 0]
+    assert _finish(_start(config, world=1)) == [0]
     procs = _start(config, "refuse-load:1:2", extra=["--set", "train.exit_step=null"])
     assert _finish(procs, timeout=TIMEOUT_S + 60) == [2, 2], procs[0].output[-3000:]
     assert "rank-00001.pt: missing (refuse-load)" in _errors(procs[1])[0]
     assert "another rank failed while starting" in _errors(procs[0])[0]
     assert inventory(run_dir / "checkpoints").complete == ["step_00000002"]
+    # A failure inside DeepSpeed's load, whose collectives rank 0 has entered: one line each, exit 1, at once
+    # (not after train.collective_timeout_s, nor with a traceback).
+    procs = _start(config, "fail-in-load:1:2", extra=["--set", "train.exit_step=null"])
+    assert _finish(procs, timeout=TIMEOUT_S + 60) == [1, 1], procs[0].output[-3000:]
+    failed_at = float(next(line for line in procs[1].lines if line.startswith("fail-in-load at ")).split()[-1])
+    assert time.time() - failed_at < TIMEOUT_S / 2
+    for p in procs:
+        (line,) = _errors(p)
+        assert "DeepSpeed's load failed ([Errno 2] file gone in fail-in-load" in line, line
+        assert "Traceback" not in p.output
+    assert "rank 1" in _errors(procs[0])[0]
 
 
 def test_a_hung_rank_is_named_within_the_collective_timeout(corpus, tmp_path):

@@ -568,13 +568,6 @@ def _(s):
     s.train(None, "--resume", "none")
 
 
-@case("checkpoint.latest-names-no-tag")
-def _(s):
-    s.trained_run()
-    (s.run_dir / "checkpoints" / "latest").write_text("final\n")
-    s.train()
-
-
 @case("checkpoint.foreign-global")
 def _(s):
     s.trained_run()

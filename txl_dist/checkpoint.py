@@ -6,8 +6,13 @@ step_NNNNNNNN/...                      DeepSpeed's files (engine.save_checkpoint
 step_NNNNNNNN/txl_state/rank-RRRRR.pt  one per rank: mems by global stream id, loader state, RNG states
 step_NNNNNNNN/txl_state/run.json       written last: step, layout, digests, MLflow run id, and the size and
                                        sha256 of every file of the tag (the completeness marker)
-step_NNNNNNNN_universal/               DeepSpeed's universal form, made once when the world size changes
-latest                                 the tag saved last (for people and tools; resume does not trust it)
+step_NNNNNNNN_universal/               DeepSpeed's universal form, made when the world size changes; its
+                                       txl_state/universal.json (written last) records the size and sha256 of
+                                       its files and the tag's run.json it was made from; verified before use,
+                                       made again when it does not verify (derived data, never trusted as is)
+latest                                 the tag saved last (for people and tools; resume does not trust it, and a
+                                       `latest` that names no tag is ignored and rewritten by the next save)
+zero_to_fp32.py, zero_to_torch.py      DeepSpeed's consolidation scripts, copied in by its saves
 .saving-step_NNNNNNNN/                 a save in progress; left behind only by a crash, removed at the next start
 superseded/step_.../                   tags newer than the point a job rolled back to, moved aside, never deleted
 ```
@@ -22,7 +27,9 @@ DeepSpeed's own writes are routed through a recorder so that a rank whose write 
 DeepSpeed's remaining collectives instead of leaving the others waiting.
 
 Resume (`--resume auto`) takes the newest complete tag whatever `latest` says, verifies its checksums (the
-ranks share the hashing) and, with checkpoint.fallback, falls back to older tags that verify. Retention
+ranks share the hashing) and, with checkpoint.fallback, falls back to older tags that verify. A load on
+another world size reads the tag's universal copy only once that verifies against its own record (the same
+shared hashing); one that does not is converted again from the tag. Retention
 removes only complete tags older than the newest `keep`, after a save has completed; tags newer than the
 point a job resumes from are moved to superseded/ at start (a rollback), never removed.
 
@@ -51,7 +58,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import distributed
+from . import distributed, watchdog
 from .atomic import atomic_path, atomic_write, fsync_dir, fsync_file
 from .errors import Refused, RunFailed, one_line
 from .host import usable_cpus
@@ -64,8 +71,13 @@ RUN_FILE = "run.json"
 UNIVERSAL_SUFFIX = "_universal"
 UNIVERSAL_SCRATCH = "tmp"
 """The kind of a conversion's owned scratch folder: .step_NNNNNNNN_universal.tmp-* (txl_dist.scratch)."""
+UNIVERSAL_RECORD = "universal.json"
+"""In a universal copy's txl_state/: its files' sizes and sha256, written last (a copy without it is incomplete)."""
+UNIVERSAL_RECORD_VERSION = 1
 STAGING_PREFIX = ".saving-"
 REPLACED_PREFIX = ".replaced-"
+PRUNED_SUFFIX = "-pruned"
+"""A tag retention is removing: .replaced-<tag>-pruned (never put back, unlike a replaced tag)."""
 SUPERSEDED_DIR = "superseded"
 RUN_INFO_VERSION = 2  # version 1 (no checksums, checkpoint.dir in its config) predates run folders
 
@@ -156,7 +168,9 @@ class Inventory:
     leftovers: list[str]
     """Interrupted saves and replacements (.saving-*, .replaced-*, half-made universal copies)."""
     latest: str | None
-    """The tag `latest` names, if the file exists."""
+    """The tag `latest` names, if the file exists and names one."""
+    latest_problem: str | None = None
+    """Why `latest` was ignored (it names no tag of this project), else None."""
 
 
 def inventory(ckpt_dir: str | os.PathLike) -> Inventory:
@@ -166,24 +180,50 @@ def inventory(ckpt_dir: str | os.PathLike) -> Inventory:
         return Inventory([], [], [], None)
     complete, incomplete, leftovers = [], [], []
     for p in ckpt_dir.iterdir():
-        if p.name.startswith((STAGING_PREFIX, REPLACED_PREFIX)) or (
-                p.name.startswith(".") and UNIVERSAL_SUFFIX in p.name):
+        if leftover_kind(p.name) is not None:
             leftovers.append(p.name)
         elif p.is_dir() and step_of(p.name) is not None:
             (complete if (p / STATE_DIR / RUN_FILE).is_file() else incomplete).append(p.name)
-    return Inventory(sorted(complete, key=step_of), sorted(incomplete, key=step_of), sorted(leftovers),
-                     read_latest(ckpt_dir))
+    latest, problem = _read_latest(ckpt_dir)
+    return Inventory(sorted(complete, key=step_of), sorted(incomplete, key=step_of), sorted(leftovers), latest,
+                     problem)
 
 
 def read_latest(ckpt_dir: str | os.PathLike) -> str | None:
-    """The tag named in CKPT/latest, or None when there is none."""
+    """The tag named in CKPT/latest, or None when there is none or it names no tag of this project."""
+    return _read_latest(ckpt_dir)[0]
+
+
+def _read_latest(ckpt_dir: str | os.PathLike) -> tuple[str | None, str | None]:
+    """(tag, None), (None, why it is ignored), or (None, None) without a `latest`. Never raises: nothing
+    depends on `latest` (resume takes the newest complete tag), so a damaged one must not block a job."""
     path = Path(ckpt_dir) / LATEST
     if not path.is_file():
-        return None
-    tag = path.read_text().strip()
+        return None, None
+    try:
+        tag = path.read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        return None, f"{path}: cannot be read ({one_line(e)})"
     if step_of(tag) is None:
-        raise CheckpointError(f"{path}: names {tag!r}, not a tag of this project (step_NNNNNNNN); fix or remove it")
-    return tag
+        return None, f"{path}: names {tag[:40]!r}, not a tag of this project (step_NNNNNNNN)"
+    return tag, None
+
+
+LATEST_TMP_GLOB = f".{LATEST}.*.tmp"
+"""atomic_write's temporary file of `latest`: a kill between its creation and its rename leaves it."""
+
+
+def leftover_kind(name: str) -> str | None:
+    """What an entry of a checkpoint folder was left by: 'save' (an interrupted save, its replacement of an older
+    tag or its write of `latest`), 'removal' (an interrupted retention), 'conversion' (a killed universal
+    conversion's scratch folder), or None for anything else."""
+    if name.startswith(REPLACED_PREFIX) and name.endswith(PRUNED_SUFFIX):
+        return "removal"
+    if name.startswith((STAGING_PREFIX, REPLACED_PREFIX)) or PurePosixPath(name).match(LATEST_TMP_GLOB):
+        return "save"
+    if name.startswith(".") and UNIVERSAL_SUFFIX in name:
+        return "conversion"
+    return None
 
 
 def remove_leftovers(ckpt_dir: str | os.PathLike) -> list[str]:
@@ -192,16 +232,18 @@ def remove_leftovers(ckpt_dir: str | os.PathLike) -> list[str]:
     ckpt_dir = Path(ckpt_dir)
     leftovers, found = inventory(ckpt_dir).leftovers, []
     for name in leftovers:
-        if name.startswith((STAGING_PREFIX, REPLACED_PREFIX)):  # only the job holding the run folder makes these
+        if leftover_kind(name) in ("save", "removal"):  # only the job holding the run folder makes these
             path = ckpt_dir / name
-            if name.startswith(REPLACED_PREFIX):
+            if name.startswith(REPLACED_PREFIX) and leftover_kind(name) == "save":  # a pruned tag stays gone
                 _restore_replaced(ckpt_dir, name)
-            if path.exists():
+            if path.is_dir():
                 shutil.rmtree(path, ignore_errors=True)
+            elif path.exists():
+                path.unlink(missing_ok=True)
             found.append(name)
     # A universal conversion's folder, only when its job is gone: an evaluation may be converting right now.
     outputs = {name[1:name.index(UNIVERSAL_SUFFIX) + len(UNIVERSAL_SUFFIX)]
-               for name in leftovers if UNIVERSAL_SUFFIX in name}
+               for name in leftovers if leftover_kind(name) == "conversion"}
     for out in sorted(outputs):
         found += [p.name for p in remove_abandoned(ckpt_dir / out, (UNIVERSAL_SCRATCH,))]
     # A universal copy whose tag is gone.
@@ -251,7 +293,7 @@ def prune(ckpt_dir: str | os.PathLike, keep: int) -> list[str]:
     doomed = [t for t in doomed if t != good]
     for tag in doomed:
         # Rename first: a crash while deleting must not leave a step_* folder that looks complete.
-        trash = ckpt_dir / f"{REPLACED_PREFIX}{tag}-pruned"
+        trash = ckpt_dir / f"{REPLACED_PREFIX}{tag}{PRUNED_SUFFIX}"
         os.replace(ckpt_dir / tag, trash)
         shutil.rmtree(trash, ignore_errors=True)
         shutil.rmtree(ckpt_dir / (tag + UNIVERSAL_SUFFIX), ignore_errors=True)
@@ -315,7 +357,7 @@ def _save_into(engine, ckpt_dir: Path, tag: str, staging: Path, *, rank: int, wo
     checksums, then rank 0 commits (run.json, rename, `latest`)."""
     step = step_of(tag)
     _agree(lambda: _prepare_staging(ckpt_dir, staging, min_free_bytes) if rank == 0 else None,
-           f"checkpoint {tag} could not be started")
+           f"checkpoint {tag} could not be saved")
     with _recorded_writes(engine) as recorder, _deepspeed_barriers_on_control_group():
         engine.save_checkpoint(str(ckpt_dir), tag=staging.name, save_latest=False)
     own_error = recorder.error
@@ -323,8 +365,7 @@ def _save_into(engine, ckpt_dir: Path, tag: str, staging: Path, *, rank: int, wo
     def write_own_state() -> None:
         if own_error:
             raise OSError(own_error)
-        with atomic_path(rank_file(staging, rank)) as tmp:
-            torch.save(rank_state, tmp)
+        write_rank_state(rank_file(staging, rank), rank_state)
 
     _agree(write_own_state, f"checkpoint {tag} could not be saved")
     files = distributed.broadcast_object(_list_files(staging) if rank == 0 else None)
@@ -349,14 +390,71 @@ def _save_into(engine, ckpt_dir: Path, tag: str, staging: Path, *, rank: int, wo
     _agree(commit, f"checkpoint {tag} could not be committed")
 
 
+def write_rank_state(path: Path, rank_state: dict[str, Any]) -> None:
+    """A rank's state file, atomically; a failed write is an OSError whose line names a full disk as such."""
+    try:
+        with atomic_path(path) as tmp:
+            torch.save(rank_state, tmp)
+    except RuntimeError as e:  # torch's zip writer (atomic_path has removed the partial file)
+        raise OSError(write_error(path, e, rank_state)) from None
+
+
 def _prepare_staging(ckpt_dir: Path, staging: Path, min_free_bytes: int) -> None:
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(ckpt_dir).free
     if free < min_free_bytes:
-        raise OSError(errno.ENOSPC, f"{free / 2**20:.0f} MiB free on the file system of {ckpt_dir}, a checkpoint "
-                      f"needs about {min_free_bytes / 2**20:.0f} MiB; free space or lower checkpoint.keep")
+        raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)}: {size_text(free)} free on the file system of "
+                      f"{ckpt_dir}, a checkpoint needs about {size_text(min_free_bytes)}; free space or lower "
+                      "checkpoint.keep")
     shutil.rmtree(staging, ignore_errors=True)
     (staging / STATE_DIR).mkdir(parents=True)
+
+
+def size_text(n_bytes: int) -> str:
+    """A size that reads right at any scale: '512 bytes', '15.0 KiB', '1.2 MiB', '3.4 GiB'."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n_bytes >= scale:
+            return f"{n_bytes / scale:,.1f} {unit}"
+    return f"{n_bytes} bytes"
+
+
+NEARLY_FULL_SLACK_BYTES = 1 << 20
+"""A file system with less room than a failed file needs plus this is full (for write_error)."""
+
+
+def write_error(path: str | os.PathLike, error: BaseException, saved: Any) -> str:
+    """One line for a torch.save of `saved` to `path` that failed with `error` (the partial file removed).
+
+    torch's zip writer reports a full disk as a RuntimeError ("[enforce fail at inline_container.cc] unexpected
+    pos ..."), not as ENOSPC: when the file system now has less room than the file needs, the line says
+    `[Errno 28] No space left on device`, with torch's own words after it."""
+    detail = one_line(error)
+    if not isinstance(error, OSError) and _lacks_room(Path(path).parent, _tensor_bytes(saved)):
+        return f"{path}: [Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)} ({detail})"
+    return f"{path}: {detail}"
+
+
+def _lacks_room(folder: Path, needed: int) -> bool:
+    try:
+        return shutil.disk_usage(folder).free < needed + NEARLY_FULL_SLACK_BYTES
+    except OSError:
+        return False  # nothing known about the space: report the error as it is
+
+
+def _tensor_bytes(obj: Any) -> int:
+    """Bytes of the tensor storages in a nested state (each storage once, as torch.save writes it)."""
+    seen: dict[int, int] = {}
+    stack = [obj]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            storage = x.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    return sum(seen.values())
 
 
 def _move_into_place(ckpt_dir: Path, staging: Path, tag_dir: Path) -> None:
@@ -386,8 +484,8 @@ class _WriteRecorder:
         try:
             return self._inner.save(state_dict, path, *args, **kwargs)
         except (OSError, RuntimeError) as e:
-            self.error = f"{path}: {one_line(e)}"
-            Path(path).unlink(missing_ok=True)
+            Path(path).unlink(missing_ok=True)  # first: the room it took counts as free below
+            self.error = write_error(path, e, state_dict)
             return None
 
     def makedirs(self, path, exist_ok=False):
@@ -515,9 +613,16 @@ def verify(tag_dir: str | os.PathLike, *, rank: int = 0, world_size: int = 1) ->
     files = info.get("files")
     if not isinstance(files, dict) or not files:
         return f"{tag_dir / STATE_DIR / RUN_FILE}: lists no files to verify"
+    return _check_share(tag_dir, files, rank, world_size, record=tag_dir / STATE_DIR / RUN_FILE)
+
+
+def _check_share(root: Path, files: dict[str, dict[str, Any]], rank: int, world_size: int, *,
+                 record: Path) -> str | None:
+    """This rank's share of `files` ({name: {'bytes', 'sha256'}} under `root`, as `record` lists them) checked
+    on disk; the first problem, or None."""
     listed = [(name, int(entry["bytes"])) for name, entry in files.items()]
     for name in share_of(listed, rank, world_size):
-        path = tag_dir / safe_relative(name, tag_dir)
+        path = root / safe_relative(name, root, record)
         if not path.is_file():
             return f"{path}: missing (the checkpoint lists it)"
         got = hash_file(path)
@@ -529,16 +634,33 @@ def verify(tag_dir: str | os.PathLike, *, rank: int = 0, world_size: int = 1) ->
     return None
 
 
-def safe_relative(name: str, root: Path) -> str:
-    """A relative path from a checkpoint's own file that stays inside `root`, or CheckpointError."""
+def safe_relative(name: str, root: Path, record: Path | None = None) -> str:
+    """A relative path from a checkpoint's own file (`record`, default the tag's run.json) that stays inside
+    `root`, or CheckpointError."""
     p = PurePosixPath(name)
     if p.is_absolute() or not p.parts or ".." in p.parts or "\\" in name or "\0" in name:
-        raise CheckpointError(f"{root / STATE_DIR / RUN_FILE}: lists {name!r}, which is not a path inside the tag")
+        record = record or root / STATE_DIR / RUN_FILE
+        raise CheckpointError(f"{record}: lists {name!r}, which is not a path inside the tag")
     return name
 
 
 # ----------------------------------------------------------------------------------------------------
 # Resume
+
+
+def check_resume_request(resume: str, ckpt_dir: str | os.PathLike, complete: list[str]) -> None:
+    """Refuse a --resume that does not fit the run folder's checkpoints (`complete`, oldest first): 'none' where
+    there are some, or another run folder's tag (two runs would share one folder). One owner: the training
+    start and launch/slurm/run_state.py (which refuses it before any node runs anything)."""
+    ckpt_dir = Path(ckpt_dir)
+    if resume == "none" and complete:
+        raise CheckpointError(
+            f"--resume none: {ckpt_dir} already holds checkpoints up to {complete[-1]}; continue them "
+            "(--resume auto), roll back to one (--resume PATH), or choose a new run.dir")
+    if resume not in ("auto", "none") and complete and resolve_path(resume).parent.resolve() != ckpt_dir.resolve():
+        raise CheckpointError(
+            f"--resume {resume}: a checkpoint of another run folder, but {ckpt_dir} already holds checkpoints "
+            f"up to {complete[-1]}; start from it in a new run.dir")
 
 
 def candidate_tags(resume: str, ckpt_dir: str | os.PathLike) -> list[Path]:
@@ -609,14 +731,41 @@ def engine_source(tag_dir: str | os.PathLike, run_info: dict[str, Any], *, world
     return EngineSource(tag_dir.parent, tag_dir.name + UNIVERSAL_SUFFIX, universal=True)
 
 
-def convert_if_needed(source: EngineSource, run_info: dict[str, Any]) -> None:
-    """Make the universal copy a source needs, once (rank 0 alone; the caller agrees on failures)."""
-    if not source.universal:
-        return
-    out = source.load_dir / source.tag
-    if not out.is_dir():
-        tag_dir = source.load_dir / source.tag[:-len(UNIVERSAL_SUFFIX)]
-        convert_to_universal(tag_dir, out, zero_stage=run_info["zero_stage"])
+def verify_universal(copy_dir: str | os.PathLike, tag_dir: str | os.PathLike, *, rank: int = 0,
+                     world_size: int = 1) -> str | None:
+    """Check this rank's share of a universal copy's files against its record, and that it was made from the
+    tag as it is now; a one-line problem (a missing copy, or one without a record: made by an older version
+    or never finished), or None when fine. Collective-free, like verify()."""
+    copy_dir, tag_dir = Path(copy_dir), Path(tag_dir)
+    if not copy_dir.is_dir():
+        return f"{copy_dir}: missing"
+    record_path = copy_dir / STATE_DIR / UNIVERSAL_RECORD
+    try:
+        record = json.loads(record_path.read_text())
+        made_from = hash_file(tag_dir / STATE_DIR / RUN_FILE)["sha256"]
+    except (OSError, ValueError) as e:
+        return f"{record_path}: cannot be read ({one_line(e)}; a copy made by an older version, or unfinished)"
+    if not isinstance(record, dict) or record.get("version") != UNIVERSAL_RECORD_VERSION \
+            or not isinstance(record.get("files"), dict) or not record["files"]:
+        return f"{record_path}: not a record of this version"
+    if record.get("tag_run_sha256") != made_from:
+        return f"{copy_dir}: made from another save of {tag_dir.name}"
+    try:
+        return _check_share(copy_dir, record["files"], rank, world_size, record=record_path)
+    except (CheckpointError, KeyError, TypeError, ValueError) as e:
+        return f"{record_path}: unusable ({one_line(e)})"
+
+
+def _record_universal(copy_dir: Path, tag_dir: Path, workers: int) -> None:
+    """Write a fresh copy's record, last: the size and sha256 of its every file (hashed on `workers` threads:
+    hashlib releases the GIL) and the sha256 of the tag's run.json it was made from."""
+    files = [name for name, _ in _list_files(copy_dir)]
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="txl-hash") as pool:
+        digests = dict(zip(files, pool.map(lambda name: hash_file(copy_dir / name), files)))
+    record = {"version": UNIVERSAL_RECORD_VERSION, "tag": tag_dir.name,
+              "tag_run_sha256": hash_file(tag_dir / STATE_DIR / RUN_FILE)["sha256"], "files": digests}
+    (copy_dir / STATE_DIR).mkdir(exist_ok=True)
+    atomic_write(copy_dir / STATE_DIR / UNIVERSAL_RECORD, json.dumps(record, indent=1, sort_keys=True) + "\n")
 
 
 CONVERSION_MAX_WORKERS = 8
@@ -624,9 +773,13 @@ CONVERSION_MAX_WORKERS = 8
 the cores this process may use)."""
 
 
-def convert_to_universal(tag_dir: Path, out: Path, *, zero_stage: int) -> None:
-    """DeepSpeed's universal checkpoint conversion of one tag, atomically (temporary folder + rename), with
-    its loads restricted to weights (txl_dist.safe_load)."""
+def convert_to_universal(tag_dir: Path, out: Path, *, zero_stage: int) -> bool:
+    """DeepSpeed's universal checkpoint conversion of one (verified) tag, atomically (temporary folder, its
+    record, rename), with its loads restricted to weights (txl_dist.safe_load). Whatever `out` holds (a copy
+    that did not verify) is moved into the scratch folder first and removed with it.
+
+    True when this conversion's copy is in place (its record was made from the files just written); False
+    when another job's, converted meanwhile, was kept: not verified here, the caller must verify it."""
     # The other ranks wait (control timeout) while this one converts: the node's idle cores do the work, a few
     # shards at a time (each worker holds one optimizer shard or one parameter's pieces).
     workers = str(max(1, min(CONVERSION_MAX_WORKERS, usable_cpus())))
@@ -634,6 +787,7 @@ def convert_to_universal(tag_dir: Path, out: Path, *, zero_stage: int) -> None:
     # never one in progress (an evaluation job's, which holds no lock on the run folder). DeepSpeed's converter
     # also writes a `latest_universal` beside its output: inside the scratch folder, it goes with it.
     with owned_scratch(out, UNIVERSAL_SCRATCH) as scratch:
+        _discard(out, scratch)
         tmp = scratch / "output"
         cmd = [sys.executable, "-m", "txl_dist.safe_load", "ds_to_universal", "--input_folder", str(tag_dir),
                "--output_folder", str(tmp), "--num_extract_workers", workers, "--num_merge_workers", workers]
@@ -645,21 +799,45 @@ def convert_to_universal(tag_dir: Path, out: Path, *, zero_stage: int) -> None:
             last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
             raise CheckpointError(f"{tag_dir}: universal checkpoint conversion failed ({last}); "
                                   f"resume with the world size it was saved with ({zero_stage=})")
+        _record_universal(tmp, tag_dir, int(workers))
         try:
             os.replace(tmp, out)
+            return True
         except OSError:
             if not out.is_dir():
                 raise
             # Another job converted the same tag meanwhile (a second evaluation): the same files; keep theirs.
+            return False
+
+
+def _discard(copy_dir: Path, scratch: Path) -> None:
+    """Move a universal copy into this job's scratch folder: removed with it, or by the next start when this
+    job is killed (a rename, so no half-deleted copy is ever left at the copy's name)."""
+    try:
+        os.replace(copy_dir, scratch / "discarded")
+    except FileNotFoundError:
+        pass  # none there (or another job discarded it first)
+
+
+class LoadFailed(RunFailed):
+    """DeepSpeed's load of a checkpoint that verified at start failed on this rank (which left the job at once)."""
 
 
 def load_engine(engine, source: EngineSource) -> None:
-    """Load DeepSpeed's state (weights, optimizer, LR schedule, step counters) into the engine."""
+    """Load DeepSpeed's state (weights, optimizer, LR schedule, step counters) into the engine.
+
+    A failure inside DeepSpeed's load ends the job at once (LoadFailed here, one line naming this rank on the
+    others), not after train.collective_timeout_s: see _fail_alone."""
     from .safe_load import restricted_torch_loads
 
-    with restricted_torch_loads():
-        path, _ = engine.load_checkpoint(str(source.load_dir), tag=source.tag, load_optimizer_states=True,
-                                         load_lr_scheduler_states=True)
+    try:
+        with restricted_torch_loads():
+            path, _ = engine.load_checkpoint(str(source.load_dir), tag=source.tag, load_optimizer_states=True,
+                                             load_lr_scheduler_states=True)
+    except Exception as e:
+        if watchdog.is_collective_failure(e):
+            raise  # a peer failed or was lost: the entry point names it
+        _fail_alone(source, e)
     if path is None:
         raise CheckpointError(f"{source.load_dir / source.tag}: DeepSpeed found no checkpoint to load")
     scheduler = engine.lr_scheduler
@@ -669,6 +847,19 @@ def load_engine(engine, source: EngineSource) -> None:
         # changed the schedule (e.g. a lower lr after a divergence). Set the next step's lr from this run's
         # schedule at that position: the same number when nothing changed.
         scheduler.step(scheduler.last_batch_iteration)
+
+
+def _fail_alone(source: EngineSource, error: Exception) -> None:
+    """Leave the process group and raise LoadFailed for a load that failed on this rank.
+
+    DeepSpeed's load runs collectives on the default group (ZeRO partitions are gathered): the other ranks may
+    be waiting in one that this rank will never join, where agreeing on the failure (distributed.together, on
+    the control group) would leave everyone until train.collective_timeout_s. Leaving the group publishes this
+    rank's line: the others stop within a heartbeat ("rank r ... stopped after an error: ...")."""
+    failure = LoadFailed(f"{source.load_dir / source.tag}: DeepSpeed's load failed ({one_line(error)}); "
+                         "its files verified at start: check the file system, then restart")
+    distributed.destroy_process_group(failure)
+    raise failure from None
 
 
 def load_rank_states(tag_dir: str | os.PathLike, ranks: Iterable[int]) -> list[dict[str, Any]]:

@@ -424,24 +424,16 @@ def _choose_resume(start: TrainStart, env: DistEnv, resume: str) -> Resume | Non
     cfg, ckpt_dir = start.cfg, start.run_dir.checkpoints
 
     def survey() -> list[Path]:
-        removed = checkpoint.remove_leftovers(ckpt_dir)
-        if removed:
-            log.warning("checkpoint folder %s: removed %d interrupted save(s): %s", ckpt_dir, len(removed),
-                        ", ".join(removed))
+        _report_leftovers(ckpt_dir, checkpoint.remove_leftovers(ckpt_dir))
         inv = checkpoint.inventory(ckpt_dir)
         if inv.incomplete:
             log.warning("checkpoint folder %s: ignoring incomplete tag(s) without run.json: %s", ckpt_dir,
                         ", ".join(inv.incomplete))
-        if resume == "none" and inv.complete:
-            raise CheckpointError(
-                f"--resume none: {ckpt_dir} already holds checkpoints up to {inv.complete[-1]}; continue them "
-                "(--resume auto), roll back to one (--resume PATH), or choose a new run.dir")
-        if resume not in ("auto", "none") and inv.complete and \
-                checkpoint.resolve_path(resume).parent.resolve() != ckpt_dir.resolve():
-            raise CheckpointError(
-                f"--resume {resume}: a checkpoint of another run folder, but {ckpt_dir} already holds checkpoints "
-                f"up to {inv.complete[-1]}; start from it in a new run.dir")
-        if resume == "auto" and inv.complete and inv.latest != inv.complete[-1]:
+        checkpoint.check_resume_request(resume, ckpt_dir, inv.complete)
+        if inv.latest_problem:
+            log.warning("checkpoint folder %s: ignoring `latest` (%s); resume does not need it, the next save "
+                        "rewrites it", ckpt_dir, inv.latest_problem)
+        elif resume == "auto" and inv.complete and inv.latest != inv.complete[-1]:
             log.warning("checkpoint folder %s: `latest` names %s, the newest complete tag is %s; resuming from the "
                         "newest complete tag", ckpt_dir, inv.latest or "nothing", inv.complete[-1])
         return checkpoint.candidate_tags(resume, ckpt_dir)
@@ -463,11 +455,61 @@ def _choose_resume(start: TrainStart, env: DistEnv, resume: str) -> Resume | Non
                 dest, tags = moved
                 log.warning("resuming from %s: moved %d newer tag(s) (%s) to %s; they are not deleted", tag_dir.name,
                             len(tags), ", ".join(tags), dest)
-        checkpoint.convert_if_needed(source, run_info)
 
     _on_main(env, prepare_folder)
+    _ready_universal_copy(source, tag_dir, run_info, env)
     _check_loadable(source)
     return Resume(tag_dir, run_info, source)
+
+
+LEFTOVER_REPORTS = {"save": "removed %d interrupted save(s): %s", "removal": "finished %d interrupted removal(s): %s",
+                    "conversion": "removed %d killed universal conversion(s) or orphaned copies: %s"}
+
+
+def _report_leftovers(ckpt_dir: Path, removed: list[str]) -> None:
+    """One line per kind of what remove_leftovers removed (an interrupted save, a tag retention was removing, a
+    killed conversion), so that a half-removed old tag does not read as a lost save."""
+    by_kind: dict[str, list[str]] = {}
+    for name in removed:
+        by_kind.setdefault(checkpoint.leftover_kind(name) or "conversion", []).append(name)
+    for kind, names in by_kind.items():
+        log.warning("checkpoint folder %s: " + LEFTOVER_REPORTS[kind], ckpt_dir, len(names), ", ".join(names))
+
+
+def _ready_universal_copy(source: EngineSource, tag_dir: Path, run_info: dict[str, Any], env: DistEnv) -> None:
+    """Make sure the universal copy an elastic load reads is the verified tag's, before anything reads it.
+
+    The ranks share the hashing of the copy found there (as for the tag). A copy that is missing, unfinished,
+    made by an older version (no record), made from another save of the tag or damaged is derived data: rank 0
+    converts the tag again (its record is made from the files it writes). Another job's copy kept instead
+    (two evaluations converting at once) is verified like a found one. Never loads an unverified copy."""
+    if not source.universal:
+        return
+    copy = source.load_dir / source.tag
+    problem = _first_problem(lambda: checkpoint.verify_universal(copy, tag_dir, rank=env.rank,
+                                                                 world_size=env.world_size))
+    if problem is None:
+        return
+
+    def convert() -> bool:
+        if copy.exists():
+            log.warning("universal copy %s does not verify (%s); converting %s again", copy.name, problem,
+                        tag_dir.name)
+        return checkpoint.convert_to_universal(tag_dir, copy, zero_stage=run_info["zero_stage"])
+
+    if _on_main(env, convert):
+        return
+    problem = _first_problem(lambda: checkpoint.verify_universal(copy, tag_dir, rank=env.rank,
+                                                                 world_size=env.world_size))
+    if problem is not None:
+        raise CheckpointError(f"universal copy {copy.name} (made by another job meanwhile) does not verify: "
+                              f"{problem}; start again to convert {tag_dir.name} anew")
+
+
+def _first_problem(check: Callable[[], str | None]) -> str | None:
+    """check() on every rank (each its share of some files); the first rank's problem, or None on all."""
+    problems = [p for p in distributed.gather_objects(_together(check)) if p]
+    return problems[0] if problems else None
 
 
 def _agree_choices(start: TrainStart, env: DistEnv, recorded: dict[str, Any] | None) -> RunConfig:
@@ -498,12 +540,12 @@ def _open_tracker(start: TrainStart, env: DistEnv, create_tracker):
         start.checkpoint_bytes = need
         free = shutil.disk_usage(ckpt_dir if ckpt_dir.is_dir() else start.run_dir.path).free
         if free < need:
-            raise CheckpointError(f"{ckpt_dir}: {free / 2**20:.0f} MiB free, one checkpoint needs about "
-                                  f"{need / 2**20:.0f} MiB; free space or choose another run.dir")
+            raise CheckpointError(f"{ckpt_dir}: {checkpoint.size_text(free)} free, one checkpoint needs about "
+                                  f"{checkpoint.size_text(need)}; free space or choose another run.dir")
         if cfg.checkpoint.keep and free < need * (cfg.checkpoint.keep + 1):
-            log.warning("%s: %.0f MiB free, %d checkpoints (checkpoint.keep + the one being saved) need about "
-                        "%.0f MiB", ckpt_dir, free / 2**20, cfg.checkpoint.keep + 1,
-                        need * (cfg.checkpoint.keep + 1) / 2**20)
+            log.warning("%s: %s free, %d checkpoints (checkpoint.keep + the one being saved) need about %s",
+                        ckpt_dir, checkpoint.size_text(free), cfg.checkpoint.keep + 1,
+                        checkpoint.size_text(need * (cfg.checkpoint.keep + 1)))
         return create_tracker(cfg.tracking, env.rank, start.run_dir.path, resume_run_id=run_id)
 
     return _together(check_space_and_open)
@@ -576,7 +618,7 @@ def start_evaluation(cfg: RunConfig, tag_dir: Path, run_info: dict[str, Any], en
     try:
         _verified([tag_dir], env, fallback=False)
         source = checkpoint.engine_source(tag_dir, run_info, world_size=env.world_size)
-        _on_main(env, lambda: checkpoint.convert_if_needed(source, run_info))
+        _ready_universal_copy(source, tag_dir, run_info, env)
         _check_loadable(source)
     except BaseException:
         evaluator.close()

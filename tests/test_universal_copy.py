@@ -1,0 +1,45 @@
+"""An elastic load reads the universal copy only once it verifies: a copy damaged after it was made (a flipped
+fp32 fragment, a file gone) is converted again from the verified tag, and the numbers are the clean copy's.
+(The checks themselves, an older version's copy and the record: tests/test_checkpoint.py.)"""
+from __future__ import annotations
+
+import json
+
+from corpus_helpers import flip_bytes
+from dist_helpers import learnable_stream, run_ranks, tiny_config, train_jobs, write_corpus
+from txl_dist import checkpoint
+
+VOCAB = 64
+
+
+def _eval_main(argv):
+    from launch.eval import main
+
+    return main(argv)
+
+
+def test_a_damaged_universal_copy_is_converted_again_before_two_ranks_read_it(tmp_path):
+    corpus = write_corpus(tmp_path / "corpus", {"train": learnable_stream(4 * 49, VOCAB, 0),
+                                                "valid": learnable_stream(80, VOCAB, 1),
+                                                "test": learnable_stream(80, VOCAB, 2)}, vocab_size=VOCAB)
+    raw = tiny_config(corpus, tmp_path / "run", train={"max_steps": 2}, eval={"at_end": False},
+                      deepspeed={"zero_optimization": {"stage": 1}})
+    run_ranks(train_jobs, 1, [(raw, "none")])  # saved by 1 rank: 2 ranks read its universal copy
+    ckpt = tmp_path / "run" / "checkpoints"
+    tag, copy = ckpt / "step_00000002", ckpt / "step_00000002_universal"
+
+    def evaluate(name):
+        out = tmp_path / f"{name}.json"
+        assert run_ranks(_eval_main, 2, ["--checkpoint", str(ckpt), "--split", "valid", "--output", str(out)],
+                         timeout=240) == [0, 0]
+        return json.loads(out.read_text())
+
+    clean = evaluate("clean")
+    assert checkpoint.verify_universal(copy, tag) is None
+    weights = copy / "zero" / "word_emb.emb_layers.0.weight" / "fp32.pt"
+    flip_bytes(weights)  # wrong numbers, no error, when read unverified
+    (copy / "zero" / "layers.1.attn.r_w_bias" / "exp_avg.pt").unlink()  # a hang in DeepSpeed's load, unverified
+    again = evaluate("again")
+    assert again["loss"] == clean["loss"] and again["tokens"] == clean["tokens"]
+    assert checkpoint.verify_universal(copy, tag) is None
+    assert sorted(p.name for p in ckpt.iterdir() if "universal" in p.name) == [copy.name]  # the bad one removed
