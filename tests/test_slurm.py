@@ -7,15 +7,23 @@ rank.
 - a 2-node training job completes: both nodes ran a rank, `latest` exists, one MLflow run holds every step;
 - USR1 mid-run (scancel --signal=USR1): a checkpoint, a requeue (Restarts=1), a completed job whose per-step
   train/loss equals an uninterrupted 2-node job's bitwise, in one MLflow run;
+- then a rollback (--resume to that tag) stopped by a USR1 to the batch shell before its step started: the
+  ranks save after their first step, the job requeues (its save is older than the newest tag it started
+  with, and new), and a USR1 after the restart's step ended does not end the job;
 - a job stopped at train.exit_step is not requeued, and its 2-node checkpoint continues on 1 node;
 - eval.sbatch evaluates a checkpoint on 2 nodes; refused input fails the job with exit status 2, and a killed
   rank fails it (the other rank names it) well within train.collective_timeout_s; neither is requeued;
+- what the batch shell refuses (a configuration this world size cannot run, a TXL_REPO that is no repository,
+  a Python without torch) ends the job in one line, exit status 2, no srun step; a configuration that stops
+  before the newest checkpoint says so; the scripts find a repository whose path holds a space;
 - prep.sh (train-tokenizer and `prepare --plan` side by side, an array of 2 `prepare --shard` that depends on
-  both and follows the plan, a dependent finalize) gives the token streams of a single `prepare`.
+  both and follows the plan, a dependent finalize) gives the token streams of a single `prepare`; a
+  submission the cluster refuses stops it (exit 2, nothing submitted), one that fails later cancels the
+  jobs submitted before it (exit 1).
 
 Skipped, with the script's one-line reason, only where the cluster cannot be had (not root, or Slurm missing
-and no apt-get to install it). About 2.5 minutes, 10-15 s of which is the requeue delay (AuthInfo cred_expire,
-shortened to 10 s in the test cluster's slurm.conf).
+and no apt-get to install it). About 4 minutes, 20-30 s of which is the requeue delay (AuthInfo cred_expire,
+shortened to 10 s in the test cluster's slurm.conf; two requeues).
 """
 from __future__ import annotations
 
@@ -121,6 +129,22 @@ class Cluster:
                                      f"{self.output(job_id)[-5000:]}")
             time.sleep(0.2)
 
+    def signal_after_step(self, job_id: int, timeout: float = 300) -> None:
+        """`scancel --batch --signal=USR1` once the job's training step (JOB.0) has run and ended, while its
+        batch shell decides what comes next (a few seconds: run_state.py, then done or requeue)."""
+        deadline, seen = time.monotonic() + timeout, False
+        while time.monotonic() < deadline:
+            steps = self.run("squeue", "-h", "-s", "-j", str(job_id), "-o", "%i", check=False).split()
+            if f"{job_id}.0" in steps:
+                seen = True
+            elif seen:
+                self.run("scancel", "--batch", "--signal=USR1", str(job_id))
+                return
+            elif self.job(job_id)["JobState"] in FINAL_STATES:
+                break
+            time.sleep(0.2)
+        raise AssertionError(f"job {job_id}: no training step seen to end:\n{self.output(job_id)[-5000:]}")
+
     def slurmd_log(self, node: str) -> str:
         return (self.folder / "log" / f"slurmd-{node}.log").read_text(errors="replace")
 
@@ -142,6 +166,15 @@ def cluster(tmp_path_factory):
         subprocess.run(["bash", str(CLUSTER_SCRIPT), "stop"], check=False, env=env, capture_output=True, text=True,
                        timeout=300)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def spaced_repo(tmp_path_factory) -> Path:
+    """The repository under a path with a space in it (a link to it): the scripts find it from the path they
+    were submitted by, which scontrol prints joined to their arguments by spaces."""
+    link = tmp_path_factory.mktemp("slurm-spaced") / "my repo"
+    link.symlink_to(REPO, target_is_directory=True)
+    return link
 
 
 @pytest.fixture(scope="module")
@@ -207,12 +240,13 @@ def test_a_two_node_job_completes_with_every_step_in_one_mlflow_run(cluster, str
     info, out, run_dir, job = straight["info"], straight["output"], straight["run_dir"], straight["job"]
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", out[-5000:]
     assert info["Restarts"] == "0" and info["NumNodes"] == "2", info
-    # The script says where and how first: node list, world size, checkpoint folder.
-    head = out.splitlines()[:3]
+    # The script says where and how first: node list, world size, the interpreter, checkpoint folder.
+    head = out.splitlines()[:4]
     assert re.search(rf"job {job} \(txl-train\) restart 0 on 2 node\(s\): node1 node2$", head[0]), head
     assert "world size 2 (1 rank(s) per node, no GPU, OMP_NUM_THREADS=1) | rendezvous 127.0.0.1:" \
            f"{20000 + job % 20000}" in head[1], head
-    assert f"checkpoints {run_dir / 'checkpoints'} (none yet" in head[2], head
+    assert f"| repository {REPO}" in head[2], head
+    assert f"checkpoints {run_dir / 'checkpoints'} (none yet: starting a new run to step {MAX_STEPS})" in head[3], head
     assert "world size 2 (slurm, 1 thread(s) per rank)" in out
     # One task of the training step ran on each node (each slurmd launched one).
     for node in ("node1", "node2"):
@@ -259,6 +293,29 @@ def test_usr1_mid_run_saves_requeues_and_resumes_bitwise_in_the_same_mlflow_run(
     assert run.info.status == "FINISHED"
     assert bits(losses(client, run)) == bits(straight["losses"])
 
+    # A rollback to the tag USR1 saved. A USR1 to the batch shell before its step starts is kept and handed to
+    # the ranks (they save after their first step), and the job requeues: its save is older than the newest tag
+    # it started with (moved to superseded/) but new. A USR1 after the restart's step ended changes nothing.
+    stop_at = step + 3
+    job = cluster.sbatch("--nodes=2", "--ntasks-per-node=1", *train_args(
+        corpus, run_dir, "--set", f"train.exit_step={stop_at}", "--resume",
+        str(run_dir / "checkpoints" / f"step_{step:08d}")))
+    cluster.wait_for_text(job, f"job {job} (txl-train) restart 0 on")
+    cluster.run("scancel", "--batch", "--signal=USR1", str(job))
+    cluster.wait_for_text(job, f"job {job} (txl-train) restart 1 on", timeout=400)
+    cluster.signal_after_step(job)
+    info = cluster.wait(job, timeout=400)
+    out = cluster.output(job)
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), out[-5000:]
+    assert f"(newest step_{MAX_STEPS:08d}; --resume step_{step:08d}: rolling back, newer tags move to " \
+           f"checkpoints/superseded/; resuming at step {step} of {stop_at})" in out
+    assert "the batch shell got SIGUSR1 before the training step started" in out
+    assert f"stopping after step {step + 1} (SIGUSR1): saving a checkpoint" in out
+    assert f"stopped at step {step + 1} of {stop_at} after a save; requeueing job {job} (restart 1)" in out
+    assert f"(newest step_{step + 1:08d}: resuming at step {step + 1} of {stop_at})" in out
+    assert "the batch shell got SIGUSR1 after the training step ended: nothing left to stop" in out
+    assert f"txl-slurm: done: step_{stop_at:08d} (step {stop_at} of {stop_at})" in out
+
 
 def test_exit_step_ends_without_requeue_and_the_two_node_checkpoint_continues_on_one_node(cluster, corpus, straight,
                                                                                            tmp_path):
@@ -287,15 +344,16 @@ def test_exit_step_ends_without_requeue_and_the_two_node_checkpoint_continues_on
     assert all(np.isfinite(v) for v in got.values())
 
 
-def test_eval_sbatch_evaluates_a_checkpoint_on_two_nodes(cluster, straight, tmp_path):
+def test_eval_sbatch_evaluates_a_checkpoint_on_two_nodes(cluster, straight, spaced_repo, tmp_path):
     import json
 
     result_file = tmp_path / "result.json"
-    job = cluster.sbatch("--nodes=2", "--ntasks-per-node=1", "launch/slurm/eval.sbatch",
+    job = cluster.sbatch("--nodes=2", "--ntasks-per-node=1", str(spaced_repo / "launch" / "slurm" / "eval.sbatch"),
                          "--checkpoint", str(straight["run_dir"]), "--split", "test", "--output", str(result_file))
     info = cluster.wait(job, name="txl-eval")
     out = cluster.output(job, "txl-eval")
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), out[-5000:]
+    assert f"| repository {spaced_repo}\n" in out  # submitted by a path with a space in it
     assert "world size 2 (1 rank(s) per node" in out
     result = json.loads(result_file.read_text())
     assert (result["world_size"], result["step"], result["split"]) == (2, MAX_STEPS, "test")
@@ -349,6 +407,43 @@ def test_refused_input_fails_the_job_with_status_2_and_no_requeue(cluster, corpu
     assert not (tmp_path / "run").exists()
 
 
+def test_what_the_batch_shell_refuses_ends_the_job_in_one_line_before_srun(cluster, corpus, straight, spaced_repo,
+                                                                            tmp_path):
+    script = str(spaced_repo / "launch" / "slurm" / "train.sbatch")
+    # Refused for this world size only (3 eval streams on 2 ranks); submitted by a path with a space in it.
+    for_world = cluster.sbatch("--nodes=2", "--ntasks-per-node=1", script,
+                               *train_args(corpus, tmp_path / "r1", "--set", "eval.n_streams=3")[1:])
+    no_repo = cluster.sbatch(*train_args(corpus, tmp_path / "r2"), env=cluster.env | {"TXL_REPO": str(tmp_path / "no")})
+    no_torch = cluster.sbatch(*train_args(corpus, tmp_path / "r3"), env=cluster.env | {"TXL_PYTHON": "/usr/bin/python3"})
+    # A configuration that stops before the newest tag: nothing to train, and the job says so.
+    shutil.copytree(straight["run_dir"], tmp_path / "r4")
+    past = cluster.sbatch(*train_args(corpus, tmp_path / "r4", "--set", "train.max_steps=40"))
+
+    def refused(job: int) -> list[str]:
+        info, out = cluster.wait(job), cluster.output(job)
+        assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("FAILED", "2:0", "0"), out
+        for node in ("node1", "node2"):
+            assert f"launch task StepId={job}.0 " not in cluster.slurmd_log(node), out  # no srun step
+        return [line for line in out.splitlines() if "error" in line]
+
+    assert refused(for_world) == ["error: eval.n_streams: 3 streams cannot be split over 2 ranks; use a multiple of 2 "
+                                  "(or a world size that divides 3)"]
+    assert f"| repository {spaced_repo}\n" in cluster.output(for_world)
+    assert not (tmp_path / "r1").exists()
+    assert refused(no_repo) == [f"txl-slurm: error: TXL_REPO={tmp_path / 'no'} is not a txl-dist repository (no "
+                                "launch/slurm/common.sh in it); correct or unset it"]
+    if subprocess.run(["/usr/bin/python3", "-c", "import torch"], capture_output=True).returncode != 0:
+        (line,) = refused(no_torch)
+        assert line.startswith("txl-slurm: error: python /usr/bin/python3 has no torch") and \
+               "set TXL_PYTHON" in line and "scripts/bootstrap.sh" in line, line
+    info, out = cluster.wait(past), cluster.output(past)
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), out[-5000:]
+    tag = f"step_{MAX_STEPS:08d}"
+    assert f"(newest {tag}: at step {MAX_STEPS}, at or past step 40 where this configuration stops: nothing to " \
+           "train)" in out
+    assert f"txl-slurm: done: {tag} is at step {MAX_STEPS}, past step 40 where this configuration stops" in out
+
+
 # ----------------------------------------------------------------------------------------------------
 # Data preparation
 
@@ -375,14 +470,14 @@ def _tokens(corpus: Path, split: str) -> np.ndarray:
         return np.array(reader.read(0, manifest.splits[split].n_tokens), dtype=np.int64)
 
 
-def test_prep_array_and_finalize_give_the_streams_of_a_single_prepare(cluster, tmp_path):
+def test_prep_array_and_finalize_give_the_streams_of_a_single_prepare(cluster, spaced_repo, tmp_path):
     from data_prep.cli import main as data_prep
     from txl_dist.data.format import read_manifest
 
     _write_texts(tmp_path / "raw")
     inputs = ["--train", "raw/train/*.txt", "--valid", "raw/valid/*.txt", "--test", "raw/test/*.txt"]
     # --no-space-check reaches prepare and finalize, not train-tokenizer (whose parser has no such flag).
-    out = cluster.run("bash", str(REPO / "launch" / "slurm" / "prep.sh"), "--shards", "2", "--out", "corpus",
+    out = cluster.run("bash", str(spaced_repo / "launch" / "slurm" / "prep.sh"), "--shards", "2", "--out", "corpus",
                       "--world-size", "2", "--n-streams", "4", "--logs", "logs", *inputs, "--vocab-size", "512",
                       "--no-space-check", cwd=tmp_path)
     jobs = {m.group(1): int(m.group(2)) for m in re.finditer(r"^txl-prep: (\w+) job (\d+)", out, re.MULTILINE)}
@@ -402,6 +497,7 @@ def test_prep_array_and_finalize_give_the_streams_of_a_single_prepare(cluster, t
                and t["EndTime"] <= info["StartTime"] for t in tasks)
     plan_log = (tmp_path / "logs" / f"txl-prep-plan-{jobs['plan']}.out").read_text()
     assert "prepare --out corpus.parts" in plan_log and "wrote plan corpus.parts/plan.json" in plan_log, plan_log
+    assert f"| repository {spaced_repo}\n" in plan_log  # prep.sh's own repository, with a space in its path
     for i in range(2):  # each task followed the plan (no task hashed or counted every input)
         log = (tmp_path / "logs" / f"txl-prep-shard-{jobs['array']}_{i}.out").read_text()
         assert f"--shard {i}/2" in log and "data_prep prepare exited with status 0" in log, log
@@ -421,3 +517,36 @@ def test_prep_array_and_finalize_give_the_streams_of_a_single_prepare(cluster, t
     for split in ("train", "valid", "test"):
         a, b = _tokens(tmp_path / "corpus", split), _tokens(tmp_path / "single", split)
         assert len(a) > 1000 and np.array_equal(a, b), split
+
+
+def test_prep_sh_stops_at_a_failed_submission_and_leaves_nothing_half_queued(cluster, tmp_path):
+    prep = ["bash", str(REPO / "launch" / "slurm" / "prep.sh"), "--out", "corpus", "--train", "raw/*.txt",
+            "--vocab-size", "512", "--sbatch", "--begin=now+600"]  # held: nothing runs before it is cancelled
+
+    def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run([*prep, *args], cwd=tmp_path, env=env or cluster.env, capture_output=True, text=True,
+                              timeout=120)
+
+    # What the cluster refuses for the user's options stops prep.sh before anything is submitted.
+    too_many = run("--shards", "5000")
+    assert too_many.returncode == 2 and "txl-prep: tokenizer job" not in too_many.stdout, too_many
+    assert too_many.stderr.strip() == "txl-prep: error: the cluster refuses these jobs (--shards 5000, --sbatch " \
+        "--begin=now+600): allocation failure: Invalid job array specification", too_many.stderr
+    # A submission that fails after others were made (here: sbatch fails its third call) cancels them.
+    real = shutil.which("sbatch", path=cluster.env.get("PATH"))
+    fake = tmp_path / "bin" / "sbatch"
+    fake.parent.mkdir()
+    fake.write_text(f"""#!/bin/bash
+case " $* " in *" --test-only "*) exec {real} "$@" ;; esac
+n=$(( $(cat {tmp_path}/calls 2>/dev/null || echo 0) + 1 )); echo $n >{tmp_path}/calls
+[ $n -lt 3 ] || {{ echo "sbatch: error: Batch job submission failed: Socket timed out on send/recv operation" >&2; exit 1; }}
+exec {real} "$@"
+""")
+    fake.chmod(0o755)
+    failed = run("--shards", "2", env=cluster.env | {"PATH": f"{fake.parent}:{cluster.env.get('PATH', '')}"})
+    submitted = [int(m) for m in re.findall(r"^txl-prep: (?:tokenizer|plan) job (\d+)", failed.stdout, re.MULTILINE)]
+    assert failed.returncode == 1 and len(submitted) == 2, failed
+    assert failed.stderr.strip() == "txl-prep: error: sbatch failed for the array job (status 1): sbatch: error: " \
+        "Batch job submission failed: Socket timed out on send/recv operation; cancelled job(s) " \
+        f"{submitted[0]} {submitted[1]} submitted before it", failed.stderr
+    assert [cluster.job(j)["JobState"] for j in submitted] == ["CANCELLED", "CANCELLED"]

@@ -31,6 +31,11 @@ LAUNCHER_MARKERS = ("torch.distributed.run", "torchrun", "deepspeed.launcher.lau
 CHECK_EVERY_S = 1.0
 
 
+PENDING_SIGNAL_ENV = "TXL_STOP_SIGNAL"
+"""A stop signal (its name without SIG: USR1, TERM) that reached the job before this process existed, kept as if
+it had come during start-up: launch/slurm/train.sbatch sets it for srun when its batch shell got SIGUSR1 before
+the step started (the ranks cannot be signalled before they exist, nor safely before their handlers are set)."""
+
 _early_signal: int | None = None
 _first_interrupt: float | None = None
 """When the first Ctrl-C of this process came (time.monotonic())."""
@@ -61,8 +66,12 @@ def _keep_early(signum, frame) -> None:
 def catch_stop_signals() -> None:
     """From now on a stop signal is kept, not fatal: the next StopRequest picks it up (entry points call
     this first, so that a signal during start-up stops the job after its first step, with a checkpoint)."""
+    global _early_signal
     for sig in STOP_SIGNALS:
         signal.signal(sig, _keep_early)
+    pending = getattr(signal, "SIG" + os.environ.pop(PENDING_SIGNAL_ENV, ""), None)
+    if pending in STOP_SIGNALS and _early_signal is None:
+        _early_signal = pending
 
 
 def ignore_stop_signals() -> None:

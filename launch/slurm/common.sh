@@ -13,7 +13,8 @@ true
 txl_say() { echo "txl-slurm: $*"; }
 txl_die() { echo "txl-slurm: error: $*" >&2; exit "${2:-2}"; }
 
-# The interpreter that has txl_dist installed.
+# The interpreter that has txl_dist installed (PY), checked before anything runs on it: one line naming it and
+# the fix, not a traceback from deep inside the first import. Arguments: packages the script's programs import.
 txl_python() {
     if [ -n "${TXL_PYTHON:-}" ]; then
         PY="$TXL_PYTHON"
@@ -22,9 +23,15 @@ txl_python() {
     else
         PY="$(command -v python3 || command -v python || true)"
     fi
+    local fix="set TXL_PYTHON to the interpreter of your txl-dist environment, or run scripts/bootstrap.sh (it makes $REPO/.venv)"
     if [ -z "$PY" ] || ! command -v "$PY" >/dev/null 2>&1; then
-        txl_die "no Python found${PY:+ ($PY)}; set TXL_PYTHON to the interpreter of your txl-dist environment"
+        txl_die "no Python found${PY:+ ($PY)}; $fix"
     fi
+    local missing
+    # find_spec looks the packages up without importing them (torch and deepspeed take seconds to import).
+    missing="$("$PY" -c 'import importlib.util, sys; print(" ".join(m for m in sys.argv[1:] if importlib.util.find_spec(m) is None))' "$@" 2>&1)" \
+        || txl_die "python $PY does not run ($(tail -n 1 <<<"$missing")); $fix"
+    [ -z "$missing" ] || txl_die "python $PY has no $missing (not a txl-dist environment); $fix"
 }
 
 # A positive integer from a Slurm count such as "4", "gpu:4", "a100:4" or "4(x2)" (the first node's).
@@ -108,23 +115,61 @@ txl_print_layout() {
     txl_say "world size $WORLD ($TASKS_PER_NODE rank(s) per node, $what, OMP_NUM_THREADS=${OMP_NUM_THREADS:-auto}) | rendezvous $MASTER_ADDR:$MASTER_PORT"
 }
 
+# SIGUSR1 for the whole of train.sbatch, not only while its step runs: Slurm sends it to the batch shell
+# whenever it comes (`scancel --batch --signal=USR1`, a header's --signal=B:USR1@...), and bash's default for
+# it is to die (the job ends FAILED, ExitCode 0:10, not requeued, whatever the ranks saved). Before the step a
+# USR1 is kept and handed to the ranks as they start (txl_step: they save after their first step); during the
+# step it is passed on; after the step it changes nothing (what the ranks saved decides). The .sbatch script
+# sets `trap 'TXL_USR1_PENDING=1' USR1` on its first line, before this file is found; this takes over.
+txl_keep_usr1() {
+    TXL_STEP_STATE=before
+    trap txl_on_usr1 USR1
+    [ -z "${TXL_USR1_PENDING:-}" ] || txl_say "the batch shell got SIGUSR1 during start-up: the ranks will save after their first step"
+}
+
+txl_on_usr1() {
+    BATCH_SIGNAL=USR1
+    case "${TXL_STEP_STATE:-before}" in
+        running)
+            txl_say "the batch shell got SIGUSR1: passing it on to the ranks"
+            kill -USR1 "$TXL_STEP_PID" 2>/dev/null || true
+            ;;
+        done) txl_say "the batch shell got SIGUSR1 after the training step ended: nothing left to stop" ;;
+        *)
+            TXL_USR1_PENDING=1
+            txl_say "the batch shell got SIGUSR1 before the training step started: the ranks will save after their first step"
+            ;;
+    esac
+}
+
 # Run one srun step in the background and wait for it, whatever signals reach the batch shell:
 #   USR1 (scancel --batch/--full --signal=USR1, or a header changed to --signal=B:USR1@...) is passed on to the
-#     step, whose ranks then save at the next step boundary and exit 0;
+#     step, whose ranks then save at the next step boundary and exit 0; one kept from before the step
+#     (txl_keep_usr1) reaches the ranks as TXL_STOP_SIGNAL=USR1 (txl_dist/stop_request.py), read as they start;
 #   TERM (the time limit, a plain scancel, preemption) is noted and not passed on: srun turns a SIGTERM it
 #     receives into SIGKILL for its tasks, and the tasks receive Slurm's SIGTERM themselves anyway.
 # Sets STEP_RC (srun's exit status) and BATCH_SIGNAL (the last signal the batch shell got, or '').
 txl_step() {
     BATCH_SIGNAL=""
-    local pid
-    trap 'BATCH_SIGNAL=USR1; txl_say "the batch shell got SIGUSR1: passing it on to the ranks"; [ -z "${pid:-}" ] || kill -USR1 "$pid" 2>/dev/null || true' USR1
+    local pending="${TXL_USR1_PENDING:-}" stop=()
+    if [ -n "$pending" ]; then
+        BATCH_SIGNAL=USR1
+        stop=(env TXL_STOP_SIGNAL=USR1)
+    fi
+    trap txl_on_usr1 USR1
     trap 'BATCH_SIGNAL=TERM; txl_say "the batch shell got SIGTERM (time limit, scancel or preemption): waiting for the ranks"' TERM
-    srun "$@" &
-    pid=$!
-    while kill -0 "$pid" 2>/dev/null; do
-        wait "$pid" 2>/dev/null || true  # returns early when a trapped signal arrives
+    "${stop[@]}" srun "$@" &
+    TXL_STEP_PID=$!
+    TXL_STEP_STATE=running
+    # One that came while srun was being started was only noted (the ranks did not have it in their environment).
+    if [ -z "$pending" ] && [ -n "${TXL_USR1_PENDING:-}" ]; then
+        kill -USR1 "$TXL_STEP_PID" 2>/dev/null || true
+    fi
+    while kill -0 "$TXL_STEP_PID" 2>/dev/null; do
+        wait "$TXL_STEP_PID" 2>/dev/null || true  # returns early when a trapped signal arrives
     done
     STEP_RC=0
-    wait "$pid" || STEP_RC=$?
-    trap - USR1 TERM
+    wait "$TXL_STEP_PID" || STEP_RC=$?
+    TXL_STEP_STATE=done
+    trap - TERM
 }

@@ -19,6 +19,9 @@
 # --sbatch passes one option to every sbatch call (repeatable), e.g. --sbatch --partition=cpu; sbatch's
 # own environment variables (SBATCH_PARTITION, SBATCH_ACCOUNT, SBATCH_TIMELIMIT, ...) work too.
 # Prints one line per job: "txl-prep: <what> job <id> ..."; the last one is the finalize job.
+# Exit status: 0 all four jobs queued; 2 refused (an option, or jobs the cluster refuses before any is
+# submitted: sbatch --test-only, e.g. --shards above MaxArraySize, --cpus-per-task more than a node has);
+# 1 a submission that failed all the same (sbatch's error is named; the jobs submitted before it are cancelled).
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$HERE/../.." && pwd)"
@@ -51,7 +54,7 @@ while [ $# -gt 0 ]; do
         --eod-piece | --work-dir) need "$@"; PREPARE_ONLY+=("$1" "$2"); shift 2 ;;
         --eod-piece=* | --work-dir=*) PREPARE_ONLY+=("$1"); shift ;;
         --shard | --shard=*) die "--shard is set per array task; give --shards N" ;;
-        -h | --help) sed -n '2,21p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h | --help) sed -n '2,24p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) PASS+=("$1"); shift ;;
     esac
 done
@@ -90,30 +93,65 @@ fi
 
 mkdir -p "$LOGS"
 LOGS="$(cd "$LOGS" && pwd)"
+# The jobs run this repository's scripts (prep.sbatch would find it too; this way a copy of it elsewhere cannot).
+export TXL_REPO="$REPO"
 SBATCH=(sbatch --parsable --kill-on-invalid-dep=yes "${SBATCH_OPTS[@]}")
 CPU_OPTS=()
 [ -z "$CPUS" ] || CPU_OPTS=(--cpus-per-task="$CPUS")
 SCRIPT="$HERE/prep.sbatch"
-job_id() { echo "${1%%;*}"; }  # --parsable prints "id" or "id;cluster"
 
+# The widest request (the array, with the CPUs and --sbatch options) asked of the cluster without submitting
+# anything: what it refuses (too many shards, CPUs no node has, a bad partition) stops here, nothing queued.
+preflight() {
+    local err
+    if ! err="$("${SBATCH[@]}" --test-only "${CPU_OPTS[@]}" --array="0-$((SHARDS - 1))" "$SCRIPT" prepare 2>&1 >/dev/null)"; then
+        die "the cluster refuses these jobs (--shards $SHARDS${CPUS:+, --cpus-per-task $CPUS}${SBATCH_OPTS[*]:+, --sbatch ${SBATCH_OPTS[*]}}): $(grep . <<<"$err" | tail -n 1)"
+    fi
+}
+
+SUBMITTED=()
+# sbatch WHAT ARGS...: sets JOB to the new job's id. A submission that fails cancels the jobs submitted before
+# it (a chain missing a link would wait, or fail, hours later) and ends this script with sbatch's own error.
+submit() {
+    local what="$1" out err rc=0
+    shift
+    err="$(mktemp)"
+    out="$("${SBATCH[@]}" "$@" 2>"$err")" || rc=$?
+    JOB="${out%%;*}"  # --parsable prints "id" or "id;cluster"
+    if [ "$rc" -ne 0 ] || [ -z "$JOB" ] || [ -n "${JOB//[0-9]/}" ]; then
+        local why
+        why="$(grep . "$err" | tail -n 1)"
+        rm -f "$err"
+        [ ${#SUBMITTED[@]} -eq 0 ] || scancel "${SUBMITTED[@]}" 2>/dev/null || true
+        echo "txl-prep: error: sbatch failed for the $what job (status $rc): ${why:-no job id in its output '$out'}${SUBMITTED[*]:+; cancelled job(s) ${SUBMITTED[*]} submitted before it}" >&2
+        exit 1
+    fi
+    rm -f "$err"
+    SUBMITTED+=("$JOB")
+}
+
+preflight
 mkdir -p "$PARTS"
 AFTER=""
 if [ "$OWN_TOKENIZER" = 1 ]; then
-    tok_job="$(job_id "$("${SBATCH[@]}" "${CPU_OPTS[@]}" --job-name=txl-prep-tokenizer \
-        --output="$LOGS/%x-%j.out" "$SCRIPT" train-tokenizer "${TOKENIZER_ARGS[@]}")")"
+    submit tokenizer "${CPU_OPTS[@]}" --job-name=txl-prep-tokenizer --output="$LOGS/%x-%j.out" \
+        "$SCRIPT" train-tokenizer "${TOKENIZER_ARGS[@]}"
+    tok_job="$JOB"
     echo "txl-prep: tokenizer job $tok_job: train-tokenizer -> $TOK"
     AFTER=":$tok_job"
 fi
 # The plan job gets the tasks' own arguments (it reads only the inputs and how to read them; the tokenizer it
 # names may not exist yet) and runs beside the tokenizer job: both read every input, neither needs the other.
-plan_job="$(job_id "$("${SBATCH[@]}" "${CPU_OPTS[@]}" --job-name=txl-prep-plan \
-    --output="$LOGS/%x-%j.out" "$SCRIPT" prepare "${PREPARE_ARGS[@]}" --plan)")"
+submit plan "${CPU_OPTS[@]}" --job-name=txl-prep-plan --output="$LOGS/%x-%j.out" \
+    "$SCRIPT" prepare "${PREPARE_ARGS[@]}" --plan
+plan_job="$JOB"
 echo "txl-prep: plan job $plan_job: prepare --plan -> $PARTS/plan.json"
-array_job="$(job_id "$("${SBATCH[@]}" "${CPU_OPTS[@]}" --dependency="afterok:$plan_job$AFTER" \
-    --job-name=txl-prep-shard --array="0-$((SHARDS - 1))" --output="$LOGS/%x-%A_%a.out" \
-    "$SCRIPT" prepare "${PREPARE_ARGS[@]}")")"
+submit array "${CPU_OPTS[@]}" --dependency="afterok:$plan_job$AFTER" --job-name=txl-prep-shard \
+    --array="0-$((SHARDS - 1))" --output="$LOGS/%x-%A_%a.out" "$SCRIPT" prepare "${PREPARE_ARGS[@]}"
+array_job="$JOB"
 echo "txl-prep: array job $array_job ($SHARDS task(s), after job(s) ${plan_job}${AFTER//:/ }):" \
     "prepare --shard i/$SHARDS -> $PARTS"
-final_job="$(job_id "$("${SBATCH[@]}" --dependency="afterok:$array_job" --job-name=txl-prep-finalize \
-    --output="$LOGS/%x-%j.out" "$SCRIPT" finalize "${FINALIZE_ARGS[@]}")")"
+submit finalize --dependency="afterok:$array_job" --job-name=txl-prep-finalize --output="$LOGS/%x-%j.out" \
+    "$SCRIPT" finalize "${FINALIZE_ARGS[@]}"
+final_job="$JOB"
 echo "txl-prep: finalize job $final_job (after every task of $array_job succeeds): finalize -> $OUT"

@@ -1,0 +1,130 @@
+"""The pieces of launch/slurm/ that need no cluster (tests/test_slurm.py runs the scripts under a real Slurm):
+
+- run_state.py, what train.sbatch asks before and after its training step: the header's account of where
+  training starts (a rollback, --resume none, checkpoint.fallback, a configuration that stops before the
+  newest tag), a damaged newest tag left to the training start's verdict (checkpoint.fallback), refusals
+  before any node runs (a configuration this world size cannot run, --resume none on a folder with
+  checkpoints), and the tag ids that tell a save of this job from the tags it started with;
+- a USR1 that reached the batch shell before the ranks existed (TXL_STOP_SIGNAL) stops them after their first step;
+- the repository discovery lines are the same in every .sbatch script.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dist_helpers import REPO
+
+RUN_STATE = REPO / "launch" / "slurm" / "run_state.py"
+
+
+def fake_tag(ckpt_dir: Path, step: int) -> Path:
+    """A complete tag as inventory() and read_run_info() see it (run_state reads nothing else)."""
+    tag = ckpt_dir / f"step_{step:08d}"
+    (tag / "txl_state").mkdir(parents=True)
+    (tag / "txl_state" / "run.json").write_text(json.dumps({"version": 2, "step": step}))
+    return tag
+
+
+def state(tmp_path: Path, *args: str, max_steps: int = 200) -> dict[str, str]:
+    """run_state.py's key=value lines for configs/tiny.json in tmp_path/run."""
+    from launch.slurm.run_state import describe
+
+    return describe(["--config", str(REPO / "configs" / "tiny.json"), "--set", f"run.dir={tmp_path / 'run'}",
+                     "--set", f"train.max_steps={max_steps}", *args])
+
+
+@pytest.fixture
+def ckpt(tmp_path) -> Path:
+    folder = tmp_path / "run" / "checkpoints"
+    for step in (10, 20, 30):
+        fake_tag(folder, step)
+    return folder
+
+
+def test_the_header_says_where_training_starts(tmp_path, ckpt):
+    assert state(tmp_path)["plan"] == "newest step_00000030: resuming at step 30 of 200"
+    rollback = state(tmp_path, "--resume", str(ckpt / "step_00000020"))
+    assert rollback["plan"] == ("newest step_00000030; --resume step_00000020: rolling back, newer tags move to "
+                                "checkpoints/superseded/; resuming at step 20 of 200")
+    lowered = state(tmp_path, max_steps=25)
+    assert lowered["plan"] == ("newest step_00000030: at step 30, at or past step 25 where this configuration "
+                               "stops: nothing to train")
+    fresh = state(tmp_path.parent / (tmp_path.name + "-new"), "--resume", "none")
+    assert fresh["plan"] == "none yet: starting a new run to step 200" and fresh["newest"] == ""
+
+
+def test_a_damaged_newest_tag_is_left_to_the_start_and_fallback_names_the_older_tag(tmp_path, ckpt):
+    (ckpt / "step_00000030" / "txl_state" / "run.json").write_text('{"version": 2, "st\x01')
+    fallback = state(tmp_path, "--set", "checkpoint.fallback=true")
+    assert fallback["plan"] == ("newest step_00000030: its run.json does not read; checkpoint.fallback: "
+                                "step_00000020, resuming at step 20 of 200")
+    assert (fallback["newest"], fallback["newest_step"]) == ("step_00000030", "30")
+    plain = state(tmp_path)  # not refused here: the training start refuses it (or falls back), with the reason
+    assert plain["plan"].startswith("newest step_00000030: its run.json does not read; training refuses it")
+
+
+def test_refused_before_any_node_runs(tmp_path, ckpt):
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(RUN_STATE), *args, "--config", str(REPO / "configs" / "tiny.json"),
+                               "--set", f"run.dir={tmp_path / 'run'}", "--set", "eval.n_streams=3"],
+                              capture_output=True, text=True, timeout=300, env=os.environ | {"DS_ACCELERATOR": "cpu"})
+
+    on_two = run("--world-size", "2")
+    errors = [line for line in on_two.stderr.splitlines() if line.startswith("error:")]
+    assert on_two.returncode == 2 and errors == [
+        "error: eval.n_streams: 3 streams cannot be split over 2 ranks; use a multiple of 2 (or a world size that "
+        "divides 3)"], on_two.stderr
+    assert run("--world-size", "1").returncode == 0
+    from txl_dist.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match=r"^--resume none: .* already holds checkpoints up to step_00000030"):
+        state(tmp_path, "--resume", "none")
+
+
+def test_a_save_of_this_job_is_a_tag_that_was_not_there_before_whatever_its_step(tmp_path, ckpt):
+    before = state(tmp_path)["tag_ids"].split()
+    assert state(tmp_path)["newest_id"] in before  # nothing saved: no requeue
+    # A rollback to step 20: step 30 moves aside, the job saves step 26 (older than the newest it started with).
+    (ckpt / "superseded").mkdir()
+    os.replace(ckpt / "step_00000030", ckpt / "superseded" / "step_00000030")
+    fake_tag(ckpt, 26)
+    after = state(tmp_path)
+    assert (after["newest"], after["newest_step"]) == ("step_00000026", "26")
+    assert after["newest_id"] not in before
+    # ... or trains on to step 30 and saves it again under the name it had.
+    fake_tag(ckpt, 30)
+    assert state(tmp_path)["newest_id"] not in before
+
+
+def test_a_usr1_kept_for_the_ranks_stops_them_after_their_first_step(monkeypatch):
+    from txl_dist import stop_request
+
+    saved = {sig: signal.getsignal(sig) for sig in stop_request.STOP_SIGNALS}
+    monkeypatch.setenv(stop_request.PENDING_SIGNAL_ENV, "USR1")
+    try:
+        stop_request.catch_stop_signals()
+        assert stop_request.PENDING_SIGNAL_ENV not in os.environ  # not passed on to anything the rank starts
+        request = stop_request.StopRequest()
+        assert request.reason() == "SIGUSR1"
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+        stop_request._early_signal = None
+
+
+def test_every_sbatch_script_finds_the_repository_with_the_same_lines():
+    def discovery(name: str) -> str:
+        text = (REPO / "launch" / "slurm" / name).read_text()
+        found = re.search(r"^# The repository: .*?^txl_find_repo$", text, re.MULTILINE | re.DOTALL)
+        assert found, name
+        return found.group(0)
+
+    assert discovery("train.sbatch") == discovery("eval.sbatch") == discovery("prep.sbatch")
