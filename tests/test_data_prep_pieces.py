@@ -79,6 +79,19 @@ def encode_with(model: Path, docs: pa.Array, monkeypatch, **encoder) -> tuple[np
     return np.concatenate(out), rows, n_docs
 
 
+def _encoded_in_pieces_as_whole(model, kind: str, monkeypatch) -> tuple[list[str], list[int]]:
+    """Documents of ~300 bytes (and a few odd ones) encoded in pieces of ~24 bytes: checks that the ids are the
+    whole documents' (a unigram model's where its choice is well defined); the documents and piece lengths."""
+    docs = [tricky_text(40, seed) for seed in range(10, 50)] + ["", " \n ", "one", "\n\n\t two  \r\n"]
+    tokens, rows, n_docs = encode_with(model, pa.array(docs), monkeypatch, piece_bytes=24, task_bytes=256)
+    if kind == "unigram":
+        unigram_ids_agree(model, tokens, docs)
+    else:
+        np.testing.assert_array_equal(tokens, whole_document_ids(model, docs))
+    assert n_docs == len(docs)
+    return docs, rows
+
+
 @pytest.mark.parametrize("norm", NORMALIZATIONS)
 @pytest.mark.parametrize("kind,fallback", MODELS)
 def test_pieces_give_the_ids_of_the_whole_document(models, norm, kind, fallback, monkeypatch):
@@ -88,13 +101,7 @@ def test_pieces_give_the_ids_of_the_whole_document(models, norm, kind, fallback,
     from data_prep.tokenizer import document_cuts
 
     model = models[norm, kind, fallback]
-    docs = [tricky_text(40, seed) for seed in range(10, 50)] + ["", " \n ", "one", "\n\n\t two  \r\n"]
-    tokens, rows, n_docs = encode_with(model, pa.array(docs), monkeypatch, piece_bytes=24, task_bytes=256)
-    if kind == "unigram":
-        unigram_ids_agree(model, tokens, docs)
-    else:
-        np.testing.assert_array_equal(tokens, whole_document_ids(model, docs))
-    assert n_docs == len(docs)
+    docs, rows = _encoded_in_pieces_as_whole(model, kind, monkeypatch)
     longest = max(len(d.encode()) for d in docs)
     cuts = document_cuts(model).chars
     if kind == "word":  # merges unknown words into one id: a cut between two would give two
@@ -133,13 +140,8 @@ def test_tokenizers_with_a_newline_piece_cut_exactly(newline_models, norm, kind,
     from data_prep.tokenizer import document_cuts
 
     model = newline_models[norm, kind, fallback, kept]
-    docs = [tricky_text(40, seed) for seed in range(10, 50)] + ["", " \n ", "one", "\n\n\t two  \r\n"]
-    tokens, rows, n_docs = encode_with(model, pa.array(docs), monkeypatch, piece_bytes=24, task_bytes=256)
-    if kind == "unigram":
-        unigram_ids_agree(model, tokens, docs)
-    else:
-        np.testing.assert_array_equal(tokens, whole_document_ids(model, docs))
-    assert n_docs == len(docs) and document_cuts(model).chars == ((b"\n",) if kept else (b" ",))
+    docs, rows = _encoded_in_pieces_as_whole(model, kind, monkeypatch)
+    assert document_cuts(model).chars == ((b"\n",) if kept else (b" ",))
     assert len(rows) > 4 * len(docs) and max(rows) < max(len(d.encode()) for d in docs)
 
 
