@@ -172,11 +172,14 @@ def test_the_check_is_quick_and_needs_no_process_group():
                  "bf16 with a fp32 model needs ZeRO stage 1-3", id="bf16-accumulation-of-fp32-at-stage-0"),
     pytest.param(2, {"data_types.grad_accum_dtype": "float64"}, '"float64" is not a dtype DeepSpeed',
                  id="a-dtype-deepspeed-does-not-accumulate-in"),
+    pytest.param(1, {"data_types.grad_accum_dtype": "fp32"}, "use its BF16_Optimizer, whose checkpoints its "
+                 "zero_to_fp32 cannot export", id="fp32-accumulation-of-bf16-at-stage-1"),
 ])
 def test_a_gradient_accumulation_dtype_deepspeed_cannot_run_is_refused(stage, settings, expected):
-    # DeepSpeed raised these inside deepspeed.initialize (NotImplementedError "unsupported mix"), after the model.
+    # DeepSpeed raised these inside deepspeed.initialize (NotImplementedError "unsupported mix"), after the model,
+    # or (stage 1) trained with an optimizer whose checkpoints its zero_to_fp32 cannot export.
     ds = with_values(handed_over(EVERY_SECTION), {"zero_optimization.stage": stage, **settings})
     message = refusal(ds)
     assert message.startswith("deepspeed.data_types.grad_accum_dtype: ") and expected in message, message
-    for accum in ("bf16", "fp32"):  # what a stage 1-3 bf16 run may ask for
+    for accum in ("bf16", "fp32"):  # what a stage 2-3 bf16 run may ask for
         check_deepspeed_config(with_values(handed_over(EVERY_SECTION), {"data_types.grad_accum_dtype": accum}), 2)

@@ -189,7 +189,7 @@ def test_a_hung_rank_is_named_within_the_collective_timeout(corpus, tmp_path):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_a_nonfinite_step_is_skipped_and_the_poisoned_memory_reset(corpus, tmp_path, precision):
-    # bf16 at ZeRO 1 accumulates in fp32 by default, which is DeepSpeed's BF16_Optimizer (its own overflow path).
+    # bf16: DeepSpeed's mixed-precision ZeRO optimizer finds the overflow itself (fp32: the trainer's own check).
     run_dir = tmp_path / "run"
     ckpt = run_dir / "checkpoints"
     # Stop right after the poisoned step 3 (a save at exit_step happens even during non-finite steps).

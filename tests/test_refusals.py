@@ -396,6 +396,8 @@ case("deepspeed.wrong-type")(train_with(deepspeed={"gradient_clipping": "1.0"}))
 case("deepspeed.unknown-optimizer")(train_with(deepspeed={"optimizer": {"type": "AdamWW"}}))
 case("deepspeed.grad-accum-dtype-at-stage-0")(train_with(deepspeed={
     "bf16": {"enabled": True}, "zero_optimization": {"stage": 0}, "data_types": {"grad_accum_dtype": "fp32"}}))
+case("deepspeed.grad-accum-dtype-bf16-at-stage-1")(train_with(deepspeed={
+    "bf16": {"enabled": True}, "zero_optimization": {"stage": 1}, "data_types": {"grad_accum_dtype": "fp32"}}))
 case("deepspeed.bfloat16-alias")(train_with(deepspeed={"bfloat16": {"enabled": True}}))
 case("deepspeed.gradient-accumulation-set")(train_with(deepspeed={"gradient_accumulation_steps": 2}))
 case("deepspeed.micro-batch-does-not-divide")(train_with(deepspeed={"train_micro_batch_size_per_gpu": 3}))

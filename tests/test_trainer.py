@@ -88,17 +88,16 @@ def test_a_resume_with_a_changed_schedule_trains_its_first_step_on_the_new_sched
 
 
 def test_a_bf16_run_saved_with_bf16_accumulation_continues_with_the_fp32_default(corpus, tmp_path):
-    # Runs started before fp32 accumulation became the default (their optimizer was another DeepSpeed class at
-    # ZeRO 1: DeepSpeedZeroOptimizer, now BF16_Optimizer) continue from their checkpoints.
+    # Runs started before fp32 accumulation became the default at ZeRO 2-3 continue from their checkpoints.
     n, k = 4, 2
     jobs = []
-    for stage in (1, 2):
+    for stage in (2, 3):
         old = _variant(corpus, tmp_path / f"z{stage}", stage, True, train={"max_steps": n, "exit_step": k})
         old["deepspeed"]["data_types"] = {"grad_accum_dtype": "bf16"}
         jobs += [(old, "none"), (_variant(corpus, tmp_path / f"z{stage}", stage, True, train={"max_steps": n}), "auto"),
                  (_variant(corpus, tmp_path / f"z{stage}_straight", stage, True, train={"max_steps": n}), "none")]
     results = run_ranks(train_jobs, 2, jobs, timeout=900)[0]
-    for i, stage in enumerate((1, 2)):
+    for i, stage in enumerate((2, 3)):
         first, resumed, straight = results[3 * i: 3 * i + 3]
         assert [r["code"] for r in (first, resumed, straight)] == [0, 0, 0], stage
         assert sorted(resumed["losses"]) == [3, 4], stage
@@ -136,11 +135,11 @@ def test_elastic_resume_2_to_1_and_1_to_2_ranks_continues_the_loss(corpus, tmp_p
     assert (tmp_path / "from1" / "checkpoints" / "step_00000002_universal" / "zero").is_dir()
 
 
-def test_elastic_resume_of_a_bf16_zero_1_run_goes_through_deepspeeds_bf16_optimizer(corpus, tmp_path):
-    # bf16 at ZeRO 1 sums gradients in fp32, which is DeepSpeed's BF16_Optimizer: its optimizer files take
-    # another path through the universal conversion than the ZeRO optimizer's of the test above.
+def test_elastic_resume_of_a_bf16_zero_2_run_with_fp32_gradient_sums(corpus, tmp_path):
+    # bf16 at ZeRO 2 sums gradients in an fp32 buffer of the rank's partition: its checkpoints go through the
+    # universal conversion like the fp32 ones of the test above.
     def cfg(run, **train):
-        return _variant(corpus, tmp_path / run, 1, True, train={"max_steps": 4, **train}, model={"dropout": 0.0})
+        return _variant(corpus, tmp_path / run, 2, True, train={"max_steps": 4, **train}, model={"dropout": 0.0})
 
     first, straight = run_ranks(train_jobs, 2, [(cfg("from2", exit_step=2), "none"), (cfg("straight2"), "none")])[0]
     (resumed,) = run_ranks(train_jobs, 1, [(cfg("from2"), "auto")])[0]

@@ -275,7 +275,7 @@ class RunConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     deepspeed: dict[str, Any] = field(default_factory=dict)
     """Handed to deepspeed.initialize unchanged, after gradient_accumulation_steps is derived and, in bf16/fp16 runs
-    at ZeRO 1-3, `data_types.grad_accum_dtype` is set to fp32 when the section leaves it out."""
+    at ZeRO 2-3, `data_types.grad_accum_dtype` is set to fp32 when the section leaves it out."""
 
     # Derived values are methods, not stored fields: they cannot go stale.
     def n_streams(self) -> int:

@@ -82,6 +82,13 @@ def _check_gradient_accumulation_dtype(config: ds_config_module.DeepSpeedConfig)
             f"deepspeed.data_types.grad_accum_dtype: {accum} with a {model} model needs ZeRO stage 1-3 "
             f"({_DS_VERSION} accumulates in the model's dtype at stage 0); set deepspeed.zero_optimization.stage "
             f"to 1 or remove grad_accum_dtype")
+    if config.zero_optimization_stage == 1 and model == "bf16" and accum == "fp32":
+        # DeepSpeed then trains with its BF16_Optimizer, whose optimizer files its own zero_to_fp32 refuses ("is
+        # not a zero checkpoint"): launch/export.py and launch/generate.py could not read the run's checkpoints.
+        raise ConfigError(
+            "deepspeed.data_types.grad_accum_dtype: fp32 with a bf16 model at ZeRO stage 1 makes "
+            f"{_DS_VERSION} use its BF16_Optimizer, whose checkpoints its zero_to_fp32 cannot export; use "
+            "deepspeed.zero_optimization.stage 2 (fp32 sums, the usual checkpoints) or remove grad_accum_dtype")
 
 
 _DS_VERSION = f"DeepSpeed {deepspeed.__version__}"

@@ -40,16 +40,18 @@ _SCHEDULERS_WITH_TOTAL = ("WarmupDecayLR", "WarmupCosineLR")
 def deepspeed_config(cfg: RunConfig, world_size: int, *, load_universal: bool = False) -> dict[str, Any]:
     """The deepspeed section as handed to deepspeed.initialize for this world size.
 
-    gradient_accumulation_steps = S / (micro batch * W); bf16/fp16 runs at ZeRO 1-3 accumulate gradients
+    gradient_accumulation_steps = S / (micro batch * W); bf16/fp16 runs at ZeRO 2-3 accumulate gradients
     in fp32 unless data_types.grad_accum_dtype says otherwise; the scheduler's total_num_steps follows
     train.max_steps when left out; `load_universal` makes load_checkpoint read a universal checkpoint
     (elastic resume), which DeepSpeed must know before initialize.
     """
     ds = cfg.deepspeed_config(world_size)
-    if model_dtype(ds) != torch.float32 and zero_stage(ds) > 0:
+    if model_dtype(ds) != torch.float32 and zero_stage(ds) >= 2:
         # A 16-bit sum of micro-batch gradients drops the small ones (bf16 keeps 8 significant bits: 32 + 0.125
-        # stays 32), and larger batches mean more micro steps. DeepSpeed accumulates in fp32 at ZeRO 1-3 when
-        # asked (stage 0 has no such mix: deepspeed_schema refuses it); a config that names a dtype keeps it.
+        # stays 32), and larger batches mean more micro steps. DeepSpeed sums in fp32 when asked, in its usual
+        # checkpoint format at ZeRO 2-3. Not at 0 (no such mix) nor 1 (bf16 there switches to its BF16_Optimizer,
+        # whose checkpoints its zero_to_fp32 cannot export): deepspeed_schema refuses those. A config that names a
+        # dtype keeps it.
         ds.setdefault("data_types", {}).setdefault("grad_accum_dtype", "fp32")
     sched = ds.get("scheduler")
     if sched is not None and sched.get("type") in _SCHEDULERS_WITH_TOTAL:
