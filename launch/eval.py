@@ -15,6 +15,7 @@ refused input (one line says why); 1 for a fault during the evaluation (a lost r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
@@ -109,16 +110,20 @@ def main(argv: list[str] | None = None) -> int:
     log = logging.getLogger(distributed.LOGGER_NAME)
 
     def job() -> int:
-        from txl_dist.interop.outputs import check_output_file
-        from txl_dist.startup import eval_config
+        # stdout is for the table and the JSON (a program may parse them). DeepSpeed's logger prints to the
+        # stdout it finds when first imported (its accelerator warning, with DS_ACCELERATOR unset): until the
+        # result exists, stdout is stderr.
+        with contextlib.redirect_stdout(sys.stderr):
+            from txl_dist.interop.outputs import check_output_file
+            from txl_dist.startup import eval_config
 
-        env = distributed.discover()
-        distributed.setup_logging(env, args.log_all_ranks)
-        cfg, tag_dir, run_info = eval_config(args.checkpoint, args.config, args.overrides)
-        distributed.configure_threads(env)
-        # Only rank 0 writes it, so only rank 0 can judge the path; every rank refuses with it.
-        check = (lambda: check_output_file(args.json_out, "--json-out")) if args.json_out else None
-        result = evaluate_checkpoint(cfg, tag_dir, run_info, args.split, env, check)
+            env = distributed.discover()
+            distributed.setup_logging(env, args.log_all_ranks)
+            cfg, tag_dir, run_info = eval_config(args.checkpoint, args.config, args.overrides)
+            distributed.configure_threads(env)
+            # Only rank 0 writes it, so only rank 0 can judge the path; every rank refuses with it.
+            check = (lambda: check_output_file(args.json_out, "--json-out")) if args.json_out else None
+            result = evaluate_checkpoint(cfg, tag_dir, run_info, args.split, env, check)
         if env.is_main:
             text = json.dumps(result, indent=2)
             print(result_table(result), text, sep="\n\n", flush=True)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from dist_helpers import learnable_stream, run_ranks, tiny_config, train_jobs, write_corpus
+from dist_helpers import REPO, learnable_stream, run_ranks, tiny_config, train_jobs, write_corpus
 from txl_dist.config import EvalConfig
 
 VOCAB = 64
@@ -187,6 +187,23 @@ def _eval_printing(argv, stdout_file):
 
     with open(stdout_file, "w") as f, contextlib.redirect_stdout(f):
         return main(argv)
+
+
+def test_eval_stdout_is_the_table_and_the_json_whatever_the_environment(trained, tmp_path):
+    """DeepSpeed logs to stdout when it is imported (without DS_ACCELERATOR: "Setting accelerator to CPU"):
+    that goes to stderr, so that a program can read the result from stdout. A fresh process, as users run it."""
+    import os
+    import subprocess
+    import sys
+
+    _, ckpt = trained
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"} | {"OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(REPO / "launch" / "eval.py"), "--checkpoint", str(ckpt), "--split",
+                           "valid"], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table, _, text = proc.stdout.partition("\n\n")
+    assert table.splitlines()[0].startswith("checkpoint "), proc.stdout[:500]
+    assert json.loads(text)["split"] == "valid"
 
 
 def test_eval_prints_a_table_and_the_json_and_writes_the_json_out_file(trained, tmp_path):
