@@ -283,6 +283,39 @@ def test_auto_resume_does_not_trust_latest_and_none_or_a_rollback_never_delete(c
     _assert_same_weights(_weights(run_dir, STEPS), straight)
 
 
+def test_a_rollback_with_a_lower_lr_continues_in_a_new_mlflow_run(corpus, tmp_path):
+    from mlflow import MlflowClient
+
+    run_dir = tmp_path / "run"
+    tracking = {"enabled": True, "experiment": "rollback", "system_metrics": False}
+    first = _start(_config(corpus, run_dir, train={"exit_step": 6}, tracking=tracking))
+    assert _finish(first) == [0, 0], first[0].output[-3000:]
+    r1 = (run_dir / "tracking" / "run_id").read_text().strip()
+    # After a divergence, say: back to step 4 with a tenth of the learning rate.
+    lower = {"optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.0, "torch_adam": True}}}
+    rollback = _start(_config(corpus, run_dir, tracking=tracking, deepspeed=lower),
+                      resume=str(run_dir / "checkpoints" / "step_00000004"))
+    assert _finish(rollback) == [0, 0], rollback[0].output[-3000:]
+    r2 = (run_dir / "tracking" / "run_id").read_text().strip()
+    assert r2 != r1 and f"MLflow run {r1} went past step 4" in rollback[0].output
+    client = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
+
+    def by_step(run_id, key):
+        values = [(m.step, m.value) for m in client.get_metric_history(run_id, key)]
+        assert len(values) == len({s for s, _ in values}), (key, values)  # each step once
+        return dict(values)
+
+    lr1, lr2 = by_step(r1, "train/lr"), by_step(r2, "train/lr")
+    assert sorted(lr1) == [1, 2, 3, 4, 5, 6] and sorted(lr2) == list(range(1, STEPS + 1))
+    assert [lr2[s] for s in (1, 2, 3, 4)] == [lr1[s] for s in (1, 2, 3, 4)]
+    assert all(lr2[s] < lr1[s] / 5 for s in (5, 6))  # the new schedule, not the rolled-back values
+    assert sorted(by_step(r2, "train/loss")) == list(range(1, STEPS + 1))
+    assert client.get_run(r2).data.tags["txl.continues_run"] == r1
+    # The checkpoints saved after the rollback name the continuation.
+    assert json.loads((run_dir / "checkpoints" / f"step_{STEPS:08d}" / "txl_state" / "run.json").read_text())[
+        "mlflow_run_id"] == r2
+
+
 def _no_worker_left(config: str) -> bool:
     for p in psutil.process_iter(["cmdline"]):
         if config in " ".join(p.info["cmdline"] or []):

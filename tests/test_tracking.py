@@ -21,6 +21,7 @@ from txl_dist.config import RunConfig, TrackingConfig
 from txl_dist.tracking import (
     MAX_PARAM_VALUE_LENGTH,
     MlflowTracker,
+    ResumePoint,
     Tracker,
     TrackingError,
     create_tracker,
@@ -178,7 +179,7 @@ def test_resume_continues_the_same_run(mlflow_server, client, experiment, tmp_pa
     assert client.get_run(run_id).info.status == "KILLED"
 
     with caplog.at_level(logging.WARNING, logger="txl_dist.tracking"):
-        second = create_tracker(cfg, 0, tmp_path, resume_run_id=run_id)
+        second = create_tracker(cfg, 0, tmp_path, resume=ResumePoint(run_id, 5))
         assert second.run_id == run_id
         assert client.get_run(run_id).info.status == "RUNNING"
         # exit_step changed on the restart: MLflow params cannot change, the earlier value stays.
@@ -196,7 +197,8 @@ def test_resume_continues_the_same_run(mlflow_server, client, experiment, tmp_pa
 
 def test_resume_of_an_unknown_run_is_a_clear_error(mlflow_server, experiment, tmp_path):  # noqa: F811
     with pytest.raises(TrackingError, match="run 0123456789abcdef is not in .*point tracking.uri"):
-        create_tracker(cfg_for(mlflow_server.uri, experiment), 0, tmp_path, resume_run_id="0123456789abcdef")
+        create_tracker(cfg_for(mlflow_server.uri, experiment), 0, tmp_path,
+                       resume=ResumePoint("0123456789abcdef", 5))
 
 
 def test_unreachable_store_at_start_is_a_clear_error(tmp_path, monkeypatch):

@@ -18,7 +18,7 @@ import pytest
 
 from mlflow_server import (LoopbackProxy, cfg_for, client, experiment, free_port, mlflow_server,  # noqa: F401
                            no_mlflow_env, start_mlflow_server)  # (fixtures are found by name)
-from txl_dist.tracking import MlflowTracker, TrackingError, create_tracker
+from txl_dist.tracking import MlflowTracker, ResumePoint, TrackingError, create_tracker
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCKING_BOUND_S = 0.5
@@ -163,7 +163,7 @@ def test_a_resumed_job_does_not_log_the_journaled_steps_again(
     first.log_metrics({"valid/loss": 50.0}, step=5)
     first.close("KILLED")  # it died at step 10; its newest checkpoint is at step 5
 
-    second = create_tracker(cfg, 0, tmp_path, resume_run_id=first.run_id)
+    second = create_tracker(cfg, 0, tmp_path, resume=ResumePoint(first.run_id, 5))
     for step in range(6, 16):  # steps 6-10 again, from the checkpoint: other values
         second.log_metrics({"train/loss": 100.0 + step}, step=step)
     second.log_metrics({"valid/loss": 60.0}, step=10)  # valid/loss has no step 10 yet: it goes
@@ -219,7 +219,7 @@ def test_a_recorded_run_that_is_deleted_or_differs_is_refused(
     with create_tracker(cfg, 0, tmp_path) as t:
         run_id = t.run_id
     with pytest.raises(TrackingError, match=f"run 0123456789abcdef is not the run {run_id} recorded in .*remove "):
-        create_tracker(cfg, 0, tmp_path, resume_run_id="0123456789abcdef")
+        create_tracker(cfg, 0, tmp_path, resume=ResumePoint("0123456789abcdef", 5))
     client.delete_run(run_id)
     with pytest.raises(TrackingError, match=f"run {run_id} recorded in .*run_id is deleted in .*remove .*tracking "
                                             "to start a new run"):

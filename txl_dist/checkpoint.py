@@ -279,6 +279,23 @@ def supersede_newer(ckpt_dir: str | os.PathLike, step: int) -> tuple[Path, list[
     return dest, newer
 
 
+def superseded_runs(ckpt_dir: str | os.PathLike, step: int) -> set[str]:
+    """The MLflow run ids of set-aside tags (superseded/) newer than `step`: runs that went past it in work a
+    rollback threw away (tracking opens a continuation run for them)."""
+    runs = set()
+    for run_file in Path(ckpt_dir).glob(f"{SUPERSEDED_DIR}/*/step_*/{STATE_DIR}/{RUN_FILE}"):
+        tag_step = step_of(run_file.parents[1].name)
+        if tag_step is None or tag_step <= step:
+            continue
+        try:
+            run_id = json.loads(run_file.read_text()).get("mlflow_run_id")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(run_id, str):
+            runs.add(run_id)
+    return runs
+
+
 def prune(ckpt_dir: str | os.PathLike, keep: int) -> list[str]:
     """Remove all but the newest `keep` complete tags (0 keeps all), with their universal copies; the newest
     good tag (saved outside a run of non-finite steps) is always kept, so a run that then diverges can

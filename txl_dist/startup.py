@@ -530,11 +530,10 @@ def _check_loadable(source: EngineSource) -> None:
 
 def _open_tracker(start: TrainStart, env: DistEnv, create_tracker):
     cfg = start.cfg
-    run_id = None if start.resume is None else start.resume.run_info.get("mlflow_run_id")
 
     def check_space_and_open():
         if not env.is_main:
-            return create_tracker(cfg.tracking, env.rank, start.run_dir.path, resume_run_id=run_id)
+            return create_tracker(cfg.tracking, env.rank, start.run_dir.path)
         ckpt_dir = start.run_dir.checkpoints
         need = checkpoint_bytes_estimate(ckpt_dir, count_parameters(cfg.model))
         start.checkpoint_bytes = need
@@ -546,9 +545,23 @@ def _open_tracker(start: TrainStart, env: DistEnv, create_tracker):
             log.warning("%s: %s free, %d checkpoints (checkpoint.keep + the one being saved) need about %s",
                         ckpt_dir, checkpoint.size_text(free), cfg.checkpoint.keep + 1,
                         checkpoint.size_text(need * (cfg.checkpoint.keep + 1)))
-        return create_tracker(cfg.tracking, env.rank, start.run_dir.path, resume_run_id=run_id)
+        return create_tracker(cfg.tracking, env.rank, start.run_dir.path, _resume_point(start))
 
     return _together(check_space_and_open)
+
+
+def _resume_point(start: TrainStart):
+    """What tracking needs of the checkpoint: its run and step, the runs of tags newer than it that a rollback
+    set aside (now or in a start that was refused later), and its run dir when it is another's (a fork)."""
+    from .tracking import ResumePoint
+
+    if start.resume is None:
+        return None
+    info, tag_dir, ckpt_dir = start.resume.run_info, start.resume.tag_dir, start.run_dir.checkpoints
+    if tag_dir.parent.resolve() == ckpt_dir.resolve():
+        return ResumePoint(info.get("mlflow_run_id"), info["step"],
+                           frozenset(checkpoint.superseded_runs(ckpt_dir, info["step"])))
+    return ResumePoint(info.get("mlflow_run_id"), info["step"], source_dir=tag_dir.parent.parent)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -153,7 +153,17 @@ class TrackingFolder:
     lock. Reading it creates nothing; claim() (after the run is open) creates it."""
 
     def __init__(self, run_dir: str | os.PathLike) -> None:
-        self.dir = Path(run_dir) / TRACKING_DIR
+        self._use(Path(run_dir) / TRACKING_DIR)
+
+    @classmethod
+    def at(cls, tracking_dir: Path) -> TrackingFolder:
+        """A folder of that layout elsewhere: tracking/superseded/<run id>/ (continuation.py)."""
+        folder = cls.__new__(cls)
+        folder._use(tracking_dir)
+        return folder
+
+    def _use(self, tracking_dir: Path) -> None:
+        self.dir = tracking_dir
         self.run_id_file = self.dir / "run_id"
         self.uri_file = self.dir / "uri"
         self.journal = self.dir / "metrics.jsonl"

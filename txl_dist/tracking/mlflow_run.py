@@ -1,12 +1,14 @@
 """Rank 0's tracker: ``MlflowTracker`` (one MLflow run, sent by one writer thread, journaled locally) and
 ``create_tracker``, which gives it to rank 0 and the no-op ``Tracker`` to every other rank.
 
-Opening. The run is the checkpoint's (``resume_run_id``), else the one recorded in
-``<run_dir>/tracking/run_id`` (a job that crashed before its first checkpoint left it RUNNING), else a new
-one, whose id is written to that file (atomically) as soon as it exists: a later job in the run dir
-re-opens it instead of leaving an orphan. A recorded or resumed run that the store does not hold (unknown,
-deleted), or a checkpoint whose run differs from the recorded one, is a TrackingError naming the fix,
-never a silent new run: the journal in the run dir belongs to the recorded run. The opening calls run with
+Opening. continuation.plan_opening decides the run: the one recorded in ``<run_dir>/tracking/run_id``
+(a requeued job, or one that crashed before its first checkpoint and left it RUNNING), else the
+checkpoint's, else a new one, whose id is written to that file (atomically) as soon as it exists: a later
+job in the run dir re-opens it instead of leaving an orphan. A job resuming from a step the run went past
+in work thrown away (a rollback, a fork) opens a continuation run instead (continuation.py). A recorded or
+resumed run that the store does not hold (unknown, deleted), or a checkpoint of no run of the run dir's
+lineage, is a TrackingError naming the fix, never a silent new run: the journal in the run dir belongs to
+the recorded run. The opening calls run with
 MLflow's HTTP retries bounded (MLflow reads MLFLOW_HTTP_REQUEST_MAX_RETRIES / _TIMEOUT / _BACKOFF_FACTOR
 at each request, so they are lowered around these calls alone): an unreachable store is refused in
 seconds, not after minutes of retries, and a refused start writes nothing in the run dir.
@@ -19,11 +21,13 @@ on, and ``close()`` (bounded by its timeout, never raising for the store's error
 Params go in batches of 100, values over 6000 characters truncated. MLflow's system metrics
 (``system/*``) have their own sampler thread.
 
-Resume rule: at open, the journal gives each metric key's highest logged step j. A job resumed from a
-checkpoint at step k < j re-runs steps k+1..j; log_metrics drops values at steps <= j of that key
-(counted in Delivery.skipped), because MLflow cannot delete a value once logged. The journal is read
-once at open (~5 s for a million steps of 9 keys, a 370 MB file); the store's metric history is never
-downloaded.
+Resume rule: at open, the journal gives each metric key's highest logged step j. A job re-opening the
+run from a checkpoint at step k < j (a crash after the checkpoint) re-runs steps k+1..j bitwise equal;
+log_metrics drops values at steps <= j of that key (counted in Delivery.skipped), because MLflow cannot
+delete a value once logged. What the journal holds and the store lacks (an earlier job's values while the
+store was down, a continuation's copied history) the writer sends first, before this job's own items.
+The journal is read once at open (~5 s for a million steps of 9 keys, a 370 MB file); the store's metric
+history is never downloaded.
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ import logging
 import os
 import posixpath
 import queue
+import re
 import shlex
 import shutil
 import threading
@@ -45,6 +50,7 @@ from urllib.parse import urlsplit
 
 from txl_dist.config import TrackingConfig
 
+from .continuation import STAGING_DIR, Opening, ResumePoint, finish_switch, plan_opening, stage_switch
 from .errors import TrackingError
 from .journal import TrackingFolder, _Batch, _DeliveryLog, _Journal, _JournalSummary, _OutboxItem, _summarize
 from .secrets import _one_line, _remember_secrets, _scrub_library_logs, scrub_secrets, shown_uri
@@ -117,18 +123,18 @@ def create_tracker(
     cfg: TrackingConfig,
     rank: int,
     run_dir: str | os.PathLike,
-    resume_run_id: str | None = None,
+    resume: ResumePoint | None = None,
 ) -> Tracker:
     """The tracker of this rank: an open MLflow run on rank 0, else a no-op.
 
-    The run is resume_run_id (the checkpoint's), else the one recorded in <run_dir>/tracking/run_id, else a
-    new one. run_dir also holds the journal (<run_dir>/tracking/) and the default local store
-    (``<run_dir>/mlflow.db`` and ``<run_dir>/mlartifacts``) when neither tracking.uri nor
-    MLFLOW_TRACKING_URI names one.
+    The run is the one recorded in <run_dir>/tracking/run_id, else the checkpoint's (resume), else a new
+    one; a continuation when the run went past the checkpoint (continuation.py). run_dir also holds the
+    journal (<run_dir>/tracking/) and the default local store (``<run_dir>/mlflow.db`` and
+    ``<run_dir>/mlartifacts``) when neither tracking.uri nor MLFLOW_TRACKING_URI names one.
     """
     if rank != 0 or not cfg.enabled:
         return Tracker()
-    return MlflowTracker(cfg, run_dir, resume_run_id=resume_run_id)
+    return MlflowTracker(cfg, run_dir, resume=resume)
 
 
 class _Flush:
@@ -138,7 +144,16 @@ class _Flush:
         self.done = threading.Event()
 
 
+class _Backfill:
+    """A marker in the queue (the first item): send what the journal and outbox hold up to this seq and the
+    store lacks."""
+
+    def __init__(self, through_seq: int) -> None:
+        self.through_seq = through_seq
+
+
 _STOP = object()
+_FROM_STEP = re.compile(r" \(from step \d+\)$")
 
 
 class MlflowTracker(Tracker):
@@ -148,7 +163,7 @@ class MlflowTracker(Tracker):
         self,
         cfg: TrackingConfig,
         run_dir: str | os.PathLike,
-        resume_run_id: str | None = None,
+        resume: ResumePoint | None = None,
         max_pending: int = 10_000,
     ) -> None:
         """Open the run. max_pending bounds the queue in calls (steps, params, artifacts) not yet sent."""
@@ -161,12 +176,9 @@ class MlflowTracker(Tracker):
         self.run_dir = Path(run_dir)
         self.folder = TrackingFolder(self.run_dir)
         holds_secret = _remember_secrets(self.uri)
-        recorded = self.folder.recorded_run_id()
-        if resume_run_id is not None and recorded is not None and resume_run_id != recorded:
-            raise TrackingError(
-                f"tracking: the checkpoint's MLflow run {resume_run_id} is not the run {recorded} recorded in "
-                f"{self.folder.run_id_file}; resume from a checkpoint of this run dir, or remove {self.folder.dir}")
-        self.reopened = resume_run_id is not None or recorded is not None
+        self._finish_interrupted_switch()
+        opening = plan_opening(self.folder, resume)
+        self.reopened = opening.kind == "reopen"
         self.delivery = Delivery()
         self._warned = False
         self._closed = False
@@ -181,10 +193,10 @@ class MlflowTracker(Tracker):
             _scrub_library_logs()
         try:
             with _quick_http_failures():
-                run = self._open_run(cfg, resume_run_id, recorded)
+                run = self._open_run(cfg, opening)
                 self._run_id: str = run.info.run_id
                 self.experiment_id: str = run.info.experiment_id
-                summary = self._claim_folder()
+                summary = self._claim_folder(opening)
                 self._system_monitor = self._start_system_metrics() if cfg.system_metrics else None
         except TrackingError:
             if new_store is not None:
@@ -207,22 +219,27 @@ class MlflowTracker(Tracker):
         """After a failed call the store is left alone for STORE_PAUSE_S: what comes meanwhile is counted as
         failed at once (it is in the journal or outbox for replay) instead of each call retrying on its own."""
         self._writer = threading.Thread(target=self._send_loop, name="txl-mlflow-writer", daemon=True)
+        self._backfill_left = summary.missing_values
+        if summary.missing_values or summary.missing_items:
+            self._queue.put_nowait(_Backfill(summary.next_seq - 1))
         self._writer.start()
-        logger.info("MLflow run %s (%s) at %s", self._run_id, "re-opened" if self.reopened else "new",
-                    self.shown_uri)
-        self._report_earlier_gaps(summary)
+        logger.info("MLflow run %s (%s) at %s", self._run_id, {"reopen": "re-opened", "new": "new"}.get(
+            opening.kind, "continuation"), self.shown_uri)
+        self._report_opening(opening, summary)
 
     # ---------------------------------------------------------------------------------------------
     # Opening
 
-    def _open_run(self, cfg: TrackingConfig, resume_run_id: str | None, recorded: str | None):
+    def _open_run(self, cfg: TrackingConfig, opening: Opening):
         try:
-            if resume_run_id is not None:
-                return self._reopen(resume_run_id, f"the checkpoint's MLflow run {resume_run_id}",
+            if opening.kind == "reopen":
+                if opening.run_id == self.folder.recorded_run_id():
+                    return self._reopen(opening.run_id, f"the MLflow run {opening.run_id} recorded in "
+                                        f"{self.folder.run_id_file}", f"remove {self.folder.dir} to start a new run")
+                return self._reopen(opening.run_id, f"the checkpoint's MLflow run {opening.run_id}",
                                     "set tracking.enabled=false")
-            if recorded is not None:
-                return self._reopen(recorded, f"the MLflow run {recorded} recorded in {self.folder.run_id_file}",
-                                    f"remove {self.folder.dir} to start a new run")
+            if opening.kind == "continue":
+                return self._create_continuation(cfg, opening)
             return self._client.create_run(self._experiment_id(), run_name=cfg.run_name, tags=_context_tags())
         except TrackingError:
             raise
@@ -232,6 +249,20 @@ class MlflowTracker(Tracker):
             raise TrackingError(
                 f"tracking.uri {self.shown_uri}: cannot open an MLflow run ({_one_line(e)}); start the server, "
                 f"fix tracking.uri / MLFLOW_TRACKING_URI, or set tracking.enabled=false") from None
+
+    def _create_continuation(self, cfg: TrackingConfig, opening: Opening):
+        """A new run tagged with the run it continues, named after it unless tracking.run_name says."""
+        continues = opening.continues
+        name = cfg.run_name
+        if name is None and continues.run_id is not None:
+            with contextlib.suppress(Exception):  # a parent in another store (a fork): MLflow picks a name
+                parent = self._client.get_run(continues.run_id).info.run_name
+                name = f"{_FROM_STEP.sub('', parent)} (from step {continues.step})" if parent else None
+        tags = _context_tags() | {"txl.continued_at_step": str(continues.step),
+                                  "txl.continued_because": continues.because}
+        if continues.run_id is not None:
+            tags["txl.continues_run"] = continues.run_id
+        return self._client.create_run(self._experiment_id(), run_name=name, tags=tags)
 
     def _experiment_id(self) -> str:
         experiment = self._client.get_experiment_by_name(self.experiment)
@@ -264,9 +295,21 @@ class MlflowTracker(Tracker):
         self._client.update_run(run_id, status="RUNNING")
         return run
 
-    def _claim_folder(self) -> _JournalSummary:
-        """Lock <run_dir>/tracking, record the run there at once, and read what earlier jobs left."""
+    def _finish_interrupted_switch(self) -> None:
+        """A job killed while switching the folder to a continuation run: finish the switch first."""
+        if (self.folder.dir / STAGING_DIR).is_dir():
+            self.folder.lock("this job")
+            try:
+                finish_switch(self.folder)
+            finally:
+                self.folder.unlock()
+
+    def _claim_folder(self, opening: Opening) -> _JournalSummary:
+        """Lock <run_dir>/tracking, switch it to a continuation run, record the run there at once, and read
+        what earlier jobs left."""
         self.folder.lock("this job")
+        if opening.kind == "continue":
+            self._switch_folder(opening)
         self.folder.record(self._run_id, self.uri)
         self.folder.repair()
         for item in self.folder.outbox_items():
@@ -274,15 +317,39 @@ class MlflowTracker(Tracker):
                 self.folder.remove(item)
         return _summarize(self.folder)
 
-    def _report_earlier_gaps(self, summary: _JournalSummary) -> None:
+    def _switch_folder(self, opening: Opening) -> None:
+        continues = opening.continues
+        try:
+            stage_switch(self.folder, self._run_id, self.shown_uri, continues, opening.history)
+            finish_switch(self.folder)
+        except OSError as e:
+            with contextlib.suppress(Exception):
+                self._client.set_terminated(self._run_id, status="FAILED")
+            raise TrackingError(f"tracking: cannot switch {self.folder.dir} to the continuation run "
+                                f"({type(e).__name__}: {e}); free space or fix its permissions") from None
+        if continues.run_id is not None:
+            with contextlib.suppress(Exception):  # a tag on the earlier run: a convenience, maybe in another store
+                self._client.set_tag(continues.run_id, "txl.continued_by", self._run_id)
+
+    def _report_opening(self, opening: Opening, summary: _JournalSummary) -> None:
+        if opening.kind == "continue":
+            continues = opening.continues
+            went = ("rolled back: its tags after that step were set aside" if continues.because == "rollback" else
+                    f"continued from another run dir, {continues.source}")
+            logger.warning(
+                "tracking: MLflow run %s went past step %d (%s); this job logs to a new run, %s, tagged "
+                "txl.continues_run; it starts with the %d values the earlier run logged at steps <= %d%s",
+                continues.run_id or "(none)", continues.step, went, self._run_id, summary.missing_values,
+                continues.step, f" (its files: {self.folder.dir / 'superseded'})"
+                if continues.because == "rollback" else "")
+            return
         if summary.logged_through:
             logger.info("tracking: the journal holds steps up to %d; values at steps a key already has are not "
                         "logged again", max(summary.logged_through.values()))
         if summary.missing_values or summary.missing_items:
             logger.warning(
                 "tracking: %d metric values and %d params/artifact items of earlier jobs are not in run %s; "
-                "`python -m txl_dist.tracking replay %s` sends them", summary.missing_values,
-                summary.missing_items, self._run_id, self.run_dir)
+                "sending them first", summary.missing_values, summary.missing_items, self._run_id)
 
     def _start_system_metrics(self):
         """MLflow's CPU/memory/disk/network (and GPU) sampler, bound to this run id and store."""
@@ -514,12 +581,46 @@ class MlflowTracker(Tracker):
                     self._deliver_metrics(batches)
                 elif isinstance(item, _OutboxItem):
                     self._deliver(item)
+                elif isinstance(item, _Backfill):
+                    self._backfill(item.through_seq)
                 elif isinstance(item, _Flush):
                     item.done.set()
                 elif item is _STOP:
                     return
             except Exception as e:  # a writer that died would leave every later flush() waiting forever
                 self._failed("the delivery records", 0, e)
+
+    def _backfill(self, through_seq: int) -> None:
+        """Send, as replay would, what the journal (seqs <= through_seq) and the outbox hold and the store
+        lacks; at the first failure stop (counting the rest as failed: it stays for replay)."""
+        delivered = self.folder.delivered_seqs()
+        pending: list[_Batch] = []
+        size = 0
+
+        def send() -> bool:
+            sent = self.delivery.sent
+            self._deliver_metrics(pending)
+            self._backfill_left -= sum(len(b.metrics) for b in pending)
+            return self.delivery.sent - sent == sum(len(b.metrics) for b in pending)
+
+        for batch in self.folder.journal_batches():
+            if batch.seq > through_seq:
+                break
+            if batch.seq in delivered:
+                continue
+            pending.append(batch)
+            size += len(batch.metrics)
+            if size >= MAX_METRICS_PER_BATCH:
+                if not send():
+                    self._count_failed(self._backfill_left)
+                    return
+                pending, size = [], 0
+        if pending and not send():
+            self._count_failed(self._backfill_left)
+            return
+        for item in self.folder.outbox_items():
+            if item.seq <= through_seq:
+                self._deliver(item)
 
     def _gather(self, first: _Batch) -> tuple[list[_Batch], Any]:
         """first and the metric batches queued right after it, up to one log_batch; and the next other item."""

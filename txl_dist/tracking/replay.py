@@ -1,8 +1,10 @@
 """Sending what the store missed, from the journal and the outbox of a run dir.
 
 Replay: ``python -m txl_dist.tracking replay RUN_DIR [--uri URI]`` sends what is missing to the recorded
-run and records it, so a second replay sends nothing. The URI is --uri, else MLFLOW_TRACKING_URI, else
-the recorded one; a recorded URI whose secret was redacted needs --uri. It refuses (exit 2) while a job
+run, and to the runs the run dir's continuations left (tracking/superseded/, continuation.py), and records
+it, so a second replay sends nothing (the next training job in the run dir sends its own run's gaps too).
+The URI is --uri, else MLFLOW_TRACKING_URI, else the recorded one; a recorded URI whose secret was redacted
+needs --uri. It refuses (exit 2) while a job
 holds the lock.
 """
 from __future__ import annotations
@@ -10,8 +12,9 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from .continuation import superseded_folders
 from .errors import ReplayError, TrackingError
-from .journal import TrackingFolder, _Batch, _DeliveryLog
+from .journal import TrackingFolder, _Batch, _DeliveryLog, _summarize
 from .secrets import _one_line, _remember_secrets, _scrub_library_logs, shown_uri
 from .store import (MAX_METRICS_PER_BATCH, _check_reopenable, _chunks, _deliver_item, _quick_http_failures,
                     _send_metrics)
@@ -55,9 +58,15 @@ def replay(run_dir: str | os.PathLike, uri: str | None = None) -> ReplayReport:
     try:
         client = MlflowClient(tracking_uri=uri)
         _check_replay_target(client, folder, run_id, report.uri)
-        folder.repair()
-        _replay_metrics(client, folder, report)
-        _replay_outbox(client, folder, report)
+        for each in [folder, *superseded_folders(folder)]:
+            each.repair()
+            if each is not folder:
+                summary = _summarize(each)
+                if not (summary.missing_values or summary.missing_items):
+                    continue
+                _check_replay_target(client, each, each.recorded_run_id(), report.uri)
+            _replay_metrics(client, each, report, each.recorded_run_id())
+            _replay_outbox(client, each, report, each.recorded_run_id())
     finally:
         folder.unlock()
     return report
@@ -91,7 +100,7 @@ def _replay_uri(folder: TrackingFolder, uri: str | None) -> str:
     return recorded
 
 
-def _replay_metrics(client, folder: TrackingFolder, report: ReplayReport) -> None:
+def _replay_metrics(client, folder: TrackingFolder, report: ReplayReport, run_id: str) -> None:
     """Stream the journal; send the undelivered batches in chunks, each recorded once the store has it."""
     delivered = folder.delivered_seqs()
     log = _DeliveryLog(folder.delivered)
@@ -104,17 +113,17 @@ def _replay_metrics(client, folder: TrackingFolder, report: ReplayReport) -> Non
             pending.append(batch)
             size += len(batch.metrics)
             if size >= MAX_METRICS_PER_BATCH:
-                _replay_chunks(client, pending, log, report)
+                _replay_chunks(client, pending, log, report, run_id)
                 pending, size = [], 0
-        _replay_chunks(client, pending, log, report)
+        _replay_chunks(client, pending, log, report, run_id)
     finally:
         log.close()
 
 
-def _replay_chunks(client, batches: list[_Batch], log: _DeliveryLog, report: ReplayReport) -> None:
+def _replay_chunks(client, batches: list[_Batch], log: _DeliveryLog, report: ReplayReport, run_id: str) -> None:
     for chunk in _chunks(batches):
         try:
-            n = _send_metrics(client, report.run_id, chunk)
+            n = _send_metrics(client, run_id, chunk)
         except Exception as e:
             raise ReplayError(f"replay stopped after {report.values} metric values: {_one_line(e)}; what was sent "
                               "is recorded, run replay again when the store answers") from None
@@ -123,10 +132,10 @@ def _replay_chunks(client, batches: list[_Batch], log: _DeliveryLog, report: Rep
         report.batches += len(chunk)
 
 
-def _replay_outbox(client, folder: TrackingFolder, report: ReplayReport) -> None:
+def _replay_outbox(client, folder: TrackingFolder, report: ReplayReport, run_id: str) -> None:
     for item in folder.outbox_items():
         try:
-            _deliver_item(client, report.run_id, item)
+            _deliver_item(client, run_id, item)
         except Exception as e:
             raise ReplayError(f"replay stopped at {item.what}: {_one_line(e)}; what was sent is recorded, run "
                               "replay again when the store answers") from None
