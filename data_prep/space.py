@@ -3,7 +3,7 @@ space hours later, throwing the work away.
 
 The tokens' bytes are estimated before any input is read, from the inputs' sizes: at most
 TOKENS_PER_INPUT_BYTE token per byte of input text, each of the corpus dtype's size (2 bytes when the
-vocabulary has at most 65,535 pieces, else 4). One token per byte is an upper bound on ordinary text for
+vocabulary has at most 65,536 pieces, else 4). One token per byte is an upper bound on ordinary text for
 any tokenizer: every id but a document's end-of-document id and its leading "▁" covers at least one byte of
 the text (byte fallback makes one id per byte of an unknown character; a char model one id per character).
 It overshoots subword vocabularies, which give 0.2-0.4 tokens per byte of English prose (Shakespeare with

@@ -332,6 +332,23 @@ def test_a_lost_delivery_record_resends_one_chunk_that_the_store_takes_once(
     assert history(client, t.run_id, "train/loss") == [(s, float(s)) for s in range(1, 6)]
 
 
+def test_replay_goes_to_the_store_the_run_was_logged_to_and_creates_none(
+        mlflow_server, client, experiment, tmp_path, monkeypatch):  # noqa: F811
+    # The job took tracking.uri; the environment names another store (a user's default): replay follows the run.
+    with create_tracker(cfg_for(mlflow_server.uri, experiment), 0, tmp_path) as t:
+        t.log_metrics({"train/loss": 1.0}, step=1)
+    (tmp_path / "tracking" / "delivered.jsonl").write_text("")  # as if the store had missed it
+    other = tmp_path / "elsewhere.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{other}")
+    out = replay_cli(tmp_path)
+    assert out.returncode == 0 and "sent 1 metric values" in out.stdout, out.stderr
+    assert not other.exists()
+    # A sqlite store that does not exist is refused, not created empty.
+    refused = replay_cli(tmp_path, "--uri", f"sqlite:///{other}")
+    assert refused.returncode == 2 and f"{other} does not exist" in refused.stderr, refused.stderr
+    assert not other.exists()
+
+
 @pytest.mark.parametrize("what", ["missing", "file", "run_id-folder"])
 def test_replay_of_something_that_is_no_run_dir_is_one_line_exit_2(tmp_path, capsys, what):
     from txl_dist.tracking.__main__ import main

@@ -3,14 +3,15 @@
 Replay: ``python -m txl_dist.tracking replay RUN_DIR [--uri URI]`` sends what is missing to the recorded
 run, and to the runs the run dir's continuations left (tracking/superseded/, continuation.py), and records
 it, so a second replay sends nothing (the next training job in the run dir sends its own run's gaps too).
-The URI is --uri, else MLFLOW_TRACKING_URI, else the recorded one; a recorded URI whose secret was redacted
-needs --uri. It refuses (exit 2) while a job
+The URI is --uri, else the recorded one, else MLFLOW_TRACKING_URI (a recorded URI whose secret was redacted
+needs one of them). It refuses (exit 2) while a job
 holds the lock.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 
 from .continuation import superseded_folders
 from .errors import ReplayError, TrackingError
@@ -39,7 +40,7 @@ class ReplayReport:
 def replay(run_dir: str | os.PathLike, uri: str | None = None) -> ReplayReport:
     """Send to the recorded run what its journal and outbox say the store lacks, and record it as sent.
 
-    uri: --uri, else MLFLOW_TRACKING_URI, else the recorded one (refused when its secret was redacted).
+    uri: --uri, else the recorded one, else MLFLOW_TRACKING_URI (a recorded one whose secret was redacted needs one).
     TrackingError for a refusal (nothing recorded, a redacted URI, a job holding the run dir, an unknown
     run); ReplayError when the store fails midway (what was sent stays recorded; run it again).
     """
@@ -87,17 +88,28 @@ def _check_replay_target(client, folder: TrackingFolder, run_id: str, shown: str
 
 
 def _replay_uri(folder: TrackingFolder, uri: str | None) -> str:
-    if uri:
-        return uri
-    if os.environ.get("MLFLOW_TRACKING_URI"):
-        return os.environ["MLFLOW_TRACKING_URI"]
+    """--uri, else the URI the run was logged to (recorded; the job's tracking.uri may differ from the
+    environment's MLFLOW_TRACKING_URI), else MLFLOW_TRACKING_URI where the recorded one is missing or hides
+    its secret. A sqlite file that does not exist is refused: opening it would create an empty store."""
     recorded = folder.recorded_uri()
-    if recorded is None:
+    env = os.environ.get("MLFLOW_TRACKING_URI")
+    if uri:
+        chosen = uri
+    elif recorded is not None and "***" not in recorded:
+        chosen = recorded
+    elif env:
+        chosen = env
+    elif recorded is None:
         raise TrackingError(f"replay: {folder.uri_file} not found; pass the tracking URI with --uri")
-    if "***" in recorded:
+    else:
         raise TrackingError(f"replay: the recorded tracking URI {recorded} hides its password or token; pass the "
                             "full URI with --uri (or MLFLOW_TRACKING_URI)")
-    return recorded
+    if chosen.startswith("sqlite:///") and not chosen.endswith(":memory:"):
+        database = Path(chosen[len("sqlite:///"):])
+        if not database.is_file():
+            raise TrackingError(f"replay: {database} does not exist (tracking URI {shown_uri(chosen)}); pass the "
+                                "--uri of the store that holds the run")
+    return chosen
 
 
 def _replay_metrics(client, folder: TrackingFolder, report: ReplayReport, run_id: str) -> None:
