@@ -19,6 +19,7 @@ import pytest
 from mlflow_server import (LoopbackProxy, cfg_for, client, experiment, free_port, mlflow_server,  # noqa: F401
                            no_mlflow_env, start_mlflow_server)  # (fixtures are found by name)
 from txl_dist.tracking import MlflowTracker, ResumePoint, TrackingError, create_tracker
+from txl_dist.tracking.journal import TrackingFolder
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCKING_BOUND_S = 0.5
@@ -254,6 +255,77 @@ def test_an_unreachable_store_is_refused_in_seconds_and_nothing_is_written(tmp_p
     assert secret not in "".join(traceback.format_exception(refused.value))
     assert not run_dir.exists()
     assert "MLFLOW_HTTP_REQUEST_MAX_RETRIES" not in os.environ  # the bound was for the opening alone
+
+
+def test_a_run_dir_that_refuses_the_journal_leaves_no_run_open(
+        mlflow_server, client, experiment, tmp_path, monkeypatch):  # noqa: F811
+    cfg = cfg_for(mlflow_server.uri, experiment)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "tracking").write_text("a file where the journal folder goes\n")
+    with pytest.raises(TrackingError, match=r"tracking: .*/run/tracking is not a folder; fix it"):
+        create_tracker(cfg, 0, run_dir)
+    assert runs_of(client, experiment) == []  # checked before the store is touched
+    # A failure the check cannot foresee (here: the lock), after the store opened the run: no run left RUNNING.
+    (run_dir / "tracking").unlink()
+    real_lock = TrackingFolder.lock
+
+    def failing_lock(self, holder):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(TrackingFolder, "lock", failing_lock)
+    with pytest.raises(TrackingError, match="tracking: .*/run/tracking: Permission denied; fix the folder"):
+        create_tracker(cfg, 0, run_dir)
+    assert [r.info.lifecycle_stage for r in runs_of(client, experiment)] in ([], ["deleted"])
+    assert client.search_runs([client.get_experiment_by_name(experiment).experiment_id]) == []
+    # A re-opened run gets its earlier status back.
+    monkeypatch.setattr(TrackingFolder, "lock", real_lock)
+    with create_tracker(cfg, 0, run_dir) as t:
+        run_id = t.run_id
+    monkeypatch.setattr(TrackingFolder, "lock", failing_lock)
+    with pytest.raises(TrackingError, match="Permission denied"):
+        create_tracker(cfg, 0, run_dir)
+    assert client.get_run(run_id).info.status == "FINISHED"
+
+
+def test_an_artifact_replaced_later_is_never_put_back_by_replay(
+        mlflow_server, client, experiment, tmp_path, monkeypatch):  # noqa: F811
+    from txl_dist.tracking import mlflow_run
+
+    real = mlflow_run._deliver_item
+    failures = {"n": 1}
+
+    def first_upload_fails(client_, run_id, item):
+        if item.meta["kind"] == "artifact" and failures["n"]:
+            failures["n"] -= 1
+            raise ConnectionError("store away")
+        return real(client_, run_id, item)
+
+    monkeypatch.setattr(mlflow_run, "_deliver_item", first_upload_fails)
+    monkeypatch.setattr(mlflow_run, "STORE_PAUSE_S", 0.0)
+    tracker = create_tracker(cfg_for(mlflow_server.uri, experiment), 0, tmp_path)
+    tracker.log_text("step 10 curves", "curves.txt")
+    assert tracker.flush(timeout=60)
+    tracker.log_text("step 20 curves", "curves.txt")
+    assert tracker.close().failed == 1
+    assert TrackingFolder(tmp_path).outbox_items() == []  # the newer upload removed the stale copy
+    out = replay_cli(tmp_path)
+    assert out.returncode == 0 and "and 0 params/artifact/status items" in out.stdout, out.stdout + out.stderr
+    client.download_artifacts(tracker.run_id, "curves.txt", str(tmp_path / "down"))
+    assert (tmp_path / "down" / "curves.txt").read_text() == "step 20 curves"
+    # Both copies waiting (both uploads failed): replay sends the newer one alone.
+    failures["n"] = 2
+    second = create_tracker(cfg_for(mlflow_server.uri, experiment), 0, tmp_path)
+    second.log_text("step 30 curves", "curves.txt")
+    assert second.flush(timeout=60)
+    second.log_text("step 40 curves", "curves.txt")
+    assert second.close().failed == 2
+    assert len(TrackingFolder(tmp_path).outbox_items()) == 2
+    out = replay_cli(tmp_path)
+    assert out.returncode == 0 and "and 1 params/artifact/status items" in out.stdout, out.stdout + out.stderr
+    assert TrackingFolder(tmp_path).outbox_items() == []
+    client.download_artifacts(tracker.run_id, "curves.txt", str(tmp_path / "down2"))
+    assert (tmp_path / "down2" / "curves.txt").read_text() == "step 40 curves"
 
 
 def test_a_uri_password_is_never_logged_written_or_sent(

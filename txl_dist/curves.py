@@ -157,7 +157,7 @@ def draw(points: CurvePoints, out: str | os.PathLike, title: str = "") -> Path:
     ax.set_ylabel("loss (nats per token)")
     ax.xaxis.set_major_formatter(EngFormatter())
     ax.grid(True, alpha=0.3)
-    ax.legend(loc="upper right")
+    ax.legend(loc="best")  # where it hides the fewest points
     if title:
         ax.set_title(title, fontsize=10)
     fig.tight_layout()

@@ -21,7 +21,9 @@ a crash between the two makes replay send that one chunk again, at most max(1000
 log_metrics batch) duplicates. They are exact copies (the journal keeps each value's timestamp), which
 MLflow's SQL stores keep once (their metrics key is key, step, timestamp, value); a file store would
 show them twice. Outbox deliveries are idempotent (an artifact is overwritten, an identical param
-re-logged), so a crash between delivering and removing one duplicates nothing.
+re-logged), so a crash between delivering and removing one duplicates nothing. An artifact upload that
+lands removes the outbox's older copies of the same file (they failed earlier), and a copy with a newer
+one waiting is not sent: replay never puts back a stale version.
 Artifacts are copied into the outbox at call time: the upload happens later, the file may be rewritten
 meanwhile (config.resolved.json is, by every job), and the copy is what replay uploads after a crash.
 """
@@ -72,6 +74,12 @@ class _OutboxItem:
     seq: int
     meta: dict[str, Any]
     content: Path
+
+    @property
+    def destination(self) -> tuple | None:
+        """Where an artifact lands in the run (a later upload there replaces it); None for other kinds."""
+        meta = self.meta
+        return (meta["artifact_path"], meta["name"], meta["is_dir"]) if meta["kind"] == "artifact" else None
 
     @property
     def what(self) -> str:
@@ -263,6 +271,15 @@ class TrackingFolder:
             shutil.rmtree(item.content, ignore_errors=True)
             raise
         return item
+
+    def copies_of(self, item: _OutboxItem) -> tuple[list[_OutboxItem], bool]:
+        """The outbox's older items for item's artifact destination, and whether a newer one waits too.
+        Older copies are stale once a newer upload is in: sending one after it (a replay of an upload that had
+        failed) would put back an old curves.png or evaluation."""
+        if item.destination is None:
+            return [], False
+        same = [other for other in self.outbox_items() if other.destination == item.destination]
+        return [o for o in same if o.seq < item.seq], any(o.seq > item.seq for o in same)
 
     def remove(self, item: _OutboxItem) -> None:
         """Delivered: the item file goes first, so a crash in between leaves an orphan copy, not a redo."""

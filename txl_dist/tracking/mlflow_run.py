@@ -176,6 +176,7 @@ class MlflowTracker(Tracker):
         self.run_dir = Path(run_dir)
         self.folder = TrackingFolder(self.run_dir)
         holds_secret = _remember_secrets(self.uri)
+        _check_folder_usable(self.folder.dir)
         self._finish_interrupted_switch()
         opening = plan_opening(self.folder, resume)
         self.reopened = opening.kind == "reopen"
@@ -196,7 +197,14 @@ class MlflowTracker(Tracker):
                 run = self._open_run(cfg, opening)
                 self._run_id: str = run.info.run_id
                 self.experiment_id: str = run.info.experiment_id
-                summary = self._claim_folder(opening)
+                try:
+                    summary = self._claim_folder(opening)
+                except BaseException as e:
+                    self._give_back(opening, run)
+                    if isinstance(e, OSError):
+                        raise TrackingError(f"tracking: {self.folder.dir}: {e.strerror or e}; fix the folder or "
+                                            "choose another run.dir") from None
+                    raise
                 self._system_monitor = self._start_system_metrics() if cfg.system_metrics else None
         except TrackingError:
             if new_store is not None:
@@ -277,7 +285,8 @@ class MlflowTracker(Tracker):
         if experiment.lifecycle_stage != "active":
             raise TrackingError(
                 f"tracking.experiment '{self.experiment}' is deleted in {self.shown_uri}; restore it "
-                f"(mlflow experiments restore) or choose another tracking.experiment")
+                f"(mlflow experiments restore --experiment-id {experiment.experiment_id}) or choose another "
+                "tracking.experiment")
         return experiment.experiment_id
 
     def _artifact_location(self) -> str | None:
@@ -294,6 +303,16 @@ class MlflowTracker(Tracker):
             unknown_fix=f"point tracking.uri at the store that holds it, or {other_fix}", deleted_fix=other_fix)
         self._client.update_run(run_id, status="RUNNING")
         return run
+
+    def _give_back(self, opening: Opening, run) -> None:
+        """The run dir refused the run after the store opened it: a run this opening created is deleted, a
+        re-opened one gets its earlier status back (not left RUNNING for ever)."""
+        self.folder.unlock()
+        with contextlib.suppress(Exception):
+            if opening.kind == "reopen":
+                self._client.update_run(self._run_id, status=run.info.status)
+            else:
+                self._client.delete_run(self._run_id)
 
     def _finish_interrupted_switch(self) -> None:
         """A job killed while switching the folder to a continuation run: finish the switch first."""
@@ -654,6 +673,9 @@ class MlflowTracker(Tracker):
                 self.delivery.sent += n
 
     def _deliver(self, item: _OutboxItem) -> None:
+        older, newer_waits = self.folder.copies_of(item)
+        if newer_waits:  # the newer copy goes instead; its upload removes this one
+            return
         if self._store_paused():
             self._count_failed(1)
             return
@@ -662,7 +684,8 @@ class MlflowTracker(Tracker):
         except Exception as e:
             self._failed(item.what, 1, e)
             return
-        self.folder.remove(item)
+        for stale in [*older, item]:
+            self.folder.remove(stale)
 
     def _count_unsent(self) -> None:
         """At the close timeout: what is still queued will not be sent now; count it as failed."""
@@ -706,6 +729,23 @@ class MlflowTracker(Tracker):
                 "stays in the journal")
         logger.warning("tracking: %s; %s (`python -m txl_dist.tracking replay %s` sends it)", message, then,
                        self.run_dir)
+
+
+def _check_folder_usable(path: Path) -> None:
+    """Refuse a tracking folder that cannot be created or written before the store is touched (a run
+    created first would be left RUNNING with nothing logged)."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing == path and not path.is_dir():
+        problem = "is not a folder"
+    elif not existing.is_dir():
+        problem = f"cannot be created ({existing} is not a folder)"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        problem = "is not writable" if existing == path else f"cannot be created ({existing} is not writable)"
+    else:
+        return
+    raise TrackingError(f"tracking: {path} {problem}; fix it or choose another run.dir")
 
 
 def _left(deadline: float | None) -> float | None:

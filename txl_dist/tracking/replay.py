@@ -146,6 +146,9 @@ def _replay_chunks(client, batches: list[_Batch], log: _DeliveryLog, report: Rep
 
 def _replay_outbox(client, folder: TrackingFolder, report: ReplayReport, run_id: str) -> None:
     for item in folder.outbox_items():
+        if folder.copies_of(item)[1]:  # a newer copy of this artifact waits: the old one is stale
+            folder.remove(item)
+            continue
         try:
             _deliver_item(client, run_id, item)
         except Exception as e:
