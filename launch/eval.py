@@ -4,13 +4,17 @@
                              [--json-out result.json] [--log-all-ranks]
 
 PATH is a run folder, its checkpoints/ folder (the newest complete tag is used) or a step_* tag; the tag's
-files are verified against their checksums first. The configuration is the checkpoint's own (saved in
+files are verified against their checksums first. The tag is held for reading from its choice to the end of
+the load, so a run still training there does not remove it meanwhile (its retention keeps it until its next
+save). The configuration is the checkpoint's own (saved in
 run.json) unless --config names another; --set overrides either (e.g. the eval section). Runs on any world
 size that divides eval.n_streams (ZeRO 1-3 checkpoints of another world size go through the universal
-conversion, as for training). Rank 0 prints a short table (loss, perplexity, bits per token/byte/char, the
-tokens predicted, the memory settings), then the result as JSON; --json-out also writes the JSON to a file
-(atomically; its folder must exist, and the path is checked before the evaluation). Exit status 0; 2 for
-refused input (one line says why); 1 for a fault during the evaluation (a lost rank).
+conversion, as for training). The split (--split) is checked with the corpus, before anything is built or
+written. Rank 0 prints a short table (loss, perplexity, bits per token/byte/char, the tokens predicted, the
+precision and attention path the numbers were computed with, the memory settings), then the result as JSON;
+--json-out also writes the JSON to a file (atomically; its folder must exist, and the path is checked before
+the evaluation). Exit status 0; 2 for refused input (one line says why); 1 for a fault during the evaluation
+(a lost rank).
 """
 from __future__ import annotations
 
@@ -19,7 +23,6 @@ import contextlib
 import json
 import logging
 import sys
-from pathlib import Path
 
 from txl_dist import distributed
 from txl_dist.atomic import atomic_write
@@ -59,29 +62,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
 
 
-def evaluate_checkpoint(cfg, tag_dir: Path, run_info: dict, split: str | None, env: distributed.DistEnv,
-                        check_outputs=None) -> dict:
+def evaluate_checkpoint(choice, split: str | None, env: distributed.DistEnv, check_outputs=None) -> dict:
     """Load the checkpoint's weights into an engine of this world size and evaluate one split (collective);
+    choice: what startup.eval_config read (the tag is held for reading until its weights are loaded);
     check_outputs: rank 0's check of what it will write, before any work (startup.start_evaluation)."""
     from txl_dist import checkpoint as ckpt
     from txl_dist.engine import build_engine, deepspeed_config
     from txl_dist.model import TransformerXL
     from txl_dist.startup import start_evaluation
 
-    start = start_evaluation(cfg, tag_dir, run_info, env, check_outputs)
+    start = start_evaluation(choice, env, split, check_outputs)
     tag_dir, run_info = start.resume.tag_dir, start.resume.run_info  # rank 0's, on every rank
     try:
         cfg = start.cfg
         ds_config = deepspeed_config(cfg, env.world_size, load_universal=start.resume.source.universal)
         engine = build_engine(lambda: TransformerXL(cfg.model), ds_config, seed=cfg.train.seed)
         ckpt.load_engine(engine, start.resume.source)
-        split = split or cfg.data.test_split
-        result = start.evaluator.evaluate(engine.module, split)
+        start.release_checkpoint()  # loaded: the run's retention may remove the tag now
+        result = start.evaluator.evaluate(engine.module, start.split)
     finally:
-        start.evaluator.close()
+        start.close()
     memory = {key: getattr(cfg.eval, key) for key in ("tgt_len", "mem_len", "clamp_len", "same_length", "max_segments")}
-    return {"checkpoint": str(tag_dir), "step": run_info["step"], "split": split,
-            "eval_streams": cfg.eval_streams(env.world_size), "world_size": env.world_size, "eval": memory, **result}
+    # What the numbers were computed in: a bf16 and an fp32 evaluation of one checkpoint differ in the 5th digit.
+    runtime = {"precision": start.choices.precision, "attn_impl": start.choices.attn_impl}
+    return {"checkpoint": str(tag_dir), "step": run_info["step"], "split": start.split,
+            "eval_streams": cfg.eval_streams(env.world_size), "world_size": env.world_size, "eval": memory,
+            **runtime, **result}
 
 
 def result_table(result: dict) -> str:
@@ -91,6 +97,7 @@ def result_table(result: dict) -> str:
         ("checkpoint", f"{result['checkpoint']} (step {result['step']})"),
         ("split", f"{result['split']}: {int(result['tokens']):,} tokens predicted over {result['eval_streams']} "
                   f"streams on {result['world_size']} rank(s)"),
+        ("precision", f"{result['precision']} | attention {result['attn_impl']}"),
         ("memory", f"tgt_len {memory['tgt_len']} | mem_len {memory['mem_len']} | clamp_len {memory['clamp_len']} | "
                    f"same_length {str(memory['same_length']).lower()}"
                    + (f" | max_segments {memory['max_segments']}" if memory["max_segments"] is not None else "")),
@@ -119,11 +126,11 @@ def main(argv: list[str] | None = None) -> int:
 
             env = distributed.discover()
             distributed.setup_logging(env, args.log_all_ranks)
-            cfg, tag_dir, run_info = eval_config(args.checkpoint, args.config, args.overrides)
+            choice = eval_config(args.checkpoint, args.config, args.overrides)
             distributed.configure_threads(env)
             # Only rank 0 writes it, so only rank 0 can judge the path; every rank refuses with it.
             check = (lambda: check_output_file(args.json_out, "--json-out")) if args.json_out else None
-            result = evaluate_checkpoint(cfg, tag_dir, run_info, args.split, env, check)
+            result = evaluate_checkpoint(choice, args.split, env, check)
         if env.is_main:
             text = json.dumps(result, indent=2)
             print(result_table(result), text, sep="\n\n", flush=True)

@@ -65,12 +65,12 @@ def export(checkpoint: str, out: str, hf: str | None = None):
     from txl_dist import checkpoint as ckpt
     from txl_dist.interop import save_native, to_hf
     from txl_dist.model import TransformerXL
-    from txl_dist.startup import start_export
+    from txl_dist.startup import open_export
 
     check_outputs(out, hf)
-    tag_dir, run_info, model_cfg = start_export(checkpoint)
-    model = TransformerXL(model_cfg)
-    ckpt.load_fp32_weights(model, tag_dir, run_info["zero_stage"])
+    with open_export(checkpoint) as (tag_dir, run_info, model_cfg):  # held: a training run's retention waits
+        model = TransformerXL(model_cfg)
+        ckpt.load_fp32_weights(model, tag_dir, run_info["zero_stage"])
     model.eval()
     try:
         save_native(model, out)

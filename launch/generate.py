@@ -110,13 +110,13 @@ def load(checkpoint: str | None, model_dir: str | None, tokenizer: str | None, d
 def _from_checkpoint(path: str):
     from txl_dist import checkpoint as ckpt
     from txl_dist.model import TransformerXL
-    from txl_dist.startup import start_export
+    from txl_dist.startup import open_export
 
-    tag_dir, run_info, model_cfg = start_export(path)
-    model = TransformerXL(model_cfg)
-    # DeepSpeed's ZeRO consolidation prints its progress to stdout and stderr: noise to a user of generate.
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        ckpt.load_fp32_weights(model, tag_dir, run_info["zero_stage"])
+    with open_export(path) as (tag_dir, run_info, model_cfg):  # held: a training run's retention waits
+        model = TransformerXL(model_cfg)
+        # DeepSpeed's ZeRO consolidation prints its progress to stdout and stderr: noise to a user of generate.
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            ckpt.load_fp32_weights(model, tag_dir, run_info["zero_stage"])
     corpus = run_info["config"]["data"]["path"]
     return model, str(tag_dir), run_info["tokenizer_sha256"], corpus
 

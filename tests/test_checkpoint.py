@@ -73,6 +73,105 @@ def test_prune_keeps_the_newest_complete_tags_only(tmp_path):
     assert _names(ckpt) == ["step_00000030", "step_00000040"]
 
 
+READER = """
+import sys
+from txl_dist import checkpoint
+tag_dir, hold = checkpoint.resolve_and_hold(sys.argv[1])
+print(tag_dir.name, flush=True)
+sys.stdin.read()  # holds the tag until the test closes our stdin
+"""
+
+
+def _reader(path) -> subprocess.Popen:
+    """Another process that chose the tag `path` names and holds it for reading (as evaluation and export do);
+    the tag it chose is its first line."""
+    return subprocess.Popen([sys.executable, "-c", READER, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+
+
+def test_retention_keeps_a_tag_another_process_reads_until_the_next_save_after_it(tmp_path, caplog):
+    import logging
+
+    ckpt = tmp_path / "ckpt"
+    for step in (10, 20):
+        _tag(ckpt, step, universal=True)
+    reader = _reader(ckpt)
+    try:
+        assert reader.stdout.readline().strip() == "step_00000020"
+        _tag(ckpt, 30)  # a save while the reader loads step 20
+        with caplog.at_level(logging.INFO, logger="txl_dist"):
+            assert checkpoint.prune(ckpt, keep=1) == ["step_00000010"]
+        assert _names(ckpt) == ["step_00000020", "step_00000020_universal", "step_00000030"]
+        assert "checkpoint: keeping step_00000020 for now: another job (an evaluation or export) is reading it; " \
+               "the next save's retention removes it" in [r.getMessage() for r in caplog.records]
+    finally:
+        reader.communicate("", timeout=30)
+    assert checkpoint.prune(ckpt, keep=1) == ["step_00000020"]  # read no more: the next save's retention
+    assert _names(ckpt) == ["step_00000030"]
+
+
+def test_a_reader_whose_tag_retention_removed_meanwhile_takes_the_newest_or_refuses_a_named_tag(tmp_path,
+                                                                                               monkeypatch):
+    ckpt = tmp_path / "run" / "checkpoints"
+    for step in (10, 20):
+        _tag(ckpt, step)
+    resolve = checkpoint.resolve_path
+    saves = iter([30, 40])
+
+    def save_and_prune_after_the_choice(path):
+        chosen = resolve(path)
+        if chosen.name == "step_00000020":  # the choice, then a save and its retention (keep=1)
+            _tag(ckpt, next(saves))
+            checkpoint.prune(ckpt, keep=1)
+        return chosen
+
+    monkeypatch.setattr(checkpoint, "resolve_path", save_and_prune_after_the_choice)
+    tag_dir, hold = checkpoint.resolve_and_hold(tmp_path / "run")
+    hold.release()
+    assert tag_dir == ckpt / "step_00000030"
+
+    _tag(ckpt, 20)  # (a rollback's copy, say) named by the user, then removed as it is chosen
+    with pytest.raises(CheckpointError, match=r"^\S+/step_00000020: removed by its run's retention \(checkpoint.keep\) "
+                       r"while this job started; name a newer tag, or the run folder \(its newest tag\)$"):
+        checkpoint.resolve_and_hold(ckpt / "step_00000020")
+
+
+def test_a_tag_removed_between_a_readers_open_and_its_lock_is_not_held(tmp_path, monkeypatch):
+    import fcntl
+
+    ckpt = tmp_path / "ckpt"
+    _tag(ckpt, 10)
+    _tag(ckpt, 20)
+    flock = fcntl.flock
+
+    def prune_first(fd, op):  # retention locked, removed and let go of step 10 right after the reader's open
+        if op & fcntl.LOCK_SH:
+            monkeypatch.setattr(fcntl, "flock", flock)
+            checkpoint.prune(ckpt, keep=1)
+        return flock(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", prune_first)
+    assert checkpoint.hold_for_reading(ckpt / "step_00000010") is None
+    assert _names(ckpt) == ["step_00000020"]
+
+
+def test_without_locks_retention_removes_as_before_and_a_reader_goes_on(tmp_path, monkeypatch, caplog):
+    import errno
+    import fcntl
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    ckpt = tmp_path / "ckpt"
+    _tag(ckpt, 10)
+    _tag(ckpt, 20)
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    hold = checkpoint.hold_for_reading(ckpt / "step_00000010")
+    assert hold is not None and "does not support locks" in caplog.text
+    assert checkpoint.prune(ckpt, keep=1) == ["step_00000010"]
+    hold.release()
+
+
 def test_leftovers_are_removed_and_a_tag_moved_aside_mid_replace_comes_back(tmp_path):
     ckpt = tmp_path / "ckpt"
     _tag(ckpt, 10)

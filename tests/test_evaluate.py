@@ -124,6 +124,77 @@ def test_ranks_that_resolved_different_tags_evaluate_rank_zeros(trained, tmp_pat
         assert mixed[key] == step2[key], key
 
 
+PRUNE = """
+import sys
+from txl_dist import checkpoint
+print(checkpoint.prune(sys.argv[1], keep=1))
+"""
+
+
+def _save_and_prune(ckpt) -> None:
+    """What a training run still running in the folder does: a save (the newest tag copied to the next step)
+    and its retention (checkpoint.keep=1), in a process of its own."""
+    import shutil
+    import subprocess
+    import sys
+
+    from txl_dist import checkpoint
+
+    newest = checkpoint.inventory(ckpt).complete[-1]
+    shutil.copytree(ckpt / newest, ckpt / checkpoint.tag_for(checkpoint.step_of(newest) + 1))
+    subprocess.run([sys.executable, "-c", PRUNE, str(ckpt)], check=True)
+
+
+def _eval_with_a_save_and_prune(argv, ckpt, moment):
+    """launch/eval.py on this rank; rank 0 has a training run save and prune at `moment`: "choice" (the tag is
+    chosen, the process group not made yet: where the QA sweep's evaluations failed) or "load" (DeepSpeed's
+    load of the weights)."""
+    import os
+
+    from txl_dist import checkpoint, distributed
+
+    target, name = {"choice": (distributed, "init_process_group"), "load": (checkpoint, "load_engine")}[moment]
+    original = getattr(target, name)
+
+    def meanwhile(*args, **kwargs):
+        if os.environ["RANK"] == "0":
+            _save_and_prune(ckpt)
+        return original(*args, **kwargs)
+
+    setattr(target, name, meanwhile)
+    return _eval_main(argv)
+
+
+@pytest.mark.parametrize("moment", ["choice", "load"])
+def test_a_run_that_saves_and_prunes_while_it_is_evaluated_keeps_the_tag_until_the_next_save(trained, tmp_path,
+                                                                                             moment):
+    import shutil
+
+    from txl_dist import checkpoint
+
+    _, trained_ckpt = trained
+    ckpt = tmp_path / "run" / "checkpoints"
+    shutil.copytree(trained_ckpt / "step_00000003", ckpt / "step_00000003")
+    out = tmp_path / "result.json"
+    argv = ["--checkpoint", str(tmp_path / "run"), "--split", "valid", "--json-out", str(out)]
+    assert run_ranks(_eval_with_a_save_and_prune, 2, argv, ckpt, moment) == [0, 0]
+    result = json.loads(out.read_text())
+    assert (result["checkpoint"], result["step"]) == (str(ckpt / "step_00000003"), 3)
+    assert checkpoint.inventory(ckpt).complete == ["step_00000003", "step_00000004"]  # kept while it was read
+    assert checkpoint.prune(ckpt, keep=1) == ["step_00000003"]  # and removed by the next save's retention
+
+
+def test_an_unknown_split_is_refused_before_the_engine_is_built_or_a_universal_copy_written(trained, tmp_path):
+    import shutil
+
+    _, trained_ckpt = trained
+    ckpt = tmp_path / "run" / "checkpoints"
+    shutil.copytree(trained_ckpt / "step_00000003", ckpt / "step_00000003")
+    # 1 rank reads the 2-rank ZeRO-1 checkpoint through a universal copy, which a late refusal had written.
+    assert run_ranks(_eval_main, 1, ["--checkpoint", str(ckpt), "--split", "tset"]) == [2]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step_00000003"]
+
+
 def test_max_segments_stops_each_stream_early(trained, tmp_path):
     from launch.export import export
     from txl_dist.evaluate import Evaluator
@@ -215,8 +286,11 @@ def test_eval_prints_a_table_and_the_json_and_writes_the_json_out_file(trained, 
     result = json.loads(text)
     assert json.loads(written.read_text()) == result
     assert result["eval"] == {"tgt_len": 8, "mem_len": 12, "clamp_len": -1, "same_length": True, "max_segments": 3}
+    assert (result["precision"], result["attn_impl"]) == ("fp32", "matmul")  # what the numbers were computed in
     rows = dict(line.split(None, 1) for line in table.splitlines())
-    assert list(rows) == ["checkpoint", "split", "memory", "loss", "perplexity", "bits/token", "bits/byte", "bits/char"]
+    assert list(rows) == ["checkpoint", "split", "precision", "memory", "loss", "perplexity", "bits/token", "bits/byte",
+                          "bits/char"]
+    assert rows["precision"] == "fp32 | attention matmul"
     assert rows["loss"] == f"{result['loss']:.4f} nats/token"
     assert rows["perplexity"] == f"{result['perplexity']:.3f}"
     for key in ("token", "byte", "char"):

@@ -378,6 +378,7 @@ def _(s):
 
 case("config.cutoffs-beyond-vocabulary")(train_with(model={"cutoffs": [32, 64]}))
 case("config.vocab-size-differs-from-corpus")(train_with(model={"vocab_size": 100}))
+case("config.vocab-size-and-cutoffs-differ-from-corpus")(train_with(model={"vocab_size": 100, "cutoffs": [80]}))
 
 # The deepspeed section
 
@@ -462,6 +463,11 @@ def _(s):
 case("data.split-empty")(train_with(data={"train_split": "empty"}))
 case("data.split-too-short")(train_with(data={"train_split": "short"}))
 case("data.split-unknown")(train_with(data={"valid_split": "dev"}))
+
+
+@case("data.eval-split-unknown")
+def _(s):
+    s.eval("--checkpoint", s.trained_run(), "--set", f"data.path={s.corpus}", "--split", "tset")
 case("data.eval-split-too-short")(train_with(eval={"tgt_len": 64}))
 
 
@@ -586,6 +592,20 @@ def _(s):
 @case("checkpoint.eval-with-other-tokenizer")
 def _(s):
     s.eval("--checkpoint", s.trained_run(), "--set", f"data.path={other_tokenizer_corpus(s)}")
+
+
+@case("checkpoint.eval-with-other-tokenizer-and-vocabulary")
+def _(s):
+    root = s.root / "other-vocabulary"
+    write_corpus(root, {name: learnable_stream(80, 48, seed) for seed, name in enumerate(("train", "valid", "test"))},
+                 vocab_size=48)
+    s.values["other-vocabulary"] = str(root)
+    s.eval("--checkpoint", s.trained_run(), "--set", f"data.path={root}")
+
+
+@case("checkpoint.eval-model-differs")
+def _(s):
+    s.eval("--checkpoint", s.trained_run(), "--config", s.config_file(s.config(model={"cutoffs": [32, 64]})))
 
 
 @case("checkpoint.export-damaged")

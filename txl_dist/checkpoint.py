@@ -30,8 +30,10 @@ Resume (`--resume auto`) takes the newest complete tag whatever `latest` says, v
 ranks share the hashing) and, with checkpoint.fallback, falls back to older tags that verify. A load on
 another world size reads the tag's universal copy only once that verifies against its own record (the same
 shared hashing); one that does not is converted again from the tag. Retention
-removes only complete tags older than the newest `keep`, after a save has completed; tags newer than the
-point a job resumes from are moved to superseded/ at start (a rollback), never removed.
+removes only complete tags older than the newest `keep`, after a save has completed, and never one another
+job is reading (a shared flock on its run.json, held by evaluation and export from the choice of the tag to
+the end of the load: hold_for_reading); tags newer than the point a job resumes from are moved to
+superseded/ at start (a rollback), never removed.
 
 DeepSpeed writes `client_state` from data-parallel rank 0 only, so per-rank state needs its own files.
 Everything is loaded with weights_only unpickling (txl_dist.safe_load restricts DeepSpeed's own loads).
@@ -39,6 +41,7 @@ Everything is loaded with weights_only unpickling (txl_dist.safe_load restricts 
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import json
 import logging
@@ -299,7 +302,8 @@ def superseded_runs(ckpt_dir: str | os.PathLike, step: int) -> set[str]:
 def prune(ckpt_dir: str | os.PathLike, keep: int) -> list[str]:
     """Remove all but the newest `keep` complete tags (0 keeps all), with their universal copies; the newest
     good tag (saved outside a run of non-finite steps) is always kept, so a run that then diverges can
-    restart from it.
+    restart from it. A tag another job is reading (hold_for_reading: an evaluation, an export) is kept for
+    now, with one info line: the next save's retention removes it. Returns the tags removed.
 
     Called only after a save has completed, so the tag just saved is among the kept ones.
     """
@@ -307,14 +311,122 @@ def prune(ckpt_dir: str | os.PathLike, keep: int) -> list[str]:
     complete = inventory(ckpt_dir).complete
     doomed = complete[:-keep] if keep > 0 else []
     good = next((t for t in reversed(complete) if _is_good(ckpt_dir / t)), None)
-    doomed = [t for t in doomed if t != good]
-    for tag in doomed:
-        # Rename first: a crash while deleting must not leave a step_* folder that looks complete.
-        trash = ckpt_dir / f"{REPLACED_PREFIX}{tag}{PRUNED_SUFFIX}"
-        os.replace(ckpt_dir / tag, trash)
-        shutil.rmtree(trash, ignore_errors=True)
-        shutil.rmtree(ckpt_dir / (tag + UNIVERSAL_SUFFIX), ignore_errors=True)
-    return doomed
+    removed = []
+    for tag in (t for t in doomed if t != good):
+        with _held_for_removal(ckpt_dir / tag) as free:
+            if not free:
+                logging.getLogger(distributed.LOGGER_NAME).info(
+                    "checkpoint: keeping %s for now: another job (an evaluation or export) is reading it; the next "
+                    "save's retention removes it", tag)
+                continue
+            # Rename first: a crash while deleting must not leave a step_* folder that looks complete.
+            trash = ckpt_dir / f"{REPLACED_PREFIX}{tag}{PRUNED_SUFFIX}"
+            os.replace(ckpt_dir / tag, trash)
+            shutil.rmtree(trash, ignore_errors=True)
+            shutil.rmtree(ckpt_dir / (tag + UNIVERSAL_SUFFIX), ignore_errors=True)
+        removed.append(tag)
+    return removed
+
+
+# ----------------------------------------------------------------------------------------------------
+# Readers and retention
+#
+# A job that reads a tag it did not write (an evaluation, an export, generate) holds a shared flock on the
+# tag's run.json from the moment it chose the tag to the end of its load; retention takes an exclusive one,
+# without waiting, before it removes a tag, and keeps a tag it cannot lock. run.json, because every complete
+# tag has one (older tags included) and a reader without write access can open it. Where the file system has
+# no flock (some NFS mounts) both go on unlocked, as the run folder's lock does: retention then removes as
+# before, and a reader whose tag vanished before it opened it still chooses again.
+
+
+class ReadHold:
+    """A shared lock on a tag that retention respects; release() (or process exit) drops it."""
+
+    def __init__(self, tag_dir: Path, fd: int | None) -> None:
+        self.tag_dir, self._fd = tag_dir, fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor drops the flock
+            self._fd = None
+
+
+_LOCK_BUSY = (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
+
+
+def hold_for_reading(tag_dir: str | os.PathLike) -> ReadHold | None:
+    """A shared hold on a complete tag, or None when the tag is gone or being removed by retention (it was
+    chosen a moment ago: the caller chooses again, or refuses a tag the user named)."""
+    tag_dir = Path(tag_dir)
+    run_file = tag_dir / STATE_DIR / RUN_FILE
+    try:
+        fd = os.open(run_file, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno in _LOCK_BUSY:  # retention holds it: the tag is being removed
+            os.close(fd)
+            return None
+        logging.getLogger(distributed.LOGGER_NAME).warning(
+            "checkpoint %s: this file system does not support locks (%s); a training run's retention may remove "
+            "it while it is read", tag_dir, one_line(e))
+    # Retention may have removed the tag between the open and the lock (the lock is then on a deleted file).
+    if not _same_file(fd, run_file):
+        os.close(fd)
+        return None
+    return ReadHold(tag_dir, fd)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        st, now = os.fstat(fd), os.stat(path)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino)
+
+
+@contextmanager
+def _held_for_removal(tag_dir: Path) -> Iterator[bool]:
+    """An exclusive lock on a tag while retention removes it: True when nobody reads it (or the file system
+    has no locks: remove as before), False when a reader holds it."""
+    run_file = tag_dir / STATE_DIR / RUN_FILE
+    try:
+        fd = os.open(run_file, os.O_RDWR)  # NFS emulates flock with POSIX locks: an exclusive one needs write
+    except PermissionError:
+        fd = os.open(run_file, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in _LOCK_BUSY:
+                yield False
+                return
+        yield True
+    finally:
+        os.close(fd)
+
+
+MAX_CHOICES = 5
+"""Times a reader chooses the newest tag again when the one it chose was removed before it could hold it (a
+training run saving and pruning meanwhile); more in a row means something else removes tags."""
+
+
+def resolve_and_hold(path: str | os.PathLike) -> tuple[Path, ReadHold]:
+    """The tag a user's PATH means (resolve_path), held for reading (hold_for_reading). A run or checkpoints
+    folder whose chosen tag retention removed meanwhile names its newest complete tag again; a tag the user
+    named that retention removed is refused."""
+    for _ in range(MAX_CHOICES):
+        tag_dir = resolve_path(path)
+        hold = hold_for_reading(tag_dir)
+        if hold is not None:
+            return tag_dir, hold
+        if tag_dir == Path(path):
+            raise CheckpointError(f"{tag_dir}: removed by its run's retention (checkpoint.keep) while this job "
+                                  "started; name a newer tag, or the run folder (its newest tag)")
+    raise CheckpointError(f"{path}: the newest tag was removed {MAX_CHOICES} times in a row before it could be "
+                          "read; is another job deleting its checkpoints?")
 
 
 def _is_good(tag_dir: Path) -> bool:

@@ -20,6 +20,11 @@ to a run folder another job might own. The phases:
 Before the fit check of phase 3 (for a new run: after phase 2) rank 0 decides what "auto" means for
 train.precision and model.attn_impl (measured, or the choices the checkpoint recorded) and every rank takes
 its answer (txl_dist/runtime_choices.py); the configuration start-up returns names the decided values.
+
+Evaluation and export read a tag of a run that may still be training: they hold it for reading from its
+choice to the end of the load (checkpoint.resolve_and_hold; that run's retention keeps it meanwhile). An
+evaluation checks the checkpoint's fit with the corpus before the configuration's own checks against it, and
+opens the split it evaluates, all before an engine is built or a universal copy written.
 """
 from __future__ import annotations
 
@@ -29,9 +34,10 @@ import logging
 import shutil
 import socket
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 import numpy as np
 
@@ -107,11 +113,24 @@ class TrainStart:
 
 @dataclass
 class EvalStart:
-    """What start_evaluation checked: the configuration to build the model with, and the tag to load."""
+    """What start_evaluation checked: the configuration to build the model with, the tag to load (held for
+    reading until release_checkpoint), the split to evaluate and the choices it runs with."""
 
     cfg: RunConfig
     resume: Resume
     evaluator: Evaluator
+    split: str
+    choices: RunChoices
+    hold: checkpoint.ReadHold | None = None
+
+    def release_checkpoint(self) -> None:
+        """Let the run's retention remove the tag again (once its files are loaded)."""
+        if self.hold is not None:
+            self.hold.release()
+
+    def close(self) -> None:
+        self.evaluator.close()
+        self.release_checkpoint()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -142,11 +161,22 @@ def open_corpus(cfg: RunConfig) -> tuple[RunConfig, Manifest]:
 def with_vocab(cfg: RunConfig, vocab_size: int, corpus: str) -> RunConfig:
     """cfg with model.vocab_size = the corpus tokenizer's; a different explicit value is refused."""
     if cfg.model.vocab_size is not None and cfg.model.vocab_size != vocab_size:
+        # The advice must not lead into the next refusal: cutoffs that only fit the old size are named too.
+        cutoffs = "" if _cutoffs_fit(cfg.model.cutoffs, vocab_size) else \
+            f" and model.cutoffs {cfg.model.cutoffs} below {vocab_size}"
         raise ConfigError(
             f"model.vocab_size: {cfg.model.vocab_size} differs from the tokenizer of {corpus} ({vocab_size}); "
-            "set it to null (taken from the manifest) or prepare the data with the matching tokenizer")
+            f"set it to null (taken from the manifest){cutoffs} or prepare the data with the matching tokenizer")
     check_cutoffs(cfg.model.cutoffs, vocab_size)
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab_size))
+
+
+def _cutoffs_fit(cutoffs: list[int], vocab_size: int) -> bool:
+    try:
+        check_cutoffs(cutoffs, vocab_size)
+        return True
+    except ConfigError:
+        return False
 
 
 def check_checkpoint_fits(cfg: RunConfig, manifest: Manifest, run_info: dict[str, Any], tag_dir: Path, *,
@@ -568,21 +598,36 @@ def _resume_point(start: TrainStart):
 # Evaluation and export
 
 
-def eval_config(checkpoint_path: str, config: str | None, overrides: list[str]) -> tuple[RunConfig, Path, dict]:
-    """The configuration to evaluate a checkpoint with (its own, or --config) and the tag it names.
+@dataclass
+class EvalChoice:
+    """What eval_config read on one rank: the configuration, and the tag it names, held for reading."""
+
+    cfg: RunConfig
+    tag_dir: Path
+    run_info: dict[str, Any]
+    hold: checkpoint.ReadHold
+
+
+def eval_config(checkpoint_path: str, config: str | None, overrides: list[str]) -> EvalChoice:
+    """The configuration to evaluate a checkpoint with (its own, or --config) and the tag it names, held for
+    reading from now on (a training run's retention keeps it: checkpoint.hold_for_reading).
 
     Read by every rank on its own (no collectives: the process group is made with this config's timeouts).
     """
-    tag_dir = checkpoint.resolve_path(checkpoint_path)
-    run_info = checkpoint.read_run_info(tag_dir)
-    if config is None:
-        raw = copy.deepcopy(run_info["config"])  # apply_override edits it in place
-        for item in overrides:
-            apply_override(raw, item)
-        cfg = config_from_dict(raw)
-    else:
-        cfg = load_config(config, overrides)
-    return cfg, tag_dir, run_info
+    tag_dir, hold = checkpoint.resolve_and_hold(checkpoint_path)
+    try:
+        run_info = checkpoint.read_run_info(tag_dir)
+        if config is None:
+            raw = copy.deepcopy(run_info["config"])  # apply_override edits it in place
+            for item in overrides:
+                apply_override(raw, item)
+            cfg = config_from_dict(raw)
+        else:
+            cfg = load_config(config, overrides)
+    except BaseException:
+        hold.release()
+        raise
+    return EvalChoice(cfg, tag_dir, run_info, hold)
 
 
 def evaluation_batch(cfg: RunConfig, world_size: int) -> RunConfig:
@@ -597,54 +642,92 @@ def evaluation_batch(cfg: RunConfig, world_size: int) -> RunConfig:
         return dataclasses.replace(cfg, deepspeed=ds)
 
 
-def start_evaluation(cfg: RunConfig, tag_dir: Path, run_info: dict[str, Any], env: DistEnv,
+def start_evaluation(choice: EvalChoice, env: DistEnv, split: str | None = None,
                      check_outputs: Callable[[], None] | None = None) -> EvalStart:
-    """Checks for evaluating a checkpoint on this world size (collective): config, corpus, fit, checksums, and
-    check_outputs (what rank 0 will write, e.g. --json-out: run on rank 0, refused on every rank together).
+    """Checks for evaluating a checkpoint on this world size (collective): config, corpus, fit, the split
+    (default data.test_split), checksums, and check_outputs (what rank 0 will write, e.g. --json-out: run on
+    rank 0, refused on every rank together). All before an engine is built or a universal copy written.
 
     Every rank resolved the checkpoint path on its own (eval_config, before the process group existed): a run
     folder names its newest tag, and a save landing between two ranks' reads would give them different tags
     (at ZeRO 1-2 a mix of both tags' optimizer shards). Rank 0's tag, with the config and record read from it,
-    is what every rank evaluates."""
-    cfg = evaluation_batch(cfg, env.world_size)
-    join(cfg, env)
-    if check_outputs is not None:
-        _on_main(env, check_outputs)
-    own_tag = tag_dir
-    tag_dir, run_info, cfg = distributed.broadcast_object((tag_dir, run_info, cfg) if env.is_main else None)
-    if own_tag.resolve() != tag_dir.resolve():
-        log.warning("rank %d: the checkpoint path named %s here and %s on rank 0 (a save while the ranks started); "
-                    "evaluating rank 0's", env.rank, own_tag.name, tag_dir.name)
-    # "auto" in an evaluation config means what the checkpoint's run chose (or a fresh decision when the
-    # checkpoint recorded none, or was made on another device type).
-    choices = runtime_choices.agree(cfg, env, run_info.get("run_choices"), peak=False)
-    cfg = runtime_choices.apply(cfg, choices)
-
-    def local_checks():
-        resolved, manifest = open_corpus(cfg)
-        check_checkpoint_fits(resolved, manifest, run_info, tag_dir, purpose="evaluate")
-        evaluator = Evaluator(resolved.data.path, resolved.eval, rank=env.rank, world_size=env.world_size,
-                              n_streams=resolved.eval_streams(env.world_size), device=distributed.device_for(env))
-        return resolved, evaluator
-
-    resolved, evaluator = _together(local_checks)
+    is what every rank evaluates, and holds for reading (multi-node: every node reads it)."""
+    hold, evaluator = choice.hold, None
     try:
+        cfg = evaluation_batch(choice.cfg, env.world_size)
+        join(cfg, env)
+        if check_outputs is not None:
+            _on_main(env, check_outputs)
+        tag_dir, run_info, cfg = distributed.broadcast_object(
+            (choice.tag_dir, choice.run_info, cfg) if env.is_main else None)
+        hold = _together(lambda: _hold_rank_zeros_tag(choice, tag_dir, env))
+        # "auto" in an evaluation config means what the checkpoint's run chose (or a fresh decision when the
+        # checkpoint recorded none, or was made on another device type).
+        choices = runtime_choices.agree(cfg, env, run_info.get("run_choices"), peak=False)
+        cfg = runtime_choices.apply(cfg, choices)
+        resolved, evaluator, split = _together(lambda: _eval_local_checks(cfg, run_info, tag_dir, split, env))
         _verified([tag_dir], env, fallback=False)
         source = checkpoint.engine_source(tag_dir, run_info, world_size=env.world_size)
         _ready_universal_copy(source, tag_dir, run_info, env)
         _check_loadable(source)
     except BaseException:
-        evaluator.close()
+        if evaluator is not None:
+            evaluator.close()
+        hold.release()
         raise
-    return EvalStart(resolved, Resume(tag_dir, run_info, source), evaluator)
+    return EvalStart(resolved, Resume(tag_dir, run_info, source), evaluator, split, choices, hold)
 
 
-def start_export(checkpoint_path: str):
-    """The tag a path names, verified, and the validated model config it was trained with (one process)."""
-    tag_dir = checkpoint.resolve_path(checkpoint_path)
-    run_info = checkpoint.read_run_info(tag_dir)
-    problem = checkpoint.verify(tag_dir)
-    if problem:
-        raise CheckpointError(f"checkpoint {tag_dir.name} is damaged: {problem}")
-    model_cfg = model_config_from_dict(run_info["config"]["model"])
-    return tag_dir, run_info, model_cfg
+def _hold_rank_zeros_tag(choice: EvalChoice, tag_dir: Path, env: DistEnv) -> checkpoint.ReadHold:
+    """This rank's hold on rank 0's tag: its own when it chose the same one, else a new one (rank 0 holds that
+    tag, so retention cannot have removed it, except on a file system without locks)."""
+    if choice.tag_dir.resolve() == tag_dir.resolve():
+        return choice.hold
+    log.warning("rank %d: the checkpoint path named %s here and %s on rank 0 (a save while the ranks started); "
+                "evaluating rank 0's", env.rank, choice.tag_dir.name, tag_dir.name)
+    choice.hold.release()
+    hold = checkpoint.hold_for_reading(tag_dir)
+    if hold is None:
+        raise CheckpointError(f"{tag_dir}: removed by its run's retention (checkpoint.keep) while this job "
+                              "started; start the evaluation again")
+    return hold
+
+
+def _eval_local_checks(cfg: RunConfig, run_info: dict[str, Any], tag_dir: Path, split: str | None,
+                       env: DistEnv) -> tuple[RunConfig, Evaluator, str]:
+    """The corpus, the checkpoint's fit with it, and the split (opened and verified now), on this rank.
+
+    The fit first: a corpus made with another tokenizer, or a model that is not the checkpoint's, is what the
+    user must hear about; the config's own checks against the corpus (model.vocab_size, model.cutoffs) come
+    after, and a config that fits the checkpoint passes them (its vocabulary and cutoffs are the checkpoint's)."""
+    manifest = read_manifest(cfg.data.path)
+    check_checkpoint_fits(with_vocab_if_unset(cfg, manifest.tokenizer.vocab_size), manifest, run_info, tag_dir,
+                          purpose="evaluate")
+    resolved = with_vocab(cfg, manifest.tokenizer.vocab_size, cfg.data.path)
+    split = split or resolved.data.test_split
+    evaluator = Evaluator(resolved.data.path, resolved.eval, rank=env.rank, world_size=env.world_size,
+                          n_streams=resolved.eval_streams(env.world_size), device=distributed.device_for(env),
+                          splits=[split])
+    return resolved, evaluator, split
+
+
+def with_vocab_if_unset(cfg: RunConfig, vocab_size: int) -> RunConfig:
+    """cfg with model.vocab_size = vocab_size where it is null (no checks: with_vocab makes them)."""
+    if cfg.model.vocab_size is not None:
+        return cfg
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab_size))
+
+
+@contextmanager
+def open_export(checkpoint_path: str) -> Iterator[tuple[Path, dict[str, Any], Any]]:
+    """The tag a path names, verified, and the validated model config it was trained with (one process); the
+    tag is held for reading while the block runs (load its weights inside it)."""
+    tag_dir, hold = checkpoint.resolve_and_hold(checkpoint_path)
+    try:
+        run_info = checkpoint.read_run_info(tag_dir)
+        problem = checkpoint.verify(tag_dir)
+        if problem:
+            raise CheckpointError(f"checkpoint {tag_dir.name} is damaged: {problem}")
+        yield tag_dir, run_info, model_config_from_dict(run_info["config"]["model"])
+    finally:
+        hold.release()
