@@ -288,3 +288,88 @@ def test_bf16_runs_accumulate_gradients_in_fp32_at_zero_2_and_3():
     for stage in (0, 1):
         data_types, norm = run_ranks(_accumulated_gradient, 1, stage, None)[0]
         assert data_types is None and norm == 32.25, stage
+
+
+# ----------------------------------------------------------------------------------------------------
+# The first start of a preset whose optimizer DeepSpeed JIT-builds says so
+
+
+def test_the_optimizer_op_deepspeed_would_build_is_known_from_the_config():
+    from dist_helpers import REPO
+    from txl_dist import engine as eng
+    from txl_dist.config import load_config
+
+    def builder(name):
+        return eng.optimizer_op_builder(load_config(REPO / "configs" / f"{name}.json").deepspeed_config(1))
+
+    assert [builder(name) for name in ("ptb", "wt103_base", "large", "enwik8_large")] == ["FusedAdamBuilder"] * 4
+    assert builder("tiny") is None and builder("ptb_cpu") is None  # "torch_adam": torch's AdamW
+    offload = {"optimizer": {"type": "Adam"}, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    assert eng.optimizer_op_builder(offload) == "CPUAdamBuilder"
+    assert eng.optimizer_op_builder({"optimizer": {"type": "Lamb"}}) == "FusedLambBuilder"
+    assert eng.optimizer_op_builder({"optimizer": {"type": "SGD"}}) is None and eng.optimizer_op_builder({}) is None
+
+
+def test_a_build_is_announced_only_when_the_op_is_not_cached(tmp_path, monkeypatch):
+    import logging
+
+    from txl_dist import distributed, engine as eng
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger(distributed.LOGGER_NAME)
+    logger.addHandler(handler)
+    monkeypatch.setattr(logger, "level", logging.INFO)
+    ds = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    try:
+        assert eng.announce_optimizer_op_build(ds) == "fused_adam"
+        assert len(lines) == 1 and lines[0].startswith("DeepSpeed builds its FusedAdam op on the first start")
+        assert str(tmp_path / "fused_adam") in lines[0]
+        (tmp_path / "fused_adam" / "fused_adam.so").write_bytes(b"")  # built by an earlier start
+        assert eng.announce_optimizer_op_build(ds) is None
+        (tmp_path / "fused_adam" / "fused_adam.so").unlink()
+        assert eng.announce_optimizer_op_build({"optimizer": {"type": "AdamW", "params": {"torch_adam": True}}}) is None
+        assert len(lines) == 1
+    finally:
+        logger.removeHandler(handler)
+
+
+class _StopAtInitialize(Exception):
+    pass
+
+
+def _announced_before_initialize(raw: dict, extensions_dir: str) -> list[str]:
+    """build_engine up to deepspeed.initialize (which would build the op for minutes): what happened, in order."""
+    import os
+
+    import deepspeed
+
+    os.environ["TORCH_EXTENSIONS_DIR"] = extensions_dir  # here: a rank may come from a process started earlier
+
+    from txl_dist import engine as eng
+    from txl_dist.model import TransformerXL
+
+    events = []
+    real_announce = eng.announce_optimizer_op_build
+    eng.announce_optimizer_op_build = lambda ds: events.append(f"announce {real_announce(ds)}")
+
+    def initialize(**_):
+        events.append("initialize")
+        raise _StopAtInitialize  # nothing after initialize matters here
+
+    deepspeed.initialize = initialize
+    cfg = config_from_dict(raw)
+    try:
+        eng.build_engine(lambda: TransformerXL(cfg.model), eng.deepspeed_config(cfg, 1), seed=1)
+    except _StopAtInitialize:
+        pass
+    return events
+
+
+def test_build_engine_announces_the_op_build_before_deepspeed_initialize(tmp_path):
+    raw = _variant(0)
+    raw["deepspeed"]["optimizer"]["params"].pop("torch_adam")  # DeepSpeed's FusedAdam
+    (events,) = run_ranks(_announced_before_initialize, 1, raw, str(tmp_path))  # nothing built in tmp_path
+    assert events == ["announce fused_adam", "initialize"]

@@ -96,3 +96,28 @@ def test_peak_table_names_the_datasheet_and_unknown_devices_are_measured():
     assert value > 0 and source.startswith("measured: ")
     assert measure_matmul_peak("cpu", torch.bfloat16, seconds=0.02, sizes=(64,))[1] == 64
 
+
+
+def test_the_cpu_peak_is_one_threads_best_rate_times_the_threads(monkeypatch):
+    """On a shared CPU a multi-threaded product waits for its slowest (preempted) thread: the peak is measured
+    on one thread and counts every thread of the process. A fake clock makes every product take 1 ms."""
+    from types import SimpleNamespace
+
+    from txl_dist import flops
+
+    clock = iter(i * 1e-3 for i in range(10**6))
+    monkeypatch.setattr(flops, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
+    threads_seen = []
+    real_matmul = torch.matmul
+    monkeypatch.setattr(torch, "matmul", lambda a, b: threads_seen.append(torch.get_num_threads()) or real_matmul(a, b))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        value, size = measure_matmul_peak("cpu", torch.float32, seconds=0.01, sizes=(32, 64))
+        assert torch.get_num_threads() == 2  # restored
+        source = peak_flops("cpu", torch.float32, seconds=0.01)[1]
+    finally:
+        torch.set_num_threads(before)
+    assert set(threads_seen) == {1}
+    assert size == 64 and value == pytest.approx(2 * 64 ** 3 / 1e-3 * 2)
+    assert "one cpu thread x 2 thread(s)" in source

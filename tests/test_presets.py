@@ -45,3 +45,18 @@ def test_the_preset_trains_three_steps_at_toy_size(name, corpus, tmp_path):
     after = proc.stdout.split("step 3/3 | loss", 1)[1]
     # After the steps: the final validation, the checkpoint and the test evaluation.
     assert "valid at step 3: loss" in after and "checkpoints/step_00000003" in after and "test at step 3: loss" in after
+
+
+@pytest.mark.parametrize("name,vocab_size,stated", [("ptb", 10001, "32,064,501"), ("large", None, "285,205,322")])
+def test_the_parameter_counts_in_the_recipes_are_what_the_presets_build(name, vocab_size, stated):
+    """docs/recipes.md once gave the paper's figures (24M, 257M) as the presets' sizes."""
+    import dataclasses
+
+    from txl_dist.config import load_config
+    from txl_dist.startup import count_parameters
+
+    model = load_config(REPO / "configs" / f"{name}.json").model
+    if vocab_size is not None:  # ptb.json takes it from the corpus: PTB's 10,001 ids (docs/recipes.md)
+        model = dataclasses.replace(model, vocab_size=vocab_size)
+    assert count_parameters(model) == int(stated.replace(",", ""))
+    assert stated in (REPO / "docs" / "recipes.md").read_text()

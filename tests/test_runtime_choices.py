@@ -45,6 +45,18 @@ def _layer_times(monkeypatch, fp32_s: float, bf16_s: float) -> list[str]:
     return asked
 
 
+def _peaks(monkeypatch, value: float = 1.07e11) -> list[tuple]:
+    """Make the peak measurement answer `value`; returns the (device type, dtype, seconds) it was asked for."""
+    asked: list[tuple] = []
+
+    def fake(device, dtype, *, seconds):
+        asked.append((torch.device(device).type, dtype, seconds))
+        return value, f"measured: fake {value:g}"
+
+    monkeypatch.setattr(runtime_choices, "peak_flops", fake)
+    return asked
+
+
 # ----------------------------------------------------------------------------------------------------
 # One process: the rules
 
@@ -53,12 +65,14 @@ def _layer_times(monkeypatch, fp32_s: float, bf16_s: float) -> list[str]:
 def test_auto_precision_on_cpu_picks_bf16_only_when_measured_faster_by_a_margin(tmp_path, monkeypatch, fp32_s,
                                                                                  bf16_s, expected):
     asked = _layer_times(monkeypatch, fp32_s, bf16_s)
+    peaks = _peaks(monkeypatch)
     choices = runtime_choices.decide(_cfg(tmp_path, precision="auto"), torch.device("cpu"))
     assert choices.precision == expected and choices.origin["precision"] == "measured"
     assert sorted(asked) == ["bf16", "fp32"]
     assert choices.measured["fwd_bwd_s_fp32"] == fp32_s and choices.measured["fwd_bwd_s_bf16"] == bf16_s
-    # The peak of the chosen precision comes from the matmul measured for the choice.
-    assert choices.peak_flops == choices.measured[f"matmul_flops_{expected}"] > 0
+    # The peak of the chosen precision, measured as a resume on another device measures it: one method.
+    assert peaks == [("cpu", runtime_choices.DTYPES[expected], runtime_choices.MEASURE_SECONDS)]
+    assert (choices.peak_flops, choices.peak_note) == (1.07e11, "")
 
 
 @pytest.mark.parametrize("vocab_size", [None, VOCAB])  # one layer before the corpus is read; then the model
@@ -88,6 +102,41 @@ def test_a_recorded_choice_is_reused_on_the_same_device_type_only(tmp_path, monk
     elsewhere = runtime_choices.decide(cfg, torch.device("cpu"), dict(recorded, device_type="cuda"))
     assert elsewhere.precision == "fp32" and elsewhere.origin["precision"] == "measured"
     assert elsewhere.origin["attn_impl"] != "checkpoint"
+
+
+def test_a_resumed_job_on_the_same_kind_of_device_keeps_the_runs_peak(tmp_path, monkeypatch):
+    """One run, one peak: MFU must not jump at a resume by the noise of a new measurement."""
+    _layer_times(monkeypatch, 1.0, 5.0)
+    _peaks(monkeypatch, 1.07e11)
+    cfg = _cfg(tmp_path, precision="auto")
+    first = runtime_choices.decide(cfg, torch.device("cpu"), world_size=2)
+    recorded = json.loads(json.dumps(first.record()))  # as run.json keeps it
+    assert recorded["peak"] == {"flops_per_s": 1.07e11, "source": "measured: fake 1.07e+11",
+                                "device": runtime_choices.device_kind(torch.device("cpu"), "fp32", 2)}
+
+    asked = _peaks(monkeypatch, 1.72e11)  # what a new measurement would say now
+    resumed = runtime_choices.decide(cfg, torch.device("cpu"), recorded, world_size=2)
+    assert asked == [] and (resumed.peak_flops, resumed.peak_source) == (1.07e11, "measured: fake 1.07e+11")
+    assert resumed.record()["peak"] == recorded["peak"] and resumed.measured == first.measured
+    assert "(measured: fake 1.07e+11; reused from the checkpoint: same device)" in runtime_choices.describe(resumed)
+
+    # Another kind of device measures again, and says why.
+    for changed, world_size in [({"name": "Other CPU"}, 2), ({}, 4), ({"threads": 99}, 2)]:
+        other = dict(recorded, peak=dict(recorded["peak"], device={**recorded["peak"]["device"], **changed}))
+        again = runtime_choices.decide(cfg, torch.device("cpu"), other, world_size=world_size)
+        assert again.peak_flops == 1.72e11 and again.peak_note.startswith("found anew on this device: the checkpoint's")
+        assert "found anew on this device" in runtime_choices.describe(again)
+    on_gpu = dict(recorded, device_type="cuda", peak=dict(recorded["peak"], device={**recorded["peak"]["device"],
+                                                                                  "type": "cuda"}))
+    assert "is of cuda" in runtime_choices.decide(cfg, torch.device("cpu"), on_gpu).peak_note
+    older = {key: value for key, value in recorded.items() if key != "peak"}  # a checkpoint from before
+    assert runtime_choices.decide(cfg, torch.device("cpu"), older, world_size=2).peak_note == \
+        "found anew: the checkpoint records no peak"
+    assert len(asked) == 5
+    # train.peak_flops still wins.
+    explicit = runtime_choices.decide(_cfg(tmp_path, precision="auto", peak_flops=5e9), torch.device("cpu"), recorded,
+                                      world_size=2)
+    assert (explicit.peak_flops, explicit.peak_source) == (5e9, "config: train.peak_flops")
 
 
 def test_auto_attention_takes_the_fastest_measured_candidate(tmp_path, monkeypatch):
@@ -201,7 +250,7 @@ def _train_measure_resume(runs: list[tuple[dict, str, float | None]]) -> list[di
             ckpt = cfg.checkpoint_dir()
             out.append({"choices": t.start.choices.record(), "dtype": str(model_dtype(t.engine.config)),
                         "saved": read_run_info(ckpt / read_latest(ckpt))["run_choices"], "step": t.step,
-                        "flops_per_token": t.flops_per_token})
+                        "flops_per_token": t.flops_per_token, "peak": t.peak_flops})
     finally:
         distributed.destroy_process_group()
     return out
@@ -221,6 +270,8 @@ def test_auto_precision_is_recorded_reused_on_resume_and_a_change_is_refused(cor
     assert job2["step"] == 3 and job2["dtype"] == "torch.bfloat16"
     assert job2["choices"]["precision"] == "bf16" and job2["choices"]["origin"]["precision"] == "checkpoint"
     assert job2["saved"]["precision"] == "bf16"
+    # ... and keeps the run's peak (train.peak_flops of the first job) for its MFU, without measuring one.
+    assert job1["saved"]["peak"]["flops_per_s"] == job2["saved"]["peak"]["flops_per_s"] == job2["peak"] == 1e9
     assert "trained in bf16, this run would be fp32" in job3["error"]
 
     # MFU in the journal, each step: its definition, with FLOPs per token computed here from the tokens.

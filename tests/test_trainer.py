@@ -273,3 +273,80 @@ def test_a_nonfinite_step_at_fp32_stage_0_leaves_weights_and_optimizer_state(cor
     assert out["nonfinite"] and out["kept"] and out["moved"], out
     # The fused optimizer takes the verdict on the device: the step's one host read is its final transfer.
     assert out["reads"] == (["tolist"] if fused else ["__float__", "tolist"]), out["reads"]
+
+
+# ----------------------------------------------------------------------------------------------------
+# What a job reports at its end
+
+
+def _final_eval_and_last_line(raws: tuple[dict, dict]) -> dict:
+    """Job 1: trainer.run with tracking off, its log lines. Job 2: a trainer whose tracker keeps log_dict's
+    artifacts, trained to the end: its final_eval.json."""
+    import logging
+
+    from dist_helpers import Recorder
+    from txl_dist import distributed, trainer
+
+    class DictRecorder(Recorder):
+        def __init__(self):
+            super().__init__()
+            self.dicts = {}
+
+        def log_dict(self, dictionary, artifact_file):
+            self.dicts[artifact_file] = dictionary
+
+    env = distributed.discover()
+    distributed.setup_logging(env)
+    distributed.init_process_group(env)
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger(distributed.LOGGER_NAME).addHandler(handler)
+    try:
+        code = trainer.run(config_from_dict(raws[0]), env, resume="none")
+        t = trainer.build(config_from_dict(raws[1]), env, resume="none")
+        t.tracker.close()
+        t.tracker = DictRecorder()
+        try:
+            t.train()
+        finally:
+            t.close()
+    finally:
+        distributed.destroy_process_group()
+    return {"code": code, "lines": lines, "dicts": t.tracker.dicts}
+
+
+def test_the_last_line_without_tracking_and_a_self_describing_final_eval(corpus, tmp_path):
+    from txl_dist.trainer import mlflow_status
+
+    raws = tuple(tiny_config(corpus, tmp_path / name, train={"max_steps": 2}, eval={"clamp_len": 5})
+                 for name in ("untracked", "recorded"))
+    (out,) = run_ranks(_final_eval_and_last_line, 1, raws, timeout=600)
+    assert out["code"] == 0
+    last = [line for line in out["lines"] if line.startswith("run folder ")][-1]
+    assert last.endswith(" | MLflow off") or " | MLflow off | " in last, last  # no status of a run that is not
+    assert mlflow_status("0123abcd", "KILLED") == "MLflow run 0123abcd (KILLED)"
+
+    final = out["dicts"]["final_eval.json"]
+    assert {key: final[key] for key in ("split", "step", "precision", "attn_impl", "world_size", "eval_streams")} == \
+        {"split": "test", "step": 2, "precision": "fp32", "attn_impl": "matmul", "world_size": 1, "eval_streams": 2}
+    assert final["eval"] == {"tgt_len": 8, "mem_len": 16, "clamp_len": 5, "same_length": True, "max_segments": 3}
+    assert isinstance(final["tokens"], int) and final["tokens"] > 0
+    assert final["checkpoint"] == str(tmp_path / "recorded" / "checkpoints" / "step_00000002")
+    assert final["perplexity"] > 1 and final["loss"] > 0 and "bits_per_byte" in final
+
+
+def test_a_job_with_a_peak_of_its_own_leaves_the_runs_run_choices_artifact_alone():
+    from types import SimpleNamespace
+
+    from txl_dist.trainer import run_choices_artifact
+
+    def start(resumed_peak, peak):
+        resume = None if resumed_peak is False else SimpleNamespace(
+            run_info={"run_choices": None if resumed_peak is None else {"peak": {"flops_per_s": resumed_peak}}})
+        return SimpleNamespace(resume=resume, choices=SimpleNamespace(peak_flops=peak))
+
+    assert run_choices_artifact(start(False, 2e9), 0) == "run_choices.json"  # a new run
+    assert run_choices_artifact(start(2e9, 2e9), 7) == "run_choices.json"  # the run's peak kept: the same numbers
+    assert run_choices_artifact(start(1e9, 2e9), 7) == "run_choices_from_step_00000007.json"  # another device
+    assert run_choices_artifact(start(None, 2e9), 7) == "run_choices_from_step_00000007.json"  # recorded none

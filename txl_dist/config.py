@@ -190,8 +190,9 @@ class TrainConfig:
     bf16/fp16 `enabled` say. Not null: leave deepspeed.bf16.enabled and deepspeed.fp16.enabled out (or
     agree with them). "auto" is decided once per run and kept on resume (the checkpoint records it)."""
     peak_flops: float | None = None
-    """Peak FLOP/s of ONE device for the MFU metric (train/mfu); null: the documented table entry for the
-    device and precision, else a matmul peak measured at start-up (docs/performance.md)."""
+    """Peak FLOP/s of ONE device for the MFU metric (train/mfu); null: the peak the checkpoint recorded when
+    this job runs on the same kind of device, else the documented table entry for the device and precision,
+    else a matmul peak measured at start-up; found once per run (docs/performance.md)."""
     profile_steps: list[int] | None = None
     """[first, last]: record optimizer steps first..last (inclusive) with torch.profiler on the ranks of
     train.profile_ranks. Each writes into <run.dir>/profile/steps_<f>-<last>/ (f: the first step this job

@@ -23,6 +23,7 @@ import math
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import deepspeed
@@ -33,8 +34,21 @@ from torch import nn
 from . import distributed
 from .config import RunConfig
 
+log = logging.getLogger(distributed.LOGGER_NAME)
+
 # Schedulers of DeepSpeed whose params include total_num_steps (WarmupLR has none).
 _SCHEDULERS_WITH_TOTAL = ("WarmupDecayLR", "WarmupCosineLR")
+
+# DeepSpeed 0.19.8's own optimizers (config "type", lower case) and the op builder deepspeed.initialize loads
+# for each (runtime/engine.py, _configure_basic_optimizer): (without optimizer offload, with it). None: a torch
+# optimizer, nothing to build. Adam/AdamW with "torch_adam" build nothing either (optimizer_op_builder).
+_OPTIMIZER_OPS: dict[str, tuple[str | None, str | None]] = {
+    "adam": ("FusedAdamBuilder", "CPUAdamBuilder"),
+    "adamw": ("FusedAdamBuilder", "CPUAdamBuilder"),
+    "lamb": ("FusedLambBuilder", "FusedLambBuilder"),
+    "lion": ("FusedLionBuilder", "CPULionBuilder"),
+    "adagrad": (None, "CPUAdagradBuilder"),
+}
 
 
 def deepspeed_config(cfg: RunConfig, world_size: int, *, load_universal: bool = False) -> dict[str, Any]:
@@ -116,6 +130,7 @@ def build_engine(model_fn: Callable[[], nn.Module], ds_config: dict[str, Any], *
         model.set_activation_checkpointing(deepspeed.checkpointing.checkpoint)
     if compile_layers:
         model.compile_layers()
+    announce_optimizer_op_build(ds_config)
     with _dropped_deepspeed_warning(_SCHEDULER_NOT_STARTED):  # the step() below starts it
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
     if engine.lr_scheduler is not None:
@@ -125,6 +140,63 @@ def build_engine(model_fn: Callable[[], nn.Module], ds_config: dict[str, Any], *
         # k. A resumed run then loads the scheduler's state from its checkpoint, which replaces this.
         engine.lr_scheduler.step()
     return engine
+
+
+def announce_optimizer_op_build(ds_config: dict[str, Any]) -> str | None:
+    """Log one line when deepspeed.initialize is about to JIT-build an op for the optimizer (minutes on the
+    first start on a machine, with nothing printed meanwhile); returns the op's name, or None when nothing
+    is built (a torch optimizer, an op DeepSpeed was installed with, or one already built and cached)."""
+    builder_name = optimizer_op_builder(ds_config)
+    op = op_to_build(builder_name) if builder_name else None
+    if op is not None:
+        log.info("DeepSpeed builds its %s op on the first start on a machine (minutes, nothing printed meanwhile; "
+                 "cached in %s); `\"torch_adam\": true` in the optimizer params uses torch's AdamW instead",
+                 builder_name.removesuffix("Builder"), op_cache_dir(op))
+    return op
+
+
+def optimizer_op_builder(ds_config: dict[str, Any]) -> str | None:
+    """The class name of the DeepSpeed op builder that deepspeed.initialize will load for the config's
+    optimizer (e.g. "FusedAdamBuilder"), or None when it builds a torch optimizer."""
+    optimizer = ds_config.get("optimizer") or {}
+    kind = str(optimizer.get("type", "")).lower()
+    if kind in ("adam", "adamw") and (optimizer.get("params") or {}).get("torch_adam"):
+        return None
+    offload = (ds_config.get("zero_optimization") or {}).get("offload_optimizer") or {}
+    offloaded = offload.get("device") in ("cpu", "nvme")
+    builders = _OPTIMIZER_OPS.get(kind)
+    return None if builders is None else builders[offloaded]
+
+
+def op_to_build(builder_name: str) -> str | None:
+    """The name of the op `builder_name` makes when loading it means a JIT build here, else None: DeepSpeed
+    has no such op for this accelerator (it fails on its own), the op was installed with DeepSpeed or is
+    loaded already, or torch's extension cache holds its library (a cheap look: no source hashing, so a
+    cache that torch finds stale still rebuilds, silently)."""
+    from deepspeed.ops.op_builder.builder import OpBuilder
+
+    builder = get_accelerator().create_op_builder(builder_name)
+    if builder is None or type(builder).__name__ == "NotImplementedBuilder":
+        return None
+    name = builder.NAME
+    from deepspeed.git_version_info import installed_ops
+
+    if installed_ops.get(name) or name in getattr(OpBuilder, "_loaded_ops", {}):
+        return None
+    cache = op_cache_dir(name)
+    return None if cache is not None and (cache / f"{name}.so").is_file() else name
+
+
+def op_cache_dir(name: str) -> Path | None:
+    """torch's JIT extension folder of op `name` (TORCH_EXTENSIONS_DIR, or ~/.cache/torch_extensions/<py>_<cu>/),
+    the one DeepSpeed's build uses; torch creates it if missing (the build would). None where torch's private
+    helper is not what this expects."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        return Path(_get_build_directory(name, verbose=False))
+    except Exception:  # noqa: BLE001 - a hint only: it must never stop a start
+        return None
 
 
 _SCHEDULER_NOT_STARTED = "Attempting to get learning rate from scheduler before it has started"

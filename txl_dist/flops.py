@@ -21,13 +21,16 @@ layer norm, dropout, activations, embedding lookups, the rel-shift view, optimiz
 repeats in backward (model FLOPs, not hardware FLOPs: MFU does not reward recomputation).
 
 `peak_flops(device, dtype)` is the documented dense peak of a known GPU (PEAK_TABLE, datasheet values),
-else a matmul peak measured on the spot (`measure_matmul_peak`): CPUs differ from machine to machine.
+else a matmul peak measured on the spot (`measure_matmul_peak`; on a CPU one thread's best rate times the
+process's threads, which other processes on the machine disturb far less): CPUs differ from machine to
+machine.
 """
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -179,7 +182,7 @@ def table_peak(device_name: str, dtype: torch.dtype) -> tuple[float, str] | None
 def peak_flops(device: torch.device | str, dtype: torch.dtype = torch.bfloat16, *,
                seconds: float = 0.3) -> tuple[float, str]:
     """(peak FLOP/s of one device for `dtype`, where the number comes from): the table entry of a known GPU,
-    else a matmul peak measured now for about `seconds` (CPUs, unknown GPUs)."""
+    else a matmul peak measured now for about `seconds` (CPUs, unknown GPUs; `measure_matmul_peak`)."""
     device = torch.device(device)
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
@@ -187,38 +190,73 @@ def peak_flops(device: torch.device | str, dtype: torch.dtype = torch.bfloat16, 
         if found is not None:
             return found[0], f"table: {name}: {found[1]}"
     value, size = measure_matmul_peak(device, dtype, seconds=seconds)
-    return value, f"measured: {size}x{size} {_DTYPE_NAMES.get(dtype, dtype)} matmul on {device.type}"
+    matmul = f"{size}x{size} {_DTYPE_NAMES.get(dtype, dtype)} matmul"
+    if device.type == "cpu":
+        return value, f"measured: best {matmul} on one cpu thread x {torch.get_num_threads()} thread(s)"
+    return value, f"measured: best {matmul} on {device.type}"
+
+
+CPU_PEAK_SIZES = (384, 512)
+"""Square sizes of the CPU peak: a product takes ~1-3 ms on one thread, short enough that many of them run
+between two preemptions on a loaded machine; larger ones were no faster (docs/performance.md)."""
+GPU_PEAK_SIZES = (4096, 8192)
 
 
 def measure_matmul_peak(device: torch.device | str, dtype: torch.dtype = torch.bfloat16, *,
                         seconds: float = 0.3, sizes: Sequence[int] | None = None) -> tuple[float, int]:
     """(best FLOP/s, at which size) of square matmuls in `dtype` on `device`, over about `seconds`.
 
-    sizes: the square sizes tried (default: 512 and 1024 on a CPU, whose 1-2 threads per rank need ~30 ms
-    per fp32 1024^3 product; 4096 and 8192 on a GPU). Each size gets an equal share of the time; the best
-    rate of any timed repeat is the peak (the least disturbed by other processes).
+    sizes: the square sizes tried (default CPU_PEAK_SIZES on a CPU, GPU_PEAK_SIZES on a GPU); they take
+    turns, product after product, and the best rate of any product is the peak (the least disturbed by
+    other processes).
+
+    On a CPU the products run on ONE thread and the peak is that rate times the threads this process uses
+    (torch.get_num_threads()): a multi-threaded product waits at its barrier for every thread, so on a
+    shared machine one preempted thread stalls them all and the rates of a few hundred milliseconds ranged
+    over 10x; one thread's ranged over 1.3x (docs/performance.md). It is an upper bound where all cores
+    together run at a lower clock than one, as a datasheet peak is.
     """
     device = torch.device(device)
-    if sizes is None:
-        sizes = (512, 1024) if device.type == "cpu" else (4096, 8192)
-    best, best_size = 0.0, sizes[0]
-    budget = seconds / len(sizes)
-    for n in sizes:
-        a = torch.randn(n, n, device=device).to(dtype)                            # [n, n]
-        b = torch.randn(n, n, device=device).to(dtype)                            # [n, n]
+    if device.type != "cpu":
+        return _best_matmul_rate(device, dtype, seconds, sizes or GPU_PEAK_SIZES)
+    threads = torch.get_num_threads()
+    with _torch_threads(1):
+        rate, size = _best_matmul_rate(device, dtype, seconds, sizes or CPU_PEAK_SIZES)
+    return rate * threads, size
+
+
+def _best_matmul_rate(device: torch.device, dtype: torch.dtype, seconds: float,
+                      sizes: Sequence[int]) -> tuple[float, int]:
+    """(best FLOP/s of one product, its size): the sizes take turns for about `seconds`, at least 3 rounds,
+    so that a burst of load hits every size alike."""
+    pairs = [(n, torch.randn(n, n, device=device).to(dtype), torch.randn(n, n, device=device).to(dtype))
+             for n in sizes]                                                       # [n, n] x2 per size
+    for _, a, b in pairs:
         torch.matmul(a, b)  # warm-up: kernel selection, page faults
-        _sync(device)
-        end = time.perf_counter() + budget
-        reps = 0
-        while reps < 2 or time.perf_counter() < end:
+    _sync(device)
+    best, best_size = 0.0, sizes[0]
+    end, rounds = time.perf_counter() + seconds, 0
+    while rounds < 3 or time.perf_counter() < end:
+        for n, a, b in pairs:
             start = time.perf_counter()
             torch.matmul(a, b)
             _sync(device)
             rate = 2 * n ** 3 / (time.perf_counter() - start)
             if rate > best:
                 best, best_size = rate, n
-            reps += 1
+        rounds += 1
     return best, best_size
+
+
+@contextmanager
+def _torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads set to n inside, restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _sync(device: torch.device) -> None:

@@ -11,18 +11,22 @@ timing noise); a run and its resume that disagreed would break the bitwise-exact
 
 precision "auto": bf16 on a CUDA device that supports it, else fp32; on a CPU bf16 only where the model's
 forward+backward at the run's shapes (one layer's when the vocabulary is not known yet) runs at least
-BF16_MIN_SPEEDUP times faster than in fp32 (AMX or AVX512-BF16 machines; on CPUs without bf16 units bf16 is several times slower). fp16
-is never chosen (it needs loss scaling and, on a CPU, kernels few have). attn_impl "auto": the fastest of
-`candidate_attn_impls` timed at the run's shapes by `time_attn_impls` (txl_dist/model/attention.py), or the
-static rule `resolve_attn_impl` where those are not available.
+BF16_MIN_SPEEDUP times faster than in fp32 (AMX or AVX512-BF16 machines; on CPUs without bf16 units bf16 is
+several times slower). fp16 is never chosen (it needs loss scaling and, on a CPU, kernels few have).
+attn_impl "auto": the fastest of `candidate_attn_impls` timed at the run's shapes by `time_attn_impls`
+(txl_dist/model/attention.py), or the static rule `resolve_attn_impl` where those are not available.
 
-The peak FLOP/s of the MFU metric is measured here too (rank 0, once per job; not recorded: it describes
-the machine, not the run).
+The peak FLOP/s of the MFU metric is found here too, once per RUN: train.peak_flops when set, else the
+peak the checkpoint recorded when this job runs on the same kind of device (`device_kind`: device type and
+name, CPU threads, precision, world size), else the table or a measurement (`flops.peak_flops`, the same
+method for a new run and for a job on another device). A peak measured anew by each job would move MFU at
+every resume by the noise of the measurement, not by anything the run did.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
+import platform
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -32,7 +36,7 @@ import torch
 from . import distributed
 from .config import RunConfig
 from .distributed import DistEnv
-from .flops import measure_matmul_peak, peak_flops
+from .flops import peak_flops
 
 log = logging.getLogger(distributed.LOGGER_NAME)
 
@@ -61,14 +65,23 @@ class RunChoices:
     measured: dict[str, Any] = field(default_factory=dict)
     """The numbers behind measured choices (seconds per call, FLOP/s)."""
     peak_flops: float = 0.0
-    """Peak FLOP/s of one device in `precision` (train.peak_flops, the table, or measured); not recorded."""
+    """Peak FLOP/s of one device in `precision` (train.peak_flops, the checkpoint's, the table, or measured)."""
     peak_source: str = ""
-    """Where peak_flops comes from."""
+    """Where peak_flops comes from first (a reused peak keeps its source)."""
+    peak_device: dict[str, Any] = field(default_factory=dict)
+    """The kind of device peak_flops was found for (`device_kind`); a resumed job on the same kind reuses it."""
+    peak_note: str = ""
+    """How this job got the peak, when it is not the first of the run: reused from the checkpoint, or why
+    it was found again."""
 
     def record(self) -> dict[str, Any]:
-        """What run.json keeps (the peak describes the machine of one job, not the run)."""
-        return {"device_type": self.device_type, "precision": self.precision, "attn_impl": self.attn_impl,
-                "origin": dict(self.origin), "measured": dict(self.measured)}
+        """What run.json keeps: the choices, the numbers behind them, and the run's peak with its device."""
+        recorded = {"device_type": self.device_type, "precision": self.precision, "attn_impl": self.attn_impl,
+                    "origin": dict(self.origin), "measured": dict(self.measured)}
+        if self.peak_flops:
+            recorded["peak"] = {"flops_per_s": self.peak_flops, "source": self.peak_source,
+                                "device": dict(self.peak_device)}
+        return recorded
 
     def dtype(self) -> torch.dtype:
         return DTYPES[self.precision]
@@ -81,7 +94,8 @@ def agree(cfg: RunConfig, env: DistEnv, recorded: dict[str, Any] | None = None, 
     peak FLOP/s (training; evaluation does not report MFU).
     """
     device = distributed.device_for(env)
-    decided = distributed.together(lambda: decide(cfg, device, recorded, peak=peak) if env.is_main else None)
+    decided = distributed.together(lambda: decide(cfg, device, recorded, peak=peak, world_size=env.world_size)
+                                   if env.is_main else None)
     choices = distributed.broadcast_object(decided)
     log.info("run-time choices: %s", describe(choices))
     return choices
@@ -95,14 +109,15 @@ def apply(cfg: RunConfig, choices: RunChoices) -> RunConfig:
 
 
 def decide(cfg: RunConfig, device: torch.device, recorded: dict[str, Any] | None = None, *,
-           peak: bool = True) -> RunChoices:
+           peak: bool = True, world_size: int = 1) -> RunChoices:
     """The choices for a run on `device` (one process; `agree` runs this on rank 0 only)."""
     reuse = recorded if recorded and recorded.get("device_type") == device.type else None
     if recorded and reuse is None:
         log.warning("the checkpoint's run-time choices were made on %s, this job runs on %s: deciding again",
                     recorded.get("device_type"), device.type)
     origin: dict[str, str] = {}
-    measured: dict[str, Any] = {}
+    # The numbers behind reused choices stay with them (run.json and run_choices.json keep describing them).
+    measured: dict[str, Any] = dict(reuse.get("measured") or {}) if reuse is not None else {}
 
     precision = cfg.precision()
     if precision is not None:
@@ -119,16 +134,71 @@ def decide(cfg: RunConfig, device: torch.device, recorded: dict[str, Any] | None
     else:
         attn_impl, origin["attn_impl"] = choose_attn_impl(cfg, device, DTYPES[precision], measured)
 
+    kind = device_kind(device, precision, world_size)
     if cfg.train.peak_flops is not None:
-        peak_value, source = cfg.train.peak_flops, "config: train.peak_flops"
+        peak_value, source, note = cfg.train.peak_flops, "config: train.peak_flops", ""
     elif not peak:
-        peak_value, source = 0.0, "not measured"
-    elif f"matmul_flops_{precision}" in measured:  # measured for the precision choice a moment ago
-        peak_value = measured[f"matmul_flops_{precision}"]
-        source = f"measured: {precision} matmul on {device.type}"
+        peak_value, source, note = 0.0, "not measured", ""
     else:
-        peak_value, source = peak_flops(device, DTYPES[precision], seconds=MEASURE_SECONDS)
-    return RunChoices(device.type, precision, attn_impl, origin, measured, float(peak_value), source)
+        peak_value, source, note = choose_peak(device, kind, recorded)
+    return RunChoices(device.type, precision, attn_impl, origin, measured, float(peak_value), source,
+                      kind if peak_value else {}, note)
+
+
+REUSED_PEAK = "reused from the checkpoint: same device"
+
+
+def choose_peak(device: torch.device, kind: dict[str, Any],
+                recorded: dict[str, Any] | None) -> tuple[float, str, str]:
+    """(peak FLOP/s of one device, its source, a note on how this job got it) when train.peak_flops is unset.
+
+    recorded: the checkpoint's run choices (None: a new run). Their peak is reused when it was found on this
+    kind of device; else the peak is found now (the table, or `peak_flops`' measurement: one method for a
+    new run and for a resume on another device), and the note says why.
+    """
+    saved = (recorded or {}).get("peak")
+    if saved and saved.get("device") == kind:
+        return float(saved["flops_per_s"]), str(saved["source"]), REUSED_PEAK
+    value, source = peak_flops(device, DTYPES[kind["precision"]], seconds=MEASURE_SECONDS)
+    if recorded is None:
+        return value, source, ""
+    if not saved:
+        return value, source, "found anew: the checkpoint records no peak"
+    return value, source, f"found anew on this device: the checkpoint's is of {_kind_text(saved.get('device'))}"
+
+
+def device_kind(device: torch.device, precision: str, world_size: int) -> dict[str, Any]:
+    """What a peak FLOP/s depends on: the device type and model name (on a CPU also the threads per rank),
+    the precision, and the world size (which sets a CPU rank's threads)."""
+    kind: dict[str, Any] = {"type": device.type, "name": device_name(device)}
+    if device.type == "cpu":
+        kind["threads"] = torch.get_num_threads()
+    return {**kind, "precision": precision, "world_size": world_size}
+
+
+def device_name(device: torch.device) -> str:
+    """The device's model name: torch's for a GPU, /proc/cpuinfo's "model name" for a CPU (platform's
+    processor or machine elsewhere)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type != "cpu":
+        return device.type
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def _kind_text(kind: dict[str, Any] | None) -> str:
+    if not kind:
+        return "an unrecorded device"
+    threads = f" x {kind['threads']} thread(s)" if "threads" in kind else ""
+    return (f"{kind.get('type')} {kind.get('name')!r}{threads}, {kind.get('precision')}, "
+            f"world size {kind.get('world_size')}")
 
 
 def choose_precision(cfg: RunConfig, device: torch.device, measured: dict[str, Any]) -> tuple[str, str]:
@@ -137,8 +207,6 @@ def choose_precision(cfg: RunConfig, device: torch.device, measured: dict[str, A
         return ("bf16" if torch.cuda.is_bf16_supported() else "fp32"), "device"
     if device.type != "cpu":
         return "fp32", "device"
-    for name in ("fp32", "bf16"):
-        measured[f"matmul_flops_{name}"] = measure_matmul_peak(device, DTYPES[name], seconds=MEASURE_SECONDS / 2)[0]
     measured["timed"] = "model" if cfg.model.vocab_size is not None else "one layer"
     for name, seconds in time_precisions(cfg, device, ("fp32", "bf16")).items():
         measured[f"fwd_bwd_s_{name}"] = seconds
@@ -240,13 +308,13 @@ def describe(choices: RunChoices) -> str:
     parts = [f"precision {choices.precision} ({choices.origin.get('precision', '?')})",
              f"attn_impl {choices.attn_impl} ({choices.origin.get('attn_impl', '?')})"]
     numbers = choices.measured
-    if "fwd_bwd_s_fp32" in numbers:
+    if choices.origin.get("precision") == "measured":  # reused numbers are the checkpoint's, not this job's
         parts.append(f"{numbers['timed']} fwd+bwd {numbers['fwd_bwd_s_fp32'] * 1e3:.1f} ms fp32 / "
-                     f"{numbers['fwd_bwd_s_bf16'] * 1e3:.1f} ms bf16, matmul "
-                     f"{numbers['matmul_flops_fp32'] / 1e9:.0f} / {numbers['matmul_flops_bf16'] / 1e9:.0f} GFLOP/s")
-    if "attn_s" in numbers:
+                     f"{numbers['fwd_bwd_s_bf16'] * 1e3:.1f} ms bf16")
+    if choices.origin.get("attn_impl") == "measured":
         parts.append("attention " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in numbers["attn_s"].items()))
     if choices.peak_flops:
-        parts.append(f"peak {choices.peak_flops / 1e12:.3g} TFLOP/s per device ({choices.peak_source})")
+        note = f"; {choices.peak_note}" if choices.peak_note else ""
+        parts.append(f"peak {choices.peak_flops / 1e12:.3g} TFLOP/s per device ({choices.peak_source}{note})")
     return " | ".join(parts)
 

@@ -78,6 +78,8 @@ class Trainer:
         """Steps skipped because a loss or gradient norm was not finite, over the whole run."""
         self.nonfinite_streak = 0
         """Such steps in a row, up to the current one."""
+        self.last_checkpoint: Path | None = None
+        """The tag this job saved last (the final evaluation's weights are its)."""
         self.checkpoint_bytes = start.checkpoint_bytes
         """The expected size of a checkpoint (rank 0 checks the free space for it before each save)."""
         self.tokens_per_step = cfg.n_streams() * cfg.model.tgt_len
@@ -180,8 +182,21 @@ class Trainer:
                     self.save()
         if self.step == cfg.train.max_steps and cfg.eval.at_end:
             result = self.run_eval(cfg.data.test_split, "test")
-            self.tracker.log_dict(result, "final_eval.json")
+            self.tracker.log_dict(self.final_eval_record(cfg.data.test_split, result), "final_eval.json")
         return 0
+
+    def final_eval_record(self, split: str, numbers: dict[str, float]) -> dict[str, Any]:
+        """The final evaluation as the artifact final_eval.json holds it: the numbers with what they were computed
+        on and how (split, step, the eval section's memory settings, precision), in the layout of
+        launch/eval.py's JSON, so that the two can be compared key by key."""
+        cfg = self.cfg
+        memory = {key: getattr(cfg.eval, key) for key in ("tgt_len", "mem_len", "clamp_len", "same_length",
+                                                          "max_segments")}
+        saved = self.last_checkpoint
+        return {"checkpoint": str(saved) if saved is not None else None, "step": self.step, "split": split,
+                "eval_streams": cfg.eval_streams(self.env.world_size),
+                "world_size": self.env.world_size, "eval": memory, "precision": cfg.train.precision,
+                "attn_impl": cfg.model.attn_impl, **numbers, "tokens": int(numbers["tokens"])}
 
     def _count_nonfinite(self, nonfinite: bool) -> Diverged | None:
         """Count a (non-)finite step; the error to stop with once train.max_nonfinite come in a row."""
@@ -303,6 +318,7 @@ class Trainer:
                                   keep=self.cfg.checkpoint.keep, min_free_bytes=int(self.checkpoint_bytes * 1.05))
         if self.env.is_main:
             self.checkpoint_bytes = checkpoint.tag_bytes(tag_dir)
+        self.last_checkpoint = tag_dir
         log.info("checkpoint %s (%.1f s)", tag_dir, time.perf_counter() - start)
         return tag_dir
 
@@ -371,6 +387,14 @@ class Trainer:
                  self.step, last, stats["train/loss"], stats["train/lr"],
                  "n/a" if norm is None else f"{norm:.3f}", self.tokens_per_step / step_time,
                  _flops_text(flops["train/model_flops_per_s"]), mfu, step_time, _hms(eta))
+
+
+def mlflow_status(run_id: str | None, status: str | None = None) -> str:
+    """The MLflow part of a log line: the run (and the status it was closed with, at the end), or "MLflow off"
+    when tracking is off: there is no run, so no status either."""
+    if not run_id:
+        return "MLflow off"
+    return f"MLflow run {run_id}" + (f" ({status})" if status else "")
 
 
 def _weights_finite(engine) -> bool:
@@ -450,13 +474,12 @@ def _log_run_start(trainer: Trainer, start: TrainStart, env: DistEnv, n_params: 
     tracker.log_params(cfg.public_dict())
     tracker.log_params({"derived": {"n_params": n_params, "stream_len": trainer.loader.stream_len,
                                     "tokens_per_step": trainer.tokens_per_step}})
-    # An artifact, not params: a resumed job measures the peak again (params cannot change in MLflow).
     choices = start.choices
     tracker.log_dict({"run_choices": choices.record() if choices else None,
                       "peak_flops_per_device": choices.peak_flops if choices else None,
                       "peak_flops_source": choices.peak_source if choices else None,
                       "flops_per_token": trainer.flops_per_token, "cluster_shares": start.cluster_shares},
-                     "run_choices.json")
+                     run_choices_artifact(start, trainer.step))
     resolved = start.run_dir.resolved_config
     atomic_write(resolved, json.dumps(cfg.public_dict(), indent=2) + "\n")
     tracker.log_artifact(resolved)
@@ -464,10 +487,23 @@ def _log_run_start(trainer: Trainer, start: TrainStart, env: DistEnv, n_params: 
     tracker.log_artifact(corpus / "manifest.json", "data")
     tracker.log_artifact(corpus / start.manifest.tokenizer.file, "data")
     log.info("model: %.2fM parameters, %.3g GFLOP per token (forward+backward) | world size %d (%s, %d thread(s) "
-             "per rank) | ZeRO stage %d | %s | run folder %s | MLflow run %s", n_params / 1e6,
+             "per rank) | ZeRO stage %d | %s | run folder %s | %s", n_params / 1e6,
              trainer.flops_per_token / 1e9, env.world_size, env.launcher, torch.get_num_threads(),
              zero_stage(cfg.deepspeed), str(model_dtype(trainer.engine.config)).replace("torch.", ""),
-             start.run_dir.path, tracker.run_id or "off")
+             start.run_dir.path, mlflow_status(tracker.run_id))
+
+
+def run_choices_artifact(start: TrainStart, step: int) -> str:
+    """The artifact name of a job's run choices and peak: run_choices.json for a new run and for a resume that
+    kept the checkpoint's peak (the same numbers again); a job with a peak of its own (another device, or
+    train.peak_flops changed) writes run_choices_from_step_<step>.json beside it, so the first job's stay.
+    An artifact, not params: MLflow params cannot change, and a run on another device has another peak."""
+    if start.resume is None or start.choices is None:
+        return "run_choices.json"
+    recorded = (start.resume.run_info.get("run_choices") or {}).get("peak") or {}
+    if recorded.get("flops_per_s") == start.choices.peak_flops:
+        return "run_choices.json"
+    return f"run_choices_from_step_{step:08d}.json"
 
 
 def run(cfg: RunConfig, env: DistEnv, *, resume: str = "auto", log_all_ranks: bool = False) -> int:
@@ -485,8 +521,8 @@ def run(cfg: RunConfig, env: DistEnv, *, resume: str = "auto", log_all_ranks: bo
     finally:
         if env.is_main:
             curves = trainer.draw_curves()
-            log.info("run folder %s | MLflow run %s (%s)%s", Path(cfg.run.dir).resolve(),
-                     trainer.tracker.run_id or "off", status, f" | curves {curves.resolve()}" if curves else "")
+            log.info("run folder %s | %s%s", Path(cfg.run.dir).resolve(), mlflow_status(trainer.tracker.run_id, status),
+                     f" | curves {curves.resolve()}" if curves else "")
             hint = trainer.tracker.ui_hint()
             if hint:
                 log.info("MLflow UI: %s", hint)
