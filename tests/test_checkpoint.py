@@ -4,6 +4,7 @@ run) to native and HF folders."""
 from __future__ import annotations
 
 import json
+import logging
 import random
 import subprocess
 import sys
@@ -649,3 +650,25 @@ def test_a_save_onto_a_really_full_file_system_says_no_space_left(small_file_sys
     with pytest.raises(OSError, match=r"rank-00000.pt: \[Errno 28\] No space left on device \("):
         checkpoint.write_rank_state(state, {"mems": torch.zeros(1 << 17)})
     assert list(small_file_system.iterdir()) == []
+
+
+def test_deepspeeds_tensor_parallel_warning_on_an_elastic_load_is_not_shown(tmp_path):
+    from deepspeed.utils import logger as ds_logger
+
+    class Engine:  # stands in for DeepSpeed's: its ZeRO 1/2 load on another world size logs this warning
+        lr_scheduler = None
+
+        def load_checkpoint(self, load_dir, **kw):
+            ds_logger.warning("MPU is not provided, setting tp size to 1 in checkpoint loading.")
+            ds_logger.warning("another DeepSpeed warning")
+            return load_dir, {}
+
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    ds_logger.addHandler(handler)  # DeepSpeed's logger does not propagate to the root logger
+    try:
+        checkpoint.load_engine(Engine(), checkpoint.EngineSource(tmp_path, "step_00000001", universal=False))
+    finally:
+        ds_logger.removeHandler(handler)
+    assert seen == ["another DeepSpeed warning"]

@@ -172,3 +172,17 @@ def test_a_key_missing_from_a_saved_config_counts_as_its_default():
     assert changed_settings(saved, now) == []
     now["model"]["pad_vocab_multiple"] = 8
     assert changed_settings(saved, now) == ["model.pad_vocab_multiple"]
+
+
+def test_a_key_left_out_of_the_resumed_config_counts_as_changed():
+    from txl_dist.config import changed_settings
+
+    saved = RunConfig().to_dict()
+    saved["deepspeed"]["gradient_clipping"] = 0.25
+    saved["deepspeed"]["activation_checkpointing"] = {"partition_activations": False}
+    now = RunConfig().to_dict()
+    for key in ("gradient_clipping", "activation_checkpointing"):
+        now["deepspeed"].pop(key, None)  # a config file without them: clipping and checkpointing are off now
+    assert changed_settings(saved, now) == ["deepspeed.activation_checkpointing", "deepspeed.gradient_clipping"]
+    del saved["model"]["pad_vocab_multiple"]  # left out on both sides in turn: each side's default
+    assert changed_settings(now, saved) == ["deepspeed.activation_checkpointing", "deepspeed.gradient_clipping"]

@@ -952,15 +952,21 @@ class LoadFailed(RunFailed):
     """DeepSpeed's load of a checkpoint that verified at start failed on this rank (which left the job at once)."""
 
 
+MPU_NOT_PROVIDED = "MPU is not provided, setting tp size to 1"
+
+
 def load_engine(engine, source: EngineSource) -> None:
     """Load DeepSpeed's state (weights, optimizer, LR schedule, step counters) into the engine.
 
     A failure inside DeepSpeed's load ends the job at once (LoadFailed here, one line naming this rank on the
     others), not after train.collective_timeout_s: see _fail_alone."""
+    from .engine import dropped_deepspeed_warning
     from .safe_load import restricted_torch_loads
 
     try:
-        with restricted_torch_loads():
+        # ZeRO 1/2 on another world size: DeepSpeed's warning about tensor parallelism, which this project
+        # does not use, would print once per rank.
+        with restricted_torch_loads(), dropped_deepspeed_warning(MPU_NOT_PROVIDED):
             path, _ = engine.load_checkpoint(str(source.load_dir), tag=source.tag, load_optimizer_states=True,
                                              load_lr_scheduler_states=True)
     except Exception as e:

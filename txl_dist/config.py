@@ -360,16 +360,19 @@ def changed_settings(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     """Dotted keys whose value differs between two config dicts, leaving out the volatile ones.
 
     A key the saved dict lacks (written before the key existed) counts as that key's default, which is what
-    the run that saved it used.
+    the run that saved it used; a key the current dict lacks counts as its default too (None in the free-form
+    deepspeed section: left out, so changed).
     """
     changed = []
-    for section, values in now.items():
-        if section in VOLATILE_SECTIONS or not isinstance(values, dict):
+    for section in set(saved) | set(now):
+        values_now, values_saved = now.get(section, {}), saved.get(section, {})
+        if section in VOLATILE_SECTIONS or not isinstance(values_now, dict) or not isinstance(values_saved, dict):
             continue
-        saved_section = saved.get(section, {})
-        for key, value in values.items():
+        # Both sides' keys: a key left out now (e.g. deepspeed.gradient_clipping) changes the run as well.
+        for key in set(values_saved) | set(values_now):
             dotted = f"{section}.{key}"
-            was = saved_section[key] if key in saved_section else default_value(section, key)
+            was = values_saved[key] if key in values_saved else default_value(section, key)
+            value = values_now[key] if key in values_now else default_value(section, key)
             if dotted not in VOLATILE_KEYS and was != value:
                 changed.append(dotted)
     return sorted(changed)

@@ -131,7 +131,7 @@ def build_engine(model_fn: Callable[[], nn.Module], ds_config: dict[str, Any], *
     if compile_layers:
         model.compile_layers()
     announce_optimizer_op_build(ds_config)
-    with _dropped_deepspeed_warning(_SCHEDULER_NOT_STARTED):  # the step() below starts it
+    with dropped_deepspeed_warning(_SCHEDULER_NOT_STARTED):  # the step() below starts it
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
     if engine.lr_scheduler is not None:
         # DeepSpeed builds the scheduler at iteration -1, whose learning rate is 0 whatever warmup_min_ratio
@@ -203,7 +203,7 @@ _SCHEDULER_NOT_STARTED = "Attempting to get learning rate from scheduler before 
 
 
 @contextmanager
-def _dropped_deepspeed_warning(prefix: str) -> Iterator[None]:
+def dropped_deepspeed_warning(prefix: str) -> Iterator[None]:
     """Leave out one DeepSpeed log message that says nothing to the user here."""
     from deepspeed.utils import logger
 

@@ -144,6 +144,14 @@ def check_run_config(cfg: RunConfig, world_size: int) -> None:
     check_deepspeed_config(deepspeed_config(cfg, world_size), world_size)
 
 
+def check_trainable_attn_impl(cfg: RunConfig, device) -> None:
+    """FlexAttention has no backward on a CPU: a training job that names it there is refused at start (the model
+    would raise at the first step, after the engine and the run folder exist)."""
+    if cfg.model.attn_impl == "flex" and device.type == "cpu":
+        raise ConfigError("model.attn_impl: 'flex' cannot train on a CPU (FlexAttention has no CPU backward); use "
+                          "'auto' or 'matmul' (flex serves evaluation and generation there)")
+
+
 def join(cfg: RunConfig, env: DistEnv) -> None:
     """Phase 0: check the configuration on this world size, then join the process group (a no-op when the
     caller made it already) with the configured timeouts."""
@@ -319,6 +327,7 @@ def start_training(cfg: RunConfig, env: DistEnv, resume: str = "auto", *, log_fi
     join(cfg, env)
 
     def local_checks():
+        check_trainable_attn_impl(cfg, distributed.device_for(env))
         resolved, manifest = open_corpus(cfg)
         # The loaders open (and verify) their files now: bad data fails the start, not step 10,000.
         try:
