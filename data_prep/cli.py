@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from data_prep.tokenizer import MODEL_TYPES, TRAINING_THREADS, TrainerOptions
-from data_prep.errors import PrepError
-from txl_dist.errors import EXIT_REFUSED, Refused
+from data_prep.errors import PrepError, write_fault_line
+from txl_dist.errors import EXIT_FAILED, EXIT_REFUSED, Refused
 from txl_dist.host import raise_open_file_limit, usable_cpus
 
 _EXAMPLE = """example (the quickstart):
@@ -223,9 +223,19 @@ def _raise_terminated(signum: int, frame) -> None:
     raise Terminated()
 
 
+_WRITES_TO = {"fetch-corpus": "out", "prepare": "out", "train-tokenizer": "out", "finalize": "out", "mix": "out",
+              "relayout": "corpus"}
+"""The argument naming what each writing command writes (verify and inspect write nothing)."""
+_ELSEWHERE = {"fetch-corpus": "choose another output folder",
+              "relayout": "copy the corpus to another file system and relayout it there"}
+"""How a command puts its output on another file system (default: choose another --out)."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; refused input prints one `error:` line and returns 2 (as every entry point does).
-    Ctrl-C and SIGTERM remove what the job had started to write and return 130 / 143."""
+    A fault while writing the output (a full disk, a quota, an I/O error, a read-only file system) prints one
+    `error:` line naming the file and returns 1, as a fault does. Ctrl-C and SIGTERM return 130 / 143. Each
+    removes what the job had started to write."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     command = ["python", "-m", "data_prep", *argv]
@@ -238,6 +248,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Refused as e:  # PrepError and CorpusError
         print(f"error: {e}", file=sys.stderr)
         return EXIT_REFUSED
+    except OSError as e:  # the temporary output is removed by now: only the message is left to give
+        line = _write_fault(args, e)
+        if line is None:
+            raise
+        print(f"error: {line}", file=sys.stderr)
+        return EXIT_FAILED
     except Terminated:
         print("error: terminated (SIGTERM); nothing was written", file=sys.stderr)
         return 128 + signal.SIGTERM
@@ -247,6 +263,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if in_main_thread:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _write_fault(args: argparse.Namespace, error: OSError) -> str | None:
+    """The one line for a fault of writing the output, None for any other OSError (or a command that writes
+    nothing)."""
+    if args.command not in _WRITES_TO:
+        return None
+    output = getattr(args, _WRITES_TO[args.command])
+    return write_fault_line(error, output, _ELSEWHERE.get(args.command, "choose another --out"))
 
 
 def _run(args: argparse.Namespace, command: list[str], recorded: dict) -> int:

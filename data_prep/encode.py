@@ -12,13 +12,18 @@ encoded in parallel.
 
 At most 2 * num_proc tasks are in flight and results are written in submission order, so memory stays
 bounded and the output order is the input order whatever the number of workers. Workers are spawned, not
-forked: the reading side runs threads (pyarrow, datasets) that a fork could copy mid-lock.
+forked: the reading side runs threads (pyarrow, datasets) that a fork could copy mid-lock. A worker exits
+when the process that started it is gone (killed by SIGKILL or the OOM killer, which run no cleanup): it
+would otherwise wait forever on the pool's pipe, holding its memory (`_exit_with_parent`).
 """
 from __future__ import annotations
 
 import array
 import multiprocessing
+import os
 import sys
+import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -40,6 +45,9 @@ ENCODE_BYTES_PER_BYTE = 25
 WHOLE_DOCUMENT_WARNING_BYTES = 1 << 26
 """A document longer than this that must be encoded whole (its tokenizer allows no cut) is warned about."""
 
+PARENT_POLL_S = 0.5
+"""How often a worker checks that the process that started it is still there."""
+
 _worker: dict = {}
 
 
@@ -56,10 +64,26 @@ class Encoded:
     n_chars: int
 
 
-def _init_worker(model_path: str, eod_id: int, dtype: str) -> None:
+def _init_worker(model_path: str, eod_id: int, dtype: str, parent_pid: int | None = None) -> None:
+    if parent_pid is not None:
+        _exit_with_parent(parent_pid)
     sp = spm.SentencePieceProcessor()
     sp.load(model_path)
     _worker.update(sp=sp, eod_id=eod_id, dtype=np.dtype(dtype), typecode=_TYPECODES[dtype])
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """End this worker process when `parent_pid` is no longer its parent (the parent died and the worker was
+    re-parented). A killed parent runs no shutdown, and the worker would wait for work on the pool's pipe
+    forever, and so would multiprocessing's resource tracker, which exits when the last process holding its
+    pipe does. A polling thread rather than prctl(PR_SET_PDEATHSIG): that signal fires when the *thread* that
+    started the worker ends, and a pool may start workers from any thread."""
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_POLL_S)
+        os._exit(1)  # nothing of the worker's is worth cleaning up: the results have nobody to go to
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
 # array.array converts a list of Python ints to machine integers faster than numpy does
@@ -119,7 +143,7 @@ class Encoder:
     def __enter__(self) -> Encoder:
         if self.num_proc > 1:
             self._pool = ProcessPoolExecutor(self.num_proc, mp_context=multiprocessing.get_context("spawn"),
-                                             initializer=_init_worker, initargs=self._init)
+                                             initializer=_init_worker, initargs=(*self._init, os.getpid()))
         else:
             _init_worker(*self._init)
         return self
@@ -253,22 +277,28 @@ def _piece_stop(view: memoryview, start: int, cuts: tuple[bytes, ...], piece_byt
     return len(view)
 
 
-def document_texts(docs: pa.Array, piece_bytes: int | None = None) -> Iterator[str]:
+def document_texts(docs: pa.Array, piece_bytes: int | None = None,
+                   progress: Callable[[int], None] | None = None) -> Iterator[str]:
     """The documents as Python strings, one longer than piece_bytes (default PIECE_BYTES) as its pieces cut
     just after newlines: the same lines (what the tokenizer trains on), without a Python string of the whole
-    document."""
+    document. `progress(n_bytes)` is called with the UTF-8 bytes of each text as it is handed on, so that a
+    long document moves a bar piece by piece."""
     piece_bytes = piece_bytes or PIECE_BYTES
+    progress = progress or (lambda n: None)
     lengths = pc.binary_length(docs).to_numpy(zero_copy_only=False)  # [n]
     if len(docs) == 0 or lengths.max() <= piece_bytes:
         yield from docs.to_pylist()
+        progress(int(lengths.sum()))
         return
     for i, n in enumerate(lengths.tolist()):
         if n <= piece_bytes:
             yield docs[i].as_py()
+            progress(n)
             continue
         data, start = _document_bytes(docs, i), 0
         for stop in piece_stops(data, (b"\n",), piece_bytes):
             yield data.slice(start, stop - start).to_pybytes().decode("utf-8")
+            progress(stop - start)
             start = stop
 
 

@@ -25,10 +25,10 @@ Held-out splits are not mixed: each source's valid/test split is copied whole as
 `test/<name>` (evaluation reports each), and the mixture's own `valid` / `test` are those splits
 concatenated in the order the sources were given (every held-out document of every source once).
 
-Memory is flat in tokens and in documents: tokens are copied in bounded chunks, the schedule holds one
-round, each epoch's order is a Permutation evaluated slice by slice (no permutation array), and the
-sources' document ends (8 bytes per source document) live in memory-mapped files in a scratch folder beside
-the output (page cache, removed at the end).
+Memory is flat in tokens and in documents: tokens are copied in bounded chunks (a long document across
+several), the schedule holds one round, each epoch's order is a Permutation evaluated slice by slice (no
+permutation array), and the sources' document ends (8 bytes per source document) live in memory-mapped
+files in a scratch folder beside the output (page cache, removed at the end).
 
 Index mode (`--index`): the train split is not copied. The documents file gets each document's start in
 its source (the schedule has it anyway) and becomes the split: the loader gathers a window's documents from
@@ -379,9 +379,10 @@ def _mix(specs: Sequence[SourceSpec], out: Path, scratch: Path, *, train_tokens:
 
 def _write_train(tmp: Path, sources: list[_Source], seed: int, n_target: int, n_tokens: int, layout, dtype: str,
                  vocab: int, progress: bool) -> tuple[SplitEntry, MixtureEntry]:
-    """Copy the scheduled documents into the mixture's train files, about CHUNK_TOKENS at a time (each source's
-    documents of a chunk gathered in one vectorized call per record batch), and write the documents file:
-    flat memory, no Python step per document. Returns the split and the mixture record."""
+    """Copy the scheduled documents into the mixture's train files, CHUNK_TOKENS at a time (each source's
+    documents of a chunk gathered in one vectorized call per record batch; a longer document cut across
+    chunks), and write the documents file: flat memory, also with documents of 10^8 tokens, and no Python
+    step per document. Returns the split and the mixture record."""
     writer = SplitWriter(tmp, "train", n_tokens, layout, dtype, vocab)
     documents = DocumentsWriter(tmp / DOCUMENTS_FILE)
     spread = DeviationSpread([s.weight for s in sources])
@@ -401,24 +402,17 @@ def _write_train(tmp: Path, sources: list[_Source], seed: int, n_target: int, n_
                 spread.add(mix_starts + lengths, src)
                 per_source_tokens += np.bincount(src, weights=lengths, minlength=len(sources)).astype(np.int64)
                 per_source_docs += np.bincount(src, minlength=len(sources))
-                first = 0
-                while first < len(src):
-                    # the documents that start in the next CHUNK_TOKENS tokens (at least one)
-                    last = max(first + 1, int(np.searchsorted(mix_starts, mix_starts[first] + CHUNK_TOKENS)))
-                    part_src, part_len = src[first:last], lengths[first:last]  # [c], [c]
-                    chunk = np.empty(int(part_len.sum()), dtype=dtype)  # a fresh array: the writer may keep a view
-                    at = mix_starts[first:last] - mix_starts[first]  # [c]: where each document goes in the chunk
-                    for k in np.unique(part_src):
-                        sel = np.flatnonzero(part_src == k)
-                        readers[k].gather(starts[first:last][sel], stops[first:last][sel], out=chunk, out_at=at[sel])
+                round_end = written + int(lengths.sum())
+                for lo in range(written, round_end, CHUNK_TOKENS):
+                    chunk = _gather_chunk(readers, src, starts, mix_starts, lengths, lo, min(lo + CHUNK_TOKENS,
+                                                                                             round_end), dtype)
                     # The writer (two sha256 passes, the Arrow batch, the file write: all release the GIL) works
                     # on this chunk in its own thread while the next one is gathered; at most two in flight.
                     pending.append(background.submit(writer.write, chunk, "mix"))
                     if len(pending) > 1:
                         pending.pop(0).result()
                     bar.update(len(chunk))
-                    first = last
-                written += int(lengths.sum())
+                written = round_end
             for done in pending:
                 done.result()
             files, tokens_sha256 = writer.close()
@@ -435,6 +429,28 @@ def _write_train(tmp: Path, sources: list[_Source], seed: int, n_target: int, n_
                        layout=layout, files=files, **_text_counts(sources, per_source_tokens))
     return train, _mixture_record(sources, seed, n_tokens, per_source_tokens, per_source_docs, spread.result(),
                                   documents_sha256)
+
+
+def _gather_chunk(readers: list[TokenReader], src: np.ndarray, starts: np.ndarray, mix_starts: np.ndarray,
+                  lengths: np.ndarray, lo: int, hi: int, dtype: str) -> np.ndarray:
+    """The mixture's tokens [lo, hi) of a round: the parts of its documents (source ids src, source starts,
+    mixture starts and lengths [M]) that fall inside, each source's gathered in one call. A document longer
+    than the chunk is cut across chunks: the files are a token stream (the documents file and the eod ids
+    mark where documents end), and the split writer cuts record batches by token count whatever it is handed,
+    so the bytes written do not depend on the cut, and memory does not grow with the longest document."""
+    first = int(np.searchsorted(mix_starts + lengths, lo, side="right"))  # the first document ending after lo
+    last = int(np.searchsorted(mix_starts, hi, side="left"))  # past the last one starting before hi
+    part = slice(first, last)
+    skip = np.maximum(lo - mix_starts[part], 0)  # [c]: tokens of a document's start already in earlier chunks
+    cut = np.maximum(mix_starts[part] + lengths[part] - hi, 0)  # [c]: tokens of its end left to later chunks
+    part_starts, part_stops = starts[part] + skip, starts[part] + lengths[part] - cut  # [c], [c]: in the source
+    at = mix_starts[part] + skip - lo  # [c]: where each part goes in the chunk
+    chunk = np.empty(hi - lo, dtype=dtype)  # a fresh array: the writer may keep a view
+    part_src = src[part]
+    for k in np.unique(part_src):
+        sel = np.flatnonzero(part_src == k)
+        readers[k].gather(part_starts[sel], part_stops[sel], out=chunk, out_at=at[sel])
+    return chunk
 
 
 def _write_index(tmp: Path, out: Path, sources: list[_Source], seed: int, n_target: int, layout,

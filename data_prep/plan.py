@@ -19,8 +19,8 @@ import numpy as np
 import pyarrow as pa
 
 from data_prep.errors import PrepError
-from data_prep.seek import InputRecord, documents_from
-from data_prep.sources import TEXT, ReadOptions, Source, count_documents, iter_documents
+from data_prep.seek import BYTES, InputRecord, documents_from
+from data_prep.sources import TEXT, ReadOptions, Source, count_documents, iter_documents, source_files
 
 SPLITS = ("train", "valid", "test")
 
@@ -151,6 +151,55 @@ def routed_documents(plan: Plan, opts: ReadOptions, splits: Sequence[str] | None
                 break  # this shard's documents are all read (an empty range needs none)
         if batches is not None:
             batches.close()  # its open file, now
+
+
+def shard_bytes(plan: Plan) -> int:
+    """About how many bytes of input this shard's documents take (its tokenize bar's total). Where the plan file
+    gave the inputs' seek points a document index maps to a byte offset between them (exact per file for
+    one-document text files); elsewhere each input's bytes are spread evenly over its documents. A held-out
+    split's documents, scattered over their group, count at the group's mean document size."""
+    total = 0.0
+    for group in plan.groups:
+        held = _all_held(group)
+        n_group = plan.n_documents[group.split] + len(held)
+        doc_index, byte_offset = _byte_map(group, n_group)  # [p], [p]: increasing
+        for split in {group.split, *group.holdout}:
+            lo, hi = plan.doc_range(split) if split in plan.n_documents else (0, 0)
+            if lo >= hi or n_group == 0:
+                continue
+            if split != group.split:
+                total += byte_offset[-1] * (hi - lo) / n_group
+                continue
+            # the group indices of the split's documents lo and hi: the held-out ones before them added
+            kept_before = held - np.arange(len(held))
+            g_lo = lo + int(np.searchsorted(kept_before, lo, side="right"))
+            g_hi = hi + int(np.searchsorted(kept_before, hi, side="right"))
+            span = np.interp([g_lo, g_hi], doc_index, byte_offset)
+            total += (span[1] - span[0]) * (hi - lo) / max(g_hi - g_lo, 1)
+    return round(total)
+
+
+def _byte_map(group: InputGroup, n_group: int) -> tuple[np.ndarray, np.ndarray]:
+    """(document index, byte offset) points [p] of the group's inputs end to end, from (0, 0) to (n_group
+    documents, its bytes): each input's ends and seek points when the plan file recorded them, else a line."""
+    if group.records is None:
+        n_bytes = sum(_size(path) for source in group.sources for path in source_files(source))
+        return np.array([0.0, n_group]), np.array([0.0, n_bytes])
+    points = [(0, 0)]
+    for record in group.records:
+        doc0, byte0 = points[-1]
+        if record.seek == BYTES:
+            points += [(doc0 + d, byte0 + offset) for d, offset in record.points[1:]]
+        # a one-document text file also records its text's bytes, which is what the tokenize bar counts
+        points.append((doc0 + record.documents, byte0 + sum(f.get("text_bytes", f["bytes"]) for f in record.files)))
+    return np.array([d for d, _ in points], dtype=np.float64), np.array([b for _, b in points], dtype=np.float64)
+
+
+def _size(path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0  # the reader names the file
 
 
 def _first_needed(group: InputGroup, ranges: dict[str, tuple[int, int]]) -> int | None:

@@ -27,7 +27,7 @@ from data_prep.atomic import atomic_dir, owned_scratch
 from data_prep.encode import Encoded, Encoder, document_texts
 from data_prep.errors import PrepError
 from data_prep.layout import SplitWriter, check_fits, iter_token_file, split_layouts
-from data_prep.plan import SPLITS, Plan, make_plan, routed_documents
+from data_prep.plan import SPLITS, Plan, make_plan, routed_documents, shard_bytes
 from data_prep.plan_file import (
     PLAN_FILE,
     InputPlan,
@@ -39,6 +39,7 @@ from data_prep.plan_file import (
     total_bytes,
     write_plan,
 )
+from data_prep.progress import Heartbeat
 from data_prep.space import check_free_space, estimate_note, files_bytes, input_text_bytes, size_text, \
     token_bytes
 from data_prep.shards import ShardInfo, SplitPart, find_shards, shard_name, write_shard_info
@@ -226,7 +227,9 @@ def train_tokenizer_job(spec: InputSpec, out: str | os.PathLike, trainer: Traine
         raise PrepError(f"{out} already exists; pass --overwrite to replace it")
     with owned_scratch(out, "tmp") as tmp:
         job = _Job(spec, _read_options(spec.read, Path(tmp)), sources, Path(tmp), progress)
-        with tqdm(desc="count documents", unit=" docs", disable=not progress, file=sys.stderr, leave=False) as bar:
+        counting = bool(spec.fractions())  # only held-out fractions need the documents counted
+        with tqdm(desc="count documents", unit=" docs", disable=not (progress and counting), file=sys.stderr,
+                  leave=False) as bar:
             plan = make_plan(sources, spec.fractions(), job.opts, seed=spec.seed, count=False, progress=bar.update)
         model = _train(job, plan, Path(tmp) / TOKENIZER_FILE, trainer, verbose)
         os.replace(model, out)
@@ -291,6 +294,15 @@ def _read_options(read: ReadOptions, work: Path) -> ReadOptions:
     return read
 
 
+def update_keeping_total(bar: tqdm, n: int) -> None:
+    """bar.update(n), raising the total the count has passed: the total is an estimate (input bytes, the text
+    counted may be more: a compressed Parquet file), and tqdm drops a passed total, and with it the bar and
+    the ETA."""
+    if bar.total and bar.n + n > bar.total:
+        bar.total = bar.n + n
+    bar.update(n)
+
+
 def _scan(job: _Job) -> None:
     """Hash and check every input once (provenance + early errors on empty or undecodable files)."""
     total = sum(p.stat().st_size for ss in job.sources.values() for s in ss for p in source_files(s))
@@ -302,18 +314,25 @@ def _scan(job: _Job) -> None:
 
 def _train(job: _Job, plan: Plan, model_path: Path, trainer: TrainerOptions, verbose: bool = False) -> Path:
     trainer = dataclasses.replace(trainer, seed=job.spec.seed)
-    bar = tqdm(desc="tokenizer: read training text", unit=" docs", disable=not job.progress, file=sys.stderr)
+    # In bytes, not documents: a single document of 500 MB would hold a document count still for half a minute.
+    total = input_text_bytes(job.sources["train"], job.opts.text_field)  # held-out documents included: about
+    bar = tqdm(total=total or None, desc="tokenizer: read training text", unit="B", unit_scale=True,
+               disable=not job.progress, file=sys.stderr)
+    # SentencePiece says nothing while it trains (a minute for 8,000 pieces): an elapsed time ticks meanwhile.
+    training = Heartbeat(f"tokenizer: training {trainer.model_type} sentencepiece, vocab {trainer.vocab_size}",
+                         enabled=job.progress)
 
     def documents():
         for _, _, docs in routed_documents(plan, job.opts, splits=["train"]):
-            bar.update(len(docs))
-            yield from document_texts(docs)
+            yield from document_texts(docs, progress=lambda n: update_keeping_total(bar, n))
         bar.close()
-        if job.progress:
-            print(f"tokenizer: training {trainer.model_type} sentencepiece, vocab {trainer.vocab_size} ...",
-                  file=sys.stderr)
+        training.start()  # SentencePiece has read every sentence: it trains from here until it returns
 
-    return train_tokenizer(training_sentences(documents()), model_path, trainer, verbose)
+    try:
+        return train_tokenizer(training_sentences(documents()), model_path, trainer, verbose)
+    finally:
+        bar.close()
+        training.stop()
 
 
 def _tokenize_shard(job: _Job, shard_dir: Path, shard: tuple[int, int], tokenizer_model, eod_piece,
@@ -328,7 +347,9 @@ def _tokenize_shard(job: _Job, shard_dir: Path, shard: tuple[int, int], tokenize
     prov = provenance(command, args, inputs=provenance_inputs(job.inputs))
     if job.planned is not None:
         prov["plan"] = {"file": str(job.planned.path), "sha256": job.planned.sha256}
-    with tqdm(desc="count documents", unit=" docs", disable=not job.progress, file=sys.stderr, leave=False) as bar:
+    counting = records is None and (shard[1] > 1 or bool(job.spec.fractions()))  # a plan file has the counts
+    with tqdm(desc="count documents", unit=" docs", disable=not (job.progress and counting), file=sys.stderr,
+              leave=False) as bar:
         plan = make_plan(job.sources, job.spec.fractions(), job.opts, seed=job.spec.seed, shard=shard,
                          count=shard[1] > 1, progress=bar.update, records=records)
     model_path = shard_dir / TOKENIZER_FILE
@@ -343,7 +364,7 @@ def _tokenize_shard(job: _Job, shard_dir: Path, shard: tuple[int, int], tokenize
 
     writers = {s: ArrowTokenWriter(shard_dir / f"{s}.arrow", dtype) for s in plan.splits}
     counts = {s: [0, 0, 0] for s in plan.splits}  # documents, bytes, chars
-    total = sum(e["bytes"] for s in job.inputs.values() for e in s) // shard[1]  # about this shard's share
+    total = shard_bytes(plan) if shard[1] > 1 else sum(e["bytes"] for s in job.inputs.values() for e in s)
     bar = tqdm(total=total or None, unit="B", unit_scale=True, desc="tokenize", disable=not job.progress,
                file=sys.stderr)
 
@@ -351,7 +372,7 @@ def _tokenize_shard(job: _Job, shard_dir: Path, shard: tuple[int, int], tokenize
         writers[split].write(enc.tokens)
         c = counts[split]
         c[0], c[1], c[2] = c[0] + enc.n_documents, c[1] + enc.n_bytes, c[2] + enc.n_chars
-        bar.update(enc.n_bytes)
+        update_keeping_total(bar, enc.n_bytes)
 
     try:
         with Encoder(str(model_path), tok.eod_id, dtype, num_proc) as encoder:

@@ -7,6 +7,7 @@ inside one record batch is a numpy view of the page cache: no copy, no read of t
 from __future__ import annotations
 
 import bisect
+import contextlib
 import hashlib
 import io
 import os
@@ -100,24 +101,41 @@ class ArrowTokenWriter:
         if self._tokens_hash is not None:
             update_tokens_sha256(self._tokens_hash, tokens, self.dtype)
         batch = pa.record_batch([pa.array(tokens)], schema=self.schema)
-        self._writer.write_batch(batch)
+        with self._naming_the_file():
+            self._writer.write_batch(batch)
         self.n_tokens += tokens.size
 
     def close(self) -> tuple[int, str]:
         """Finish the file, rename it into place, return (n_tokens, sha256 of the file). Idempotent."""
         if self._result is None:
-            self._writer.close()
-            self._file.flush()
-            os.fsync(self._file.fileno())
-            self._file.close()
+            with self._naming_the_file():
+                self._writer.close()
+                self._file.flush()
+                os.fsync(self._file.fileno())
+                self._file.close()
             os.replace(self.tmp_path, self.path)
             self._result = (self.n_tokens, self._sink.sha256.hexdigest())
         return self._result
 
+    @contextlib.contextmanager
+    def _naming_the_file(self) -> Iterator[None]:
+        """An OSError of the file write (a full disk, a quota, an I/O error) names the file: Python's file
+        object raises ENOSPC without a filename, so the caller could not tell which file system is full."""
+        try:
+            yield
+        except OSError as e:
+            if e.filename is not None or e.errno is None:
+                raise
+            raise OSError(e.errno, e.strerror, str(self.tmp_path)) from e
+
     def abort(self) -> None:
-        """Drop the partial file (nothing is renamed into place)."""
+        """Drop the partial file (nothing is renamed into place); never raises for the file's own write error
+        (a full disk fails again when closing flushes the buffer), which the caller is already handling."""
         if self._result is None:
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError:
+                pass  # the buffered bytes cannot be written either: the file goes anyway
             self.tmp_path.unlink(missing_ok=True)
             self._result = (0, "")
 
