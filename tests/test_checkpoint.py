@@ -621,21 +621,6 @@ def test_a_write_that_fails_on_a_full_file_system_says_no_space_left(tmp_path, m
     assert not path.exists()
 
 
-@pytest.fixture
-def small_file_system(tmp_path):
-    """A 256 KiB tmpfs (a real file system that fills up), or a skip where this process may not mount one."""
-    mount_point = tmp_path / "small"
-    mount_point.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount_point)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN): {mounted.stderr.strip()}")
-    try:
-        yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=False)
-
-
 def test_a_save_onto_a_really_full_file_system_says_no_space_left(small_file_system):
     """torch.save through the recorder (DeepSpeed's files) and the rank file's own write, on a file system too
     small for them: both name ENOSPC, with torch's words."""

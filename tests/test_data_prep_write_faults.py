@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import errno
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -83,21 +82,6 @@ def test_other_os_errors_keep_their_traceback(model, text_input, tmp_path, monke
     failing_writes(monkeypatch, errno.EBADF)
     with pytest.raises(OSError, match="Bad file descriptor"):
         main([str(a) for a in prepare_args(tmp_path / "out", model, text_input)])
-
-
-@pytest.fixture
-def small_file_system(tmp_path):
-    """A 256 KiB tmpfs (a real file system that fills up), or a skip where this process may not mount one."""
-    mount_point = tmp_path / "small"
-    mount_point.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount_point)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN): {mounted.stderr.strip()}")
-    try:
-        yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=False)
 
 
 def test_prepare_onto_a_really_full_file_system(model, text_input, small_file_system, capsys):

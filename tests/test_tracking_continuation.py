@@ -33,6 +33,26 @@ def first_job(cfg, run_dir, steps=10):
     return tracker.run_id
 
 
+def job_with_the_store_failing_after(cfg, run_dir, monkeypatch, last_step):
+    """Steps 1..10 with train/loss = step, the store refusing the values after last_step (counted failed);
+    the store works again once it returns."""
+    real = mlflow_run._send_metrics
+
+    def failing(client_, run_id, batches):
+        if any(b.step > last_step for b in batches):
+            raise ConnectionError("store away")
+        return real(client_, run_id, batches)
+
+    monkeypatch.setattr(mlflow_run, "_send_metrics", failing)
+    tracker = create_tracker(cfg, 0, run_dir)
+    for step in range(1, 11):
+        tracker.log_metrics({"train/loss": float(step)}, step=step)
+        tracker.flush(timeout=30)
+    assert tracker.close("KILLED").failed == 10 - last_step
+    monkeypatch.setattr(mlflow_run, "_send_metrics", real)
+    return tracker
+
+
 # ----------------------------------------------------------------------------------------------------
 # The plan (no store)
 
@@ -185,20 +205,7 @@ def test_an_interrupted_switch_is_finished_by_the_next_job(mlflow_server, client
 def test_what_an_earlier_job_could_not_send_goes_first_in_the_next_job(
         mlflow_server, client, experiment, tmp_path, monkeypatch):  # noqa: F811
     cfg = cfg_for(mlflow_server.uri, experiment)
-    real = mlflow_run._send_metrics
-
-    def failing_after_step_5(client_, run_id, batches):
-        if any(b.step > 5 for b in batches):
-            raise ConnectionError("store away")
-        return real(client_, run_id, batches)
-
-    monkeypatch.setattr(mlflow_run, "_send_metrics", failing_after_step_5)
-    first = create_tracker(cfg, 0, tmp_path)
-    for step in range(1, 11):
-        first.log_metrics({"train/loss": float(step)}, step=step)
-        first.flush(timeout=30)
-    assert first.close("KILLED").failed == 5
-    monkeypatch.setattr(mlflow_run, "_send_metrics", real)
+    first = job_with_the_store_failing_after(cfg, tmp_path, monkeypatch, 5)
     second = create_tracker(cfg, 0, tmp_path, resume=ResumePoint(first.run_id, 10))
     second.log_metrics({"train/loss": 11.0}, step=11)
     delivery = second.close()
@@ -209,15 +216,7 @@ def test_what_an_earlier_job_could_not_send_goes_first_in_the_next_job(
 def test_replay_sends_what_a_left_run_lacks_to_that_run(
         mlflow_server, client, experiment, tmp_path, monkeypatch):  # noqa: F811
     cfg = cfg_for(mlflow_server.uri, experiment)
-    real = mlflow_run._send_metrics
-    monkeypatch.setattr(mlflow_run, "_send_metrics", lambda c, r, batches: (_ for _ in ()).throw(
-        ConnectionError("store away")) if any(b.step > 8 for b in batches) else real(c, r, batches))
-    first = create_tracker(cfg, 0, tmp_path)
-    for step in range(1, 11):
-        first.log_metrics({"train/loss": float(step)}, step=step)
-        first.flush(timeout=30)
-    assert first.close("KILLED").failed == 2
-    monkeypatch.setattr(mlflow_run, "_send_metrics", real)
+    first = job_with_the_store_failing_after(cfg, tmp_path, monkeypatch, 8)
     second = create_tracker(cfg, 0, tmp_path, resume=ResumePoint(first.run_id, 4, frozenset({first.run_id})))
     assert second.close().ok
     out = subprocess.run([sys.executable, "-m", "txl_dist.tracking", "replay", str(tmp_path), "--uri",
