@@ -139,3 +139,11 @@ def tricky_text(n_words: int, seed: int = 0) -> str:
         word = rng.choice(words) if rng.random() < 0.5 else made_up
         parts += [word, rng.choice(gaps)]
     return "".join(parts)
+
+
+def small_bpe_tokenizer(folder: Path) -> Path:
+    """A 400-piece BPE SentencePiece model trained on tricky_text, at folder/tok.model (seconds)."""
+    from data_prep.tokenizer import TrainerOptions, train_tokenizer, training_sentences
+
+    sentences = training_sentences([tricky_text(2000, seed) for seed in range(2)])
+    return train_tokenizer(sentences, folder / "tok.model", TrainerOptions(vocab_size=400, model_type="bpe"))

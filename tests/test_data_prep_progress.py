@@ -13,16 +13,13 @@ from tqdm import tqdm
 import data_prep.encode as encode
 import data_prep.prepare as prepare_module
 import data_prep.progress as progress_module
-from corpus_helpers import tricky_text
+from corpus_helpers import small_bpe_tokenizer, tricky_text
 from data_prep.cli import main
-from data_prep.tokenizer import TrainerOptions, train_tokenizer, training_sentences
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("progress-tok") / "tok.model"
-    sentences = training_sentences([tricky_text(2000, seed) for seed in range(2)])
-    return train_tokenizer(sentences, path, TrainerOptions(vocab_size=400, model_type="bpe"))
+    return small_bpe_tokenizer(tmp_path_factory.mktemp("progress-tok"))
 
 
 @pytest.fixture

@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from corpus_helpers import make_corpus, synthetic_stream, tricky_text
+from corpus_helpers import make_corpus, small_bpe_tokenizer, synthetic_stream, tricky_text
 from data_prep.cli import main
-from data_prep.tokenizer import TrainerOptions, train_tokenizer, training_sentences
 from txl_dist.data import arrow_io
 from txl_dist.data.format import Layout, read_manifest
 from txl_dist.errors import EXIT_FAILED
@@ -21,9 +20,7 @@ from txl_dist.errors import EXIT_FAILED
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("write-fault-tok") / "tok.model"
-    sentences = training_sentences([tricky_text(2000, seed) for seed in range(2)])
-    return train_tokenizer(sentences, path, TrainerOptions(vocab_size=400, model_type="bpe"))
+    return small_bpe_tokenizer(tmp_path_factory.mktemp("write-fault-tok"))
 
 
 @pytest.fixture
