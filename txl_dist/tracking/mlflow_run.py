@@ -55,7 +55,7 @@ from .errors import TrackingError
 from .journal import TrackingFolder, _Batch, _DeliveryLog, _Journal, _JournalSummary, _OutboxItem, _summarize
 from .secrets import _one_line, _remember_secrets, _scrub_library_logs, scrub_secrets, shown_uri
 from .store import (MAX_KEY_LENGTH, MAX_METRICS_PER_BATCH, MAX_PARAM_VALUE_LENGTH, _check_reopenable, _chunks,
-                    RUNNING_HTTP_LIMITS, _deliver_item, _quick_http_failures, _send_metrics)
+                    RUNNING_HTTP_LIMITS, _deliver_item, _quick_http_failures, _send_metrics, _undelivered)
 from .tracker import Delivery, Tracker, _check_status
 
 STORE_PAUSE_S = 30.0
@@ -612,31 +612,14 @@ class MlflowTracker(Tracker):
     def _backfill(self, through_seq: int) -> None:
         """Send, as replay would, what the journal (seqs <= through_seq) and the outbox hold and the store
         lacks; at the first failure stop (counting the rest as failed: it stays for replay)."""
-        delivered = self.folder.delivered_seqs()
-        pending: list[_Batch] = []
-        size = 0
-
-        def send() -> bool:
+        for batches in _undelivered(self.folder, through_seq):
+            values = sum(len(b.metrics) for b in batches)
             sent = self.delivery.sent
-            self._deliver_metrics(pending)
-            self._backfill_left -= sum(len(b.metrics) for b in pending)
-            return self.delivery.sent - sent == sum(len(b.metrics) for b in pending)
-
-        for batch in self.folder.journal_batches():
-            if batch.seq > through_seq:
-                break
-            if batch.seq in delivered:
-                continue
-            pending.append(batch)
-            size += len(batch.metrics)
-            if size >= MAX_METRICS_PER_BATCH:
-                if not send():
-                    self._count_failed(self._backfill_left)
-                    return
-                pending, size = [], 0
-        if pending and not send():
-            self._count_failed(self._backfill_left)
-            return
+            self._deliver_metrics(batches)
+            self._backfill_left -= values
+            if self.delivery.sent - sent != values:
+                self._count_failed(self._backfill_left)
+                return
         for item in self.folder.outbox_items():
             if item.seq <= through_seq:
                 self._deliver(item)

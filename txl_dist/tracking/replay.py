@@ -17,8 +17,7 @@ from .continuation import superseded_folders
 from .errors import ReplayError, TrackingError
 from .journal import TrackingFolder, _Batch, _DeliveryLog, _summarize
 from .secrets import _one_line, _remember_secrets, _scrub_library_logs, shown_uri
-from .store import (MAX_METRICS_PER_BATCH, _check_reopenable, _chunks, _deliver_item, _quick_http_failures,
-                    _send_metrics)
+from .store import _check_reopenable, _chunks, _deliver_item, _quick_http_failures, _send_metrics, _undelivered
 
 
 @dataclasses.dataclass
@@ -114,20 +113,10 @@ def _replay_uri(folder: TrackingFolder, uri: str | None) -> str:
 
 def _replay_metrics(client, folder: TrackingFolder, report: ReplayReport, run_id: str) -> None:
     """Stream the journal; send the undelivered batches in chunks, each recorded once the store has it."""
-    delivered = folder.delivered_seqs()
     log = _DeliveryLog(folder.delivered)
     try:
-        pending: list[_Batch] = []
-        size = 0
-        for batch in folder.journal_batches():
-            if batch.seq in delivered:
-                continue
-            pending.append(batch)
-            size += len(batch.metrics)
-            if size >= MAX_METRICS_PER_BATCH:
-                _replay_chunks(client, pending, log, report, run_id)
-                pending, size = [], 0
-        _replay_chunks(client, pending, log, report, run_id)
+        for batches in _undelivered(folder):
+            _replay_chunks(client, batches, log, report, run_id)
     finally:
         log.close()
 

@@ -9,7 +9,7 @@ import os
 from collections.abc import Iterator
 
 from .errors import TrackingError
-from .journal import _Batch, _OutboxItem
+from .journal import TrackingFolder, _Batch, _OutboxItem
 
 # MLflow's own limits (mlflow.utils.validation); a batch over them is refused as a whole.
 MAX_METRICS_PER_BATCH = 1000
@@ -32,6 +32,26 @@ RUNNING_HTTP_LIMITS = {
 """Upper bounds while a run logs (the writer thread, system metrics, the close): a store that went away is
 noticed in seconds (a refused port ~3 s, a silent host ~1 min), not after minutes of MLflow's retries that
 would also hold the job's exit; what fails stays in the journal for replay."""
+
+
+def _undelivered(folder: TrackingFolder, through_seq: float = float("inf")) -> Iterator[list[_Batch]]:
+    """The journal's batches the store lacks (seqs <= through_seq), streamed in runs of about one log_batch
+    of values (replay, and a job sending what earlier jobs could not)."""
+    delivered = folder.delivered_seqs()
+    pending: list[_Batch] = []
+    size = 0
+    for batch in folder.journal_batches():
+        if batch.seq > through_seq:
+            break
+        if batch.seq in delivered:
+            continue
+        pending.append(batch)
+        size += len(batch.metrics)
+        if size >= MAX_METRICS_PER_BATCH:
+            yield pending
+            pending, size = [], 0
+    if pending:
+        yield pending
 
 
 def _chunks(batches: list[_Batch]) -> Iterator[list[_Batch]]:
