@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         # stdout it finds when first imported (its accelerator warning, with DS_ACCELERATOR unset): until the
         # result exists, stdout is stderr.
         with contextlib.redirect_stdout(sys.stderr):
-            from txl_dist.interop.outputs import check_output_file
+            from txl_dist.output_paths import check_output_file
             from txl_dist.startup import eval_config
 
             env = distributed.discover()

@@ -50,7 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def check_outputs(out: str, hf: str | None) -> None:
     """Refuse output folders that cannot be written, or that are one folder, before the checkpoint is read."""
-    from txl_dist.interop.outputs import check_distinct_folders, check_output_folder
+    from txl_dist.output_paths import check_distinct_folders, check_output_folder
 
     check_output_folder(out, "--out")
     if hf:

@@ -272,6 +272,37 @@ def test_rollback_moves_newer_tags_aside_and_never_deletes_them(tmp_path):
     assert checkpoint.supersede_newer(ckpt, 10) is None
 
 
+def test_a_rollback_waits_for_a_reader_to_finish_loading_a_tag_it_moves(tmp_path, caplog):
+    import threading
+
+    ckpt = tmp_path / "ckpt"
+    for step in (10, 20, 30):
+        _tag(ckpt, step)
+    hold = checkpoint.hold_for_reading(ckpt / "step_00000030")  # an evaluation loading step 30
+    reader_done = threading.Timer(1.0, hold.release)
+    reader_done.start()
+    with caplog.at_level(logging.INFO):
+        dest, moved = checkpoint.supersede_newer(ckpt, 10, reader_wait_s=30)
+    reader_done.join()
+    assert moved == ["step_00000020", "step_00000030"]
+    assert sorted(p.name for p in dest.iterdir()) == moved
+    assert "waiting for another job (an evaluation or export) to finish loading step_00000030" in caplog.text
+
+
+def test_a_rollback_past_a_stuck_reader_moves_nothing(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    for step in (10, 20, 30):
+        _tag(ckpt, step)
+    hold = checkpoint.hold_for_reading(ckpt / "step_00000030")
+    with pytest.raises(CheckpointError, match=r"step_00000030: another job .* loading it for more than 0 s.*"
+                                              r"nothing was moved"):
+        checkpoint.supersede_newer(ckpt, 10, reader_wait_s=0.3)
+    assert checkpoint.inventory(ckpt).complete == ["step_00000010", "step_00000020", "step_00000030"]
+    assert not (ckpt / checkpoint.SUPERSEDED_DIR).exists()
+    hold.release()
+    assert checkpoint.supersede_newer(ckpt, 10, reader_wait_s=0)[1] == ["step_00000020", "step_00000030"]
+
+
 def test_verify_names_a_missing_truncated_or_corrupted_file(tmp_path):
     ckpt = tmp_path / "ckpt"
     tag = _tag(ckpt, 5)

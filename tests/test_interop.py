@@ -388,7 +388,7 @@ def test_an_output_folder_that_cannot_be_made_is_refused_before_reading(tmp_path
 
 
 def test_output_checks_write_nothing_and_see_unwritable_places(tmp_path):
-    from txl_dist.interop.outputs import OutputError, check_output_file, check_output_folder
+    from txl_dist.output_paths import OutputError, check_output_file, check_output_folder
 
     assert check_output_folder(tmp_path / "new" / "deeper", "--out") == tmp_path / "new" / "deeper"
     assert check_output_file(tmp_path / "result.json", "--json-out") == tmp_path / "result.json"

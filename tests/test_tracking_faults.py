@@ -263,7 +263,8 @@ def test_a_run_dir_that_refuses_the_journal_leaves_no_run_open(
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "tracking").write_text("a file where the journal folder goes\n")
-    with pytest.raises(TrackingError, match=r"tracking: .*/run/tracking is not a folder; fix it"):
+    with pytest.raises(TrackingError,
+                       match=r"tracking: .*/run/tracking: exists and is not a folder; choose .* \(it lies in run.dir\)"):
         create_tracker(cfg, 0, run_dir)
     assert runs_of(client, experiment) == []  # checked before the store is touched
     # A failure the check cannot foresee (here: the lock), after the store opened the run: no run left RUNNING.

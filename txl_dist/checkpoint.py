@@ -53,7 +53,7 @@ import sys
 import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -265,19 +265,37 @@ def _restore_replaced(ckpt_dir: Path, name: str) -> None:
         os.replace(old, ckpt_dir / tag)
 
 
-def supersede_newer(ckpt_dir: str | os.PathLike, step: int) -> tuple[Path, list[str]] | None:
-    """Move complete tags newer than `step` into superseded/<time>/ (a job rolling back to `step`)."""
+READER_WAIT_S = 300.0
+"""Seconds a rollback waits for another job (an evaluation, an export) to finish loading a tag it moves aside:
+a reader holds a tag only from its choice to the end of its load, so a longer wait means a stuck reader."""
+
+
+def supersede_newer(ckpt_dir: str | os.PathLike, step: int,
+                    reader_wait_s: float = READER_WAIT_S) -> tuple[Path, list[str]] | None:
+    """Move complete tags newer than `step` into superseded/<time>/ (a job rolling back to `step`).
+
+    A tag another job is loading (hold_for_reading) is moved once that job has loaded it: the move would
+    otherwise pull the files from under its load. All or none move: a reader that holds a tag past
+    `reader_wait_s` leaves every tag in place and the rollback is refused (CheckpointError)."""
     ckpt_dir = Path(ckpt_dir)
     newer = [t for t in inventory(ckpt_dir).complete if step_of(t) > step]
     if not newer:
         return None
-    dest = ckpt_dir / SUPERSEDED_DIR / time.strftime("%Y%m%d-%H%M%S")
-    dest.mkdir(parents=True, exist_ok=False)
-    for tag in newer:
-        os.replace(ckpt_dir / tag, dest / tag)
-        universal = ckpt_dir / (tag + UNIVERSAL_SUFFIX)
-        if universal.is_dir():
-            os.replace(universal, dest / universal.name)
+    with ExitStack() as held:
+        for tag in newer:
+            if not held.enter_context(_held_for_removal(ckpt_dir / tag, wait_s=reader_wait_s, why=(
+                    f"before moving it aside (rolling back to step {step})"))):
+                raise CheckpointError(
+                    f"{ckpt_dir / tag}: another job (an evaluation or export) has been loading it for more than "
+                    f"{reader_wait_s:.0f} s, and rolling back to step {step} moves it aside; stop that job, then "
+                    "start this one again (nothing was moved)")
+        dest = ckpt_dir / SUPERSEDED_DIR / time.strftime("%Y%m%d-%H%M%S")
+        dest.mkdir(parents=True, exist_ok=False)
+        for tag in newer:
+            os.replace(ckpt_dir / tag, dest / tag)
+            universal = ckpt_dir / (tag + UNIVERSAL_SUFFIX)
+            if universal.is_dir():
+                os.replace(universal, dest / universal.name)
     fsync_dir(ckpt_dir)
     return dest, newer
 
@@ -388,24 +406,46 @@ def _same_file(fd: int, path: Path) -> bool:
 
 
 @contextmanager
-def _held_for_removal(tag_dir: Path) -> Iterator[bool]:
-    """An exclusive lock on a tag while retention removes it: True when nobody reads it (or the file system
-    has no locks: remove as before), False when a reader holds it."""
+def _held_for_removal(tag_dir: Path, wait_s: float = 0.0, why: str = "") -> Iterator[bool]:
+    """An exclusive lock on a tag while a job removes or moves it: True when nobody reads it (or the file
+    system has no locks: go on as before), False when a reader holds it (after waiting up to wait_s for it to
+    let go, with one info line saying what waits, and `why`)."""
     run_file = tag_dir / STATE_DIR / RUN_FILE
     try:
         fd = os.open(run_file, os.O_RDWR)  # NFS emulates flock with POSIX locks: an exclusive one needs write
     except PermissionError:
         fd = os.open(run_file, os.O_RDONLY)
+    deadline, told = time.monotonic() + wait_s, False
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            if e.errno in _LOCK_BUSY:
-                yield False
-                return
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                if e.errno in _LOCK_BUSY:
+                    if time.monotonic() >= deadline:
+                        yield False
+                        return
+                    if not told:
+                        logging.getLogger(distributed.LOGGER_NAME).info(
+                            "checkpoint: waiting for another job (an evaluation or export) to finish loading %s %s",
+                            tag_dir.name, why)
+                        told = True
+                    time.sleep(0.2)
+                    continue
+            break
         yield True
     finally:
         os.close(fd)
+
+
+def hold_named_tag(tag_dir: str | os.PathLike, then: str) -> ReadHold:
+    """hold_for_reading of a tag this job has already chosen; refused (CheckpointError) when retention removed
+    it meanwhile, with `then` saying what the user can do."""
+    hold = hold_for_reading(tag_dir)
+    if hold is None:
+        raise CheckpointError(f"{tag_dir}: removed by its run's retention (checkpoint.keep) while this job "
+                              f"started; {then}")
+    return hold
 
 
 MAX_CHOICES = 5
@@ -419,12 +459,11 @@ def resolve_and_hold(path: str | os.PathLike) -> tuple[Path, ReadHold]:
     named that retention removed is refused."""
     for _ in range(MAX_CHOICES):
         tag_dir = resolve_path(path)
+        if tag_dir == Path(path):
+            return tag_dir, hold_named_tag(tag_dir, "name a newer tag, or the run folder (its newest tag)")
         hold = hold_for_reading(tag_dir)
         if hold is not None:
             return tag_dir, hold
-        if tag_dir == Path(path):
-            raise CheckpointError(f"{tag_dir}: removed by its run's retention (checkpoint.keep) while this job "
-                                  "started; name a newer tag, or the run folder (its newest tag)")
     raise CheckpointError(f"{path}: the newest tag was removed {MAX_CHOICES} times in a row before it could be "
                           "read; is another job deleting its checkpoints?")
 

@@ -695,11 +695,7 @@ def _hold_rank_zeros_tag(choice: EvalChoice, tag_dir: Path, env: DistEnv) -> che
     log.warning("rank %d: the checkpoint path named %s here and %s on rank 0 (a save while the ranks started); "
                 "evaluating rank 0's", env.rank, choice.tag_dir.name, tag_dir.name)
     choice.hold.release()
-    hold = checkpoint.hold_for_reading(tag_dir)
-    if hold is None:
-        raise CheckpointError(f"{tag_dir}: removed by its run's retention (checkpoint.keep) while this job "
-                              "started; start the evaluation again")
-    return hold
+    return checkpoint.hold_named_tag(tag_dir, "start the evaluation again")
 
 
 def _eval_local_checks(cfg: RunConfig, run_info: dict[str, Any], tag_dir: Path, split: str | None,

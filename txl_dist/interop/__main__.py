@@ -16,7 +16,7 @@ import sys
 from txl_dist.errors import EXIT_FAILED, EXIT_REFUSED, Refused, one_line
 from txl_dist.interop.convert import from_hf, to_hf
 from txl_dist.interop.native import load_native, save_native
-from txl_dist.interop.outputs import check_distinct_folders, check_output_folder
+from txl_dist.output_paths import check_distinct_folders, check_output_folder
 
 
 _FROM_HF = "python -m txl_dist.interop from-hf path/to/hf_transfo_xl out/native"

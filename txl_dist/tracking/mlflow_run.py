@@ -49,6 +49,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from txl_dist.config import TrackingConfig
+from txl_dist.output_paths import OutputError, check_output_folder
 
 from .continuation import STAGING_DIR, Opening, ResumePoint, finish_switch, plan_opening, stage_switch
 from .errors import TrackingError
@@ -717,18 +718,10 @@ class MlflowTracker(Tracker):
 def _check_folder_usable(path: Path) -> None:
     """Refuse a tracking folder that cannot be created or written before the store is touched (a run
     created first would be left RUNNING with nothing logged)."""
-    existing = path
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if existing == path and not path.is_dir():
-        problem = "is not a folder"
-    elif not existing.is_dir():
-        problem = f"cannot be created ({existing} is not a folder)"
-    elif not os.access(existing, os.W_OK | os.X_OK):
-        problem = "is not writable" if existing == path else f"cannot be created ({existing} is not writable)"
-    else:
-        return
-    raise TrackingError(f"tracking: {path} {problem}; fix it or choose another run.dir")
+    try:
+        check_output_folder(path, "tracking:")
+    except OutputError as e:
+        raise TrackingError(f"{e} (it lies in run.dir)") from None
 
 
 def _left(deadline: float | None) -> float | None:

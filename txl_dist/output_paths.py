@@ -1,8 +1,8 @@
-"""Output locations, checked before any work: launch/export.py, launch/eval.py --json-out and the interop CLI
-refuse a place they cannot write (one line naming it) before they load weights or evaluate, instead of
-failing there with a traceback.
+"""Output locations, checked before any work: launch/export.py, launch/eval.py --json-out, the interop CLI and
+the MLflow tracker's folder refuse a place they cannot write (one line naming it) before they load weights,
+evaluate or touch a store, instead of failing there with a traceback.
 
-Nothing is created by a check. Whether a place can be written is found out by making and removing a
+Nothing is created by a check. Standard library and txl_dist.errors only: every package may import this. Whether a place can be written is found out by making and removing a
 temporary entry there: os.access says yes to nearly everything for root, and knows nothing of read-only
 mounts or of /proc.
 """
