@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -81,6 +82,27 @@ def test_the_real_measurement_runs_at_the_run_shapes(tmp_path, vocab_size):
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab_size))
     seconds = runtime_choices.time_precisions(cfg, torch.device("cpu"), ("fp32", "bf16"), seconds=0.01)
     assert set(seconds) == {"fp32", "bf16"} and all(0 < s < 10 for s in seconds.values())
+
+
+def test_the_cpu_measurement_counts_one_threads_cpu_time_not_waits(tmp_path, monkeypatch):
+    """A step that waits (as a process preempted by others on a shared machine does) costs no measured time;
+    the steps run on one thread, and the process's threads are restored after."""
+    threads_seen = []
+
+    def waiting_step(cfg, device, dtype):
+        def step():
+            threads_seen.append(torch.get_num_threads())
+            time.sleep(0.05)
+        return step
+
+    monkeypatch.setattr(runtime_choices, "_model_step", waiting_step)
+    cfg = _cfg(tmp_path)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=VOCAB))
+    before = torch.get_num_threads()
+    seconds = runtime_choices.time_precisions(cfg, torch.device("cpu"), ("fp32", "bf16"), seconds=0.01)
+    assert all(s < 0.02 for s in seconds.values()), seconds  # the wall clock would say >= 0.05
+    assert set(threads_seen) == {1} and len(threads_seen) >= 2 * 4  # a warm-up and >= 3 turns each
+    assert torch.get_num_threads() == before
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", None])

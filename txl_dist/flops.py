@@ -220,7 +220,7 @@ def measure_matmul_peak(device: torch.device | str, dtype: torch.dtype = torch.b
     if device.type != "cpu":
         return _best_matmul_rate(device, dtype, seconds, sizes or GPU_PEAK_SIZES)
     threads = torch.get_num_threads()
-    with _torch_threads(1):
+    with torch_threads(1):
         rate, size = _best_matmul_rate(device, dtype, seconds, sizes or CPU_PEAK_SIZES)
     return rate * threads, size
 
@@ -249,7 +249,7 @@ def _best_matmul_rate(device: torch.device, dtype: torch.dtype, seconds: float,
 
 
 @contextmanager
-def _torch_threads(n: int) -> Iterator[None]:
+def torch_threads(n: int) -> Iterator[None]:
     """torch's intra-op threads set to n inside, restored after."""
     before = torch.get_num_threads()
     torch.set_num_threads(n)

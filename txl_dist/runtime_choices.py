@@ -24,6 +24,7 @@ every resume by the noise of the measurement, not by anything the run did.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import platform
@@ -36,7 +37,7 @@ import torch
 from . import distributed
 from .config import RunConfig
 from .distributed import DistEnv
-from .flops import peak_flops
+from .flops import peak_flops, torch_threads
 
 log = logging.getLogger(distributed.LOGGER_NAME)
 
@@ -238,22 +239,30 @@ def time_precisions(cfg: RunConfig, device: torch.device, dtypes: tuple[str, ...
     """Seconds per forward+backward at the run's shapes, per precision name: of the whole model when
     model.vocab_size is known (embeddings and adaptive softmax included), else of one Transformer-XL layer.
 
-    The precisions take turns, repeat after repeat, for about `seconds` (at least two each), and each keeps
+    The precisions take turns, repeat after repeat, for about `seconds` (at least three each), and each keeps
     its best time: a burst of load from other processes then hits both alike instead of the one measured
-    while it lasted.
+    while it lasted. On a CPU the steps run on ONE thread and are timed in that thread's CPU seconds
+    (time.thread_time; a CPU's autograd runs on the calling thread): the time the process spends preempted
+    is not counted, and no thread waits at a barrier for a preempted one. On a shared 2-core machine at load
+    average 10-15, configs/tiny.json's fp32 / bf16 ratio timed by the wall clock on 2 threads ranged
+    0.40-2.38 (8 starts), enough to flip a clear choice, which the run keeps to its end; timed so, 1.24-1.66
+    (docs/performance.md).
     """
     make_step = _model_step if cfg.model.vocab_size is not None else _layer_step
-    steps = {name: make_step(cfg, device, DTYPES[name]) for name in dtypes}
-    for step in steps.values():
-        step()  # warm-up: kernel selection, allocations
-    best = dict.fromkeys(steps, float("inf"))
-    end, rounds = time.perf_counter() + seconds, 0
-    while rounds < 2 or time.perf_counter() < end:
-        for name, step in steps.items():
-            start = time.perf_counter()
-            step()
-            best[name] = min(best[name], time.perf_counter() - start)
-        rounds += 1
+    on_cpu = device.type == "cpu"
+    clock = time.thread_time if on_cpu else time.perf_counter
+    with torch_threads(1) if on_cpu else contextlib.nullcontext():
+        steps = {name: make_step(cfg, device, DTYPES[name]) for name in dtypes}
+        for step in steps.values():
+            step()  # warm-up: kernel selection, allocations
+        best = dict.fromkeys(steps, float("inf"))
+        end, rounds = time.perf_counter() + seconds, 0
+        while rounds < 3 or time.perf_counter() < end:
+            for name, step in steps.items():
+                start = clock()
+                step()
+                best[name] = min(best[name], clock() - start)
+            rounds += 1
     return best
 
 
