@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from data_prep.errors import PrepError
+from data_prep.paths import cannot_read, check_not_current_dir, check_writable_parent
 from txl_dist import scratch
 from txl_dist.scratch import OWNER_LOCK, remove_scratch
 
@@ -48,29 +49,54 @@ def owned_scratch(out: Path, kind: str):
     return scratch.owned_scratch(out, kind, kinds=SCRATCH_KINDS, on_removed=lambda folder: _say_removed(out, folder))
 
 
-def check_output(out: Path, overwrite: bool) -> None:
-    """Refuse an existing output unless overwrite is set (checked before any work starts)."""
+REPLACEABLE = {"manifest.json": "corpus", "shard.json": "shard folder"}
+"""The file that marks a folder --overwrite may replace, and what such a folder is (see check_output)."""
+
+
+def check_output(out: Path, overwrite: bool, marker: str | None = None) -> None:
+    """Refuse an existing output unless overwrite is set, and an output this user cannot create (checked
+    before any work starts). With `marker` (a key of REPLACEABLE) --overwrite replaces only a folder holding
+    that file, or an empty one: anything else may be someone's data."""
     if out.exists() or out.is_symlink():
         if not overwrite:
             raise PrepError(f"{out} already exists; pass --overwrite to replace it")
         if not out.is_dir():
             raise PrepError(f"{out} exists and is not a folder; remove it or choose another output")
+        check_not_current_dir(out)
+        if marker is not None:
+            _check_replaceable(out, marker)
+    check_writable_parent(out)
+
+
+def _check_replaceable(out: Path, marker: str) -> None:
+    """An existing folder --overwrite may replace: one holding `marker`, or an empty one."""
+    if (out / marker).is_file():
+        return
+    try:
+        names = sorted(p.name for p in out.iterdir())
+    except OSError as e:
+        raise cannot_read(out, e) from None
+    if names:
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        what = REPLACEABLE[marker]
+        raise PrepError(f"{out} is not a {what} (no {marker}) and holds {shown}; --overwrite replaces only a "
+                        f"{what} or an empty folder: move those files away or choose another output")
 
 
 @contextmanager
-def atomic_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+def atomic_dir(out: str | os.PathLike, overwrite: bool = False, marker: str | None = None) -> Iterator[Path]:
     """Yield an empty temporary folder beside `out`; when the block succeeds it becomes `out`.
 
     On any error the temporary folder is removed and `out` is left as it was, so a reader never sees a
     half-written output. The temporary folder is a sibling so that the final rename stays on one file system.
     """
     out = Path(out)
-    check_output(out, overwrite)
+    check_output(out, overwrite, marker)
     with owned_scratch(out, "tmp") as scratch:
         tmp = scratch / OUTPUT
         tmp.mkdir()  # the umask's permissions (the scratch folder itself is mkdtemp's private 0700)
         yield tmp
-        check_output(out, overwrite)  # someone may have created it meanwhile
+        check_output(out, overwrite, marker)  # someone may have created it meanwhile
         replace_dir(tmp, out)
     # Leaving owned_scratch deleted the previous output, which the swap had put inside it.
 

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from data_prep.tokenizer import MODEL_TYPES, TRAINING_THREADS, TrainerOptions
-from data_prep.errors import PrepError, write_fault_line
+from data_prep.errors import PrepError, access_fault_line, write_fault_line
 from txl_dist.errors import EXIT_FAILED, EXIT_REFUSED, Refused
 from txl_dist.host import raise_open_file_limit, usable_cpus
 
@@ -234,8 +234,10 @@ _ELSEWHERE = {"fetch-corpus": "choose another output folder",
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; refused input prints one `error:` line and returns 2 (as every entry point does).
     A fault while writing the output (a full disk, a quota, an I/O error, a read-only file system) prints one
-    `error:` line naming the file and returns 1, as a fault does. Ctrl-C and SIGTERM return 130 / 143. Each
-    removes what the job had started to write."""
+    `error:` line naming the file and returns 1, as a fault does; so does a file met during the work that this
+    user may not read or write (errors.ACCESS_FAULTS), except in `verify` and `inspect`, which only read:
+    there a corpus that cannot be read is refused (2). Any other OSError keeps its traceback (a bug). Ctrl-C and SIGTERM return 130 / 143. Each removes what the job
+    had started to write."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     command = ["python", "-m", "data_prep", *argv]
@@ -249,11 +251,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_REFUSED
     except OSError as e:  # the temporary output is removed by now: only the message is left to give
-        line = _write_fault(args, e)
+        line = _write_fault(args, e) or access_fault_line(e, _named_path(args))
         if line is None:
             raise
         print(f"error: {line}", file=sys.stderr)
-        return EXIT_FAILED
+        return EXIT_FAILED if args.command in _WRITES_TO else EXIT_REFUSED
     except Terminated:
         print("error: terminated (SIGTERM); nothing was written", file=sys.stderr)
         return 128 + signal.SIGTERM
@@ -272,6 +274,11 @@ def _write_fault(args: argparse.Namespace, error: OSError) -> str | None:
         return None
     output = getattr(args, _WRITES_TO[args.command])
     return write_fault_line(error, output, _ELSEWHERE.get(args.command, "choose another --out"))
+
+
+def _named_path(args: argparse.Namespace) -> str:
+    """What the command works on, for an OSError that names no file: its output, else its corpus."""
+    return str(getattr(args, _WRITES_TO.get(args.command, "corpus"), None) or getattr(args, "out", ""))
 
 
 def _run(args: argparse.Namespace, command: list[str], recorded: dict) -> int:

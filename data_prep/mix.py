@@ -7,7 +7,7 @@ the loader, resume, elastic resume and evaluation read it like any corpus.
 
 The order: a smooth weighted round-robin over documents (stride scheduling). The next document comes
 from the source furthest behind its share: the one whose tokens so far divided by its weight, x_k, is the
-smallest (ties: a seeded order of the sources). Taking the smallest x_k and adding l / w_k to it keeps
+smallest (ties: the largest weight first, then a seeded order of the sources). Taking the smallest x_k and adding l / w_k to it keeps
 max x - min x <= R, R = the largest document length / its source's weight; the tokens so far T are the
 weighted mean of the x_k, so a source's count never strays from w_k * T by more than w_k * R. Hence over
 ANY window of n tokens a source's share is within spread / n of its weight, where spread = max - min of its
@@ -58,8 +58,9 @@ from tqdm import tqdm
 from data_prep.atomic import atomic_dir, check_output, owned_scratch
 from data_prep.errors import PrepError
 from data_prep.layout import CHUNK_TOKENS, SplitWriter, check_fits, split_layouts
+from data_prep.paths import check_output_apart, read_corpus_manifest, same_file
 from data_prep.prepare import InputSpec, prepare, provenance, train_tokenizer_job
-from data_prep.sources import resolve_sources
+from data_prep.sources import check_disjoint, resolve_sources
 from data_prep.space import check_free_space, estimate_note, input_text_bytes, size_text, token_bytes
 from data_prep.tokenizer import TrainerOptions, describe_tokenizer
 from txl_dist.data.format import (
@@ -71,7 +72,6 @@ from txl_dist.data.format import (
     TokenReader,
     check_source_name,
     index_tokens_sha256,
-    read_manifest,
     sha256_file,
     write_manifest,
 )
@@ -122,7 +122,7 @@ class _Source:
 
 
 def _open_source(spec: SourceSpec, index: int, weight: float, progress: bool, scratch: Path) -> _Source:
-    manifest = read_manifest(spec.corpus)
+    manifest = read_corpus_manifest(spec.corpus)
     tok_path = spec.corpus / manifest.tokenizer.file
     if not tok_path.is_file() or sha256_file(tok_path) != manifest.tokenizer.sha256:
         raise PrepError(f"{tok_path}: missing or its sha256 differs from the manifest; not the corpus' tokenizer")
@@ -244,7 +244,8 @@ class _Sequence:
             doc_stops = self.stops[ids]  # [c]
             doc_starts = np.where(ids > 0, self.stops[ids - 1], 0)  # [c]
             lengths = doc_stops - doc_starts  # [c]
-            slice_keys = (self.before + np.cumsum(lengths) - lengths) / self.weight  # [c]
+            with np.errstate(over="ignore"):  # a weight like 1e-320: keys past the first are inf, last anyway
+                slice_keys = (self.before + np.cumsum(lengths) - lengths) / self.weight  # [c]
             n = int(np.searchsorted(slice_keys, key_limit))  # keys below the limit
             keys.append(slice_keys[:n])
             starts.append(doc_starts[:n])
@@ -269,7 +270,10 @@ def schedule(sources: list[_Source], seed: int) -> Iterator[tuple[np.ndarray, np
     ends memory-mapped).
     """
     seqs = [_Sequence(s, seed) for s in sources]
-    # Ties between equal keys (at the start, or with commensurate lengths) go by a seeded order of the sources.
+    # Ties between equal keys (every source at the start, or commensurate lengths later) go to the largest
+    # weight first: a seeded order alone could start with a source of negligible weight, whose one long
+    # document would then fill the mixture before any other source is reached. Equal weights: a seeded order.
+    neg_weight = -np.array([s.weight for s in sources])  # [K]
     tie_rank = np.random.default_rng([seed, len(sources)]).permutation(len(sources))
     limit = 0
     while True:
@@ -277,7 +281,7 @@ def schedule(sources: list[_Source], seed: int) -> Iterator[tuple[np.ndarray, np
         taken = [seq.take(limit) for seq in seqs]
         keys = np.concatenate([t[0] for t in taken])  # [M]
         src = np.concatenate([np.full(len(t[0]), k, dtype=np.uint8) for k, t in enumerate(taken)])  # [M]
-        order = np.lexsort((tie_rank[src], keys))  # [M]
+        order = np.lexsort((tie_rank[src], neg_weight[src], keys))  # [M]
         yield (src[order], np.concatenate([t[1] for t in taken])[order],
                np.concatenate([t[2] for t in taken])[order])
 
@@ -315,18 +319,30 @@ def mix(specs: Sequence[SourceSpec], out: str | os.PathLike, *, train_tokens: in
     if train_tokens is not None and train_tokens < 1:
         raise PrepError(f"--train-tokens must be >= 1, got {train_tokens}")
     for s in specs:
-        if s.corpus.resolve() == out.resolve():
+        if same_file(s.corpus, out):
             raise PrepError(f"--out {out} is the corpus of source {s.name}; write the mixture elsewhere")
         if index and s.corpus.resolve().is_relative_to(out.resolve()):
             raise PrepError(f"--index: source {s.name} ({s.corpus}) lies inside --out {out}, which is replaced as a "
                             "whole; keep the sources the index points at outside the mixture's folder")
-    check_output(out, overwrite)
+    check_output_apart(out, [(f"--source {s.name}", s.corpus) for s in specs])
+    _check_distinct_corpora(specs)
+    check_output(out, overwrite, marker="manifest.json")
     if space_check:
         _check_mix_space(specs, out, train_tokens, index)
     with owned_scratch(out, "scan") as scratch:
         return _mix(specs, out, Path(scratch), train_tokens=train_tokens, seed=seed, world_size=world_size,
                     n_streams=n_streams, eval_streams=eval_streams, overwrite=overwrite, index=index,
                     command=command, args=args, progress=progress)
+
+
+def _check_distinct_corpora(specs: Sequence[SourceSpec]) -> None:
+    """One corpus under two names (`a=A:1 b=A:1`, `A` and `A/`, a link to it) would be mixed twice, its weight
+    doubled and its valid documents listed twice: refused like an input given twice to prepare."""
+    for i, s in enumerate(specs):
+        for first in specs[:i]:
+            if same_file(s.corpus, first.corpus):
+                raise PrepError(f"--source {s.name}: {s.corpus} is the corpus of source {first.name} "
+                                f"({first.corpus}); give each corpus once (its weight says how much of it to mix)")
 
 
 def _mix(specs: Sequence[SourceSpec], out: Path, scratch: Path, *, train_tokens: int | None, seed: int,
@@ -356,7 +372,7 @@ def _mix(specs: Sequence[SourceSpec], out: Path, scratch: Path, *, train_tokens:
             check_fits(split, sum(s.manifest.splits[split].n_tokens for s in parts), layouts[split], str(out))
 
     vocab, dtype = first.tokenizer.vocab_size, first.dtype
-    with atomic_dir(out, overwrite=overwrite) as tmp:
+    with atomic_dir(out, overwrite=overwrite, marker="manifest.json") as tmp:
         (tmp / first.tokenizer.file).parent.mkdir(parents=True, exist_ok=True)
         (tmp / first.tokenizer.file).write_bytes((sources[0].spec.corpus / first.tokenizer.file).read_bytes())
         if index:
@@ -549,7 +565,8 @@ def prepare_mixture(sources: Sequence[SourceSpec], spec: InputSpec, out: str | o
     if spec.train or spec.valid or spec.test:
         raise PrepError("--source gives each source's files: drop --train/--valid/--test (hold out documents "
                         "of every source with --valid-fraction/--test-fraction)")
-    check_output(out, overwrite)
+    check_output(out, overwrite, marker="manifest.json")
+    _check_source_files(sources, spec, out, tokenizer_model)
     if space_check:
         _check_mixture_space(sources, spec, out, tokenizer_model, eod_piece, trainer, train_tokens)
     with owned_scratch(out, "sources") as work:
@@ -565,6 +582,20 @@ def prepare_mixture(sources: Sequence[SourceSpec], spec: InputSpec, out: str | o
                    seed=spec.seed, world_size=world_size, n_streams=n_streams, eval_streams=eval_streams,
                    overwrite=overwrite, command=command, args=args, progress=progress,
                    space_check=False)  # checked for the whole job above
+
+
+def _check_source_files(sources: Sequence[SourceSpec], spec: InputSpec, out: Path,
+                        tokenizer_model: str | os.PathLike | None) -> None:
+    """Before any work: no file may feed two sources (overlapping globs), since each source holds out its
+    own valid/test documents and a file in two sources would put them into the other's training text; and
+    the output must neither be nor hold an input."""
+    files = {f"--source {s.name}": resolve_sources([str(s.corpus)], f"--source {s.name}", spec.format)
+             for s in sources}
+    check_disjoint(files)
+    inputs = [(option, f.path) for option, found in files.items() for f in found]
+    if tokenizer_model is not None:
+        inputs.append(("--tokenizer-model", Path(tokenizer_model)))
+    check_output_apart(out, inputs)
 
 
 def _check_mixture_space(sources: Sequence[SourceSpec], spec: InputSpec, out: Path,
@@ -593,7 +624,7 @@ def _check_mix_space(specs: Sequence[SourceSpec], out: Path, train_tokens: int |
     the documents file (the documents those tokens hold at each source's mean document length, a row of the
     file's columns each), every held-out split twice (`valid/<name>` and `valid`) and the scan's document
     ends (8 bytes per source document, kept until the end). An index copies no train token."""
-    manifests = [read_manifest(s.corpus) for s in specs]  # a bad one is refused here as it would be later
+    manifests = [read_corpus_manifest(s.corpus) for s in specs]  # a bad one is refused here as it would be later
     trains = [(s.weight, m.splits["train"]) for s, m in zip(specs, manifests) if "train" in m.splits]
     dtype = manifests[0].dtype  # one tokenizer for all (checked after the scan)
     itemsize = np.dtype(dtype).itemsize

@@ -86,13 +86,13 @@ def _hash_file(path: Path, source: Source, opts: ReadOptions, progress) -> dict:
 
 def _scan_text_document(path: Path, opts: ReadOptions, progress) -> dict:
     """A file that is one document: hash, check, and its text's length as read_text_documents will read it
-    (valid UTF-8 keeps its bytes but for each "\\r\\n", which becomes "\\n", and a leading byte order mark;
-    anything else is decoded to tell)."""
+    (valid UTF-8 keeps its bytes, "\\r\\n" included, but for a leading byte order mark; anything else is
+    decoded to tell)."""
     before = _identity(path)
     h = hashlib.sha256()
     checker = Utf8Checker(path, utf8_hint(TEXT)) if checks_utf8(TEXT, opts) else None
     valid = codecs.getincrementaldecoder("utf-8")("strict")  # --errors replace: is there anything to replace?
-    size, crlf, last, bom = 0, 0, b"", 0
+    size, bom = 0, 0
     try:
         with open(path, "rb") as f:
             while chunk := f.read(seek.CHUNK_BYTES):
@@ -104,10 +104,9 @@ def _scan_text_document(path: Path, opts: ReadOptions, progress) -> dict:
                         valid.decode(chunk)
                     except UnicodeDecodeError:
                         valid = None
-                crlf += chunk.count(b"\r\n") + (last == b"\r" and chunk[:1] == b"\n")
                 if size == 0 and chunk.startswith(codecs.BOM_UTF8):
                     bom = len(codecs.BOM_UTF8)  # read_text_documents drops it
-                last, size = chunk[-1:], size + len(chunk)
+                size += len(chunk)
                 if progress is not None:
                     progress(len(chunk))
     except OSError as e:
@@ -116,7 +115,7 @@ def _scan_text_document(path: Path, opts: ReadOptions, progress) -> dict:
     if checker is None and (valid is None or valid.getstate()[0]):
         text_bytes = pc.binary_length(read_text_batch([path], opts.errors))[0].as_py()  # replacements change it
     else:
-        text_bytes = size - crlf - bom
+        text_bytes = size - bom
     return {**_file_entry(path, before, h.hexdigest()), "text_bytes": text_bytes}
 
 

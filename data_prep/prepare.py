@@ -24,6 +24,7 @@ from typing import Any
 from tqdm import tqdm
 
 from data_prep.atomic import atomic_dir, owned_scratch
+from data_prep.paths import check_output_apart, check_writable_parent
 from data_prep.encode import Encoded, Encoder, document_texts
 from data_prep.errors import PrepError
 from data_prep.layout import SplitWriter, check_fits, iter_token_file, split_layouts
@@ -43,8 +44,8 @@ from data_prep.progress import Heartbeat
 from data_prep.space import check_free_space, estimate_note, files_bytes, input_text_bytes, size_text, \
     token_bytes
 from data_prep.shards import ShardInfo, SplitPart, find_shards, shard_name, write_shard_info
-from data_prep.sources import FORMATS, ReadOptions, Source, check_disjoint_splits, resolve_sources, scan_sources, \
-    source_files
+from data_prep.sources import FORMATS, ReadOptions, Source, check_disjoint_splits, check_no_copies_across_splits, \
+    resolve_sources, scan_sources, source_files
 from data_prep.tokenizer import (
     TOKENIZER_FILE,
     TrainerOptions,
@@ -90,6 +91,13 @@ class InputSpec:
         check_disjoint_splits(sources)
         return sources
 
+    def resolve_apart_from(self, out: Path, *also: tuple[str, str | os.PathLike | None]) -> dict[str, list[Source]]:
+        """resolve(), refusing an output `out` that is or holds an input (or one of `also`: (option, path)
+        pairs such as the tokenizer model), before any work: --overwrite would delete it."""
+        sources = self.resolve()
+        check_output_apart(out, input_paths(sources, *also))
+        return sources
+
     def fractions(self) -> dict[str, float]:
         """Held-out split -> fraction of the training inputs' documents (only those asked for)."""
         return {s: f for s, f in (("valid", self.valid_fraction), ("test", self.test_fraction)) if f}
@@ -99,6 +107,13 @@ class InputSpec:
         return {"format": self.format, "line_docs": self.read.line_docs, "text_field": self.read.text_field,
                 "errors": self.read.errors, "valid_fraction": self.valid_fraction,
                 "test_fraction": self.test_fraction, "seed": self.seed}
+
+
+def input_paths(sources: dict[str, list[Source]], *also: tuple[str, str | os.PathLike | None]
+                ) -> list[tuple[str, Path]]:
+    """(option, path) of every input: the split sources, then the other files given (None ones skipped)."""
+    paths = [(f"--{split}", s.path) for split, split_sources in sources.items() for s in split_sources]
+    return paths + [(option, Path(path)) for option, path in also if path is not None]
 
 
 def provenance(command: Sequence[str] | None, args: dict[str, Any] | None, **extra: Any) -> dict[str, Any]:
@@ -151,7 +166,9 @@ def prepare(spec: InputSpec, out: str | os.PathLike, *, tokenizer_model: str | o
 
     With `space_check` a job refused up front when the disk(s) cannot hold its estimated output (data_prep/space.py).
     """
-    sources = spec.resolve()
+    out = Path(out)
+    target = out / shard_name(*shard) if shard is not None else out
+    sources = spec.resolve_apart_from(target, ("--tokenizer-model", tokenizer_model))
     trainer = trainer or TrainerOptions()
     if num_proc < 1:
         raise PrepError(f"--num-proc must be >= 1, got {num_proc}")
@@ -166,8 +183,6 @@ def prepare(spec: InputSpec, out: str | os.PathLike, *, tokenizer_model: str | o
         vocab_size = describe_tokenizer(tokenizer_model, eod_piece).vocab_size
     splits = [s for s in SPLITS if s in sources or s in spec.fractions()]
     layouts = split_layouts(splits, world_size, n_streams, eval_streams)
-    out = Path(out)
-    target = out / shard_name(*shard) if shard is not None else out
     planned = None
     if shard is not None and (out / PLAN_FILE).exists():  # refused before any work unless it fits
         planned = load_for_shard(out / PLAN_FILE, spec.plan_key(), sources)
@@ -177,7 +192,7 @@ def prepare(spec: InputSpec, out: str | os.PathLike, *, tokenizer_model: str | o
         _check_prepare_space(sources, spec.read.text_field, vocab_size, target, work_dir, shard)
     if work_dir is not None:
         Path(work_dir).mkdir(parents=True, exist_ok=True)
-    with atomic_dir(target, overwrite) as tmp:
+    with atomic_dir(target, overwrite, marker="shard.json" if shard is not None else "manifest.json") as tmp:
         work = Path(tempfile.mkdtemp(prefix=".work-", dir=work_dir or tmp))
         try:
             job = _Job(spec, _read_options(spec.read, work), sources, work, progress, planned=planned)
@@ -220,11 +235,14 @@ def _check_prepare_space(sources: dict[str, list[Source]], text_field: str, voca
 def train_tokenizer_job(spec: InputSpec, out: str | os.PathLike, trainer: TrainerOptions, *,
                         overwrite: bool = False, progress: bool = True, verbose: bool = False) -> Path:
     """Train a tokenizer on the training documents of `spec` (held-out documents excluded) into file `out`."""
-    sources = spec.resolve()
-    check_trainer_options(trainer)
     out = Path(out)
+    sources = spec.resolve_apart_from(out)
+    check_trainer_options(trainer)
+    if out.is_dir():
+        raise PrepError(f"{out} is a folder; give --out the model file to write, e.g. {out / TOKENIZER_FILE}")
     if out.exists() and not overwrite:
         raise PrepError(f"{out} already exists; pass --overwrite to replace it")
+    check_writable_parent(out)
     with owned_scratch(out, "tmp") as tmp:
         job = _Job(spec, _read_options(spec.read, Path(tmp)), sources, Path(tmp), progress)
         counting = bool(spec.fractions())  # only held-out fractions need the documents counted
@@ -242,10 +260,11 @@ def plan_job(spec: InputSpec, out: str | os.PathLike, *, overwrite: bool = False
     """`prepare --plan`: read every input once into OUT/plan.json for the `prepare --shard` tasks of the same
     inputs and options. Returns (its path, whether it was written now): a plan that still fits is kept unless
     `overwrite`, one that does not is refused."""
-    sources = spec.resolve()
+    path = Path(out) / PLAN_FILE
+    sources = spec.resolve_apart_from(path)
     if Path(out).exists() and not Path(out).is_dir():
         raise PrepError(f"{out} exists and is not a folder; give --out the folder of the shards")
-    path = Path(out) / PLAN_FILE
+    check_writable_parent(path)
     if path.exists() and not overwrite:
         why = mismatch(read_plan(path), spec.plan_key(), sources)
         if why:
@@ -267,6 +286,7 @@ def finalize(parts_dir: str | os.PathLike, out: str | os.PathLike, *, world_size
              eval_streams: int | None = None, overwrite: bool = False, command: Sequence[str] | None = None,
              args: dict[str, Any] | None = None, progress: bool = True, space_check: bool = True) -> Path:
     """Lay the shards of `parts_dir` out as the corpus `out` (cheap: copies tokens, no tokenizing)."""
+    check_output_apart(Path(out), [("parts", Path(parts_dir))])
     shards = find_shards(parts_dir)
     layouts = split_layouts(shards[0][1].splits, world_size, n_streams, eval_streams)
     if space_check:  # the corpus takes what the shards' token files take (known here, not estimated)
@@ -275,7 +295,7 @@ def finalize(parts_dir: str | os.PathLike, out: str | os.PathLike, *, world_size
                          "finalize", "give --out on another file system")
     prov = provenance(command, args, inputs=shards[0][1].provenance.get("inputs", []),
                       shards=[info.provenance for _, info in shards])
-    with atomic_dir(out, overwrite) as tmp:
+    with atomic_dir(out, overwrite, marker="manifest.json") as tmp:
         build_corpus(shards, tmp, layouts, prov, progress)
     return Path(out)
 
@@ -344,6 +364,7 @@ def _tokenize_shard(job: _Job, shard_dir: Path, shard: tuple[int, int], tokenize
         job.inputs, records = provenance_entries(job.planned, job.sources), job.planned.inputs
     else:
         _scan(job)
+    check_no_copies_across_splits(job.sources, job.inputs)
     prov = provenance(command, args, inputs=provenance_inputs(job.inputs))
     if job.planned is not None:
         prov["plan"] = {"file": str(job.planned.path), "sha256": job.planned.sha256}

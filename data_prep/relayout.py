@@ -16,7 +16,8 @@ from data_prep.errors import PrepError
 from data_prep.layout import SplitWriter, check_fits, iter_token_file, split_layouts
 from data_prep.prepare import provenance
 from data_prep.space import check_free_space, files_bytes, size_text
-from txl_dist.data.format import Manifest, read_manifest, sha256_file, write_manifest
+from data_prep.paths import cannot_read, read_corpus_manifest
+from txl_dist.data.format import Manifest, sha256_file, write_manifest
 
 
 def relayout(corpus_dir: str | os.PathLike, *, world_size: int, n_streams: int, eval_streams: int | None = None,
@@ -34,10 +35,14 @@ def relayout(corpus_dir: str | os.PathLike, *, world_size: int, n_streams: int, 
     the disk cannot hold the new files (_check_relayout_space).
     """
     corpus_dir = Path(corpus_dir)
-    manifest = read_manifest(corpus_dir)
+    manifest = read_corpus_manifest(corpus_dir)
     tok = manifest.tokenizer
     tok_path = corpus_dir / tok.file
-    if not tok_path.is_file() or sha256_file(tok_path) != tok.sha256:
+    try:
+        tok_sha256 = sha256_file(tok_path) if tok_path.is_file() else None
+    except OSError as e:
+        raise cannot_read(tok_path, e) from None
+    if tok_sha256 != tok.sha256:
         raise PrepError(f"{tok_path}: missing or its sha256 differs from the manifest; not the corpus' tokenizer")
     layouts = split_layouts(manifest.splits, world_size, n_streams, eval_streams)
     for name, split in manifest.splits.items():

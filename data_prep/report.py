@@ -6,6 +6,7 @@ from pathlib import Path
 
 from data_prep.layout import split_layouts
 from data_prep.errors import PrepError
+from data_prep.paths import read_corpus_manifest
 from data_prep.tokenizer import load_processor, model_type_of, sp_model_proto
 from txl_dist.data.format import (
     Manifest,
@@ -20,6 +21,7 @@ from txl_dist.data.mixture import source_tokens_at
 
 def verify_report(corpus_dir: str | os.PathLike) -> str:
     """Re-check every checksum, count and token id (format.verify_corpus); a summary when all is well."""
+    read_corpus_manifest(corpus_dir)  # a file, or an unreadable manifest: one line naming it
     stats = verify_corpus(corpus_dir, check_tokens=True)
     check_tokenizer_entry(corpus_dir)
     lines = [f"OK {corpus_dir}: digest {stats['digest']}, vocab {stats['vocab_size']}, dtype {stats['dtype']}"]
@@ -71,7 +73,7 @@ def inspect_report(corpus_dir: str | os.PathLike, *, world_size: int | None = No
         if value < 0:
             raise PrepError(f"{option} must be >= 0, got {value}")
     corpus_dir = Path(corpus_dir)
-    m = read_manifest(corpus_dir)
+    m = read_corpus_manifest(corpus_dir)
     tok = m.tokenizer
     sp = load_processor(corpus_dir / tok.file)
     lines = [f"corpus {corpus_dir} (format {m.format} v{m.version}, digest {m.digest()[:16]}...)",

@@ -64,7 +64,7 @@ class InputRecord:
     kind: str
     files: list[dict]
     """Each file read: {path (resolved), bytes, mtime_ns, sha256}; one, or every file of a save_to_disk folder.
-    A one-document text file also has text_bytes: its text's UTF-8 length as read (newlines translated)."""
+    A one-document text file also has text_bytes: its text's UTF-8 length as read (its bytes less a BOM)."""
     documents: int
     seek: str
     """How `points` are meant: BYTES, ROW_GROUPS, ROWS or START (see the module docstring)."""

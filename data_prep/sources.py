@@ -1,9 +1,11 @@
 """Input documents: resolve --train/--valid/--test patterns, check and hash the files, read through `datasets`.
 
 Formats (chosen per file from its name, or forced with --format):
-  text     one document per file, or one per line with --line-docs (PTB, WikiText); newlines are
-           normalised by Python's universal-newline reading ("\\r\\n" -> "\\n"). A file that is one
-           document is read here, into one UTF-8 buffer about its size (a `large_string`: no 2 GiB limit);
+  text     one document per file, or one per line with --line-docs (PTB, WikiText). A file that is one
+           document keeps its bytes ("\\r\\n" and "\\r" too; only a leading byte order mark is dropped), so
+           a tokenizer that keeps the text gives the file back; --line-docs splits at "\\n", "\\r\\n" and
+           "\\r" (Python's universal newlines, as `datasets` does). A file that is one document is read
+           here, into one UTF-8 buffer about its size (a `large_string`: no 2 GiB limit);
            the tokenizer cuts a long one into pieces (data_prep/encode.py)
   json     JSON Lines (.jsonl/.json/.ndjson) with a text field (--text-field, default "text")
   parquet  (.parquet/.pq) with a text field
@@ -28,6 +30,7 @@ import numpy as np
 import pyarrow as pa
 
 from data_prep.errors import PrepError
+from data_prep.paths import identity
 
 TEXT, JSON, PARQUET, ARROW = "text", "json", "parquet", "arrow"
 FORMATS = ("auto", TEXT, JSON, PARQUET, ARROW)
@@ -71,7 +74,7 @@ def resolve_sources(patterns: Sequence[str], option: str, fmt: str = "auto") -> 
     sources: list[Source] = []
     for pattern in patterns:
         path = Path(pattern)
-        if path.exists():
+        if _exists(path, option):
             paths = [path]
         elif glob.has_magic(pattern):
             paths = [Path(p) for p in sorted(glob.glob(pattern, recursive=True))]
@@ -81,26 +84,69 @@ def resolve_sources(patterns: Sequence[str], option: str, fmt: str = "auto") -> 
             raise PrepError(f"{option} {pattern}: no such file or folder")
         for p in paths:
             sources.append(_source(p, option, fmt))
-    seen: set[Path] = set()
-    for s in sources:
-        key = s.path.resolve()
-        if key in seen:
-            raise PrepError(f"{option}: {s.path} is given twice; each input may appear once")
-        seen.add(key)
+    check_disjoint({option: sources})
     return sources
 
 
+def _exists(path: Path, option: str) -> bool:
+    """Whether the input `path` exists; one that cannot be looked up (a folder on its way that this user may
+    not search) is refused, naming it."""
+    try:
+        path.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError as e:
+        raise PrepError(f"{option} {path}: cannot be read ({e.strerror}); check the permissions of it and of "
+                        "the folders above it") from None
+    return True
+
+
+def _twice(option: str, path: Path, first: Path, first_option: str) -> PrepError:
+    """The refusal of an input given twice: both names when they differ (a link, a hard link, another spelling)."""
+    if first_option == option:
+        if str(first) == str(path):
+            return PrepError(f"{option}: {path} is given twice; each input may appear once")
+        return PrepError(f"{option}: {path} and {first} are the same file; each input may appear once")
+    also = path if str(first) == str(path) else f"{path} (the same file as {first})"
+    return PrepError(f"{option}: {also} is also given to {first_option}; each input may appear once")
+
+
+def check_disjoint(sources: dict[str, list[Source]]) -> None:
+    """No input may appear twice, within one option or across options (keys: the option names, e.g. --train,
+    --source web): by real path and by (st_dev, st_ino), so also not through a symlink or a hard link.
+    Across splits evaluation text would leak into training."""
+    by_path: dict[Path, tuple[str, Path]] = {}
+    by_inode: dict[tuple[int, int], tuple[str, Path]] = {}
+    for option, option_sources in sources.items():
+        for s in option_sources:
+            key, inode = s.path.resolve(), identity(s.path)
+            first = by_path.get(key) or (by_inode.get(inode) if inode is not None else None)
+            if first is not None:
+                raise _twice(option, s.path, first[1], first[0])
+            by_path[key] = (option, s.path)
+            if inode is not None:
+                by_inode[inode] = (option, s.path)
+
+
 def check_disjoint_splits(sources: dict[str, list[Source]]) -> None:
-    """No input (by its real path, so also not through a link) may feed two splits: evaluation text would
-    leak into training."""
-    owner: dict[Path, str] = {}
-    for split, split_sources in sources.items():
-        for s in split_sources:
-            key = s.path.resolve()
-            if key in owner:
-                raise PrepError(f"--{split}: {s.path} is also given to --{owner[key]}; "
-                                "each input may appear once")
-            owner[key] = split
+    """check_disjoint over the splits (split -> sources)."""
+    check_disjoint({f"--{split}": split_sources for split, split_sources in sources.items()})
+
+
+def check_no_copies_across_splits(sources: dict[str, list[Source]], scanned: dict[str, list[dict]]) -> None:
+    """Two files of the same bytes (a copy) in two splits put evaluation text into training as surely as one
+    file would: refused by the sha256 the scan took. (save_to_disk folders are left out: the metadata files of
+    two splits of one dataset can be byte-identical while their data differ.)"""
+    files = {str(s.path) for split_sources in sources.values() for s in split_sources if s.kind != ARROW}
+    owner: dict[str, tuple[str, str]] = {}
+    for split, entries in scanned.items():
+        for entry in entries:
+            if entry["path"] not in files:
+                continue
+            first = owner.setdefault(entry["sha256"], (split, entry["path"]))
+            if first[0] != split:
+                raise PrepError(f"--{split}: {entry['path']} has the same bytes as {first[1]} (--{first[0]}); "
+                                "evaluation text would be trained on: give each text to one split")
 
 
 _SAVED_MARKERS = ("state.json", "dataset_info.json", "dataset_dict.json")
@@ -132,10 +178,22 @@ def _source(path: Path, option: str, fmt: str) -> Source:
                             "so write it to a file first")
     if fmt == ARROW:
         raise PrepError(f"{option} {path}: --format arrow expects a `save_to_disk` folder, got a file")
+    if st.st_size == 0 and _has_content(path, option):
+        raise PrepError(f"{option} {path}: is not a regular file of text: it reports 0 bytes but has content "
+                        "(a /proc or /sys file, made as it is read); copy it to a file first")
     kind = fmt if fmt != "auto" else _SUFFIX_KIND.get(path.suffix.lower(), TEXT)
     if kind in (TEXT, JSON):
         _refuse_compressed(path, option)
     return Source(path, kind, st.st_size)
+
+
+def _has_content(path: Path, option: str) -> bool:
+    """Whether a file that stat says is empty gives bytes when read (procfs and sysfs files do)."""
+    try:
+        with open(path, "rb") as f:
+            return bool(f.read(1))
+    except OSError as e:
+        raise PrepError(f"{option} {path}: cannot be read ({e.strerror})") from None
 
 
 def _refuse_compressed(path: Path, option: str) -> None:
@@ -379,13 +437,14 @@ def read_text_batch(paths: Sequence[Path], errors: str, sizes: Sequence[int | No
 
 
 def _read_text_file(path: Path, errors: str, expected_size: int | None = None) -> bytearray:
-    """The file's text as UTF-8, exactly what `open(path, encoding="utf-8-sig", errors=errors).read()` gives
-    (universal newlines: "\\r\\n" and "\\r" become "\\n"; a leading byte order mark dropped, as JSON Lines
-    readers drop it), decoded _READ_CHARS at a time into one buffer. A file whose bytes read differ from
+    """The file's text as UTF-8, exactly what `open(path, encoding="utf-8-sig", errors=errors, newline="").read()`
+    gives (newlines kept as they are, "\\r\\n" and "\\r" too, so that a tokenizer that keeps the text gives
+    the file back; a leading byte order mark dropped, as JSON Lines readers drop it), decoded _READ_CHARS at a
+    time into one buffer. A file whose bytes read differ from
     `expected_size` (it changed since it was scanned) is refused."""
     out = bytearray(path.stat().st_size)  # the text's size, unless errors="replace" makes it longer
     n = 0
-    with open(path, encoding="utf-8-sig", errors=errors) as f:
+    with open(path, encoding="utf-8-sig", errors=errors, newline="") as f:
         while chunk := f.read(_READ_CHARS):
             data = chunk.encode("utf-8")
             out[n:n + len(data)] = data  # grows the buffer where the slice runs past its end

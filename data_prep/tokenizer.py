@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,10 +107,15 @@ def check_trainer_options(opts: TrainerOptions) -> None:
         raise PrepError(f"training threads must be in [1, 1024] (SentencePiece's range), got {opts.num_threads}")
 
 
+_LINE_BREAK = re.compile("\r\n|\r|\n")
+
+
 def training_sentences(documents: Iterable[str]) -> Iterator[str]:
-    """The sentences SentencePiece trains on: the non-empty lines of each document, long lines cut."""
+    """The sentences SentencePiece trains on: the non-empty lines of each document, long lines cut. Lines end
+    at "\\n", "\\r\\n" or "\\r": a document keeps its line breaks as they are in its file (sources.py), and
+    the trainer reads lines as --line-docs does."""
     for doc in documents:
-        for line in doc.split("\n"):
+        for line in _LINE_BREAK.split(doc):
             while len(line) > _MAX_SENTENCE_CHARS:
                 cut = line.rfind(" ", 0, _MAX_SENTENCE_CHARS)
                 cut = cut if cut > 0 else _MAX_SENTENCE_CHARS
@@ -139,6 +145,9 @@ def train_tokenizer(sentences: Iterable[str], out: str | os.PathLike, opts: Trai
     except (RuntimeError, OSError) as e:
         if feed.error is not None:
             raise feed.error from None
+        if feed.count == 0:  # SentencePiece's own words for it: "[!sentences_.empty()]"
+            raise PrepError("the training text has no non-empty line (its documents are empty or whitespace); "
+                            "give --train inputs with text") from None
         raise PrepError(f"sentencepiece training failed: {_sp_message(e)}") from None
     if feed.error is not None:
         raise feed.error
@@ -164,10 +173,14 @@ class _RecordingFeed:
     def __init__(self, sentences: Iterable[str]):
         self.sentences = sentences
         self.error: BaseException | None = None
+        self.count = 0
+        """Sentences handed to SentencePiece so far."""
 
     def __iter__(self) -> Iterator[str]:
         try:
-            yield from self.sentences
+            for sentence in self.sentences:
+                self.count += 1
+                yield sentence
         except BaseException as e:  # noqa: BLE001 - also Ctrl-C and SIGTERM, re-raised as they were
             self.error = e
             raise
@@ -188,8 +201,15 @@ def _sp_message(e: Exception) -> str:
 def load_processor(path: str | os.PathLike) -> spm.SentencePieceProcessor:
     """Load a SentencePiece model; a one-line error names the file when it is not one."""
     path = Path(path)
+    if path.is_dir():
+        raise PrepError(f"tokenizer {path}: is a folder; give the model file (e.g. {path / TOKENIZER_FILE})")
     if not path.is_file():
         raise PrepError(f"tokenizer {path}: no such file")
+    try:
+        with open(path, "rb"):
+            pass  # SentencePiece would call an unreadable file "not a model"
+    except OSError as e:
+        raise PrepError(f"tokenizer {path}: cannot be read ({e.strerror}); check its permissions") from None
     sp = spm.SentencePieceProcessor()
     try:
         sp.load(str(path))

@@ -332,7 +332,7 @@ def test_a_file_given_to_two_splits_is_refused(model, plays, tmp_path, capsys):
     assert f"--valid: {plays[0]} is also given to --train; each input may appear once" in msg
     msg = fail(capsys, *prepare_args(tmp_path / "out", model, plays[1], extra=["--test", tmp_path / "link.txt",
                                                                               "--valid", plays[0]]))
-    assert "link.txt is also given to --valid" in msg
+    assert f"link.txt (the same file as {plays[0]}) is also given to --valid" in msg  # both names
     assert untouched(tmp_path, {"link.txt"})
 
 

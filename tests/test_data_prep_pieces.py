@@ -271,8 +271,8 @@ def test_large_batches_are_split_between_documents_and_small_ones_merged(models,
 def test_plain_text_is_read_in_chunks_exactly_as_python_reads_it(tmp_path, monkeypatch):
     """The reader decodes a few characters at a time here (a huge file: many chunks), into a large_string
     (64-bit offsets: no 2 GiB limit): CRLF and lone CR split across chunks, multi-byte characters, a BOM and,
-    with --errors replace, invalid bytes come out as `open(..., encoding="utf-8-sig").read()` gives them (the
-    BOM dropped, as JSON Lines readers drop it)."""
+    with --errors replace, invalid bytes come out as `open(..., encoding="utf-8-sig", newline="").read()` gives
+    them (the line breaks as they are, the BOM dropped, as JSON Lines readers drop it)."""
     import data_prep.sources as sources
 
     monkeypatch.setattr(sources, "_READ_CHARS", 3, raising=False)
@@ -283,6 +283,6 @@ def test_plain_text_is_read_in_chunks_exactly_as_python_reads_it(tmp_path, monke
     opts = sources.ReadOptions(errors="replace")
     batches = list(sources.iter_documents(sources.resolve_sources([str(p) for p in paths], "--train"), opts))
     texts = [t for _, column in batches for t in column.to_pylist()]
-    assert texts == [open(p, encoding="utf-8-sig", errors="replace").read() for p in paths]
+    assert texts == [open(p, encoding="utf-8-sig", errors="replace", newline="").read() for p in paths]
     assert not texts[0].startswith("\ufeff")
     assert all(column.type == pa.large_string() for _, column in batches)

@@ -178,7 +178,7 @@ def test_train_tokens_sets_the_length(corpora, tmp_path):
 def test_order_is_the_greedy_one_step_by_step(tmp_path, monkeypatch):
     """Three synthetic sources of very different document lengths, merged in rounds of 1,000 tokens, give
     exactly the documents a one-document-at-a-time loop picks: the source with the fewest tokens per weight
-    so far (ties by the seeded source order), documents per epoch in the seeded permutation."""
+    so far (ties by the largest weight, then the seeded source order), documents per epoch in the seeded permutation."""
     import data_prep.mix
     from corpus_helpers import make_corpus, synthetic_stream
 
@@ -200,7 +200,7 @@ def test_order_is_the_greedy_one_step_by_step(tmp_path, monkeypatch):
     perm = [data_prep.mix.Permutation(len(docs[k]), [seed, k, 0])(np.arange(len(docs[k]))) for k in range(3)]
     want_src, want_tokens = [], []
     while sum(taken) < asked:
-        k = min(range(3), key=lambda i: (taken[i] / w[i], tie[i]))
+        k = min(range(3), key=lambda i: (taken[i] / w[i], -w[i], tie[i]))
         if pos[k] == len(perm[k]):
             epoch[k], pos[k] = epoch[k] + 1, 0
             perm[k] = data_prep.mix.Permutation(len(docs[k]), [seed, k, epoch[k]])(np.arange(len(docs[k])))
