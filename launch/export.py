@@ -26,7 +26,18 @@ EPILOG = """examples:
   python launch/export.py --checkpoint runs/tiny/checkpoints/step_00000100 --out exported/tiny --hf exported/tiny-hf
 
 Load the native folder with txl_dist.interop.load_native(DIR); the HuggingFace folder with
-TransfoXLLMHeadModel.from_pretrained(HF_DIR) (transformers 4.37.2).
+TransfoXLLMHeadModel.from_pretrained(HF_DIR) (transformers 4.37.2). Its config.json has eos_token_id, the
+end-of-document id of the training corpus (read from its manifest; left out, with a warning, when the corpus
+cannot be read), so that HF generate() stops at the end of a document.
+
+In HuggingFace, mems=None is not an empty memory but mem_len zero vectors that the first segments attend
+to: their log-probs differ from txl-dist (and the paper), by up to 3 nats on the first segment of a small
+trained model, then 0.9, 0.07, 0.008 on the next. Start from empty mems (mem_len > 0) for the same numbers:
+    mems = [torch.zeros(0, batch_size, model.config.d_model) for _ in range(model.config.n_layer)]
+    for segment in segments:                   # [batch_size, tgt_len] token ids
+        out = model(input_ids=segment, mems=mems)
+        mems = out.mems
+HF generate() always reads its prompt from the zero vectors; launch/generate.py --model HF_DIR does not.
 """
 
 
@@ -72,14 +83,38 @@ def export(checkpoint: str, out: str, hf: str | None = None):
         model = TransformerXL(model_cfg)
         ckpt.load_fp32_weights(model, tag_dir, run_info["zero_stage"])
     model.eval()
+    # HF generate() stops at config.json's eos_token_id; without one transformers takes 0 (not our end of document).
+    hf_extra = end_of_document_config(run_info["config"]["data"]["path"], run_info["tokenizer_sha256"]) if hf else {}
     try:
         save_native(model, out)
         if hf:
-            to_hf(model, hf)
+            to_hf(model, hf, extra_config=hf_extra)
     except OSError as e:  # the folders were checked at the start: a full disk, a folder removed since
         raise RunFailed(f"export to {e.filename or out}: {e.strerror or e}; the files already there are whole "
                         "(each is written atomically), run the export again") from None
     return model
+
+
+def end_of_document_config(corpus: str, tokenizer_sha256: str) -> dict[str, int]:
+    """{"eos_token_id": the end-of-document id of the corpus the checkpoint was trained on}, read from its
+    manifest; {} with one warning when the corpus cannot be read or has another tokenizer by now."""
+    from txl_dist.data import read_manifest
+    from txl_dist.errors import Refused, one_line
+
+    log = logging.getLogger("txl_dist")
+    try:
+        tokenizer = read_manifest(corpus).tokenizer
+    except (Refused, OSError) as e:
+        log.warning("export: the HuggingFace config.json has no eos_token_id (transformers then takes 0): the "
+                    "training corpus %s cannot be read (%s); add the corpus' eod_id to it by hand",
+                    corpus, one_line(e, limit=200))
+        return {}
+    if tokenizer.sha256 != tokenizer_sha256:
+        log.warning("export: the HuggingFace config.json has no eos_token_id (transformers then takes 0): the "
+                    "corpus %s has another tokenizer than the checkpoint was trained with; add the training "
+                    "corpus' eod_id to it by hand", corpus)
+        return {}
+    return {"eos_token_id": tokenizer.eod_id}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,7 +2,7 @@
 
     python launch/generate.py --checkpoint PATH --prompt TEXT [--max-new-tokens 100] [--temperature 1.0]
                               [--top-k 0] [--top-p 1.0] [--greedy] [--seed N] [--num-samples 1] [--mem-len M]
-    python launch/generate.py --model DIR --tokenizer CORPUS_DIR --prompt-file prompt.txt
+    python launch/generate.py --model DIR --tokenizer CORPUS_DIR --prompt-file prompt.txt   (- : standard input)
 
 PATH is a run folder, its checkpoints/ folder (the newest complete tag) or a step_* tag, verified against its
 checksums and read with weights-only unpickling; its text goes through the SentencePiece model of the corpus
@@ -33,6 +33,11 @@ EXAMPLES = """examples:
   python launch/generate.py --checkpoint runs/tiny/checkpoints/step_00000600 --prompt-file p.txt \\
       --num-samples 3 --temperature 0.8 --top-k 40 --top-p 0.95 --json
   python launch/generate.py --model exported/tiny --tokenizer data/shakespeare --prompt 'KING' --greedy
+  python launch/generate.py --checkpoint runs/tiny --prompt-file - --seed 0 < prompt.txt    # - : standard input
+
+The printed text is the prompt and the samples as the tokenizer decodes them: a tokenizer that normalises
+text (the Shakespeare corpus' removes extra whitespace and has no newline piece) prints the prompt
+normalised ("  two  spaces\\nand" as "two spaces and"); --json's "prompt" is the text as given.
 """
 
 
@@ -49,7 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                           "(default: the checkpoint's corpus, or DIR/tokenizer.model)")
     text = p.add_argument_group("prompt (one of)")
     text.add_argument("--prompt", default=None, help="prompt text ('' = start a document from nothing)")
-    text.add_argument("--prompt-file", default=None, metavar="FILE", help="read the prompt from this UTF-8 file")
+    text.add_argument("--prompt-file", default=None, metavar="FILE",
+                      help="read the prompt from this UTF-8 file ('-': standard input)")
     text.add_argument("--continue-document", action="store_true",
                       help="the prompt continues a document (default: it starts one after an end-of-document)")
     dec = p.add_argument_group("decoding")
@@ -176,6 +182,8 @@ def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
     if prompt is not None:
         return prompt
     try:
+        if prompt_file == "-":  # standard input, as bytes: UTF-8 whatever the locale's encoding
+            return sys.stdin.buffer.read().decode("utf-8")
         return Path(prompt_file).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise GenerationError(f"--prompt-file {prompt_file}: cannot read it ({type(e).__name__}); pass a UTF-8 "

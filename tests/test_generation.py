@@ -305,6 +305,11 @@ def test_cli_generates_text_from_a_trained_checkpoint(trained, tmp_path, capsys)
 
     model = export(str(run), str(tmp_path / "native"), str(tmp_path / "hf"))
     capsys.readouterr()  # DeepSpeed's consolidation printed its progress
+    # HF generate() stops at the corpus' end of document (transformers would take 0 without the key).
+    from txl_dist.data import read_manifest
+
+    eod_id = read_manifest(corpus).tokenizer.eod_id
+    assert eod_id != 0 and json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] == eod_id
     ids = generate(model, tok.encode("The king"), 10, SamplingSettings(greedy=True))[0]
     # A session fed text: the first text starts a document, sample_text continues the text read so far.
     session = GenerationSession(model, tokenizer=tok)
@@ -403,3 +408,109 @@ def test_cli_model_folder_with_truncated_weights_is_one_line_exit_2(model, tmp_p
                                    "--prompt", "x"]) == EXIT_REFUSED
         err = [r.getMessage() for r in caplog.records]
         assert len(err) == 1 and err[0].startswith(f"error: {weights}: cannot read the weights ("), err
+
+
+# ----------------------------------------------------------------------------------------------------
+# Streaming text: characters spelled in byte pieces
+
+
+@pytest.fixture(scope="module")
+def byte_tokenizer(tmp_path_factory):
+    """A SentencePiece model with byte fallback (characters outside its pieces are UTF-8 byte pieces), like the
+    corpora data_prep makes, and a tiny model of its vocabulary."""
+    import io
+
+    import sentencepiece as spm
+
+    from txl_dist.generation import Tokenizer
+
+    model_file = tmp_path_factory.mktemp("byte_tokenizer") / "tokenizer.model"
+    writer = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(" ".join(WORDS[i:] + WORDS[:i]) for i in range(len(WORDS))),
+                                   model_writer=writer, vocab_size=300, byte_fallback=True,
+                                   user_defined_symbols=["<eod>"], minloglevel=2)
+    model_file.write_bytes(writer.getvalue())
+    tok = Tokenizer(str(model_file))
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=tok.vocab_size, n_layer=1, d_model=16, n_head=2, d_head=8, d_inner=32, cutoffs=[],
+                      tgt_len=4, mem_len=4)
+    return tok, TransformerXL(cfg).eval()
+
+
+def force_samples(monkeypatch, ids):
+    """Make every sampled token the next of `ids` (one stream)."""
+    forced = iter(ids)
+    monkeypatch.setattr("txl_dist.generation.next_tokens", lambda *args: torch.tensor([next(forced)]))
+
+
+def forced_session(byte_tokenizer, monkeypatch, text):
+    """A session that has read 'the king' and whose samples are the ids of `text`, in order."""
+    tok, small = byte_tokenizer
+    force_samples(monkeypatch, tok.encode(text, start_of_document=False))
+    session = GenerationSession(small, seed=0, tokenizer=tok)
+    session.feed("the king")
+    return session
+
+
+@pytest.mark.parametrize("sizes", [[1] * 10, [2, 3, 1, 4], [4, 6], [10]])
+def test_streamed_text_never_splits_a_character_and_joins_into_the_one_call_text(byte_tokenizer, monkeypatch, sizes):
+    text = " 日本 é"  # not in the pieces: 3 + 3 + 2 byte pieces
+    assert len(byte_tokenizer[0].encode(text, False)) == 10
+    session = forced_session(byte_tokenizer, monkeypatch, text)
+    parts = [session.sample_text(n)[0] for n in sizes]
+    assert not any("\ufffd" in part for part in parts), parts
+    assert "".join(parts) == text and session.finish_text() == [""]
+
+
+def test_what_is_still_held_back_at_the_end_comes_out_as_decode_gives_it(byte_tokenizer, monkeypatch, tmp_path):
+    tok, _ = byte_tokenizer
+    whole = forced_session(byte_tokenizer, monkeypatch, " 日本")
+    one_call = whole.sample_text(6)[0] + whole.finish_text()[0]                 # the last character cut short
+    session = forced_session(byte_tokenizer, monkeypatch, " 日本")
+    streamed = [session.sample_text(1)[0] for _ in range(5)]
+    # A saved session keeps what it held back; a restored one finishes the character.
+    torch.save(session.state_dict(), tmp_path / "session.pt")
+    restored = GenerationSession(session.model, seed=0, tokenizer=tok)
+    restored.load_state_dict(torch.load(tmp_path / "session.pt", weights_only=True))
+    assert "".join(streamed) + session.sample_text(1)[0] + session.finish_text()[0] == one_call == " 日\ufffd\ufffd"
+    assert "".join(streamed) == " 日"
+    force_samples(monkeypatch, tok.encode(" 日本", False)[5:])                    # 0x9C 0xAC
+    assert restored.sample_text(2) == ["本"] and restored.finish_text() == [""]
+
+
+def test_unfinished_tail_counts_only_the_bytes_of_a_character_still_open(byte_tokenizer):
+    tok, _ = byte_tokenizer
+    ids = tok.encode(" 日本", False)                   # ▁ E6 97 A5 E6 9C AC
+    assert [tok.unfinished_tail(ids[:n]) for n in range(len(ids) + 1)] == [0, 0, 1, 2, 0, 1, 2, 0]
+    byte = {b: tok.processor.piece_to_id(f"<0x{b:02X}>") for b in (0x97, 0xE0, 0x80)}
+    assert tok.unfinished_tail([byte[0x97]]) == 0          # a lone continuation byte: nothing can finish it
+    assert tok.unfinished_tail([byte[0xE0], byte[0x80]]) == 0   # invalid already (an overlong form)
+    assert tok.unfinished_tail(ids[:2] + [tok.eod_id]) == 0
+
+
+def test_prompt_file_dash_reads_standard_input_as_utf8(monkeypatch):
+    import io
+
+    from launch.generate import read_prompt
+
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO("ROMEO.\n日本\n".encode()), encoding="ascii"))
+    assert read_prompt(None, "-") == "ROMEO.\n日本\n"  # UTF-8 whatever the stream's own encoding
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"\xff")))
+    with pytest.raises(GenerationError, match=r"^--prompt-file -: cannot read it \(UnicodeDecodeError\)"):
+        read_prompt(None, "-")
+
+
+def test_export_without_the_training_corpus_leaves_eos_token_id_out_with_one_warning(trained, tmp_path, caplog):
+    from launch.export import end_of_document_config
+    from txl_dist.data import read_manifest
+
+    corpus, _ = trained
+    tokenizer = read_manifest(corpus).tokenizer
+    assert end_of_document_config(str(corpus), tokenizer.sha256) == {"eos_token_id": tokenizer.eod_id}
+    for path, sha, words in ((tmp_path / "moved", tokenizer.sha256, "cannot be read"),
+                             (corpus, "0" * 64, "has another tokenizer")):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="txl_dist"):
+            assert end_of_document_config(str(path), sha) == {}
+        lines = [r.getMessage() for r in caplog.records]
+        assert len(lines) == 1 and "no eos_token_id" in lines[0] and words in lines[0] and "\n" not in lines[0]

@@ -11,6 +11,7 @@ state = session.state_dict()           # mems, next log-probs, RNG, token count:
 text_session = GenerationSession(model, tokenizer=Tokenizer("data/shakespeare/tokenizer.model"))
 text_session.feed("ROMEO.")            # text: the first one starts a document (end-of-document id first)
 text_session.sample_text(40)           # ["..."]: the continuation, one string per stream
+text_session.finish_text()             # [""]: what sample_text held back (a character its bytes had not finished)
 GenerationSession(model, mem_len=192).load_state_dict(state)   # continues exactly where it was
 ```
 
@@ -30,6 +31,7 @@ numerics. Greedy decoding (SamplingSettings(greedy=True)) takes the most probabl
 """
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -185,6 +187,10 @@ class GenerationSession:
         """Tokens each stream has read (prompt and sampled)."""
         self.last_tokens: torch.Tensor | None = None
         """int64 [batch]: each stream's latest token (text is decoded after it, so that pieces join)."""
+        self.unshown: list[list[int]] | None = None
+        """Per stream: the token sample_text's next text continues, then the sampled ids whose text it held back
+        (the first bytes of a character spelled in byte pieces); None: nothing held back, the text continues
+        last_tokens."""
         self._batch_size = 0
 
     # -- properties --------------------------------------------------------------------------------
@@ -204,13 +210,20 @@ class GenerationSession:
         """Read tokens: ids [n] (the same for every stream) or [batch, n], or text (through the tokenizer;
         the first text of a fresh session starts a document); returns next_log_probs [batch, V].
 
-        Read in segments of chunk_len, each against the mems of what came before.
+        Read in segments of chunk_len, each against the mems of what came before. Text that sample_text held
+        back (an unfinished character) is dropped: call finish_text() first to have it.
         """
         if isinstance(tokens, str):
             if self.tokenizer is None:
                 raise GenerationError("feeding text needs a tokenizer: GenerationSession(model, tokenizer=...)")
             tokens = self.tokenizer.encode(tokens, start_of_document=self.n_tokens == 0)
         ids = self._as_batch(tokens)                                               # [B, n]
+        # Text held back by sample_text comes before the fed tokens: later samples can no longer finish it.
+        self.unshown = None
+        return self._read(ids)
+
+    def _read(self, ids: torch.Tensor) -> torch.Tensor:
+        """Run the model over ids [B, n] against the mems; returns next_log_probs [B, V]."""
         with torch.no_grad():
             for start in range(0, ids.shape[1], self.chunk_len):
                 segment = ids[:, start:start + self.chunk_len].to(self.device)     # [B, T]
@@ -238,17 +251,45 @@ class GenerationSession:
         for _ in range(n):
             token = next_tokens(self.next_log_probs, sampling, self.generator)     # [B]
             chosen.append(token)
-            self.feed(token.view(-1, 1))
+            self._read(self._as_batch(token.view(-1, 1)))
         return torch.stack(chosen, dim=1) if chosen else torch.empty(self.batch_size, 0, dtype=torch.long)
 
     def sample_text(self, n: int, sampling: SamplingSettings = SamplingSettings()) -> list[str]:
-        """sample(n) as text, one string per stream, that joins the text read before (needs the tokenizer)."""
+        """sample(n) as text, one string per stream, that joins the text read before (needs the tokenizer).
+
+        Streaming: a character whose byte pieces are not all sampled yet is held back until a later call
+        finishes it, so that the strings of many calls join into the text of one call; finish_text() returns
+        what is still held back.
+        """
         if self.tokenizer is None:
             raise GenerationError("sample_text needs a tokenizer: GenerationSession(model, tokenizer=...)")
-        before = self.last_tokens
+        pending = self._pending_text_ids()
         ids = self.sample(n, sampling)                                             # [B, n]
-        return [self.tokenizer.decode_after([int(b)] if b is not None else [], row.tolist())
-                for b, row in zip(before if before is not None else [None] * len(ids), ids)]
+        texts, self.unshown = [], []
+        for earlier, row in zip(pending, ids.tolist()):
+            context, unseen = earlier[:1], earlier[1:] + row
+            held = self.tokenizer.unfinished_tail(unseen)
+            shown = unseen[:len(unseen) - held]
+            texts.append(self.tokenizer.decode_after(context, shown))
+            self.unshown.append((shown[-1:] or context) + unseen[len(shown):])
+        return texts
+
+    def finish_text(self) -> list[str]:
+        """The text sample_text held back, one string per stream, as decode gives it (an unfinished character
+        is U+FFFD): call it when sampling ends; "" for a stream with nothing held back."""
+        if self.tokenizer is None:
+            raise GenerationError("finish_text needs a tokenizer: GenerationSession(model, tokenizer=...)")
+        unshown = self.unshown if self.unshown is not None else [[]] * self.batch_size
+        texts = [self.tokenizer.decode_after(ids[:1], ids[1:]) for ids in unshown]
+        self.unshown = None
+        return texts
+
+    def _pending_text_ids(self) -> list[list[int]]:
+        """Per stream: the token the next text continues, then the ids whose text is held back."""
+        if self.unshown is not None:
+            return [list(ids) for ids in self.unshown]
+        last = self.last_tokens.tolist() if self.last_tokens is not None else [None] * self.batch_size
+        return [[token] if token is not None else [] for token in last]
 
     def expand(self, batch_size: int) -> None:
         """Make `batch_size` streams of the one stream read so far (they share its mems and next token)."""
@@ -261,6 +302,8 @@ class GenerationSession:
             self.mems = [m.expand(batch_size, -1, -1).contiguous() for m in self.mems]  # [B, mlen, d_model]
         self.next_log_probs = self.next_log_probs.expand(batch_size, -1).contiguous()   # [B, V]
         self.last_tokens = self.last_tokens.expand(batch_size).clone()                 # [B]
+        if self.unshown is not None:
+            self.unshown = [list(self.unshown[0]) for _ in range(batch_size)]
         self._batch_size = batch_size
 
     # -- state -------------------------------------------------------------------------------------
@@ -276,6 +319,7 @@ class GenerationSession:
             "mems": None if self.mems is None else [m.detach().cpu() for m in self.mems],
             "next_log_probs": None if self.next_log_probs is None else self.next_log_probs.clone(),
             "last_tokens": None if self.last_tokens is None else self.last_tokens.clone(),
+            "unshown_text_ids": None if self.unshown is None else [list(ids) for ids in self.unshown],
             "rng_state": self.generator.get_state(),
         }
 
@@ -304,6 +348,9 @@ class GenerationSession:
         self.mems = None if mems is None else [m.to(self.device) for m in mems]
         self.next_log_probs = None if log_probs is None else log_probs.float().cpu().clone()
         self.last_tokens = None if state["last_tokens"] is None else state["last_tokens"].long().cpu().clone()
+        # Absent from the states of earlier versions of this file: nothing held back.
+        unshown = state.get("unshown_text_ids")
+        self.unshown = None if unshown is None else [list(ids) for ids in unshown]
         self.generator.set_state(state["rng_state"])
 
     # -- helpers -----------------------------------------------------------------------------------
@@ -403,6 +450,21 @@ class Tokenizer:
                 texts.append(self.processor.decode(pieces))
                 pieces = []
         return "\n\n".join(texts)
+
+    def unfinished_tail(self, ids: Sequence[int]) -> int:
+        """How many of the last ids are byte pieces (byte fallback) that begin a UTF-8 character without
+        finishing it: later ids may finish it, so a stream holds them back instead of showing U+FFFD."""
+        tail = []
+        for token in reversed(ids):
+            if token == self.eod_id or not self.processor.is_byte(token):
+                break
+            tail.append(token)
+        if not tail:
+            return 0
+        tail_bytes = bytes(int(self.processor.id_to_piece(token)[3:5], 16) for token in reversed(tail))  # <0xHH>
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        decoder.decode(tail_bytes, final=False)
+        return len(decoder.getstate()[0])  # the bytes it waits on: a valid start of a character, unfinished
 
     def decode_after(self, before: Sequence[int], ids: Sequence[int]) -> str:
         """The text of ids as it continues the text of `before` (a leading space survives: SentencePiece

@@ -6,7 +6,7 @@ Formats:
   to_hf writes config.json + model.safetensors, loadable with from_pretrained.
 - Native folder (ours): model_config.json (our ModelConfig as JSON) + model.safetensors (our state_dict,
   tied tensors stored once). from-hf writes it, to-hf reads it. Training checkpoints are exported by
-  launch/export.py, which calls to_hf.
+  launch/export.py, which calls to_hf with extra_config={"eos_token_id": the corpus' end-of-document id}.
 
 Python:
     from_hf(src_dir) -> TransformerXL            to_hf(model, out_dir, extra_config=None) -> Path
