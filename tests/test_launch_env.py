@@ -1,6 +1,7 @@
 """Rank discovery for the deepspeed launcher, torchrun and srun; threads per rank; rank-0 logging."""
 import logging
 import os
+import re
 import stat
 
 import pytest
@@ -196,6 +197,16 @@ def test_only_rank_zero_logs_info_unless_all_ranks(restore_logging):
     assert "[rank 1]" in loud.handlers[0].formatter._fmt
 
 
+def test_a_warning_every_rank_logs_alike_is_printed_by_rank_zero_only(restore_logging, capfd):
+    for rank, log_all_ranks in ((0, False), (1, False), (1, True)):
+        log = distributed.setup_logging(DistEnv(rank, 2, rank, 2, "h", 1, "torchrun"), log_all_ranks=log_all_ranks)
+        log.warning("alike %d %s", rank, log_all_ranks, extra=distributed.RANK_ZERO_ONLY)
+        log.warning("own %d %s", rank, log_all_ranks)
+    err = capfd.readouterr().err
+    assert "alike 0 False" in err and "alike 1 False" not in err and "alike 1 True" in err
+    assert all(f"own {r}" in err for r in (0, 1))
+
+
 def _check_run_dir(paths):
     from txl_dist.run_dir import RunDirUnusable
     from txl_dist.startup import check_run_dir_shared
@@ -249,7 +260,8 @@ def test_a_start_up_failure_on_one_rank_stops_all_ranks():
     from dist_helpers import run_ranks
 
     rank0, rank1 = run_ranks(_start_up_fails_on_rank_1, 2)
-    assert rank0.startswith("LaunchError: another rank failed while starting")
+    # Rank 0 names the rank, its host and the message (it prints the job's one line); rank 1 raises its own.
+    assert re.fullmatch(r"LaunchError: rank 1 \(\S+\) failed while starting: rank 1's data file is corrupt", rank0)
     assert rank1 == "ValueError: rank 1's data file is corrupt"
 
 
@@ -275,3 +287,41 @@ def test_explain_failure_ignores_what_is_not_a_collective_failure():
     assert distributed.explain_failure(ValueError("bad value")) is None
     gloo = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4711")
     assert distributed.explain_failure(gloo) == f"a collective failed: {gloo}"  # no watchdog: nothing to name
+
+
+def _start_on_a_taken_port(port):
+    env = distributed.discover()
+    try:
+        distributed.init_process_group(env, collective_timeout_s=5)
+        return "joined"
+    except LaunchError as e:
+        return f"LaunchError: {e}"
+    finally:
+        distributed.destroy_process_group()
+
+
+def test_a_master_port_another_process_listens_on_is_one_line_naming_it():
+    """Rank 0 hosts the rendezvous store; a port taken by another job is said as such (not 'a collective
+    failed' with the backend's message). Rank 0 of a 2-rank job, alone: it fails at the bind, before waiting."""
+    import socket
+
+    from dist_helpers import context, rank_env
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        ctx = context()
+        with ctx.Pool(1) as pool:
+            env = rank_env(0, 2, port)
+            result = pool.apply(_in_env, (env, _start_on_a_taken_port, port))
+    finally:
+        taken.close()
+    assert result == (f"LaunchError: MASTER_PORT {port} on 127.0.0.1 is in use by another process (another job?); "
+                      "choose a free port (deepspeed --master_port, torchrun --master-port, or MASTER_PORT)")
+
+
+def _in_env(env, fn, *args):
+    os.environ.update(env)
+    return fn(*args)

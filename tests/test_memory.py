@@ -94,3 +94,16 @@ def test_bf16_mems_round_trip_bitwise():
     got = other.get([0, 1], [False, False])
     assert got[0].dtype == torch.bfloat16
     assert all(torch.equal(g, t) for g, t in zip(got, mems))
+
+
+def test_a_shorter_mem_len_at_resume_keeps_each_streams_last_positions():
+    bank = MemoryBank()
+    mems = _mems(2, 2, 5, 4, seed=6)  # 2 layers, 2 streams, 5 positions
+    bank.put([0, 1], mems)
+    for mem_len, kept in ((3, 3), (8, 5), (0, 0)):
+        other = MemoryBank()
+        other.load_state_dict(bank.state_dict(), mem_len=mem_len)
+        got = other.get([0, 1], [False, False])
+        assert [tuple(t.shape) for t in got] == [(2, kept, 4)] * 2
+        for layer in range(2):
+            torch.testing.assert_close(got[layer], mems[layer][:, 5 - kept:], rtol=0, atol=0)

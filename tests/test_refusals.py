@@ -558,6 +558,12 @@ def _(s):
     s.train(s.config(deepspeed={"zero_optimization": {"stage": 1}}))
 
 
+@case("checkpoint.other-stream-position-settings")
+def _(s):
+    s.trained_run()
+    s.train(None, "--set", "model.tgt_len=4", "--set", "data.roll=true")
+
+
 @case("checkpoint.other-precision")
 def _(s):
     s.trained_run()

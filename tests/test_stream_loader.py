@@ -277,3 +277,16 @@ def test_bad_files_are_refused_at_open_naming_the_file(tmp_path):
     edit_manifest(root, lambda d: d["splits"]["train"]["files"][0].update(path="../x.arrow"))
     with pytest.raises(CorpusError, match="manifest.json: .*'../x.arrow' points outside the corpus folder"):
         loader(root, rank=0, world_size=2)
+
+
+def test_a_token_id_outside_the_vocabulary_is_a_corpus_fault_naming_its_position(tmp_path):
+    from txl_dist.data.manifest import CorpusFault
+
+    tokens = synthetic_stream(N_TOKENS, seed=4)  # ids < 1000, the helper's vocabulary
+    bad_at = 5 * (N_TOKENS // 8) + 23  # inside stream 5
+    tokens[bad_at] = 1000
+    root = make_corpus(tmp_path / "c", {"train": tokens}, layout=Layout(2, 8))
+    streams = loader(root)
+    with pytest.raises(CorpusFault, match=rf"token {bad_at} of the split's stream is id 1000, outside \[0, 1000\)"):
+        take(streams, 8)
+    take(loader(make_corpus(tmp_path / "ok", {"train": synthetic_stream(N_TOKENS, seed=4)}, layout=Layout(2, 8))), 8)

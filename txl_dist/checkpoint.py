@@ -714,7 +714,7 @@ def _agree(fn, what: str) -> list[Any]:
     failures = [(r, err) for r, (_, err) in enumerate(gathered) if err]
     if failures:
         r, err = failures[0]
-        raise SaveFailed(f"{what}: rank {r}: {err}")
+        raise distributed.agreed(SaveFailed(f"{what}: rank {r}: {err}"))
     return [v for v, _ in gathered]
 
 

@@ -42,8 +42,9 @@ An unknown key, a value of the wrong type or values that contradict each other a
 starts, with one line naming the key (the list of refusals: [refusals.md](refusals.md)).
 
 On resume (`--resume auto` or a tag; [checkpoints.md](checkpoints.md)) the corpus tokens,
-`deepspeed.train_batch_size`, the model's structure and the ZeRO stage must stay as they were (anything else
-is refused). The sections {volatile_sections} and the keys {volatile_keys} may change freely: they do not
+`deepspeed.train_batch_size`, the model's structure, the ZeRO stage, the precision, and what the position in
+the training streams is counted in (`model.tgt_len`, `data.train_split`, `data.roll`, and `data.seed` when
+roll is on) must stay as they were: a change to them is refused. The sections {volatile_sections} and the keys {volatile_keys} may change freely: they do not
 change a run's numbers. A change to any other key is named in a warning: the resumed run then differs from
 an uninterrupted one.
 

@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import os
 import re
+import socket
 import subprocess
 import sys
 from collections.abc import Callable, Mapping
@@ -38,6 +39,7 @@ DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0  # config: train.collective_timeout_s
 DEFAULT_CONTROL_TIMEOUT_S = 3600.0  # config: checkpoint.timeout_s
 LOGGER_NAME = "txl_dist"
 T = TypeVar("T")
+E = TypeVar("E", bound=BaseException)
 
 
 class LaunchError(Refused, RuntimeError):
@@ -238,14 +240,29 @@ def init_process_group(env: DistEnv, *, collective_timeout_s: float = DEFAULT_CO
         torch.cuda.set_device(env.local_rank)
     _collective_timeout = timeout
     if store is None:
-        dist.init_process_group(backend or default_backend(), init_method="env://", rank=env.rank,
-                                world_size=env.world_size, timeout=timeout)
+        try:
+            dist.init_process_group(backend or default_backend(), init_method="env://", rank=env.rank,
+                                    world_size=env.world_size, timeout=timeout)
+        except RuntimeError as e:  # DistNetworkError among them
+            if env.rank == 0 and _port_taken(e):
+                raise LaunchError(
+                    f"MASTER_PORT {env.master_port} on {env.master_addr} is in use by another process (another "
+                    "job?); choose a free port (deepspeed --master_port, torchrun --master-port, or MASTER_PORT)"
+                ) from None
+            raise
     else:
         dist.init_process_group(backend or default_backend(), store=store, rank=env.rank, world_size=env.world_size,
                                 timeout=timeout)
     _control_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=control_timeout_s))
     watchdog.start(env.rank, env.world_size, watchdog.store_address(env.master_addr, env.master_port),
                    collective_timeout_s, logging.getLogger(LOGGER_NAME))
+
+
+def _port_taken(error: BaseException) -> bool:
+    """Whether rank 0's rendezvous store could not listen because its port is taken (its message is all the
+    backend gives: "... EADDRINUSE ... address already in use")."""
+    text = str(error)
+    return "EADDRINUSE" in text or "address already in use" in text.lower()
 
 
 def destroy_process_group(error: BaseException | None = None) -> None:
@@ -322,19 +339,48 @@ def gather_objects(obj: Any) -> list[Any]:
 def together(fn: Callable[[], T]) -> T:
     """Run `fn` on every rank; if it raises on any rank, raise on all of them (collective).
 
-    The rank that failed raises its own error; the others raise LaunchError. So no rank goes on into a
-    collective that a failed rank will never join (and waits there until the timeout).
+    So no rank goes on into a collective that a failed rank will never join (and waits there until the
+    timeout). Rank 0 reports: it raises its own error, or, when only other ranks failed, a LaunchError with
+    the first failed rank's message, its rank and host. The other ranks raise their own error (or a
+    LaunchError) marked as reported (`reported_on_rank_zero`; the entry points then print nothing), unless
+    their message is not the one rank 0 prints: one line per failure, not one per rank, and the line is in
+    rank 0's log file too.
     """
     error: Exception | None = None
     try:
         result = fn()
     except Exception as e:  # re-raised below, after the ranks agree
         error = e
-    if any_rank(error is not None):
-        if error is not None:
-            raise error
-        raise LaunchError("another rank failed while starting (its message says why); stopping this one too")
-    return result
+    if not any_rank(error is not None):
+        return result
+    mine = None if error is None else one_line(error)
+    failures = gather_objects(None if mine is None else (mine, socket.gethostname()))
+    first = next(rank for rank, failure in enumerate(failures) if failure is not None)
+    reported = failures[0][0] if failures[0] is not None else failures[first][0]
+    if (dist.get_rank() if _active() else 0) == 0 and error is None:
+        message, host = failures[first]
+        raise LaunchError(f"rank {first} ({host}) failed while starting: {message}")
+    if error is None:
+        error = LaunchError("another rank failed while starting (rank 0 says why); stopping this one too")
+        mine = None
+    raise agreed(error) if mine in (None, reported) else error
+
+
+def agreed(exc: E) -> E:
+    """`exc`, which every rank raises alike (a decision the ranks agreed on), marked on ranks other than 0 as
+    reported there: the entry points print one line for the job, not one per rank."""
+    if _active() and dist.get_rank() != 0:
+        exc._txl_reported_on_rank_zero = True  # type: ignore[attr-defined]
+    return exc
+
+
+def reported_on_rank_zero(exc: BaseException) -> bool:
+    """True for an error rank 0 reports for this rank too (`agreed`): this rank prints nothing."""
+    return getattr(exc, "_txl_reported_on_rank_zero", False)
+
+
+RANK_ZERO_ONLY = {"rank_zero_only": True}
+"""`extra=` of a warning every rank logs alike (a start-up check each rank makes): only rank 0 prints it."""
 
 
 def barrier() -> None:
@@ -353,6 +399,8 @@ def setup_logging(env: DistEnv, log_all_ranks: bool = False, level: int = loggin
     handler = logging.StreamHandler()
     prefix = f"[rank {env.rank}] " if log_all_ranks and env.world_size > 1 else ""
     handler.setFormatter(logging.Formatter(f"%(asctime)s {prefix}%(message)s", datefmt="%H:%M:%S"))
+    if not (env.is_main or log_all_ranks):
+        handler.addFilter(lambda record: not getattr(record, "rank_zero_only", False))
     logger.addHandler(handler)
     logger.propagate = False
     logger.setLevel(level if env.is_main or log_all_ranks else logging.WARNING)

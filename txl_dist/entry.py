@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable
 
 from . import distributed
-from .errors import EXIT_FAILED, EXIT_REFUSED, Refused, RunFailed, one_line
+from .errors import EXIT_FAILED, EXIT_REFUSED, RankFault, Refused, RunFailed, one_line
 from .run_dir import detach_log_file
 
 
@@ -23,10 +23,12 @@ def guarded(job: Callable[[], int], log: logging.Logger) -> int:
     try:
         return job()
     except Refused as e:  # raised on every rank together (startup agrees)
-        log.error("error: %s", one_line(e, limit=2000))
+        _report(log, e)
         return EXIT_REFUSED
     except RunFailed as e:  # raised on every rank together (the save and the non-finite guard agree)
-        log.error("error: %s", one_line(e, limit=2000))
+        _report(log, e)
+        if isinstance(e, RankFault):  # found by this rank alone: the others are told (destroy_process_group)
+            alone = e
         return EXIT_FAILED
     except Exception as e:
         lost = distributed.explain_failure(e)  # also tells the other ranks
@@ -38,3 +40,9 @@ def guarded(job: Callable[[], int], log: logging.Logger) -> int:
     finally:
         detach_log_file(log)
         distributed.destroy_process_group(alone)
+
+
+def _report(log: logging.Logger, e: BaseException) -> None:
+    """The error's one line, unless rank 0 prints it (distributed.together): one line per failure."""
+    if not distributed.reported_on_rank_zero(e):
+        log.error("error: %s", one_line(e, limit=2000))

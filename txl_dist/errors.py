@@ -6,6 +6,7 @@ before anything is written; the entry point prints the message and exits with st
 
 ``RunFailed``: a fault while the job runs (a lost rank, a save that could not complete, a diverged loss).
 The newest complete checkpoint is intact; the entry point prints the message and exits with status 1.
+``RankFault``, a RunFailed one rank finds alone, also makes the other ranks stop at once.
 
 Each package derives its own error from one of these (config.ConfigError, data.CorpusError,
 checkpoint.CheckpointError, tracking.TrackingError, distributed.LaunchError), so a caller catches the base.
@@ -23,6 +24,12 @@ class Refused(Exception):
 
 class RunFailed(Exception):
     """A fault during a run; the message is one line that says what happened and what is left on disk."""
+
+
+class RankFault(RunFailed):
+    """A fault one rank finds alone while the job runs (a token id its share of the corpus should not hold):
+    the entry point prints it and tells the other ranks, which stop at once with a line naming this rank
+    instead of waiting for it in their next collective."""
 
 
 def one_line(exc: BaseException, limit: int = 400) -> str:

@@ -130,8 +130,11 @@ class MemoryBank:
         return {"version": STATE_VERSION, "mems": mems}
 
     def load_state_dict(self, state: dict[str, Any], stream_ids: Iterable[int] | None = None,
-                        device: torch.device | str = "cpu") -> None:
-        """Take the mems of `stream_ids` (default: all in `state`) onto `device`; a missing one is an error."""
+                        device: torch.device | str = "cpu", mem_len: int | None = None) -> None:
+        """Take the mems of `stream_ids` (default: all in `state`) onto `device`; a missing one is an error.
+
+        mem_len: keep each stream's last mem_len positions (a run resumed with a shorter model.mem_len
+        attends to that many from its first step, as an uninterrupted run with it would)."""
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"MemoryBank state version {state.get('version')!r} is not {STATE_VERSION}")
         saved: dict[int, Mems] = state["mems"]
@@ -142,7 +145,7 @@ class MemoryBank:
                 f"MemoryBank.load_state_dict: the checkpoint has no mems for streams {missing}; it was saved "
                 "with another number of streams (deepspeed.train_batch_size) or before the first step")
         self.clear()
-        self._loose = {s: [t.to(device) for t in saved[s]] for s in wanted}
+        self._loose = {s: [_last(t, mem_len).to(device) for t in saved[s]] for s in wanted}
 
 
 def merge_state_dicts(states: Iterable[dict[str, Any]]) -> dict[str, Any]:
@@ -156,6 +159,11 @@ def merge_state_dicts(states: Iterable[dict[str, Any]]) -> dict[str, Any]:
             raise ValueError(f"merge_state_dicts: streams {sorted(overlap)} appear in two rank states")
         merged.update(state["mems"])
     return {"version": STATE_VERSION, "mems": merged}
+
+
+def _last(t: torch.Tensor, positions: int | None) -> torch.Tensor:
+    """The last `positions` rows of t [mlen, d_model] (all of them for None)."""
+    return t if positions is None else t[max(0, t.shape[0] - positions):]
 
 
 def _key(stream_ids: Sequence[int] | np.ndarray) -> tuple[int, ...]:

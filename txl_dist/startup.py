@@ -212,6 +212,8 @@ def check_checkpoint_fits(cfg: RunConfig, manifest: Manifest, run_info: dict[str
     if changed_model:
         problems.append(f"model settings differ: {', '.join('model.' + k for k in changed_model)}; the weights "
                         "only fit the model they were trained as")
+    if purpose == "resume":
+        problems += _stream_position_problems(cfg, run_info["config"])
     if run_info["zero_stage"] != zero_stage(cfg.deepspeed):
         problems.append(f"ZeRO stage {zero_stage(cfg.deepspeed)} differs from the checkpoint's "
                         f"{run_info['zero_stage']}; use the stage it was saved with")
@@ -228,7 +230,30 @@ def check_checkpoint_fits(cfg: RunConfig, manifest: Manifest, run_info: dict[str
     if purpose == "resume":
         changed = changed_settings(run_info["config"], cfg.to_dict())
         if changed:
-            log.warning("resuming %s with changed settings: %s", tag_dir, ", ".join(changed))
+            log.warning("resuming %s with changed settings: %s", tag_dir, ", ".join(changed),
+                        extra=distributed.RANK_ZERO_ONLY)
+
+
+STREAM_POSITION_KEYS = (("model", "tgt_len"), ("data", "train_split"), ("data", "roll"))
+"""Settings the saved position in the training streams is counted in (windows of tgt_len of one split, at
+offsets data.roll moves): another value cannot continue that position exactly (data.StreamLoader)."""
+
+
+def _stream_position_problems(cfg: RunConfig, saved_config: dict[str, Any]) -> list[str]:
+    """The refusal for a resume that changes what the saved stream position is counted in."""
+    now = cfg.to_dict()
+
+    def saved(section: str, key: str) -> Any:
+        return saved_config.get(section, {}).get(key, default_value(section, key))
+
+    keys = [(sec, key) for sec, key in STREAM_POSITION_KEYS if saved(sec, key) != now[sec][key]]
+    if cfg.data.roll and saved("data", "roll") and saved("data", "seed") != cfg.data.seed:
+        keys.append(("data", "seed"))  # the epochs' offsets; without roll there are none
+    if not keys:
+        return []
+    listed = ", ".join(f"{sec}.{key} {now[sec][key]!r} (the checkpoint's: {saved(sec, key)!r})" for sec, key in keys)
+    return [f"{listed}: the position in the training streams it saved is counted in these; keep the checkpoint's "
+            "values to resume it"]
 
 
 def checkpoint_bytes_estimate(ckpt_dir: Path, n_params: int) -> int:
@@ -287,10 +312,10 @@ def check_run_dir_shared(path: Path, env: DistEnv) -> None:
         mine = _together(lambda: None if sees_shared_check(path, name) else f"{env.rank} ({socket.gethostname()})")
         missing = [m for m in distributed.gather_objects(mine) if m]
         if missing:
-            raise RunDirUnusable(
+            raise distributed.agreed(RunDirUnusable(
                 f"run.dir {main_path} is not one folder for all ranks: rank(s) {', '.join(missing[:8])}"
                 f"{' and more' if len(missing) > 8 else ''} do not see the file rank 0 wrote there; put run.dir on "
-                "a file system every node mounts (checkpoints from all ranks go into one folder)")
+                "a file system every node mounts (checkpoints from all ranks go into one folder)"))
     finally:
         if env.is_main:
             (path / name).unlink(missing_ok=True)
@@ -308,9 +333,9 @@ def _verified(candidates: list[Path], env: DistEnv, *, fallback: bool) -> tuple[
         if not fallback or not older:
             hint = (" (checkpoint.fallback=true resumes from the newest older tag that verifies)"
                     if older and not fallback else "")
-            raise CheckpointError(f"checkpoint {tag_dir.name} is damaged: {problems[0]}{hint}")
+            raise distributed.agreed(CheckpointError(f"checkpoint {tag_dir.name} is damaged: {problems[0]}{hint}"))
         log.warning("checkpoint %s is damaged (%s); falling back to %s (checkpoint.fallback)", tag_dir.name,
-                    problems[0], older[0].name)
+                    problems[0], older[0].name, extra=distributed.RANK_ZERO_ONLY)
     raise CheckpointError("no checkpoint to verify")
 
 

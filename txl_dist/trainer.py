@@ -160,13 +160,14 @@ class Trainer:
             window_time, window_steps = window_time + stats["train/step_time_s"], window_steps + 1
             self.tracker.log_metrics(stats, step=self.step)
             if diverged:
-                raise diverged
+                raise distributed.agreed(diverged)
             if self.step % cfg.train.log_interval == 0 or self.step == last:
                 self._progress(stats, window_time / window_steps, last)
                 window_time, window_steps = 0.0, 0
             if stop:
                 reason = self.stop.reason() or "a stop request on another rank"
-                log.warning("stopping after step %d (%s): saving a checkpoint", self.step, reason)
+                log.warning("stopping after step %d (%s): saving a checkpoint", self.step, reason,
+                            extra=distributed.RANK_ZERO_ONLY)
                 self.save()
                 return 0
             final = self.step == cfg.train.max_steps
@@ -213,7 +214,7 @@ class Trainer:
                 f"were skipped; the weights are those after step {first - 1}; {self._newest_checkpoint()}")
         log.warning("step %d: non-finite loss or gradient norm; the step was skipped and the memory of the "
                     "affected streams reset (%d in a row, %d in all)", self.step, self.nonfinite_streak,
-                    self.nonfinite_steps)
+                    self.nonfinite_steps, extra=distributed.RANK_ZERO_ONLY)
         return None
 
     def train_step(self) -> dict[str, Any]:
@@ -304,8 +305,9 @@ class Trainer:
     def save(self) -> Path:
         """A checkpoint of the current step on every rank (collective); refuses non-finite weights."""
         if distributed.any_rank(not _weights_finite(self.engine)):
-            raise Diverged(f"the weights are no longer finite after step {self.step} (a learning rate too high?); "
-                           f"not saving them; {self._newest_checkpoint()}")
+            raise distributed.agreed(Diverged(
+                f"the weights are no longer finite after step {self.step} (a learning rate too high?); not saving "
+                f"them; {self._newest_checkpoint()}"))
         start = time.perf_counter()
         rank_state = {
             "trainer": self.state_dict(), "loader": self.loader.state_dict(), "mems": self.bank.state_dict(),
@@ -345,7 +347,8 @@ class Trainer:
         self.load_state_dict(state["trainer"])
         self.loader.load_state_dict(state["loader"])
         self._batches = iter(self.loader)
-        self.bank.load_state_dict(mems, stream_ids=self.loader.stream_ids, device=self.device)
+        self.bank.load_state_dict(mems, stream_ids=self.loader.stream_ids, device=self.device,
+                                  mem_len=self.cfg.model.mem_len)
         if self.engine.global_steps != self.step:
             raise checkpoint.CheckpointError(
                 f"{tag_dir}: DeepSpeed's step {self.engine.global_steps} differs from the trainer's {self.step}")

@@ -25,7 +25,7 @@ import numpy as np
 
 from .index_split import split_reader
 from ..streams import micro_steps_per_rank, streams_of_rank
-from .manifest import CorpusError, read_manifest, sha256_file
+from .manifest import CorpusError, CorpusFault, read_manifest, sha256_file
 
 STATE_VERSION = 1
 READ_AHEAD_TOKENS = 1 << 15
@@ -193,8 +193,21 @@ class StreamLoader:
         if piece is None or not first <= start <= stop <= first + len(piece):
             stream_end = self._stream_starts[local_stream] + self.stream_len
             first, piece = start, self.reader.read(start, max(stop, min(stream_end, start + READ_AHEAD_TOKENS)))
+            self._check_ids(piece, first)
             self._read_ahead[local_stream] = (first, piece)
         return piece[start - first:stop - first]
+
+    def _check_ids(self, tokens: np.ndarray, first: int) -> None:
+        """CorpusFault for a token id outside the tokenizer's vocabulary (one min and max per read-ahead piece):
+        checksums prove the files are the ones prepared, not that their writer was data_prep; such an id would
+        fail deep inside the model, or, on a GPU, read another row of a table."""
+        vocab = self.manifest.tokenizer.vocab_size
+        if not len(tokens) or (int(tokens.min()) >= 0 and int(tokens.max()) < vocab):
+            return
+        at = int(np.argmax((tokens < 0) | (tokens >= vocab)))
+        raise CorpusFault(f"split '{self.split}' of {self.corpus_dir}: token {first + at} of the split's stream is id "
+                          f"{int(tokens[at])}, outside [0, {vocab}) of its tokenizer; the corpus was not written by "
+                          f"data_prep or is damaged: `python -m data_prep verify {self.corpus_dir}` names the file")
 
     def _advance(self) -> None:
         self._micro += 1
@@ -240,6 +253,8 @@ class StreamLoader:
                          ("roll", "keep data.roll when resuming"),
                          ("seed", "keep data.seed when resuming (it decides the epoch offsets)"),
                          ("partial_last", "keep partial_last when resuming")):
+            if key == "seed" and not self.roll:
+                continue  # the seed places the epochs' offsets only when they roll
             if state[key] != getattr(self, key):
                 raise ValueError(
                     f"loader state: {key} is {state[key]!r} but this loader has {getattr(self, key)!r}; {why}")

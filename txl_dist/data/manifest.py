@@ -17,7 +17,7 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 from txl_dist.atomic import atomic_write
-from txl_dist.errors import Refused
+from txl_dist.errors import RankFault, Refused
 from txl_dist.streams import streams_per_rank
 
 from . import hash_record
@@ -30,6 +30,11 @@ DTYPES = ("uint16", "int32")
 
 class CorpusError(Refused, ValueError):
     """A problem with a prepared corpus; the message is one line naming the file and what is wrong."""
+
+
+class CorpusFault(RankFault):
+    """Damage in a prepared corpus found while reading it during a run (the start verifies checksums, not
+    every token id): one line naming the split, the position and what to run."""
 
 
 @dataclass
