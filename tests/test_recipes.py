@@ -69,9 +69,10 @@ def recipe_prepare_options(corpus: str) -> list[str]:
 def test_the_enwik8_recipe_keeps_every_byte_of_the_text(tmp_path):
     """The recipe's tokenizer options on text of newlines, blank lines, tabs, runs of spaces and characters of
     many scripts, where valid and test hold characters that train lacks: no split has an <unk>, each decodes
-    to its text (read as prepare reads it: CRLF and CR are newlines) and counts all its bytes, so its bits per
-    byte are those of the text. A char model's vocabulary is its training characters plus the end-of-document,
-    unknown, newline and 256 byte pieces: the recipe's --vocab-size 6000 is a maximum, not refused."""
+    to its text (as prepare reads it: CRLF and CR kept) and counts all its bytes, so its bits per byte are those
+    of the text. A char model's vocabulary is its training characters plus the end-of-document, unknown,
+    newline and 256 byte pieces (a CR, where the tokenizer's training lines end, is a byte piece): the recipe's
+    --vocab-size 6000 is a maximum, not refused."""
     import sentencepiece as spm
 
     from data_prep.cli import main as prep
@@ -79,7 +80,7 @@ def test_the_enwik8_recipe_keeps_every_byte_of_the_text(tmp_path):
     texts = {}
     for split, seed, extra in (("train", 1, ""), ("valid", 2, "Ω ∮ 😺\x01"), ("test", 3, "\u00ad ꙮ")):
         (tmp_path / f"{split}.txt").write_bytes((tricky_text(600, seed) + extra).encode())
-        with open(tmp_path / f"{split}.txt", encoding="utf-8") as f:  # universal newlines, as prepare reads
+        with open(tmp_path / f"{split}.txt", encoding="utf-8", newline="") as f:  # as prepare reads: CR kept
             texts[split] = f.read()
     corpus = tmp_path / "enwik8"
     assert prep(["prepare", "--out", str(corpus), *(f"--{s}={tmp_path / s}.txt" for s in texts),
@@ -88,7 +89,7 @@ def test_the_enwik8_recipe_keeps_every_byte_of_the_text(tmp_path):
     sp = spm.SentencePieceProcessor(model_file=str(corpus / "tokenizer.model"))
     # SentencePiece's one lossy character: its visible space "▁" (U+2581), which spaces become, decodes as one.
     visible_space = "\u2581"
-    characters = set(texts["train"].replace(" ", visible_space)) - {"\n"}
+    characters = set(texts["train"].replace(" ", visible_space)) - {"\n", "\r"}
     assert manifest["tokenizer"]["vocab_size"] == 2 + 1 + 256 + len(characters)  # <unk> <eod>, "\n", bytes
     for split, text in texts.items():
         ids = split_ids(corpus, split)
