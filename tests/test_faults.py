@@ -398,7 +398,8 @@ def test_a_stop_signal_during_start_up_is_kept_and_honoured_after_the_first_step
 def test_a_token_id_outside_the_vocabulary_stops_every_rank_with_one_line_naming_it(tmp_path):
     """A corpus whose checksums are right but whose writer was not data_prep: an id >= the vocabulary in rank
     1's streams. Rank 1 stops with one line naming the position (not an IndexError deep in the model), and
-    rank 0 at once with a line naming rank 1, not after train.collective_timeout_s in its next collective."""
+    rank 0 with the line rank 1 told it (`stopped after an error`), not by its own watch of a silent rank after
+    train.collective_timeout_s."""
     from dist_helpers import learnable_stream, write_corpus
 
     train = learnable_stream(4 * 97, VOCAB, 0)
@@ -408,11 +409,9 @@ def test_a_token_id_outside_the_vocabulary_stops_every_rank_with_one_line_naming
                                                "test": learnable_stream(80, VOCAB, 2)}, vocab_size=VOCAB)
     run_dir = tmp_path / "run"
     procs = _start(_config(corpus, run_dir, train={"collective_timeout_s": 120}))
-    started = time.monotonic()
-    assert _finish(procs, timeout=200) == [1, 1], procs[1].output[-3000:]
-    assert time.monotonic() - started < 110  # well before the collective timeout
+    assert _finish(procs, timeout=400) == [1, 1], procs[1].output[-3000:]
     (line,) = _errors(procs[1])
-    assert f"token {bad_at} of the split's stream is id {VOCAB + 5}, outside [0, {VOCAB}) of its tokenizer" in line
-    assert "Traceback" not in procs[1].output
+    told = f"token {bad_at} of the split's stream is id {VOCAB + 5}, outside [0, {VOCAB}) of its tokenizer"
+    assert told in line and "Traceback" not in procs[1].output
     (line,) = _errors(procs[0])
-    assert "rank 1" in line, line
+    assert re.search(r"rank 1 \(.*\) stopped after an error: .*" + re.escape(told), line), line
