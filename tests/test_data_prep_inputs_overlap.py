@@ -111,11 +111,11 @@ def test_overwrite_replaces_only_a_corpus_or_an_empty_folder(model, tmp_path, ca
     inputs = texts(tmp_path / "raw")
     out = tmp_path / "mine"
     out.mkdir()
-    (out / "notes.md").write_text("keep me")
+    (out / "notes.txt").write_text("keep me")
     msg = fail(capsys, *prepare_args(out, model, inputs[0], extra=["--overwrite"]))
-    assert f"{out} is not a corpus (no manifest.json) and holds notes.md" in msg
-    assert (out / "notes.md").read_text() == "keep me"
-    (out / "notes.md").unlink()
+    assert f"{out} is not a corpus (no manifest.json) and holds notes.txt" in msg
+    assert (out / "notes.txt").read_text() == "keep me"
+    (out / "notes.txt").unlink()
     run(*prepare_args(out, model, inputs[0], extra=["--overwrite"]))  # empty: replaced
     run(*prepare_args(out, model, inputs[1], extra=["--overwrite"]))  # a corpus: replaced
     assert read_manifest(out).splits["train"].n_documents == 1
