@@ -384,6 +384,18 @@ def test_ctrl_c_asks_for_a_save_and_a_second_one_later_stops_at_once(monkeypatch
     assert signal.getsignal(signal.SIGINT) is previous
 
 
+def test_the_stop_line_gives_the_jobs_reasons_with_their_ranks_when_they_differ():
+    from txl_dist.stop_request import describe_reasons
+
+    assert describe_reasons(["SIGUSR1", "SIGUSR1"]) == "SIGUSR1"
+    assert describe_reasons([None, "SIGUSR1"]) == "SIGUSR1"  # told by the others: not named
+    assert describe_reasons(["SIGTERM", "SIGINT", "SIGINT", "SIGINT"]) == "SIGTERM on rank 0; SIGINT on ranks 1-3"
+    assert describe_reasons(["x" if r % 2 else None for r in range(20)]) == "x"
+    mixed = ["y" if r % 3 == 0 else "x" for r in range(20)]
+    assert describe_reasons(mixed) == "y on ranks 0, 3, 6, 9 and 3 more; x on ranks 1, 2, 4, 5 and 9 more"
+    assert describe_reasons([None, None]) == "a stop request"
+
+
 def test_a_stop_signal_during_start_up_is_kept_and_honoured_after_the_first_step(corpus, tmp_path):
     run_dir = tmp_path / "run"
     procs = _start(_config(corpus, run_dir, train={"max_steps": 1000}))

@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+RANKS_NAMED = 4
+"""Ranks a stop line names per reason; more are counted."""
 FORCE_AFTER_S = 2.0
 """A Ctrl-C this long or longer after the first one aborts the job instead of waiting for its save."""
 # Command-line fragments of the processes that launch workers (python -m ... or the console scripts).
@@ -165,3 +167,26 @@ def _start_time(pid: int) -> str | None:
     if fields is None or fields[0] == "Z":  # a zombie has ended; only its exit status is left
         return None
     return fields[19]
+
+
+def describe_reasons(reasons: list[str | None]) -> str:
+    """The stop line's reason for the whole job from every rank's `reason()` (in rank order): the reason
+    alone when every rank that has one shares it ('SIGUSR1'), else each with its ranks ('SIGTERM on rank 0;
+    SIGINT on ranks 1-3'); a rank without one (told by the others) is not named."""
+    by_reason: dict[str, list[int]] = {}
+    for rank, reason in enumerate(reasons):
+        if reason is not None:
+            by_reason.setdefault(reason, []).append(rank)
+    if len(by_reason) == 1:
+        return next(iter(by_reason))
+    return "; ".join(f"{reason} on {_ranks_text(ranks)}" for reason, ranks in by_reason.items()) or "a stop request"
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    """'rank 3', 'ranks 1-3', 'ranks 0, 2, 5, 7 and 12 more'."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if ranks[-1] - ranks[0] == len(ranks) - 1:
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    shown = ", ".join(map(str, ranks[:RANKS_NAMED]))
+    return f"ranks {shown}" + (f" and {len(ranks) - RANKS_NAMED} more" if len(ranks) > RANKS_NAMED else "")

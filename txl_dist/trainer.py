@@ -47,7 +47,7 @@ from .evaluate import Evaluator, batch_to_device
 from .memory import MemoryBank, merge_state_dicts
 from .profiling import StepProfiler
 from .startup import Resume, TrainStart, start_training
-from .stop_request import StopRequest
+from .stop_request import StopRequest, describe_reasons
 
 log = logging.getLogger(distributed.LOGGER_NAME)
 
@@ -164,9 +164,9 @@ class Trainer:
             if self.step % cfg.train.log_interval == 0 or self.step == last:
                 self._progress(stats, window_time / window_steps, last)
                 window_time, window_steps = 0.0, 0
-            if stop:
-                reason = self.stop.reason() or "a stop request on another rank"
-                log.warning("stopping after step %d (%s): saving a checkpoint", self.step, reason,
+            if stop:  # every rank sees it at this step (reduced with the loss): the gather is collective
+                reasons = describe_reasons(distributed.gather_objects(self.stop.reason()))
+                log.warning("stopping after step %d (%s): saving a checkpoint", self.step, reasons,
                             extra=distributed.RANK_ZERO_ONLY)
                 self.save()
                 return 0
