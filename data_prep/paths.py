@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from data_prep.errors import PrepError
+from txl_dist.output_paths import probe_create
 
 
 def identity(path: Path) -> tuple[int, int] | None:
@@ -81,17 +82,15 @@ def nearest_existing(path: Path) -> Path:
 
 def check_writable_parent(out: Path) -> None:
     """The output is built in a scratch folder beside it and renamed into place: the folder that holds it must
-    let this user create files. A read-only file system is left to the write's own fault line (errors.py)."""
+    let this user create files, found out by creating one (output_paths.probe_create: os.access says yes to
+    root). A read-only file system is left to the write's own fault line (errors.py)."""
     parent = nearest_existing(Path(os.path.abspath(out)).parent)
-    if os.access(parent, os.W_OK | os.X_OK):
-        return
     try:
-        read_only = bool(os.statvfs(parent).f_flag & os.ST_RDONLY)
-    except OSError:
-        read_only = False
-    if not read_only:
-        raise PrepError(f"{out}: cannot be written: {parent} does not let this user create files "
-                        f"({os.strerror(errno.EACCES)}); change its permissions or choose another output")
+        probe_create(parent)
+    except OSError as e:
+        if e.errno != errno.EROFS:
+            raise PrepError(f"{out}: cannot be written: {parent} does not let this user create files "
+                            f"({e.strerror or e}); change its permissions or choose another output") from None
 
 
 def cannot_read(path: Path, error: OSError, fix: str = "check its permissions") -> PrepError:

@@ -83,14 +83,20 @@ def _exists(candidate: Path, flag: str, path: str | os.PathLike) -> bool:
                           "choose another path") from None
 
 
+def probe_create(where: Path, *, folder: bool = True) -> None:
+    """Make and remove a temporary folder (or file) in the existing folder `where`; the OSError of a place
+    this process cannot create in (permissions, a read-only mount, /proc), whatever os.access would say."""
+    if folder:
+        os.rmdir(tempfile.mkdtemp(prefix=PROBE_PREFIX, dir=where))
+    else:
+        fd, name = tempfile.mkstemp(prefix=PROBE_PREFIX, dir=where)
+        os.close(fd)
+        os.unlink(name)
+
+
 def _probe(where: Path, flag: str, path: str | os.PathLike, *, folder: bool) -> None:
     try:
-        if folder:
-            os.rmdir(tempfile.mkdtemp(prefix=PROBE_PREFIX, dir=where))
-        else:
-            fd, name = tempfile.mkstemp(prefix=PROBE_PREFIX, dir=where)
-            os.close(fd)
-            os.unlink(name)
+        probe_create(where, folder=folder)
     except OSError as e:
         raise OutputError(f"{flag} {path}: cannot be written ({e.strerror or type(e).__name__}: {where}); choose "
                           "another path") from None
