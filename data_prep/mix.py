@@ -58,7 +58,8 @@ from tqdm import tqdm
 from data_prep.atomic import atomic_dir, check_output, owned_scratch
 from data_prep.errors import PrepError
 from data_prep.layout import CHUNK_TOKENS, SplitWriter, check_fits, split_layouts
-from data_prep.paths import check_output_apart, read_corpus_manifest, same_file
+from data_prep.paths import check_output_apart, read_corpus_manifest
+from txl_dist.output_paths import same_place
 from data_prep.prepare import InputSpec, prepare, provenance, train_tokenizer_job
 from data_prep.sources import check_disjoint, resolve_sources
 from data_prep.space import check_free_space, estimate_note, input_text_bytes, size_text, token_bytes
@@ -319,7 +320,7 @@ def mix(specs: Sequence[SourceSpec], out: str | os.PathLike, *, train_tokens: in
     if train_tokens is not None and train_tokens < 1:
         raise PrepError(f"--train-tokens must be >= 1, got {train_tokens}")
     for s in specs:
-        if same_file(s.corpus, out):
+        if same_place(s.corpus, out):
             raise PrepError(f"--out {out} is the corpus of source {s.name}; write the mixture elsewhere")
         if index and s.corpus.resolve().is_relative_to(out.resolve()):
             raise PrepError(f"--index: source {s.name} ({s.corpus}) lies inside --out {out}, which is replaced as a "
@@ -340,7 +341,7 @@ def _check_distinct_corpora(specs: Sequence[SourceSpec]) -> None:
     doubled and its valid documents listed twice: refused like an input given twice to prepare."""
     for i, s in enumerate(specs):
         for first in specs[:i]:
-            if same_file(s.corpus, first.corpus):
+            if same_place(s.corpus, first.corpus):
                 raise PrepError(f"--source {s.name}: {s.corpus} is the corpus of source {first.name} "
                                 f"({first.corpus}); give each corpus once (its weight says how much of it to mix)")
 

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from data_prep.errors import PrepError
-from txl_dist.output_paths import probe_create
+from txl_dist.output_paths import probe_create, same_place
 
 
 def identity(path: Path) -> tuple[int, int] | None:
@@ -22,14 +22,6 @@ def identity(path: Path) -> tuple[int, int] | None:
     except OSError:
         return None
     return st.st_dev, st.st_ino
-
-
-def same_file(a: Path, b: Path) -> bool:
-    """Whether two names are one file or folder (by resolved path, else by device and inode)."""
-    if a.resolve() == b.resolve():
-        return True
-    ia = identity(a)
-    return ia is not None and ia == identity(b)
 
 
 def _holder(out: Path, path: Path, out_id: tuple[int, int] | None, ids: dict[Path, tuple[int, int] | None]) -> bool:
@@ -58,7 +50,7 @@ def check_output_apart(out: Path, inputs: Iterable[tuple[str, Path]], out_option
     for option, path in inputs:
         if not _holder(out, Path(path), out_id, ids):
             continue
-        what = "is" if same_file(out, Path(path)) else "holds"
+        what = "is" if same_place(out, path) else "holds"
         raise PrepError(f"{out_option} {out} {what} the input {path} ({option}); the output is replaced as a "
                         "whole, which would delete it: write the output elsewhere")
 

@@ -58,17 +58,23 @@ def check_output_file(path: str | os.PathLike, flag: str) -> Path:
 
 def check_distinct_folders(first: str | os.PathLike, first_flag: str, second: str | os.PathLike, second_flag: str,
                            why: str) -> None:
-    """OutputError when the two paths name the same folder (after '.', '..', a trailing '/' and symlinks)."""
-    a, b = Path(first), Path(second)
-    same = a.resolve() == b.resolve()
-    if not same and a.exists() and b.exists():
-        try:
-            same = os.path.samefile(a, b)  # one folder under two names that resolve() keeps apart (a bind mount)
-        except OSError:
-            pass
-    if same:
+    """OutputError when the two paths name the same folder (same_place)."""
+    if same_place(first, second):
         raise OutputError(f"{first_flag} {first} and {second_flag} {second} are the same folder ({why}); give "
                           "each its own folder")
+
+
+def same_place(first: str | os.PathLike, second: str | os.PathLike) -> bool:
+    """Whether two paths name one file or folder: the same path once resolved ('.', '..', a trailing '/',
+    symlinks), or the same device and inode (a hard link, a folder under a bind mount, which resolve() keeps
+    apart); False when either cannot be looked up."""
+    a, b = Path(first), Path(second)
+    if a.resolve() == b.resolve():
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def _exists(candidate: Path, flag: str, path: str | os.PathLike) -> bool:
