@@ -253,6 +253,8 @@ def test_a_killed_store_host_is_named_by_the_rank_whose_collective_failed(job):
            "127.0.0.1:" in report["explained"]
     assert report["explain_s"] < 3.0 and elapsed < 8.0, (report, elapsed)
     assert rank1.exit_status(timeout=3 * TIMEOUT_S) == 0
+    # No store call was waiting when the store went: a waiting one makes the store client log its C++ stack.
+    assert "TCPStore.cpp" not in rank1.stderr() and "frame #" not in rank1.stderr(), rank1.stderr()
 
 
 def test_a_rank_failing_alone_stops_the_others_at_once_with_its_error(job):
@@ -399,3 +401,39 @@ def test_a_process_that_is_exiting_counts_as_ended():
     assert state_of_stat(line.format(state="Z", flags=0x40040c)) == "ended"
     assert state_of_stat(line.format(state="T", flags=0x400040)) == "stopped"
     assert state_of_stat(f"{os.getpid()} (me) S 1 1 1 0 -1 4194560 1 0 0 0") == "running"
+
+
+def test_probes_tell_a_live_rank_from_an_ended_and_a_stopped_one():
+    """Probes go rank to rank (a store call that waits logs a C++ stack trace when the store's host dies): a
+    rank whose watch runs answers at once, one that left has nobody listening, a stopped one never answers.
+    The probe path is what names ranks on other machines, whose processes cannot be looked at."""
+    from datetime import timedelta
+
+    from dist_helpers import free_port
+    from txl_dist import watchdog
+
+    port = free_port()
+    store = torch.distributed.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=10), wait_for_workers=False)
+    address = watchdog.StoreAddress("127.0.0.1", port, hosted_by_rank0=False)
+    code = ("import json, logging, time; from txl_dist import watchdog as w; "
+            f"wd = w.Watchdog(2, 3, w.StoreAddress('127.0.0.1', {port}, False), 60.0, logging.getLogger('t'), []); "
+            "print(json.dumps(wd.infos[2].probe), flush=True); time.sleep(60)")
+    other = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    wd = watchdog.Watchdog(1, 3, address, 60.0, logging.getLogger("test"), callbacks=[])
+    try:
+        stopped_probe = tuple(json.loads(other.stdout.readline()))
+        live_probe = wd.infos[1].probe
+        started = time.monotonic()
+        assert watchdog.probe_ranks({1: live_probe, 2: stopped_probe}, 2.0) == {1: "answered", 2: "answered"}
+        assert time.monotonic() - started < 1.0
+        os.kill(other.pid, signal.SIGSTOP)
+        wd.stop(None)
+        started = time.monotonic()
+        answers = watchdog.probe_ranks({1: live_probe, 2: stopped_probe, 3: None}, 1.0)
+        assert answers == {1: "its process ended", 2: "no answer within 1 s to a probe",
+                           3: "it never said where to probe it"}
+        assert time.monotonic() - started < 2.0
+    finally:
+        other.kill()
+        other.wait(10)
+        wd.stop(None)

@@ -9,8 +9,11 @@ thread. Each rank watches only its two ring neighbours, so the store's load grow
 A neighbour silent for collective_timeout_s is reported in one line; the line goes to a shared "abort" key,
 and every rank that reads it (within a beat) logs it, runs the abort callbacks (bounded) and ends with exit
 status 1 through os._exit: its main thread may be stuck inside a collective. A second thread judges contact
-with the store itself (a store client waits for ever on a stopped host); a third answers probes, so that
-explain_failure, called after gloo's immediate error, learns within seconds which peers are gone.
+with the store itself (a store client waits for ever on a stopped host); a third answers probes on a socket
+of its own (its address published with the host and pid), so that explain_failure, called after gloo's
+immediate error, learns within seconds which peers are gone. Probes go rank to rank, not through the store:
+they add no load to the store, and no store call waits on a key, since a waiting store client logs a C++
+stack trace when the store's host dies (as it does when rank 0 is lost).
 
 A rank that finishes says so in the store before it stops beating, so it is never reported; rank 0, when it
 hosts the store, keeps it up until the others have left (at most the timeout), and once rank 0 has left
@@ -48,7 +51,9 @@ MAX_BEAT_PERIOD_S = 10.0
 STORE_CALL_S = 3.0
 """Timeout of the main thread's store calls (explain_failure, stop): an answer within a few seconds."""
 PROBE_WAIT_S = 3.0
-"""How long explain_failure waits for a probed rank to beat before it counts the rank as gone."""
+"""How long explain_failure waits for a probed rank to answer before it counts the rank as gone."""
+PROBE_ACCEPT_S = 0.5
+"""How often the probe thread looks up from waiting for a probe to see whether the watch has stopped."""
 INFO_POLL_S = 0.1
 """How often the beat thread reads the store while a neighbour's or rank 0's host and pid are still unknown."""
 INFO_START_WAIT_S = 5.0
@@ -103,6 +108,8 @@ class RankInfo:
     pid: int
     machine: str | None
     """Boot id and pid namespace: equal on two ranks when their pids can be compared."""
+    probe: tuple[str, int] | None = None
+    """Where its probe thread answers (address, port)."""
 
     def label(self) -> str:
         """'rank 1 (host h, pid 123)'."""
@@ -164,12 +171,6 @@ class _Keys:
 
     def left(self, rank: int) -> str:
         return f"{self.ns}/left/{rank}"
-
-    def probes(self, rank: int) -> str:
-        return f"{self.ns}/probes/{rank}"
-
-    def probe(self, rank: int, n: int) -> str:
-        return f"{self.ns}/probe/{rank}/{n}"
 
     def address(self, ip: str) -> str:
         return f"{self.ns}/address/{ip}"
@@ -244,13 +245,26 @@ def _local_addresses(master_addr: str) -> list[str]:
         found.update(sa[0] for *_, sa in socket.getaddrinfo(socket.gethostname(), None))
     except OSError:
         pass
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((master_addr, 9))  # a UDP connect sends nothing: it only picks the outgoing address
-            found.add(s.getsockname()[0])
-    except OSError:
-        pass
+    outgoing = _outgoing_address(master_addr)
+    if outgoing:
+        found.add(outgoing)
     return sorted(found)[:8]
+
+
+def _outgoing_address(host: str) -> str | None:
+    """This host's address on the route to `host` (IPv4 or IPv6), or None when there is none."""
+    try:
+        infos = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)
+    except OSError:
+        return None
+    for family, kind, proto, _, target in infos:
+        try:
+            with socket.socket(family, kind, proto) as s:
+                s.connect(target)  # a UDP connect sends nothing: it only picks the outgoing address
+                return s.getsockname()[0]
+        except OSError:
+            continue
+    return None
 
 
 def _flush_std() -> None:
@@ -280,6 +294,7 @@ class Watchdog:
         self._host_left_at: float | None = None  # when this rank saw rank 0, the store's host, leave
         self._store_lost = False
         self._last_contact = time.monotonic()
+        self._probe_server = _listen_for_probes(address.host)
         store = _connect(address, STORE_CALL_S)
         self.keys = _Keys(self._namespace(store))
         self._publish(store)
@@ -303,9 +318,11 @@ class Watchdog:
         return f"{base}/{generation}"
 
     def _publish(self, store: dist.TCPStore) -> None:
-        me = RankInfo(self.rank, socket.gethostname(), os.getpid(), _this_machine())
+        me = RankInfo(self.rank, socket.gethostname(), os.getpid(), _this_machine(),
+                      self._probe_server.getsockname()[:2])
         self.infos[self.rank] = me
-        store.set(self.keys.info(self.rank), json.dumps({"host": me.host, "pid": me.pid, "machine": me.machine}))
+        store.set(self.keys.info(self.rank), json.dumps({"host": me.host, "pid": me.pid, "machine": me.machine,
+                                                         "probe": me.probe}))
         for ip in _local_addresses(self.address.host):
             store.append(self.keys.address(ip), f"{self.rank},")
         store.add(self.keys.beat(self.rank), 1)
@@ -356,7 +373,6 @@ class Watchdog:
             return
         if self.address.hosted_by_rank0 and self.rank != 0 and store.check([self.keys.left(0)]):
             self._host_left_at = time.monotonic()
-            self._probe(store, self.rank, "stop")  # release the probe thread while the store is still up
             return
         now = time.monotonic()
         for r in list(self.watched):
@@ -405,34 +421,27 @@ class Watchdog:
     @staticmethod
     def _parse_info(rank: int, raw: bytes) -> RankInfo:
         d = json.loads(raw)
-        return RankInfo(rank, d["host"], d["pid"], d.get("machine"))
+        probe = d.get("probe")
+        return RankInfo(rank, d["host"], d["pid"], d.get("machine"), (probe[0], int(probe[1])) if probe else None)
 
     def _answer_probes(self) -> None:
-        """Beat at once when another rank probes this one (explain_failure), so a live rank answers in
-        milliseconds instead of at its next beat. Waits on probe/<rank>/<n> (keys, not a queue: the
-        store of a torchrun agent may run the older server, which has no queues) without a timeout: a
-        wait that times out makes the store client log warnings."""
-        store: dist.TCPStore | None = None
-        n = 1
+        """Answer each probe (explain_failure on another rank) at once: a rank whose threads run answers in
+        milliseconds; a stopped or hung process never does, and nothing listens for an ended one."""
+        server = self._probe_server
         while not self._stopping.is_set():
             try:
-                if store is None:
-                    store = _connect(self.address, self.period)
-                    store.set_timeout(timedelta(days=365))
-                key = self.keys.probe(self.rank, n)
-                store.wait([key])
-                if store.get(key) == b"stop":
-                    return
-                store.add(self.keys.beat(self.rank), 1)
-                n += 1
-            except STORE_ERRORS:
-                store = None
-                if self._host_left_at is not None or self._stopping.wait(self.period):
-                    return
-
-    def _probe(self, store: dist.TCPStore, rank: int, message: str = "probe") -> None:
-        n = store.add(self.keys.probes(rank), 1)
-        store.set(self.keys.probe(rank, n), message)
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return  # closed by stop()
+            with conn:
+                try:
+                    conn.settimeout(PROBE_WAIT_S)
+                    if conn.recv(1) == PROBE:
+                        conn.sendall(PROBE_ANSWER)
+                except OSError:
+                    pass  # the prober gave up or was not one
 
     # ---------------------------------------------------------------------------------------------
     # Reporting
@@ -535,9 +544,9 @@ class Watchdog:
 
     def _find_gone(self, store: dist.TCPStore, candidates: set[int]) -> dict[int, str]:
         """Which candidates are gone and why: left the job, process ended or stopped (same machine), or no
-        beat within PROBE_WAIT_S of a probe."""
+        answer to a probe within PROBE_WAIT_S."""
         gone: dict[int, str] = {}
-        probed: dict[int, int] = {}
+        probed: list[int] = []
         for r in sorted(candidates):
             if r not in self.infos and store.check([self.keys.info(r)]):
                 self.infos[r] = self._parse_info(r, store.get(self.keys.info(r)))
@@ -551,14 +560,11 @@ class Watchdog:
                 what = "its process ended" if state == "ended" else "its process is stopped"
                 gone[r] = f"was lost during a collective ({what})"
                 continue
-            probed[r] = store.add(self.keys.beat(r), 0)
-            self._probe(store, r)
-        deadline = time.monotonic() + PROBE_WAIT_S
-        while probed and time.monotonic() < deadline:
-            time.sleep(0.05)
-            probed = {r: c for r, c in probed.items() if store.add(self.keys.beat(r), 0) == c}
-        for r in probed:
-            gone[r] = f"was lost during a collective (no heartbeat within {PROBE_WAIT_S:.0f} s of a probe)"
+            probed.append(r)
+        answers = probe_ranks({r: self.infos[r].probe if r in self.infos else None for r in probed}, PROBE_WAIT_S)
+        for r, answer in answers.items():
+            if answer != "answered":
+                gone[r] = f"was lost during a collective ({answer})"
         return gone
 
     def _lost_store_host_line(self) -> str | None:
@@ -584,6 +590,7 @@ class Watchdog:
         if claimed_by == "watchdog":
             return  # the watch thread is ending this process now
         self._stopping.set()
+        self._probe_server.close()
         self._threads["beat"].join(1.0)  # it may be waiting on the store; a late beat does no harm
         if self._store_lost or self._host_gone():
             return  # nobody is left to tell
@@ -611,7 +618,6 @@ class Watchdog:
             store.compare_set(self.keys.abort, "", abort_line)
         store.set(self.keys.left(self.rank), left_as)
         store.add(self.keys.left_count, 1)
-        self._probe(store, self.rank, "stop")  # releases this rank's probe thread
         return store
 
     def _linger(self, store: dist.TCPStore) -> None:
@@ -624,6 +630,49 @@ class Watchdog:
             if store.check([self.keys.abort]):
                 deadline = min(deadline, time.monotonic() + 2 * self.period)
             time.sleep(min(0.2, self.period))
+
+
+PROBE, PROBE_ANSWER = b"?", b"!"
+
+
+def _listen_for_probes(store_host: str) -> socket.socket:
+    """A listening socket on the address this host reaches the store from: the one its peers can reach."""
+    address = _outgoing_address(store_host) or "0.0.0.0"
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    server = socket.create_server((address, 0), family=family, backlog=64)
+    server.settimeout(PROBE_ACCEPT_S)
+    return server
+
+
+def probe_ranks(addresses: dict[int, tuple[str, int] | None], wait_s: float) -> dict[int, str]:
+    """Probe each rank at its address, all at once: 'answered', or why it counts as gone ('its process ended',
+    when nothing listens there any more; 'no answer ... to a probe', when its process is stopped, hung or its
+    host unreachable)."""
+    results = {r: f"no answer within {wait_s:.0f} s to a probe" for r in addresses}
+    deadline = time.monotonic() + wait_s
+
+    def probe(rank: int, address: tuple[str, int] | None) -> None:
+        if address is None:
+            results[rank] = "it never said where to probe it"
+            return
+        try:
+            with socket.create_connection(address, timeout=max(0.01, deadline - time.monotonic())) as conn:
+                conn.sendall(PROBE)
+                conn.settimeout(max(0.01, deadline - time.monotonic()))
+                if conn.recv(1) == PROBE_ANSWER:
+                    results[rank] = "answered"
+        except ConnectionRefusedError:
+            results[rank] = "its process ended"
+        except OSError:
+            pass
+
+    threads = [threading.Thread(target=probe, args=item, daemon=True, name="txl-watchdog-probe")
+               for item in addresses.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()) + 0.5)
+    return dict(results)
 
 
 def _exit_later(seconds: float) -> None:
