@@ -319,6 +319,10 @@ def test_a_rollback_with_a_lower_lr_continues_in_a_new_mlflow_run(corpus, tmp_pa
     assert all(lr2[s] < lr1[s] / 5 for s in (5, 6))  # the new schedule, not the rolled-back values
     assert sorted(by_step(r2, "train/loss")) == list(range(1, STEPS + 1))
     assert client.get_run(r2).data.tags["txl.continues_run"] == r1
+    # How each job ended, on its run (the MLflow status alone says KILLED for a planned stop too).
+    assert client.get_run(r1).data.tags["txl.ended"] == ("stopped at train.exit_step 6; the next job resumes "
+                                                          "from step_00000006")
+    assert client.get_run(r2).data.tags["txl.ended"] == f"finished at step {STEPS}"
     # The checkpoints saved after the rollback name the continuation.
     assert json.loads((run_dir / "checkpoints" / f"step_{STEPS:08d}" / "txl_state" / "run.json").read_text())[
         "mlflow_run_id"] == r2

@@ -174,14 +174,17 @@ def test_resume_continues_the_same_run(mlflow_server, client, experiment, tmp_pa
     first.log_params({"train": {"max_steps": 10, "exit_step": 5}})
     for step in range(1, 6):
         first.log_metrics({"train/loss": 10.0 - step}, step=step)
-    first.close("KILLED")  # e.g. the job was preempted after its step-5 checkpoint
+    ended = "stopped after step 5 (SIGTERM); the next job resumes from step_00000005"
+    first.close("KILLED", ended=ended)  # e.g. the job was preempted after its step-5 checkpoint
     run_id = first.run_id
     assert client.get_run(run_id).info.status == "KILLED"
+    assert client.get_run(run_id).data.tags["txl.ended"] == ended
 
     with caplog.at_level(logging.WARNING, logger="txl_dist.tracking"):
         second = create_tracker(cfg, 0, tmp_path, resume=ResumePoint(run_id, 5))
         assert second.run_id == run_id
         assert client.get_run(run_id).info.status == "RUNNING"
+        assert "txl.ended" not in client.get_run(run_id).data.tags  # the run has not ended now
         # exit_step changed on the restart: MLflow params cannot change, the earlier value stays.
         second.log_params({"train": {"max_steps": 10, "exit_step": None}, "eval": {"interval": 3}})
         for step in range(6, 11):

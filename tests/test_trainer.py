@@ -350,3 +350,15 @@ def test_a_job_with_a_peak_of_its_own_leaves_the_runs_run_choices_artifact_alone
     assert run_choices_artifact(start(2e9, 2e9), 7) == "run_choices.json"  # the run's peak kept: the same numbers
     assert run_choices_artifact(start(1e9, 2e9), 7) == "run_choices_from_step_00000007.json"  # another device
     assert run_choices_artifact(start(None, 2e9), 7) == "run_choices_from_step_00000007.json"  # recorded none
+
+
+def test_a_failed_job_says_why_on_its_mlflow_run():
+    """The line of the tag txl.ended for a failure: the error's own line, but for a failed collective (whose
+    explanation, the lost rank, comes later, from the entry point) a pointer to the log that names it."""
+    from txl_dist.trainer import failure_line
+
+    assert failure_line(ValueError("the shard is corrupt\nmore")) == "the shard is corrupt"
+    collective = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+                              "[127.0.0.1]:39221")
+    assert failure_line(collective) == ("a collective failed: a rank was lost or stopped (the job's log, "
+                                        "logs/train.log, names it)")

@@ -41,13 +41,14 @@ from .data import StreamLoader
 from .distributed import DistEnv
 from .engine import build_engine, deepspeed_config, global_grad_norm, model_dtype, skipped_unless_finite, \
     zero_stage
-from .errors import RunFailed
+from .errors import RunFailed, one_line
 from .flops import flops_per_token
 from .evaluate import Evaluator, batch_to_device
 from .memory import MemoryBank, merge_state_dicts
 from .profiling import StepProfiler
 from .startup import Resume, TrainStart, start_training
 from .stop_request import StopRequest, describe_reasons
+from .watchdog import is_collective_failure
 
 log = logging.getLogger(distributed.LOGGER_NAME)
 
@@ -79,6 +80,8 @@ class Trainer:
         self.nonfinite_streak = 0
         """Such steps in a row, up to the current one."""
         self.last_checkpoint: Path | None = None
+        self.ended: str | None = None
+        """How this job ended, in one line: the MLflow run's tag txl.ended."""
         """The tag this job saved last (the final evaluation's weights are its)."""
         self.checkpoint_bytes = start.checkpoint_bytes
         """The expected size of a checkpoint (rank 0 checks the free space for it before each save)."""
@@ -127,6 +130,7 @@ class Trainer:
         last = cfg.train.max_steps if cfg.train.exit_step is None else cfg.train.exit_step
         if self.step >= last:
             log.info("nothing to do: the checkpoint is at step %d, training stops at %d", self.step, last)
+            self.ended = f"nothing to do: the checkpoint is at step {self.step}, training stops at {last}"
             return 0
         self.stop = StopRequest()
         self.profiler.announce(self.step + 1)
@@ -168,7 +172,8 @@ class Trainer:
                 reasons = describe_reasons(distributed.gather_objects(self.stop.reason()))
                 log.warning("stopping after step %d (%s): saving a checkpoint", self.step, reasons,
                             extra=distributed.RANK_ZERO_ONLY)
-                self.save()
+                saved = self.save()
+                self.ended = f"stopped after step {self.step} ({reasons}); the next job resumes from {saved.name}"
                 return 0
             final = self.step == cfg.train.max_steps
             if final or (cfg.eval.interval and self.step % cfg.eval.interval == 0):
@@ -184,6 +189,8 @@ class Trainer:
         if self.step == cfg.train.max_steps and cfg.eval.at_end:
             result = self.run_eval(cfg.data.test_split, "test")
             self.tracker.log_dict(self.final_eval_record(cfg.data.test_split, result), "final_eval.json")
+        self.ended = (f"finished at step {self.step}" if self.step == cfg.train.max_steps else
+                      f"stopped at train.exit_step {self.step}; the next job resumes from {self.last_checkpoint.name}")
         return 0
 
     def final_eval_record(self, split: str, numbers: dict[str, float]) -> dict[str, Any]:
@@ -361,8 +368,9 @@ class Trainer:
                  f"elastic: {run_info['world_size']} -> {self.env.world_size} ranks")
 
     def close(self, status: str = "FINISHED") -> None:
-        """End the MLflow run with `status` and close what start-up opened (loaders, the run folder's lock)."""
-        self.tracker.close(status)
+        """End the MLflow run with `status` (and the line saying how the job ended) and close what start-up
+        opened (loaders, the run folder's lock)."""
+        self.tracker.close(status, ended=self.ended)
         self.start.close()
 
     # ------------------------------------------------------------------------------------------------
@@ -390,6 +398,16 @@ class Trainer:
                  self.step, last, stats["train/loss"], stats["train/lr"],
                  "n/a" if norm is None else f"{norm:.3f}", self.tokens_per_step / step_time,
                  _flops_text(flops["train/model_flops_per_s"]), mfu, step_time, _hms(eta))
+
+
+def failure_line(e: BaseException) -> str:
+    """What the MLflow run says of a failed job: the error's line, except for a failed collective, whose
+    explanation (which rank was lost) the job's log has."""
+    if is_collective_failure(e):
+        return "a collective failed: a rank was lost or stopped (the job's log, logs/train.log, names it)"
+    if isinstance(e, KeyboardInterrupt):
+        return "interrupted (KeyboardInterrupt)"
+    return one_line(e, limit=2000)
 
 
 def mlflow_status(run_id: str | None, status: str | None = None) -> str:
@@ -521,6 +539,9 @@ def run(cfg: RunConfig, env: DistEnv, *, resume: str = "auto", log_all_ranks: bo
         code = trainer.train()
         status = "FINISHED" if trainer.step == cfg.train.max_steps else "KILLED"
         return code
+    except BaseException as e:
+        trainer.ended = f"failed after step {trainer.step}: {failure_line(e)}"
+        raise
     finally:
         if env.is_main:
             curves = trainer.draw_curves()

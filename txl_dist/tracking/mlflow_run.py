@@ -55,8 +55,8 @@ from .continuation import STAGING_DIR, Opening, ResumePoint, finish_switch, plan
 from .errors import TrackingError
 from .journal import TrackingFolder, _Batch, _DeliveryLog, _Journal, _JournalSummary, _OutboxItem, _summarize
 from .secrets import _one_line, _remember_secrets, _scrub_library_logs, scrub_secrets, shown_uri
-from .store import (MAX_KEY_LENGTH, MAX_METRICS_PER_BATCH, MAX_PARAM_VALUE_LENGTH, _check_reopenable, _chunks,
-                    RUNNING_HTTP_LIMITS, _deliver_item, _quick_http_failures, _send_metrics, _undelivered)
+from .store import (ENDED_TAG, MAX_KEY_LENGTH, MAX_METRICS_PER_BATCH, MAX_PARAM_VALUE_LENGTH, _check_reopenable,
+                    _chunks, RUNNING_HTTP_LIMITS, _deliver_item, _quick_http_failures, _send_metrics, _undelivered)
 from .tracker import Delivery, Tracker, _check_status
 
 STORE_PAUSE_S = 30.0
@@ -303,6 +303,8 @@ class MlflowTracker(Tracker):
             self._client, run_id, self.shown_uri, described,
             unknown_fix=f"point tracking.uri at the store that holds it, or {other_fix}", deleted_fix=other_fix)
         self._client.update_run(run_id, status="RUNNING")
+        if ENDED_TAG in run.data.tags:  # an earlier job's ending: this one has not ended
+            self._client.delete_tag(run_id, ENDED_TAG)
         return run
 
     def _give_back(self, opening: Opening, run) -> None:
@@ -510,8 +512,9 @@ class MlflowTracker(Tracker):
     # ---------------------------------------------------------------------------------------------
     # Closing
 
-    def close(self, status: str = "FINISHED", timeout: float | None = 120.0) -> Delivery:
-        """Stop system metrics, send what is queued (at most timeout seconds), terminate the run.
+    def close(self, status: str = "FINISHED", timeout: float | None = 120.0, ended: str | None = None) -> Delivery:
+        """Stop system metrics, send what is queued (at most timeout seconds), terminate the run (with the
+        tag txl.ended = `ended`, when given).
 
         Returns the delivery counts and logs one warning if anything was dropped or failed (it stays in the
         journal for replay). Never raises for the store's errors: this often runs while an exception from
@@ -530,7 +533,7 @@ class MlflowTracker(Tracker):
                 self._failed("system metrics", 0, TimeoutError("close timed out stopping system metrics"))
         self._journal.flush()
         writer_done = self._stop_writer(deadline)
-        self._terminate(status, deadline)
+        self._terminate(status, deadline, ended)
         self._journal.close()
         if writer_done:  # a writer still in a request may yet record its chunk as delivered
             self._delivered.close()
@@ -550,10 +553,10 @@ class MlflowTracker(Tracker):
             return False
         return True
 
-    def _terminate(self, status: str, deadline: float | None) -> None:
+    def _terminate(self, status: str, deadline: float | None, ended: str | None) -> None:
         """Mark the run terminated; the status waits in the outbox until the store has it (replay sends it)."""
         try:
-            item = self.folder.put(next(self._seqs), {"kind": "status", "status": status,
+            item = self.folder.put(next(self._seqs), {"kind": "status", "status": status, "ended": ended,
                                                       "end_time": int(time.time() * 1000)})
         except OSError as e:
             self._failed("run status (writing the outbox)", 0, e)

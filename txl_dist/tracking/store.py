@@ -79,6 +79,12 @@ def _send_metrics(client, run_id: str, chunk: list[_Batch]) -> int:
     return len(metrics)
 
 
+ENDED_TAG = "txl.ended"
+"""How the last job of the run ended ("stopped after step N (SIGTERM on rank 0); ..."); removed when a job
+re-opens the run."""
+MAX_TAG_CHARS = 5000  # MLflow's limit on a tag value (older servers)
+
+
 def _deliver_item(client, run_id: str, item: _OutboxItem) -> None:
     """Send one outbox item to the store."""
     meta = item.meta
@@ -96,6 +102,8 @@ def _deliver_item(client, run_id: str, item: _OutboxItem) -> None:
         else:
             client.log_artifact(run_id, source, meta["artifact_path"])
     elif kind == "status":
+        if meta.get("ended"):
+            client.set_tag(run_id, ENDED_TAG, meta["ended"][:MAX_TAG_CHARS], synchronous=True)
         _mark_terminated(client, run_id, meta["status"], meta["end_time"])
     else:
         raise ValueError(f"outbox item {item.content.name}.json: unknown kind {kind!r}")

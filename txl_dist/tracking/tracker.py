@@ -86,8 +86,9 @@ class Tracker:
         server (secrets masked); None where nothing is logged."""
         return None
 
-    def close(self, status: str = "FINISHED", timeout: float | None = 120.0) -> Delivery:
-        """Flush, stop system metrics and mark the run terminated with status FINISHED, FAILED or KILLED."""
+    def close(self, status: str = "FINISHED", timeout: float | None = 120.0, ended: str | None = None) -> Delivery:
+        """Flush, stop system metrics and mark the run terminated with status FINISHED, FAILED or KILLED;
+        `ended`, one line saying how the job ended (the run's tag txl.ended), where the status alone does not."""
         _check_status(status)
         return Delivery()
 
