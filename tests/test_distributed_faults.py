@@ -410,30 +410,56 @@ def test_probes_tell_a_live_rank_from_an_ended_and_a_stopped_one():
     from datetime import timedelta
 
     from dist_helpers import free_port
-    from txl_dist import watchdog
+    from txl_dist import rank_probe, watchdog
 
     port = free_port()
     store = torch.distributed.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=10), wait_for_workers=False)
     address = watchdog.StoreAddress("127.0.0.1", port, hosted_by_rank0=False)
     code = ("import json, logging, time; from txl_dist import watchdog as w; "
             f"wd = w.Watchdog(2, 3, w.StoreAddress('127.0.0.1', {port}, False), 60.0, logging.getLogger('t'), []); "
-            "print(json.dumps(wd.infos[2].probe), flush=True); time.sleep(60)")
-    other = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
+            "time.sleep(60)")
+    other = subprocess.Popen([sys.executable, "-c", code], cwd=REPO)
     wd = watchdog.Watchdog(1, 3, address, 60.0, logging.getLogger("test"), callbacks=[])
     try:
-        stopped_probe = tuple(json.loads(other.stdout.readline()))
-        live_probe = wd.infos[1].probe
+        deadline = time.monotonic() + 30
+        while 2 not in wd.infos and time.monotonic() < deadline:
+            wd._read_infos(store)
+            time.sleep(0.1)
+        me, peer = wd.infos[1], wd.infos[2]
+        assert peer.pid == other.pid and peer.probe_port and me.probe_port
+        targets = {1: me.probe_targets(), 2: peer.probe_targets()}
+        answers = {1: rank_probe.token(1, os.getpid()), 2: rank_probe.token(2, other.pid)}
+        assert ("127.0.0.1", peer.probe_port) in targets[2]  # the same machine: loopback too
         started = time.monotonic()
-        assert watchdog.probe_ranks({1: live_probe, 2: stopped_probe}, 2.0) == {1: "answered", 2: "answered"}
+        assert rank_probe.probe(targets, answers, 2.0) == {1: "answered", 2: "answered"}
         assert time.monotonic() - started < 1.0
+        # An answer counts only from the process probed: the same port answering with another token does not.
+        assert rank_probe.probe({2: targets[2]}, {2: rank_probe.token(2, other.pid + 1)}, 0.5) == \
+            {2: "no answer within 0 s to a probe"}
         os.kill(other.pid, signal.SIGSTOP)
         wd.stop(None)
         started = time.monotonic()
-        answers = watchdog.probe_ranks({1: live_probe, 2: stopped_probe, 3: None}, 1.0)
-        assert answers == {1: "its process ended", 2: "no answer within 1 s to a probe",
-                           3: "it never said where to probe it"}
+        assert rank_probe.probe({**targets, 3: []}, answers, 1.0) == {
+            1: "its process ended", 2: "no answer within 1 s to a probe", 3: "it never said where to probe it"}
         assert time.monotonic() - started < 2.0
     finally:
         other.kill()
         other.wait(10)
         wd.stop(None)
+
+
+def test_a_rank_publishes_the_addresses_other_hosts_reach_it_by():
+    """Not loopback (a peer on another host would reach its own machine), the route to the store first."""
+    import ipaddress
+
+    from txl_dist import rank_probe
+
+    server = rank_probe.ProbeServer(b"x")
+    try:
+        addresses = server.addresses("127.0.0.1")
+        assert addresses and not any(ipaddress.ip_address(a).is_loopback for a in addresses)
+        via_route = rank_probe.outgoing_address("192.0.2.1")  # TEST-NET-1: only the route is looked up
+        if via_route is not None:
+            assert server.addresses("192.0.2.1")[0] == via_route
+    finally:
+        server.close()

@@ -27,7 +27,7 @@ through the private distributed_c10d._get_default_store) would queue a heartbeat
 main thread; and torch.distributed.rendezvous("env://") would, on rank 0, start a second server once the
 first is gone. Keys live under txl_watchdog/<torchelastic run id>/<restart count>/<generation>/.
 
-Uses only torch.distributed and the standard library.
+Uses only torch.distributed, the standard library and txl_dist/rank_probe.py.
 """
 from __future__ import annotations
 
@@ -47,13 +47,14 @@ from typing import TypeVar
 
 import torch.distributed as dist
 
+from . import rank_probe
+from .rank_probe import outgoing_address
+
 MAX_BEAT_PERIOD_S = 10.0
 STORE_CALL_S = 3.0
 """Timeout of the main thread's store calls (explain_failure, stop): an answer within a few seconds."""
 PROBE_WAIT_S = 3.0
 """How long explain_failure waits for a probed rank to answer before it counts the rank as gone."""
-PROBE_ACCEPT_S = 0.5
-"""How often the probe thread looks up from waiting for a probe to see whether the watch has stopped."""
 INFO_POLL_S = 0.1
 """How often the beat thread reads the store while a neighbour's or rank 0's host and pid are still unknown."""
 INFO_START_WAIT_S = 5.0
@@ -108,12 +109,20 @@ class RankInfo:
     pid: int
     machine: str | None
     """Boot id and pid namespace: equal on two ranks when their pids can be compared."""
-    probe: tuple[str, int] | None = None
-    """Where its probe thread answers (address, port)."""
+    probe_port: int | None = None
+    addresses: tuple[str, ...] = ()
+    """Where its probe thread answers: this port at any of these addresses (txl_dist/rank_probe.py)."""
 
     def label(self) -> str:
         """'rank 1 (host h, pid 123)'."""
         return f"rank {self.rank} (host {self.host}, pid {self.pid})"
+
+    def probe_targets(self) -> list[tuple[str, int]]:
+        """Where to probe it from this process: its host's addresses, and loopback on the same machine."""
+        if self.probe_port is None:
+            return []
+        same_machine = self.machine is not None and self.machine == _this_machine()
+        return [(a, self.probe_port) for a in [*self.addresses, *(["127.0.0.1"] if same_machine else [])]]
 
 
 def _this_machine() -> str | None:
@@ -245,26 +254,10 @@ def _local_addresses(master_addr: str) -> list[str]:
         found.update(sa[0] for *_, sa in socket.getaddrinfo(socket.gethostname(), None))
     except OSError:
         pass
-    outgoing = _outgoing_address(master_addr)
+    outgoing = outgoing_address(master_addr)
     if outgoing:
         found.add(outgoing)
     return sorted(found)[:8]
-
-
-def _outgoing_address(host: str) -> str | None:
-    """This host's address on the route to `host` (IPv4 or IPv6), or None when there is none."""
-    try:
-        infos = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)
-    except OSError:
-        return None
-    for family, kind, proto, _, target in infos:
-        try:
-            with socket.socket(family, kind, proto) as s:
-                s.connect(target)  # a UDP connect sends nothing: it only picks the outgoing address
-                return s.getsockname()[0]
-        except OSError:
-            continue
-    return None
 
 
 def _flush_std() -> None:
@@ -294,17 +287,23 @@ class Watchdog:
         self._host_left_at: float | None = None  # when this rank saw rank 0, the store's host, leave
         self._store_lost = False
         self._last_contact = time.monotonic()
-        self._probe_server = _listen_for_probes(address.host)
-        store = _connect(address, STORE_CALL_S)
-        self.keys = _Keys(self._namespace(store))
-        self._publish(store)
-        self._await_infos(store, INFO_START_WAIT_S)
+        self._probe_server = rank_probe.ProbeServer(rank_probe.token(rank, os.getpid()))
         self._threads = {name: threading.Thread(target=self._guard, args=(loop,), daemon=True,
                                                 name=f"txl-watchdog-{name}")
                          for name, loop in [("beat", self._beat_loop), ("judge", self._judge_contact),
                                             ("probe", self._answer_probes)]}
-        for t in self._threads.values():
-            t.start()
+        self._threads["probe"].start()  # answers from the moment this rank's address is published
+        try:
+            store = _connect(address, STORE_CALL_S)
+            self.keys = _Keys(self._namespace(store))
+            self._publish(store)
+            self._await_infos(store, INFO_START_WAIT_S)
+        except BaseException:
+            self._stopping.set()
+            self._probe_server.close()
+            raise
+        self._threads["beat"].start()
+        self._threads["judge"].start()
 
     # ---------------------------------------------------------------------------------------------
     # Start
@@ -318,11 +317,12 @@ class Watchdog:
         return f"{base}/{generation}"
 
     def _publish(self, store: dist.TCPStore) -> None:
-        me = RankInfo(self.rank, socket.gethostname(), os.getpid(), _this_machine(),
-                      self._probe_server.getsockname()[:2])
+        me = RankInfo(self.rank, socket.gethostname(), os.getpid(), _this_machine(), self._probe_server.port,
+                      tuple(self._probe_server.addresses(self.address.host)))
         self.infos[self.rank] = me
         store.set(self.keys.info(self.rank), json.dumps({"host": me.host, "pid": me.pid, "machine": me.machine,
-                                                         "probe": me.probe}))
+                                                         "probe_port": me.probe_port,
+                                                         "addresses": list(me.addresses)}))
         for ip in _local_addresses(self.address.host):
             store.append(self.keys.address(ip), f"{self.rank},")
         store.add(self.keys.beat(self.rank), 1)
@@ -421,27 +421,12 @@ class Watchdog:
     @staticmethod
     def _parse_info(rank: int, raw: bytes) -> RankInfo:
         d = json.loads(raw)
-        probe = d.get("probe")
-        return RankInfo(rank, d["host"], d["pid"], d.get("machine"), (probe[0], int(probe[1])) if probe else None)
+        return RankInfo(rank, d["host"], d["pid"], d.get("machine"), d.get("probe_port"),
+                        tuple(d.get("addresses", ())))
 
     def _answer_probes(self) -> None:
-        """Answer each probe (explain_failure on another rank) at once: a rank whose threads run answers in
-        milliseconds; a stopped or hung process never does, and nothing listens for an ended one."""
-        server = self._probe_server
-        while not self._stopping.is_set():
-            try:
-                conn, _ = server.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return  # closed by stop()
-            with conn:
-                try:
-                    conn.settimeout(PROBE_WAIT_S)
-                    if conn.recv(1) == PROBE:
-                        conn.sendall(PROBE_ANSWER)
-                except OSError:
-                    pass  # the prober gave up or was not one
+        """Answer each probe (explain_failure on another rank) at once, until the watch stops."""
+        self._probe_server.serve(self._stopping)
 
     # ---------------------------------------------------------------------------------------------
     # Reporting
@@ -561,7 +546,9 @@ class Watchdog:
                 gone[r] = f"was lost during a collective ({what})"
                 continue
             probed.append(r)
-        answers = probe_ranks({r: self.infos[r].probe if r in self.infos else None for r in probed}, PROBE_WAIT_S)
+        answers = rank_probe.probe({r: self.infos[r].probe_targets() if r in self.infos else [] for r in probed},
+                                   {r: rank_probe.token(r, self.infos[r].pid) for r in probed if r in self.infos},
+                                   PROBE_WAIT_S)
         for r, answer in answers.items():
             if answer != "answered":
                 gone[r] = f"was lost during a collective ({answer})"
@@ -630,49 +617,6 @@ class Watchdog:
             if store.check([self.keys.abort]):
                 deadline = min(deadline, time.monotonic() + 2 * self.period)
             time.sleep(min(0.2, self.period))
-
-
-PROBE, PROBE_ANSWER = b"?", b"!"
-
-
-def _listen_for_probes(store_host: str) -> socket.socket:
-    """A listening socket on the address this host reaches the store from: the one its peers can reach."""
-    address = _outgoing_address(store_host) or "0.0.0.0"
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    server = socket.create_server((address, 0), family=family, backlog=64)
-    server.settimeout(PROBE_ACCEPT_S)
-    return server
-
-
-def probe_ranks(addresses: dict[int, tuple[str, int] | None], wait_s: float) -> dict[int, str]:
-    """Probe each rank at its address, all at once: 'answered', or why it counts as gone ('its process ended',
-    when nothing listens there any more; 'no answer ... to a probe', when its process is stopped, hung or its
-    host unreachable)."""
-    results = {r: f"no answer within {wait_s:.0f} s to a probe" for r in addresses}
-    deadline = time.monotonic() + wait_s
-
-    def probe(rank: int, address: tuple[str, int] | None) -> None:
-        if address is None:
-            results[rank] = "it never said where to probe it"
-            return
-        try:
-            with socket.create_connection(address, timeout=max(0.01, deadline - time.monotonic())) as conn:
-                conn.sendall(PROBE)
-                conn.settimeout(max(0.01, deadline - time.monotonic()))
-                if conn.recv(1) == PROBE_ANSWER:
-                    results[rank] = "answered"
-        except ConnectionRefusedError:
-            results[rank] = "its process ended"
-        except OSError:
-            pass
-
-    threads = [threading.Thread(target=probe, args=item, daemon=True, name="txl-watchdog-probe")
-               for item in addresses.items()]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()) + 0.5)
-    return dict(results)
 
 
 def _exit_later(seconds: float) -> None:
