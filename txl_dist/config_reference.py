@@ -62,9 +62,9 @@ project adds (txl_dist/config.py, `validate_deepspeed`):
 
 | key | rule |
 |---|---|
-| `deepspeed.train_batch_size` | required: S, the number of parallel token streams (the global batch in sequences); the world size must divide it |
-| `deepspeed.train_micro_batch_size_per_gpu` | required: m, streams per micro batch; divides S |
-| `deepspeed.gradient_accumulation_steps` | never set: it is S / (m x world size), so one config runs on any world size that divides S |
+| `deepspeed.train_batch_size` | required: S, the number of parallel token streams (the global batch in sequences); the world size W must divide it, and m x W too (below) |
+| `deepspeed.train_micro_batch_size_per_gpu` | required: m, streams per micro batch; m x world size divides S (a smaller m fits more ranks: the same training, in more micro steps per rank when fewer) |
+| `deepspeed.gradient_accumulation_steps` | never set: it is S / (m x world size), so one config runs on any world size W for which m x W divides S |
 | `deepspeed.bf16.enabled`, `deepspeed.fp16.enabled` | at most one; the model and its mems take that dtype (fp32 otherwise) |
 | `deepspeed.zero_optimization.stage` | 0, 1, 2 or 3 |
 | `deepspeed.data_types.grad_accum_dtype` | left out in a bf16/fp16 run at ZeRO 2-3: `"fp32"` (micro-batch gradients summed in fp32; in bf16, 32 + 0.125 rounds back to 32; docs/performance.md). `"bf16"` keeps DeepSpeed's own default (the sum rounded at every micro step). Refused: another dtype than the model's at stage 0 (DeepSpeed sums in the model's dtype only) and `"fp32"` for bf16 at stage 1 (DeepSpeed's BF16_Optimizer, whose checkpoints its zero_to_fp32 cannot export: use stage 2) |

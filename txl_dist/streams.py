@@ -30,7 +30,9 @@ def micro_steps_per_rank(n_streams: int, micro_batch: int, world_size: int, *, s
     steps, rest = divmod(per_rank, micro_batch)
     if rest:
         raise error(f"{micro}: {micro_batch} does not divide the {per_rank} streams of each of {world_size} ranks "
-                    f"({streams} {n_streams}); use a multiple of {micro_batch} x {world_size} streams")
+                    f"({streams} {n_streams}); use a micro batch that divides {per_rank} (the same training: "
+                    f"fewer streams per micro step, no accumulation to add), or a multiple of {micro_batch} x "
+                    f"{world_size} streams")
     return steps
 
 
