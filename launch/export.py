@@ -5,7 +5,8 @@ HuggingFace Transformer-XL folder (TransfoXLLMHeadModel of transformers 4.37.2 l
 
 PATH is a run folder, its checkpoints/ folder (the newest complete tag) or a step_* tag; its files are
 verified against their checksums and read with weights-only unpickling. DIR gets model_config.json +
-model.safetensors (txl_dist.interop.load_native reads it back). One process, CPU, no launcher needed.
+model.safetensors (txl_dist.interop.load_native reads it back) and the training corpus' tokenizer.model (so
+that launch/generate.py --model DIR needs no --tokenizer; HF_DIR gets it too). One process, CPU, no launcher needed.
 The output folders are checked first: one that cannot be made or written (below a regular file, in a
 read-only place), or --hf naming the --out folder itself (both write model.safetensors), is refused before
 the checkpoint is read. Exit status 0, 2 for a refused checkpoint or output (one line says why), 1 when
@@ -14,9 +15,12 @@ writing fails midway (a full disk).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import logging
 import sys
+from pathlib import Path
 
+from txl_dist.atomic import atomic_write
 from txl_dist.entry import guarded
 from txl_dist.errors import RunFailed
 
@@ -27,8 +31,10 @@ EPILOG = """examples:
 
 Load the native folder with txl_dist.interop.load_native(DIR); the HuggingFace folder with
 TransfoXLLMHeadModel.from_pretrained(HF_DIR) (transformers 4.37.2). Its config.json has eos_token_id, the
-end-of-document id of the training corpus (read from its manifest; left out, with a warning, when the corpus
-cannot be read), so that HF generate() stops at the end of a document.
+end-of-document id of the training corpus (read from its manifest), so that HF generate() stops at the end
+of a document. Both folders get the corpus' tokenizer.model, checked against the digest the checkpoint
+recorded. When the corpus cannot be read, or holds another tokenizer by now, both are left out with a
+warning.
 
 In HuggingFace, mems=None is not an empty memory but mem_len zero vectors that the first segments attend
 to: their log-probs differ from txl-dist (and the paper), by up to 3 nats on the first segment of a small
@@ -83,38 +89,44 @@ def export(checkpoint: str, out: str, hf: str | None = None):
         model = TransformerXL(model_cfg)
         ckpt.load_fp32_weights(model, tag_dir, run_info["zero_stage"])
     model.eval()
+    tokenizer = training_tokenizer(run_info["config"]["data"]["path"], run_info["tokenizer_sha256"], hf is not None)
     # HF generate() stops at config.json's eos_token_id; without one transformers takes 0 (not our end of document).
-    hf_extra = end_of_document_config(run_info["config"]["data"]["path"], run_info["tokenizer_sha256"]) if hf else {}
+    hf_extra = {"eos_token_id": tokenizer[0]} if tokenizer else {}
     try:
         save_native(model, out)
+        if tokenizer:  # the folder is then all launch/generate.py --model needs
+            atomic_write(Path(out) / "tokenizer.model", tokenizer[1])
         if hf:
             to_hf(model, hf, extra_config=hf_extra)
+            if tokenizer:
+                atomic_write(Path(hf) / "tokenizer.model", tokenizer[1])
     except OSError as e:  # the folders were checked at the start: a full disk, a folder removed since
         raise RunFailed(f"export to {e.filename or out}: {e.strerror or e}; the files already there are whole "
                         "(each is written atomically), run the export again") from None
     return model
 
 
-def end_of_document_config(corpus: str, tokenizer_sha256: str) -> dict[str, int]:
-    """{"eos_token_id": the end-of-document id of the corpus the checkpoint was trained on}, read from its
-    manifest; {} with one warning when the corpus cannot be read or has another tokenizer by now."""
+def training_tokenizer(corpus: str, tokenizer_sha256: str, hf: bool) -> tuple[int, bytes] | None:
+    """(end-of-document id, tokenizer.model's bytes) of the corpus the checkpoint was trained on, checked
+    against the digest the checkpoint recorded; None with one warning (naming what the export then lacks)
+    when the corpus cannot be read or holds another tokenizer by now."""
     from txl_dist.data import read_manifest
     from txl_dist.errors import Refused, one_line
 
+    lacking = ("no tokenizer.model in the exported folders (launch/generate.py --model then needs --tokenizer)" +
+               (" and no eos_token_id in the HuggingFace config.json (transformers then takes 0)" if hf else ""))
     log = logging.getLogger("txl_dist")
     try:
         tokenizer = read_manifest(corpus).tokenizer
+        model_bytes = (Path(corpus) / tokenizer.file).read_bytes()
     except (Refused, OSError) as e:
-        log.warning("export: the HuggingFace config.json has no eos_token_id (transformers then takes 0): the "
-                    "training corpus %s cannot be read (%s); add the corpus' eod_id to it by hand",
-                    corpus, one_line(e, limit=200))
-        return {}
-    if tokenizer.sha256 != tokenizer_sha256:
-        log.warning("export: the HuggingFace config.json has no eos_token_id (transformers then takes 0): the "
-                    "corpus %s has another tokenizer than the checkpoint was trained with; add the training "
-                    "corpus' eod_id to it by hand", corpus)
-        return {}
-    return {"eos_token_id": tokenizer.eod_id}
+        log.warning("export: %s: the training corpus %s cannot be read (%s)", lacking, corpus, one_line(e, limit=200))
+        return None
+    if tokenizer.sha256 != tokenizer_sha256 or hashlib.sha256(model_bytes).hexdigest() != tokenizer_sha256:
+        log.warning("export: %s: the corpus %s has another tokenizer than the checkpoint was trained with",
+                    lacking, corpus)
+        return None
+    return tokenizer.eod_id, model_bytes
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,14 +2,15 @@
 
     python launch/generate.py --checkpoint PATH --prompt TEXT [--max-new-tokens 100] [--temperature 1.0]
                               [--top-k 0] [--top-p 1.0] [--greedy] [--seed N] [--num-samples 1] [--mem-len M]
-    python launch/generate.py --model DIR --tokenizer CORPUS_DIR --prompt-file prompt.txt   (- : standard input)
+    python launch/generate.py --model DIR --prompt-file prompt.txt   (- : standard input)
 
 PATH is a run folder, its checkpoints/ folder (the newest complete tag) or a step_* tag, verified against its
 checksums and read with weights-only unpickling; its text goes through the SentencePiece model of the corpus
 it was trained on (data.path of its configuration, checked against the tokenizer's sha256 it recorded), or
 --tokenizer. DIR is an exported native folder (launch/export.py --out) or a HuggingFace Transformer-XL folder
-(config.json + weights); its tokenizer is --tokenizer, else DIR/tokenizer.model. The prompt starts a new
-document (the end-of-document id goes first, as in the training stream) unless --continue-document; an
+(config.json + weights); its tokenizer is --tokenizer, else DIR/tokenizer.model (launch/export.py writes
+it). The prompt starts a new document (the end-of-document id goes first, as in the training stream) unless
+--continue-document; an
 empty --prompt '' generates a document from nothing. One process; CPU unless --device cuda. Exit status 0, or
 2 for refused input (one line says why). Only the samples go to stdout (whatever a library prints meanwhile
 goes to stderr), so --json output can be parsed as it is.
@@ -32,7 +33,7 @@ EXAMPLES = """examples:
   python launch/generate.py --checkpoint runs/tiny --prompt 'ROMEO:' --max-new-tokens 60 --seed 0
   python launch/generate.py --checkpoint runs/tiny/checkpoints/step_00000600 --prompt-file p.txt \\
       --num-samples 3 --temperature 0.8 --top-k 40 --top-p 0.95 --json
-  python launch/generate.py --model exported/tiny --tokenizer data/shakespeare --prompt 'KING' --greedy
+  python launch/generate.py --model exported/tiny --prompt 'KING' --greedy
   python launch/generate.py --checkpoint runs/tiny --prompt-file - --seed 0 < prompt.txt    # - : standard input
 
 The printed text is the prompt and the samples as the tokenizer decodes them: a tokenizer that normalises

@@ -326,7 +326,9 @@ def test_cli_generates_text_from_a_trained_checkpoint(trained, tmp_path, capsys)
     via_folder = json.loads(capsys.readouterr().out)
     ids_no_stop = via_folder["samples"][0]["ids"]
     assert ids_no_stop == ids[:len(ids_no_stop)] and (len(ids_no_stop) == 10 or ids_no_stop[-1] == tok.eod_id)
-    shutil.copy(corpus / "tokenizer.model", tmp_path / "hf")  # a folder's own tokenizer.model is the default
+    # The export wrote the corpus' tokenizer.model into both folders: --model needs no --tokenizer.
+    for folder in ("native", "hf"):
+        assert (tmp_path / folder / "tokenizer.model").read_bytes() == (corpus / "tokenizer.model").read_bytes()
     assert _generate_main(["--model", str(tmp_path / "hf"), "--prompt", "The king", "--max-new-tokens", "10",
                            "--greedy", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["samples"][0]["ids"] == ids_no_stop
@@ -500,17 +502,26 @@ def test_prompt_file_dash_reads_standard_input_as_utf8(monkeypatch):
         read_prompt(None, "-")
 
 
-def test_export_without_the_training_corpus_leaves_eos_token_id_out_with_one_warning(trained, tmp_path, caplog):
-    from launch.export import end_of_document_config
+def test_export_without_the_training_corpus_leaves_tokenizer_and_eos_token_id_out_with_one_warning(trained, tmp_path,
+                                                                                                 caplog):
+    from launch.export import training_tokenizer
     from txl_dist.data import read_manifest
 
     corpus, _ = trained
     tokenizer = read_manifest(corpus).tokenizer
-    assert end_of_document_config(str(corpus), tokenizer.sha256) == {"eos_token_id": tokenizer.eod_id}
+    model_bytes = (corpus / "tokenizer.model").read_bytes()
+    assert training_tokenizer(str(corpus), tokenizer.sha256, hf=True) == (tokenizer.eod_id, model_bytes)
+    replaced = tmp_path / "replaced"  # the manifest's digest is right, the file is another tokenizer
+    shutil.copytree(corpus, replaced)
+    (replaced / "tokenizer.model").write_bytes(model_bytes + b"\0")
     for path, sha, words in ((tmp_path / "moved", tokenizer.sha256, "cannot be read"),
-                             (corpus, "0" * 64, "has another tokenizer")):
-        caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="txl_dist"):
-            assert end_of_document_config(str(path), sha) == {}
-        lines = [r.getMessage() for r in caplog.records]
-        assert len(lines) == 1 and "no eos_token_id" in lines[0] and words in lines[0] and "\n" not in lines[0]
+                             (corpus, "0" * 64, "has another tokenizer"),
+                             (replaced, tokenizer.sha256, "has another tokenizer")):
+        for hf in (True, False):
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="txl_dist"):
+                assert training_tokenizer(str(path), sha, hf=hf) is None
+            lines = [r.getMessage() for r in caplog.records]
+            assert len(lines) == 1 and words in lines[0] and "\n" not in lines[0]
+            assert "no tokenizer.model in the exported folders" in lines[0]
+            assert ("no eos_token_id" in lines[0]) == hf
