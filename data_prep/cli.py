@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -250,6 +251,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Refused as e:  # PrepError and CorpusError
         print(f"error: {e}", file=sys.stderr)
         return EXIT_REFUSED
+    except BrokenPipeError:
+        if args.command not in ("verify", "inspect"):
+            raise
+        # Their report's reader left (`inspect CORPUS | head`): stop quietly, as other command-line tools do.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the flush at exit must not fail too
+        return 128 + signal.SIGPIPE
     except OSError as e:  # the temporary output is removed by now: only the message is left to give
         line = _write_fault(args, e) or access_fault_line(e, _named_path(args))
         if line is None:

@@ -447,3 +447,16 @@ def test_verify_refuses_tokenizer_fields_that_do_not_describe_the_model(corpus, 
     (corpus / "manifest.json").write_text(json.dumps(manifest))
     msg = fail(capsys, "verify", corpus)
     assert f"tokenizer {field} is {value!r}, but {corpus / 'tokenizer.model'} has {found!r}" in msg
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify"])
+def test_a_report_whose_reader_left_ends_quietly(base_corpus, command):
+    """`inspect CORPUS | head`: the pipe closes before the report is written; no traceback, SIGPIPE's status."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first write
+    try:
+        proc = subprocess.run([sys.executable, "-m", "data_prep", command, str(base_corpus)], cwd=ROOT,
+                              stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 141 and proc.stderr == "", proc.stderr
