@@ -27,6 +27,7 @@ shortened to 10 s in the test cluster's slurm.conf; two requeues).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
@@ -374,6 +375,32 @@ def _rank_process(job_id: int, rank: int):
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     return None
+
+
+def test_a_hung_rank_is_killed_by_srun_after_the_others_left(cluster, corpus, tmp_path):
+    """A rank that cannot end (stopped; on a cluster: stuck in the kernel or a driver) would hold the nodes
+    until the time limit: srun kills it TXL_END_WAIT_S after the first rank ended."""
+    timeout_s, end_wait_s = 15, 20
+    job = cluster.sbatch("--nodes=2", "--ntasks-per-node=1", *train_args(
+        corpus, tmp_path / "run", "--set", f"train.collective_timeout_s={timeout_s}", "--set", "train.max_steps=5000"),
+        env=cluster.env | {"TXL_END_WAIT_S": str(end_wait_s)})
+    cluster.wait_for_text(job, f"step {SIGNAL_AT}/5000 | loss")
+    victim = _rank_process(job, 1)
+    assert victim is not None, cluster.output(job)[-3000:]
+    victim.suspend()
+    stopped_at = time.monotonic()
+    try:
+        info = cluster.wait(job, timeout=timeout_s + end_wait_s + 120)
+    finally:
+        with contextlib.suppress(Exception):  # psutil.NoSuchProcess: srun has killed it
+            victim.kill()
+    took = time.monotonic() - stopped_at
+    out = cluster.output(job)
+    assert info["JobState"] == "FAILED" and info["Restarts"] == "0", out[-5000:]
+    assert took < timeout_s + end_wait_s + 60, took
+    errors = [line for line in out.splitlines() if "error: rank 1" in line]
+    assert errors and "stopped responding" in errors[0], out[-5000:]
+    assert "not requeueing" in out
 
 
 def test_a_lost_rank_ends_the_job_within_the_collective_timeout_without_requeue(cluster, corpus, tmp_path):

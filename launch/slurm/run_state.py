@@ -9,6 +9,7 @@ lines that the batch script reads:
     checkpoints=/abs/run/folder/checkpoints
     max_steps=600                     train.max_steps
     target_step=600                   where this configuration stops: train.exit_step if set, else max_steps
+    collective_timeout_s=600          train.collective_timeout_s, rounded up to whole seconds
     newest=step_00000200              the newest complete checkpoint tag ('' when there is none)
     newest_step=200                   its step (0 when there is none)
     newest_id=step_00000200:123:456   the newest tag as one save made it (see tag_id; '' when there is none)
@@ -28,6 +29,7 @@ damaged checkpoint is the start's to judge (it verifies checksums, and falls bac
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 from pathlib import Path
@@ -148,7 +150,8 @@ def describe(argv: list[str]) -> dict[str, str]:
         plan = path_plan(args.resume, ckpt_dir, complete, target)
     newest = complete[-1] if complete else ""
     return {"run_dir": str(run_dir), "checkpoints": str(ckpt_dir), "max_steps": str(cfg.train.max_steps),
-            "target_step": str(target), "newest": newest,
+            "target_step": str(target), "collective_timeout_s": str(math.ceil(cfg.train.collective_timeout_s)),
+            "newest": newest,
             "newest_step": str(tag_step(ckpt_dir / newest) or 0) if newest else "0",
             "newest_id": tag_id(ckpt_dir / newest) if newest else "",
             "tag_ids": " ".join(tag_id(ckpt_dir / t) for t in complete), "plan": plan}
