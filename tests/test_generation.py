@@ -349,7 +349,7 @@ def test_cli_generates_text_from_a_trained_checkpoint(trained, tmp_path, capsys)
     (["--seed", str(2**64)], f"--seed must be an integer in [0, 2**64 - 1], got {2**64}"),
     (["--no-prompt"], "pass exactly one of --prompt TEXT and --prompt-file FILE"),
     (["--prompt-file", "missing.txt"], "--prompt-file missing.txt: cannot read it"),
-    (["--checkpoint", "nowhere"], "nowhere: not a checkpoint"),
+    (["--checkpoint", "nowhere"], "nowhere does not exist (looked for "),
     (["--no-model"], "pass exactly one of --checkpoint PATH"),
     (["--model", "."], "--model .: neither model_config.json (native) nor config.json"),
     (["--device", "cuda"], "CUDA is not available"),

@@ -519,6 +519,13 @@ MODEL_STATES = "mp_rank_00_model_states.pt"
 @case("checkpoint.resume-path-is-no-checkpoint")
 def _(s):
     s.values["elsewhere"] = str(s.root / "elsewhere")
+    (s.root / "elsewhere").mkdir()
+    s.train(None, "--resume", s.values["elsewhere"])
+
+
+@case("checkpoint.resume-path-missing")
+def _(s):
+    s.values["elsewhere"] = str(s.root / "elsewhere")
     s.train(None, "--resume", s.values["elsewhere"])
 
 
@@ -593,6 +600,14 @@ def _(s):
 @case("checkpoint.eval-not-a-checkpoint")
 def _(s):
     s.values["elsewhere"] = str(s.root / "elsewhere")
+    (s.root / "elsewhere").mkdir()
+    s.eval("--checkpoint", s.values["elsewhere"])
+
+
+@case("checkpoint.eval-path-missing")
+def _(s):
+    s.values["elsewhere"] = "runs/elsewhere"  # relative: the line says where it looked
+    s.values["here"] = os.getcwd()
     s.eval("--checkpoint", s.values["elsewhere"])
 
 

@@ -63,7 +63,7 @@ import torch
 
 from . import distributed, watchdog
 from .atomic import atomic_path, atomic_write, fsync_dir, fsync_file
-from .errors import Refused, RunFailed, one_line
+from .errors import Refused, RunFailed, one_line, where_relative
 from .host import usable_cpus
 from .scratch import owned_scratch, owner_lock, remove_abandoned
 from .streams import ranks_holding
@@ -854,6 +854,9 @@ def resolve_path(path: str | os.PathLike) -> Path:
             return folder / complete[-1]
     if step_of(path.name) is not None and path.is_dir():
         raise CheckpointError(f"{path}: incomplete checkpoint (no {STATE_DIR}/{RUN_FILE}); use another tag")
+    if not path.exists():
+        raise CheckpointError(f"{path} does not exist{where_relative(path)}; pass a run folder, its checkpoints/ "
+                              "folder or one of its step_* tags")
     raise CheckpointError(
         f"{path}: not a checkpoint: no complete step_* tag in it (nor in {path / 'checkpoints'}); pass a run folder, "
         "its checkpoints/ folder or one of its step_* tags")

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from .errors import Refused
+from .errors import Refused, where_relative
 from .streams import micro_steps_per_rank, streams_per_rank
 
 MAX_SEED = 2**63 - 1
@@ -453,7 +453,7 @@ def read_json_object(path: str | Path, *, error: type[Exception] = ConfigError, 
     try:
         raw = json.loads(Path(path).read_text())
     except FileNotFoundError:
-        raise error(f"{label} does not exist{missing_hint}") from None
+        raise error(f"{label} does not exist{where_relative(path)}{missing_hint}") from None
     except json.JSONDecodeError as e:
         raise error(f"{label}: invalid JSON at line {e.lineno} col {e.colno}: {e.msg}") from None
     if not isinstance(raw, dict):

@@ -14,6 +14,8 @@ Standard library only: every package may import this module.
 """
 from __future__ import annotations
 
+import os
+
 EXIT_REFUSED = 2
 EXIT_FAILED = 1
 
@@ -39,3 +41,9 @@ def one_line(exc: BaseException, limit: int = 400) -> str:
     if not text:
         return type(exc).__name__
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def where_relative(path: str | os.PathLike) -> str:
+    """' (looked for /abs/path)' for a relative path that was not found, '' for an absolute one: the folder
+    a relative path resolved against is not always the one the user thinks (a batch job's)."""
+    return "" if os.path.isabs(path) else f" (looked for {os.path.abspath(path)})"
