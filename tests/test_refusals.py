@@ -329,6 +329,42 @@ def _(s):
     s.train('{"model": ')
 
 
+@case("config.not-a-file")
+def _(s):
+    s.train(s.root)
+
+
+@case("config.not-utf8")
+def _(s):
+    (s.root / "binary.json").write_bytes(b'{"model": "\xff"}')
+    s.train(s.root / "binary.json")
+
+
+@case("config.not-finite")
+def _(s):
+    s.train(None, "--set", "model.init_std=NaN")
+
+
+@case("config.not-finite.deepspeed")
+def _(s):
+    s.train(None, "--set", "deepspeed.gradient_clipping=Infinity")
+
+
+@case("config.integer-beyond-64-bits")
+def _(s):
+    s.train(None, "--set", f"model.clamp_len={2**64}")
+
+
+@case("config.range.width")
+def _(s):
+    s.train(None, "--set", f"model.d_inner={10**18}")
+
+
+@case("config.range.timeout")
+def _(s):
+    s.train(None, "--set", f"train.collective_timeout_s={10**9}")
+
+
 @case("config.unknown-section")
 def _(s):
     raw = s.config()
@@ -415,6 +451,7 @@ case("launch.eval-streams-not-a-multiple")(
     train_with_launcher({"RANK": "0", "WORLD_SIZE": "2"}, eval={"n_streams": 3}))
 case("launch.rank-outside-world")(train_with_launcher({"RANK": "2", "WORLD_SIZE": "2"}))
 case("launch.rank-not-a-number")(train_with_launcher({"RANK": "first", "WORLD_SIZE": "2"}))
+case("launch.master-port-out-of-range")(train_with_launcher({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "99999"}))
 
 # The corpus
 

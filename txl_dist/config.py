@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import math
 import types
 import typing
 from dataclasses import MISSING, dataclass, field, fields
@@ -25,6 +26,10 @@ from .errors import Refused, where_relative
 from .streams import micro_steps_per_rank, streams_per_rank
 
 MAX_SEED = 2**63 - 1
+MAX_WIDTH = 2**20
+"""The widest model dimension (d_model, d_inner, d_embed, n_head x d_head) this code builds."""
+MAX_LAYERS = 2**12
+MAX_TIMEOUT_S = 30 * 24 * 3600
 
 
 class ConfigError(Refused, ValueError):
@@ -450,10 +455,18 @@ def read_json_object(path: str | Path, *, error: type[Exception] = ConfigError, 
                      missing_hint: str = "", object_hint: str = "") -> dict[str, Any]:
     """A JSON file whose top level is an object, or `error` with one line naming the file (as `label`)."""
     label = str(path) if label is None else label
+    if not str(path).strip():
+        raise error(f"{label.rstrip()}: an empty path names no file")
     try:
-        raw = json.loads(Path(path).read_text())
+        raw = json.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise error(f"{label} does not exist{where_relative(path)}{missing_hint}") from None
+    except IsADirectoryError:
+        raise error(f"{label} is a folder, not a JSON file") from None
+    except UnicodeDecodeError as e:
+        raise error(f"{label}: not UTF-8 text (byte {e.start}); a JSON file is text") from None
+    except OSError as e:
+        raise error(f"{label}: cannot read it ({e.strerror or type(e).__name__})") from None
     except json.JSONDecodeError as e:
         raise error(f"{label}: invalid JSON at line {e.lineno} col {e.colno}: {e.msg}") from None
     if not isinstance(raw, dict):
@@ -470,6 +483,7 @@ def config_from_dict(raw: dict[str, Any]) -> RunConfig:
     deepspeed = raw.get("deepspeed", {})
     if not isinstance(deepspeed, dict):
         raise ConfigError("deepspeed: must be a JSON object (DeepSpeed's own config)")
+    _check_numbers(deepspeed, "deepspeed")
     cfg = RunConfig(deepspeed=copy.deepcopy(deepspeed), **sections)
     validate(cfg)
     return cfg
@@ -545,8 +559,30 @@ def _build(cls: type, raw: Any, section: str):
 def _check_type(value: Any, ftype: Any, key: str) -> Any:
     ok, converted = _convert(value, ftype)
     if not ok:
+        _check_numbers(value, key)  # the more precise line, when that is what is wrong
         raise ConfigError(f"{key}: expected {_type_name(ftype)}, got {json.dumps(value)}")
     return converted
+
+
+def _fits_int64(value: int) -> bool:
+    return -2**63 <= value < 2**63
+
+
+def _check_numbers(value: Any, key: str) -> None:
+    """Refuse NaN, infinities (Python's JSON reads NaN and Infinity) and integers beyond 64 bits anywhere
+    in `value`: no setting means them, and they fail deep inside torch or DeepSpeed, not here."""
+    if isinstance(value, bool):
+        return
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key}: {json.dumps(value)} is not a finite number")
+    if isinstance(value, int) and not _fits_int64(value):
+        raise ConfigError(f"{key}: {value} does not fit in a 64-bit integer")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _check_numbers(v, f"{key}.{k}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_numbers(v, f"{key}[{i}]")
 
 
 def _convert(value: Any, ftype: Any) -> tuple[bool, Any]:
@@ -562,9 +598,9 @@ def _convert(value: Any, ftype: Any) -> tuple[bool, Any]:
     if ftype is bool:
         return isinstance(value, bool), value
     if ftype is int:
-        return isinstance(value, int) and not isinstance(value, bool), value
+        return isinstance(value, int) and not isinstance(value, bool) and _fits_int64(value), value
     if ftype is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
         return ok, float(value) if ok else None
     if ftype is str:
         return isinstance(value, str), value
@@ -617,8 +653,11 @@ def validate(cfg: RunConfig) -> None:
     _positive("train.max_steps", t.max_steps)
     _positive("train.log_interval", t.log_interval)
     _positive("train.max_nonfinite", t.max_nonfinite)
-    _positive("train.collective_timeout_s", t.collective_timeout_s)
-    _positive("checkpoint.timeout_s", c.timeout_s)
+    for key, seconds in (("train.collective_timeout_s", t.collective_timeout_s), ("checkpoint.timeout_s", c.timeout_s)):
+        _positive(key, seconds)
+        if seconds > MAX_TIMEOUT_S:
+            raise ConfigError(f"{key}: {seconds:g} s is more than {MAX_TIMEOUT_S} s (30 days), the longest wait "
+                              "this code sets")
     for key, seed in (("train.seed", t.seed), ("data.seed", d.seed)):
         if not 0 <= seed <= MAX_SEED:
             raise ConfigError(f"{key}: {seed} must be in 0..{MAX_SEED}")
@@ -672,6 +711,16 @@ def check_precision(precision: str | None, deepspeed: dict[str, Any]) -> None:
 def validate_model(m: ModelConfig) -> None:
     for key in ("n_layer", "d_model", "n_head", "d_head", "d_inner", "div_val", "tgt_len", "pad_vocab_multiple"):
         _positive(f"model.{key}", getattr(m, key))
+    if m.n_layer > MAX_LAYERS:
+        raise ConfigError(f"model.n_layer: {m.n_layer} is more than {MAX_LAYERS}, the most layers this code builds")
+    for key in ("d_model", "n_head", "d_head", "d_inner", "d_embed", "pad_vocab_multiple"):
+        value = getattr(m, key)
+        if value is not None and value > MAX_WIDTH:
+            raise ConfigError(f"model.{key}: {value} is beyond {MAX_WIDTH}, the largest this code builds (one fp32 "
+                              f"[{MAX_WIDTH}, {MAX_WIDTH}] weight is already 4 TiB)")
+    if m.n_head * m.d_head > MAX_WIDTH:
+        raise ConfigError(f"model.n_head x model.d_head: {m.n_head * m.d_head} is beyond {MAX_WIDTH}, the largest "
+                          "width this code builds")
     _non_negative("model.mem_len", m.mem_len)
     if m.d_embed is not None:
         _positive("model.d_embed", m.d_embed)

@@ -102,6 +102,8 @@ def discover(environ: Mapping[str, str] | None = None) -> DistEnv:
     elif launcher == "single":
         default_port = ANY_FREE_PORT
     port = _int(env, "MASTER_PORT", default=default_port)
+    if port != ANY_FREE_PORT and not 1 <= port <= 65535:
+        raise LaunchError(f"MASTER_PORT={port} is not a TCP port (1..65535); choose a free one, e.g. 29500")
     if not 0 <= rank < world:
         raise LaunchError(f"{names[0]}={rank} is outside 0..{world - 1} ({names[1]}={world}); check how the job "
                           "was launched")
