@@ -420,6 +420,26 @@ case("config.vocab-size-and-cutoffs-differ-from-corpus")(train_with(model={"voca
 # The deepspeed section
 
 case("deepspeed.unknown-key.top-level")(train_with(deepspeed={"gradient_cliping": 1.0}))
+case("deepspeed.scheduler-params-not-an-object")(train_with(deepspeed={"scheduler": {"params": None}}))
+case("deepspeed.steps-per-print-zero")(train_with(deepspeed={"steps_per_print": 0}))
+case("deepspeed.predivide-factor-zero")(train_with(deepspeed={"gradient_predivide_factor": 0}))
+
+
+@case("deepspeed.monitor-without-its-package")
+def _(s):
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here: the refusal needs a machine without it (as the project's venv)")
+    s.train(s.config(deepspeed={"wandb": {"enabled": True}}))
+
+
+
+@case("deepspeed.optimizer-op-missing-on-this-device")
+def _(s):
+    s.train(None, "--set", 'deepspeed.optimizer={"type": "Lamb", "params": {"lr": 0.001}}')
+
+
 case("deepspeed.unknown-key.zero_optimization")(train_with(deepspeed={"zero_optimization": {"overlap_com": True}}))
 case("deepspeed.unknown-key.bf16")(train_with(deepspeed={"bf16": {"enable": True}}))
 case("deepspeed.unknown-key.optimizer.params")(train_with(deepspeed={"optimizer": {"params": {"weight_decy": 0.1}}}))

@@ -13,6 +13,7 @@ import copy
 import dataclasses
 import difflib
 import hashlib
+import importlib.util
 import json
 import math
 import types
@@ -810,13 +811,33 @@ def validate_deepspeed(ds: dict[str, Any], max_steps: int) -> None:
     if zero.get("compute_grad_norm") is False:
         raise ConfigError("deepspeed.zero_optimization.compute_grad_norm: must stay true; without the norm a "
                           "non-finite gradient would reach the weights (train.max_nonfinite needs it)")
+    every = ds.get("steps_per_print")
+    if _is_number(every) and every < 1:
+        raise ConfigError(f"deepspeed.steps_per_print: must be >= 1, got {every} (DeepSpeed logs every that many "
+                          "steps)")
+    factor = ds.get("gradient_predivide_factor")
+    if _is_number(factor) and factor <= 0:
+        raise ConfigError(f"deepspeed.gradient_predivide_factor: must be > 0, got {factor} (DeepSpeed divides the "
+                          "gradients by it)")
+    for monitor, module in (("tensorboard", "tensorboard"), ("wandb", "wandb"), ("comet", "comet_ml")):
+        section = ds.get(monitor)
+        if isinstance(section, dict) and section.get("enabled") and importlib.util.find_spec(module) is None:
+            raise ConfigError(f"deepspeed.{monitor}.enabled: DeepSpeed's {monitor} monitor needs the {module} "
+                              "package, which is not installed (the run's metrics go to MLflow: tracking.*)")
     sched = ds.get("scheduler")
     if sched is not None:
-        total = sched.get("params", {}).get("total_num_steps")
+        params = sched.get("params", {})
+        if not isinstance(params, dict):
+            raise ConfigError(f"deepspeed.scheduler.params: must be a JSON object, got {json.dumps(params)}")
+        total = params.get("total_num_steps")
         if total is not None and total != max_steps:
             raise ConfigError(
                 f"deepspeed.scheduler.params.total_num_steps: {total} differs from train.max_steps {max_steps}; "
                 "leave it out and it follows train.max_steps")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _positive(key: str, v: float) -> None:

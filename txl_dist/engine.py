@@ -32,7 +32,7 @@ from deepspeed.accelerator import get_accelerator
 from torch import nn
 
 from . import distributed
-from .config import RunConfig
+from .config import ConfigError, RunConfig
 
 log = logging.getLogger(distributed.LOGGER_NAME)
 
@@ -153,6 +153,20 @@ def announce_optimizer_op_build(ds_config: dict[str, Any]) -> str | None:
                  "cached in %s); `\"torch_adam\": true` in the optimizer params uses torch's AdamW instead",
                  builder_name.removesuffix("Builder"), op_cache_dir(op))
     return op
+
+
+def check_optimizer_op_available(ds_config: dict[str, Any]) -> None:
+    """Refuse an optimizer whose DeepSpeed op this accelerator lacks (Lamb's and Lion's fused CUDA ops on a
+    CPU): deepspeed.initialize would fail with it after the model is built."""
+    builder_name = optimizer_op_builder(ds_config)
+    if builder_name is None:
+        return
+    builder = get_accelerator().create_op_builder(builder_name)
+    if builder is None or type(builder).__name__ == "NotImplementedBuilder":
+        kind = (ds_config.get("optimizer") or {}).get("type")
+        raise ConfigError(f"deepspeed.optimizer.type: {kind!r} needs DeepSpeed's {builder_name.removesuffix('Builder')} "
+                          f"op, which the {get_accelerator().device_name()} accelerator lacks; use AdamW (\"torch_adam\": true) or "
+                          "a torch.optim class")
 
 
 def optimizer_op_builder(ds_config: dict[str, Any]) -> str | None:

@@ -52,7 +52,7 @@ from .data.hash_record import HashRecord
 from .distributed import DistEnv
 from .errors import Refused, one_line
 from .deepspeed_schema import check_deepspeed_config
-from .engine import deepspeed_config, zero_stage
+from .engine import check_optimizer_op_available, deepspeed_config, zero_stage
 from .evaluate import Evaluator
 from .flops import sample_cluster_shares
 from .host import usable_cpus
@@ -141,7 +141,9 @@ def check_run_config(cfg: RunConfig, world_size: int) -> None:
     """The configuration on this world size: batch layout, eval streams, DeepSpeed's schema."""
     cfg.gradient_accumulation_steps(world_size)
     cfg.eval_streams(world_size)
-    check_deepspeed_config(deepspeed_config(cfg, world_size), world_size)
+    ds_config = deepspeed_config(cfg, world_size)
+    check_deepspeed_config(ds_config, world_size)
+    check_optimizer_op_available(ds_config)
 
 
 def check_trainable_attn_impl(cfg: RunConfig, device) -> None:
