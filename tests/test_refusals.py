@@ -764,6 +764,11 @@ def _(s):
 # Tracking
 
 
+@case("tracking.unusable-uri")
+def _(s):
+    s.train(s.config(tracking={"enabled": True, "uri": "nosuchscheme://x", "system_metrics": False}))
+
+
 @case("tracking.unreachable-uri")
 def _(s):
     s.values["port"] = str(free_port())  # nothing listens there

@@ -190,7 +190,12 @@ class MlflowTracker(Tracker):
             database = Path(self.uri[len("sqlite:///"):])
             database.parent.mkdir(parents=True, exist_ok=True)
             new_store = None if database.exists() else database
-        self._client = MlflowClient(tracking_uri=self.uri)
+        try:
+            self._client = MlflowClient(tracking_uri=self.uri)
+        except Exception as e:  # noqa: BLE001 - MLflow's store registry raises several kinds for a URI it cannot use
+            raise TrackingError(f"tracking.uri {self.shown_uri}: MLflow cannot use it ({_one_line(e)}); use "
+                                "http(s)://host:port (a server), sqlite:///path/to/mlflow.db, or leave it out "
+                                "(sqlite in run.dir)") from None
         if holds_secret:
             _scrub_library_logs()
         try:
