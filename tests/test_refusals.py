@@ -421,6 +421,10 @@ case("config.vocab-size-and-cutoffs-differ-from-corpus")(train_with(model={"voca
 
 case("deepspeed.unknown-key.top-level")(train_with(deepspeed={"gradient_cliping": 1.0}))
 case("deepspeed.scheduler-params-not-an-object")(train_with(deepspeed={"scheduler": {"params": None}}))
+case("deepspeed.offload-at-a-stage-that-ignores-it")(
+    train_with(deepspeed={"zero_optimization": {"stage": 1, "offload_param": {"device": "cpu"}}}))
+case("deepspeed.offload-nvme-without-path")(
+    train_with(deepspeed={"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}}))
 case("deepspeed.steps-per-print-zero")(train_with(deepspeed={"steps_per_print": 0}))
 case("deepspeed.predivide-factor-zero")(train_with(deepspeed={"gradient_predivide_factor": 0}))
 

@@ -797,6 +797,16 @@ def validate_deepspeed(ds: dict[str, Any], max_steps: int) -> None:
     stage = zero.get("stage", 0)
     if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
         raise ConfigError(f"deepspeed.zero_optimization.stage: must be 0, 1, 2 or 3, got {json.dumps(stage)}")
+    # DeepSpeed ignores an offload its stage does not do, silently: the run would not offload as asked.
+    for offload, lowest in (("offload_optimizer", 1), ("offload_param", 3)):
+        target = zero.get(offload)
+        device = target.get("device", "none") if isinstance(target, dict) else "none"
+        if device not in (None, "none") and stage < lowest:
+            raise ConfigError(f"deepspeed.zero_optimization.{offload}: needs zero_optimization.stage "
+                              f"{'1, 2 or 3' if lowest == 1 else '3'} (DeepSpeed ignores it at stage {stage})")
+        if device == "nvme" and not target.get("nvme_path"):
+            raise ConfigError(f"deepspeed.zero_optimization.{offload}: device \"nvme\" needs nvme_path, a folder "
+                              "on the NVMe drive")
     for section in ("bf16", "fp16"):
         enabled = ds.get(section, {}).get("enabled", False)
         if not isinstance(enabled, bool):
