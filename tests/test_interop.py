@@ -451,3 +451,23 @@ def test_a_write_that_fails_after_the_checks_is_a_fault_exit_1_and_leaves_no_wei
     err = capsys.readouterr().err.strip()
     assert err == f"error: writing {tmp_path / 'hf'} failed: [Errno 28] No space left on device", err
     assert not (tmp_path / "hf" / "model.safetensors").exists() and not (tmp_path / "hf" / "config.json").exists()
+
+
+def test_an_output_folder_in_a_checkpoint_or_a_corpus_or_empty_is_refused(tmp_path):
+    """An export into a checkpoint tag would sit among checksummed files that retention removes; into a
+    corpus, among its files (the export's tokenizer.model over the corpus' own)."""
+    from txl_dist.output_paths import OutputError, check_output_folder
+
+    tag = tmp_path / "run" / "checkpoints" / "step_00000002"
+    (tag / "txl_state").mkdir(parents=True)
+    (tag / "txl_state" / "run.json").write_text("{}")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "manifest.json").write_text("{}")
+    (corpus / "tokenizer.model").write_bytes(b"x")
+    for out, where in ((tag, tag), (tag / "exported", tag), (corpus, corpus), (corpus / "train" / "x", corpus)):
+        with pytest.raises(OutputError, match=f"^--out {out}: lies in the (checkpoint|corpus) {where}; "):
+            check_output_folder(out, "--out")
+    with pytest.raises(OutputError, match="^--out: an empty path names no folder"):
+        check_output_folder("", "--out")
+    assert check_output_folder(tmp_path / "run" / "exported", "--out") == tmp_path / "run" / "exported"

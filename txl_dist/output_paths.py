@@ -27,9 +27,17 @@ def check_output_folder(path: str | os.PathLike, flag: str) -> Path:
     Refused: an existing path that is not a folder, a path below a regular file, a place that cannot be
     written (read-only, /proc, no permission). `flag` names the option in the message, e.g. '--out'.
     """
+    if not str(path).strip():
+        raise OutputError(f"{flag}: an empty path names no folder; give one, e.g. exported/my-model")
     out = Path(path)
     if os.path.lexists(out) and not out.is_dir():  # a file, or a link to nothing
         raise OutputError(f"{flag} {path}: exists and is not a folder; choose another path")
+    for folder in (out, *out.resolve().parents):
+        if (folder / "txl_state" / "run.json").is_file():
+            raise OutputError(f"{flag} {path}: lies in the checkpoint {folder}; its files are checksummed and "
+                              "retention removes it: choose a folder outside it")
+        if (folder / "manifest.json").is_file() and (folder / "tokenizer.model").is_file():
+            raise OutputError(f"{flag} {path}: lies in the corpus {folder}; choose a folder outside it")
     existing = next((p for p in (out, *out.parents) if _exists(p, flag, path)), Path("."))
     if not existing.is_dir():
         raise OutputError(f"{flag} {path}: cannot be made ({existing} is not a folder); choose another path")
