@@ -129,12 +129,12 @@ def main(argv: list[str] | None = None) -> int:
             choice = eval_config(args.checkpoint, args.config, args.overrides)
             distributed.configure_threads(env)
             # Only rank 0 writes it, so only rank 0 can judge the path; every rank refuses with it.
-            check = (lambda: check_output_file(args.json_out, "--json-out")) if args.json_out else None
+            check = (lambda: check_output_file(args.json_out, "--json-out")) if args.json_out is not None else None
             result = evaluate_checkpoint(choice, args.split, env, check)
         if env.is_main:
             text = json.dumps(result, indent=2)
             print(result_table(result), text, sep="\n\n", flush=True)
-            if args.json_out:
+            if args.json_out is not None:
                 try:
                     atomic_write(args.json_out, text + "\n")
                 except OSError as e:  # the path was checked at the start: a full disk, a folder removed since

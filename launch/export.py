@@ -70,7 +70,7 @@ def check_outputs(out: str, hf: str | None) -> None:
     from txl_dist.output_paths import check_distinct_folders, check_output_folder
 
     check_output_folder(out, "--out")
-    if hf:
+    if hf is not None:
         check_output_folder(hf, "--hf")
         # Nested folders are fine (each writes only its own top level); one folder is not.
         check_distinct_folders(out, "--out", hf, "--hf", "the HuggingFace model.safetensors would replace the "
@@ -96,7 +96,7 @@ def export(checkpoint: str, out: str, hf: str | None = None):
         save_native(model, out)
         if tokenizer:  # the folder is then all launch/generate.py --model needs
             atomic_write(Path(out) / "tokenizer.model", tokenizer[1])
-        if hf:
+        if hf is not None:
             to_hf(model, hf, extra_config=hf_extra)
             if tokenizer:
                 atomic_write(Path(hf) / "tokenizer.model", tokenizer[1])

@@ -23,6 +23,7 @@ import dataclasses
 import io
 import json
 import logging
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -203,11 +204,34 @@ def check_args(args: argparse.Namespace):
         raise GenerationError(f"--top-k must be >= 0 (0 = no limit), got {args.top_k}")
     if not 0.0 < args.top_p <= 1.0:
         raise GenerationError(f"--top-p must be in (0, 1] (1 = off), got {args.top_p}")
-    if not args.greedy and not args.temperature > 0:
-        raise GenerationError(f"--temperature must be > 0 when sampling, got {args.temperature}; use --greedy for "
-                              "the most probable token")
+    if not args.greedy and not 0 < args.temperature < float("inf"):
+        raise GenerationError(f"--temperature must be a finite number > 0 when sampling, got {args.temperature}; "
+                              "use --greedy for the most probable token")
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
+        raise GenerationError(f"--device must be cpu or cuda[:N], got {args.device!r}")
     check_seed(args.seed, "--seed")
     return SamplingSettings(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, greedy=args.greedy)
+
+
+def check_memory_for_samples(config, args: argparse.Namespace) -> None:
+    """Refuse --num-samples whose memories alone (fp32, every layer's, for the whole batch of samples) exceed
+    the memory free on the device: one line instead of an allocation failure in the middle of decoding."""
+    import psutil
+    import torch
+
+    from txl_dist.generation import GenerationError
+
+    mem_len = config.mem_len if args.mem_len is None else args.mem_len
+    window = mem_len + (args.chunk_len or config.tgt_len)
+    need = args.num_samples * (config.n_layer + 1) * window * config.d_model * 4
+    if args.device.startswith("cuda"):
+        free = torch.cuda.mem_get_info(torch.device(args.device))[0]
+    else:
+        free = psutil.virtual_memory().available
+    if need > free:
+        raise GenerationError(f"--num-samples {args.num_samples}: their memories alone need {need / 2**30:,.1f} GiB, "
+                              f"more than the {free / 2**30:,.1f} GiB free on {args.device}; generate fewer at a "
+                              "time")
 
 
 def samples_output(args: argparse.Namespace) -> str:
@@ -219,6 +243,7 @@ def samples_output(args: argparse.Namespace) -> str:
     sampling = check_args(args)
     prompt = read_prompt(args.prompt, args.prompt_file)
     loaded = load(args.checkpoint, args.model, args.tokenizer, args.device)
+    check_memory_for_samples(loaded.model.config, args)
     tok = loaded.tokenizer
     prompt_ids = tok.encode(prompt, start_of_document=not args.continue_document)
     if not prompt_ids:

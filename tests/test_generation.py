@@ -340,7 +340,7 @@ def test_cli_generates_text_from_a_trained_checkpoint(trained, tmp_path, capsys)
 @pytest.mark.parametrize("args, message", [
     (["--top-p", "0"], "--top-p must be in (0, 1]"),
     (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
-    (["--temperature", "0"], "--temperature must be > 0 when sampling"),
+    (["--temperature", "0"], "--temperature must be a finite number > 0 when sampling"),
     (["--top-k", "-1"], "--top-k must be >= 0"),
     (["--max-new-tokens", "-3"], "--max-new-tokens must be >= 0"),
     (["--num-samples", "0"], "--num-samples must be >= 1"),

@@ -110,3 +110,26 @@ def test_operators_are_ranked_by_self_device_time_on_a_gpu_and_self_cpu_time_els
     assert ranking_key(no_kernels, "cuda") == "self_cpu_time_total"
     assert top_operators(no_kernels, "cuda", 1)[0]["name"] == "aten::copy_"
     assert ranking_key(ops, "cuda") == self_time_key("cuda")
+
+
+def test_profile_ranks_absent_at_this_world_size_say_no_profile(tmp_path, caplog):
+    """train.profile_ranks [5] on one rank (an elastic resume may shrink the world): a warning at the start,
+    no false "profiling steps ... on rank(s) 5" line and nothing written."""
+    import logging
+
+    import torch
+
+    from txl_dist.profiling import StepProfiler
+
+    profiler = StepProfiler([1, 2], [5], rank=0, is_main=True, world_size=1, run_dir=tmp_path,
+                            device=torch.device("cpu"))
+    with caplog.at_level(logging.INFO, logger="txl_dist"):
+        profiler.announce(1)
+        for step in (1, 2, 3):
+            profiler.before_step(step)
+            assert profiler.after_step(step) is None
+        assert profiler.close(3) is None
+    lines = [r.getMessage() for r in caplog.records]
+    assert not any(line.startswith("profiling steps") for line in lines), lines
+    assert sum("no profile" in line for line in lines) == 1, lines
+    assert list(tmp_path.iterdir()) == []

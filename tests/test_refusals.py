@@ -421,6 +421,22 @@ case("config.vocab-size-and-cutoffs-differ-from-corpus")(train_with(model={"voca
 
 case("deepspeed.unknown-key.top-level")(train_with(deepspeed={"gradient_cliping": 1.0}))
 case("deepspeed.scheduler-params-not-an-object")(train_with(deepspeed={"scheduler": {"params": None}}))
+case("deepspeed.scheduler-negative-learning-rate")(
+    train_with(deepspeed={"scheduler": {"params": {"cos_min_ratio": -1}}}))
+case("deepspeed.scheduler-warmup-type")(train_with(deepspeed={"scheduler": {"params": {"warmup_type": "exp"}}}))
+
+
+@case("deepspeed.optimizer-missing")
+def _(s):
+    raw = s.config()
+    raw["deepspeed"].pop("optimizer")
+    s.train(raw)
+
+
+@case("config.null-for-a-string")
+def _(s):
+    s.train(None, "--set", "run.dir=null")
+
 case("deepspeed.offload-at-a-stage-that-ignores-it")(
     train_with(deepspeed={"zero_optimization": {"stage": 1, "offload_param": {"device": "cpu"}}}))
 case("deepspeed.offload-nvme-without-path")(

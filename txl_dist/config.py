@@ -527,8 +527,8 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
 
 def _coerce_text(value: Any, text: str, ftype: Any) -> Any:
     """`--set data.path=123` means the string '123' for a string field."""
-    if _accepts(ftype, str) and not isinstance(value, str) and not (value is None and _accepts(ftype, type(None))):
-        return text
+    if _accepts(ftype, str) and not isinstance(value, str) and value is not None:
+        return text  # null stays null: a field that takes no null refuses it, as in a config file
     return value
 
 
@@ -839,10 +839,19 @@ def validate_deepspeed(ds: dict[str, Any], max_steps: int) -> None:
         params = sched.get("params", {})
         if not isinstance(params, dict):
             raise ConfigError(f"deepspeed.scheduler.params: must be a JSON object, got {json.dumps(params)}")
+        for key, value in params.items():  # DeepSpeed's schedules check none of these: a negative lr trains
+            if ("lr" in key or "ratio" in key) and _is_number(value) and value < 0:
+                raise ConfigError(f"deepspeed.scheduler.params.{key}: must be >= 0, got {value} (a learning rate "
+                                  "or a ratio of one)")
+        warmup_type = params.get("warmup_type", "log")
+        if warmup_type not in ("log", "linear"):
+            raise ConfigError(f"deepspeed.scheduler.params.warmup_type: must be \"log\" or \"linear\", got "
+                              f"{json.dumps(warmup_type)} (DeepSpeed falls back to log with a warning)")
         total = params.get("total_num_steps")
         if total is not None and total != max_steps:
             raise ConfigError(
-                f"deepspeed.scheduler.params.total_num_steps: {total} differs from train.max_steps {max_steps}; "
+                f"deepspeed.scheduler.params.total_num_steps: {json.dumps(total)} differs from train.max_steps "
+                f"{max_steps}; "
                 "leave it out and it follows train.max_steps")
 
 

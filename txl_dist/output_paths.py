@@ -51,6 +51,8 @@ def check_output_file(path: str | os.PathLike, flag: str) -> Path:
     Refused: a folder at `path`, a parent folder that does not exist or is not a folder, one that cannot be
     written. The parent is not made: a mistyped folder is more likely than a wanted new one.
     """
+    if not str(path).strip():
+        raise OutputError(f"{flag}: an empty path names no file; give one, e.g. result.json")
     out = Path(path)
     if _exists(out, flag, path) and out.is_dir():
         raise OutputError(f"{flag} {path}: is a folder; name a file, e.g. {out / 'result.json'}")

@@ -121,7 +121,13 @@ class StepProfiler:
             return
         self.folder = window_folder(self.run_dir, step, self.window[1])
         if self.is_main:  # also when rank 0 itself does not record (train.profile_ranks without 0)
-            ranks = "every rank" if self.ranks is None else f"rank(s) {', '.join(map(str, self.ranks))}"
+            present = None if self.ranks is None else [r for r in self.ranks if r < self.world_size]
+            if present == []:
+                log.info("train.profile_steps %d..%d: none of train.profile_ranks %s exist at world size %d; no "
+                         "profile", step, self.window[1], ", ".join(map(str, self.ranks)), self.world_size)
+                self._done = True
+                return
+            ranks = "every rank" if present is None else f"rank(s) {', '.join(map(str, present))}"
             log.info("profiling steps %d..%d on %s into %s", step, self.window[1], ranks, self.folder)
         if not self.records:
             self._done = True

@@ -146,6 +146,14 @@ def check_run_config(cfg: RunConfig, world_size: int) -> None:
     check_optimizer_op_available(ds_config)
 
 
+def check_has_optimizer(cfg: RunConfig) -> None:
+    """Training needs deepspeed.optimizer (DeepSpeed would build the engine without one and fail at the first
+    step); evaluation and export do not."""
+    if "optimizer" not in cfg.deepspeed:
+        raise ConfigError('deepspeed.optimizer: training needs one, e.g. {"type": "AdamW", "params": {"lr": '
+                          '0.00025, "torch_adam": true}} (as configs/tiny.json)')
+
+
 def check_trainable_attn_impl(cfg: RunConfig, device) -> None:
     """FlexAttention has no backward on a CPU: a training job that names it there is refused at start (the model
     would raise at the first step, after the engine and the run folder exist)."""
@@ -355,6 +363,7 @@ def start_training(cfg: RunConfig, env: DistEnv, resume: str = "auto", *, log_fi
 
     def local_checks():
         check_trainable_attn_impl(cfg, distributed.device_for(env))
+        check_has_optimizer(cfg)
         resolved, manifest = open_corpus(cfg)
         # The loaders open (and verify) their files now: bad data fails the start, not step 10,000.
         try:
@@ -736,7 +745,7 @@ def _eval_local_checks(cfg: RunConfig, run_info: dict[str, Any], tag_dir: Path, 
     check_checkpoint_fits(with_vocab_if_unset(cfg, manifest.tokenizer.vocab_size), manifest, run_info, tag_dir,
                           purpose="evaluate")
     resolved = with_vocab(cfg, manifest.tokenizer.vocab_size, cfg.data.path)
-    split = split or resolved.data.test_split
+    split = resolved.data.test_split if split is None else split
     evaluator = Evaluator(resolved.data.path, resolved.eval, rank=env.rank, world_size=env.world_size,
                           n_streams=resolved.eval_streams(env.world_size), device=distributed.device_for(env),
                           splits=[split])
