@@ -48,7 +48,6 @@ from typing import TypeVar
 import torch.distributed as dist
 
 from . import rank_probe
-from .rank_probe import outgoing_address
 
 MAX_BEAT_PERIOD_S = 10.0
 STORE_CALL_S = 3.0
@@ -247,17 +246,18 @@ def _peer_address(exc: BaseException) -> str | None:
     return None
 
 
-def _local_addresses(master_addr: str) -> list[str]:
-    """This host's addresses as a peer's error may name them: the host name's and the route to the store's."""
-    found: set[str] = set()
+def _local_addresses(master_addr: str, interfaces: list[str]) -> list[str]:
+    """This host's addresses as a peer's error may name them: the route to the store's (loopback when the
+    store is on this machine's loopback, as the peers here then see it), the host name's and its interfaces'."""
+    found: set[str] = set(interfaces)
+    outgoing = rank_probe.outgoing_address(master_addr)
+    if outgoing:
+        found.add(outgoing)
     try:
         found.update(sa[0] for *_, sa in socket.getaddrinfo(socket.gethostname(), None))
     except OSError:
         pass
-    outgoing = outgoing_address(master_addr)
-    if outgoing:
-        found.add(outgoing)
-    return sorted(found)[:8]
+    return sorted(found)[:rank_probe.MAX_ADDRESSES + 4]
 
 
 def _flush_std() -> None:
@@ -317,13 +317,14 @@ class Watchdog:
         return f"{base}/{generation}"
 
     def _publish(self, store: dist.TCPStore) -> None:
+        interfaces = self._probe_server.addresses(self.address.host)
         me = RankInfo(self.rank, socket.gethostname(), os.getpid(), _this_machine(), self._probe_server.port,
-                      tuple(self._probe_server.addresses(self.address.host)))
+                      tuple(interfaces))
         self.infos[self.rank] = me
         store.set(self.keys.info(self.rank), json.dumps({"host": me.host, "pid": me.pid, "machine": me.machine,
                                                          "probe_port": me.probe_port,
                                                          "addresses": list(me.addresses)}))
-        for ip in _local_addresses(self.address.host):
+        for ip in _local_addresses(self.address.host, interfaces):
             store.append(self.keys.address(ip), f"{self.rank},")
         store.add(self.keys.beat(self.rank), 1)
 
