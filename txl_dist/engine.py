@@ -159,14 +159,17 @@ def check_optimizer_op_available(ds_config: dict[str, Any]) -> None:
     """Refuse an optimizer whose DeepSpeed op this accelerator lacks (Lamb's and Lion's fused CUDA ops on a
     CPU): deepspeed.initialize would fail with it after the model is built."""
     builder_name = optimizer_op_builder(ds_config)
-    if builder_name is None:
-        return
+    if builder_name is not None and _op_builder(builder_name) is None:
+        kind, op = (ds_config.get("optimizer") or {}).get("type"), builder_name.removesuffix("Builder")
+        raise ConfigError(f"deepspeed.optimizer.type: {kind!r} needs DeepSpeed's {op} op, which the "
+                          f"{get_accelerator().device_name()} accelerator lacks; use AdamW (\"torch_adam\": true) or a "
+                          "torch.optim class")
+
+
+def _op_builder(builder_name: str):
+    """DeepSpeed's builder of that op for this accelerator, or None where it has none."""
     builder = get_accelerator().create_op_builder(builder_name)
-    if builder is None or type(builder).__name__ == "NotImplementedBuilder":
-        kind = (ds_config.get("optimizer") or {}).get("type")
-        raise ConfigError(f"deepspeed.optimizer.type: {kind!r} needs DeepSpeed's {builder_name.removesuffix('Builder')} "
-                          f"op, which the {get_accelerator().device_name()} accelerator lacks; use AdamW (\"torch_adam\": true) or "
-                          "a torch.optim class")
+    return None if builder is None or type(builder).__name__ == "NotImplementedBuilder" else builder
 
 
 def optimizer_op_builder(ds_config: dict[str, Any]) -> str | None:
@@ -189,8 +192,8 @@ def op_to_build(builder_name: str) -> str | None:
     cache that torch finds stale still rebuilds, silently)."""
     from deepspeed.ops.op_builder.builder import OpBuilder
 
-    builder = get_accelerator().create_op_builder(builder_name)
-    if builder is None or type(builder).__name__ == "NotImplementedBuilder":
+    builder = _op_builder(builder_name)
+    if builder is None:
         return None
     name = builder.NAME
     from deepspeed.git_version_info import installed_ops
