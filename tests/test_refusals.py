@@ -426,6 +426,11 @@ case("deepspeed.scheduler-negative-learning-rate")(
 case("deepspeed.scheduler-warmup-type")(train_with(deepspeed={"scheduler": {"params": {"warmup_type": "exp"}}}))
 
 
+@case("deepspeed.optimizer-type-null")
+def _(s):
+    s.train(None, "--set", "deepspeed.optimizer.type=null")
+
+
 @case("deepspeed.optimizer-missing")
 def _(s):
     raw = s.config()

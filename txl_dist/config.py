@@ -789,6 +789,10 @@ def validate_deepspeed(ds: dict[str, Any], max_steps: int) -> None:
                 "checkpoint"):
         if key in ds and not isinstance(ds[key], dict):
             raise ConfigError(f"deepspeed.{key}: must be a JSON object, got {json.dumps(ds[key])}")
+    if "optimizer" in ds and not isinstance(ds["optimizer"].get("type"), str):
+        # DeepSpeed reads no params without a type: the unread-key check would blame params instead.
+        raise ConfigError(f"deepspeed.optimizer.type: must name an optimizer, e.g. \"AdamW\", got "
+                          f"{json.dumps(ds['optimizer'].get('type'))}")
     s, m = ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"]
     if s % m:
         raise ConfigError(
