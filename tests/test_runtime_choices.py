@@ -105,13 +105,37 @@ def test_the_cpu_measurement_counts_one_threads_cpu_time_not_waits(tmp_path, mon
     assert torch.get_num_threads() == before
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16", None])
+@pytest.mark.parametrize("precision", ["fp32", None])
 def test_an_explicit_precision_wins_without_measuring(tmp_path, monkeypatch, precision):
     asked = _layer_times(monkeypatch, 1.0, 1.0)
     choices = runtime_choices.decide(_cfg(tmp_path, precision=precision, peak_flops=5e9), torch.device("cpu"))
     assert choices.precision == (precision or "fp32") and choices.origin["precision"] == "config"
     assert asked == []
     assert (choices.peak_flops, choices.peak_source) == (5e9, "config: train.peak_flops")
+
+
+@pytest.mark.parametrize("fp32_s,bf16_s,warned", [(1.0, 6.5, True), (1.0, 1.02, True), (2.0, 1.0, False)])
+def test_an_explicit_bf16_on_a_cpu_is_kept_and_named_when_it_is_slower_than_fp32(tmp_path, monkeypatch, caplog,
+                                                                                  fp32_s, bf16_s, warned):
+    """A CPU without bf16 matmul units runs bf16 several times slower than fp32: the run trains as configured,
+    and one warning says so with the numbers (which run.json keeps); a resumed run measures nothing."""
+    asked = _layer_times(monkeypatch, fp32_s, bf16_s)
+    cfg = _cfg(tmp_path, precision="bf16", peak_flops=5e9)
+    with caplog.at_level("WARNING", logger=runtime_choices.log.name):
+        choices = runtime_choices.decide(cfg, torch.device("cpu"))
+    assert (choices.precision, choices.origin["precision"]) == ("bf16", "config")
+    assert sorted(asked) == ["bf16", "fp32"]
+    assert (choices.measured["fwd_bwd_s_fp32"], choices.measured["fwd_bwd_s_bf16"]) == (fp32_s, bf16_s)
+    lines = [r.getMessage() for r in caplog.records if "train.precision bf16" in r.getMessage()]
+    if warned:
+        assert len(lines) == 1, lines
+        assert f"{bf16_s / fp32_s:.1f}x SLOWER in bf16" in lines[0] and 'precision "auto"' in lines[0]
+        assert f"{bf16_s * 1e3:.1f} against {fp32_s * 1e3:.1f} ms" in lines[0]
+    else:
+        assert lines == []
+    asked.clear()
+    resumed = runtime_choices.decide(cfg, torch.device("cpu"), choices.record())
+    assert resumed.precision == "bf16" and asked == []
 
 
 def test_a_recorded_choice_is_reused_on_the_same_device_type_only(tmp_path, monkeypatch):

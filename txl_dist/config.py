@@ -194,7 +194,8 @@ class TrainConfig:
     device that supports it, else fp32; on a CPU bf16 only where the model's forward+backward at the run's
     shapes measures clearly faster than in fp32, see docs/performance.md), or null: what the deepspeed section's
     bf16/fp16 `enabled` say. Not null: leave deepspeed.bf16.enabled and deepspeed.fp16.enabled out (or
-    agree with them). "auto" is decided once per run and kept on resume (the checkpoint records it)."""
+    agree with them). "auto" is decided once per run and kept on resume (the checkpoint records it). An
+    explicit "bf16" on a CPU where it measures slower than fp32 trains as configured, with a warning."""
     peak_flops: float | None = None
     """Peak FLOP/s of ONE device for the MFU metric (train/mfu); null: the peak the checkpoint recorded when
     this job runs on the same kind of device, else the documented table entry for the device and precision,

@@ -4,7 +4,8 @@ A choice made by measurement could come out differently on another start (other 
 timing noise); a run and its resume that disagreed would break the bitwise-exact resume. So:
 
 - rank 0 decides, every rank receives its answer (`agree`, a collective of start-up);
-- an explicit value in the configuration always wins; "auto" reuses the choice recorded in the checkpoint
+- an explicit value in the configuration always wins (an explicit bf16 on a CPU is timed against fp32 all
+  the same, and a warning names it when it is the slower one); "auto" reuses the choice recorded in the checkpoint
   being resumed (run.json "run_choices") when it was made on the same device type, and is measured only
   for a new run (or on another device type);
 - the trainer records the choices in every checkpoint's run.json.
@@ -123,6 +124,8 @@ def decide(cfg: RunConfig, device: torch.device, recorded: dict[str, Any] | None
     precision = cfg.precision()
     if precision is not None:
         origin["precision"] = "config"
+        if precision == "bf16" and device.type == "cpu" and reuse is None:
+            warn_if_slower_than_fp32(cfg, device, precision, measured)
     elif reuse is not None:
         precision, origin["precision"] = reuse["precision"], "checkpoint"
     else:
@@ -208,11 +211,34 @@ def choose_precision(cfg: RunConfig, device: torch.device, measured: dict[str, A
         return ("bf16" if torch.cuda.is_bf16_supported() else "fp32"), "device"
     if device.type != "cpu":
         return "fp32", "device"
-    measured["timed"] = "model" if cfg.model.vocab_size is not None else "one layer"
-    for name, seconds in time_precisions(cfg, device, ("fp32", "bf16")).items():
-        measured[f"fwd_bwd_s_{name}"] = seconds
-    faster = measured["fwd_bwd_s_fp32"] / measured["fwd_bwd_s_bf16"]
+    seconds = _timed_precisions(cfg, device, "bf16", measured)
+    faster = seconds["fp32"] / seconds["bf16"]
     return ("bf16" if faster >= BF16_MIN_SPEEDUP else "fp32"), "measured"
+
+
+def warn_if_slower_than_fp32(cfg: RunConfig, device: torch.device, precision: str,
+                             measured: dict[str, Any]) -> None:
+    """A warning when the configured `precision` trains slower than fp32 on this CPU (timed as "auto" times it;
+    the numbers go into `measured`). Where a CPU has no bf16 matmul units, bf16 runs several times slower than
+    fp32 and nothing else would say so; the run keeps the precision it was given. A new run only: a resumed
+    one was warned at its first start."""
+    seconds = _timed_precisions(cfg, device, precision, measured)
+    if seconds[precision] > seconds["fp32"]:
+        log.warning("train.precision %s: on this CPU the %s forward+backward measured %.1fx SLOWER in %s than in "
+                    "fp32 (%.1f against %.1f ms, one thread); this run trains in %s as configured, slower than it "
+                    "would in fp32: precision \"auto\" (or \"fp32\") picks the faster one",
+                    precision, measured["timed"], seconds[precision] / seconds["fp32"], precision,
+                    seconds[precision] * 1e3, seconds["fp32"] * 1e3, precision)
+
+
+def _timed_precisions(cfg: RunConfig, device: torch.device, precision: str,
+                      measured: dict[str, Any]) -> dict[str, float]:
+    """time_precisions of fp32 and `precision`, the numbers also written into `measured` (run.json keeps them)."""
+    measured["timed"] = "model" if cfg.model.vocab_size is not None else "one layer"
+    seconds = time_precisions(cfg, device, ("fp32", precision))
+    for name, value in seconds.items():
+        measured[f"fwd_bwd_s_{name}"] = value
+    return seconds
 
 
 def choose_attn_impl(cfg: RunConfig, device: torch.device, dtype: torch.dtype,
