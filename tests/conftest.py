@@ -24,3 +24,17 @@ def small_file_system(tmp_path):
         yield mount_point
     finally:
         subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+LONGEST_FILES_FIRST = ("test_faults.py", "test_slurm.py", "test_presets.py", "test_model_transformer.py",
+                       "test_trainer.py", "test_bench.py", "test_gpu_check.py", "test_safe_load.py",
+                       "test_engine.py", "test_tracking_faults.py", "test_launch.py")
+"""The files that take longest (minutes each on 2 cores: multi-process runs, timeouts, compiles, a Slurm
+cluster), in the order the suite starts them. scripts/test.sh hands whole files to its workers in collection
+order (--dist loadfile --no-loadscope-reorder): started last, one of them ran alone for minutes at the end
+while the other worker idled (xdist's own order, by the number of tests in a file, put them last)."""
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order and test order kept
