@@ -1,5 +1,6 @@
 """check_deepspeed_config: a deepspeed section DeepSpeed would misread is refused with one line naming the key."""
 import copy
+import json
 import time
 from pathlib import Path
 
@@ -109,6 +110,24 @@ def test_optimizer_values_are_refused_before_the_model_is_built(torch_adam, sett
     ds = with_values(handed_over(EVERY_SECTION), {"optimizer.params.torch_adam": torch_adam, **settings})
     text = refusal(ds)
     assert "\n" not in text and text.startswith("deepspeed.optimizer.params"), text
+
+
+@pytest.mark.parametrize("torch_adam, key, value, allowed", [
+    (True, "fused", "no", "true, false or null"),        # torch AdamW: `fused: bool | None`
+    (True, "amsgrad", 0, "true or false"),                # torch AdamW: default False
+    (True, "foreach", "false", "true, false or null"),    # DeepSpeed pops it for torch's AdamW
+    (False, "torch_adam", "no", "true or false"),         # DeepSpeed's own switch
+    (False, "adam_w_mode", "yes", "true or false"),
+])
+def test_an_optimizer_switch_that_is_not_a_boolean_is_refused(torch_adam, key, value, allowed):
+    # DeepSpeed and torch test these for truth: "no" or "false" as a string would turn them on.
+    ds = with_values(handed_over(EVERY_SECTION), {"optimizer.params.torch_adam": torch_adam})
+    ds["optimizer"]["params"][key] = value
+    text = refusal(ds)
+    assert text.startswith(f"deepspeed.optimizer.params.{key}: must be {allowed}, got {json.dumps(value)}"), text
+    for fine in ([True, False, None] if "null" in allowed else [True, False]):
+        ds["optimizer"]["params"][key] = fine
+        check_deepspeed_config(ds, 2)
 
 
 def test_a_precision_the_device_lacks_is_refused_before_the_model_is_built(monkeypatch):

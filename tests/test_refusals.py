@@ -473,6 +473,7 @@ case("deepspeed.unknown-key.scheduler.params")(
 case("deepspeed.scheduler-value")(
     train_with(deepspeed={"scheduler": {"params": {"warmup_num_steps": 0}}}))
 case("deepspeed.optimizer-value")(train_with(deepspeed={"optimizer": {"params": {"lr": -1}}}))
+case("deepspeed.optimizer-switch-not-a-boolean")(train_with(deepspeed={"optimizer": {"params": {"fused": "no"}}}))
 case("deepspeed.unknown-key.activation_checkpointing")(
     train_with(deepspeed={"activation_checkpointing": {"partition_activation": True}}))
 case("deepspeed.wrong-type")(train_with(deepspeed={"gradient_clipping": "1.0"}))

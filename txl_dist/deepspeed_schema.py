@@ -342,7 +342,41 @@ def _check_optimizer(ds: dict, config: ds_config_module.DeepSpeedConfig) -> None
         cls, taken, own = built
         what = f"{cls.__module__}.{cls.__qualname__}, which {_DS_VERSION} builds for type '{name}' here"
         _check_arguments(params, cls, key="deepspeed.optimizer.params", what=what, taken=taken, own=set(own))
+        _check_flags(params, cls, taken)
         _check_optimizer_values(cls, {k: v for k, v in params.items() if k not in taken}, own, what)
+
+
+def _check_flags(params: dict, cls: type, taken: set[str]) -> None:
+    """Switches must be JSON booleans: DeepSpeed and torch test them for truth, so a string, "false" too, would
+    turn one ON. A switch is one of the keys DeepSpeed consumes itself (_DEEPSPEED_SWITCHES) or an argument of
+    `cls` whose default is a bool, or that is annotated `bool | None` (then null is allowed)."""
+    arguments = inspect.signature(cls).parameters
+    for key, value in params.items():
+        argument = arguments.get(key)
+        if key in taken:
+            if key not in _DEEPSPEED_SWITCHES:
+                continue
+            optional, reader = _DEEPSPEED_SWITCHES[key], _DS_VERSION
+        elif argument is not None and isinstance(argument.default, bool):
+            optional, reader = False, f"{cls.__module__}.{cls.__qualname__}"
+        elif argument is not None and argument.default is None and _is_optional_bool(argument.annotation):
+            optional, reader = True, f"{cls.__module__}.{cls.__qualname__}"
+        else:
+            continue
+        if not isinstance(value, bool) and not (optional and value is None):
+            allowed = "true, false or null" if optional else "true or false"
+            raise ConfigError(f"deepspeed.optimizer.params.{key}: must be {allowed}, got {_json(value)} (a switch "
+                              f"that {reader} tests for truth: a string, \"false\" too, would turn it on)")
+
+
+_DEEPSPEED_SWITCHES = {"torch_adam": False, "adam_w_mode": False, "fp32_optimizer_states": True, "foreach": True}
+"""Optimizer params DeepSpeed consumes itself that are switches, and whether null is one of their values."""
+
+
+def _is_optional_bool(annotation: Any) -> bool:
+    text = annotation if isinstance(annotation, str) else repr(annotation)
+    parts = {p.strip() for p in text.replace("Optional[", "").replace("]", "").replace("typing.", "").split("|")}
+    return parts in ({"bool", "None"}, {"bool"}, {"<class 'bool'>", "None"})
 
 
 def _check_optimizer_values(cls: type, params: dict, own: dict, what: str) -> None:
