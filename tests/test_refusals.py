@@ -423,6 +423,8 @@ case("deepspeed.unknown-key.top-level")(train_with(deepspeed={"gradient_cliping"
 case("deepspeed.scheduler-params-not-an-object")(train_with(deepspeed={"scheduler": {"params": None}}))
 case("deepspeed.scheduler-negative-learning-rate")(
     train_with(deepspeed={"scheduler": {"params": {"cos_min_ratio": -1}}}))
+case("deepspeed.scheduler-ratio-above-one")(
+    train_with(deepspeed={"scheduler": {"params": {"warmup_min_ratio": 2}}}))
 case("deepspeed.scheduler-warmup-type")(train_with(deepspeed={"scheduler": {"params": {"warmup_type": "exp"}}}))
 
 

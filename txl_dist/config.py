@@ -848,6 +848,9 @@ def validate_deepspeed(ds: dict[str, Any], max_steps: int) -> None:
             if ("lr" in key or "ratio" in key) and _is_number(value) and value < 0:
                 raise ConfigError(f"deepspeed.scheduler.params.{key}: must be >= 0, got {value} (a learning rate "
                                   "or a ratio of one)")
+            if key.endswith("_ratio") and _is_number(value) and value > 1:  # WarmupCosineLR's: of the peak lr
+                raise ConfigError(f"deepspeed.scheduler.params.{key}: must be <= 1, got {value} (a share of the "
+                                  "optimizer's lr, the schedule's peak: above 1 the schedule would go past it)")
         warmup_type = params.get("warmup_type", "log")
         if warmup_type not in ("log", "linear"):
             raise ConfigError(f"deepspeed.scheduler.params.warmup_type: must be \"log\" or \"linear\", got "
