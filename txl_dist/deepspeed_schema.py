@@ -350,7 +350,7 @@ def _check_flags(params: dict, cls: type, taken: set[str]) -> None:
     """Switches must be JSON booleans: DeepSpeed and torch test them for truth, so a string, "false" too, would
     turn one ON. A switch is one of the keys DeepSpeed consumes itself (_DEEPSPEED_SWITCHES) or an argument of
     `cls` whose default is a bool, or that is annotated `bool | None` (then null is allowed)."""
-    arguments = inspect.signature(cls).parameters
+    arguments, class_name = inspect.signature(cls).parameters, f"{cls.__module__}.{cls.__qualname__}"
     for key, value in params.items():
         argument = arguments.get(key)
         if key in taken:
@@ -358,9 +358,9 @@ def _check_flags(params: dict, cls: type, taken: set[str]) -> None:
                 continue
             optional, reader = _DEEPSPEED_SWITCHES[key], _DS_VERSION
         elif argument is not None and isinstance(argument.default, bool):
-            optional, reader = False, f"{cls.__module__}.{cls.__qualname__}"
-        elif argument is not None and argument.default is None and _is_optional_bool(argument.annotation):
-            optional, reader = True, f"{cls.__module__}.{cls.__qualname__}"
+            optional, reader = False, class_name
+        elif argument is not None and set(typing.get_args(argument.annotation)) == {bool, type(None)}:
+            optional, reader = True, class_name  # `bool | None`
         else:
             continue
         if not isinstance(value, bool) and not (optional and value is None):
@@ -371,12 +371,6 @@ def _check_flags(params: dict, cls: type, taken: set[str]) -> None:
 
 _DEEPSPEED_SWITCHES = {"torch_adam": False, "adam_w_mode": False, "fp32_optimizer_states": True, "foreach": True}
 """Optimizer params DeepSpeed consumes itself that are switches, and whether null is one of their values."""
-
-
-def _is_optional_bool(annotation: Any) -> bool:
-    text = annotation if isinstance(annotation, str) else repr(annotation)
-    parts = {p.strip() for p in text.replace("Optional[", "").replace("]", "").replace("typing.", "").split("|")}
-    return parts in ({"bool", "None"}, {"bool"}, {"<class 'bool'>", "None"})
 
 
 def _check_optimizer_values(cls: type, params: dict, own: dict, what: str) -> None:
