@@ -7,11 +7,11 @@ cd "$ROOT"
 export DS_ACCELERATOR=cpu HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # Test files run on parallel workers (pytest-xdist), one file per worker at a time so that module fixtures
 # (a Slurm cluster, a trained run) are made once: most tests wait on subprocesses, timeouts and start-up, so
-# one worker more than the cores: with 2 workers on 2 cores the tests kept the CPUs 68% busy (an AMD EPYC
-# without AVX512, where the suite ran 33 minutes). Files start in collection order, the longest first
-# (tests/conftest.py), so that the workers end together. Workers: min(cores + 1, 4); pass -n 0 (or
-# -p no:xdist) for one process, or -n N yourself. The slowest tests are listed at the end (--durations).
-WORKERS=(-n "$(( $(nproc) < 3 ? $(nproc) + 1 : 4 ))" --dist loadfile --no-loadscope-reorder)
+# two workers on two cores halve the wall time (a third on 2 cores was slower: the long tests are CPU-bound).
+# Files start in collection order, the longest first (tests/conftest.py), so that the workers end together.
+# Workers: min(cores, 4); pass -n 0 (or -p no:xdist) for one process, or -n N yourself. The slowest tests are
+# listed at the end (--durations).
+WORKERS=(-n "$(( $(nproc) < 4 ? $(nproc) : 4 ))" --dist loadfile --no-loadscope-reorder)
 for arg in "$@"; do
     case "$arg" in -n|-n[0-9]*|--numprocesses*|no:xdist|-pno:xdist) WORKERS=() ;; esac
 done
