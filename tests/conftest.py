@@ -31,8 +31,10 @@ LONGEST_FILES_FIRST = ("test_faults.py", "test_slurm.py", "test_presets.py", "te
                        "test_engine.py", "test_tracking_faults.py", "test_launch.py")
 """The files that take longest (minutes each on 2 cores: multi-process runs, timeouts, compiles, a Slurm
 cluster), in the order the suite starts them. scripts/test.sh hands whole files to its workers in collection
-order (--dist loadfile --no-loadscope-reorder): started last, one of them ran alone for minutes at the end
-while the other worker idled (xdist's own order, by the number of tests in a file, put them last)."""
+order (--dist loadfile --no-loadscope-reorder), so that none of them starts last and runs alone at the end
+(xdist's own order, by the number of tests in a file, put them last). Measured on an AVX2-only AMD EPYC:
+33m29s against 33m27s in xdist's order, the sum of the tests' durations equal to the 2 workers' wall time
+there: the order guards against a long tail; it does not shorten a suite that is work-bound."""
 
 
 def pytest_collection_modifyitems(config, items):
