@@ -202,3 +202,17 @@ def test_a_gradient_accumulation_dtype_deepspeed_cannot_run_is_refused(stage, se
     assert message.startswith("deepspeed.data_types.grad_accum_dtype: ") and expected in message, message
     for accum in ("bf16", "fp32"):  # what a stage 2-3 bf16 run may ask for
         check_deepspeed_config(with_values(handed_over(EVERY_SECTION), {"data_types.grad_accum_dtype": accum}), 2)
+
+
+def test_deepspeed_imports_without_mlflow_and_mlflow_still_imports_afterwards():
+    """txl_dist/deepspeed_import.py: DeepSpeed's autotuner would import MLflow (seconds per rank start)."""
+    import subprocess
+    import sys
+
+    probe = ("import sys; import txl_dist.engine, txl_dist.deepspeed_schema; "
+             "print('mlflow' in sys.modules, sys.modules['deepspeed.autotuning.autotuner'].has_mlflow); "
+             "import mlflow; print(mlflow.__name__)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "False", "mlflow"], out.stdout

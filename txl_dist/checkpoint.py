@@ -687,6 +687,7 @@ def _deepspeed_barriers_on_control_group() -> Iterator[None]:
     the whole model and optimizer) would fail the save on every rank, however long checkpoint.timeout_s is.
     Its other collectives (the tag check) come before any write, so they wait for nobody's I/O.
     """
+    from .deepspeed_import import deepspeed  # noqa: F401  (first: no MLflow)
     from deepspeed import comm
 
     default_group_barrier = comm.barrier

@@ -26,13 +26,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import deepspeed
 import torch
-from deepspeed.accelerator import get_accelerator
 from torch import nn
 
 from . import distributed
 from .config import ConfigError, RunConfig
+from .deepspeed_import import deepspeed  # first: deepspeed's own modules need no MLflow
+
+from deepspeed.accelerator import get_accelerator  # noqa: E402
 
 log = logging.getLogger(distributed.LOGGER_NAME)
 

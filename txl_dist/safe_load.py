@@ -189,6 +189,7 @@ def restrict_this_process() -> None:
 
 def fp32_state_dict_from_zero(tag_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The consolidated fp32 weights of a ZeRO 1-3 tag folder (DeepSpeed's zero_to_fp32), loads restricted."""
+    from .deepspeed_import import deepspeed  # noqa: F401  (first: no MLflow)
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     tag_dir = Path(tag_dir)
@@ -214,6 +215,7 @@ def ds_to_universal(args: list[str]) -> None:
     Its worker pools (a ProcessPoolExecutor when a worker count is > 1) start processes with the platform's
     default method (fork on Linux up to Python 3.13, forkserver from 3.14), so they get restricted_process_pool.
     """
+    from .deepspeed_import import deepspeed  # noqa: F401  (first: no MLflow)
     from deepspeed.checkpoint import ds_to_universal as conversion
 
     conversion.ProcessPoolExecutor = restricted_process_pool  # for good: this process is the conversion's
