@@ -26,7 +26,7 @@ import sys
 
 from txl_dist import distributed
 from txl_dist.atomic import atomic_write
-from txl_dist.entry import guarded
+from txl_dist.entry import exit_process, guarded
 from txl_dist.errors import RunFailed
 
 
@@ -146,4 +146,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -17,11 +17,10 @@ from __future__ import annotations
 import argparse
 import hashlib
 import logging
-import sys
 from pathlib import Path
 
 from txl_dist.atomic import atomic_write
-from txl_dist.entry import guarded
+from txl_dist.entry import exit_process, guarded
 from txl_dist.errors import RunFailed
 
 
@@ -143,4 +142,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

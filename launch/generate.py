@@ -28,7 +28,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from txl_dist.entry import guarded
+from txl_dist.entry import exit_process, guarded
 
 EXAMPLES = """examples:
   python launch/generate.py --checkpoint runs/tiny --prompt 'ROMEO:' --max-new-tokens 60 --seed 0
@@ -281,4 +281,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -27,11 +27,10 @@ if __name__ == "__main__":  # a stop signal during the imports below must not ki
 
 import argparse  # noqa: E402
 import logging  # noqa: E402
-import sys  # noqa: E402
 
 from txl_dist import distributed  # noqa: E402
 from txl_dist.config import load_config  # noqa: E402
-from txl_dist.entry import guarded  # noqa: E402
+from txl_dist.entry import exit_process, guarded  # noqa: E402
 
 
 EPILOG = """examples:
@@ -91,4 +90,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -140,3 +140,17 @@ def test_a_stop_signal_after_the_job_does_not_end_the_process(corpus, tmp_path):
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=launcher_env(), capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+
+
+def test_exit_process_keeps_the_status_and_the_exit_handlers():
+    # txl_dist/entry.py: the entry points end with gc.freeze (no teardown collection); what runs at exit must
+    # still run (MLflow ends its run in an atexit handler), and buffered output must still reach its file.
+    import subprocess
+
+    script = ("import atexit, sys\n"
+              "from txl_dist.entry import exit_process\n"
+              "atexit.register(lambda: print('exit handler ran'))\n"
+              "sys.stdout.write('buffered line\\n')\n"
+              "exit_process(3)\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout) == (3, "buffered line\nexit handler ran\n"), done.stderr[-2000:]

@@ -8,8 +8,11 @@ once (distributed.destroy_process_group) instead of waiting for this one in a co
 """
 from __future__ import annotations
 
+import gc
 import logging
+import sys
 from collections.abc import Callable
+from typing import NoReturn
 
 from . import distributed
 from .errors import EXIT_FAILED, EXIT_REFUSED, RankFault, Refused, RunFailed, one_line
@@ -46,3 +49,17 @@ def _report(log: logging.Logger, e: BaseException) -> None:
     """The error's one line, unless rank 0 prints it (distributed.together): one line per failure."""
     if not distributed.reported_on_rank_zero(e):
         log.error("error: %s", one_line(e, limit=2000))
+
+
+def exit_process(status: int) -> NoReturn:
+    """End an entry point's process with `status`, without the interpreter's collection of every object at exit.
+
+    A rank that imported torch, DeepSpeed and the compiler holds millions of objects; the garbage collections
+    of the interpreter's teardown took 1.3-1.5 s per process after a tiny run (AMD Zen 3, measured with and
+    without, 3 runs each), and a launcher waits for its slowest rank. Freezing them first (gc.freeze) leaves
+    that to the operating system: 0.16-0.17 s. Exit handlers (atexit, MLflow's end of run) still run, and
+    every file the job writes is closed by the job itself (atomic.py), so nothing waits on a finalizer.
+    Only for a process's last step: a process that goes on after gc.freeze keeps those objects forever.
+    """
+    gc.freeze()
+    sys.exit(status)

@@ -16,13 +16,12 @@ import argparse
 import json
 import logging
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
 
 from txl_dist.data import CorpusError, read_manifest, split_reader
-from txl_dist.entry import guarded
+from txl_dist.entry import exit_process, guarded
 
 
 def token_counts(corpus_dir: str | Path, split: str, vocab_size: int) -> np.ndarray:
@@ -106,4 +105,4 @@ def _model_result(path: str, split: str) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())
