@@ -204,15 +204,36 @@ def test_a_gradient_accumulation_dtype_deepspeed_cannot_run_is_refused(stage, se
         check_deepspeed_config(with_values(handed_over(EVERY_SECTION), {"data_types.grad_accum_dtype": accum}), 2)
 
 
-def test_deepspeed_imports_without_mlflow_and_mlflow_still_imports_afterwards():
-    """txl_dist/deepspeed_import.py: DeepSpeed's autotuner would import MLflow (seconds per rank start)."""
+def test_deepspeed_imports_without_mlflow_or_the_inductor_and_mlflow_still_imports_afterwards():
+    """txl_dist/deepspeed_import.py: DeepSpeed's autotuner would import MLflow, and its Muon module (which every
+    ZeRO 1-3 engine imports) TorchInductor's compiler: seconds of every rank's start."""
     import subprocess
     import sys
 
     probe = ("import sys; import txl_dist.engine, txl_dist.deepspeed_schema; "
-             "print('mlflow' in sys.modules, sys.modules['deepspeed.autotuning.autotuner'].has_mlflow); "
+             "from deepspeed.runtime.zero.muon import original_muon, muon_optimizer; "
+             "print('mlflow' in sys.modules, sys.modules['deepspeed.autotuning.autotuner'].has_mlflow, "
+             "'torch._inductor.compile_fx' in sys.modules, hasattr(original_muon.muon_update, '__wrapped__')); "
              "import mlflow; print(mlflow.__name__)")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
                          cwd=Path(__file__).resolve().parents[1])
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["False", "False", "mlflow"], out.stdout
+    assert out.stdout.split() == ["False", "False", "False", "True", "mlflow"], out.stdout
+
+
+def test_compile_on_first_call_compiles_once_when_first_called():
+    from txl_dist.deepspeed_import import compile_on_first_call
+
+    compiled = []
+
+    def compiler_fn(fn):
+        compiled.append(fn)
+        return lambda *args, **kwargs: ("compiled", fn(*args, **kwargs))
+
+    def double(x, *, by=2):
+        return x * by
+
+    lazy = compile_on_first_call(double, compiler_fn)
+    assert compiled == [] and lazy.__name__ == "double"
+    assert lazy(3) == ("compiled", 6) and lazy(3, by=3) == ("compiled", 9)
+    assert compiled == [double]
