@@ -183,7 +183,7 @@ def import_deepspeed() -> Any:
     reason = os.environ.get(NO_DEEPSPEED_ENV)
     if reason:
         raise ImportError(f"gpu_check.sh: {reason}")
-    import deepspeed
+    from txl_dist.deepspeed_import import deepspeed
 
     return deepspeed
 

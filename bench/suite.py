@@ -497,7 +497,8 @@ def machine() -> dict[str, Any]:
                             "cores": os.cpu_count(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                             "bf16_matmul_units": cpu_bf16_units()}
     try:
-        import deepspeed
+        from txl_dist.deepspeed_import import deepspeed
+
         info["deepspeed"] = deepspeed.__version__
     except Exception:  # noqa: BLE001
         info["deepspeed"] = None

@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 from txl_dist.tracking import Tracker
 
 REPO = Path(__file__).resolve().parents[1]
-PRELOAD = ["torch", "torch._dynamo", "deepspeed", "numpy", "pyarrow", "txl_dist.engine", "txl_dist.trainer"]
+PRELOAD = ["torch", "torch._dynamo", "txl_dist.deepspeed_import", "numpy", "pyarrow", "txl_dist.engine", "txl_dist.trainer"]
 _ctx = None
 
 

@@ -140,4 +140,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from txl_dist.entry import exit_process  # as launch/train.py ends
+
+    exit_process(main(sys.argv[1:]))
