@@ -1,4 +1,4 @@
-"""`import deepspeed` without the MLflow import it makes for a feature this project never uses.
+"""`import deepspeed` without two imports it makes for features this project never uses: MLflow and TorchInductor.
 
 DeepSpeed 0.19.8 imports its autotuner while it imports itself (deepspeed.runtime.config ->
 deepspeed.autotuning), and the autotuner imports MLflow when it is installed (it logs autotuning trials to
@@ -36,8 +36,10 @@ def _import_deepspeed_without_mlflow():
             del sys.modules["mlflow"]
 
 
-def compile_on_first_call(fn: Callable[..., Any], compiler_fn: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None
-                          ) -> Callable[..., Any]:
+Compiler = Callable[[Callable[..., Any]], Callable[..., Any]]
+
+
+def compile_on_first_call(fn: Callable[..., Any], compiler_fn: Compiler | None = None) -> Callable[..., Any]:
     """`fn`, compiled (torch.compile unless `compiler_fn` is given) when it is first called rather than now."""
     compiled: Callable[..., Any] | None = None
 

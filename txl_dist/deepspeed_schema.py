@@ -1,8 +1,8 @@
 """The deepspeed section of a run config against DeepSpeed's own reading of it (check_deepspeed_config).
 
 DeepSpeed reads the keys it knows with defaults and ignores every other one: `"gradient_cliping": 1.0` runs
-with DeepSpeed's default clipping (1.0, not off) and nothing says so. Imports deepspeed (through deepspeed_import.py,
-like engine.py, checkpoint.py and safe_load.py).
+with DeepSpeed's default clipping (1.0, not off) and nothing says so. Imports deepspeed
+(through deepspeed_import.py, as engine.py, checkpoint.py and safe_load.py do).
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from deepspeed.runtime import config as ds_config_module  # noqa: E402
 from deepspeed.runtime import lr_schedules  # noqa: E402
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel, get_scalar_param  # noqa: E402
 from deepspeed.runtime.engine import DeepSpeedEngine  # noqa: E402
+
 
 def check_deepspeed_config(ds: dict[str, Any], world_size: int) -> None:
     """Refuse a deepspeed section that DeepSpeed would misread, with one ConfigError line naming the key.

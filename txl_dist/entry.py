@@ -58,7 +58,7 @@ def exit_process(status: int) -> NoReturn:
     of the interpreter's teardown took 1.3-1.5 s per process after a tiny run (AMD Zen 3, measured with and
     without, 3 runs each), and a launcher waits for its slowest rank. Freezing them first (gc.freeze) leaves
     that to the operating system: 0.16-0.17 s. Exit handlers (atexit, MLflow's end of run) still run, and
-    every file the job writes is closed by the job itself (atomic.py), so nothing waits on a finalizer.
+    the job closes what it writes itself (atomic.py; guarded detaches the log file): no file waits on a finalizer.
     Only for a process's last step: a process that goes on after gc.freeze keeps those objects forever.
     """
     gc.freeze()
