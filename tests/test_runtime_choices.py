@@ -105,6 +105,59 @@ def test_the_cpu_measurement_counts_one_threads_cpu_time_not_waits(tmp_path, mon
     assert torch.get_num_threads() == before
 
 
+def _spinning_steps(monkeypatch, ms: dict[str, float]) -> dict[str, int]:
+    """Steps that burn `ms[precision]` milliseconds of this thread's CPU time; returns the calls per precision."""
+    calls = dict.fromkeys(ms, 0)
+
+    def make(cfg, device, dtype):
+        name = next(n for n, d in runtime_choices.DTYPES.items() if d == dtype)
+
+        def step():
+            calls[name] += 1
+            end = time.thread_time() + ms[name] / 1e3
+            while time.thread_time() < end:
+                pass
+        return step
+
+    monkeypatch.setattr(runtime_choices, "_model_step", make)
+    return calls
+
+
+@pytest.mark.parametrize("fp32_ms,bf16_ms,turns,expected", [  # turns: 1, or MIN_TURNS and more
+    (4.0, 40.0, 1, "fp32"),   # bf16 10x slower (a CPU without bf16 units): the first turn decides
+    (30.0, 3.0, 1, "bf16"),   # 10x faster
+    (7.0, 4.0, 3, "bf16"),    # 1.75x: near the threshold, every turn is taken
+    (4.0, 5.0, 3, "fp32"),    # 0.8x: not clear of 1.5 / CLEAR_FACTOR
+])
+def test_a_first_turn_far_from_the_threshold_ends_the_measurement(tmp_path, monkeypatch, fp32_ms, bf16_ms, turns,
+                                                                   expected):
+    calls = _spinning_steps(monkeypatch, {"fp32": fp32_ms, "bf16": bf16_ms})
+    cfg = _cfg(tmp_path, precision="auto", peak_flops=5e9)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=VOCAB))
+    choices = runtime_choices.decide(cfg, torch.device("cpu"))
+    assert choices.precision == expected
+    assert calls["fp32"] == calls["bf16"]  # a warm-up, then the timed turns (more for MEASURE_SECONDS)
+    assert calls["fp32"] == 2 if turns == 1 else calls["fp32"] >= 1 + runtime_choices.MIN_TURNS
+
+
+def test_an_explicit_bf16_is_measured_against_its_own_question(tmp_path, monkeypatch):
+    """Is bf16 slower than fp32 at all (threshold 1): 2.7x faster is clear of it; 1.3x slower is not."""
+    for bf16_ms, decided_at_once in [(1.5, True), (5.2, False)]:
+        calls = _spinning_steps(monkeypatch, {"fp32": 4.0, "bf16": bf16_ms})
+        cfg = _cfg(tmp_path, precision="bf16", peak_flops=5e9)
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=VOCAB))
+        runtime_choices.decide(cfg, torch.device("cpu"))
+        assert calls["fp32"] == calls["bf16"], calls
+        assert (calls["fp32"] == 2) == decided_at_once and calls["fp32"] >= 2, (bf16_ms, calls)
+
+
+def test_clearly_decided_needs_the_factor_on_either_side():
+    f = runtime_choices.CLEAR_FACTOR
+    assert runtime_choices.clearly_decided(1.5 * f, 1.5) and runtime_choices.clearly_decided(1.5 / f, 1.5)
+    assert not runtime_choices.clearly_decided(1.5 * f * 0.99, 1.5)
+    assert not runtime_choices.clearly_decided(1.5 / f * 1.01, 1.5)
+
+
 @pytest.mark.parametrize("precision", ["fp32", None])
 def test_an_explicit_precision_wins_without_measuring(tmp_path, monkeypatch, precision):
     asked = _layer_times(monkeypatch, 1.0, 1.0)

@@ -49,6 +49,13 @@ Measured (docs/performance.md): configs/tiny.json's model ran 1.2x faster in bf1
 whole training steps were not faster."""
 MEASURE_SECONDS = 0.4
 """Time budget of each timed measurement (a few of them at start-up: well under 2 s in all)."""
+MIN_TURNS = 3
+"""Timed turns per precision, at the least, when the first turn leaves the choice open."""
+CLEAR_FACTOR = 2.0
+"""A first turn whose fp32 / bf16 ratio lies this many times beyond the threshold (either side) decides alone:
+on a shared machine the thread-time ratio varied by about +-15% from start to start (docs/performance.md), and
+on a CPU without bf16 units (AMD Zen 3) tiny.json's bf16 ran 8.5-9.7x slower in every turn, and the choice
+took 1.03-1.09 s instead of 2.02-2.16 s."""
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -211,7 +218,7 @@ def choose_precision(cfg: RunConfig, device: torch.device, measured: dict[str, A
         return ("bf16" if torch.cuda.is_bf16_supported() else "fp32"), "device"
     if device.type != "cpu":
         return "fp32", "device"
-    seconds = _timed_precisions(cfg, device, "bf16", measured)
+    seconds = _timed_precisions(cfg, device, "bf16", measured, threshold=BF16_MIN_SPEEDUP)
     faster = seconds["fp32"] / seconds["bf16"]
     return ("bf16" if faster >= BF16_MIN_SPEEDUP else "fp32"), "measured"
 
@@ -222,7 +229,7 @@ def warn_if_slower_than_fp32(cfg: RunConfig, device: torch.device, precision: st
     the numbers go into `measured`). Where a CPU has no bf16 matmul units, bf16 runs several times slower than
     fp32 and nothing else would say so; the run keeps the precision it was given. A new run only: a resumed
     one was warned at its first start."""
-    seconds = _timed_precisions(cfg, device, precision, measured)
+    seconds = _timed_precisions(cfg, device, precision, measured, threshold=1.0)
     if seconds[precision] > seconds["fp32"]:
         log.warning("train.precision %s: on this CPU the %s forward+backward measured %.1fx SLOWER in %s than in "
                     "fp32 (%.1f against %.1f ms, one thread); this run trains in %s as configured, slower than it "
@@ -231,11 +238,14 @@ def warn_if_slower_than_fp32(cfg: RunConfig, device: torch.device, precision: st
                     seconds[precision] * 1e3, seconds["fp32"] * 1e3, precision)
 
 
-def _timed_precisions(cfg: RunConfig, device: torch.device, precision: str,
-                      measured: dict[str, Any]) -> dict[str, float]:
-    """time_precisions of fp32 and `precision`, the numbers also written into `measured` (run.json keeps them)."""
+def _timed_precisions(cfg: RunConfig, device: torch.device, precision: str, measured: dict[str, Any], *,
+                      threshold: float) -> dict[str, float]:
+    """time_precisions of fp32 and `precision`, the numbers also written into `measured` (run.json keeps them);
+    the question is whether fp32's time over `precision`'s reaches `threshold`, so a first turn far from it
+    ends the measurement (clearly_decided)."""
     measured["timed"] = "model" if cfg.model.vocab_size is not None else "one layer"
-    seconds = time_precisions(cfg, device, ("fp32", precision))
+    seconds = time_precisions(cfg, device, ("fp32", precision),
+                              decided=lambda best: clearly_decided(best["fp32"] / best[precision], threshold))
     for name, value in seconds.items():
         measured[f"fwd_bwd_s_{name}"] = value
     return seconds
@@ -260,19 +270,26 @@ def choose_attn_impl(cfg: RunConfig, device: torch.device, dtype: torch.dtype,
     return min(seconds, key=seconds.get), "measured"
 
 
+def clearly_decided(ratio: float, threshold: float) -> bool:
+    """Whether a measured ratio is so far from the threshold it is compared with (CLEAR_FACTOR times, either
+    side) that more turns could not move it across."""
+    return ratio >= threshold * CLEAR_FACTOR or ratio <= threshold / CLEAR_FACTOR
+
+
 def time_precisions(cfg: RunConfig, device: torch.device, dtypes: tuple[str, ...] = ("fp32", "bf16"), *,
-                    seconds: float = MEASURE_SECONDS) -> dict[str, float]:
+                    seconds: float = MEASURE_SECONDS,
+                    decided: Callable[[dict[str, float]], bool] | None = None) -> dict[str, float]:
     """Seconds per forward+backward at the run's shapes, per precision name: of the whole model when
     model.vocab_size is known (embeddings and adaptive softmax included), else of one Transformer-XL layer.
 
-    The precisions take turns, repeat after repeat, for about `seconds` (at least three each), and each keeps
-    its best time: a burst of load from other processes then hits both alike instead of the one measured
-    while it lasted. On a CPU the steps run on ONE thread and are timed in that thread's CPU seconds
-    (time.thread_time; a CPU's autograd runs on the calling thread): the time the process spends preempted
-    is not counted, and no thread waits at a barrier for a preempted one. On a shared 2-core machine at load
-    average 10-15, configs/tiny.json's fp32 / bf16 ratio timed by the wall clock on 2 threads ranged
-    0.40-2.38 (8 starts), enough to flip a clear choice, which the run keeps to its end; timed so, 1.24-1.66
-    (docs/performance.md).
+    The precisions take turns, repeat after repeat, for about `seconds` (at least MIN_TURNS each), and each
+    keeps its best time: a burst of load from other processes then hits both alike instead of the one measured
+    while it lasted. `decided`, given the best times after the first turn, may end it there: the caller's question
+    is already answered (clearly_decided). On a CPU the steps run on ONE thread and are timed in that thread's CPU
+    seconds (time.thread_time; a CPU's autograd runs on the calling thread): the time the process spends preempted
+    is not counted, and no thread waits at a barrier for a preempted one. On a shared 2-core machine at load average
+    10-15, configs/tiny.json's fp32 / bf16 ratio timed by the wall clock on 2 threads ranged 0.40-2.38 (8 starts),
+    enough to flip a clear choice, which the run keeps to its end; timed so, 1.24-1.66 (docs/performance.md).
     """
     make_step = _model_step if cfg.model.vocab_size is not None else _layer_step
     on_cpu = device.type == "cpu"
@@ -283,12 +300,14 @@ def time_precisions(cfg: RunConfig, device: torch.device, dtypes: tuple[str, ...
             step()  # warm-up: kernel selection, allocations
         best = dict.fromkeys(steps, float("inf"))
         end, rounds = time.perf_counter() + seconds, 0
-        while rounds < 3 or time.perf_counter() < end:
+        while rounds < MIN_TURNS or time.perf_counter() < end:
             for name, step in steps.items():
                 start = clock()
                 step()
                 best[name] = min(best[name], clock() - start)
             rounds += 1
+            if rounds == 1 and decided is not None and decided(best):
+                break
     return best
 
 
