@@ -62,7 +62,9 @@ from typing import Any, Callable
 import torch
 
 from txl_dist.config import ConfigError, MemorySettings, ModelConfig, load_config, validate_model
+from txl_dist.flops import table_peak
 from txl_dist.model import TransformerXL
+from txl_dist.model.softmax import tail_plan
 from txl_dist.profiling import profiler_activities, ranking_key, top_operators
 from txl_dist.model.attention import (ATTN_IMPLS, attn_bias_from_mask, build_attn_mask, candidate_attn_impls,
                                       flex_block_mask, recompile_limit)
@@ -71,8 +73,6 @@ REPO = Path(__file__).resolve().parents[1]
 JSONL = "gpu_check.jsonl"
 TABLE = "gpu_check_table.txt"
 
-PEAK_BF16_SPEC = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
-"""Dense bf16 tensor-core peak (FLOP/s) by device name fragment, from the vendors' data sheets (SXM parts)."""
 
 # Per phase, in running order: share of the budget (seconds on the GPU); the smoke run gets the same shares
 # of its own. deepspeed runs before train: train can use whatever is left, the trainer run cannot.
@@ -522,13 +522,17 @@ class TrainCase:
         g = torch.Generator().manual_seed(3)
         zipf = 1.0 / torch.arange(1, cfg.vocab_size + 1, dtype=torch.float64)
         tokens = torch.multinomial(zipf, n * batch * cfg.tgt_len + batch, replacement=True, generator=g)
-        tokens = tokens[: n * batch * cfg.tgt_len].view(n, batch, cfg.tgt_len).to(p.device)
+        tokens = tokens[: n * batch * cfg.tgt_len].view(n, batch, cfg.tgt_len)
         labels = tokens.roll(-1, dims=2)
+        # The trainer's path: each micro batch's TailPlan made from the host labels (no host sync in the
+        # adaptive softmax, its tails in "gather" mode).
+        plans = [tail_plan(labels[i].numpy(), cfg.cutoffs, p.device) if cfg.cutoffs else None for i in range(n)]
+        tokens, labels = tokens.to(p.device), labels.to(p.device)
         mems = None
 
         def step(i: int) -> None:
             nonlocal mems
-            out = model(tokens[i], labels[i], mems)
+            out = model(tokens[i], labels[i], mems, tail_plan=plans[i])
             out.nll.float().mean().backward()
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
@@ -577,7 +581,7 @@ class TrainCase:
             p.sync()
         step_s = (time.perf_counter() - start) / steps
         tok_s = batch * cfg.tgt_len / step_s
-        dense = model.crit.resolved_tail_mode(p.device) == "dense"
+        dense = model.crit.resolved_tail_mode(p.device, planned=True) == "dense"
         fpt, counter = flops_per_token(cfg, batch, labels, dense)
         # compile_s: what the warm-up steps took beyond as many steady steps (compiles, autotuning).
         rec = dict(step_ms=round(step_s * 1e3, 2), tokens_per_s=round(tok_s), warmup_s=round(warm_s, 2),
@@ -587,9 +591,9 @@ class TrainCase:
         peak = p.shared.get("peak_bf16")
         if peak:
             rec["mfu_measured_peak"] = round(fpt * tok_s / peak, 4)
-        spec = next((v for k, v in PEAK_BF16_SPEC.items() if k in str(p.shared.get("device_name", ""))), None)
+        spec = table_peak(str(p.shared.get("device_name", "")), torch.bfloat16)  # the product's own table
         if spec:
-            rec["mfu_spec_peak"] = round(fpt * tok_s / spec, 4)
+            rec["mfu_spec_peak"] = round(fpt * tok_s / spec[0], 4)
         if p.device.type == "cuda":
             rec["peak_memory_gib"] = round(torch.cuda.max_memory_allocated(p.device) / 2**30, 2)
         return rec

@@ -92,6 +92,15 @@ def test_peak_table_names_the_datasheet_and_unknown_devices_are_measured():
     assert table_peak("NVIDIA A10", torch.bfloat16)[0] == 125e12
     assert table_peak("Some Future GPU", torch.bfloat16) is None
     assert table_peak("Tesla V100-SXM2-16GB", torch.bfloat16) is None  # no bf16 there: measure
+    assert table_peak("Tesla V100-SXM2-16GB", torch.float16)[0] == 125e12
+    assert table_peak("NVIDIA H100 80GB HBM3", torch.bfloat16)[0] == 989.4e12
+    assert table_peak("NVIDIA H200 NVL", torch.bfloat16)[0] == 835.5e12  # not the SXM part's peak
+    assert table_peak("NVIDIA GH200 480GB", torch.bfloat16)[0] == 989.4e12
+    # Whole words: an L40 is no L4, an A10G no A10 (other peaks, not in the table: measured).
+    assert table_peak("NVIDIA L40", torch.bfloat16) is None
+    assert table_peak("NVIDIA A10G", torch.bfloat16) is None
+    assert table_peak("NVIDIA L40S", torch.bfloat16)[0] == 362.05e12
+    assert table_peak("NVIDIA L4", torch.bfloat16)[0] == 121e12
     value, source = peak_flops("cpu", torch.float32, seconds=0.05)
     assert value > 0 and source.startswith("measured: ")
     assert measure_matmul_peak("cpu", torch.bfloat16, seconds=0.02, sizes=(64,))[1] == 64
@@ -121,3 +130,17 @@ def test_the_cpu_peak_is_one_threads_best_rate_times_the_threads(monkeypatch):
     assert set(threads_seen) == {1}
     assert size == 64 and value == pytest.approx(2 * 64 ** 3 / 1e-3 * 2)
     assert "one cpu thread x 2 thread(s)" in source
+
+
+def test_the_trainers_flops_count_the_tail_mode_its_planned_steps_run():
+    """The trainer passes every micro batch's TailPlan, so its tails are gathered even where "auto" without a
+    plan would score every token in every tail (a GPU, cheap tails): MFU counts the gathered FLOPs."""
+    from txl_dist.trainer import trained_tail_mode
+
+    _, net = _model("auto", div_val=4, cutoffs=[150])
+    gpu = torch.device("cuda")  # a device object only: the rule reads its type
+    assert net.crit.resolved_tail_mode(gpu) == "dense"  # what the count used to take
+    assert trained_tail_mode(net.crit, gpu) == "gather"
+    assert trained_tail_mode(net.crit, torch.device("cpu")) == "gather"
+    net.crit.tail_mode = "dense"  # an explicit mode is what the steps run
+    assert trained_tail_mode(net.crit, gpu) == "dense"

@@ -191,6 +191,27 @@ def test_an_explicit_bf16_on_a_cpu_is_kept_and_named_when_it_is_slower_than_fp32
     assert resumed.precision == "bf16" and asked == []
 
 
+def test_a_recorded_flex_that_cannot_train_with_this_config_is_chosen_again(tmp_path, monkeypatch, caplog):
+    """A resumed run that raised model.dropatt can no longer train with the FlexAttention its first start chose
+    (no attention dropout): start-up chooses again, with one warning, instead of the model refusing it after
+    start-up. Evaluation keeps the recorded flex (no dropout there)."""
+    _layer_times(monkeypatch, 1.0, 5.0)
+    timed = []
+    monkeypatch.setattr("txl_dist.model.attention.time_attn_impls",
+                        lambda names, **_: timed.append(names) or {n: 1.0 + i for i, n in enumerate(names)})
+    cfg = _cfg(tmp_path, precision="auto", peak_flops=5e9)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dropatt=0.1))
+    recorded = {"device_type": "cpu", "precision": "fp32", "attn_impl": "flex"}
+    with caplog.at_level("WARNING", logger=runtime_choices.log.name):
+        choices = runtime_choices.decide(cfg, torch.device("cpu"), recorded)
+    assert (choices.attn_impl, choices.origin["attn_impl"]) == ("matmul", "measured") and timed
+    lines = [r.getMessage() for r in caplog.records if "attn_impl 'flex'" in r.getMessage()]
+    assert len(lines) == 1 and "model.dropatt is now 0.1: choosing again" in lines[0], lines
+    assert choices.precision == "fp32" and choices.origin["precision"] == "checkpoint"
+    evaluation = runtime_choices.decide(cfg, torch.device("cpu"), recorded, peak=False, training=False)
+    assert (evaluation.attn_impl, evaluation.origin["attn_impl"]) == ("flex", "checkpoint")
+
+
 def test_a_recorded_choice_is_reused_on_the_same_device_type_only(tmp_path, monkeypatch):
     asked = _layer_times(monkeypatch, 1.0, 5.0)  # a new measurement would say fp32
     cfg = _cfg(tmp_path, precision="auto")

@@ -123,7 +123,9 @@ def build_engine(model_fn: Callable[[], nn.Module], ds_config: dict[str, Any], *
             _reinitialize(model, seed)
     else:
         model = model_fn()
-        _reinitialize(model, seed)  # the same draws as under ZeRO-3: weights depend on the seed alone
+        # The same draws as under ZeRO-3 on a CPU: weights depend on the seed alone. On a GPU zero.Init's
+        # gathered weights are on the device, whose generator draws other values (docs/checkpoints.md).
+        _reinitialize(model, seed)
     if "activation_checkpointing" in ds_config and compile_layers:
         model.set_activation_checkpointing(None)  # None: torch's non-reentrant checkpoint
     elif "activation_checkpointing" in ds_config:

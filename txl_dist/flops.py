@@ -28,6 +28,7 @@ machine.
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -149,10 +150,11 @@ def flops_per_token(cfg: ModelConfig, *, micro_batch: int, cluster_shares: Seque
 # Peak FLOP/s
 
 # Dense (no structured sparsity) tensor-core peaks per GPU, FLOP/s, from NVIDIA's datasheets; "fp32" is
-# the plain FP32 peak (torch does not use TF32 for matmuls unless asked). The first matching name wins,
-# so the longer names come first.
+# the plain FP32 peak (torch does not use TF32 for matmuls unless asked). A name matches whole words of the
+# device's name (table_peak), and the first match wins, so the longer names come first.
 PEAK_TABLE: tuple[tuple[str, dict[str, float], str], ...] = (
     ("GH200", {"bf16": 989.4e12, "fp16": 989.4e12, "fp32": 66.9e12}, "NVIDIA GH200 datasheet (H100 SXM GPU)"),
+    ("H200 NVL", {"bf16": 835.5e12, "fp16": 835.5e12, "fp32": 60.0e12}, "NVIDIA H200 datasheet (NVL)"),
     ("H200", {"bf16": 989.4e12, "fp16": 989.4e12, "fp32": 66.9e12}, "NVIDIA H200 datasheet (SXM)"),
     ("H100 NVL", {"bf16": 835.5e12, "fp16": 835.5e12, "fp32": 60.0e12}, "NVIDIA H100 datasheet (NVL)"),
     ("H100 PCIe", {"bf16": 756.5e12, "fp16": 756.5e12, "fp32": 51.2e12}, "NVIDIA H100 datasheet (PCIe)"),
@@ -169,14 +171,22 @@ _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "f
 
 
 def table_peak(device_name: str, dtype: torch.dtype) -> tuple[float, str] | None:
-    """(FLOP/s, source) of PEAK_TABLE for a device name (torch.cuda.get_device_name) and dtype, or None."""
+    """(FLOP/s, source) of PEAK_TABLE for a device name (torch.cuda.get_device_name) and dtype, or None.
+    Names match as whole words ("NVIDIA A100-SXM4-80GB" is an A100): as text, "L4" was in "NVIDIA L40" and
+    "A10" in "NVIDIA A10G", GPUs of other peaks; an unknown one is measured instead."""
     precision = _DTYPE_NAMES.get(dtype)
+    words = _words(device_name)
     for key, peaks, source in PEAK_TABLE:
-        if key.lower() in device_name.lower():
+        name = _words(key)
+        if any(words[i:i + len(name)] == name for i in range(len(words) - len(name) + 1)):
             if precision in peaks:
                 return peaks[precision], f"{source}, dense {precision}"
             return None
     return None
+
+
+def _words(name: str) -> list[str]:
+    return re.findall(r"[a-z0-9]+", name.lower())
 
 
 def peak_flops(device: torch.device | str, dtype: torch.dtype = torch.bfloat16, *,

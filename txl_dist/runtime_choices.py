@@ -96,15 +96,16 @@ class RunChoices:
         return DTYPES[self.precision]
 
 
-def agree(cfg: RunConfig, env: DistEnv, recorded: dict[str, Any] | None = None, *, peak: bool = True) -> RunChoices:
+def agree(cfg: RunConfig, env: DistEnv, recorded: dict[str, Any] | None = None, *, peak: bool = True,
+          training: bool = True) -> RunChoices:
     """The run's choices, decided on rank 0 and the same on every rank (collective; failures agreed).
 
     recorded: the "run_choices" of the checkpoint being resumed (None for a new run). peak: also find the
-    peak FLOP/s (training; evaluation does not report MFU).
+    peak FLOP/s (training; evaluation does not report MFU). training: the choices are for training steps.
     """
     device = distributed.device_for(env)
-    decided = distributed.together(lambda: decide(cfg, device, recorded, peak=peak, world_size=env.world_size)
-                                   if env.is_main else None)
+    decided = distributed.together(lambda: decide(cfg, device, recorded, peak=peak, world_size=env.world_size,
+                                                  training=training) if env.is_main else None)
     choices = distributed.broadcast_object(decided)
     log.info("run-time choices: %s", describe(choices))
     return choices
@@ -118,7 +119,7 @@ def apply(cfg: RunConfig, choices: RunChoices) -> RunConfig:
 
 
 def decide(cfg: RunConfig, device: torch.device, recorded: dict[str, Any] | None = None, *,
-           peak: bool = True, world_size: int = 1) -> RunChoices:
+           peak: bool = True, world_size: int = 1, training: bool = True) -> RunChoices:
     """The choices for a run on `device` (one process; `agree` runs this on rank 0 only)."""
     reuse = recorded if recorded and recorded.get("device_type") == device.type else None
     if recorded and reuse is None:
@@ -140,9 +141,12 @@ def decide(cfg: RunConfig, device: torch.device, recorded: dict[str, Any] | None
 
     if cfg.model.attn_impl != "auto":
         attn_impl, origin["attn_impl"] = cfg.model.attn_impl, "config"
-    elif reuse is not None:
+    elif reuse is not None and (unfit := _unfit_attn_impl(cfg, device, DTYPES[precision], reuse["attn_impl"],
+                                                          training)) is None:
         attn_impl, origin["attn_impl"] = reuse["attn_impl"], "checkpoint"
     else:
+        if reuse is not None:
+            log.warning("the checkpoint's model.attn_impl %r %s: choosing again", reuse["attn_impl"], unfit)
         attn_impl, origin["attn_impl"] = choose_attn_impl(cfg, device, DTYPES[precision], measured)
 
     kind = device_kind(device, precision, world_size)
@@ -249,6 +253,19 @@ def _timed_precisions(cfg: RunConfig, device: torch.device, precision: str, meas
     for name, value in seconds.items():
         measured[f"fwd_bwd_s_{name}"] = value
     return seconds
+
+
+def _unfit_attn_impl(cfg: RunConfig, device: torch.device, dtype: torch.dtype, name: str,
+                     training: bool) -> str | None:
+    """Why a recorded attention implementation cannot serve this job, or None when it can: a resumed run may
+    have raised model.dropatt, which FlexAttention does not have (the model would refuse it after start-up)."""
+    from .model import attention
+
+    if not training or name in attention.candidate_attn_impls(device, dtype, training=True, dropatt=cfg.model.dropatt):
+        return None
+    if name == "flex" and cfg.model.dropatt > 0:
+        return f"has no attention dropout and model.dropatt is now {cfg.model.dropatt}"
+    return f"is not one this job may train with on {device.type}"
 
 
 def choose_attn_impl(cfg: RunConfig, device: torch.device, dtype: torch.dtype,

@@ -708,7 +708,7 @@ def start_evaluation(choice: EvalChoice, env: DistEnv, split: str | None = None,
         hold = _together(lambda: _hold_rank_zeros_tag(choice, tag_dir, env))
         # "auto" in an evaluation config means what the checkpoint's run chose (or a fresh decision when the
         # checkpoint recorded none, or was made on another device type).
-        choices = runtime_choices.agree(cfg, env, run_info.get("run_choices"), peak=False)
+        choices = runtime_choices.agree(cfg, env, run_info.get("run_choices"), peak=False, training=False)
         cfg = runtime_choices.apply(cfg, choices)
         resolved, evaluator, split = _together(lambda: _eval_local_checks(cfg, run_info, tag_dir, split, env))
         _verified([tag_dir], env, fallback=False)

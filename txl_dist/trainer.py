@@ -88,7 +88,7 @@ class Trainer:
         self.tokens_per_step = cfg.n_streams() * cfg.model.tgt_len
         self.flops_per_token = flops_per_token(cfg.model, micro_batch=cfg.micro_batch(),
                                                cluster_shares=start.cluster_shares,
-                                               tail_mode=engine.module.crit.resolved_tail_mode(engine.device))
+                                               tail_mode=trained_tail_mode(engine.module.crit, engine.device))
         """Model FLOPs per trained token, forward + backward (txl_dist/flops.py)."""
         self.peak_flops = start.choices.peak_flops * env.world_size if start.choices else 0.0
         """Peak FLOP/s of all ranks' devices together: the denominator of train/mfu."""
@@ -416,6 +416,13 @@ def mlflow_status(run_id: str | None, status: str | None = None) -> str:
     if not run_id:
         return "MLflow off"
     return f"MLflow run {run_id}" + (f" ({status})" if status else "")
+
+
+def trained_tail_mode(crit, device: torch.device) -> str:
+    """The adaptive softmax's tail mode in this trainer's steps, which always pass the micro batch's TailPlan
+    (batch_to_device): "gather" unless model.tail_mode says otherwise. Without a plan "auto" may mean "dense"
+    on a GPU, where every tail scores every token: FLOPs the steps do not compute."""
+    return crit.resolved_tail_mode(device, planned=True)
 
 
 def _weights_finite(engine) -> bool:
