@@ -300,3 +300,28 @@ def train_jobs(jobs: list[tuple[dict, str]]) -> list[dict]:
         distributed.destroy_process_group()
 
 
+
+
+def without_cuda_toolkit(monkeypatch, torch_cuda: str = "13.0") -> None:
+    """Make txl_dist.engine see DeepSpeed's FusedAdam as the CUDA op it is on a GPU (this machine's
+    accelerator is the CPU, whose FusedAdam is a C++ op), on a machine without a CUDA toolkit (CUDA_HOME
+    unset, as with a pip-installed CUDA torch) and with torch built for CUDA `torch_cuda`."""
+    from deepspeed.ops.op_builder import builder as op_builder
+
+    from txl_dist import engine
+
+    class CudaFusedAdam(op_builder.CUDAOpBuilder):
+        NAME = "fused_adam"
+
+        def __init__(self):  # DeepSpeed's would ask the accelerator for its compute capabilities
+            self.name = self.NAME
+
+        def absolute_name(self):
+            return f"deepspeed.ops.adam.{self.NAME}_op"
+
+        def sources(self):
+            return []
+
+    monkeypatch.setattr(engine, "_op_builder", lambda name: CudaFusedAdam() if name == "FusedAdamBuilder" else None)
+    monkeypatch.setattr("torch.utils.cpp_extension.CUDA_HOME", None)
+    monkeypatch.setattr("torch.version.cuda", torch_cuda)

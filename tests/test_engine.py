@@ -2,6 +2,7 @@
 import copy
 
 import numpy as np
+import pytest
 import torch
 
 from dist_helpers import run_ranks
@@ -302,8 +303,10 @@ def test_the_optimizer_op_deepspeed_would_build_is_known_from_the_config():
     def builder(name):
         return eng.optimizer_op_builder(load_config(REPO / "configs" / f"{name}.json").deepspeed_config(1))
 
-    assert [builder(name) for name in ("ptb", "wt103_base", "large", "enwik8_large")] == ["FusedAdamBuilder"] * 4
-    assert builder("tiny") is None and builder("ptb_cpu") is None  # "torch_adam": torch's AdamW
+    # Every preset takes torch's AdamW ("torch_adam"): nothing for DeepSpeed to compile at the first start.
+    presets = sorted(p.stem for p in (REPO / "configs").glob("*.json"))
+    assert len(presets) >= 8 and [builder(name) for name in presets] == [None] * len(presets)
+    assert eng.optimizer_op_builder({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}) == "FusedAdamBuilder"
     offload = {"optimizer": {"type": "Adam"}, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
     assert eng.optimizer_op_builder(offload) == "CPUAdamBuilder"
     assert eng.optimizer_op_builder({"optimizer": {"type": "Lamb"}}) == "FusedLambBuilder"
@@ -334,6 +337,43 @@ def test_a_build_is_announced_only_when_the_op_is_not_cached(tmp_path, monkeypat
         assert len(lines) == 1
     finally:
         logger.removeHandler(handler)
+
+
+def test_a_cuda_op_deepspeed_cannot_compile_here_is_refused_before_any_work(tmp_path, monkeypatch):
+    """The GPU presets' FusedAdam is compiled by DeepSpeed at the first start: with no CUDA toolkit (a
+    pip-installed CUDA torch brings no nvcc) or one of another CUDA version than torch's, deepspeed.initialize
+    would fail on every rank with a traceback. Refused at the config checks instead, in DeepSpeed's own words,
+    naming torch_adam. A CUDA builder stands in for the GPU's (this machine's accelerator is the CPU)."""
+    from deepspeed.ops.op_builder import builder as op_builder
+
+    from dist_helpers import without_cuda_toolkit
+    from txl_dist import engine as eng
+    from txl_dist.config import ConfigError
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    without_cuda_toolkit(monkeypatch, torch_cuda="13.0")
+    ds = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    with pytest.raises(ConfigError) as refused:
+        eng.check_optimizer_op_available(ds)
+    line = str(refused.value)
+    assert line.startswith("deepspeed.optimizer: 'AdamW' needs DeepSpeed's FusedAdam op, which DeepSpeed would "
+                           "compile for this GPU at start-up and cannot: CUDA_HOME does not exist"), line
+    assert '"torch_adam": true' in line and "\n" not in line
+
+    # A toolkit of another CUDA major version than torch's.
+    monkeypatch.setattr(op_builder, "installed_cuda_version", lambda name="": (12, 4))
+    with pytest.raises(ConfigError, match=r"cannot: DeepSpeed Op Builder: Installed CUDA version 12.4 does not match "
+                                          r"the version torch was compiled with 13.0"):
+        eng.check_optimizer_op_available(ds)
+    # Nothing to compile: torch's AdamW, or the op already built into torch's extension cache.
+    eng.check_optimizer_op_available({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}})
+    (tmp_path / "fused_adam").mkdir(exist_ok=True)
+    (tmp_path / "fused_adam" / "fused_adam.so").write_bytes(b"")
+    eng.check_optimizer_op_available(ds)
+    (tmp_path / "fused_adam" / "fused_adam.so").unlink()
+    # A matching toolkit can compile it.
+    monkeypatch.setattr(op_builder, "installed_cuda_version", lambda name="": (13, 0))
+    eng.check_optimizer_op_available(ds)
 
 
 class _StopAtInitialize(Exception):

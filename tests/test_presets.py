@@ -3,11 +3,8 @@ ZeRO stage, activation checkpointing, LR schedule), its train and checkpoint set
 settings (the paper's mem_len 1600 / 3800, clamp_len, same_length), shrunk to a toy model on a toy corpus: 3
 steps on one CPU rank, then the final evaluations (3 segments each). Config checks alone missed that
 three presets could not start (DeepSpeed's WarmupCosineLR refused their warmup_num_steps 0 inside
-deepspeed.initialize).
-
-The GPU presets' AdamW is DeepSpeed's FusedAdam, which on a CPU is an op DeepSpeed compiles on first use (1.5-4
-minutes on 2 cores, the suite's longest single wait): these runs take torch's AdamW ("torch_adam": true) with
-the preset's own params, which tests/test_deepspeed_config.py checks against FusedAdam's arguments."""
+deepspeed.initialize). Each trains with its own optimizer: torch's fused AdamW ("torch_adam": true), which
+DeepSpeed need not compile."""
 from __future__ import annotations
 
 import os
@@ -23,8 +20,7 @@ TOY = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.d_head=16
        "model.d_embed=null", "model.vocab_size=null", "model.cutoffs=[20,40]", "model.div_val=1", "model.tgt_len=8",
        "model.mem_len=8", "eval.max_segments=3", "tracking.enabled=false",
        "train.max_steps=3", "train.log_interval=1", "eval.interval=0", "checkpoint.interval=0",
-       "deepspeed.train_batch_size=4", "deepspeed.train_micro_batch_size_per_gpu=2",
-       "deepspeed.optimizer.params.torch_adam=true"]
+       "deepspeed.train_batch_size=4", "deepspeed.train_micro_batch_size_per_gpu=2"]
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ import logging
 import os
 import re
 import shutil
+import tempfile
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -173,6 +174,11 @@ class Scene:
     def launcher(self, **variables: str) -> None:
         for name, value in variables.items():
             self._monkeypatch.setenv(name, value)
+
+    @property
+    def monkeypatch(self):
+        """The case's pytest monkeypatch (for stand-ins of what this machine lacks, e.g. a GPU's toolkit)."""
+        return self._monkeypatch
 
     def after_the_case(self, fn: Callable[[], None]) -> None:
         self._request.addfinalizer(fn)
@@ -465,6 +471,19 @@ def _(s):
 @case("deepspeed.optimizer-op-missing-on-this-device")
 def _(s):
     s.train(None, "--set", 'deepspeed.optimizer={"type": "Lamb", "params": {"lr": 0.001}}')
+
+
+@case("deepspeed.optimizer-op-cannot-compile")
+def _(s):
+    from dist_helpers import without_cuda_toolkit
+
+    without_cuda_toolkit(s.monkeypatch, torch_cuda="13.0")
+    # An empty extension cache (no op built by an earlier start), outside the case's folder: looking it up
+    # creates the op's folder there, as torch's build would.
+    cache = tempfile.mkdtemp(prefix="torch-extensions-")
+    s.after_the_case(lambda: shutil.rmtree(cache, ignore_errors=True))
+    s.launcher(TORCH_EXTENSIONS_DIR=cache)
+    s.train(None, "--set", 'deepspeed.optimizer={"type": "AdamW", "params": {"lr": 0.001}}')
 
 
 case("deepspeed.unknown-key.zero_optimization")(train_with(deepspeed={"zero_optimization": {"overlap_com": True}}))

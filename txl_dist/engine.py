@@ -160,13 +160,42 @@ def announce_optimizer_op_build(ds_config: dict[str, Any]) -> str | None:
 
 def check_optimizer_op_available(ds_config: dict[str, Any]) -> None:
     """Refuse an optimizer whose DeepSpeed op this accelerator lacks (Lamb's and Lion's fused CUDA ops on a
-    CPU): deepspeed.initialize would fail with it after the model is built."""
+    CPU), or whose CUDA op DeepSpeed would have to build here and cannot (no CUDA toolkit, or one of another
+    CUDA version than torch's): deepspeed.initialize would fail with it after the model is built, on every
+    rank, with a traceback."""
     builder_name = optimizer_op_builder(ds_config)
-    if builder_name is not None and _op_builder(builder_name) is None:
-        kind, op = (ds_config.get("optimizer") or {}).get("type"), builder_name.removesuffix("Builder")
+    if builder_name is None:
+        return
+    kind, op = (ds_config.get("optimizer") or {}).get("type"), builder_name.removesuffix("Builder")
+    if _op_builder(builder_name) is None:
         raise ConfigError(f"deepspeed.optimizer.type: {kind!r} needs DeepSpeed's {op} op, which the "
                           f"{get_accelerator().device_name()} accelerator lacks; use AdamW (\"torch_adam\": true) or a "
                           "torch.optim class")
+    why = cuda_op_build_problem(builder_name)
+    if why is not None:
+        raise ConfigError(f"deepspeed.optimizer: {kind!r} needs DeepSpeed's {op} op, which DeepSpeed would compile "
+                          f"for this GPU at start-up and cannot: {why}; set \"torch_adam\": true in "
+                          "deepspeed.optimizer.params (torch's fused AdamW: nothing to compile), or make CUDA_HOME a "
+                          f"CUDA toolkit of torch's version ({torch.version.cuda}) with nvcc")
+
+
+def cuda_op_build_problem(builder_name: str) -> str | None:
+    """Why DeepSpeed cannot JIT-compile its CUDA op `builder_name` here (its own checks: CUDA_HOME with an nvcc
+    of torch's CUDA version, ninja), or None: nothing to compile (installed, cached, not a CUDA op) or it can.
+    A pip-installed CUDA torch brings no nvcc, and a cluster's default toolkit is often of another version."""
+    from deepspeed.ops.op_builder import builder as op_builder
+
+    builder = _op_builder(builder_name)
+    if not isinstance(builder, op_builder.CUDAOpBuilder) or op_to_build(builder_name) is None:
+        return None
+    try:
+        op_builder.assert_no_cuda_mismatch(builder.name)
+        from torch.utils.cpp_extension import verify_ninja_availability
+
+        verify_ninja_availability()
+    except Exception as e:  # noqa: BLE001 - DeepSpeed's and torch's reasons, in their words
+        return " ".join(str(e).lstrip(">- ").split()) or type(e).__name__
+    return None
 
 
 def _op_builder(builder_name: str):
