@@ -4,6 +4,7 @@ refuses bad arguments with one line and generates text from a checkpoint of a re
 nothing but the samples on stdout."""
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -14,12 +15,14 @@ import sys
 
 import pytest
 import torch
+from torch.nn.attention.flex_attention import flex_attention
 
 from dist_helpers import REPO, run_ranks, tiny_config
+import txl_dist.model.attention as attention
 from txl_dist.config import MemorySettings, ModelConfig
 from txl_dist.errors import EXIT_REFUSED
-from txl_dist.generation import (GenerationError, GenerationSession, SamplingSettings, filter_top_k, filter_top_p,
-                                 generate, next_tokens)
+from txl_dist.generation import (GenerationError, GenerationSession, SamplingSettings, decoding_attn_impl,
+                                 filter_top_k, filter_top_p, generate, next_tokens)
 from txl_dist.model import TransformerXL
 
 VOCAB = 50
@@ -127,6 +130,63 @@ def test_stop_id_ends_each_sample_after_it(model):
         cut = full.index(7) + 1 if 7 in full else len(full)
         assert s == full[:cut]
     assert any(s[-1] == 7 for s in samples), "the test needs a sample that stops"
+
+
+
+def with_attn_impl(model: TransformerXL, attn_impl: str) -> TransformerXL:
+    """A copy of model (same weights) whose forwards use attn_impl, as a run that chose it has."""
+    twin = copy.deepcopy(model)
+    twin.attn_impl = attn_impl
+    return twin
+
+
+def test_decoding_attn_impl_replaces_only_flex():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert decoding_attn_impl("flex", cpu, torch.float32) == "matmul"
+    assert decoding_attn_impl("flex", cuda, torch.bfloat16) == "matmul"
+    assert decoding_attn_impl("flex", cpu, torch.bfloat16) in ("matmul", "sdpa")  # auto's choice for this CPU
+    for name in ("auto", "matmul", "sdpa", "reference"):
+        assert decoding_attn_impl(name, cpu, torch.float32) == name == decoding_attn_impl(name, cuda, torch.bfloat16)
+
+
+def test_a_flex_model_decodes_without_flex_exactly_like_matmul(sharp_model, monkeypatch):
+    """A run that chose flex: its compiled kernel has static shapes, and decoding brings a new key length with
+    every token (a compile each, then an eager fallback). The session decodes with another implementation of
+    the same math: flex is never called, and the tokens and log-probs are those of a matmul model."""
+    flex_calls = []
+    # Counts every call of the compiled flex_attention; hands out the eager one, so nothing compiles regardless.
+    monkeypatch.setattr(attention, "_compiled_flex_attention", lambda: flex_calls.append(1) or flex_attention)
+    flex, matmul = with_attn_impl(sharp_model, "flex"), with_attn_impl(sharp_model, "matmul")
+    impls_seen = []
+    flex.register_forward_pre_hook(lambda module, args, kwargs: impls_seen.append(kwargs.get("attn_impl")),
+                                   with_kwargs=True)
+    prompt = [3, 4, 5, 6, 7]
+    # mem_len 12 < 5 + 24 tokens: the memory grows one token per forward, then stays full.
+    kwargs = dict(num_samples=3, seed=7, mem_len=12, chunk_len=2)
+    for settings in (SamplingSettings(greedy=True), SamplingSettings(temperature=0.9, top_k=20)):
+        samples = generate(flex, prompt, 24, settings, **kwargs)
+        assert samples == generate(matmul, prompt, 24, settings, **kwargs)
+        assert len({tuple(s) for s in samples}) > 1 or settings.greedy  # seeded samples that differ
+    sessions = [GenerationSession(m, mem_len=12, chunk_len=2, seed=3) for m in (flex, matmul)]
+    for session in sessions:
+        session.feed(prompt)
+        session.sample(8, SamplingSettings(temperature=0.9))
+    assert torch.equal(sessions[0].next_log_probs, sessions[1].next_log_probs)
+    assert flex_calls == [] and set(impls_seen) == {"matmul"}
+    assert flex.attn_impl == "flex"  # the model's own choice, for its other callers
+
+
+def test_each_forward_is_told_its_implementation_and_the_model_keeps_its_own(sharp_model):
+    """The session passes the decoding implementation to every forward (no attribute of a model that other
+    callers share is switched); any choice but flex is the session's too."""
+    for impl, expected in [("flex", "matmul"), ("sdpa", "sdpa"), ("matmul", "matmul")]:
+        model = with_attn_impl(sharp_model, impl)
+        seen = []
+        model.register_forward_pre_hook(lambda module, args, kwargs: seen.append(kwargs.get("attn_impl")),
+                                        with_kwargs=True)
+        generate(model, [1, 2, 3], 4, SamplingSettings(greedy=True), chunk_len=2)
+        assert seen and set(seen) == {expected}, (impl, seen)
+        assert model.attn_impl == impl
 
 
 def test_top_k_keeps_the_k_largest():

@@ -5,6 +5,8 @@ plain reference on the GPU, forward and backward: fp32 (TF32 off) within 1e-4, b
 FlexAttention's backward exists only here (a CPU has none), and so do compiled layers on CUDA. A training micro
 step with a tail plan runs under torch.cuda.set_sync_debug_mode("error"): no host sync at all.
 
+SDPA trains with cuDNN attention first in torch's order (as on H100/H200): its mask needs a gradient.
+
 The device check (bench/gpu_check.py, phase cuda_tests) runs this file in its own time box, the tests without
 flex first and then flex's: the tests that compile (flex's, the compiled layers) come last in each part.
 """
@@ -13,13 +15,18 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import flex_attention
 
+import txl_dist.model.attention as attention
 from txl_dist.config import ModelConfig
+from txl_dist.generation import SamplingSettings, generate
 from txl_dist.host_copy import to_device
 from txl_dist.model import TransformerXL
 from txl_dist.model.softmax import tail_plan
 from txl_dist.model.attention import (attn_bias_from_mask, build_attn_mask, flex_block_mask, rel_attention_flex,
-                                      rel_attention_reference)
+                                      rel_attention_reference, rel_attention_sdpa)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -169,6 +176,71 @@ def test_cuda_padded_model_gives_the_unpadded_numbers(dtype):
     ids = torch.randint(0, 500, (3, 33), device="cuda", generator=torch.Generator("cuda").manual_seed(5))
     with torch.no_grad():
         torch.testing.assert_close(two_segments(padded, ids), two_segments(model, ids), **TOLERANCES[dtype])
+
+
+CUDNN_FIRST = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+"""torch's order on SM 9.0/10.0 with a recent cuDNN (H100, H200, B200), imposed on whatever GPU runs the tests."""
+
+
+def sdpa_inputs(dtype, seed, qlen=64, mlen=64, mem_len=64, same_length=False):
+    g = torch.Generator("cuda").manual_seed(seed)
+    bsz, n_head, d_head, klen = 2, 4, 32, qlen + mlen
+    hd = n_head * d_head
+    shapes = dict(q=(bsz, qlen, hd), kv=(bsz, klen, 2 * hd), r_head_k=(klen, hd), r_w_bias=(n_head, d_head),
+                  r_r_bias=(n_head, d_head))
+    x = {k: (torch.randn(*s, device="cuda", generator=g) * 0.5).to(dtype).requires_grad_() for k, s in shapes.items()}
+    mask = build_attn_mask(qlen, mlen, mem_len, same_length, torch.device("cuda"))
+    return x, mask
+
+
+def test_cuda_cudnn_attention_gives_a_float_mask_no_gradient():
+    # Why rel_attention_sdpa restricts its kernels (sdpa_backends): where cuDNN attention takes these inputs,
+    # SDPA with a mask that needs a gradient fails. Skipped where cuDNN attention cannot run them.
+    q, k, v = (torch.randn(2, 4, 64, 32, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    mask = torch.randn(2, 4, 64, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    if not torch.backends.cuda.can_use_cudnn_attention(torch.backends.cuda.SDPAParams(q, k, v, mask, 0.0, False,
+                                                                                       False)):
+        pytest.skip("cuDNN attention cannot run these inputs on this device or build")
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION), pytest.raises(RuntimeError, match="attn_bias"):
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask).sum().backward()
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_sdpa_trains_with_cudnn_attention_first(dtype, compiled):
+    # The mask holds the position term: its gradient reaches q, r_head_k and r_r_bias. With cuDNN first in
+    # torch's order the memory-efficient kernel (sdpa_backends) must run it, eagerly and in a compiled layer.
+    x, mask = sdpa_inputs(dtype, seed=6, same_length=True, mem_len=48)
+    x32 = {k: v.detach().float().requires_grad_() for k, v in x.items()}
+    ref = rel_attention_reference(**x32, attn_bias=attn_bias_from_mask(mask, torch.float32))
+    grad_out = torch.randn(ref.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(7))
+    ref_grads = torch.autograd.grad(ref, list(x32.values()), grad_out)
+    if compiled:
+        torch._dynamo.reset()
+    fn = torch.compile(rel_attention_sdpa, fullgraph=True, dynamic=False) if compiled else rel_attention_sdpa
+    with sdpa_kernel(CUDNN_FIRST, set_priority=True):
+        got = fn(**x, attn_bias=attn_bias_from_mask(mask, dtype))
+        got_grads = torch.autograd.grad(got, list(x.values()), grad_out.to(dtype))
+        with torch.no_grad():  # no gradient needed: torch's own choice (cuDNN where it can) stays allowed
+            no_grad = fn(**{k: v.detach() for k, v in x.items()}, attn_bias=attn_bias_from_mask(mask, dtype))
+    assert rel_err(got, ref) < REL_TOL[dtype] and rel_err(no_grad, ref) < REL_TOL[dtype]
+    for name, g_got, g_ref in zip(x, got_grads, ref_grads):
+        assert rel_err(g_got, g_ref) < REL_TOL[dtype], name
+
+
+def test_cuda_flex_model_generates_without_flex(monkeypatch):
+    # A run that chose flex (bf16 on CUDA, what training picks): decoding brings a new key length per token, so
+    # the session must decode with another implementation; the eager flex_attention handed out here only keeps
+    # a failure from compiling per token before the count shows it.
+    flex_calls = []
+    monkeypatch.setattr(attention, "_compiled_flex_attention", lambda: flex_calls.append(1) or flex_attention)
+    flex, matmul = (make_model().eval().to(torch.bfloat16) for _ in range(2))  # the same seeded weights
+    flex.attn_impl, matmul.attn_impl = "flex", "matmul"
+    kwargs = dict(num_samples=4, seed=3, mem_len=24, chunk_len=4)
+    for settings in (SamplingSettings(greedy=True), SamplingSettings(temperature=0.9, top_k=50)):
+        got = generate(flex, [1, 2, 3, 4, 5], 40, settings, **kwargs)
+        assert got == generate(matmul, [1, 2, 3, 4, 5], 40, settings, **kwargs)
+    assert flex_calls == [] and flex.attn_impl == "flex"
 
 
 @pytest.mark.parametrize("impl", ["matmul", "flex"])

@@ -3,14 +3,19 @@ import math
 
 import pytest
 import torch
-
+import torch.nn.functional as F
+from functorch.compile import make_boxed_func
+from torch._functorch.aot_autograd import aot_module_simplified
+from torch.nn.attention import SDPBackend
 from torch.nn.attention.flex_attention import create_mask
+
+import txl_dist.model.attention as attention
 
 from txl_dist.config import ConfigError, ModelConfig, validate_model
 from txl_dist.model.attention import (ATTN_IMPLS, attn_bias_from_mask, build_attn_mask, candidate_attn_impls,
                                       flex_block_mask, rel_attention_flex, rel_attention_matmul,
                                       rel_attention_reference, rel_attention_sdpa, rel_shift, resolve_attn_impl,
-                                      time_attn_impls)
+                                      sdpa_backends, time_attn_impls)
 
 FAST = {"matmul": rel_attention_matmul, "sdpa": rel_attention_sdpa}
 
@@ -143,6 +148,115 @@ def test_resolve_attn_impl():
     with pytest.raises(ValueError, match="attn_impl 'flash' is unknown"):
         resolve_attn_impl("flash", torch.device("cpu"))
 
+
+
+# ---- SDPA: the kernels it may use. On CUDA a mask that needs grad must never reach cuDNN attention (no gradient
+# for the mask: "not differentiable with respect to argument 'attn_bias'") or flash (no arbitrary mask). ----
+
+def test_sdpa_backends_restrict_only_a_cuda_mask_that_needs_grad():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert sdpa_backends(cuda, mask_needs_grad=True) == [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    assert sdpa_backends(cuda, mask_needs_grad=False) is None
+    assert sdpa_backends(torch.device("cuda", 1), mask_needs_grad=True) == sdpa_backends(cuda, True)
+    for needs_grad in (False, True):  # a CPU keeps torch's choice: its flash kernel serves no-grad forwards
+        assert sdpa_backends(cpu, mask_needs_grad=needs_grad) is None
+
+
+def _enabled_sdpa_backends() -> set[str]:
+    flags = torch.backends.cuda  # the global switches sdpa_kernel sets; the CPU dispatcher reads them too
+    switches = {"flash": flags.flash_sdp_enabled(), "efficient": flags.mem_efficient_sdp_enabled(),
+                "math": flags.math_sdp_enabled(), "cudnn": flags.cudnn_sdp_enabled()}
+    return {name for name, on in switches.items() if on}
+
+
+ALL_SDPA_BACKENDS = {"flash", "efficient", "math", "cudnn"}
+
+
+def _as_if_on_cuda(monkeypatch):
+    """rel_attention_sdpa on a CPU, deciding its kernels as it would on CUDA."""
+    decide = attention.sdpa_backends
+    monkeypatch.setattr(attention, "sdpa_backends",
+                        lambda device, mask_needs_grad: decide(torch.device("cuda"), mask_needs_grad))
+
+
+def test_sdpa_runs_a_mask_that_needs_grad_on_the_kernels_sdpa_backends_names(monkeypatch):
+    seen = []
+    real_sdpa = F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append(_enabled_sdpa_backends())
+        return real_sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    assert _enabled_sdpa_backends() == ALL_SDPA_BACKENDS
+    x = _inputs(2, 5, 7, 2, 8)
+    bias = attn_bias_from_mask(build_attn_mask(5, 7, 7, True), torch.float32)
+    ref = rel_attention_reference(**x, attn_bias=bias)
+    grad_out = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad(ref, list(x.values()), grad_out)
+
+    def forward_backward_and_no_grad_forward():
+        out = rel_attention_sdpa(**x, attn_bias=bias)
+        grads = torch.autograd.grad(out, list(x.values()), grad_out)
+        with torch.no_grad():
+            rel_attention_sdpa(**x, attn_bias=bias)
+        torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+        for name, g_got, g_ref in zip(x, grads, ref_grads):
+            torch.testing.assert_close(g_got, g_ref, rtol=0, atol=1e-5, msg=f"grad of {name}")
+
+    forward_backward_and_no_grad_forward()  # on the CPU: torch's choice, whole
+    assert seen == [ALL_SDPA_BACKENDS, ALL_SDPA_BACKENDS]
+    seen.clear()
+    _as_if_on_cuda(monkeypatch)
+    forward_backward_and_no_grad_forward()  # with grad: efficient or math only (a CPU runs math); no grad: whole
+    assert seen == [{"efficient", "math"}, ALL_SDPA_BACKENDS]
+    assert _enabled_sdpa_backends() == ALL_SDPA_BACKENDS  # the context restored torch's switches
+
+
+def _compile_capturing_graphs(fn, graphs: list[str]):
+    """torch.compile(fn, fullgraph=True) (a graph break fails) through AOTAutograd, keeping the code of the
+    forward and backward graphs it makes (the ATen ops, i.e. the SDPA kernel that was chosen)."""
+    def keep(gm, example_inputs):
+        graphs.append(gm.code)
+        return make_boxed_func(gm.forward)
+
+    def backend(gm, example_inputs):
+        return aot_module_simplified(gm, example_inputs, fw_compiler=keep, bw_compiler=keep)
+
+    torch._dynamo.reset()
+    return torch.compile(fn, backend=backend, fullgraph=True)
+
+
+def test_sdpa_kernel_choice_holds_inside_a_compiled_function(monkeypatch):
+    # train.compile compiles each layer, rel_attention_sdpa with it: dynamo must trace the sdpa_kernel context
+    # without a graph break, and the choice must reach the compiled graph.
+    x = _inputs(2, 5, 7, 2, 8)
+    bias = attn_bias_from_mask(build_attn_mask(5, 7, 7, False), torch.float32)
+    ref = rel_attention_reference(**x, attn_bias=bias)
+    grad_out = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad(ref, list(x.values()), grad_out)
+    graphs: list[str] = []
+    with monkeypatch.context() as patch:
+        _as_if_on_cuda(patch)
+        compiled = _compile_capturing_graphs(rel_attention_sdpa, graphs)
+        out = compiled(**x, attn_bias=bias)
+        grads = torch.autograd.grad(out, list(x.values()), grad_out)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+    for name, g_got, g_ref in zip(x, grads, ref_grads):
+        torch.testing.assert_close(g_got, g_ref, rtol=0, atol=1e-5, msg=f"grad of {name}")
+    assert len(graphs) == 2  # one forward, one backward: no break
+    # The choice reaches the graph: a CPU's no-grad forward takes its flash kernel unless the context forbids it.
+    flash_cpu = "_scaled_dot_product_flash_attention_for_cpu"
+    frozen = {k: v.detach() for k, v in x.items()}
+    for decision, flash_expected in ((None, True), ([SDPBackend.MATH], False)):
+        graphs.clear()
+        with monkeypatch.context() as patch:
+            patch.setattr(attention, "sdpa_backends", lambda device, mask_needs_grad: decision)
+            with torch.no_grad():
+                got = _compile_capturing_graphs(rel_attention_sdpa, graphs)(**frozen, attn_bias=bias)
+        torch.testing.assert_close(got, ref.detach(), rtol=0, atol=1e-5)
+        assert len(graphs) == 1 and (flash_cpu in graphs[0]) == flash_expected, decision
+    torch._dynamo.reset()
 
 # ---- FlexAttention: the block mask, the forward on CPU (its backward is CUDA-only: tests/test_gpu.py) ----
 

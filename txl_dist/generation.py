@@ -20,6 +20,15 @@ the mems of the previous ones, as in evaluation; then every new token is one seg
 the cached mems, so the cost of a token depends on mem_len, not on how much was generated. With mem_len at
 least the whole context, the log-probabilities are those of re-running the full context (tests prove it).
 
+Attention: the session's forwards never use the model's attn_impl "flex" (`decoding_attn_impl`). Compiled
+FlexAttention has static shapes, one kernel per key length, and here almost every forward brings a new one (a
+one-token segment against mems that grow by one token up to mem_len, prompt pieces of any length): a compile
+per token for the first mem_len tokens, then, past FLEX_RECOMPILE_LIMIT, an unfused eager fallback. The
+implementations compute the same attention (tested against each other), so a flex model decodes with what
+"auto" picks statically for its device and dtype: matmul on CUDA and mostly on a CPU (sdpa for bf16 on a CPU
+without native bf16). A one-token query writes a [B*H, 1, K] score tensor, which no fused kernel would save.
+The session passes that implementation to each forward; the model's own attn_impl is left as it is.
+
 Memory settings: same_length is off. With one-token segments every query already attends to the same number
 of keys (mem_len + 1), which is what same_length enforces for the multi-token segments of evaluation; turning
 it on would only hide the oldest state, and in a prompt segment it would take context from its later tokens.
@@ -41,6 +50,7 @@ import torch
 
 from txl_dist.config import MemorySettings
 from txl_dist.errors import Refused
+from txl_dist.model.attention import resolve_attn_impl
 
 STATE_VERSION = 1
 """Version of GenerationSession.state_dict(); load_state_dict refuses any other."""
@@ -139,6 +149,23 @@ def next_tokens(log_probs: torch.Tensor, sampling: SamplingSettings,
 
 
 # ----------------------------------------------------------------------------------------------------
+# The attention a session decodes with
+
+
+def decoding_attn_impl(attn_impl: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The attention implementation a session's forwards use for a model whose attn_impl is `attn_impl`.
+
+    "flex" (compiled per key length, and nearly every decoding forward has a new one: the module doc) becomes
+    what "auto" means statically on `device` for `dtype` (resolve_attn_impl), matmul should that ever be flex;
+    every other name, "auto" included, stays as it is.
+    """
+    if attn_impl != "flex":
+        return attn_impl
+    impl = resolve_attn_impl("auto", device, dtype)
+    return "matmul" if impl == "flex" else impl
+
+
+# ----------------------------------------------------------------------------------------------------
 # The session
 
 
@@ -224,10 +251,12 @@ class GenerationSession:
 
     def _read(self, ids: torch.Tensor) -> torch.Tensor:
         """Run the model over ids [B, n] against the mems; returns next_log_probs [B, V]."""
+        weight = next(self.model.parameters())
+        attn_impl = decoding_attn_impl(self.model.attn_impl, weight.device, weight.dtype)
         with torch.no_grad():
             for start in range(0, ids.shape[1], self.chunk_len):
                 segment = ids[:, start:start + self.chunk_len].to(self.device)     # [B, T]
-                out = self.model(segment, mems=self.mems, memory=self.memory)
+                out = self.model(segment, mems=self.mems, memory=self.memory, attn_impl=attn_impl)
                 # mem_len 0 leaves empty mems; keep None so the next forward has no memory at all.
                 self.mems = out.mems if self.memory.mem_len > 0 else None
             last = out.hidden[:, -1]                                               # [B, d_model]

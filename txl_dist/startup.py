@@ -159,7 +159,7 @@ def check_trainable_attn_impl(cfg: RunConfig, device) -> None:
     would raise at the first step, after the engine and the run folder exist)."""
     if cfg.model.attn_impl == "flex" and device.type == "cpu":
         raise ConfigError("model.attn_impl: 'flex' cannot train on a CPU (FlexAttention has no CPU backward); use "
-                          "'auto' or 'matmul' (flex serves evaluation and generation there)")
+                          "'auto' or 'matmul' (flex serves evaluation there)")
 
 
 def join(cfg: RunConfig, env: DistEnv) -> None:

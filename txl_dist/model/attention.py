@@ -8,7 +8,8 @@ Three interchangeable implementations take the same arguments and return the sam
 - `rel_attention_matmul`: contiguous head-major layouts, batched matmuls, a free rel-shift, a softmax in
   the scores' dtype (accumulating in float32). The fastest on CPU (bench/bench_attention.py).
 - `rel_attention_sdpa`: torch's scaled_dot_product_attention with the position term as an additive float
-  mask (the memory-efficient kernel on CUDA). Slower on CPU (docs/architecture.md).
+  mask; on CUDA, when that mask needs a gradient, only the memory-efficient kernel or the math path
+  (`sdpa_backends`). Slower on CPU (docs/architecture.md).
 - `rel_attention_flex`: FlexAttention (compiled): the content term is the fused kernel's own q.k, the
   position term a `score_mod` reading one precomputed [B, H, T, K+1] tensor at the rel-shifted index, the
   memory-causal pattern a BlockMask whose empty blocks are skipped. No score tensor is written, no
@@ -22,6 +23,7 @@ Shapes: B batch, T query length (the segment), K = mlen + T key length, H heads,
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import statistics
@@ -31,6 +33,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from txl_dist.model.dropout import Dropout, dropout
@@ -186,13 +189,32 @@ def rel_attention_matmul(q: torch.Tensor, kv: torch.Tensor, r_head_k: torch.Tens
     return attn_vec.reshape(bsz, qlen, n_head * d_head)                           # [B, T, H*D]
 
 
+def sdpa_backends(device: torch.device, mask_needs_grad: bool) -> list[SDPBackend] | None:
+    """The SDPA kernels rel_attention_sdpa allows on `device`; None: torch's own choice, unrestricted.
+
+    The float mask carries the position term, so in training it needs a gradient. On CUDA torch may pick a
+    kernel that cannot give one: cuDNN attention, first in recent torch's order on SM 9.0/10.0 (H100, H200,
+    B200) with a recent cuDNN, whose eligibility check ignores whether the mask requires grad; its op then
+    refuses the mask ("not differentiable with respect to argument 'attn_bias'", already when the forward
+    records the graph). Flash takes no arbitrary mask at all. The memory-efficient kernel returns the mask's
+    gradient; the math path is the fallback where it cannot run (e.g. float64). A CPU has no memory-efficient
+    kernel and its dispatcher already takes the math path for a mask that needs grad: restricting it would
+    only take the flash kernel from its no-grad forwards.
+    """
+    if device.type == "cuda" and mask_needs_grad:
+        return [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    return None
+
+
 def rel_attention_sdpa(q: torch.Tensor, kv: torch.Tensor, r_head_k: torch.Tensor,
                        r_w_bias: torch.Tensor, r_r_bias: torch.Tensor, attn_bias: torch.Tensor,
                        dropatt: float = 0.0, training: bool = False) -> torch.Tensor:
     """Relative attention through F.scaled_dot_product_attention (same arguments and result).
 
     The content term is SDPA's own q.k product with q + u; the rel-shifted position term plus the causal
-    mask go in as an additive float mask. Meant for CUDA's memory-efficient kernel; opt-in.
+    mask go in as an additive float mask. On CUDA a mask that needs a gradient runs on the memory-efficient
+    kernel (or the math path), never cuDNN or flash (`sdpa_backends`); a no-grad forward and every CPU call
+    leave the choice to torch.
     """
     n_head, d_head = r_w_bias.shape
     bsz, qlen, _ = q.shape
@@ -201,11 +223,13 @@ def rel_attention_sdpa(q: torch.Tensor, kv: torch.Tensor, r_head_k: torch.Tensor
     head_q, head_k, head_v = _head_major(q, kv, n_head)                           # [H,B,T,D], [H,B,K,D] x2
     q_r = (head_q + r_r_bias[:, None, None]) * scale                              # [H, B, T, D]
     bd = _position_scores(q_r, r_head_k, klen) + attn_bias                        # [H*B, T, K]
+    backends = sdpa_backends(head_q.device, torch.is_grad_enabled() and bd.requires_grad)
     # SDPA treats dims 0 and 1 as batch and heads; head-major [H, B, ...] is as good as [B, H, ...].
-    attn_vec = F.scaled_dot_product_attention(
-        head_q + r_w_bias[:, None, None], head_k, head_v,
-        attn_mask=bd.view(n_head, bsz, qlen, klen),
-        dropout_p=dropatt if training else 0.0, scale=scale)                      # [H, B, T, D]
+    with sdpa_kernel(backends) if backends is not None else contextlib.nullcontext():
+        attn_vec = F.scaled_dot_product_attention(
+            head_q + r_w_bias[:, None, None], head_k, head_v,
+            attn_mask=bd.view(n_head, bsz, qlen, klen),
+            dropout_p=dropatt if training else 0.0, scale=scale)                  # [H, B, T, D]
     return attn_vec.permute(1, 2, 0, 3).reshape(bsz, qlen, n_head * d_head)        # [B, T, H*D]
 
 
@@ -255,7 +279,7 @@ def rel_attention_flex(q: torch.Tensor, kv: torch.Tensor, r_head_k: torch.Tensor
     if head_q.device.type == "cpu" and torch.is_grad_enabled() and any(
             t.requires_grad for t in (q, kv, r_head_k, r_w_bias, r_r_bias)):
         raise ValueError("attn_impl 'flex' cannot train on a CPU (FlexAttention has no CPU backward); use "
-                         "attn_impl 'auto' or 'matmul' (flex serves evaluation and generation there)")
+                         "attn_impl 'auto' or 'matmul' (flex serves evaluation there)")
     head_r = F.pad(r_head_k.view(klen, n_head, d_head), (0, 0, 0, 0, 0, 1))       # [K+1, H, D], row K zero
     pos = torch.matmul((head_q + r_r_bias[:, None]) * scale,
                        head_r.permute(1, 2, 0))                                    # [B, H, T, K+1]

@@ -155,11 +155,13 @@ class TransformerXL(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 mems: list[torch.Tensor] | None = None, *,
-                memory: MemorySettings | None = None, tail_plan: TailPlan | None = None) -> TransformerXLOutput:
+                memory: MemorySettings | None = None, tail_plan: TailPlan | None = None,
+                attn_impl: str | None = None) -> TransformerXLOutput:
         """input_ids, labels: [batch, tgt_len] (labels already shifted: labels[b, t] follows input_ids[b, t]);
         mems: None (empty memory) or n_layer tensors [batch, mlen, d_model]; memory: how long the memory is
         and how it is attended (None: the config's training settings); tail_plan: the labels' TailPlan made on
-        the host (txl_dist.model.softmax.tail_plan), which spares the adaptive softmax its host sync."""
+        the host (txl_dist.model.softmax.tail_plan), which spares the adaptive softmax its host sync;
+        attn_impl: the attention implementation of this forward (None: the model's `attn_impl`)."""
         memory = self.memory if memory is None else memory
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, tgt_len], got shape {tuple(input_ids.shape)}")
@@ -177,7 +179,7 @@ class TransformerXL(nn.Module):
         device = word_emb.device
 
         # Built once per forward, shared by every layer: flex takes its cached BlockMask, the rest a bias.
-        impl = resolve_attn_impl(self.attn_impl, device, word_emb.dtype)
+        impl = resolve_attn_impl(self.attn_impl if attn_impl is None else attn_impl, device, word_emb.dtype)
         attn_fn = ATTN_IMPLS[impl]
         if impl == "flex":
             attn_bias = flex_block_mask(qlen, mlen, memory.mem_len, memory.same_length, device)
