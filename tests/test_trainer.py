@@ -362,3 +362,42 @@ def test_a_failed_job_says_why_on_its_mlflow_run():
                               "[127.0.0.1]:39221")
     assert failure_line(collective) == ("a collective failed: a rank was lost or stopped (the job's log, "
                                         "logs/train.log, names it)")
+
+
+def _finite_check_with_nan_padding() -> list[bool]:
+    """A ZeRO-3 engine of 2 ranks over a Linear(3, 3): rank 1's partitions end in padding (weight 9 = 5 + 4,
+    bias 3 = 2 + 1). NaN written into the padding, then into a weight of rank 1: what _weights_finite says."""
+    import deepspeed
+
+    from txl_dist import distributed
+    from txl_dist.trainer import _weights_finite
+
+    env = distributed.discover()
+    distributed.init_process_group(env)
+    try:
+        deepspeed.init_distributed()
+        ds = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+              "steps_per_print": 10**9, "zero_allow_untested_optimizer": True}
+        model = torch.nn.Linear(3, 3)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+                                          config=ds)
+        seen = [_weights_finite(engine)]
+        for p in engine.module.parameters():
+            part = p.ds_tensor.data
+            valid = max(0, min(p.ds_numel - env.rank * part.numel(), part.numel()))
+            part[valid:] = float("nan")  # what uninitialized padding may hold
+        seen.append(_weights_finite(engine))
+        if env.rank == 1:
+            next(engine.module.parameters()).ds_tensor.data[0] = float("nan")
+        seen.append(_weights_finite(engine))
+        return seen
+    finally:
+        distributed.destroy_process_group()
+
+
+def test_zero3_partition_padding_is_not_a_weight_of_the_finite_check():
+    """Before a save every rank checks that its weights are finite. ZeRO-3 pads the last partitions with memory
+    it never writes: NaN there is no divergence (a save was refused at random); NaN in a weight is."""
+    rank0, rank1 = run_ranks(_finite_check_with_nan_padding, 2)
+    assert rank0 == [True, True, True]
+    assert rank1 == [True, True, False]

@@ -427,9 +427,23 @@ def trained_tail_mode(crit, device: torch.device) -> str:
 
 def _weights_finite(engine) -> bool:
     """Every weight this rank holds is finite (its ZeRO-3 partition, or the whole module); one sync."""
-    held = [getattr(p, "ds_tensor", p).detach() for p in engine.module.parameters()]
+    held = [_held_weights(p) for p in engine.module.parameters()]
     flags = [torch.isfinite(t).all() for t in held if t.numel()]
     return bool(torch.stack(flags).all()) if flags else True
+
+
+def _held_weights(param: torch.Tensor) -> torch.Tensor:
+    """The weights of `param` this rank holds: all of them, or under ZeRO-3 the elements of its partition
+    that are weights. DeepSpeed pads every parameter to world size x partition size and allocates the padding
+    with torch.empty, never writing it: on the last ranks it holds whatever the memory held, NaN bit patterns
+    included: a save was refused "weights no longer finite" at random (seen once, on rank 1 of a 2-rank ZeRO-3
+    fp32 test run on a CPU)."""
+    part = getattr(param, "ds_tensor", None)
+    if part is None:
+        return param.detach()
+    size = part.numel()
+    start = size * torch.distributed.get_rank(group=param.ds_process_group)
+    return part.detach().narrow(0, 0, max(0, min(param.ds_numel - start, size)))
 
 
 def memory_metrics(device: torch.device) -> dict[str, float]:
