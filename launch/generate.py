@@ -219,9 +219,9 @@ def check_memory_for_samples(config, args: argparse.Namespace) -> None:
     import psutil
     import torch
 
-    from txl_dist.generation import GenerationError
+    from txl_dist.generation import GenerationError, default_mem_len
 
-    mem_len = config.mem_len if args.mem_len is None else args.mem_len
+    mem_len = default_mem_len(config) if args.mem_len is None else args.mem_len  # the session's own default
     window = mem_len + (args.chunk_len or config.tgt_len)
     need = args.num_samples * (config.n_layer + 1) * window * config.d_model * 4
     if args.device.startswith("cuda"):

@@ -585,3 +585,25 @@ def test_export_without_the_training_corpus_leaves_tokenizer_and_eos_token_id_ou
             assert len(lines) == 1 and words in lines[0] and "\n" not in lines[0]
             assert "no tokenizer.model in the exported folders" in lines[0]
             assert ("no eos_token_id" in lines[0]) == hf
+
+
+def test_the_samples_memory_check_counts_the_sessions_own_default_mem_len(monkeypatch):
+    """Without --mem-len a session keeps mem_len + tgt_len states per layer (default_mem_len): the check before
+    decoding counts that window (with one prompt chunk), not the model's training mem_len."""
+    import argparse
+    from types import SimpleNamespace
+
+    import psutil
+
+    from launch.generate import check_memory_for_samples
+
+    config = ModelConfig(vocab_size=64, n_layer=3, d_model=16, n_head=2, d_head=8, d_inner=32, tgt_len=8, mem_len=24)
+    per_sample = (3 + 1) * (24 + 8 + 8) * 16 * 4  # layers + embeddings, x (default mem_len + a chunk) x d_model x 4 B
+    args = argparse.Namespace(mem_len=None, chunk_len=None, num_samples=10, device="cpu")
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=10 * per_sample))
+    check_memory_for_samples(config, args)  # fits exactly
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=10 * per_sample - 1))
+    with pytest.raises(GenerationError, match="--num-samples 10: their memories alone need"):
+        check_memory_for_samples(config, args)
+    args.mem_len = 0  # an explicit --mem-len is what the session keeps
+    check_memory_for_samples(config, args)

@@ -165,6 +165,12 @@ def decoding_attn_impl(attn_impl: str, device: torch.device, dtype: torch.dtype)
     return "matmul" if impl == "flex" else impl
 
 
+def default_mem_len(cfg) -> int:
+    """A session's mem_len when none is given: the model's mem_len + tgt_len, the widest context a training
+    token saw (its memory and the earlier tokens of its segment)."""
+    return cfg.mem_len + cfg.tgt_len
+
+
 # ----------------------------------------------------------------------------------------------------
 # The session
 
@@ -187,7 +193,7 @@ class GenerationSession:
         if model.training:
             raise GenerationError("the model is in training mode (dropout on); call model.eval() before generating")
         cfg = model.config
-        mem_len = cfg.mem_len + cfg.tgt_len if mem_len is None else mem_len
+        mem_len = default_mem_len(cfg) if mem_len is None else mem_len
         clamp_len = cfg.clamp_len if clamp_len is None else clamp_len
         chunk_len = cfg.tgt_len if chunk_len is None else chunk_len
         for name, value, low in (("mem_len", mem_len, 0), ("chunk_len", chunk_len, 1)):
