@@ -269,3 +269,21 @@ def test_cuda_compiled_layers_equal_eager_without_recompiles(impl):
             assert rel_err(grads_c[name], grads_e[name]) < 1e-3, name
         mems_eager, mems_compiled = out_e.mems, out_c.mems
         assert counter.frame_count == min(step + 1, 2), step
+
+
+def test_cuda_fused_adamw_needs_its_steps_on_the_device_after_a_universal_load():
+    # DeepSpeed's universal load (elastic resume, ZeRO 1-3) leaves each state's step on the CPU: the fused
+    # CUDA step refuses it; checkpoint.load_engine moves it (steps_with_their_params) as load_state_dict would.
+    from txl_dist.checkpoint import steps_with_their_params
+
+    p = torch.nn.Parameter(torch.randn(64, device="cuda"))
+    opt = torch.optim.AdamW([p], fused=True)
+    p.grad = torch.randn(64, device="cuda")
+    opt.step()
+    opt.state[p]["step"] = opt.state[p]["step"].cpu()
+    with pytest.raises(RuntimeError, match="device"):
+        opt.step()
+    assert steps_with_their_params(opt) == 1 and opt.state[p]["step"].device == p.device
+    before = opt.state[p]["step"].item()  # the failed call may have counted its step already
+    opt.step()
+    assert opt.state[p]["step"].item() == before + 1

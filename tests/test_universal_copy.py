@@ -43,3 +43,25 @@ def test_a_damaged_universal_copy_is_converted_again_before_two_ranks_read_it(tm
     assert again["loss"] == clean["loss"] and again["tokens"] == clean["tokens"]
     assert checkpoint.verify_universal(copy, tag) is None
     assert sorted(p.name for p in ckpt.iterdir() if "universal" in p.name) == [copy.name]  # the bad one removed
+
+
+def test_a_fused_optimizers_steps_go_where_its_parameters_are():
+    """An elastic resume loads DeepSpeed's universal copy, which puts each state's step as read from CPU files
+    into the torch optimizer (no load_state_dict): steps_with_their_params does what load_state_dict would
+    have done for a fused optimizer (its parameter's device, float32), and leaves a plain one's alone. On a GPU
+    the misplaced step fails the fused step (tests/test_gpu.py); here the dtype shows the move."""
+    import torch
+
+    from txl_dist.checkpoint import steps_with_their_params
+
+    fused, plain = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(4))
+    optimizers = [torch.optim.AdamW([fused], fused=True), torch.optim.AdamW([plain], foreach=False)]
+    for p, opt in zip((fused, plain), optimizers):
+        p.grad = torch.randn(4)
+        opt.step()
+        opt.state[p]["step"] = torch.tensor(7.0, dtype=torch.float64)  # as a loader might leave it
+    assert steps_with_their_params(optimizers[0]) == 1
+    step = optimizers[0].state[fused]["step"]
+    assert (step.item(), step.dtype, step.device) == (7.0, torch.float32, fused.device)
+    assert steps_with_their_params(optimizers[0]) == 0  # in place already
+    assert steps_with_their_params(optimizers[1]) == 0 and optimizers[1].state[plain]["step"].dtype == torch.float64

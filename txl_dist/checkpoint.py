@@ -1018,6 +1018,7 @@ def load_engine(engine, source: EngineSource) -> None:
         _fail_alone(source, e)
     if path is None:
         raise CheckpointError(f"{source.load_dir / source.tag}: DeepSpeed found no checkpoint to load")
+    steps_with_their_params(getattr(engine.optimizer, "optimizer", engine.optimizer))
     scheduler = engine.lr_scheduler
     if scheduler is not None and hasattr(scheduler, "last_batch_iteration"):
         # The optimizer's state brought back the learning rate the saved run's schedule set for the next step;
@@ -1025,6 +1026,27 @@ def load_engine(engine, source: EngineSource) -> None:
         # changed the schedule (e.g. a lower lr after a divergence). Set the next step's lr from this run's
         # schedule at that position: the same number when nothing changed.
         scheduler.step(scheduler.last_batch_iteration)
+
+
+def steps_with_their_params(optimizer) -> int:
+    """Put the `step` of each fused (or capturable) torch optimizer state on its parameter's device in float32,
+    as torch's Optimizer.load_state_dict does; returns how many moved.
+
+    DeepSpeed 0.19.8's universal load (an elastic resume at ZeRO 1-3) sets the step it reads from the
+    universal copy's CPU files straight into the torch optimizer's state (base_optimizer.py and stage3.py set
+    state["step"]), bypassing load_state_dict: on a GPU the presets' fused AdamW then fails at its first step
+    ("Expected all tensors to be on the same device ... cuda:0 and cpu ... state_steps"). A load at the same
+    world size goes through load_state_dict: nothing moves then."""
+    moved = 0
+    for group in getattr(optimizer, "param_groups", []):
+        if not (group.get("fused") or group.get("capturable")):
+            continue  # torch keeps these steps on the CPU
+        for param in group["params"]:
+            step = optimizer.state.get(param, {}).get("step")
+            if torch.is_tensor(step) and (step.device != param.device or step.dtype != torch.float32):
+                optimizer.state[param]["step"] = step.to(device=param.device, dtype=torch.float32)
+                moved += 1
+    return moved
 
 
 def _fail_alone(source: EngineSource, error: Exception) -> None:
