@@ -1018,7 +1018,8 @@ def load_engine(engine, source: EngineSource) -> None:
         _fail_alone(source, e)
     if path is None:
         raise CheckpointError(f"{source.load_dir / source.tag}: DeepSpeed found no checkpoint to load")
-    steps_with_their_params(getattr(engine.optimizer, "optimizer", engine.optimizer))
+    optimizer = getattr(engine, "optimizer", None)  # DeepSpeed's wrapper (ZeRO, bf16) holds the torch optimizer
+    steps_with_their_params(getattr(optimizer, "optimizer", optimizer))
     scheduler = engine.lr_scheduler
     if scheduler is not None and hasattr(scheduler, "last_batch_iteration"):
         # The optimizer's state brought back the learning rate the saved run's schedule set for the next step;
