@@ -370,8 +370,10 @@ def _finite_check_with_nan_padding() -> list[bool]:
     import deepspeed
 
     from txl_dist import distributed
+    from txl_dist.engine import skip_shm_comm_build
     from txl_dist.trainer import _weights_finite
 
+    skip_shm_comm_build()  # else DeepSpeed JIT-builds its CPU shared-memory op here (42 s more), unused
     env = distributed.discover()
     distributed.init_process_group(env)
     try:
