@@ -24,10 +24,15 @@ import json
 import logging
 import sys
 
-from txl_dist import distributed
-from txl_dist.atomic import atomic_write
-from txl_dist.entry import exit_process, guarded
-from txl_dist.errors import RunFailed
+from txl_dist.host import quiet_torch_cpp_warnings  # standard library only
+
+if __name__ == "__main__":  # before torch: a lost rank is reported in one line, without C++ stack dumps
+    quiet_torch_cpp_warnings()
+
+from txl_dist import distributed  # noqa: E402
+from txl_dist.atomic import atomic_write  # noqa: E402
+from txl_dist.entry import exit_process, guarded  # noqa: E402
+from txl_dist.errors import RunFailed  # noqa: E402
 
 
 EPILOG = """examples:

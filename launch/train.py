@@ -20,10 +20,12 @@ that failed, a diverged loss; one line says what, the newest complete checkpoint
 """
 from __future__ import annotations
 
+from txl_dist.host import quiet_torch_cpp_warnings  # standard library only, as the next line
 from txl_dist.stop_request import catch_stop_signals, ignore_stop_signals  # standard library only: slow imports below
 
 if __name__ == "__main__":  # a stop signal during the imports below must not kill the rank
     catch_stop_signals()
+    quiet_torch_cpp_warnings()
 
 import argparse  # noqa: E402
 import logging  # noqa: E402

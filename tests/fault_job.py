@@ -140,6 +140,9 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    from txl_dist.host import quiet_torch_cpp_warnings
+
+    quiet_torch_cpp_warnings()  # as launch/train.py starts (before torch)
     from txl_dist.entry import exit_process  # as launch/train.py ends
 
     exit_process(main(sys.argv[1:]))

@@ -3,12 +3,15 @@ import logging
 import os
 import re
 import stat
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from txl_dist import distributed
 from txl_dist.distributed import DistEnv, LaunchError, discover
+from dist_helpers import REPO
 from txl_dist.host import raise_open_file_limit
 
 
@@ -37,7 +40,7 @@ def test_slurm_environment_rendezvous_at_the_steps_first_node():
 
 def test_slurm_port_follows_the_job_id_unless_given():
     base = {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "MASTER_ADDR": "n1", "SLURM_JOB_ID": "123456"}
-    assert discover(base).master_port == 20000 + 123456 % 20000
+    assert discover(base).master_port == distributed.slurm_port(123456) == 20000 + 123456 % 12000
     assert discover(base | {"MASTER_PORT": "4321"}).master_port == 4321
 
 
@@ -140,6 +143,24 @@ def test_a_node_whose_ranks_see_fewer_gpus_than_it_runs_ranks_is_refused(monkeyp
     distributed.check_visible_gpus(DistEnv(0, 1, 0, 1, "127.0.0.1", 29500, "single"))
 
 
+def test_ranks_on_a_node_with_gpus_that_torch_cannot_use_are_refused(monkeypatch):
+    # A CPU build of torch (or a driver older than its CUDA) on a node Slurm gave GPUs: without the refusal
+    # every rank would take the CPU and gloo and train at CPU speed.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    env = DistEnv(3, 16, 3, 8, "127.0.0.1", 29500, "slurm")
+    for gpus in ({"SLURM_STEP_GPUS": "0,1,2,3,4,5,6,7"}, {"SLURM_GPUS_ON_NODE": "8"}):
+        monkeypatch.setattr(os, "environ", dict(os.environ, **gpus))
+        with pytest.raises(LaunchError, match=r"^rank 3: Slurm gave this node 8 GPU\(s\) but torch .* cannot use "
+                                              r"them .*DS_ACCELERATOR=cpu to train on the CPU on purpose$"):
+            distributed.init_process_group(env)
+        assert not torch.distributed.is_initialized()
+    monkeypatch.setattr(os, "environ", dict(os.environ, SLURM_GPUS_ON_NODE="8", DS_ACCELERATOR="cpu"))
+    distributed.check_visible_gpus(env)  # the CPU on purpose
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")})
+    distributed.check_visible_gpus(env)  # no GPU given: a CPU job
+
+
 def test_the_open_file_limit_is_raised_to_the_hard_limit():
     import resource
 
@@ -165,6 +186,17 @@ def test_threads_are_shared_out_unless_omp_num_threads_is_set():
         assert distributed.configure_threads(env, environ={"OMP_NUM_THREADS": "1"}) == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_rank_bound_to_its_own_cpus_is_not_given_a_share_of_them(monkeypatch):
+    from txl_dist import host
+
+    monkeypatch.setattr(host, "usable_cpus", lambda: 12)
+    slurm = {"SLURM_PROCID": "3", "SLURM_CPUS_PER_TASK": "12"}
+    assert host.cpus_per_rank(8, slurm) == 12  # srun bound the task to its 12 CPUs
+    assert host.cpus_per_rank(8, {}) == 1  # a launcher that leaves every rank the node's CPUs: 12 / 8
+    assert host.cpus_per_rank(4, slurm | {"SLURM_CPUS_PER_TASK": "3"}) == 3  # no binding (12 seen, 3 asked)
+    assert host.cpus_per_rank(16, {}) == 1
 
 
 def test_collectives_work_without_a_process_group():
@@ -325,3 +357,47 @@ def test_a_master_port_another_process_listens_on_is_one_line_naming_it():
 def _in_env(env, fn, *args):
     os.environ.update(env)
     return fn(*args)
+
+
+STORE_OF_A_DEAD_RANK = """
+import subprocess, sys
+if sys.argv[1] == "quiet":
+    from txl_dist.host import quiet_torch_cpp_warnings
+    quiet_torch_cpp_warnings()
+import torch.distributed as dist
+server = subprocess.Popen([sys.executable, "-c", "import time, torch.distributed as d; "
+                           "s = d.TCPStore('127.0.0.1', 0, 2, is_master=True, wait_for_workers=False); "
+                           "print(s.port, flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+client = dist.TCPStore("127.0.0.1", int(server.stdout.readline()), 2, is_master=False)
+client.add("beat", 1)
+server.kill(); server.wait()
+try:
+    client.add("beat", 1)  # the heartbeat of a rank whose store host has just died
+except RuntimeError as e:
+    print("raised", type(e).__name__)
+"""
+
+
+@pytest.mark.parametrize("mode", ["quiet", "default"])
+def test_a_call_on_the_store_of_a_dead_rank_prints_no_cpp_stack_unless_asked(mode):
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_CPP_LOG_LEVEL"}
+    done = subprocess.run([sys.executable, "-c", STORE_OF_A_DEAD_RANK, mode], capture_output=True, text=True,
+                          env=env, cwd=REPO, timeout=120)
+    assert done.stdout.strip() == "raised DistNetworkError", done.stderr[-2000:]
+    # torch's own default prints a warning with C++ frames (the test would fail without the quiet level).
+    assert ("TCPStore.cpp" in done.stderr and "frame #" in done.stderr) == (mode == "default"), done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("entry", ["launch/train.py", "launch/eval.py"])
+def test_the_entry_points_quiet_torchs_cpp_warnings_before_torch_is_imported(entry):
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_CPP_LOG_LEVEL"}
+    probe = (f"import runpy, sys, builtins; real = builtins.__import__\n"
+             "def spy(name, *a, **k):\n"
+             "    if name.split('.')[0] == 'torch' and 'torch' not in sys.modules:\n"
+             "        import os; print('level at torch import:', os.environ.get('TORCH_CPP_LOG_LEVEL'), flush=True)\n"
+             "    return real(name, *a, **k)\n"
+             f"builtins.__import__ = spy; sys.argv = ['{entry}', '--help']\n"
+             f"runpy.run_path('{entry}', run_name='__main__')\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, cwd=REPO,
+                          timeout=300)
+    assert "level at torch import: ERROR" in done.stdout.splitlines()[0], done.stdout[:500] + done.stderr[-2000:]

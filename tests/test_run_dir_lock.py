@@ -94,3 +94,49 @@ def test_without_a_wait_a_requeued_job_is_refused(holder, monkeypatch):
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
     with pytest.raises(RunDirBusy):
         acquire_lock(run)
+
+
+def lock_record(run: Path, job: str, host: str) -> None:
+    """The lock file as a job's rank 0 wrote it (the holder's flock itself invisible here: node-local locks)."""
+    run.mkdir(parents=True, exist_ok=True)
+    (run / LOCK_FILE).write_text(json.dumps({"host": host, "pid": 4242, "purpose": "training",
+                                             "since": "2026-12-03 10:00:00", "slurm_job_id": job,
+                                             "slurm_restart_count": 0}) + "\n")
+
+
+def fake_scontrol(tmp_path: Path, monkeypatch, state: str) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(f"#!/bin/sh\necho \"JobId=$4 JobName=txl-train JobState={state} Reason=None\"\n")
+    scontrol.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+
+
+def test_a_lock_granted_over_a_running_job_on_another_node_is_refused(tmp_path, monkeypatch):
+    # Lustre -o localflock / NFS local_lock=flock: this node's lock service grants the lock although job 1001
+    # on gpu7 holds it there; its record in the lock file and scontrol tell.
+    run = tmp_path / "run"
+    lock_record(run, "1001", "gpu7")
+    fake_scontrol(tmp_path, monkeypatch, "RUNNING")
+    monkeypatch.setenv("SLURM_JOB_ID", "1002")
+    with pytest.raises(RunDirBusy, match=r"in use by another job \(training on host gpu7, pid 4242, since .*Slurm job "
+                                         r"1001, still running by scontrol\).*local to each node"):
+        acquire_lock(run)
+    assert json.loads((run / LOCK_FILE).read_text())["slurm_job_id"] == "1001"  # the record is left as it was
+    fake_scontrol(tmp_path, monkeypatch, "COMPLETED")  # that job has ended: its record is only history
+    lock = acquire_lock(run)
+    assert lock.held and json.loads((run / LOCK_FILE).read_text())["slurm_job_id"] == "1002"
+    lock.release()
+
+
+def test_the_record_of_a_job_on_this_host_or_outside_slurm_asks_nobody(tmp_path, monkeypatch):
+    import socket
+
+    fake_scontrol(tmp_path, monkeypatch, "RUNNING")  # would refuse if asked
+    run = tmp_path / "run"
+    monkeypatch.setenv("SLURM_JOB_ID", "1002")
+    lock_record(run, "1001", socket.gethostname())  # flock on one host is exact: the holder has ended
+    acquire_lock(run).release()
+    lock_record(run, "", "gpu7")  # not a Slurm job: nothing to ask
+    acquire_lock(run).release()

@@ -43,6 +43,7 @@ import numpy as np
 import pytest
 
 from dist_helpers import REPO, launcher_env, learnable_stream, write_corpus
+from txl_dist.distributed import slurm_port
 
 pytestmark = pytest.mark.slow
 
@@ -245,7 +246,7 @@ def test_a_two_node_job_completes_with_every_step_in_one_mlflow_run(cluster, str
     head = out.splitlines()[:4]
     assert re.search(rf"job {job} \(txl-train\) restart 0 on 2 node\(s\): node1 node2$", head[0]), head
     assert "world size 2 (1 rank(s) per node, no GPU, OMP_NUM_THREADS=1) | rendezvous 127.0.0.1:" \
-           f"{20000 + job % 20000}" in head[1], head
+           f"{slurm_port(job)}" in head[1], head
     assert f"| repository {REPO}" in head[2], head
     assert f"checkpoints {run_dir / 'checkpoints'} (none yet: starting a new run to step {MAX_STEPS})" in head[3], head
     assert "world size 2 (slurm, 1 thread(s) per rank)" in out

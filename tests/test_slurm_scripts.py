@@ -6,7 +6,11 @@
   before any node runs (a configuration this world size cannot run, --resume none on a folder with
   checkpoints), and the tag ids that tell a save of this job from the tags it started with;
 - a USR1 that reached the batch shell before the ranks existed (TXL_STOP_SIGNAL) stops them after their first step;
-- the repository discovery lines are the same in every .sbatch script.
+- the repository discovery lines are the same in every .sbatch script;
+- common.sh's layout of a GPU job (txl_layout, with Slurm's variables faked): a per-task GPU binding and CPUs
+  per task that the allocation cannot give every rank are refused before srun; the rendezvous port stays
+  below the kernel's ephemeral ports and is the one txl_dist.distributed derives;
+- a job with GPUs whose Python has a CPU build of torch is refused before srun.
 """
 from __future__ import annotations
 
@@ -128,3 +132,79 @@ def test_every_sbatch_script_finds_the_repository_with_the_same_lines():
         return found.group(0)
 
     assert discovery("train.sbatch") == discovery("eval.sbatch") == discovery("prep.sbatch")
+
+
+def layout(tmp_path: Path, **slurm: str) -> subprocess.CompletedProcess:
+    """common.sh's txl_layout in a bash with only `slurm`'s variables (and a stand-in scontrol) set; prints its
+    srun options and the rendezvous port."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text("#!/bin/sh\n[ \"$2\" = hostnames ] && printf 'gpu1\\ngpu2\\n'\nexit 0\n")
+    scontrol.chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "REPO": str(REPO), "SLURM_JOB_NODELIST": "gpu[1-2]",
+           "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_ID": "123"} | slurm
+    script = 'source "$REPO/launch/slurm/common.sh"; txl_layout; echo "${SRUN_LAYOUT[*]}"; echo "$MASTER_PORT"'
+    return subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=30)
+
+
+EIGHT_GPU_NODES = {"SLURM_GPUS_ON_NODE": "8", "SLURM_NTASKS_PER_NODE": "8", "SLURM_NTASKS": "16"}
+
+
+def test_the_layout_of_a_gpu_job_gives_every_rank_its_cpus_on_one_socket(tmp_path):
+    done = layout(tmp_path, **EIGHT_GPU_NODES, SLURM_CPUS_PER_TASK="12", SLURM_CPUS_ON_NODE="96",
+                  TXL_SRUN_OPTS="--mpi=none --network=x")
+    assert done.returncode == 0, done.stderr
+    options = done.stdout.splitlines()[0].split()
+    assert options == ["--nodes=2", "--ntasks=16", "--ntasks-per-node=8", "--distribution=block:block",
+                       "--cpus-per-task=12", "--mpi=none", "--network=x"]
+
+
+def test_cpus_per_task_that_the_allocation_cannot_give_every_rank_are_refused_before_srun(tmp_path):
+    # sbatch --gpus-per-node=8 --cpus-per-task=12 without --ntasks-per-node: 12 CPUs per node for one task,
+    # while the step would start 8 ranks of 12 (srun: "More processors requested than permitted").
+    done = layout(tmp_path, SLURM_GPUS_ON_NODE="8", SLURM_NTASKS="2", SLURM_TASKS_PER_NODE="1(x2)",
+                  SLURM_CPUS_PER_TASK="12", SLURM_CPUS_ON_NODE="12")
+    assert done.returncode == 2 and done.stdout == ""
+    assert ("error: 8 ranks per node of --cpus-per-task=12 need 96 CPUs per node; the job has 12: submit with "
+            "--ntasks-per-node=8") in done.stderr
+
+
+@pytest.mark.parametrize("variable, value", [("SLURM_GPUS_PER_TASK", "1"), ("SLURM_NTASKS_PER_GPU", "1"),
+                                             ("SLURM_TRES_PER_TASK", "cpu:12,gres/gpu:1"),
+                                             ("SLURM_GPU_BIND", "closest"), ("SLURM_GPU_BIND", "verbose,single:1")])
+def test_a_per_task_gpu_binding_is_refused_before_srun(tmp_path, variable, value):
+    done = layout(tmp_path, **EIGHT_GPU_NODES, **{variable: value})
+    assert done.returncode == 2 and done.stdout == ""
+    assert f"({variable}={value}" in done.stderr
+    assert "every rank must see all of its node's GPUs" in done.stderr and len(done.stderr.splitlines()) == 1
+
+
+@pytest.mark.parametrize("bind", ["none", "verbose,none"])
+def test_gpu_bind_none_is_no_binding(tmp_path, bind):
+    assert layout(tmp_path, **EIGHT_GPU_NODES, SLURM_GPU_BIND=bind).returncode == 0
+
+
+def test_the_rendezvous_port_is_below_the_ephemeral_ports_and_the_same_as_the_ranks_derive(tmp_path):
+    from txl_dist.distributed import slurm_port
+
+    for job in (123, 12000 + 11999, 15000, 31999):
+        port = int(layout(tmp_path, **EIGHT_GPU_NODES, SLURM_JOB_ID=str(job)).stdout.split()[-1])
+        assert port == slurm_port(job) and 20000 <= port < 32768  # Linux's default ephemeral range: 32768-60999
+
+
+def test_a_job_with_gpus_and_a_cpu_build_of_torch_is_refused_before_srun(tmp_path, monkeypatch):
+    import torch
+
+    from launch.slurm.run_state import describe
+    from txl_dist.distributed import LaunchError
+
+    args = ["--config", str(REPO / "configs" / "tiny.json"), "--set", f"run.dir={tmp_path / 'run'}"]
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    monkeypatch.setenv("SLURM_JOB_GPUS", "0,1,2,3")
+    with pytest.raises(LaunchError, match=r"the job: Slurm gave this node 4 GPU\(s\) but torch \S+ cannot use "
+                                          r"them \(a CPU build\); put a CUDA build of torch"):
+        describe(["--world-size", "1", *args])
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # the CPU on purpose
+    assert describe(["--world-size", "1", *args])["newest"] == ""

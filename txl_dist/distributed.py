@@ -28,10 +28,14 @@ import torch
 import torch.distributed as dist
 
 from . import watchdog
-from .host import raise_open_file_limit, usable_cpus
+from .host import cpus_per_rank, raise_open_file_limit
 from .errors import Refused, one_line
 
 DEFAULT_MASTER_PORT = 29500
+SLURM_PORT_BASE, SLURM_PORT_SPAN = 20000, 12000
+"""Under Slurm the rendezvous port is SLURM_PORT_BASE + job id % SLURM_PORT_SPAN (launch/slurm/common.sh
+computes the same): 20000-31999, below Linux's ephemeral range (32768-60999 by default), where any outgoing
+connection of the first node may hold the port the store has to listen on."""
 ANY_FREE_PORT = 0
 """DistEnv.master_port of a process without a launcher or MASTER_PORT: init_process_group opens its store on
 a free port (and exports that one as MASTER_PORT)."""
@@ -72,7 +76,7 @@ def discover(environ: Mapping[str, str] | None = None) -> DistEnv:
     LOCAL_WORLD_SIZE, deepspeed: LOCAL_SIZE). Under srun they are taken from SLURM_PROCID/SLURM_NTASKS/
     SLURM_LOCALID; the address from MASTER_ADDR, else the first node of the step (SLURM_STEP_NODELIST, else
     SLURM_JOB_NODELIST: where srun starts task 0; not SLURM_LAUNCH_NODE_IPADDR, the node srun was typed on,
-    e.g. a login node under salloc); the port from MASTER_PORT, else 20000 + SLURM_JOB_ID % 20000. No
+    e.g. a login node under salloc); the port from MASTER_PORT, else slurm_port(SLURM_JOB_ID). No
     launcher at all: a world of one on 127.0.0.1, on MASTER_PORT if set, else ANY_FREE_PORT (picked by
     init_process_group).
     """
@@ -98,7 +102,7 @@ def discover(environ: Mapping[str, str] | None = None) -> DistEnv:
     # single-process jobs on one machine do not both ask for 29500.
     default_port = DEFAULT_MASTER_PORT
     if launcher == "slurm" and env.get("SLURM_JOB_ID", "").isdigit():
-        default_port = 20000 + int(env["SLURM_JOB_ID"]) % 20000
+        default_port = slurm_port(int(env["SLURM_JOB_ID"]))
     elif launcher == "single":
         default_port = ANY_FREE_PORT
     port = _int(env, "MASTER_PORT", default=default_port)
@@ -110,6 +114,11 @@ def discover(environ: Mapping[str, str] | None = None) -> DistEnv:
     if not 0 <= local_rank < local_world:
         raise LaunchError(f"local rank {local_rank} is outside 0..{local_world - 1}; check LOCAL_RANK / SLURM_LOCALID")
     return DistEnv(rank, world, local_rank, local_world, addr, port, launcher)
+
+
+def slurm_port(job_id: int) -> int:
+    """The rendezvous port of a Slurm job: jobs sharing a node get distinct ports (SLURM_PORT_BASE)."""
+    return SLURM_PORT_BASE + job_id % SLURM_PORT_SPAN
 
 
 def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
@@ -170,14 +179,14 @@ def export(env: DistEnv) -> None:
 
 
 def configure_threads(env: DistEnv, environ: Mapping[str, str] | None = None) -> int:
-    """Threads per rank = this machine's cores / local ranks, unless OMP_NUM_THREADS says otherwise.
+    """Threads per rank = this rank's share of the CPUs (host.cpus_per_rank), unless OMP_NUM_THREADS says otherwise.
 
     The deepspeed launcher does not set OMP_NUM_THREADS; 2 threads per rank on 2 cores ran ~7x slower
     (docs/architecture.md), so the cores are shared out here. Returns the thread count in use.
     """
     environ = os.environ if environ is None else environ
     if "OMP_NUM_THREADS" not in environ:
-        torch.set_num_threads(max(1, usable_cpus() // env.local_world_size))
+        torch.set_num_threads(cpus_per_rank(env.local_world_size, environ))
     return torch.get_num_threads()
 
 
@@ -190,8 +199,10 @@ def check_visible_gpus(env: DistEnv) -> None:
     """Refuse a node whose ranks see fewer GPUs than it runs ranks: the device of a rank is cuda:<local rank>
     (DeepSpeed too picks it by LOCAL_RANK), so every rank of a node must see all of the node's GPUs. A per-task
     binding (srun --gpus-per-task, --gpu-bind, a CUDA_VISIBLE_DEVICES per rank) would otherwise fail inside
-    torch with "invalid device ordinal". The same test on every rank of a node: they refuse together."""
+    torch with "invalid device ordinal". The same test on every rank of a node: they refuse together.
+    A node that Slurm gave GPUs which torch cannot use is refused too (check_gpus_usable)."""
     if not torch.cuda.is_available():
+        check_gpus_usable(f"rank {env.rank}", cuda_available=False)
         return
     visible = torch.cuda.device_count()
     if visible < env.local_world_size:
@@ -201,6 +212,34 @@ def check_visible_gpus(env: DistEnv) -> None:
             "of the node's GPUs (its device is cuda:<local rank>); launch without per-task GPU binding "
             "(Slurm: --gpus-per-node=G with --ntasks-per-node=G, no --gpus-per-task or --gpu-bind), or run "
             "fewer ranks per node")
+
+
+def slurm_gpus(environ: Mapping[str, str] | None = None) -> int:
+    """The GPUs Slurm gave this step (SLURM_STEP_GPUS) or job (SLURM_JOB_GPUS: lists of GPU indices;
+    SLURM_GPUS_ON_NODE: a count) on this node; 0 outside Slurm or without GPUs."""
+    env = os.environ if environ is None else environ
+    for name in ("SLURM_STEP_GPUS", "SLURM_JOB_GPUS"):
+        listed = [g for g in env.get(name, "").split(",") if g.strip()]
+        if listed:
+            return len(listed)
+    count = env.get("SLURM_GPUS_ON_NODE", "").strip()
+    return int(count) if count.isdigit() else 0
+
+
+def check_gpus_usable(who: str, *, cuda_available: bool, environ: Mapping[str, str] | None = None) -> None:
+    """Refuse a job that Slurm gave GPUs when torch cannot use them (a CPU build of torch, a driver older than
+    its CUDA): every rank would pick the CPU and gloo and train at CPU speed, with nothing else amiss.
+    DS_ACCELERATOR=cpu says the CPU is meant."""
+    env = os.environ if environ is None else environ
+    gpus = slurm_gpus(env)
+    if cuda_available or not gpus or env.get("DS_ACCELERATOR", "").strip().lower() == "cpu":
+        return
+    why = ("a CPU build" if torch.version.cuda is None
+           else f"built for CUDA {torch.version.cuda}, and torch.cuda.is_available() is False: a driver older "
+                "than that CUDA, or no GPU device visible to the process")
+    raise LaunchError(f"{who}: Slurm gave this node {gpus} GPU(s) but torch {torch.__version__} cannot use them "
+                      f"({why}); put a CUDA build of torch into the environment (README, \"Installing on a GPU "
+                      "machine\"), or set DS_ACCELERATOR=cpu to train on the CPU on purpose")
 
 
 def default_backend() -> str:

@@ -14,7 +14,10 @@ RUN/.shared-check-*       for a moment at start-up: the file every rank reads ba
 The lock is an advisory flock on RUN/.lock: the kernel drops it when the holder's process ends, however it
 ends, so a dead job never keeps it (except on a network file system whose lock outlives a dead node: a
 requeued Slurm job then takes over its own earlier start's lock, see acquire_lock). The file also says who
-holds it, for the refusal message. On file systems without flock support the job warns and goes on unlocked.
+holds it, for the refusal message, and for one more check: on a file system whose locks are local to each node
+(Lustre -o localflock, NFS local_lock=flock) a job on another node gets the lock while its holder runs, so a
+lock granted over the record of another Slurm job on another host that scontrol says is running is refused.
+On file systems without flock support the job warns and goes on unlocked.
 
 Standard library only.
 """
@@ -131,6 +134,13 @@ def acquire_lock(run_dir: Path, *, purpose: str = "training", stale_after_s: flo
         os.close(fd)
         return RunLock(None, path)
     if locked:
+        holder = _read_holder(path)
+        if _running_elsewhere(holder):
+            os.close(fd)
+            raise RunDirBusy(f"run.dir {run_dir} is in use by another job ({_describe(holder)}, still running "
+                             "by scontrol), although this node got its lock: the file system's locks are local "
+                             "to each node (Lustre -o localflock, NFS local_lock); wait for that job to end or "
+                             "choose another run.dir, and ask for cluster-wide locks (Lustre -o flock)")
         return _held(fd, path, purpose)
     os.close(fd)
     holder = _read_holder(path)
@@ -172,6 +182,27 @@ def _held(fd: int, path: Path, purpose: str) -> RunLock:
     os.ftruncate(fd, 0)
     os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
     return RunLock(fd, path)
+
+
+SLURM_LIVE_STATES = ("RUNNING", "SUSPENDED", "COMPLETING", "STOPPED", "CONFIGURING", "SIGNALING", "STAGE_OUT")
+"""Job states in which a job's processes may still write its run folder."""
+
+
+def _running_elsewhere(holder: dict | None) -> bool:
+    """Whether the lock file names another Slurm job, on another host, that Slurm says is still running: then
+    this node was given a lock that job holds, a file system whose locks are node-local. On one host flock
+    is exact (the holder ended), and outside Slurm there is no one to ask."""
+    job = str((holder or {}).get("slurm_job_id") or "")
+    if not job.isdigit() or job == os.environ.get("SLURM_JOB_ID") or holder.get("host") == socket.gethostname():
+        return False
+    import subprocess
+
+    try:
+        shown = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    state = next((w.split("=", 1)[1] for w in shown.stdout.split() if w.startswith("JobState=")), "")
+    return shown.returncode == 0 and state in SLURM_LIVE_STATES
 
 
 def _earlier_start_of_this_job(holder: dict | None) -> bool:

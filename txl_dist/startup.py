@@ -55,7 +55,7 @@ from .deepspeed_schema import check_deepspeed_config
 from .engine import check_optimizer_op_available, deepspeed_config, zero_stage
 from .evaluate import Evaluator
 from .flops import sample_cluster_shares
-from .host import usable_cpus
+from .host import cpus_per_rank
 from .run_dir import RunDir, RunDirUnusable, RunLock, acquire_lock, attach_log_file, sees_shared_check, \
     write_shared_check
 from .runtime_choices import RunChoices
@@ -428,7 +428,7 @@ def share_corpus_hashing(cfg: RunConfig, env: DistEnv, hashes: HashRecord) -> No
     and the checks that follow refuse it."""
     listed = _on_main(env, lambda: _corpus_files_to_hash(cfg, hashes))
     mine = checkpoint.share_of(listed, env.rank, env.world_size)
-    threads = max(1, min(HASH_THREADS, len(mine), usable_cpus() // env.local_world_size))
+    threads = max(1, min(HASH_THREADS, len(mine), cpus_per_rank(env.local_world_size)))
 
     def hash_one(path: str) -> None:
         try:

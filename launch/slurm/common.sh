@@ -4,7 +4,8 @@
 # Environment read (all optional; sbatch passes the submitting shell's environment to the job):
 #   TXL_PYTHON        the interpreter (default: <repo>/.venv/bin/python if present, else python3 on PATH)
 #   TXL_MASTER_ADDR   rendezvous address (default: the NodeAddr of the allocation's first node)
-#   TXL_MASTER_PORT   rendezvous port (default: 20000 + SLURM_JOB_ID % 20000, as txl_dist.distributed derives it)
+#   TXL_MASTER_PORT   rendezvous port (default: 20000 + SLURM_JOB_ID % 12000, as txl_dist.distributed.slurm_port)
+#   TXL_SRUN_OPTS     more srun options for the step, split at spaces (e.g. the site's --mpi=none or --network=...)
 #   OMP_NUM_THREADS   threads per rank (default: SLURM_CPUS_PER_TASK, else the node's allocated CPUs / ranks per node)
 
 # shellcheck disable=SC2034  # the variables set here are read by the scripts that source this file
@@ -67,14 +68,22 @@ txl_layout() {
         TASKS_PER_NODE=1
     fi
     [ "$TASKS_PER_NODE" -gt 0 ] || txl_die "cannot tell how many ranks to run per node (SLURM_NTASKS_PER_NODE=${SLURM_NTASKS_PER_NODE:-})"
+    [ "$GPUS_PER_NODE" -eq 0 ] || txl_no_gpu_per_task
     WORLD=$((NNODES * TASKS_PER_NODE))
-    SRUN_LAYOUT+=(--ntasks="$WORLD" --ntasks-per-node="$TASKS_PER_NODE")
-    # srun (Slurm 22.05+) no longer takes --cpus-per-task from the batch job's environment: pass it on.
-    if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then
-        SRUN_LAYOUT+=(--cpus-per-task="$SLURM_CPUS_PER_TASK")
-    fi
+    # block:block: consecutive ranks on consecutive CPUs of one socket, as GPUs are numbered (cuda:<local rank>
+    # near its CPUs on the usual nodes); Slurm's default spreads consecutive tasks over the sockets.
+    SRUN_LAYOUT+=(--ntasks="$WORLD" --ntasks-per-node="$TASKS_PER_NODE" --distribution=block:block)
     local cpus_on_node
     cpus_on_node="$(txl_count "${SLURM_CPUS_ON_NODE:-${SLURM_JOB_CPUS_PER_NODE:-0}}")"
+    # srun (Slurm 22.05+) no longer takes --cpus-per-task from the batch job's environment: pass it on.
+    if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then
+        if [ "$cpus_on_node" -gt 0 ] && [ $((TASKS_PER_NODE * SLURM_CPUS_PER_TASK)) -gt "$cpus_on_node" ]; then
+            # --cpus-per-task without --ntasks-per-node allocates CPUs for one task per node; srun would refuse
+            # the step ("More processors requested than permitted"), which would read as a fault.
+            txl_die "$TASKS_PER_NODE ranks per node of --cpus-per-task=$SLURM_CPUS_PER_TASK need $((TASKS_PER_NODE * SLURM_CPUS_PER_TASK)) CPUs per node; the job has $cpus_on_node: submit with --ntasks-per-node=$TASKS_PER_NODE (and --cpus-per-task=$SLURM_CPUS_PER_TASK)"
+        fi
+        SRUN_LAYOUT+=(--cpus-per-task="$SLURM_CPUS_PER_TASK")
+    fi
     if [ -z "${SLURM_CPUS_PER_TASK:-}" ] && [ "$cpus_on_node" -gt 0 ] && [ "$cpus_on_node" -lt "$TASKS_PER_NODE" ]; then
         txl_say "warning: $cpus_on_node CPU(s) per node allocated for $TASKS_PER_NODE ranks per node; submit with --ntasks-per-node=$TASKS_PER_NODE (and --cpus-per-task) to give each rank its own CPUs"
         SRUN_LAYOUT+=(--overcommit)
@@ -100,12 +109,33 @@ txl_layout() {
         MASTER_ADDR="${MASTER_ADDR:-$first}"
     fi
     [ -n "$MASTER_ADDR" ] || txl_die "cannot tell the allocation's first node (SLURM_JOB_NODELIST is empty); set TXL_MASTER_ADDR"
-    MASTER_PORT="${TXL_MASTER_PORT:-$((20000 + ${SLURM_JOB_ID:-0} % 20000))}"
+    MASTER_PORT="${TXL_MASTER_PORT:-$((20000 + ${SLURM_JOB_ID:-0} % 12000))}"  # below the ephemeral ports
     export MASTER_ADDR MASTER_PORT
     # Ranks come from srun's SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID: a launcher's variables inherited from
     # the submitting shell would take precedence in txl_dist.distributed.discover().
     unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE LOCAL_SIZE TORCHELASTIC_USE_AGENT_STORE
     export PYTHONUNBUFFERED=1
+    if [ -n "${TXL_SRUN_OPTS:-}" ]; then
+        local extra
+        read -r -a extra <<<"$TXL_SRUN_OPTS"
+        SRUN_LAYOUT+=("${extra[@]}")
+    fi
+}
+
+# Every rank of a node must see all of its GPUs (its device is cuda:<local rank>; txl_dist.distributed
+# refuses otherwise once the ranks have started): a per-task GPU binding is refused here, before srun.
+txl_no_gpu_per_task() {
+    local set=""
+    if [ -n "${SLURM_GPUS_PER_TASK:-}" ]; then
+        set="--gpus-per-task (SLURM_GPUS_PER_TASK=$SLURM_GPUS_PER_TASK)"
+    elif [ -n "${SLURM_NTASKS_PER_GPU:-}" ]; then
+        set="--ntasks-per-gpu (SLURM_NTASKS_PER_GPU=$SLURM_NTASKS_PER_GPU)"
+    elif [[ "${SLURM_TRES_PER_TASK:-}" == *gpu* ]]; then
+        set="a GPU request per task (SLURM_TRES_PER_TASK=$SLURM_TRES_PER_TASK)"
+    elif [ -n "${SLURM_GPU_BIND:-}" ] && [[ "$SLURM_GPU_BIND" != *none* ]]; then
+        set="a GPU binding (SLURM_GPU_BIND=$SLURM_GPU_BIND, from --gpu-bind or the environment)"
+    fi
+    [ -z "$set" ] || txl_die "$set gives each rank only its own GPU(s), but every rank must see all of its node's GPUs (its device is cuda:<local rank>); submit with --gpus-per-node=G --ntasks-per-node=G and no per-task GPU option (unset SLURM_GPU_BIND, or set it to none)"
 }
 
 txl_print_layout() {

@@ -24,8 +24,9 @@ or fell back to an older tag (checkpoint.fallback) saves a tag older than the ne
 
 Refused input prints one `error:` line and exits 2, as launch/train.py would, before any node runs anything:
 a configuration that is bad on its own or (with --world-size, the job's number of ranks) on this world size,
-and a --resume that does not fit the run folder. Nothing here refuses what the training start accepts: a
-damaged checkpoint is the start's to judge (it verifies checksums, and falls back with checkpoint.fallback).
+a --resume that does not fit the run folder, and (with --world-size) a CPU build of torch in a job with GPUs.
+Nothing here refuses what the training start accepts: a damaged checkpoint is the start's to judge (it
+verifies checksums, and falls back with checkpoint.fallback).
 """
 from __future__ import annotations
 
@@ -134,8 +135,14 @@ def describe(argv: list[str]) -> dict[str, str]:
     args = parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     if world_size is not None:
+        import torch
+
+        from txl_dist.distributed import check_gpus_usable
         from txl_dist.startup import check_run_config  # imports DeepSpeed: only before the step
 
+        # A CPU build of torch refused here, before srun starts the ranks (they would train on the CPU). Whether
+        # a CUDA build sees its GPUs is each rank's check: the batch shell's own devices are the site's choice.
+        check_gpus_usable("the job", cuda_available=torch.version.cuda is not None)
         check_run_config(cfg, world_size)
     run_dir = Path(cfg.run.dir).resolve()
     ckpt_dir = cfg.checkpoint_dir().resolve()
