@@ -237,3 +237,17 @@ def test_compile_on_first_call_compiles_once_when_first_called():
     assert compiled == [] and lazy.__name__ == "double"
     assert lazy(3) == ("compiled", 6) and lazy(3, by=3) == ("compiled", 9)
     assert compiled == [double]
+
+
+def test_deepspeed_waits_for_the_device_only_where_it_pays():
+    """DeepSpeed's throughput timer waits for the device twice per micro step for a number nothing reads: off
+    unless the config names it. overlap_comm (the GPU presets' ZeRO 2) waits once per micro step after the
+    backward on a GPU: off on one rank, which has no reduction to overlap with it; kept on more."""
+    overlapped = {**EVERY_SECTION, "zero_optimization": {"stage": 2, "overlap_comm": True}}
+    one, two = handed_over(overlapped, world_size=1), handed_over(overlapped, world_size=2)
+    assert one["timers"] == two["timers"] == {"throughput": {"enabled": False}}
+    assert (one["zero_optimization"]["overlap_comm"], two["zero_optimization"]["overlap_comm"]) == (False, True)
+    assert handed_over(EVERY_SECTION, world_size=1)["zero_optimization"]["overlap_comm"]  # ZeRO-3's own
+    timed = {**EVERY_SECTION, "timers": {"throughput": {"enabled": True, "synchronized": False}}}
+    assert handed_over(timed)["timers"] == timed["timers"]
+    check_deepspeed_config(one, 1)  # as DeepSpeed reads them

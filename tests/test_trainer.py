@@ -135,11 +135,20 @@ def test_elastic_resume_2_to_1_and_1_to_2_ranks_continues_the_loss(corpus, tmp_p
     assert (tmp_path / "from1" / "checkpoints" / "step_00000002_universal" / "zero").is_dir()
 
 
-def test_elastic_resume_of_a_bf16_zero_2_run_with_fp32_gradient_sums(corpus, tmp_path):
+@pytest.mark.parametrize("stage, bf16", [(2, True), (3, False)], ids=["bf16_zero2", "fused_adamw_zero3"])
+def test_elastic_resume_2_to_1_continues_the_loss(corpus, tmp_path, stage, bf16):
     # bf16 at ZeRO 2 sums gradients in an fp32 buffer of the rank's partition: its checkpoints go through the
-    # universal conversion like the fp32 ones of the test above.
+    # universal conversion like the fp32 ones of the test above. ZeRO-3 with the GPU presets' fused AdamW: the
+    # universal load leaves the steps where its files were, in state that the optimizer's groups do not name
+    # (checkpoint.steps_with_their_params).
+    ds = {"zero_optimization": {"stage": stage}} | ({"bf16": {"enabled": True}} if bf16 else {})
+    if stage == 3:
+        ds["optimizer"] = {"type": "AdamW",
+                           "params": {"lr": 3e-3, "weight_decay": 0.0, "torch_adam": True, "fused": True}}
+
     def cfg(run, **train):
-        return _variant(corpus, tmp_path / run, 2, True, train={"max_steps": 4, **train}, model={"dropout": 0.0})
+        return tiny_config(corpus, tmp_path / run, train={"max_steps": 4, **train}, model={"dropout": 0.0},
+                           deepspeed=ds)
 
     first, straight = run_ranks(train_jobs, 2, [(cfg("from2", exit_step=2), "none"), (cfg("straight2"), "none")])[0]
     (resumed,) = run_ranks(train_jobs, 1, [(cfg("from2"), "auto")])[0]

@@ -65,3 +65,42 @@ def test_a_fused_optimizers_steps_go_where_its_parameters_are():
     assert (step.item(), step.dtype, step.device) == (7.0, torch.float32, fused.device)
     assert steps_with_their_params(optimizers[0]) == 0  # in place already
     assert steps_with_their_params(optimizers[1]) == 0 and optimizers[1].state[plain]["step"].dtype == torch.float64
+
+
+def _zero3_steps_after_a_load() -> tuple[int, int, list[str]]:
+    """A ZeRO-3 engine of one rank with the presets' fused torch AdamW, after one step, its states' steps set
+    to float64 as a loader might leave them: (states, params its groups name, dtypes after the move)."""
+    import deepspeed
+    import torch
+
+    from txl_dist import distributed
+    from txl_dist.checkpoint import steps_with_their_params
+    from txl_dist.engine import skip_shm_comm_build
+
+    skip_shm_comm_build()
+    distributed.init_process_group(distributed.discover())
+    try:
+        deepspeed.init_distributed()
+        ds = {"train_batch_size": 1, "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+              "steps_per_print": 10**9,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True, "fused": True}}}
+        engine, *_ = deepspeed.initialize(model=torch.nn.Linear(3, 3), model_parameters=None, config=ds)
+        engine.backward(engine(torch.randn(1, 3)).sum())
+        engine.step()
+        torch_optimizer = engine.optimizer.optimizer
+        for state in torch_optimizer.state.values():
+            state["step"] = state["step"].to(torch.float64)
+        named = sum(len(group["params"]) for group in torch_optimizer.param_groups)
+        moved = steps_with_their_params(torch_optimizer)
+        return moved, named, sorted(str(s["step"].dtype) for s in torch_optimizer.state.values())
+    finally:
+        distributed.destroy_process_group()
+
+
+def test_a_zero3_optimizers_steps_move_though_its_groups_name_no_parameter():
+    """ZeRO-3 keeps its torch optimizer's param_groups["params"] empty between steps (and its universal load
+    sets them to []): the steps are found through the optimizer's states, else an elastic resume at ZeRO-3
+    with fused AdamW failed at its first step on a GPU ("cuda:0 and cpu")."""
+    [(moved, named, dtypes)] = run_ranks(_zero3_steps_after_a_load, 1, timeout=240)
+    assert named == 0  # what made the old walk over the groups' params find nothing
+    assert moved >= 1 and dtypes == ["torch.float32"] * moved

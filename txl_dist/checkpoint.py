@@ -1038,15 +1038,19 @@ def steps_with_their_params(optimizer) -> int:
     state["step"]), bypassing load_state_dict: on a GPU the presets' fused AdamW then fails at its first step
     ("Expected all tensors to be on the same device ... cuda:0 and cpu ... state_steps"). A load at the same
     world size goes through load_state_dict: nothing moves then."""
+    groups = getattr(optimizer, "param_groups", [])
+    group_of = {id(param): group for group in groups for param in group["params"]}
+    # ZeRO-3 keeps its groups' "params" empty between steps (its universal load sets them to []): a state
+    # whose parameter no group names takes the flag of any group, as DeepSpeed builds them all alike.
+    any_group_on_device = any(group.get("fused") or group.get("capturable") for group in groups)
     moved = 0
-    for group in getattr(optimizer, "param_groups", []):
-        if not (group.get("fused") or group.get("capturable")):
-            continue  # torch keeps these steps on the CPU
-        for param in group["params"]:
-            step = optimizer.state.get(param, {}).get("step")
-            if torch.is_tensor(step) and (step.device != param.device or step.dtype != torch.float32):
-                optimizer.state[param]["step"] = step.to(device=param.device, dtype=torch.float32)
-                moved += 1
+    for param, state in getattr(optimizer, "state", {}).items():
+        group = group_of.get(id(param))
+        on_device = bool(group.get("fused") or group.get("capturable")) if group is not None else any_group_on_device
+        step = state.get("step")
+        if on_device and torch.is_tensor(step) and (step.device != param.device or step.dtype != torch.float32):
+            state["step"] = step.to(device=param.device, dtype=torch.float32)
+            moved += 1
     return moved
 
 

@@ -73,6 +73,14 @@ def deepspeed_config(cfg: RunConfig, world_size: int, *, load_universal: bool = 
         sched.setdefault("params", {}).setdefault("total_num_steps", cfg.train.max_steps)
     if load_universal:
         ds.setdefault("checkpoint", {})["load_universal"] = True
+    # DeepSpeed's throughput timer (on unless configured) waits for the device twice per micro step from the
+    # third step on, for a number this project never prints (the trainer times its steps itself).
+    ds.setdefault("timers", {}).setdefault("throughput", {"enabled": False})
+    zero = ds.get("zero_optimization", {})
+    if world_size == 1 and zero.get("overlap_comm") and zero_stage(ds) in (1, 2):
+        # ZeRO 1-2's overlap_comm waits for the device after every micro step's backward on a GPU
+        # (independent_gradient_partition_epilogue); one rank has no reduction to overlap it with.
+        zero["overlap_comm"] = False
     return ds
 
 
@@ -88,6 +96,12 @@ def model_dtype(ds_config: dict[str, Any]) -> torch.dtype:
     if ds_config.get("fp16", {}).get("enabled"):
         return torch.float16
     return torch.float32
+
+
+ZERO3_COMPILE_WARNING = (
+    "train.compile at ZeRO-3: DeepSpeed's hooks that gather each submodule's weights break every layer's graph "
+    "(2 layers: 23 graphs, 39 breaks, dynamo's recompile limit hit, where ZeRO 0-2 compile 3 graphs and no "
+    "break); it trains like eager, but the compiled layers may not be faster: measure, or use ZeRO 0-2")
 
 
 def build_engine(model_fn: Callable[[], nn.Module], ds_config: dict[str, Any], *, seed: int,
@@ -132,6 +146,8 @@ def build_engine(model_fn: Callable[[], nn.Module], ds_config: dict[str, Any], *
         deepspeed.checkpointing.configure(None, deepspeed_config=ds_config)
         model.set_activation_checkpointing(deepspeed.checkpointing.checkpoint)
     if compile_layers:
+        if zero_stage(ds_config) == 3:
+            log.warning(ZERO3_COMPILE_WARNING, extra=distributed.RANK_ZERO_ONLY)
         model.compile_layers()
     announce_optimizer_op_build(ds_config)
     with dropped_deepspeed_warning(_SCHEDULER_NOT_STARTED):  # the step() below starts it

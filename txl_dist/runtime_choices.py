@@ -7,7 +7,8 @@ timing noise); a run and its resume that disagreed would break the bitwise-exact
 - an explicit value in the configuration always wins (an explicit bf16 on a CPU is timed against fp32 all
   the same, and a warning names it when it is the slower one); "auto" reuses the choice recorded in the checkpoint
   being resumed (run.json "run_choices") when it was made on the same device type, and is measured only
-  for a new run (or on another device type);
+  for a new run; on another device type the recorded precision is kept (the checkpoint's optimizer state is
+  in it) and the attention is chosen again;
 - the trainer records the choices in every checkpoint's run.json.
 
 precision "auto": bf16 on a CUDA device that supports it, else fp32; on a CPU bf16 only where the model's
@@ -123,8 +124,9 @@ def decide(cfg: RunConfig, device: torch.device, recorded: dict[str, Any] | None
     """The choices for a run on `device` (one process; `agree` runs this on rank 0 only)."""
     reuse = recorded if recorded and recorded.get("device_type") == device.type else None
     if recorded and reuse is None:
-        log.warning("the checkpoint's run-time choices were made on %s, this job runs on %s: deciding again",
-                    recorded.get("device_type"), device.type)
+        log.warning("the checkpoint's run-time choices were made on %s, this job runs on %s: it keeps their "
+                    "precision %s (the checkpoint's optimizer state is in it) and decides the rest again",
+                    recorded.get("device_type"), device.type, recorded.get("precision"))
     origin: dict[str, str] = {}
     # The numbers behind reused choices stay with them (run.json and run_choices.json keep describing them).
     measured: dict[str, Any] = dict(reuse.get("measured") or {}) if reuse is not None else {}
@@ -134,8 +136,10 @@ def decide(cfg: RunConfig, device: torch.device, recorded: dict[str, Any] | None
         origin["precision"] = "config"
         if precision == "bf16" and device.type == "cpu" and reuse is None:
             warn_if_slower_than_fp32(cfg, device, precision, measured)
-    elif reuse is not None:
-        precision, origin["precision"] = reuse["precision"], "checkpoint"
+    elif recorded and recorded.get("precision"):
+        # On any device: DeepSpeed cannot load the checkpoint's optimizer state into another precision (the fit
+        # check would refuse what a new decision chose, e.g. bf16 on a GPU for a run trained in fp32 on CPUs).
+        precision, origin["precision"] = recorded["precision"], "checkpoint"
     else:
         precision, origin["precision"] = choose_precision(cfg, device, measured)
 

@@ -706,8 +706,8 @@ def start_evaluation(choice: EvalChoice, env: DistEnv, split: str | None = None,
         tag_dir, run_info, cfg = distributed.broadcast_object(
             (choice.tag_dir, choice.run_info, cfg) if env.is_main else None)
         hold = _together(lambda: _hold_rank_zeros_tag(choice, tag_dir, env))
-        # "auto" in an evaluation config means what the checkpoint's run chose (or a fresh decision when the
-        # checkpoint recorded none, or was made on another device type).
+        # "auto" in an evaluation config means what the checkpoint's run chose (a fresh decision when the
+        # checkpoint recorded none; on another device type, its precision and a fresh attention choice).
         choices = runtime_choices.agree(cfg, env, run_info.get("run_choices"), peak=False, training=False)
         cfg = runtime_choices.apply(cfg, choices)
         resolved, evaluator, split = _together(lambda: _eval_local_checks(cfg, run_info, tag_dir, split, env))
