@@ -61,6 +61,16 @@ def wait_in_all_reduce() -> None:
         distributed.destroy_process_group()
 
 
+def wait_outside_collectives() -> None:
+    """Both ranks start, then wait without a collective that could fail (as a rank does whose nccl kernel
+    waits for a dead peer: nothing raises until the collective timeout)."""
+    env = _join(float(os.environ["COLLECTIVE_TIMEOUT_S"]))
+    distributed.barrier()
+    _say(ready=env.rank, pid=os.getpid())
+    time.sleep(120)  # the test kills the other rank meanwhile
+    _say(error=None)
+
+
 def wait_in_control_barrier() -> None:
     """Both ranks start; then every rank that is not stopped waits in a control-group barrier (60 s)."""
     env = _join(TIMEOUT_S)
@@ -88,6 +98,43 @@ def fail_alone_on_rank_1() -> None:
         sys.exit(1)
     finally:
         distributed.destroy_process_group()
+
+
+def explain_then_hang_in_teardown() -> None:
+    """Rank 0's all_reduce fails as the test kills rank 1; rank 0 explains it as an entry point does, and its
+    groups' teardown never returns (as NCCL's may, waiting for a collective of the dead rank)."""
+    env = _join(TIMEOUT_S)
+    distributed.barrier()
+    _say(ready=env.rank, pid=os.getpid())
+    if env.rank == 1:
+        time.sleep(60)  # the test kills this rank
+        return
+    torch.distributed.destroy_process_group = lambda *args: time.sleep(600)
+    torch.distributed.distributed_c10d._abort_process_group = lambda *args: time.sleep(600)
+    distributed.TEARDOWN_AFTER_FAILURE_S = 2.0
+    try:
+        distributed.all_reduce_sum(torch.ones(1))
+    except RuntimeError as e:
+        logging.getLogger(distributed.LOGGER_NAME).error("error: %s", distributed.explain_failure(e))
+    finally:
+        distributed.destroy_process_group()
+    _say(returned=True)
+
+
+def fail_alone_with_a_teardown_that_hangs() -> None:
+    """Rank 1 fails alone and its groups' teardown never returns (as NCCL's may, waiting for a collective in
+    flight that the stopped ranks will not join)."""
+    env = _join(TIMEOUT_S)
+    distributed.barrier()
+    _say(ready=env.rank, pid=os.getpid())
+    if env.rank == 0:
+        distributed.barrier()  # rank 1 never comes: its error ends this rank within a beat
+        return
+    torch.distributed.destroy_process_group = lambda *args: time.sleep(600)
+    torch.distributed.distributed_c10d._abort_process_group = lambda *args: time.sleep(600)
+    distributed.TEARDOWN_AFTER_FAILURE_S = 2.0
+    distributed.destroy_process_group(ValueError("the shard is corrupt"))
+    _say(returned=True)
 
 
 def finish_at_different_times() -> None:
@@ -257,6 +304,65 @@ def test_a_killed_store_host_is_named_by_the_rank_whose_collective_failed(job):
     assert "TCPStore.cpp" not in rank1.stderr() and "frame #" not in rank1.stderr(), rank1.stderr()
 
 
+def test_a_rank_failing_alone_exits_when_leaving_the_group_hangs(job):
+    rank0, rank1 = job("fail_alone_with_a_teardown_that_hangs")
+    rank0.wait_for("ready")
+    rank1.wait_for("ready")
+    assert rank1.exit_status(timeout=2.0 + MARGIN_S + 5) == 1, rank1.stderr()
+    assert "returned" not in rank1.out.read_text()
+    lines = [line for line in rank1.stderr().splitlines() if "error: " in line]
+    assert len(lines) == 1 and "the shard is corrupt" in lines[0], rank1.stderr()
+    assert "(leaving the process group did not finish within 2 s:" in lines[0], lines
+    assert rank0.exit_status(timeout=TIMEOUT_S) == 1, rank0.stderr()
+    assert "pid " in rank0.stderr() and ") stopped after an error: the shard is corrupt" in rank0.stderr(), \
+        rank0.stderr()
+
+
+def test_leaving_the_group_after_a_collective_failed_is_bounded(job):
+    rank0, rank1 = job("explain_then_hang_in_teardown")
+    rank0.wait_for("ready")
+    pid1 = rank1.wait_for("ready")["pid"]
+    time.sleep(0.5)  # rank 0 is in the all_reduce by now
+    killed_at = time.monotonic()
+    os.kill(pid1, signal.SIGKILL)
+    # Before: the watchdog's own end of such a process, max(the timeout, 30 s) after the explanation.
+    assert rank0.exit_status(timeout=30) == 1, rank0.stderr()
+    elapsed = time.monotonic() - killed_at
+    assert elapsed < 2.0 + 3.0 + MARGIN_S, elapsed  # the bound, explain's probes, a loaded machine
+    assert "returned" not in rank0.out.read_text()
+    lines = [line for line in rank0.stderr().splitlines() if "error: " in line]
+    assert len(lines) == 1 and "rank 1 (host " in lines[0] and "was lost during a collective" in lines[0], \
+        rank0.stderr()
+
+
+SLOW_TIMEOUT_S = 30.0  # a beat every 5 s: a process that ended is found after 2-3 beats, the timeout is 30 s
+
+
+@pytest.mark.parametrize("killed", [1, 0], ids=["a_rank", "the_store_host"])
+def test_a_killed_rank_ends_the_others_within_three_beats_where_no_collective_fails(job, killed):
+    """On nccl a dead peer makes no collective fail: the others' kernels wait for it until the timeout. A
+    neighbour whose beats stop and whose process has ended is reported after two beats, not the timeout."""
+    # As launch/train.py runs ranks: the store client's warning as the store goes (C++ frames) stays quiet.
+    ranks = job("wait_outside_collectives", COLLECTIVE_TIMEOUT_S=str(SLOW_TIMEOUT_S), TORCH_CPP_LOG_LEVEL="ERROR")
+    pid = ranks[killed].wait_for("ready")["pid"]
+    survivor = ranks[1 - killed]
+    survivor.wait_for("ready")
+    killed_at = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    status = survivor.exit_status(timeout=SLOW_TIMEOUT_S + MARGIN_S + 10)
+    elapsed = time.monotonic() - killed_at
+    assert status == 1, survivor.stderr()
+    lines = survivor.lines_naming(killed)
+    assert len(lines) == 1, survivor.stderr()
+    assert f"rank {killed} (host " in lines[0] and f"pid {pid}) was lost: its process ended" in lines[0], lines
+    if killed == 0:
+        assert "it hosted the rendezvous store at 127.0.0.1:" in lines[0], lines
+    assert lines[0].endswith("; stopping")
+    period = SLOW_TIMEOUT_S / 6
+    assert elapsed < 3 * period + MARGIN_S < SLOW_TIMEOUT_S, elapsed
+    assert "frame #" not in survivor.stderr(), survivor.stderr()
+
+
 def test_a_rank_failing_alone_stops_the_others_at_once_with_its_error(job):
     rank0, rank1 = job("fail_alone_on_rank_1")
     rank0.wait_for("ready")
@@ -311,6 +417,15 @@ def test_the_beat_period_follows_the_timeout_up_to_ten_seconds():
     assert beat_period(6.0) == 1.0 and beat_period(600.0) == 10.0
 
 
+def test_the_default_groups_timeout_leaves_the_first_report_to_the_watchdog():
+    """Two beats over train.collective_timeout_s; with NCCL, whose clock starts when a collective is queued
+    and whose own abort is a SIGABRT, two minutes at least."""
+    assert distributed.group_timeout(6.0, "gloo").total_seconds() == 8.0
+    assert distributed.group_timeout(600.0, "gloo").total_seconds() == 620.0
+    assert distributed.group_timeout(600.0, "cpu:gloo,cuda:nccl").total_seconds() == 720.0
+    assert distributed.group_timeout(3600.0, "nccl").total_seconds() == 3720.0
+
+
 def test_collective_failures_are_told_from_other_errors():
     from txl_dist.watchdog import is_collective_failure
 
@@ -319,6 +434,16 @@ def test_collective_failures_are_told_from_other_errors():
     wrapped = ValueError("while saving")
     wrapped.__cause__ = RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1, unhandled system error")
     assert is_collective_failure(wrapped)
+    # NCCL's own words (torch raises most of them as DistBackendError, a DistError, anyway).
+    for text in ("NCCL communicator was aborted on rank 1.",
+                 "[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE) ran "
+                 "for 620000 milliseconds before timing out.",
+                 "NCCL error: remote process exited or there was a network error, NCCL version 2.27.3\n"
+                 "ncclRemoteError: A call failed possibly due to a network error or a remote process exiting",
+                 "NCCL error in: ProcessGroupNCCL.cpp:2, unhandled system error (run with NCCL_DEBUG=INFO for "
+                 "details), ncclSystemError"):
+        assert is_collective_failure(RuntimeError(text)), text
+        assert is_collective_failure(torch.distributed.DistBackendError(text)), text
     assert not is_collective_failure(RuntimeError("No backend type associated with device type cpu"))
     assert not is_collective_failure(KeyError("step"))
 
@@ -446,6 +571,38 @@ def test_probes_tell_a_live_rank_from_an_ended_and_a_stopped_one():
         other.kill()
         other.wait(10)
         wd.stop(None)
+
+
+def test_a_process_on_another_machine_has_ended_only_when_its_probe_port_refuses():
+    """has_ended on a rank whose process cannot be looked at: a live probe server, one that does not answer
+    (stopped, or its host gone) and a closed port; on this machine, the process table decides."""
+    import threading
+
+    from txl_dist import rank_probe, watchdog
+
+    elsewhere = "another-boot-id/4026531836"
+    live = rank_probe.ProbeServer(rank_probe.token(5, 4242))
+    stopping = threading.Event()
+    threading.Thread(target=live.serve, args=(stopping,), daemon=True).start()
+    silent = rank_probe.ProbeServer(b"never sent")  # listens, never answers: a stopped process
+    closed = rank_probe.ProbeServer(b"")
+    closed.close()
+    try:
+        def info(port: int) -> watchdog.RankInfo:
+            return watchdog.RankInfo(5, "h", 4242, elsewhere, port, ("127.0.0.1",))
+
+        assert not watchdog.has_ended(info(live.port), 1.0)
+        assert not watchdog.has_ended(info(silent.port), 0.3)
+        assert watchdog.has_ended(info(closed.port), 1.0)
+        here = watchdog._this_machine()
+        assert not watchdog.has_ended(watchdog.RankInfo(5, "h", os.getpid(), here, closed.port, ()), 1.0)
+        ended = subprocess.Popen([sys.executable, "-c", "pass"])
+        ended.wait(30)
+        assert watchdog.has_ended(watchdog.RankInfo(5, "h", ended.pid, here, live.port, ("127.0.0.1",)), 1.0)
+    finally:
+        stopping.set()
+        live.close()
+        silent.close()
 
 
 def test_a_rank_publishes_the_addresses_other_hosts_reach_it_by():

@@ -181,9 +181,10 @@ class TrainConfig:
     streams it poisoned are reset; this many such steps in a row stop the job (exit status 1) without
     saving over the last good checkpoint. fp16 counts its loss-scale overflows here too."""
     collective_timeout_s: float = 600.0
-    """A rank that stops responding (killed, hung, its node lost) ends the job within about this many
-    seconds on every other rank, with one line naming it; also the timeout of each training collective
-    (DeepSpeed's ZeRO collectives included), plus two heartbeats."""
+    """A rank that stops responding (hung, stopped, its node lost) ends the job within about this many
+    seconds on every other rank, with one line naming it (a rank whose process ended: within three
+    heartbeats, a sixth of this each, at most 10 s); also the timeout of each training collective (DeepSpeed's
+    ZeRO collectives included), plus two heartbeats (on NCCL plus 120 s at least)."""
     compile: bool = False
     """torch.compile each Transformer-XL layer for training (static shapes: one graph for the first segment,
     one for the steady state with full memory; evaluation stays eager); with activation checkpointing the

@@ -19,6 +19,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -29,7 +30,7 @@ import torch.distributed as dist
 
 from . import watchdog
 from .host import cpus_per_rank, raise_open_file_limit
-from .errors import Refused, one_line
+from .errors import EXIT_FAILED, Refused, one_line
 
 DEFAULT_MASTER_PORT = 29500
 SLURM_PORT_BASE, SLURM_PORT_SPAN = 20000, 12000
@@ -41,6 +42,11 @@ ANY_FREE_PORT = 0
 a free port (and exports that one as MASTER_PORT)."""
 DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0  # config: train.collective_timeout_s
 DEFAULT_CONTROL_TIMEOUT_S = 3600.0  # config: checkpoint.timeout_s
+TEARDOWN_AFTER_FAILURE_S = 30.0
+"""How long a rank that failed (alone, or in a collective a lost rank broke) waits for its groups to be torn
+down before it exits anyway: NCCL's graceful teardown waits for this rank's collectives in flight, which a
+stopped peer will never join, so a failing rank aborts its groups, and even an abort can hang."""
+NCCL_TIMEOUT_MARGIN_S = 120.0
 LOGGER_NAME = "txl_dist"
 T = TypeVar("T")
 E = TypeVar("E", bound=BaseException)
@@ -249,25 +255,37 @@ def default_backend() -> str:
 
 _control_group: dist.ProcessGroup | None = None
 _collective_timeout: timedelta | None = None
+_collective_failed = False  # explain_failure named a lost rank: leaving the groups must not wait on it
+
+
+def group_timeout(collective_timeout_s: float, backend: str) -> timedelta:
+    """The default group's timeout: train.collective_timeout_s plus two beats, so that a lost rank is reported
+    by the watchdog's one line, not by the backend's own abort; with NCCL at least NCCL_TIMEOUT_MARGIN_S more.
+    NCCL's clock starts when a collective is queued, possibly long before the peer stopped (the watchdog's
+    starts at the peer's last beat), and its abort is a SIGABRT after a multi-line report, without our abort
+    callbacks (the MLflow run left open). A gloo collective that times out raises, and is explained in one line."""
+    margin = 2 * watchdog.beat_period(collective_timeout_s)
+    if "nccl" in backend:
+        margin = max(margin, NCCL_TIMEOUT_MARGIN_S)
+    return timedelta(seconds=collective_timeout_s + margin)
 
 
 def collective_timeout() -> timedelta | None:
-    """The timeout of the default group (train.collective_timeout_s plus two beats); None before
+    """The timeout of the default group (group_timeout); None before
     init_process_group. Groups made for device collectives (DeepSpeed's) should use it too."""
     return _collective_timeout
 
 
 def init_process_group(env: DistEnv, *, collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
                        control_timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S, backend: str | None = None) -> None:
-    """Join the job: the default group (`backend`, else default_backend(); timeout collective_timeout_s),
+    """Join the job: the default group (`backend`, else default_backend(); timeout group_timeout()),
     the gloo control group of the host-side helpers (timeout control_timeout_s) and the lost-rank
     watchdog (a rank silent for collective_timeout_s ends the job). A no-op when already initialized."""
     global _control_group, _collective_timeout
     if dist.is_initialized():
         return
-    # Two beats longer than the watchdog's limit: a lost rank is reported by the watchdog's one line, not
-    # by the backend's own abort (NCCL's is a multi-line dump).
-    timeout = timedelta(seconds=collective_timeout_s + 2 * watchdog.beat_period(collective_timeout_s))
+    backend = backend or default_backend()
+    timeout = group_timeout(collective_timeout_s, backend)
     store = None
     if env.master_port == ANY_FREE_PORT and env.world_size == 1:
         # Port 0: the kernel picks a free one as the store listens, so no other process can take it between a
@@ -282,7 +300,7 @@ def init_process_group(env: DistEnv, *, collective_timeout_s: float = DEFAULT_CO
     _collective_timeout = timeout
     if store is None:
         try:
-            dist.init_process_group(backend or default_backend(), init_method="env://", rank=env.rank,
+            dist.init_process_group(backend, init_method="env://", rank=env.rank,
                                     world_size=env.world_size, timeout=timeout)
         except RuntimeError as e:  # DistNetworkError among them
             if env.rank == 0 and _port_taken(e):
@@ -292,7 +310,7 @@ def init_process_group(env: DistEnv, *, collective_timeout_s: float = DEFAULT_CO
                 ) from None
             raise
     else:
-        dist.init_process_group(backend or default_backend(), store=store, rank=env.rank, world_size=env.world_size,
+        dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size,
                                 timeout=timeout)
     _control_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=control_timeout_s))
     watchdog.start(env.rank, env.world_size, watchdog.store_address(env.master_addr, env.master_port),
@@ -313,10 +331,43 @@ def destroy_process_group(error: BaseException | None = None) -> None:
     `error`: what this rank is failing with, when it caught it itself and fails alone; an exception that is
     still propagating (destroy called from a `finally`) counts too. The other ranks then stop at once with
     a line naming this rank. A refusal (raised on every rank together) and SystemExit(0) are no failure.
+    A failing rank (or one whose collective failed, explain_failure) aborts its groups instead, and exits
+    with status 1 when that takes over TEARDOWN_AFTER_FAILURE_S (logging its line first).
     """
-    global _control_group, _collective_timeout
-    watchdog.stop(_failure_line(error if error is not None else sys.exc_info()[1]))
+    global _control_group, _collective_timeout, _collective_failed
+    line = _failure_line(error if error is not None else sys.exc_info()[1])
+    collective_failed, _collective_failed = _collective_failed, False
+    watchdog.stop(line)
     _control_group = _collective_timeout = None
+    if not dist.is_initialized():
+        return
+    if (line is None and not collective_failed) or dist.get_world_size() < 2:
+        dist.destroy_process_group()
+        return
+    teardown = threading.Thread(target=_abort_groups, daemon=True, name="txl-teardown")
+    teardown.start()
+    teardown.join(TEARDOWN_AFTER_FAILURE_S)
+    if teardown.is_alive():
+        if line is not None:  # (after a failed collective, the entry point has printed the lost rank's line)
+            # The caller was about to end this process with its error anyway; the traceback of an unexpected
+            # one would come after this call, so its line goes here.
+            logging.getLogger(LOGGER_NAME).error(
+                "error: %s (leaving the process group did not finish within %.0f s: a collective in flight that "
+                "the stopped ranks will not join; exiting)", line, TEARDOWN_AFTER_FAILURE_S)
+        logging.shutdown()
+        os._exit(EXIT_FAILED)
+
+
+def _abort_groups() -> None:
+    """Tear every group down without waiting for collectives in flight (NCCL: ncclCommAbort, where a plain
+    destroy finalizes, waiting for this rank's kernels); a plain destroy where torch has no abort."""
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if abort is not None:
+        try:
+            abort()
+            return
+        except (RuntimeError, ValueError, NotImplementedError) as e:  # a backend without abort
+            logging.getLogger(LOGGER_NAME).debug("aborting the process groups failed (%s); destroying them", e)
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -331,7 +382,10 @@ def explain_failure(exc: BaseException) -> str | None:
     """After a collective raised `exc`: one line naming the lost rank(s) (rank, host, pid and why), or
     saying that contact with the rendezvous store was lost; None when `exc` is no collective failure.
     Takes a few seconds; every other rank then stops with the same line. See watchdog.explain_failure."""
-    return watchdog.explain_failure(exc)
+    global _collective_failed
+    line = watchdog.explain_failure(exc)
+    _collective_failed = _collective_failed or line is not None
+    return line
 
 
 def on_abort(callback: Callable[[], None]) -> None:

@@ -284,7 +284,7 @@ def dropped_deepspeed_warning(prefix: str) -> Iterator[None]:
 
 def _clone_world_group_with_the_collective_timeout() -> None:
     """Make DeepSpeed's clone of the world group, on which ZeRO runs its gradient and parameter collectives,
-    with the default group's timeout (train.collective_timeout_s plus two beats).
+    with the default group's timeout (distributed.group_timeout).
 
     DeepSpeed 0.19.8 clones the world group lazily (deepspeed.utils.groups._clone_world_group) with torch's
     default timeout: 10 minutes on NCCL, 30 on gloo, whatever train.collective_timeout_s says. A clone made

@@ -6,7 +6,10 @@ a hung (SIGSTOPped) peer hangs everyone on any backend.
 
 How: every rank publishes its host and pid in the rendezvous store and beats there (a counter) from a daemon
 thread. Each rank watches only its two ring neighbours, so the store's load grows with W, not W squared.
-A neighbour silent for collective_timeout_s is reported in one line; the line goes to a shared "abort" key,
+A neighbour silent for collective_timeout_s is reported in one line, and so is one silent for two beats whose
+process has certainly ended (gone from this machine's process table, or its probe port refused at every
+address): on nccl nothing else notices a dead peer, whose partners' kernels wait for it until the collective
+timeout, minutes later. The line goes to a shared "abort" key,
 and every rank that reads it (within a beat) logs it, runs the abort callbacks (bounded) and ends with exit
 status 1 through os._exit: its main thread may be stuck inside a collective. A second thread judges contact
 with the store itself (a store client waits for ever on a stopped host); a third answers probes on a socket
@@ -62,6 +65,8 @@ ABORT_CALLBACK_BOUND_S = 5.0
 EXIT_AFTER_FAILURE_S = 30.0
 """After explain_failure, the process ends with status 1 within max(collective timeout, this) even if tearing
 down the groups hangs."""
+ENDED_CHECK_AFTER_BEATS = 2
+"""A neighbour (or the store's host) silent for this many beats is checked for an ended process each beat."""
 MAX_NAMED = 4
 MAX_CANDIDATES = 64
 LOGGER_NAME = "txl_dist"
@@ -161,6 +166,18 @@ def state_of_stat(stat: str) -> str:
     if state in ("Z", "X") or flags & PF_EXITING:
         return "ended"
     return "stopped" if state in ("T", "t") else "running"
+
+
+def has_ended(info: RankInfo, probe_wait_s: float) -> bool:
+    """Whether `info`'s process has certainly ended: this machine's process table says so, or, on another
+    machine, its probe port is refused at every address it published. A stopped or hung process, or a host
+    that does not answer, is not certain: those wait for the timeout."""
+    state = process_state(info)
+    if state is not None:
+        return state == "ended"
+    answers = rank_probe.probe({info.rank: info.probe_targets()}, {info.rank: rank_probe.token(info.rank, info.pid)},
+                               probe_wait_s)
+    return answers[info.rank] == "its process ended"
 
 
 class _Keys:
@@ -365,6 +382,17 @@ class Watchdog:
             if silent >= self.timeout_s:
                 self._stop_job(f"contact with the rendezvous store at {self.store_description()} was lost: "
                                f"no answer for {silent:.0f} s; stopping")
+            elif silent >= ENDED_CHECK_AFTER_BEATS * self.period and self._store_host_ended():
+                self._stop_job(f"{self.label(0)} was lost: its process ended; it hosted the rendezvous store at "
+                               f"{self.address.host}:{self.address.port}; stopping")
+
+    def _store_host_ended(self) -> bool:
+        host = self.infos.get(0) if self.address.hosted_by_rank0 and self.rank != 0 else None
+        return host is not None and has_ended(host, self._probe_wait_s())
+
+    def _probe_wait_s(self) -> float:
+        """A probe from a watch thread: short, it delays this rank's own beat."""
+        return min(PROBE_WAIT_S, self.period / 2)
 
     def _beat_once(self, store: dist.TCPStore, seen: dict[int, tuple[int, float]]) -> None:
         store.add(self.keys.beat(self.rank), 1)
@@ -382,14 +410,18 @@ class Watchdog:
                 seen[r] = (count, now)
                 continue
             silent = now - seen[r][1]
-            if silent < self.timeout_s:
+            if silent < ENDED_CHECK_AFTER_BEATS * self.period:
                 continue
             if store.check([self.keys.left(r)]):
                 # It left: finished (its silence is expected) or failed (then it set the abort key first).
                 self.watched.remove(r)
                 continue
-            self._stop_job(f"{self.label(r)} stopped responding: no heartbeat for {silent:.0f} s; stopping",
-                           store=store)
+            if silent >= self.timeout_s:
+                self._stop_job(f"{self.label(r)} stopped responding: no heartbeat for {silent:.0f} s; stopping",
+                               store=store)
+            elif r in self.infos and has_ended(self.infos[r], self._probe_wait_s()):
+                self._stop_job(f"{self.label(r)} was lost: its process ended (no heartbeat for {silent:.0f} s); "
+                               "stopping", store=store)
 
     def _await_infos(self, store: dist.TCPStore, wait_s: float) -> None:
         """Read the neighbours' and rank 0's host and pid before the job goes on. They publish in the same
@@ -578,21 +610,25 @@ class Watchdog:
         if claimed_by == "watchdog":
             return  # the watch thread is ending this process now
         self._stopping.set()
-        self._probe_server.close()
         self._threads["beat"].join(1.0)  # it may be waiting on the store; a late beat does no harm
-        if self._store_lost or self._host_gone():
-            return  # nobody is left to tell
-        abort_line = None
-        if error is not None and claimed_by is None:
-            abort_line = f"{self.label(self.rank)} stopped after an error: {error}"
-        left_as = "failed" if error is not None or claimed_by == "explain" else "finished"
+        # The probe port closes only after this rank said it left: refused probes before that would read as
+        # a process that ended.
         try:
-            store = _bounded(lambda: self._leave(left_as, abort_line), 2 * STORE_CALL_S)
-            if self.hosts_store:
-                self._linger(store)  # the store is in this process: no stopped host to wait on
-        except STORE_ERRORS:
-            pass  # the store is gone: nobody is left to tell
-        self._threads["probe"].join(1.0)
+            if self._store_lost or self._host_gone():
+                return  # nobody is left to tell
+            abort_line = None
+            if error is not None and claimed_by is None:
+                abort_line = f"{self.label(self.rank)} stopped after an error: {error}"
+            left_as = "failed" if error is not None or claimed_by == "explain" else "finished"
+            try:
+                store = _bounded(lambda: self._leave(left_as, abort_line), 2 * STORE_CALL_S)
+                if self.hosts_store:
+                    self._linger(store)  # the store is in this process: no stopped host to wait on
+            except STORE_ERRORS:
+                pass  # the store is gone: nobody is left to tell
+        finally:
+            self._probe_server.close()
+            self._threads["probe"].join(1.0)
 
     def _host_gone(self) -> bool:
         """Rank 0 left long enough ago that its store may be gone (it waits for the others for at most the
