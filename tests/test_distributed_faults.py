@@ -253,35 +253,34 @@ def test_a_killed_rank_is_named_by_the_rank_whose_collective_failed(job):
     assert rank0.lines_naming(1) == [], rank0.stderr()  # the watchdog stayed silent: the explanation is the report
 
 
+def signal_one_rank(ranks: list[Rank], victim: int, sig: int, timeout_s: float) -> tuple[int, float, str]:
+    """Once both ranks are ready, send `sig` to rank `victim`; the other rank must end with status 1 within the
+    timeout plus margins, with one line naming the victim. Returns the victim's pid, the seconds the other
+    rank took and that line."""
+    pid = ranks[victim].wait_for("ready")["pid"]
+    survivor = ranks[1 - victim]
+    survivor.wait_for("ready")
+    sent_at = time.monotonic()
+    os.kill(pid, sig)
+    status = survivor.exit_status(timeout=timeout_s + MARGIN_S + 10)
+    elapsed = time.monotonic() - sent_at
+    assert status == 1, survivor.stderr()
+    lines = survivor.lines_naming(victim)
+    assert len(lines) == 1, survivor.stderr()
+    return pid, elapsed, lines[0]
+
+
 def test_a_stopped_rank_ends_the_others_within_the_timeout_with_one_line(job):
-    rank0, rank1 = job("wait_in_control_barrier")
-    rank0.wait_for("ready")
-    pid1 = rank1.wait_for("ready")["pid"]
-    stopped_at = time.monotonic()
-    os.kill(pid1, signal.SIGSTOP)
-    status = rank0.exit_status(timeout=TIMEOUT_S + MARGIN_S + 10)
-    elapsed = time.monotonic() - stopped_at
-    assert status == 1, rank0.stderr()
-    lines = rank0.lines_naming(1)
-    assert len(lines) == 1, rank0.stderr()
-    assert "rank 1 (host " in lines[0] and f"pid {pid1}) stopped responding: no heartbeat for" in lines[0]
-    assert lines[0].endswith("; stopping")
+    pid1, elapsed, line = signal_one_rank(job("wait_in_control_barrier"), 1, signal.SIGSTOP, TIMEOUT_S)
+    assert "rank 1 (host " in line and f"pid {pid1}) stopped responding: no heartbeat for" in line
+    assert line.endswith("; stopping")
     assert TIMEOUT_S - 1 < elapsed < TIMEOUT_S + MARGIN_S, elapsed
 
 
 def test_a_stopped_store_host_ends_the_others_within_the_timeout(job):
-    rank0, rank1 = job("wait_in_control_barrier")
-    pid0 = rank0.wait_for("ready")["pid"]
-    rank1.wait_for("ready")
-    stopped_at = time.monotonic()
-    os.kill(pid0, signal.SIGSTOP)
-    status = rank1.exit_status(timeout=TIMEOUT_S + MARGIN_S + 10)
-    elapsed = time.monotonic() - stopped_at
-    assert status == 1, rank1.stderr()
-    lines = rank1.lines_naming(0)
-    assert len(lines) == 1, rank1.stderr()
-    assert "contact with the rendezvous store at 127.0.0.1:" in lines[0]
-    assert "(hosted by rank 0 (host " in lines[0] and f"pid {pid0})) was lost: no answer for" in lines[0]
+    pid0, elapsed, line = signal_one_rank(job("wait_in_control_barrier"), 0, signal.SIGSTOP, TIMEOUT_S)
+    assert "contact with the rendezvous store at 127.0.0.1:" in line
+    assert "(hosted by rank 0 (host " in line and f"pid {pid0})) was lost: no answer for" in line
     assert elapsed < TIMEOUT_S + MARGIN_S + 2, elapsed  # store calls time out a beat late each
 
 
@@ -344,20 +343,12 @@ def test_a_killed_rank_ends_the_others_within_three_beats_where_no_collective_fa
     neighbour whose beats stop and whose process has ended is reported after two beats, not the timeout."""
     # As launch/train.py runs ranks: the store client's warning as the store goes (C++ frames) stays quiet.
     ranks = job("wait_outside_collectives", COLLECTIVE_TIMEOUT_S=str(SLOW_TIMEOUT_S), TORCH_CPP_LOG_LEVEL="ERROR")
-    pid = ranks[killed].wait_for("ready")["pid"]
+    pid, elapsed, line = signal_one_rank(ranks, killed, signal.SIGKILL, SLOW_TIMEOUT_S)
     survivor = ranks[1 - killed]
-    survivor.wait_for("ready")
-    killed_at = time.monotonic()
-    os.kill(pid, signal.SIGKILL)
-    status = survivor.exit_status(timeout=SLOW_TIMEOUT_S + MARGIN_S + 10)
-    elapsed = time.monotonic() - killed_at
-    assert status == 1, survivor.stderr()
-    lines = survivor.lines_naming(killed)
-    assert len(lines) == 1, survivor.stderr()
-    assert f"rank {killed} (host " in lines[0] and f"pid {pid}) was lost: its process ended" in lines[0], lines
+    assert f"rank {killed} (host " in line and f"pid {pid}) was lost: its process ended" in line, line
     if killed == 0:
-        assert "it hosted the rendezvous store at 127.0.0.1:" in lines[0], lines
-    assert lines[0].endswith("; stopping")
+        assert "it hosted the rendezvous store at 127.0.0.1:" in line, line
+    assert line.endswith("; stopping")
     period = SLOW_TIMEOUT_S / 6
     assert elapsed < 3 * period + MARGIN_S < SLOW_TIMEOUT_S, elapsed
     assert "frame #" not in survivor.stderr(), survivor.stderr()
