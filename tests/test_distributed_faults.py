@@ -148,9 +148,16 @@ def finish_at_different_times() -> None:
 
 
 def helpers_with_a_device_only_default_group() -> None:
-    """The default group serves CUDA tensors only (as nccl would on GPUs); the host-side helpers still work."""
+    """The default group serves CUDA tensors only (as nccl would on GPUs); the host-side helpers still work,
+    also when the default group was made before (MADE_BY=caller: deepspeed.init_distributed, a script)."""
     env = distributed.discover()
+    if os.environ["MADE_BY"] == "caller":
+        torch.distributed.init_process_group("cuda:gloo", init_method="env://", rank=env.rank,
+                                             world_size=env.world_size)
     distributed.init_process_group(env, collective_timeout_s=30, control_timeout_s=30, backend="cuda:gloo")
+    from txl_dist import watchdog
+
+    watching = watchdog.running()
     try:
         torch.distributed.all_reduce(torch.ones(1))
         default_group_on_cpu = "worked"
@@ -162,6 +169,7 @@ def helpers_with_a_device_only_default_group() -> None:
         "broadcast": distributed.broadcast_object({"from": env.rank}, src=1),
         "gathered": distributed.gather_objects(env.rank * 10),
         "together": distributed.together(lambda: env.rank + 100),
+        "watching": watching,
     }
     distributed.barrier()
     distributed.destroy_process_group()
@@ -380,9 +388,12 @@ def test_ranks_finishing_at_different_times_end_cleanly(job, late_rank):
         assert "stopped responding" not in r.stderr() and "rendezvous store" not in r.stderr()
 
 
-def test_host_side_helpers_work_when_the_default_group_serves_devices_only(job):
-    results = [r.wait_for("default_group_on_cpu") for r in job("helpers_with_a_device_only_default_group")]
+@pytest.mark.parametrize("made_by", ["us", "caller"])
+def test_host_side_helpers_work_when_the_default_group_serves_devices_only(job, made_by):
+    ranks = job("helpers_with_a_device_only_default_group", MADE_BY=made_by)
+    results = [r.wait_for("default_group_on_cpu") for r in ranks]
     for rank, out in enumerate(results):
+        assert out["watching"] is True
         # What nccl-only default groups do to CPU tensors on GPUs: the helpers must not go there.
         assert "No backend type associated with device type cpu" in out["default_group_on_cpu"]
         assert out["any_rank"] == [True, False]

@@ -280,9 +280,13 @@ def init_process_group(env: DistEnv, *, collective_timeout_s: float = DEFAULT_CO
                        control_timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S, backend: str | None = None) -> None:
     """Join the job: the default group (`backend`, else default_backend(); timeout group_timeout()),
     the gloo control group of the host-side helpers (timeout control_timeout_s) and the lost-rank
-    watchdog (a rank silent for collective_timeout_s ends the job). A no-op when already initialized."""
+    watchdog (a rank silent for collective_timeout_s ends the job). A no-op when already initialized; when
+    someone else made the default group (deepspeed.init_distributed or a script's own init_process_group,
+    NCCL-only on GPUs), the control group and the watchdog are added to it."""
     global _control_group, _collective_timeout
     if dist.is_initialized():
+        if _control_group is None:
+            _join_existing(env, collective_timeout_s, control_timeout_s)
         return
     backend = backend or default_backend()
     timeout = group_timeout(collective_timeout_s, backend)
@@ -312,6 +316,19 @@ def init_process_group(env: DistEnv, *, collective_timeout_s: float = DEFAULT_CO
     else:
         dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size,
                                 timeout=timeout)
+    _control_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=control_timeout_s))
+    watchdog.start(env.rank, env.world_size, watchdog.store_address(env.master_addr, env.master_port),
+                   collective_timeout_s, logging.getLogger(LOGGER_NAME))
+
+
+def _join_existing(env: DistEnv, collective_timeout_s: float, control_timeout_s: float) -> None:
+    """The control group and the watchdog beside a default group made elsewhere (its timeout is its maker's):
+    without them the host-side helpers would send CPU tensors to an NCCL-only group, and no lost rank would
+    be named."""
+    global _control_group
+    if (dist.get_rank(), dist.get_world_size()) != (env.rank, env.world_size):
+        raise LaunchError(f"torch.distributed was initialized as rank {dist.get_rank()} of {dist.get_world_size()}, "
+                          f"but the launcher's environment says rank {env.rank} of {env.world_size}")
     _control_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=control_timeout_s))
     watchdog.start(env.rank, env.world_size, watchdog.store_address(env.master_addr, env.master_port),
                    collective_timeout_s, logging.getLogger(LOGGER_NAME))
