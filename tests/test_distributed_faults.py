@@ -100,6 +100,13 @@ def fail_alone_on_rank_1() -> None:
         distributed.destroy_process_group()
 
 
+def _make_the_teardown_hang() -> None:
+    """Tearing the groups down (destroy or abort) never returns in this process; the bound is 2 s."""
+    torch.distributed.destroy_process_group = lambda *args: time.sleep(600)
+    torch.distributed.distributed_c10d._abort_process_group = lambda *args: time.sleep(600)
+    distributed.TEARDOWN_AFTER_FAILURE_S = 2.0
+
+
 def explain_then_hang_in_teardown() -> None:
     """Rank 0's all_reduce fails as the test kills rank 1; rank 0 explains it as an entry point does, and its
     groups' teardown never returns (as NCCL's may, waiting for a collective of the dead rank)."""
@@ -109,9 +116,7 @@ def explain_then_hang_in_teardown() -> None:
     if env.rank == 1:
         time.sleep(60)  # the test kills this rank
         return
-    torch.distributed.destroy_process_group = lambda *args: time.sleep(600)
-    torch.distributed.distributed_c10d._abort_process_group = lambda *args: time.sleep(600)
-    distributed.TEARDOWN_AFTER_FAILURE_S = 2.0
+    _make_the_teardown_hang()
     try:
         distributed.all_reduce_sum(torch.ones(1))
     except RuntimeError as e:
@@ -130,9 +135,7 @@ def fail_alone_with_a_teardown_that_hangs() -> None:
     if env.rank == 0:
         distributed.barrier()  # rank 1 never comes: its error ends this rank within a beat
         return
-    torch.distributed.destroy_process_group = lambda *args: time.sleep(600)
-    torch.distributed.distributed_c10d._abort_process_group = lambda *args: time.sleep(600)
-    distributed.TEARDOWN_AFTER_FAILURE_S = 2.0
+    _make_the_teardown_hang()
     distributed.destroy_process_group(ValueError("the shard is corrupt"))
     _say(returned=True)
 

@@ -255,7 +255,6 @@ def default_backend() -> str:
 
 _control_group: dist.ProcessGroup | None = None
 _collective_timeout: timedelta | None = None
-_collective_failed = False  # explain_failure named a lost rank: leaving the groups must not wait on it
 
 
 def group_timeout(collective_timeout_s: float, backend: str) -> timedelta:
@@ -283,7 +282,7 @@ def init_process_group(env: DistEnv, *, collective_timeout_s: float = DEFAULT_CO
     watchdog (a rank silent for collective_timeout_s ends the job). A no-op when already initialized; when
     someone else made the default group (deepspeed.init_distributed or a script's own init_process_group,
     NCCL-only on GPUs), the control group and the watchdog are added to it."""
-    global _control_group, _collective_timeout
+    global _collective_timeout
     if dist.is_initialized():
         if _control_group is None:
             _join_existing(env, collective_timeout_s, control_timeout_s)
@@ -316,19 +315,21 @@ def init_process_group(env: DistEnv, *, collective_timeout_s: float = DEFAULT_CO
     else:
         dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size,
                                 timeout=timeout)
-    _control_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=control_timeout_s))
-    watchdog.start(env.rank, env.world_size, watchdog.store_address(env.master_addr, env.master_port),
-                   collective_timeout_s, logging.getLogger(LOGGER_NAME))
+    _start_control_group_and_watchdog(env, collective_timeout_s, control_timeout_s)
 
 
 def _join_existing(env: DistEnv, collective_timeout_s: float, control_timeout_s: float) -> None:
     """The control group and the watchdog beside a default group made elsewhere (its timeout is its maker's):
     without them the host-side helpers would send CPU tensors to an NCCL-only group, and no lost rank would
     be named."""
-    global _control_group
     if (dist.get_rank(), dist.get_world_size()) != (env.rank, env.world_size):
         raise LaunchError(f"torch.distributed was initialized as rank {dist.get_rank()} of {dist.get_world_size()}, "
                           f"but the launcher's environment says rank {env.rank} of {env.world_size}")
+    _start_control_group_and_watchdog(env, collective_timeout_s, control_timeout_s)
+
+
+def _start_control_group_and_watchdog(env: DistEnv, collective_timeout_s: float, control_timeout_s: float) -> None:
+    global _control_group
     _control_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=control_timeout_s))
     watchdog.start(env.rank, env.world_size, watchdog.store_address(env.master_addr, env.master_port),
                    collective_timeout_s, logging.getLogger(LOGGER_NAME))
@@ -351,9 +352,9 @@ def destroy_process_group(error: BaseException | None = None) -> None:
     A failing rank (or one whose collective failed, explain_failure) aborts its groups instead, and exits
     with status 1 when that takes over TEARDOWN_AFTER_FAILURE_S (logging its line first).
     """
-    global _control_group, _collective_timeout, _collective_failed
+    global _control_group, _collective_timeout
     line = _failure_line(error if error is not None else sys.exc_info()[1])
-    collective_failed, _collective_failed = _collective_failed, False
+    collective_failed = watchdog.explained()
     watchdog.stop(line)
     _control_group = _collective_timeout = None
     if not dist.is_initialized():
@@ -399,10 +400,7 @@ def explain_failure(exc: BaseException) -> str | None:
     """After a collective raised `exc`: one line naming the lost rank(s) (rank, host, pid and why), or
     saying that contact with the rendezvous store was lost; None when `exc` is no collective failure.
     Takes a few seconds; every other rank then stops with the same line. See watchdog.explain_failure."""
-    global _collective_failed
-    line = watchdog.explain_failure(exc)
-    _collective_failed = _collective_failed or line is not None
-    return line
+    return watchdog.explain_failure(exc)
 
 
 def on_abort(callback: Callable[[], None]) -> None:

@@ -383,11 +383,17 @@ class Watchdog:
                 self._stop_job(f"contact with the rendezvous store at {self.store_description()} was lost: "
                                f"no answer for {silent:.0f} s; stopping")
             elif silent >= ENDED_CHECK_AFTER_BEATS * self.period and self._store_host_ended():
-                self._stop_job(f"{self.label(0)} was lost: its process ended; it hosted the rendezvous store at "
-                               f"{self.address.host}:{self.address.port}; stopping")
+                self._stop_job(f"{self.label(0)} was lost: its process ended; {self._hosted_store()}; stopping")
+
+    def _store_host(self) -> RankInfo | None:
+        """Rank 0's host and pid when rank 0 hosts the store (and has published them)."""
+        return self.infos.get(0) if self.address.hosted_by_rank0 else None
+
+    def _hosted_store(self) -> str:
+        return f"it hosted the rendezvous store at {self.address.host}:{self.address.port}"
 
     def _store_host_ended(self) -> bool:
-        host = self.infos.get(0) if self.address.hosted_by_rank0 and self.rank != 0 else None
+        host = self._store_host() if self.rank != 0 else None
         return host is not None and has_ended(host, self._probe_wait_s())
 
     def _probe_wait_s(self) -> float:
@@ -590,13 +596,17 @@ class Watchdog:
     def _lost_store_host_line(self) -> str | None:
         """When rank 0 hosts the store and its process, on this machine, has ended or is stopped: a line
         naming it."""
-        host = self.infos.get(0) if self.address.hosted_by_rank0 else None
+        host = self._store_host()
         state = process_state(host) if host else None
         if state not in ("ended", "stopped"):
             return None
         what = "its process ended" if state == "ended" else "its process is stopped"
-        return (f"{host.label()} was lost during a collective ({what}); it hosted the rendezvous store at "
-                f"{self.address.host}:{self.address.port}")
+        return f"{host.label()} was lost during a collective ({what}); {self._hosted_store()}"
+
+    def explained(self) -> bool:
+        """Whether this process explained a failed collective (its report, not the watch thread's)."""
+        with self._claim_lock:
+            return self._claimed_by == "explain"
 
     # ---------------------------------------------------------------------------------------------
     # Stop
@@ -693,6 +703,12 @@ def stop(error: str | None = None) -> None:
 def running() -> bool:
     """Whether this process watches its peers."""
     return _current is not None
+
+
+def explained() -> bool:
+    """Whether explain_failure named the loss that broke a collective of this process (leaving the groups then
+    must not wait for the lost rank)."""
+    return _current is not None and _current.explained()
 
 
 def on_abort(callback: Callable[[], None]) -> None:
