@@ -11,6 +11,8 @@ KIND (the fault happens on rank RANK only):
                  it) while the other ranks go on into the load's collectives; prints `fail-in-load at <time.time()>`
   kill-at-step   SIGKILL itself in the middle of step STEP (after the first micro batch's forward)
   stop-at-step   SIGSTOP itself at the start of step STEP (a hung rank)
+  hang-at-step   its read of the first micro batch of step STEP never returns (a stuck file system: the process
+                 lives on and beats)
   nan-at-step    the loss of stream 0 of its first micro batch is NaN at step STEP
   nan-from-step  every loss on this rank is NaN from step STEP on
   sigterm-at-step  SIGTERM itself at the end of step STEP
@@ -23,6 +25,7 @@ import errno
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -90,6 +93,8 @@ def install(kind: str, rank: int, step: int) -> None:
         current = self.step + 1
         if kind == "stop-at-step" and current == step:
             os.kill(os.getpid(), signal.SIGSTOP)
+        if kind == "hang-at-step" and current == step:
+            self._batches = _hanging(self._batches)
         if kind == "kill-at-step" and current == step:
             _kill_after_first_forward(self)
         if kind in ("nan-at-step", "nan-from-step") and (current == step or (kind == "nan-from-step" and current > step)):
@@ -100,6 +105,15 @@ def install(kind: str, rank: int, step: int) -> None:
         return stats
 
     trainer.Trainer.train_step = faulty_step
+
+
+def _hang_reading_a_batch() -> None:
+    threading.Event().wait()
+
+
+def _hanging(batches):
+    _hang_reading_a_batch()
+    yield from batches
 
 
 def _kill_after_first_forward(t) -> None:

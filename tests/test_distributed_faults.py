@@ -7,12 +7,14 @@ stdout; the test waits for them.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -148,6 +150,58 @@ def finish_at_different_times() -> None:
         time.sleep(float(os.environ["LATE_BY_S"]))
     distributed.destroy_process_group()
     _say(done=env.rank, total=total.item())
+
+
+def _stuck_for_ever_here() -> None:
+    """Where a stuck rank's main thread stays, as in a read that never returns; its log must show it."""
+    threading.Event().wait()
+
+
+def _creeping_for_ever_here() -> None:
+    """The rank begins ever smaller parts of unit 3 (counts 201, 202, ...; every half second) and never unit 3."""
+    from txl_dist import watchdog
+
+    for part in itertools.count(1):
+        watchdog.note_progress(200 + part, f"part {part} of unit 3")
+        time.sleep(0.5)
+
+
+def count_units_of_work() -> None:
+    """Both ranks begin units of work 1..4 (note_progress with counts 100, 200, ...) and meet in an all_reduce
+    after each; at unit 3, with WAIT_IN=sleep, the other rank waits outside any collective instead (as a host
+    blocked on an nccl kernel: nothing fails before the timeout). Before unit 3 rank ODD (1 unless set) does
+    what ODD_ONE says:
+      slow      sleeps SLOW_S, then goes on;
+      stuck     stays stuck for ever, alive and beating;
+      creeping  moves on in parts of unit 3 for ever: its count never stays put long enough for the watch."""
+    from txl_dist import watchdog
+
+    env = _join(TIMEOUT_S)
+    distributed.barrier()
+    _say(ready=env.rank, pid=os.getpid())
+    try:
+        for unit in range(1, 5):
+            odd = env.rank == int(os.environ.get("ODD", "1"))
+            if odd and unit == 3:
+                behaviour = os.environ["ODD_ONE"]
+                if behaviour == "slow":
+                    time.sleep(float(os.environ["SLOW_S"]))
+                elif behaviour == "stuck":
+                    _stuck_for_ever_here()
+                else:
+                    _creeping_for_ever_here()
+            watchdog.note_progress(100 * unit, f"unit {unit}")
+            if not odd and unit == 3 and os.environ["WAIT_IN"] == "sleep":
+                time.sleep(60)
+            distributed.all_reduce_sum(torch.ones(1))
+    except RuntimeError as e:
+        line = distributed.explain_failure(e)
+        _say(explained=line)
+        logging.getLogger(distributed.LOGGER_NAME).error("error: %s", line)
+        sys.exit(1)
+    finally:
+        distributed.destroy_process_group()
+    _say(done=env.rank)
 
 
 def helpers_with_a_device_only_default_group() -> None:
@@ -389,6 +443,63 @@ def test_ranks_finishing_at_different_times_end_cleanly(job, late_rank):
         assert r.wait_for("done")["total"] == 2.0
         assert r.lines_naming(0) == [] and r.lines_naming(1) == [], r.stderr()
         assert "stopped responding" not in r.stderr() and "rendezvous store" not in r.stderr()
+
+
+def _stack_logged_by(rank: Rank) -> str:
+    assert rank.exit_status(timeout=MARGIN_S + 5) == 1, rank.stderr()
+    err = rank.stderr()
+    assert "this rank was found stuck; its main thread is here:" in err, err
+    return err
+
+
+@pytest.mark.parametrize("stuck", [1, 0], ids=["a_rank", "the_store_host"])
+def test_a_stuck_rank_that_still_beats_is_named_with_its_stack(job, stuck):
+    """A rank alive and beating but stuck outside the collectives (a deadlock, a read that never returns; rank 0
+    waiting on an MLflow server), while the other waits where nothing fails before the timeout (a host blocked
+    on an nccl kernel): before, nothing named it, and on nccl the job ended by nccl's own abort. The stuck
+    rank must read why before the store goes (when rank 0 finds rank 1 stuck, its exit ends the store)."""
+    ranks = job("count_units_of_work", WAIT_IN="sleep", ODD=str(stuck), ODD_ONE="stuck")
+    waiter = ranks[1 - stuck]
+    waiter.wait_for("ready")
+    pid = ranks[stuck].wait_for("ready")["pid"]
+    start = time.monotonic()
+    assert waiter.exit_status(timeout=TIMEOUT_S + MARGIN_S + 10) == 1, waiter.stderr()
+    elapsed = time.monotonic() - start
+    lines = waiter.lines_naming(stuck)
+    assert len(lines) == 1, waiter.stderr()
+    assert f"rank {stuck} (host " in lines[0] and f"pid {pid}) is stuck: its heartbeat goes on, but it has not " \
+        "gone past unit 2 for " in lines[0], lines
+    assert f"while rank {1 - stuck} (host " in lines[0] and ") has waited in unit 3 for " in lines[0], lines
+    assert lines[0].endswith("; its stack is in its log; stopping"), lines
+    assert TIMEOUT_S - 1 < elapsed < TIMEOUT_S + MARGIN_S, elapsed
+    err = _stack_logged_by(ranks[stuck])
+    assert "in _stuck_for_ever_here" in err and "in count_units_of_work" in err, err
+    assert lines[0].split("error: ", 1)[1] in err  # the same line ends it
+    assert err.index("its main thread is here:") < err.index("error: "), err
+
+
+def test_a_stuck_rank_is_named_when_the_others_collective_times_out_first(job):
+    """gloo: the waiting rank's all_reduce times out two beats after the timeout. A rank behind it whose count
+    moved within the last two beats is not judged by the watch; explain_failure then names it from its
+    progress, where it said 'the failure is elsewhere'."""
+    rank0, rank1 = job("count_units_of_work", WAIT_IN="all_reduce", ODD_ONE="creeping")
+    rank0.wait_for("ready")
+    pid1 = rank1.wait_for("ready")["pid"]
+    report = rank0.wait_for("explained", timeout=TIMEOUT_S + 2 * MARGIN_S + 10)
+    assert report["explained"].startswith("rank 1 (host "), report
+    assert f"pid {pid1}) is stuck: its process answers, but it had not gone past part " in report["explained"]
+    assert " of unit 3 while rank 0 (host " in report["explained"], report
+    assert "waited in unit 3 until the collective timed out; its stack is in its log" in report["explained"]
+    assert rank0.exit_status(timeout=MARGIN_S + 5) == 1, rank0.stderr()
+    assert "in _creeping_for_ever_here" in _stack_logged_by(rank1)
+
+
+def test_a_slow_rank_is_not_called_stuck(job):
+    ranks = job("count_units_of_work", WAIT_IN="all_reduce", ODD_ONE="slow", SLOW_S=str(TIMEOUT_S - 2))
+    for r in ranks:
+        assert r.exit_status(timeout=60) == 0, r.stderr()
+        assert r.wait_for("done")
+        assert "stuck" not in r.stderr() and r.lines_naming(1 - ranks.index(r)) == [], r.stderr()
 
 
 @pytest.mark.parametrize("made_by", ["us", "caller"])

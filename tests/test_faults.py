@@ -197,6 +197,26 @@ def test_a_hung_rank_is_named_within_the_collective_timeout(corpus, tmp_path):
         procs[1].kill()
 
 
+def test_a_rank_stuck_reading_its_batch_is_named_with_where_it_is(corpus, tmp_path):
+    """Its process lives and beats, so no heartbeat goes missing: its progress names it (before: on gloo, 'a
+    collective failed while ranks [1] still answer'; on nccl, nccl's own abort)."""
+    run_dir = tmp_path / "run"
+    procs = _start(_config(corpus, run_dir, train={"collective_timeout_s": 8}), "hang-at-step:1:3")
+    try:
+        assert procs[0].wait(120) == 1, procs[0].output[-3000:]
+        (line,) = _errors(procs[0])
+        assert re.search(r"rank 1 \(host [^)]+, pid \d+\) is stuck: its heartbeat goes on, but it has not gone past "
+                         r"step 2, micro batch (\d+)/\1 for \d+ s or more, while rank 0 \(host [^)]+\) has waited "
+                         r"in step 3, micro batch \d+/\d+ for \d+ s; its stack is in its log; stopping", line), line
+        assert procs[1].wait(30) == 1, procs[1].output[-3000:]
+        assert "this rank was found stuck; its main thread is here:" in procs[1].output
+        assert "in _hang_reading_a_batch" in procs[1].output and "in train_step" in procs[1].output
+        assert _errors(procs[1])[-1].endswith(line.split("error: ", 1)[1])
+        assert read_latest(run_dir / "checkpoints") == "step_00000002"
+    finally:
+        procs[1].kill()
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_a_nonfinite_step_is_skipped_and_the_poisoned_memory_reset(corpus, tmp_path, precision):
     # bf16: DeepSpeed's mixed-precision ZeRO optimizer finds the overflow itself (fp32: the trainer's own check).

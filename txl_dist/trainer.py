@@ -48,7 +48,7 @@ from .memory import MemoryBank, merge_state_dicts
 from .profiling import StepProfiler
 from .startup import Resume, TrainStart, start_training
 from .stop_request import StopRequest, describe_reasons
-from .watchdog import is_collective_failure
+from .watchdog import is_collective_failure, note_progress
 
 log = logging.getLogger(distributed.LOGGER_NAME)
 
@@ -235,8 +235,11 @@ class Trainer:
         own_norm = None
         lr = engine.optimizer.param_groups[0]["lr"]  # what this step uses (the scheduler moves it after)
         cutoffs = self.cfg.model.cutoffs
-        for micro in range(self.loader.accumulation_steps):
+        g = self.loader.accumulation_steps
+        for micro in range(g):
             mb = next(self._batches)
+            # Before this micro batch's collectives: a rank that never gets here is found stuck by its peers.
+            note_progress(self.step * g + micro + 1, f"step {self.step + 1}, micro batch {micro + 1}/{g}")
             # Non-blocking copies, and the softmax's cluster counts from the host labels: no sync here.
             input_ids, labels, plan = batch_to_device(mb.input_ids, mb.labels, self.device, cutoffs)  # [m, T] x2
             mems = self.bank.get(mb.stream_ids, mb.reset)  # n_layer x [m, mlen, d_model] or None
@@ -251,7 +254,7 @@ class Trainer:
             streams.append(mb.stream_ids)
             sums[0] += nll_sum
             sums[1] += out.nll.numel()
-            if micro == self.loader.accumulation_steps - 1:
+            if micro == g - 1:
                 # Only where DeepSpeed reports no norm, fp32 at ZeRO stage 0: also the one configuration where
                 # DeepSpeed does not skip a non-finite step itself.
                 own_norm = global_grad_norm(engine)

@@ -9,7 +9,12 @@ thread. Each rank watches only its two ring neighbours, so the store's load grow
 A neighbour silent for collective_timeout_s is reported in one line, and so is one silent for two beats whose
 process has certainly ended (gone from this machine's process table, or its probe port refused at every
 address): on nccl nothing else notices a dead peer, whose partners' kernels wait for it until the collective
-timeout, minutes later. The line goes to a shared "abort" key,
+timeout, minutes later. A neighbour that beats but is stuck (a deadlock, a read that never returns) is found
+by its progress: the trainer counts the units of work every rank begins (note_progress, a micro batch in
+hand), and a neighbour whose count stays behind this rank's while this rank has waited collective_timeout_s
+is reported stuck, and its own watch thread logs its main thread's stack before it ends; a stuck rank whose
+partners' collective failed first (gloo) is named the same way by explain_failure. The line goes to a shared
+"abort" key,
 and every rank that reads it (within a beat) logs it, runs the abort callbacks (bounded) and ends with exit
 status 1 through os._exit: its main thread may be stuck inside a collective. A second thread judges contact
 with the store itself (a store client waits for ever on a stopped host); a third answers probes on a socket
@@ -42,6 +47,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -67,6 +73,13 @@ EXIT_AFTER_FAILURE_S = 30.0
 down the groups hangs."""
 ENDED_CHECK_AFTER_BEATS = 2
 """A neighbour (or the store's host) silent for this many beats is checked for an ended process each beat."""
+READERS_WAIT_BEATS = 2
+"""How long the store's host, ending the job, waits for the other ranks to read why: each reads within a beat."""
+STUCK_AFTER_BEATS = 2
+"""A beating neighbour behind this rank's progress is stuck once its count has not moved for this many beats
+and this rank has waited collective_timeout_s since its own last unit began."""
+START_LABEL = "start-up"
+"""What a rank that has begun no unit of work yet is doing."""
 MAX_NAMED = 4
 MAX_CANDIDATES = 64
 LOGGER_NAME = "txl_dist"
@@ -186,6 +199,9 @@ class _Keys:
     def __init__(self, namespace: str):
         self.ns = namespace
         self.abort = f"{namespace}/abort"
+        self.abort_readers = f"{namespace}/abort_readers"
+        """How many ranks will read the abort line (all but its writer and a rank it names lost)."""
+        self.abort_read = f"{namespace}/abort_read"
         self.left_count = f"{namespace}/left_count"
 
     def beat(self, rank: int) -> str:
@@ -199,6 +215,12 @@ class _Keys:
 
     def address(self, ip: str) -> str:
         return f"{self.ns}/address/{ip}"
+
+    def progress(self, rank: int) -> str:
+        return f"{self.ns}/progress/{rank}"
+
+    def stuck(self, rank: int) -> str:
+        return f"{self.ns}/stuck/{rank}"
 
 
 def _connect(address: StoreAddress, timeout_s: float) -> dist.TCPStore:
@@ -304,6 +326,11 @@ class Watchdog:
         self._host_left_at: float | None = None  # when this rank saw rank 0, the store's host, leave
         self._store_lost = False
         self._last_contact = time.monotonic()
+        # (count, label, when): the unit of work this rank began last (note_progress, main thread); a tuple
+        # replaced whole, so the beat thread reads one consistent value.
+        self._progress: tuple[int, str, float] = (0, START_LABEL, time.monotonic())
+        self._published_count = 0
+        self._seen_progress: dict[int, tuple[int, str, float]] = {}  # neighbour -> (count, label, first read)
         self._probe_server = rank_probe.ProbeServer(rank_probe.token(rank, os.getpid()))
         self._threads = {name: threading.Thread(target=self._guard, args=(loop,), daemon=True,
                                                 name=f"txl-watchdog-{name}")
@@ -338,6 +365,8 @@ class Watchdog:
         me = RankInfo(self.rank, socket.gethostname(), os.getpid(), _this_machine(), self._probe_server.port,
                       tuple(interfaces))
         self.infos[self.rank] = me
+        # Before the info: a peer that knows this rank's info reads its progress with one call.
+        store.set(self.keys.progress(self.rank), json.dumps([0, START_LABEL]))
         store.set(self.keys.info(self.rank), json.dumps({"host": me.host, "pid": me.pid, "machine": me.machine,
                                                          "probe_port": me.probe_port,
                                                          "addresses": list(me.addresses)}))
@@ -402,9 +431,10 @@ class Watchdog:
 
     def _beat_once(self, store: dist.TCPStore, seen: dict[int, tuple[int, float]]) -> None:
         store.add(self.keys.beat(self.rank), 1)
+        self._publish_progress(store)
         self._read_infos(store)
         if store.check([self.keys.abort]):
-            self._stop_job(store.get(self.keys.abort).decode())
+            self._stop_job(store.get(self.keys.abort).decode(), store=store, read=True)
             return
         if self.address.hosted_by_rank0 and self.rank != 0 and store.check([self.keys.left(0)]):
             self._host_left_at = time.monotonic()
@@ -414,9 +444,9 @@ class Watchdog:
             count = store.add(self.keys.beat(r), 0)
             if r not in seen or seen[r][0] != count:
                 seen[r] = (count, now)
-                continue
             silent = now - seen[r][1]
             if silent < ENDED_CHECK_AFTER_BEATS * self.period:
+                self._judge_progress(store, r, now)  # it beats: is it stuck?
                 continue
             if store.check([self.keys.left(r)]):
                 # It left: finished (its silence is expected) or failed (then it set the abort key first).
@@ -424,10 +454,55 @@ class Watchdog:
                 continue
             if silent >= self.timeout_s:
                 self._stop_job(f"{self.label(r)} stopped responding: no heartbeat for {silent:.0f} s; stopping",
-                               store=store)
+                               store=store, readers=self.world_size - 2)
             elif r in self.infos and has_ended(self.infos[r], self._probe_wait_s()):
                 self._stop_job(f"{self.label(r)} was lost: its process ended (no heartbeat for {silent:.0f} s); "
-                               "stopping", store=store)
+                               "stopping", store=store, readers=self.world_size - 2)
+
+    def _publish_progress(self, store: dist.TCPStore) -> None:
+        count, label, _ = self._progress
+        if count != self._published_count:
+            store.set(self.keys.progress(self.rank), json.dumps([count, label]))
+            self._published_count = count
+
+    def _read_progress(self, store: dist.TCPStore, rank: int) -> tuple[int, str]:
+        """The count and label of the unit of work `rank` began last, as it published them (with its info)."""
+        if rank not in self.infos:
+            return 0, START_LABEL
+        count, label = json.loads(store.get(self.keys.progress(rank)))
+        return count, label
+
+    def _judge_progress(self, store: dist.TCPStore, r: int, now: float) -> None:
+        """Report neighbour `r` stuck when it beats, its progress stays behind this rank's and has not moved for
+        STUCK_AFTER_BEATS, and this rank has waited collective_timeout_s since it began its own last unit.
+        Waiting that long, this rank is in a collective that `r` never reached (on gloo it fails two beats
+        later): `r` is outside the collectives, alive and stuck."""
+        count, label = self._read_progress(store, r)
+        if r not in self._seen_progress or self._seen_progress[r][0] != count:
+            self._seen_progress[r] = (count, label, now)
+            return
+        mine, my_label, my_since = self._progress
+        if count >= mine or now - my_since < self.timeout_s:
+            return
+        still = now - self._seen_progress[r][2]
+        if still < STUCK_AFTER_BEATS * self.period:
+            return
+        store.set(self.keys.stuck(r), "1")  # before the abort key: the stuck rank logs its stack on reading it
+        self._stop_job(f"{self.label(r)} is stuck: its heartbeat goes on, but it has not gone past {label} for "
+                       f"{still:.0f} s or more, while {self.label(self.rank)} has waited in {my_label} for "
+                       f"{now - my_since:.0f} s; its stack is in its log; stopping", store=store,
+                       readers=self.world_size - 1)
+
+    def _log_main_stack(self) -> None:
+        """Log where this process's main thread is: another rank found this one stuck."""
+        frame = sys._current_frames().get(threading.main_thread().ident)
+        if frame is not None:
+            stack = "".join(traceback.format_stack(frame)).rstrip()
+            self.log.error("this rank was found stuck; its main thread is here:\n%s", stack)
+
+    def note_progress(self, count: int, label: str) -> None:
+        """This rank has begun unit of work `count` (see the module function)."""
+        self._progress = (count, label, time.monotonic())
 
     def _await_infos(self, store: dist.TCPStore, wait_s: float) -> None:
         """Read the neighbours' and rank 0's host and pid before the job goes on. They publish in the same
@@ -488,19 +563,49 @@ class Watchdog:
             self._claimed_by = by
             return True
 
-    def _stop_job(self, line: str, store: dist.TCPStore | None = None) -> None:
-        """Log `line`, publish it to every rank (when `store`), run the abort callbacks, exit with status 1."""
+    def _stop_job(self, line: str, store: dist.TCPStore | None = None, readers: int | None = None,
+                  read: bool = False) -> None:
+        """Log `line`, run the abort callbacks, exit with status 1. With `store`: publish the line to every rank
+        (`readers`: how many other ranks will read it), or, when `read` from there, count this rank as a reader
+        and log its stack if it is the one found stuck. The store's host waits for the readers before it exits
+        (at most READERS_WAIT_BEATS): its exit ends the store, and a rank that had not read the line yet would
+        report the host lost instead."""
         if self._stopping.is_set() or not self._claim("watchdog"):
             return
-        self.log.error("error: %s", line)
-        if store is not None:
+        if read:
             try:
-                _bounded(lambda: store.compare_set(self.keys.abort, "", line), STORE_CALL_S)
+                if store.check([self.keys.stuck(self.rank)]):
+                    self._log_main_stack()
+                store.add(self.keys.abort_read, 1)
+            except STORE_ERRORS:
+                pass
+        self.log.error("error: %s", line)
+        if store is not None and readers is not None:
+            try:
+                _bounded(lambda: self._publish_abort(store, line, readers), STORE_CALL_S)
             except STORE_ERRORS:
                 pass  # the other ranks find out through their own watch
         self._run_callbacks()
+        if self.hosts_store and store is not None:
+            try:
+                _bounded(lambda: self._await_readers(store), READERS_WAIT_BEATS * self.period + STORE_CALL_S)
+            except (TimeoutError, *STORE_ERRORS):
+                pass
         _flush_std()
         os._exit(1)
+
+    def _publish_abort(self, store: dist.TCPStore, line: str, readers: int) -> None:
+        if store.compare_set(self.keys.abort, "", line).decode() == line:  # the first line wins everywhere
+            store.set(self.keys.abort_readers, str(readers))
+
+    def _await_readers(self, store: dist.TCPStore) -> None:
+        deadline = time.monotonic() + READERS_WAIT_BEATS * self.period
+        while time.monotonic() < deadline:
+            expected = (int(store.get(self.keys.abort_readers)) if store.check([self.keys.abort_readers])
+                        else self.world_size - 1)
+            if store.add(self.keys.abort_read, 0) >= expected:
+                return
+            time.sleep(min(0.05, self.period / 10))
 
     def _run_callbacks(self) -> None:
         def run_all():
@@ -539,22 +644,42 @@ class Watchdog:
 
     def _explain_through_store(self, exc: BaseException) -> str:
         store = _connect(self.address, STORE_CALL_S)
-        line = self._published_abort(store) or self._diagnose(store, exc)
-        return store.compare_set(self.keys.abort, "", line).decode()  # the first explanation wins everywhere
+        published = self._published_abort(store)
+        if published:
+            return published
+        line, lost = self._diagnose(store, exc)
+        self._publish_abort(store, line, readers=self.world_size - 1 - lost)
+        return store.get(self.keys.abort).decode()  # the first explanation wins everywhere
 
     def _published_abort(self, store: dist.TCPStore) -> str | None:
         return store.get(self.keys.abort).decode() if store.check([self.keys.abort]) else None
 
-    def _diagnose(self, store: dist.TCPStore, exc: BaseException) -> str:
+    def _diagnose(self, store: dist.TCPStore, exc: BaseException) -> tuple[str, int]:
+        """The line, and how many ranks it names lost (they will not read it)."""
         candidates = self._candidates(store, exc)
         gone = self._find_gone(store, candidates)
-        if not gone:
+        named = gone or self._find_stuck(store, candidates)
+        if not named:
             return (f"a collective failed while ranks {sorted(candidates)} still answer "
-                    f"(the failure is elsewhere): {_first_line(exc)}")
-        parts = [f"{self.label(r)} {why}" for r, why in sorted(gone.items())[:MAX_NAMED]]
-        if len(gone) > MAX_NAMED:
-            parts.append(f"and {len(gone) - MAX_NAMED} more")
-        return "; ".join(parts)
+                    f"(the failure is elsewhere): {_first_line(exc)}"), 0
+        parts = [f"{self.label(r)} {why}" for r, why in sorted(named.items())[:MAX_NAMED]]
+        if len(named) > MAX_NAMED:
+            parts.append(f"and {len(named) - MAX_NAMED} more")
+        return "; ".join(parts), len(gone)
+
+    def _find_stuck(self, store: dist.TCPStore, candidates: set[int]) -> dict[int, str]:
+        """The candidates (all still answering) whose progress is behind this rank's: this rank's collective
+        timed out waiting for them outside the collectives. Each is told to log its stack."""
+        mine, my_label, _ = self._progress
+        stuck: dict[int, str] = {}
+        for r in sorted(candidates):
+            count, label = self._read_progress(store, r)
+            if count < mine:
+                store.set(self.keys.stuck(r), "1")
+                stuck[r] = (f"is stuck: its process answers, but it had not gone past {label} while "
+                            f"{self.label(self.rank)} waited in {my_label} until the collective timed out; "
+                            "its stack is in its log")
+        return stuck
 
     def _candidates(self, store: dist.TCPStore, exc: BaseException) -> set[int]:
         """The neighbours (gloo's ring partners), plus the ranks on the host the error names (bounded)."""
@@ -709,6 +834,15 @@ def explained() -> bool:
     """Whether explain_failure named the loss that broke a collective of this process (leaving the groups then
     must not wait for the lost rank)."""
     return _current is not None and _current.explained()
+
+
+def note_progress(count: int, label: str) -> None:
+    """This rank has begun unit of work `count` (increasing; e.g. a micro batch, its input in hand), which
+    `label` describes ("step 12, micro batch 2/4"). Every rank must count the same units at the same points,
+    just before the unit's collectives: a rank left behind is then one that never reached them. Only a
+    number and a clock reading are kept here; the beat thread publishes them. A no-op without a watch."""
+    if _current is not None:
+        _current.note_progress(count, label)
 
 
 def on_abort(callback: Callable[[], None]) -> None:
