@@ -75,6 +75,7 @@ def evaluate_checkpoint(choice, split: str | None, env: distributed.DistEnv, che
     from txl_dist.engine import build_engine, deepspeed_config
     from txl_dist.model import TransformerXL
     from txl_dist.startup import start_evaluation
+    from txl_dist.watchdog import note_progress
 
     start = start_evaluation(choice, env, split, check_outputs)
     tag_dir, run_info = start.resume.tag_dir, start.resume.run_info  # rank 0's, on every rank
@@ -84,7 +85,9 @@ def evaluate_checkpoint(choice, split: str | None, env: distributed.DistEnv, che
         engine = build_engine(lambda: TransformerXL(cfg.model), ds_config, seed=cfg.train.seed)
         ckpt.load_engine(engine, start.resume.source)
         start.release_checkpoint()  # loaded: the run's retention may remove the tag now
-        result = start.evaluator.evaluate(engine.module, start.split)
+        result = start.evaluator.evaluate(
+            engine.module, start.split,  # a rank stuck between segments is named by the watchdog, not waited for
+            on_segment=lambda i: note_progress((0, i + 1), f"evaluation of {start.split}, segment {i + 1}"))
     finally:
         start.close()
     memory = {key: getattr(cfg.eval, key) for key in ("tgt_len", "mem_len", "clamp_len", "same_length", "max_segments")}

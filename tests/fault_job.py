@@ -13,6 +13,7 @@ KIND (the fault happens on rank RANK only):
   stop-at-step   SIGSTOP itself at the start of step STEP (a hung rank)
   hang-at-step   its read of the first micro batch of step STEP never returns (a stuck file system: the process
                  lives on and beats)
+  hang-in-eval   in the evaluation after step STEP, its read of the second segment never returns
   nan-at-step    the loss of stream 0 of its first micro batch is NaN at step STEP
   nan-from-step  every loss on this rank is NaN from step STEP on
   sigterm-at-step  SIGTERM itself at the end of step STEP
@@ -87,6 +88,17 @@ def install(kind: str, rank: int, step: int) -> None:
         checkpoint.load_rank_states = refused
         return
 
+    if kind == "hang-in-eval":
+        real_run_eval = trainer.Trainer.run_eval
+
+        def run_eval_that_hangs(self, split, prefix):
+            if self.step == step:
+                _hang_in_second_segment(self.evaluator)
+            return real_run_eval(self, split, prefix)
+
+        trainer.Trainer.run_eval = run_eval_that_hangs
+        return
+
     real_step = trainer.Trainer.train_step
 
     def faulty_step(self):
@@ -114,6 +126,19 @@ def _hang_reading_a_batch() -> None:
 def _hanging(batches):
     _hang_reading_a_batch()
     yield from batches
+
+
+def _hang_in_second_segment(evaluator) -> None:
+    real_evaluate = evaluator.evaluate
+
+    def evaluate(model, split, on_segment=None):
+        def next_segment(i):
+            if i == 1:
+                _hang_reading_a_batch()
+            on_segment(i)
+        return real_evaluate(model, split, on_segment=next_segment)
+
+    evaluator.evaluate = evaluate
 
 
 def _kill_after_first_forward(t) -> None:

@@ -158,16 +158,17 @@ def _stuck_for_ever_here() -> None:
 
 
 def _creeping_for_ever_here() -> None:
-    """The rank begins ever smaller parts of unit 3 (counts 201, 202, ...; every half second) and never unit 3."""
+    """The rank begins parts of unit 3 for ever (positions (2, 1), (2, 2), ...; every half second), never unit 3
+    itself."""
     from txl_dist import watchdog
 
     for part in itertools.count(1):
-        watchdog.note_progress(200 + part, f"part {part} of unit 3")
+        watchdog.note_progress((2, part), f"part {part} of unit 3")
         time.sleep(0.5)
 
 
 def count_units_of_work() -> None:
-    """Both ranks begin units of work 1..4 (note_progress with counts 100, 200, ...) and meet in an all_reduce
+    """Both ranks begin units of work 1..4 (note_progress with positions (1,), (2,), ...) and meet in an all_reduce
     after each; at unit 3, with WAIT_IN=sleep, the other rank waits outside any collective instead (as a host
     blocked on an nccl kernel: nothing fails before the timeout). Before unit 3 rank ODD (1 unless set) does
     what ODD_ONE says:
@@ -190,7 +191,7 @@ def count_units_of_work() -> None:
                     _stuck_for_ever_here()
                 else:
                     _creeping_for_ever_here()
-            watchdog.note_progress(100 * unit, f"unit {unit}")
+            watchdog.note_progress((unit,), f"unit {unit}")
             if not odd and unit == 3 and os.environ["WAIT_IN"] == "sleep":
                 time.sleep(60)
             distributed.all_reduce_sum(torch.ones(1))

@@ -197,22 +197,30 @@ def test_a_hung_rank_is_named_within_the_collective_timeout(corpus, tmp_path):
         procs[1].kill()
 
 
-def test_a_rank_stuck_reading_its_batch_is_named_with_where_it_is(corpus, tmp_path):
+@pytest.mark.parametrize("fault, eval_interval, stuck_past, waiting_in, stuck_in", [
+    ("hang-at-step:1:3", 0, r"step 2, micro batch (\d+)/\1", r"step 3, micro batch \d+/\d+", "in train_step"),
+    ("hang-in-eval:1:2", 2, "evaluation of valid after step 2, segment 1",
+     "evaluation of valid after step 2, segment 3", "in run_eval"),
+], ids=["reading_its_batch", "in_an_evaluation"])
+def test_a_stuck_rank_is_named_with_where_it_is(corpus, tmp_path, fault, eval_interval, stuck_past, waiting_in,
+                                                stuck_in):
     """Its process lives and beats, so no heartbeat goes missing: its progress names it (before: on gloo, 'a
     collective failed while ranks [1] still answer'; on nccl, nccl's own abort)."""
     run_dir = tmp_path / "run"
-    procs = _start(_config(corpus, run_dir, train={"collective_timeout_s": 8}), "hang-at-step:1:3")
+    procs = _start(_config(corpus, run_dir, train={"collective_timeout_s": 8}, eval={"interval": eval_interval}),
+                   fault)
     try:
         assert procs[0].wait(120) == 1, procs[0].output[-3000:]
         (line,) = _errors(procs[0])
-        assert re.search(r"rank 1 \(host [^)]+, pid \d+\) is stuck: its heartbeat goes on, but it has not gone past "
-                         r"step 2, micro batch (\d+)/\1 for \d+ s or more, while rank 0 \(host [^)]+\) has waited "
-                         r"in step 3, micro batch \d+/\d+ for \d+ s; its stack is in its log; stopping", line), line
+        assert re.search(rf"rank 1 \(host [^)]+, pid \d+\) is stuck: its heartbeat goes on, but it has not gone past "
+                         rf"{stuck_past} for \d+ s or more, while rank 0 \(host [^)]+\) has waited in {waiting_in} "
+                         r"for \d+ s; its stack is in its log; stopping", line), line
         assert procs[1].wait(30) == 1, procs[1].output[-3000:]
         assert "this rank was found stuck; its main thread is here:" in procs[1].output
-        assert "in _hang_reading_a_batch" in procs[1].output and "in train_step" in procs[1].output
+        assert "in _hang_reading_a_batch" in procs[1].output and stuck_in in procs[1].output
         assert _errors(procs[1])[-1].endswith(line.split("error: ", 1)[1])
-        assert read_latest(run_dir / "checkpoints") == "step_00000002"
+        # The evaluation comes before the save of its step.
+        assert read_latest(run_dir / "checkpoints") == (None if eval_interval else "step_00000002")
     finally:
         procs[1].kill()
 

@@ -183,9 +183,10 @@ class TrainConfig:
     collective_timeout_s: float = 600.0
     """A rank that stops responding (hung, stopped, its node lost) ends the job within about this many
     seconds on every other rank, with one line naming it (a rank whose process ended: within three
-    heartbeats, a sixth of this each, at most 10 s; a rank alive but stuck before a micro batch that its
-    neighbour has waited in this long: with its stack in its log); also the timeout of each training collective (DeepSpeed's
-    ZeRO collectives included), plus two heartbeats (on NCCL plus 120 s at least)."""
+    heartbeats, a sixth of this each, at most 10 s; a rank alive but stuck before a micro batch or
+    evaluation segment that its neighbour has waited in this long: with its stack in its log); also the
+    timeout of each training collective (DeepSpeed's ZeRO collectives included), plus two heartbeats (on
+    NCCL plus 120 s at least)."""
     compile: bool = False
     """torch.compile each Transformer-XL layer for training (static shapes: one graph for the first segment,
     one for the steady state with full memory; evaluation stays eager); with activation checkpointing the

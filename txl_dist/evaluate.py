@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import os
 from contextlib import contextmanager
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -70,8 +70,10 @@ class Evaluator:
         return loader
 
     @torch.no_grad()
-    def evaluate(self, model: nn.Module, split: str) -> dict[str, float]:
-        """loss, perplexity, bits per token/byte/char and the token count, the same on every rank (collective)."""
+    def evaluate(self, model: nn.Module, split: str,
+                 on_segment: Callable[[int], None] | None = None) -> dict[str, float]:
+        """loss, perplexity, bits per token/byte/char and the token count, the same on every rank (collective).
+        on_segment(i): called as segment i (from 0) begins, its input in hand; every rank has as many."""
         loader = self._loader(split)
         bank = MemoryBank()
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # [nll sum, tokens]
@@ -81,6 +83,8 @@ class Evaluator:
             for segment, mb in enumerate(loader):
                 if self.cfg.max_segments is not None and segment >= self.cfg.max_segments:
                     break
+                if on_segment is not None:
+                    on_segment(segment)
                 # Non-blocking copies, and the softmax's cluster counts from the host labels: no sync here.
                 input_ids, labels, plan = batch_to_device(mb.input_ids, mb.labels, self.device, cutoffs)  # [n, T] x2
                 out = model(input_ids, labels=labels, mems=bank.get(mb.stream_ids, mb.reset), memory=memory,

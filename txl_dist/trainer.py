@@ -101,6 +101,7 @@ class Trainer:
                                      is_main=env.is_main, world_size=env.world_size, run_dir=cfg.run.dir,
                                      device=self.device)
         self._batches = iter(loader)
+        self._eval_segments = 0  # evaluation segments begun by this process (watchdog progress)
 
     # ------------------------------------------------------------------------------------------------
     # Resumable state
@@ -239,7 +240,7 @@ class Trainer:
         for micro in range(g):
             mb = next(self._batches)
             # Before this micro batch's collectives: a rank that never gets here is found stuck by its peers.
-            note_progress(self.step * g + micro + 1, f"step {self.step + 1}, micro batch {micro + 1}/{g}")
+            note_progress((self.step * g + micro + 1,), f"step {self.step + 1}, micro batch {micro + 1}/{g}")
             # Non-blocking copies, and the softmax's cluster counts from the host labels: no sync here.
             input_ids, labels, plan = batch_to_device(mb.input_ids, mb.labels, self.device, cutoffs)  # [m, T] x2
             mems = self.bank.get(mb.stream_ids, mb.reset)  # n_layer x [m, mlen, d_model] or None
@@ -298,7 +299,7 @@ class Trainer:
         result = {}
         for name in [split, *self.evaluator.parts(split)]:
             start = time.perf_counter()
-            numbers = self.evaluator.evaluate(self.engine.module, name)
+            numbers = self.evaluator.evaluate(self.engine.module, name, on_segment=self._eval_progress(name))
             tag = prefix + name[len(split):]
             self.tracker.log_metrics({f"{tag}/{k}": v for k, v in numbers.items()}, step=self.step)
             log.info("%s at step %d: loss %.4f | ppl %.2f | %.4f bits/byte | %.4f bits/char | %d tokens | %.1f s",
@@ -306,6 +307,16 @@ class Trainer:
                      numbers["bits_per_char"], numbers["tokens"], time.perf_counter() - start)
             result = result or numbers  # the split's own numbers are the result
         return result
+
+    def _eval_progress(self, split: str):
+        """Notes each evaluation segment for the watchdog, after the micro batches of the steps so far."""
+        micro_batches = self.step * self.loader.accumulation_steps
+
+        def note(segment: int) -> None:
+            self._eval_segments += 1  # over the process: one split after another, all ranks alike
+            note_progress((micro_batches, self._eval_segments),
+                          f"evaluation of {split} after step {self.step}, segment {segment + 1}")
+        return note
 
     def draw_curves(self) -> Path | None:
         """Rank 0 with tracking on: redraw <run.dir>/curves.png from the metrics journal and log it to MLflow;

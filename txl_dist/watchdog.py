@@ -5,23 +5,23 @@ socket address, not a rank; on nccl a dead peer leaves the survivors hanging unt
 a hung (SIGSTOPped) peer hangs everyone on any backend.
 
 How: every rank publishes its host and pid in the rendezvous store and beats there (a counter) from a daemon
-thread. Each rank watches only its two ring neighbours, so the store's load grows with W, not W squared.
-A neighbour silent for collective_timeout_s is reported in one line, and so is one silent for two beats whose
+thread. Each rank watches only its two ring neighbours, so the store's load grows with W, not W squared. A
+neighbour silent for collective_timeout_s is reported in one line, and so is one silent for two beats whose
 process has certainly ended (gone from this machine's process table, or its probe port refused at every
 address): on nccl nothing else notices a dead peer, whose partners' kernels wait for it until the collective
-timeout, minutes later. A neighbour that beats but is stuck (a deadlock, a read that never returns) is found
-by its progress: the trainer counts the units of work every rank begins (note_progress, a micro batch in
-hand), and a neighbour whose count stays behind this rank's while this rank has waited collective_timeout_s
-is reported stuck, and its own watch thread logs its main thread's stack before it ends; a stuck rank whose
-partners' collective failed first (gloo) is named the same way by explain_failure. The line goes to a shared
-"abort" key,
-and every rank that reads it (within a beat) logs it, runs the abort callbacks (bounded) and ends with exit
-status 1 through os._exit: its main thread may be stuck inside a collective. A second thread judges contact
-with the store itself (a store client waits for ever on a stopped host); a third answers probes on a socket
-of its own (its address published with the host and pid), so that explain_failure, called after gloo's
-immediate error, learns within seconds which peers are gone. Probes go rank to rank, not through the store:
-they add no load to the store, and no store call waits on a key, since a waiting store client logs a C++
-stack trace when the store's host dies (as it does when rank 0 is lost).
+timeout, minutes later. A neighbour that beats but is stuck (a deadlock, a read that never returns) is found by
+its progress: the trainer notes where every rank is (note_progress: the micro batch or evaluation segment it
+has begun, its input in hand), and a neighbour that stays behind this rank while this rank has waited
+collective_timeout_s is reported stuck, and its own watch thread logs its main thread's stack before it ends; a
+stuck rank whose partners' collective failed first (gloo) is named the same way by explain_failure. The line
+goes to a shared "abort" key, and every rank that reads it (within a beat) logs it, runs the abort callbacks
+(bounded) and ends with exit status 1 through os._exit: its main thread may be stuck inside a collective. The
+store's host first waits (two beats at most) until the others have read the line: its exit ends the store. A
+second thread judges contact with the store itself (a store client waits for ever on a stopped host); a third
+answers probes on a socket of its own (its address published with the host and pid), so that explain_failure,
+called after gloo's immediate error, learns within seconds which peers are gone. Probes go rank to rank, not
+through the store: they add no load to the store, and no store call waits on a key, since a waiting store
+client logs a C++ stack trace when the store's host dies (as it does when rank 0 is lost).
 
 A rank that finishes says so in the store before it stops beating, so it is never reported; rank 0, when it
 hosts the store, keeps it up until the others have left (at most the timeout), and once rank 0 has left
@@ -76,10 +76,12 @@ ENDED_CHECK_AFTER_BEATS = 2
 READERS_WAIT_BEATS = 2
 """How long the store's host, ending the job, waits for the other ranks to read why: each reads within a beat."""
 STUCK_AFTER_BEATS = 2
-"""A beating neighbour behind this rank's progress is stuck once its count has not moved for this many beats
-and this rank has waited collective_timeout_s since its own last unit began."""
+"""A beating neighbour behind this rank's progress is stuck once its position has not moved for this many
+beats and this rank has waited collective_timeout_s since it noted its own."""
 START_LABEL = "start-up"
-"""What a rank that has begun no unit of work yet is doing."""
+"""Where a rank that has noted no progress yet is."""
+Position = tuple[int, ...]
+"""Where a rank is in the work all ranks do alike, ordered as tuples are (note_progress)."""
 MAX_NAMED = 4
 MAX_CANDIDATES = 64
 LOGGER_NAME = "txl_dist"
@@ -326,11 +328,11 @@ class Watchdog:
         self._host_left_at: float | None = None  # when this rank saw rank 0, the store's host, leave
         self._store_lost = False
         self._last_contact = time.monotonic()
-        # (count, label, when): the unit of work this rank began last (note_progress, main thread); a tuple
-        # replaced whole, so the beat thread reads one consistent value.
-        self._progress: tuple[int, str, float] = (0, START_LABEL, time.monotonic())
-        self._published_count = 0
-        self._seen_progress: dict[int, tuple[int, str, float]] = {}  # neighbour -> (count, label, first read)
+        # (position, label, when) this rank noted last (note_progress, main thread); a tuple replaced whole, so
+        # the beat thread reads one consistent value.
+        self._progress: tuple[Position, str, float] = ((), START_LABEL, time.monotonic())
+        self._published: Position = ()
+        self._seen_progress: dict[int, tuple[Position, str, float]] = {}  # neighbour -> (position, label, first read)
         self._probe_server = rank_probe.ProbeServer(rank_probe.token(rank, os.getpid()))
         self._threads = {name: threading.Thread(target=self._guard, args=(loop,), daemon=True,
                                                 name=f"txl-watchdog-{name}")
@@ -366,7 +368,7 @@ class Watchdog:
                       tuple(interfaces))
         self.infos[self.rank] = me
         # Before the info: a peer that knows this rank's info reads its progress with one call.
-        store.set(self.keys.progress(self.rank), json.dumps([0, START_LABEL]))
+        store.set(self.keys.progress(self.rank), json.dumps([[], START_LABEL]))
         store.set(self.keys.info(self.rank), json.dumps({"host": me.host, "pid": me.pid, "machine": me.machine,
                                                          "probe_port": me.probe_port,
                                                          "addresses": list(me.addresses)}))
@@ -460,29 +462,29 @@ class Watchdog:
                                "stopping", store=store, readers=self.world_size - 2)
 
     def _publish_progress(self, store: dist.TCPStore) -> None:
-        count, label, _ = self._progress
-        if count != self._published_count:
-            store.set(self.keys.progress(self.rank), json.dumps([count, label]))
-            self._published_count = count
+        position, label, _ = self._progress
+        if position != self._published:
+            store.set(self.keys.progress(self.rank), json.dumps([position, label]))
+            self._published = position
 
-    def _read_progress(self, store: dist.TCPStore, rank: int) -> tuple[int, str]:
-        """The count and label of the unit of work `rank` began last, as it published them (with its info)."""
+    def _read_progress(self, store: dist.TCPStore, rank: int) -> tuple[Position, str]:
+        """The position and label `rank` noted last, as it published them (with its info)."""
         if rank not in self.infos:
-            return 0, START_LABEL
-        count, label = json.loads(store.get(self.keys.progress(rank)))
-        return count, label
+            return (), START_LABEL
+        position, label = json.loads(store.get(self.keys.progress(rank)))
+        return tuple(position), label
 
     def _judge_progress(self, store: dist.TCPStore, r: int, now: float) -> None:
         """Report neighbour `r` stuck when it beats, its progress stays behind this rank's and has not moved for
-        STUCK_AFTER_BEATS, and this rank has waited collective_timeout_s since it began its own last unit.
-        Waiting that long, this rank is in a collective that `r` never reached (on gloo it fails two beats
-        later): `r` is outside the collectives, alive and stuck."""
-        count, label = self._read_progress(store, r)
-        if r not in self._seen_progress or self._seen_progress[r][0] != count:
-            self._seen_progress[r] = (count, label, now)
+        STUCK_AFTER_BEATS, and this rank has waited collective_timeout_s since it noted its own. Waiting that
+        long, this rank is in a collective that `r` never reached (on gloo it fails two beats later): `r` is
+        outside the collectives, alive and stuck."""
+        position, label = self._read_progress(store, r)
+        if r not in self._seen_progress or self._seen_progress[r][0] != position:
+            self._seen_progress[r] = (position, label, now)
             return
         mine, my_label, my_since = self._progress
-        if count >= mine or now - my_since < self.timeout_s:
+        if position >= mine or now - my_since < self.timeout_s:
             return
         still = now - self._seen_progress[r][2]
         if still < STUCK_AFTER_BEATS * self.period:
@@ -500,9 +502,9 @@ class Watchdog:
             stack = "".join(traceback.format_stack(frame)).rstrip()
             self.log.error("this rank was found stuck; its main thread is here:\n%s", stack)
 
-    def note_progress(self, count: int, label: str) -> None:
-        """This rank has begun unit of work `count` (see the module function)."""
-        self._progress = (count, label, time.monotonic())
+    def note_progress(self, position: Position, label: str) -> None:
+        """This rank has reached `position` (see the module function)."""
+        self._progress = (position, label, time.monotonic())
 
     def _await_infos(self, store: dist.TCPStore, wait_s: float) -> None:
         """Read the neighbours' and rank 0's host and pid before the job goes on. They publish in the same
@@ -673,8 +675,8 @@ class Watchdog:
         mine, my_label, _ = self._progress
         stuck: dict[int, str] = {}
         for r in sorted(candidates):
-            count, label = self._read_progress(store, r)
-            if count < mine:
+            position, label = self._read_progress(store, r)
+            if position < mine:
                 store.set(self.keys.stuck(r), "1")
                 stuck[r] = (f"is stuck: its process answers, but it had not gone past {label} while "
                             f"{self.label(self.rank)} waited in {my_label} until the collective timed out; "
@@ -836,13 +838,15 @@ def explained() -> bool:
     return _current is not None and _current.explained()
 
 
-def note_progress(count: int, label: str) -> None:
-    """This rank has begun unit of work `count` (increasing; e.g. a micro batch, its input in hand), which
-    `label` describes ("step 12, micro batch 2/4"). Every rank must count the same units at the same points,
-    just before the unit's collectives: a rank left behind is then one that never reached them. Only a
-    number and a clock reading are kept here; the beat thread publishes them. A no-op without a watch."""
+def note_progress(position: Position, label: str) -> None:
+    """This rank has begun the piece of work at `position` (increasing, compared as tuples: (micro batches
+    begun,) for a micro batch, (micro batches begun, evaluation segments begun) for an evaluation segment
+    after it), its input in hand; `label` says it for people ("step 12, micro batch 2/4"). Every rank must
+    note the same positions at the same points, just before the piece's collectives: a rank left behind is
+    then one that never reached them. Only the position and a clock reading are kept here; the beat thread
+    publishes them. A no-op without a watch."""
     if _current is not None:
-        _current.note_progress(count, label)
+        _current.note_progress(position, label)
 
 
 def on_abort(callback: Callable[[], None]) -> None:
