@@ -599,6 +599,8 @@ class Watchdog:
     def _publish_abort(self, store: dist.TCPStore, line: str, readers: int) -> None:
         if store.compare_set(self.keys.abort, "", line).decode() == line:  # the first line wins everywhere
             store.set(self.keys.abort_readers, str(readers))
+        else:
+            store.add(self.keys.abort_read, 1)  # another rank's line came first: this rank is one of its readers
 
     def _await_readers(self, store: dist.TCPStore) -> None:
         deadline = time.monotonic() + READERS_WAIT_BEATS * self.period
