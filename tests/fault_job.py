@@ -6,6 +6,8 @@ KIND (the fault happens on rank RANK only):
   kill-in-save   SIGKILL itself while writing its DeepSpeed file of the checkpoint of step STEP
   enospc-in-save its DeepSpeed file of the checkpoint of step STEP fails with ENOSPC (a full disk)
   slow-save      each of its DeepSpeed files of the checkpoint of step STEP takes SLOW_SAVE_S longer (slow storage)
+  hang-in-save   its first DeepSpeed file of the checkpoint of step STEP is never written (a file system that
+                 stopped answering: the process lives on and beats)
   refuse-load    reading its rank file of the checkpoint of step STEP is refused (the file vanished after start-up)
   fail-in-load   DeepSpeed's load of the checkpoint of step STEP fails on it (a file gone after start-up verified
                  it) while the other ranks go on into the load's collectives; prints `fail-in-load at <time.time()>`
@@ -47,7 +49,7 @@ def install(kind: str, rank: int, step: int) -> None:
     from txl_dist import trainer
 
     staging = f".saving-step_{step:08d}"
-    if kind in ("kill-in-save", "enospc-in-save", "slow-save"):
+    if kind in ("kill-in-save", "enospc-in-save", "slow-save", "hang-in-save"):
         real_save = torch.save
 
         def faulty_save(obj, f, *args, **kwargs):
@@ -56,6 +58,8 @@ def install(kind: str, rank: int, step: int) -> None:
                 if kind == "slow-save":
                     time.sleep(SLOW_SAVE_S)
                     return real_save(obj, f, *args, **kwargs)
+                if kind == "hang-in-save":
+                    _hang_writing_a_file()
                 if kind == "kill-in-save":
                     Path(path).write_bytes(b"half a file")
                     os.kill(os.getpid(), signal.SIGKILL)
@@ -120,6 +124,10 @@ def install(kind: str, rank: int, step: int) -> None:
 
 
 def _hang_reading_a_batch() -> None:
+    threading.Event().wait()
+
+
+def _hang_writing_a_file() -> None:
     threading.Event().wait()
 
 

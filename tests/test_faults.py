@@ -198,7 +198,8 @@ def test_a_hung_rank_is_named_within_the_collective_timeout(corpus, tmp_path):
 
 
 @pytest.mark.parametrize("fault, eval_interval, stuck_past, waiting_in, stuck_in", [
-    ("hang-at-step:1:3", 0, r"step 2, micro batch (\d+)/\1", r"step 3, micro batch \d+/\d+", "in train_step"),
+    # Step 2 saved a checkpoint: its last phase is where rank 1 was before it read step 3's first batch.
+    ("hang-at-step:1:3", 0, "saving step 2: older checkpoints pruned", r"step 3, micro batch \d+/\d+", "in train_step"),
     ("hang-in-eval:1:2", 2, "evaluation of valid after step 2, segment 1",
      "evaluation of valid after step 2, segment 3", "in run_eval"),
 ], ids=["reading_its_batch", "in_an_evaluation"])
@@ -221,6 +222,28 @@ def test_a_stuck_rank_is_named_with_where_it_is(corpus, tmp_path, fault, eval_in
         assert _errors(procs[1])[-1].endswith(line.split("error: ", 1)[1])
         # The evaluation comes before the save of its step.
         assert read_latest(run_dir / "checkpoints") == (None if eval_interval else "step_00000002")
+    finally:
+        procs[1].kill()
+
+
+def test_a_rank_stuck_writing_its_checkpoint_is_named_after_checkpoint_timeout(corpus, tmp_path):
+    """The others wait in the save for checkpoint.timeout_s (a slow write is no fault: see the slow-save test),
+    then the one line names the stuck rank and where it is; before, the save's barrier timed out with 'a
+    collective failed while ranks [1] still answer', after checkpoint.timeout_s without a word."""
+    run_dir = tmp_path / "run"
+    config = _config(corpus, run_dir, train={"collective_timeout_s": 6, "max_steps": 3},
+                     checkpoint={"interval": 2, "timeout_s": 12})
+    procs = _start(config, "hang-in-save:1:2")
+    try:
+        assert procs[0].wait(120) == 1, procs[0].output[-3000:]
+        (line,) = _errors(procs[0])
+        assert re.search(r"rank 1 \(host [^)]+, pid \d+\) is stuck: its heartbeat goes on, but it has not gone past "
+                         r"saving step 2: DeepSpeed's save, barrier 1 for \d+ s or more, while rank 0 \(host [^)]+\) "
+                         r"has waited in saving step 2: DeepSpeed's save, barrier 2 for 1[2-9] s; its stack is in its "
+                         r"log; stopping", line), line
+        assert procs[1].wait(30) == 1, procs[1].output[-3000:]
+        assert "in _hang_writing_a_file" in procs[1].output and "in save" in procs[1].output
+        assert inventory(run_dir / "checkpoints").complete == []
     finally:
         procs[1].kill()
 

@@ -51,7 +51,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -492,19 +492,23 @@ def tag_bytes(tag_dir: str | os.PathLike) -> int:
 
 
 def save(engine, ckpt_dir: str | os.PathLike, step: int, *, rank: int, world_size: int,
-         rank_state: dict[str, Any], run_info: dict[str, Any], keep: int, min_free_bytes: int = 0) -> Path:
+         rank_state: dict[str, Any], run_info: dict[str, Any], keep: int, min_free_bytes: int = 0,
+         on_phase: Callable[[str], None] | None = None) -> Path:
     """Save a complete checkpoint of step `step` on every rank (collective); returns the tag folder.
 
     rank_state: this rank's resumable state. run_info: what rank 0 records in run.json (the step, tag and
     file checksums are added here). min_free_bytes: the free space rank 0 requires before writing.
+    on_phase(what): called as this rank has done its part of a phase ("its own state written") and goes to
+    wait for the others (the watchdog's progress: a rank stuck in a write stays behind).
     Raises SaveFailed on every rank when any rank's part failed; nothing complete is touched then.
     """
     ckpt_dir = Path(ckpt_dir)
     tag = tag_for(step)
     staging = ckpt_dir / (STAGING_PREFIX + tag)
+    phase = on_phase or (lambda what: None)
     try:
         _save_into(engine, ckpt_dir, tag, staging, rank=rank, world_size=world_size, rank_state=rank_state,
-                   run_info=run_info, min_free_bytes=min_free_bytes)
+                   run_info=run_info, min_free_bytes=min_free_bytes, phase=phase)
     except SaveFailed:
         if rank == 0:  # give the space back now; a crash leaves the folder to the next start instead
             shutil.rmtree(staging, ignore_errors=True)
@@ -515,18 +519,20 @@ def save(engine, ckpt_dir: str | os.PathLike, step: int, *, rank: int, world_siz
         except OSError as e:  # the new tag is complete: a failed clean-up must not stop the run
             logging.getLogger(distributed.LOGGER_NAME).warning("checkpoint: could not remove old tags in %s (%s)",
                                                                ckpt_dir, one_line(e))
+    phase("older checkpoints pruned")
     distributed.barrier()  # nobody goes on (or exits) before `latest` names the new tag
     return ckpt_dir / tag
 
 
 def _save_into(engine, ckpt_dir: Path, tag: str, staging: Path, *, rank: int, world_size: int,
-               rank_state: dict[str, Any], run_info: dict[str, Any], min_free_bytes: int) -> None:
+               rank_state: dict[str, Any], run_info: dict[str, Any], min_free_bytes: int,
+               phase: Callable[[str], None]) -> None:
     """The steps of save(), each agreed by all ranks: staging folder, DeepSpeed's files and the rank files,
     checksums, then rank 0 commits (run.json, rename, `latest`)."""
     step = step_of(tag)
     _agree(lambda: _prepare_staging(ckpt_dir, staging, min_free_bytes) if rank == 0 else None,
-           f"checkpoint {tag} could not be saved")
-    with _recorded_writes(engine) as recorder, _deepspeed_barriers_on_control_group():
+           f"checkpoint {tag} could not be saved", lambda: phase("staging folder made"))
+    with _recorded_writes(engine) as recorder, _deepspeed_barriers_on_control_group(phase):
         engine.save_checkpoint(str(ckpt_dir), tag=staging.name, save_latest=False)
     own_error = recorder.error
 
@@ -535,10 +541,12 @@ def _save_into(engine, ckpt_dir: Path, tag: str, staging: Path, *, rank: int, wo
             raise OSError(own_error)
         write_rank_state(rank_file(staging, rank), rank_state)
 
-    _agree(write_own_state, f"checkpoint {tag} could not be saved")
-    files = distributed.broadcast_object(_list_files(staging) if rank == 0 else None)
+    _agree(write_own_state, f"checkpoint {tag} could not be saved", lambda: phase("its own state written"))
+    listed = _list_files(staging) if rank == 0 else None
+    phase("files listed")
+    files = distributed.broadcast_object(listed)
     digests = _agree(lambda: _hash_share(staging, files, rank, world_size, fsync=True),
-                     f"checkpoint {tag} could not be checksummed")
+                     f"checkpoint {tag} could not be checksummed", lambda: phase("its checksums computed"))
 
     def commit() -> None:
         if rank != 0:
@@ -555,7 +563,7 @@ def _save_into(engine, ckpt_dir: Path, tag: str, staging: Path, *, rank: int, wo
         atomic_write(ckpt_dir / LATEST, tag + "\n")
         fsync_dir(ckpt_dir)
 
-    _agree(commit, f"checkpoint {tag} could not be committed")
+    _agree(commit, f"checkpoint {tag} could not be committed", lambda: phase("committed"))
 
 
 def write_rank_state(path: Path, rank_state: dict[str, Any]) -> None:
@@ -680,7 +688,7 @@ def _recorded_writes(engine) -> Iterator[_WriteRecorder]:
 
 
 @contextmanager
-def _deepspeed_barriers_on_control_group() -> Iterator[None]:
+def _deepspeed_barriers_on_control_group(phase: Callable[[str], None]) -> Iterator[None]:
     """DeepSpeed's barriers inside save_checkpoint wait on the control group (timeout checkpoint.timeout_s).
 
     On the default group a rank whose write is slower than train.collective_timeout_s (ZeRO 0: rank 0 writes
@@ -691,10 +699,14 @@ def _deepspeed_barriers_on_control_group() -> Iterator[None]:
     from deepspeed import comm
 
     default_group_barrier = comm.barrier
+    barriers = 0
 
     def barrier(group=None, *args, **kwargs):
+        nonlocal barriers
         if group is not None:
             return default_group_barrier(group, *args, **kwargs)
+        barriers += 1
+        phase(f"DeepSpeed's save, barrier {barriers}")
         distributed.barrier()
 
     comm.barrier = barrier
@@ -704,13 +716,14 @@ def _deepspeed_barriers_on_control_group() -> Iterator[None]:
         comm.barrier = default_group_barrier
 
 
-def _agree(fn, what: str) -> list[Any]:
-    """fn() on every rank, gathered in rank order; if it failed anywhere, SaveFailed naming the first failed
-    rank and its error, on every rank (so all of them stop, and say the same thing)."""
+def _agree(fn, what: str, done: Callable[[], None] = lambda: None) -> list[Any]:
+    """fn() on every rank, then done(), gathered in rank order; if it failed anywhere, SaveFailed naming the
+    first failed rank and its error, on every rank (so all of them stop, and say the same thing)."""
     try:
         value, error = fn(), None
     except (OSError, RuntimeError, CheckpointError) as e:
         value, error = None, one_line(e)
+    done()
     gathered = distributed.gather_objects((value, error))
     failures = [(r, err) for r, (_, err) in enumerate(gathered) if err]
     if failures:

@@ -330,7 +330,10 @@ def _join_existing(env: DistEnv, collective_timeout_s: float, control_timeout_s:
 
 def _start_control_group_and_watchdog(env: DistEnv, collective_timeout_s: float, control_timeout_s: float) -> None:
     global _control_group
-    _control_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=control_timeout_s))
+    # Two beats more, as the default group: a rank stuck while the others wait in a save (whose notes allow
+    # control_timeout_s, checkpoint.timeout_s) is named by the watchdog before the barrier times out.
+    margin = 2 * watchdog.beat_period(collective_timeout_s)
+    _control_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=control_timeout_s + margin))
     watchdog.start(env.rank, env.world_size, watchdog.store_address(env.master_addr, env.master_port),
                    collective_timeout_s, logging.getLogger(LOGGER_NAME))
 

@@ -101,7 +101,7 @@ class Trainer:
                                      is_main=env.is_main, world_size=env.world_size, run_dir=cfg.run.dir,
                                      device=self.device)
         self._batches = iter(loader)
-        self._eval_segments = 0  # evaluation segments begun by this process (watchdog progress)
+        self._notes_between_steps = 0  # evaluation segments and save phases noted for the watchdog
 
     # ------------------------------------------------------------------------------------------------
     # Resumable state
@@ -299,7 +299,8 @@ class Trainer:
         result = {}
         for name in [split, *self.evaluator.parts(split)]:
             start = time.perf_counter()
-            numbers = self.evaluator.evaluate(self.engine.module, name, on_segment=self._eval_progress(name))
+            numbers = self.evaluator.evaluate(self.engine.module, name, on_segment=lambda i: self._note_between_steps(
+                f"evaluation of {name} after step {self.step}, segment {i + 1}"))
             tag = prefix + name[len(split):]
             self.tracker.log_metrics({f"{tag}/{k}": v for k, v in numbers.items()}, step=self.step)
             log.info("%s at step %d: loss %.4f | ppl %.2f | %.4f bits/byte | %.4f bits/char | %d tokens | %.1f s",
@@ -308,15 +309,11 @@ class Trainer:
             result = result or numbers  # the split's own numbers are the result
         return result
 
-    def _eval_progress(self, split: str):
-        """Notes each evaluation segment for the watchdog, after the micro batches of the steps so far."""
-        micro_batches = self.step * self.loader.accumulation_steps
-
-        def note(segment: int) -> None:
-            self._eval_segments += 1  # over the process: one split after another, all ranks alike
-            note_progress((micro_batches, self._eval_segments),
-                          f"evaluation of {split} after step {self.step}, segment {segment + 1}")
-        return note
+    def _note_between_steps(self, label: str, patience_s: float | None = None) -> None:
+        """Note an evaluation segment or a phase of a save for the watchdog: after the micro batches of the
+        steps so far, before the next one. Counted over the process: all ranks note the same in the same order."""
+        self._notes_between_steps += 1
+        note_progress((self.step * self.loader.accumulation_steps, self._notes_between_steps), label, patience_s)
 
     def draw_curves(self) -> Path | None:
         """Rank 0 with tracking on: redraw <run.dir>/curves.png from the metrics journal and log it to MLflow;
@@ -338,7 +335,9 @@ class Trainer:
                     mlflow_run_id=self.tracker.run_id)
         tag_dir = checkpoint.save(self.engine, self.cfg.checkpoint_dir(), self.step, rank=self.env.rank,
                                   world_size=self.env.world_size, rank_state=rank_state, run_info=info,
-                                  keep=self.cfg.checkpoint.keep, min_free_bytes=int(self.checkpoint_bytes * 1.05))
+                                  keep=self.cfg.checkpoint.keep, min_free_bytes=int(self.checkpoint_bytes * 1.05),
+                                  on_phase=lambda what: self._note_between_steps(
+                                      f"saving step {self.step}: {what}", patience_s=self.cfg.checkpoint.timeout_s))
         if self.env.is_main:
             self.checkpoint_bytes = checkpoint.tag_bytes(tag_dir)
         self.last_checkpoint = tag_dir

@@ -77,7 +77,7 @@ READERS_WAIT_BEATS = 2
 """How long the store's host, ending the job, waits for the other ranks to read why: each reads within a beat."""
 STUCK_AFTER_BEATS = 2
 """A beating neighbour behind this rank's progress is stuck once its position has not moved for this many
-beats and this rank has waited collective_timeout_s since it noted its own."""
+beats and this rank has waited its patience (collective_timeout_s unless its note says) since its own note."""
 START_LABEL = "start-up"
 """Where a rank that has noted no progress yet is."""
 Position = tuple[int, ...]
@@ -328,9 +328,9 @@ class Watchdog:
         self._host_left_at: float | None = None  # when this rank saw rank 0, the store's host, leave
         self._store_lost = False
         self._last_contact = time.monotonic()
-        # (position, label, when) this rank noted last (note_progress, main thread); a tuple replaced whole, so
-        # the beat thread reads one consistent value.
-        self._progress: tuple[Position, str, float] = ((), START_LABEL, time.monotonic())
+        # (position, label, when, patience) this rank noted last (note_progress, main thread); a tuple replaced
+        # whole, so the beat thread reads one consistent value.
+        self._progress: tuple[Position, str, float, float] = ((), START_LABEL, time.monotonic(), collective_timeout_s)
         self._published: Position = ()
         self._seen_progress: dict[int, tuple[Position, str, float]] = {}  # neighbour -> (position, label, first read)
         self._probe_server = rank_probe.ProbeServer(rank_probe.token(rank, os.getpid()))
@@ -462,7 +462,7 @@ class Watchdog:
                                "stopping", store=store, readers=self.world_size - 2)
 
     def _publish_progress(self, store: dist.TCPStore) -> None:
-        position, label, _ = self._progress
+        position, label, _, _ = self._progress
         if position != self._published:
             store.set(self.keys.progress(self.rank), json.dumps([position, label]))
             self._published = position
@@ -476,15 +476,15 @@ class Watchdog:
 
     def _judge_progress(self, store: dist.TCPStore, r: int, now: float) -> None:
         """Report neighbour `r` stuck when it beats, its progress stays behind this rank's and has not moved for
-        STUCK_AFTER_BEATS, and this rank has waited collective_timeout_s since it noted its own. Waiting that
-        long, this rank is in a collective that `r` never reached (on gloo it fails two beats later): `r` is
-        outside the collectives, alive and stuck."""
+        STUCK_AFTER_BEATS, and this rank has waited its patience since it noted its own (collective_timeout_s:
+        on gloo the collective fails two beats later). Waiting that long, this rank is in a collective that `r`
+        never reached: `r` is outside the collectives, alive and stuck."""
         position, label = self._read_progress(store, r)
         if r not in self._seen_progress or self._seen_progress[r][0] != position:
             self._seen_progress[r] = (position, label, now)
             return
-        mine, my_label, my_since = self._progress
-        if position >= mine or now - my_since < self.timeout_s:
+        mine, my_label, my_since, patience = self._progress
+        if position >= mine or now - my_since < patience:
             return
         still = now - self._seen_progress[r][2]
         if still < STUCK_AFTER_BEATS * self.period:
@@ -502,9 +502,9 @@ class Watchdog:
             stack = "".join(traceback.format_stack(frame)).rstrip()
             self.log.error("this rank was found stuck; its main thread is here:\n%s", stack)
 
-    def note_progress(self, position: Position, label: str) -> None:
+    def note_progress(self, position: Position, label: str, patience_s: float | None = None) -> None:
         """This rank has reached `position` (see the module function)."""
-        self._progress = (position, label, time.monotonic())
+        self._progress = (position, label, time.monotonic(), patience_s or self.timeout_s)
 
     def _await_infos(self, store: dist.TCPStore, wait_s: float) -> None:
         """Read the neighbours' and rank 0's host and pid before the job goes on. They publish in the same
@@ -674,7 +674,7 @@ class Watchdog:
     def _find_stuck(self, store: dist.TCPStore, candidates: set[int]) -> dict[int, str]:
         """The candidates (all still answering) whose progress is behind this rank's: this rank's collective
         timed out waiting for them outside the collectives. Each is told to log its stack."""
-        mine, my_label, _ = self._progress
+        mine, my_label, _, _ = self._progress
         stuck: dict[int, str] = {}
         for r in sorted(candidates):
             position, label = self._read_progress(store, r)
@@ -840,15 +840,17 @@ def explained() -> bool:
     return _current is not None and _current.explained()
 
 
-def note_progress(position: Position, label: str) -> None:
+def note_progress(position: Position, label: str, patience_s: float | None = None) -> None:
     """This rank has begun the piece of work at `position` (increasing, compared as tuples: (micro batches
-    begun,) for a micro batch, (micro batches begun, evaluation segments begun) for an evaluation segment
-    after it), its input in hand; `label` says it for people ("step 12, micro batch 2/4"). Every rank must
-    note the same positions at the same points, just before the piece's collectives: a rank left behind is
-    then one that never reached them. Only the position and a clock reading are kept here; the beat thread
-    publishes them. A no-op without a watch."""
+    begun,) for a micro batch, (micro batches begun, notes since) for an evaluation segment or a phase of a
+    save after it), its input in hand; `label` says it for people ("step 12, micro batch 2/4"). Every rank
+    must note the same positions at the same points, just before the piece's collectives: a rank left behind
+    is then one that never reached them. `patience_s`: how long this rank may wait there before a neighbour
+    behind it counts as stuck; collective_timeout_s unless the collectives that follow have a longer timeout
+    (a save's wait on the control group: checkpoint.timeout_s). Only the position and a clock reading are
+    kept here; the beat thread publishes them. A no-op without a watch."""
     if _current is not None:
-        _current.note_progress(position, label)
+        _current.note_progress(position, label, patience_s)
 
 
 def on_abort(callback: Callable[[], None]) -> None:
