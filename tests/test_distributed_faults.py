@@ -241,12 +241,12 @@ def helpers_with_a_device_only_default_group() -> None:
 class Rank:
     """One rank's process, its JSON lines (stdout) and its stderr, both kept in files."""
 
-    def __init__(self, scenario: str, rank: int, port: int, folder: Path, extra_env: dict[str, str]):
+    def __init__(self, scenario: str, rank: int, world: int, port: int, folder: Path, extra_env: dict[str, str]):
         from dist_helpers import rank_env
 
         self.out, self.err = folder / f"rank{rank}.out", folder / f"rank{rank}.err"
         code = f"import sys; sys.path.insert(0, 'tests'); import test_distributed_faults as t; t.{scenario}()"
-        env = os.environ | rank_env(rank, 2, port) | extra_env
+        env = os.environ | rank_env(rank, world, port) | extra_env
         with self.out.open("w") as out, self.err.open("w") as err:
             self.proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, stdout=out, stderr=err)
 
@@ -283,14 +283,15 @@ class Rank:
 
 @pytest.fixture
 def job(tmp_path):
-    """Start both ranks of a scenario: job(scenario, **env) -> [rank 0, rank 1]; killed at the end of the test."""
+    """Start the ranks of a scenario: job(scenario, world=2, **env) -> [rank 0, rank 1, ...]; killed at the end of
+    the test."""
     from dist_helpers import free_port
 
     started: list[Rank] = []
 
-    def start(scenario: str, **extra_env: str) -> list[Rank]:
+    def start(scenario: str, world: int = 2, **extra_env: str) -> list[Rank]:
         port = free_port()
-        ranks = [Rank(scenario, r, port, tmp_path, extra_env) for r in range(2)]
+        ranks = [Rank(scenario, r, world, port, tmp_path, extra_env) for r in range(world)]
         started.extend(ranks)
         return ranks
 
@@ -477,6 +478,26 @@ def test_a_stuck_rank_that_still_beats_is_named_with_its_stack(job, stuck):
     assert "in _stuck_for_ever_here" in err and "in count_units_of_work" in err, err
     assert lines[0].split("error: ", 1)[1] in err  # the same line ends it
     assert err.index("its main thread is here:") < err.index("error: "), err
+
+
+def test_both_neighbours_of_a_stuck_rank_stop_the_job_with_one_line_each(job):
+    """3 ranks: ranks 0 and 2 both watch rank 1 and report it within a beat of each other. Each ends with one
+    line naming rank 1 (its own, or the other's read from the store); rank 2 never reports rank 0, the store's
+    host, as lost, and the stuck rank reads why before the store goes."""
+    ranks = job("count_units_of_work", world=3, WAIT_IN="sleep", ODD="1", ODD_ONE="stuck")
+    pid1 = [r.wait_for("ready") for r in ranks][1]["pid"]
+    start = time.monotonic()
+    ended = {}
+    for r in (0, 2):
+        assert ranks[r].exit_status(timeout=TIMEOUT_S + MARGIN_S + 10) == 1, ranks[r].stderr()
+        ended[r] = time.monotonic() - start
+    for r in (0, 2):
+        errors = [line for line in ranks[r].stderr().splitlines() if "error: " in line]
+        assert len(errors) == 1, ranks[r].stderr()
+        assert "rank 1 (host " in errors[0] and f"pid {pid1}) is stuck: its heartbeat goes on" in errors[0], errors
+        assert "was lost" not in ranks[r].stderr() and "rendezvous store" not in ranks[r].stderr()
+    assert ended[0] < TIMEOUT_S + MARGIN_S, ended
+    assert "in _stuck_for_ever_here" in _stack_logged_by(ranks[1])
 
 
 def test_a_stuck_rank_is_named_when_the_others_collective_times_out_first(job):
