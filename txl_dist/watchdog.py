@@ -78,6 +78,8 @@ READERS_WAIT_BEATS = 2
 STUCK_AFTER_BEATS = 2
 """A beating neighbour behind this rank's progress is stuck once its position has not moved for this many
 beats and this rank has waited its patience (collective_timeout_s unless its note says) since its own note."""
+BEHIND_WARNING_SHARE = 0.5
+"""A neighbour that would be reported stuck at this rank's patience is warned about at this share of it."""
 START_LABEL = "start-up"
 """Where a rank that has noted no progress yet is."""
 Position = tuple[int, ...]
@@ -333,6 +335,7 @@ class Watchdog:
         self._progress: tuple[Position, str, float, float] = ((), START_LABEL, time.monotonic(), collective_timeout_s)
         self._published: Position = ()
         self._seen_progress: dict[int, tuple[Position, str, float]] = {}  # neighbour -> (position, label, first read)
+        self._warned: set[tuple[int, Position, Position]] = set()  # (neighbour, its position, this rank's)
         self._probe_server = rank_probe.ProbeServer(rank_probe.token(rank, os.getpid()))
         self._threads = {name: threading.Thread(target=self._guard, args=(loop,), daemon=True,
                                                 name=f"txl-watchdog-{name}")
@@ -484,16 +487,20 @@ class Watchdog:
             self._seen_progress[r] = (position, label, now)
             return
         mine, my_label, my_since, patience = self._progress
-        if position >= mine or now - my_since < patience:
+        still, waited = now - self._seen_progress[r][2], now - my_since
+        if position >= mine or still < STUCK_AFTER_BEATS * self.period or waited < BEHIND_WARNING_SHARE * patience:
             return
-        still = now - self._seen_progress[r][2]
-        if still < STUCK_AFTER_BEATS * self.period:
+        if waited < patience:
+            if (r, position, mine) not in self._warned:  # once: an operator may look at it while it lives
+                self._warned.add((r, position, mine))
+                self.log.warning("warning: %s has not gone past %s for %.0f s or more, while this rank waits in %s "
+                                 "(%.0f s so far); if it does not move on, the job stops when this rank has waited "
+                                 "%.0f s", self.label(r), label, still, my_label, waited, patience)
             return
         store.set(self.keys.stuck(r), "1")  # before the abort key: the stuck rank logs its stack on reading it
         self._stop_job(f"{self.label(r)} is stuck: its heartbeat goes on, but it has not gone past {label} for "
                        f"{still:.0f} s or more, while {self.label(self.rank)} has waited in {my_label} for "
-                       f"{now - my_since:.0f} s; its stack is in its log; stopping", store=store,
-                       readers=self.world_size - 1)
+                       f"{waited:.0f} s; its stack is in its log; stopping", store=store, readers=self.world_size - 1)
 
     def _log_main_stack(self) -> None:
         """Log where this process's main thread is: another rank found this one stuck."""
