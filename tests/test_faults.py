@@ -197,6 +197,21 @@ def test_a_hung_rank_is_named_within_the_collective_timeout(corpus, tmp_path):
         procs[1].kill()
 
 
+def _assert_rank_1_named_stuck(procs: list[Launch], stuck_past: str, waiting_in: str, waited_s: str,
+                               frames: list[str]) -> None:
+    """Rank 0 ends with one line naming rank 1 stuck past `stuck_past` while it waited `waited_s` (patterns) in
+    `waiting_in`; rank 1 logs its stack (holding `frames`) and ends with the same line."""
+    assert procs[0].wait(120) == 1, procs[0].output[-3000:]
+    (line,) = _errors(procs[0])
+    assert re.search(rf"rank 1 \(host [^)]+, pid \d+\) is stuck: its heartbeat goes on, but it has not gone past "
+                     rf"{stuck_past} for \d+ s or more, while rank 0 \(host [^)]+\) has waited in {waiting_in} "
+                     rf"for {waited_s} s; its stack is in its log; stopping", line), line
+    assert procs[1].wait(30) == 1, procs[1].output[-3000:]
+    assert "this rank was found stuck; its main thread is here:" in procs[1].output
+    assert all(frame in procs[1].output for frame in frames), procs[1].output[-3000:]
+    assert _errors(procs[1])[-1].endswith(line.split("error: ", 1)[1])
+
+
 @pytest.mark.parametrize("fault, eval_interval, stuck_past, waiting_in, stuck_in", [
     # Step 2 saved a checkpoint: its last phase is where rank 1 was before it read step 3's first batch.
     ("hang-at-step:1:3", 0, "saving step 2: older checkpoints pruned", r"step 3, micro batch \d+/\d+", "in train_step"),
@@ -211,15 +226,7 @@ def test_a_stuck_rank_is_named_with_where_it_is(corpus, tmp_path, fault, eval_in
     procs = _start(_config(corpus, run_dir, train={"collective_timeout_s": 8}, eval={"interval": eval_interval}),
                    fault)
     try:
-        assert procs[0].wait(120) == 1, procs[0].output[-3000:]
-        (line,) = _errors(procs[0])
-        assert re.search(rf"rank 1 \(host [^)]+, pid \d+\) is stuck: its heartbeat goes on, but it has not gone past "
-                         rf"{stuck_past} for \d+ s or more, while rank 0 \(host [^)]+\) has waited in {waiting_in} "
-                         r"for \d+ s; its stack is in its log; stopping", line), line
-        assert procs[1].wait(30) == 1, procs[1].output[-3000:]
-        assert "this rank was found stuck; its main thread is here:" in procs[1].output
-        assert "in _hang_reading_a_batch" in procs[1].output and stuck_in in procs[1].output
-        assert _errors(procs[1])[-1].endswith(line.split("error: ", 1)[1])
+        _assert_rank_1_named_stuck(procs, stuck_past, waiting_in, r"\d+", ["in _hang_reading_a_batch", stuck_in])
         # The evaluation comes before the save of its step.
         assert read_latest(run_dir / "checkpoints") == (None if eval_interval else "step_00000002")
     finally:
@@ -235,14 +242,9 @@ def test_a_rank_stuck_writing_its_checkpoint_is_named_after_checkpoint_timeout(c
                      checkpoint={"interval": 2, "timeout_s": 12})
     procs = _start(config, "hang-in-save:1:2")
     try:
-        assert procs[0].wait(120) == 1, procs[0].output[-3000:]
-        (line,) = _errors(procs[0])
-        assert re.search(r"rank 1 \(host [^)]+, pid \d+\) is stuck: its heartbeat goes on, but it has not gone past "
-                         r"saving step 2: DeepSpeed's save, barrier 1 for \d+ s or more, while rank 0 \(host [^)]+\) "
-                         r"has waited in saving step 2: DeepSpeed's save, barrier 2 for 1[2-9] s; its stack is in its "
-                         r"log; stopping", line), line
-        assert procs[1].wait(30) == 1, procs[1].output[-3000:]
-        assert "in _hang_writing_a_file" in procs[1].output and "in save" in procs[1].output
+        _assert_rank_1_named_stuck(procs, "saving step 2: DeepSpeed's save, barrier 1",
+                                   "saving step 2: DeepSpeed's save, barrier 2", "1[2-9]",
+                                   ["in _hang_writing_a_file", "in save"])
         assert inventory(run_dir / "checkpoints").complete == []
     finally:
         procs[1].kill()

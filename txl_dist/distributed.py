@@ -263,10 +263,15 @@ def group_timeout(collective_timeout_s: float, backend: str) -> timedelta:
     NCCL's clock starts when a collective is queued, possibly long before the peer stopped (the watchdog's
     starts at the peer's last beat), and its abort is a SIGABRT after a multi-line report, without our abort
     callbacks (the MLflow run left open). A gloo collective that times out raises, and is explained in one line."""
-    margin = 2 * watchdog.beat_period(collective_timeout_s)
+    margin = _watchdog_first_margin_s(collective_timeout_s)
     if "nccl" in backend:
         margin = max(margin, NCCL_TIMEOUT_MARGIN_S)
     return timedelta(seconds=collective_timeout_s + margin)
+
+
+def _watchdog_first_margin_s(collective_timeout_s: float) -> float:
+    """Two beats: what a group's timeout adds to the watchdog's limit so that its one line comes first."""
+    return 2 * watchdog.beat_period(collective_timeout_s)
 
 
 def collective_timeout() -> timedelta | None:
@@ -330,9 +335,9 @@ def _join_existing(env: DistEnv, collective_timeout_s: float, control_timeout_s:
 
 def _start_control_group_and_watchdog(env: DistEnv, collective_timeout_s: float, control_timeout_s: float) -> None:
     global _control_group
-    # Two beats more, as the default group: a rank stuck while the others wait in a save (whose notes allow
-    # control_timeout_s, checkpoint.timeout_s) is named by the watchdog before the barrier times out.
-    margin = 2 * watchdog.beat_period(collective_timeout_s)
+    # As the default group: a rank stuck while the others wait in a save (whose notes allow control_timeout_s,
+    # checkpoint.timeout_s) is named by the watchdog before the barrier times out.
+    margin = _watchdog_first_margin_s(collective_timeout_s)
     _control_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=control_timeout_s + margin))
     watchdog.start(env.rank, env.world_size, watchdog.store_address(env.master_addr, env.master_port),
                    collective_timeout_s, logging.getLogger(LOGGER_NAME))

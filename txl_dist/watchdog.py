@@ -334,7 +334,7 @@ class Watchdog:
         # whole, so the beat thread reads one consistent value.
         self._progress: tuple[Position, str, float, float] = ((), START_LABEL, time.monotonic(), collective_timeout_s)
         self._published: Position = ()
-        self._seen_progress: dict[int, tuple[Position, str, float]] = {}  # neighbour -> (position, label, first read)
+        self._seen_progress: dict[int, tuple[Position, float]] = {}  # neighbour -> (its position, when first read)
         self._warned: set[tuple[int, Position, Position]] = set()  # (neighbour, its position, this rank's)
         self._probe_server = rank_probe.ProbeServer(rank_probe.token(rank, os.getpid()))
         self._threads = {name: threading.Thread(target=self._guard, args=(loop,), daemon=True,
@@ -484,10 +484,10 @@ class Watchdog:
         never reached: `r` is outside the collectives, alive and stuck."""
         position, label = self._read_progress(store, r)
         if r not in self._seen_progress or self._seen_progress[r][0] != position:
-            self._seen_progress[r] = (position, label, now)
+            self._seen_progress[r] = (position, now)
             return
         mine, my_label, my_since, patience = self._progress
-        still, waited = now - self._seen_progress[r][2], now - my_since
+        still, waited = now - self._seen_progress[r][1], now - my_since
         if position >= mine or still < STUCK_AFTER_BEATS * self.period or waited < BEHIND_WARNING_SHARE * patience:
             return
         if waited < patience:
