@@ -75,7 +75,7 @@ def evaluate_checkpoint(choice, split: str | None, env: distributed.DistEnv, che
     from txl_dist.engine import build_engine, deepspeed_config
     from txl_dist.model import TransformerXL
     from txl_dist.startup import start_evaluation
-    from txl_dist.watchdog import note_progress
+    from txl_dist.watchdog import note_progress, note_start_up
 
     start = start_evaluation(choice, env, split, check_outputs)
     tag_dir, run_info = start.resume.tag_dir, start.resume.run_info  # rank 0's, on every rank
@@ -83,6 +83,7 @@ def evaluate_checkpoint(choice, split: str | None, env: distributed.DistEnv, che
         cfg = start.cfg
         ds_config = deepspeed_config(cfg, env.world_size, load_universal=start.resume.source.universal)
         engine = build_engine(lambda: TransformerXL(cfg.model), ds_config, seed=cfg.train.seed)
+        note_start_up("start-up: the engine built")  # a rank stuck loading is named as past this
         ckpt.load_engine(engine, start.resume.source)
         start.release_checkpoint()  # loaded: the run's retention may remove the tag now
         result = start.evaluator.evaluate(

@@ -8,6 +8,10 @@ KIND (the fault happens on rank RANK only):
   slow-save      each of its DeepSpeed files of the checkpoint of step STEP takes SLOW_SAVE_S longer (slow storage)
   hang-in-save   its first DeepSpeed file of the checkpoint of step STEP is never written (a file system that
                  stopped answering: the process lives on and beats)
+  hang-in-verify resuming from the checkpoint of step STEP, its share of the checksums never returns (a file system
+                 that stopped answering during start-up)
+  hang-in-load   resuming from the checkpoint of step STEP, DeepSpeed's read of its optimizer file never returns
+                 (at the world size it was saved at), or of its first file of the tag's universal copy (elastic)
   refuse-load    reading its rank file of the checkpoint of step STEP is refused (the file vanished after start-up)
   fail-in-load   DeepSpeed's load of the checkpoint of step STEP fails on it (a file gone after start-up verified
                  it) while the other ranks go on into the load's collectives; prints `fail-in-load at <time.time()>`
@@ -69,6 +73,33 @@ def install(kind: str, rank: int, step: int) -> None:
         torch.save = faulty_save
         return
 
+    if kind == "hang-in-verify":
+        from txl_dist import checkpoint
+
+        real_verify = checkpoint.verify
+
+        def hanging_verify(tag_dir, **kwargs):
+            if Path(tag_dir).name == f"step_{step:08d}":
+                _hang_reading_a_file()
+            return real_verify(tag_dir, **kwargs)
+
+        checkpoint.verify = hanging_verify
+        return
+
+    if kind == "hang-in-load":
+        from txl_dist import safe_load
+
+        real_load = safe_load.load_weights_only  # what every torch.load is inside DeepSpeed's load
+
+        def hanging_load(f, *args, **kwargs):
+            path = str(f)
+            if f"step_{step:08d}" in path and ("optim_states" in path or "_universal" in path):
+                _hang_reading_a_file()
+            return real_load(f, *args, **kwargs)
+
+        safe_load.load_weights_only = hanging_load
+        return
+
     if kind == "fail-in-load":
         from deepspeed.runtime.engine import DeepSpeedEngine
 
@@ -124,6 +155,10 @@ def install(kind: str, rank: int, step: int) -> None:
 
 
 def _hang_reading_a_batch() -> None:
+    threading.Event().wait()
+
+
+def _hang_reading_a_file() -> None:
     threading.Event().wait()
 
 

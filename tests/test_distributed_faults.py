@@ -227,7 +227,7 @@ def helpers_with_a_device_only_default_group() -> None:
         "any_rank": [distributed.any_rank(env.rank == 1), distributed.any_rank(False)],
         "broadcast": distributed.broadcast_object({"from": env.rank}, src=1),
         "gathered": distributed.gather_objects(env.rank * 10),
-        "together": distributed.together(lambda: env.rank + 100),
+        "together": distributed.together(lambda: env.rank + 100, "a check"),
         "watching": watching,
     }
     distributed.barrier()
@@ -560,6 +560,26 @@ def test_the_beat_period_follows_the_timeout_up_to_ten_seconds():
     from txl_dist.watchdog import beat_period
 
     assert beat_period(6.0) == 1.0 and beat_period(600.0) == 10.0
+
+
+def test_start_up_phases_come_before_any_work_and_never_after_it():
+    """distributed.together notes each phase of start-up (watchdog.note_start_up): positions that follow
+    one another and stay before the first evaluation segment (launch/eval.py's (0, 1)) and micro batch ((1,));
+    a phase noted once the work has begun (a position going back) is ignored, else the ranks ahead of a stuck
+    one would look behind it."""
+    from txl_dist.watchdog import START_LABEL, Watchdog
+
+    watch = Watchdog.__new__(Watchdog)  # its notes only: no store, no threads
+    watch.timeout_s, watch._progress = 6.0, ((), START_LABEL, 0.0, 6.0)
+    watch.note_start_up("start-up: the corpus checked", 12.0)
+    assert watch._progress[0] == (0, 0, 1) and watch._progress[3] == 12.0
+    watch.note_start_up("start-up: the engine built")
+    assert watch._progress[:2] == ((0, 0, 2), "start-up: the engine built") and watch._progress[3] == 6.0
+    first_segment, first_micro_batch = (0, 1), (1,)
+    assert () < (0, 0, 1) < (0, 0, 2) < (0, 0, 10**6) < first_segment < first_micro_batch
+    watch.note_progress(first_segment, "evaluation of test, segment 1")
+    watch.note_start_up("start-up: too late")
+    assert watch._progress[:2] == (first_segment, "evaluation of test, segment 1")
 
 
 def test_the_default_groups_timeout_leaves_the_first_report_to_the_watchdog():

@@ -490,3 +490,27 @@ def test_a_token_id_outside_the_vocabulary_stops_every_rank_with_one_line_naming
     assert told in line and "Traceback" not in procs[1].output
     (line,) = _errors(procs[0])
     assert re.search(r"rank 1 \(.*\) stopped after an error: .*" + re.escape(told), line), line
+
+
+@pytest.mark.parametrize("fault, stuck_past, waiting_in, frames", [
+    ("hang-in-verify:1:2", "start-up: the checkpoint folder surveyed",
+     "start-up: its share of checkpoint step_00000002 verified", ["in hanging_verify", "in _verified"]),
+    ("hang-in-load:1:2", "start-up: the engine built", "start-up: checkpoint step_00000002 loaded",
+     ["in hanging_load", "in load_engine"]),
+], ids=["verifying_the_checkpoint", "reading_its_optimizer_file"])
+def test_a_rank_stuck_while_resuming_is_named_with_where_it_is(corpus, tmp_path, fault, stuck_past, waiting_in,
+                                                               frames):
+    """Start-up's phases wait on the control group (checkpoint.timeout_s): a rank stuck in one, its process
+    alive (a file system that stopped answering), is named with its stack once the others have waited that
+    long; before, the control group's timeout ended the job with 'a collective failed while ranks [1] still
+    answer (the failure is elsewhere)'."""
+    run_dir = tmp_path / "run"
+    config = _config(corpus, run_dir, train={"collective_timeout_s": 6, "exit_step": 2},
+                     checkpoint={"interval": 2, "timeout_s": 12})
+    assert _finish(_start(config)) == [0, 0]
+    procs = _start(config, fault, extra=["--set", "train.exit_step=null"])
+    try:
+        _assert_rank_1_named_stuck(procs, stuck_past, waiting_in, "1[2-9]", frames)
+        assert inventory(run_dir / "checkpoints").complete == ["step_00000002"]
+    finally:
+        procs[1].kill()

@@ -278,7 +278,7 @@ def _start_up_fails_on_rank_1():
                 raise ValueError("rank 1's data file is corrupt")
             return "ok"
 
-        distributed.together(check)
+        distributed.together(check, "the data checked")
         return "went on"
     except LaunchError as e:
         return f"LaunchError: {e}"

@@ -256,8 +256,8 @@ class CheckpointConfig:
     timeout_s: float = 3600.0
     """How long ranks wait for each other while a checkpoint is saved, verified, loaded or converted, and
     during start-up (slow file systems); a lost rank is still detected within train.collective_timeout_s,
-    and a rank alive but stuck in a save (a write that never returns) is named, with its stack in its log,
-    once the others have waited this long."""
+    and a rank alive but stuck in a save or in start-up (a write or read that never returns) is named, with its
+    stack in its log, once the others have waited this long."""
 
 
 @dataclass

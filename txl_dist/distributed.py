@@ -254,6 +254,7 @@ def default_backend() -> str:
 
 
 _control_group: dist.ProcessGroup | None = None
+_control_timeout_s: float | None = None  # checkpoint.timeout_s: the control group's waits (less its margin)
 _collective_timeout: timedelta | None = None
 
 
@@ -334,11 +335,12 @@ def _join_existing(env: DistEnv, collective_timeout_s: float, control_timeout_s:
 
 
 def _start_control_group_and_watchdog(env: DistEnv, collective_timeout_s: float, control_timeout_s: float) -> None:
-    global _control_group
-    # As the default group: a rank stuck while the others wait in a save (whose notes allow control_timeout_s,
-    # checkpoint.timeout_s) is named by the watchdog before the barrier times out.
+    global _control_group, _control_timeout_s
+    # As the default group: a rank stuck while the others wait in a save or a start-up phase (whose notes allow
+    # control_timeout_s, checkpoint.timeout_s) is named by the watchdog before the control group times out.
     margin = _watchdog_first_margin_s(collective_timeout_s)
     _control_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=control_timeout_s + margin))
+    _control_timeout_s = control_timeout_s
     watchdog.start(env.rank, env.world_size, watchdog.store_address(env.master_addr, env.master_port),
                    collective_timeout_s, logging.getLogger(LOGGER_NAME))
 
@@ -360,11 +362,11 @@ def destroy_process_group(error: BaseException | None = None) -> None:
     A failing rank (or one whose collective failed, explain_failure) aborts its groups instead, and exits
     with status 1 when that takes over TEARDOWN_AFTER_FAILURE_S (logging its line first).
     """
-    global _control_group, _collective_timeout
+    global _control_group, _control_timeout_s, _collective_timeout
     line = _failure_line(error if error is not None else sys.exc_info()[1])
     collective_failed = watchdog.explained()
     watchdog.stop(line)
-    _control_group = _collective_timeout = None
+    _control_group = _control_timeout_s = _collective_timeout = None
     if not dist.is_initialized():
         return
     if (line is None and not collective_failed) or dist.get_world_size() < 2:
@@ -454,8 +456,12 @@ def gather_objects(obj: Any) -> list[Any]:
     return out
 
 
-def together(fn: Callable[[], T]) -> T:
-    """Run `fn` on every rank; if it raises on any rank, raise on all of them (collective).
+def together(fn: Callable[[], T], done: str) -> T:
+    """Run `fn` on every rank; if it raises on any rank, raise on all of them (collective). A phase of the
+    job's start: `done` says it for people once this rank has done its part ("checkpoint step_00000002
+    verified"), the watchdog's progress note before the ranks agree (watchdog.note_start_up), so that a rank
+    stuck in `fn` (a read that never returns) is named by the others waiting here with `done` and its stack,
+    before the control group times out.
 
     So no rank goes on into a collective that a failed rank will never join (and waits there until the
     timeout). Rank 0 reports: it raises its own error, or, when only other ranks failed, a LaunchError with
@@ -469,6 +475,7 @@ def together(fn: Callable[[], T]) -> T:
         result = fn()
     except Exception as e:  # re-raised below, after the ranks agree
         error = e
+    watchdog.note_start_up(f"start-up: {done}", _control_timeout_s)
     if not any_rank(error is not None):
         return result
     mine = None if error is None else one_line(error)

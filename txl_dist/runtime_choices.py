@@ -106,7 +106,8 @@ def agree(cfg: RunConfig, env: DistEnv, recorded: dict[str, Any] | None = None, 
     """
     device = distributed.device_for(env)
     decided = distributed.together(lambda: decide(cfg, device, recorded, peak=peak, world_size=env.world_size,
-                                                  training=training) if env.is_main else None)
+                                                  training=training) if env.is_main else None,
+                                   "the run-time choices decided")
     choices = distributed.broadcast_object(decided)
     log.info("run-time choices: %s", describe(choices))
     return choices

@@ -293,8 +293,9 @@ class StartupIOError(Refused):
     """A file or folder start-up needs could not be read or made (permissions, a missing mount, ...)."""
 
 
-def _together(fn: Callable[[], T]) -> T:
-    """fn() on every rank, failures agreed (distributed.together); an OSError becomes a one-line refusal."""
+def _together(fn: Callable[[], T], done: str) -> T:
+    """fn() on every rank, failures agreed (distributed.together; `done`: the phase, for the watchdog); an
+    OSError becomes a one-line refusal."""
     def checked() -> T:
         try:
             return fn()
@@ -302,12 +303,12 @@ def _together(fn: Callable[[], T]) -> T:
             where = f"{e.filename}: " if e.filename else ""
             raise StartupIOError(f"{where}{e.strerror or one_line(e)}") from None
 
-    return distributed.together(checked)
+    return distributed.together(checked, done)
 
 
-def _on_main(env: DistEnv, fn: Callable[[], T]) -> T:
-    """fn() on rank 0 (failures agreed by all ranks); its result on every rank."""
-    return distributed.broadcast_object(_together(lambda: fn() if env.is_main else None))
+def _on_main(env: DistEnv, fn: Callable[[], T], done: str) -> T:
+    """fn() on rank 0 (failures agreed by all ranks, `done` as for _together); its result on every rank."""
+    return distributed.broadcast_object(_together(lambda: fn() if env.is_main else None, done))
 
 
 def check_run_dir_shared(path: Path, env: DistEnv) -> None:
@@ -317,9 +318,10 @@ def check_run_dir_shared(path: Path, env: DistEnv) -> None:
     and every rank reads it back."""
     if env.world_size == 1:
         return
-    name, main_path = _on_main(env, lambda: (write_shared_check(path), path))
+    name, main_path = _on_main(env, lambda: (write_shared_check(path), path), "the run folder's check file written")
     try:
-        mine = _together(lambda: None if sees_shared_check(path, name) else f"{env.rank} ({socket.gethostname()})")
+        mine = _together(lambda: None if sees_shared_check(path, name) else f"{env.rank} ({socket.gethostname()})",
+                         "the run folder's check file looked for")
         missing = [m for m in distributed.gather_objects(mine) if m]
         if missing:
             raise distributed.agreed(RunDirUnusable(
@@ -335,7 +337,8 @@ def _verified(candidates: list[Path], env: DistEnv, *, fallback: bool) -> tuple[
     """The first candidate tag whose files verify on every rank's share; CheckpointError for a damaged one
     unless fallback (then the next candidate, with a warning)."""
     for i, tag_dir in enumerate(candidates):
-        problem = _together(lambda: checkpoint.verify(tag_dir, rank=env.rank, world_size=env.world_size))
+        problem = _together(lambda: checkpoint.verify(tag_dir, rank=env.rank, world_size=env.world_size),
+                            f"its share of checkpoint {tag_dir.name} verified")
         problems = [p for p in distributed.gather_objects(problem) if p]
         if not problems:
             return tag_dir, checkpoint.read_run_info(tag_dir)
@@ -385,12 +388,12 @@ def start_training(cfg: RunConfig, env: DistEnv, resume: str = "auto", *, log_fi
     hashes = HashRecord(run_dir.corpus_hashes)
     with hashes.in_use():
         share_corpus_hashing(cfg, env, hashes)
-        resolved, manifest, loader, evaluator = _together(local_checks)
+        resolved, manifest, loader, evaluator = _together(local_checks, "the corpus and its loaders checked")
     start = TrainStart(resolved, manifest, run_dir, None, loader, evaluator, None, None)
     try:
         # A phase of its own: a lock taken while another rank's checks failed would outlive the refusal.
         start.lock = _together(lambda: acquire_lock(run_dir.path, stale_after_s=resolved.train.collective_timeout_s)
-                               if env.is_main else None)
+                               if env.is_main else None, "the run folder locked")
         check_run_dir_shared(run_dir.path, env)
         if hashes.hashed or hashes.remembered or hashes.taken:
             taken = f" ({len(hashes.taken)} more hashed by other ranks)" if hashes.taken else ""
@@ -406,7 +409,7 @@ def start_training(cfg: RunConfig, env: DistEnv, resume: str = "auto", *, log_fi
             _agree_choices(start, env, None)
         loader, model = start.loader, start.cfg.model
         start.cluster_shares = _on_main(env, lambda: sample_cluster_shares(
-            loader.reader, *loader.block, model.cutoffs, model.vocab_size))
+            loader.reader, *loader.block, model.cutoffs, model.vocab_size), "the softmax clusters' shares sampled")
         start.tracker = _open_tracker(start, env, create_tracker)
     except BaseException:
         start.close()
@@ -426,7 +429,7 @@ def share_corpus_hashing(cfg: RunConfig, env: DistEnv, hashes: HashRecord) -> No
     rank hash every file its block touches: at 64 ranks, the whole corpus read 64 times on a first start; and
     one rank hashed its files one after the other. Best effort: a corpus that cannot be listed shares nothing,
     and the checks that follow refuse it."""
-    listed = _on_main(env, lambda: _corpus_files_to_hash(cfg, hashes))
+    listed = _on_main(env, lambda: _corpus_files_to_hash(cfg, hashes), "the corpus files to hash listed")
     mine = checkpoint.share_of(listed, env.rank, env.world_size)
     threads = max(1, min(HASH_THREADS, len(mine), cpus_per_rank(env.local_world_size)))
 
@@ -444,7 +447,7 @@ def share_corpus_hashing(cfg: RunConfig, env: DistEnv, hashes: HashRecord) -> No
     if env.world_size == 1:
         hash_my_share()
         return
-    for entries in distributed.gather_objects(_together(hash_my_share)):
+    for entries in distributed.gather_objects(_together(hash_my_share, "its share of the corpus hashed")):
         hashes.take(entries)
 
 
@@ -513,14 +516,15 @@ def _choose_resume(start: TrainStart, env: DistEnv, resume: str) -> Resume | Non
                         "newest complete tag", ckpt_dir, inv.latest or "nothing", inv.complete[-1])
         return checkpoint.candidate_tags(resume, ckpt_dir)
 
-    candidates = _on_main(env, survey)
+    candidates = _on_main(env, survey, "the checkpoint folder surveyed")
     if not candidates:
         return None
     chosen = _verified(candidates, env, fallback=cfg.checkpoint.fallback and resume == "auto")
     tag_dir, run_info = chosen
     # Before the fit check: it compares the resolved precision with the checkpoint's.
     cfg = _agree_choices(start, env, run_info.get("run_choices"))
-    _together(lambda: check_checkpoint_fits(cfg, start.manifest, run_info, tag_dir, purpose="resume"))
+    _together(lambda: check_checkpoint_fits(cfg, start.manifest, run_info, tag_dir, purpose="resume"),
+              f"checkpoint {tag_dir.name}'s fit with this run checked")
     source = checkpoint.engine_source(tag_dir, run_info, world_size=env.world_size)
 
     def prepare_folder() -> None:
@@ -531,7 +535,7 @@ def _choose_resume(start: TrainStart, env: DistEnv, resume: str) -> Resume | Non
                 log.warning("resuming from %s: moved %d newer tag(s) (%s) to %s; they are not deleted", tag_dir.name,
                             len(tags), ", ".join(tags), dest)
 
-    _on_main(env, prepare_folder)
+    _on_main(env, prepare_folder, "newer checkpoints set aside")
     _ready_universal_copy(source, tag_dir, run_info, env)
     _check_loadable(source)
     return Resume(tag_dir, run_info, source)
@@ -562,7 +566,8 @@ def _ready_universal_copy(source: EngineSource, tag_dir: Path, run_info: dict[st
         return
     copy = source.load_dir / source.tag
     problem = _first_problem(lambda: checkpoint.verify_universal(copy, tag_dir, rank=env.rank,
-                                                                 world_size=env.world_size))
+                                                                 world_size=env.world_size),
+                             f"its share of universal copy {copy.name} verified")
     if problem is None:
         return
 
@@ -572,18 +577,19 @@ def _ready_universal_copy(source: EngineSource, tag_dir: Path, run_info: dict[st
                         tag_dir.name)
         return checkpoint.convert_to_universal(tag_dir, copy, zero_stage=run_info["zero_stage"])
 
-    if _on_main(env, convert):
+    if _on_main(env, convert, f"universal copy {copy.name} converted"):
         return
     problem = _first_problem(lambda: checkpoint.verify_universal(copy, tag_dir, rank=env.rank,
-                                                                 world_size=env.world_size))
+                                                                 world_size=env.world_size),
+                             f"its share of universal copy {copy.name} verified again")
     if problem is not None:
         raise CheckpointError(f"universal copy {copy.name} (made by another job meanwhile) does not verify: "
                               f"{problem}; start again to convert {tag_dir.name} anew")
 
 
-def _first_problem(check: Callable[[], str | None]) -> str | None:
+def _first_problem(check: Callable[[], str | None], done: str) -> str | None:
     """check() on every rank (each its share of some files); the first rank's problem, or None on all."""
-    problems = [p for p in distributed.gather_objects(_together(check)) if p]
+    problems = [p for p in distributed.gather_objects(_together(check, done)) if p]
     return problems[0] if problems else None
 
 
@@ -600,7 +606,7 @@ def _check_loadable(source: EngineSource) -> None:
     rank reads only its own optimizer file and fragments)."""
     from .safe_load import check_checkpoint_files
 
-    _together(lambda: check_checkpoint_files(source.load_dir / source.tag))
+    _together(lambda: check_checkpoint_files(source.load_dir / source.tag), f"{source.tag}'s files checked for loading")
 
 
 def _open_tracker(start: TrainStart, env: DistEnv, create_tracker):
@@ -622,7 +628,7 @@ def _open_tracker(start: TrainStart, env: DistEnv, create_tracker):
                         checkpoint.size_text(need * (cfg.checkpoint.keep + 1)))
         return create_tracker(cfg.tracking, env.rank, start.run_dir.path, _resume_point(start))
 
-    return _together(check_space_and_open)
+    return _together(check_space_and_open, "the free space checked and the MLflow run opened")
 
 
 def _resume_point(start: TrainStart):
@@ -702,15 +708,16 @@ def start_evaluation(choice: EvalChoice, env: DistEnv, split: str | None = None,
         cfg = evaluation_batch(choice.cfg, env.world_size)
         join(cfg, env)
         if check_outputs is not None:
-            _on_main(env, check_outputs)
+            _on_main(env, check_outputs, "the evaluation's outputs checked")
         tag_dir, run_info, cfg = distributed.broadcast_object(
             (choice.tag_dir, choice.run_info, cfg) if env.is_main else None)
-        hold = _together(lambda: _hold_rank_zeros_tag(choice, tag_dir, env))
+        hold = _together(lambda: _hold_rank_zeros_tag(choice, tag_dir, env), f"checkpoint {tag_dir.name} held")
         # "auto" in an evaluation config means what the checkpoint's run chose (a fresh decision when the
         # checkpoint recorded none; on another device type, its precision and a fresh attention choice).
         choices = runtime_choices.agree(cfg, env, run_info.get("run_choices"), peak=False, training=False)
         cfg = runtime_choices.apply(cfg, choices)
-        resolved, evaluator, split = _together(lambda: _eval_local_checks(cfg, run_info, tag_dir, split, env))
+        resolved, evaluator, split = _together(lambda: _eval_local_checks(cfg, run_info, tag_dir, split, env),
+                                               "the corpus and the split checked")
         _verified([tag_dir], env, fallback=False)
         source = checkpoint.engine_source(tag_dir, run_info, world_size=env.world_size)
         _ready_universal_copy(source, tag_dir, run_info, env)

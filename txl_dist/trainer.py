@@ -48,7 +48,7 @@ from .memory import MemoryBank, merge_state_dicts
 from .profiling import StepProfiler
 from .startup import Resume, TrainStart, start_training
 from .stop_request import StopRequest, describe_reasons
-from .watchdog import is_collective_failure, note_progress
+from .watchdog import is_collective_failure, note_progress, note_start_up
 
 log = logging.getLogger(distributed.LOGGER_NAME)
 
@@ -502,6 +502,7 @@ def _build_from(start: TrainStart, env: DistEnv) -> Trainer:
 
     engine = build_engine(lambda: TransformerXL(cfg.model), ds_config, seed=cfg.train.seed,
                           compile_layers=cfg.train.compile)
+    note_start_up("start-up: the engine built")  # a rank stuck loading is then named as past this, not before
     checkpoint.seed_rng(cfg.train.seed, env.rank)  # dropout differs between ranks, reproducibly
     manifest = start.manifest
     info = {
@@ -518,7 +519,7 @@ def _build_from(start: TrainStart, env: DistEnv) -> Trainer:
     if resume is not None:
         # Together: a refusal on one rank (a rank file gone since start-up verified it) is every rank's, as the
         # entry point assumes of a refusal, and a slow rank is waited for on the control group's timeout.
-        distributed.together(lambda: trainer.restore(resume))
+        distributed.together(lambda: trainer.restore(resume), f"checkpoint {resume.tag_dir.name} loaded")
     if env.is_main:
         _log_run_start(trainer, start, env, n_params)
     return trainer

@@ -11,8 +11,9 @@ process has certainly ended (gone from this machine's process table, or its prob
 address): on nccl nothing else notices a dead peer, whose partners' kernels wait for it until the collective
 timeout, minutes later. A neighbour that beats but is stuck (a deadlock, a read that never returns) is found by
 its progress: the trainer notes where every rank is (note_progress: the micro batch or evaluation segment it
-has begun, its input in hand), and a neighbour that stays behind this rank while this rank has waited
-collective_timeout_s is reported stuck, and its own watch thread logs its main thread's stack before it ends; a
+has begun, its input in hand; note_start_up: the phase of start-up it has done its part of), and a neighbour
+that stays behind this rank while this rank has waited collective_timeout_s (checkpoint.timeout_s in a save or
+a start-up phase) is reported stuck, and its own watch thread logs its main thread's stack before it ends; a
 stuck rank whose partners' collective failed first (gloo) is named the same way by explain_failure. The line
 goes to a shared "abort" key, and every rank that reads it (within a beat) logs it, runs the abort callbacks
 (bounded) and ends with exit status 1 through os._exit: its main thread may be stuck inside a collective. The
@@ -82,6 +83,9 @@ BEHIND_WARNING_SHARE = 0.5
 """A neighbour that would be reported stuck at this rank's patience is warned about at this share of it."""
 START_LABEL = "start-up"
 """Where a rank that has noted no progress yet is."""
+START_UP: tuple[int, ...] = (0, 0)
+"""The positions of start-up's phases are START_UP + (k,): after no note, before evaluation segments (0, i)
+and micro batches (n,)."""
 Position = tuple[int, ...]
 """Where a rank is in the work all ranks do alike, ordered as tuples are (note_progress)."""
 MAX_NAMED = 4
@@ -513,6 +517,13 @@ class Watchdog:
         """This rank has reached `position` (see the module function)."""
         self._progress = (position, label, time.monotonic(), patience_s or self.timeout_s)
 
+    def note_start_up(self, label: str, patience_s: float | None = None) -> None:
+        """This rank has done its part of the next phase of start-up (see the module function)."""
+        position = self._progress[0]
+        if position and position[:len(START_UP)] != START_UP:
+            return  # the work has begun: a position never goes back
+        self.note_progress(START_UP + ((position[-1] if position else 0) + 1,), label, patience_s)
+
     def _await_infos(self, store: dist.TCPStore, wait_s: float) -> None:
         """Read the neighbours' and rank 0's host and pid before the job goes on. They publish in the same
         moments (each rank right after the rendezvous), so this takes milliseconds, and a rank stopped in the
@@ -858,6 +869,15 @@ def note_progress(position: Position, label: str, patience_s: float | None = Non
     kept here; the beat thread publishes them. A no-op without a watch."""
     if _current is not None:
         _current.note_progress(position, label, patience_s)
+
+
+def note_start_up(label: str, patience_s: float | None = None) -> None:
+    """This rank has done its part of the next phase of the job's start ("start-up: checkpoint step_00000002
+    verified") and goes to wait for the others (distributed.together calls it): the k-th such note is position
+    START_UP + (k,). Every rank notes the same phases in the same order. Ignored once a micro batch or an
+    evaluation segment has been noted: positions only go forward. A no-op without a watch."""
+    if _current is not None:
+        _current.note_start_up(label, patience_s)
 
 
 def on_abort(callback: Callable[[], None]) -> None:
