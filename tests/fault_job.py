@@ -15,6 +15,8 @@ KIND (the fault happens on rank RANK only):
   refuse-load    reading its rank file of the checkpoint of step STEP is refused (the file vanished after start-up)
   fail-in-load   DeepSpeed's load of the checkpoint of step STEP fails on it (a file gone after start-up verified
                  it) while the other ranks go on into the load's collectives; prints `fail-in-load at <time.time()>`
+  hang-in-forward  the forward of the last micro batch of step STEP never returns (a deadlock in the compute: the
+                 process lives on and beats)
   kill-at-step   SIGKILL itself in the middle of step STEP (after the first micro batch's forward)
   stop-at-step   SIGSTOP itself at the start of step STEP (a hung rank)
   hang-at-step   its read of the first micro batch of step STEP never returns (a stuck file system: the process
@@ -144,6 +146,8 @@ def install(kind: str, rank: int, step: int) -> None:
             self._batches = _hanging(self._batches)
         if kind == "kill-at-step" and current == step:
             _kill_after_first_forward(self)
+        if kind == "hang-in-forward" and current == step:
+            _hang_in_last_forward(self)
         if kind in ("nan-at-step", "nan-from-step") and (current == step or (kind == "nan-from-step" and current > step)):
             _poison_next_forward(self, whole=kind == "nan-from-step")
         stats = real_step(self)
@@ -182,6 +186,21 @@ def _hang_in_second_segment(evaluator) -> None:
         return real_evaluate(model, split, on_segment=next_segment)
 
     evaluator.evaluate = evaluate
+
+
+def _hang_in_last_forward(t) -> None:
+    forwards = []
+
+    def hook(module, args):
+        forwards.append(1)
+        if len(forwards) == t.loader.accumulation_steps:
+            _deadlocked_in_the_forward()
+
+    t.engine.module.register_forward_pre_hook(hook)
+
+
+def _deadlocked_in_the_forward() -> None:
+    threading.Event().wait()
 
 
 def _kill_after_first_forward(t) -> None:

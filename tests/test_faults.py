@@ -212,21 +212,27 @@ def _assert_rank_1_named_stuck(procs: list[Launch], stuck_past: str, waiting_in:
     assert _errors(procs[1])[-1].endswith(line.split("error: ", 1)[1])
 
 
-@pytest.mark.parametrize("fault, eval_interval, stuck_past, waiting_in, stuck_in", [
-    # Step 2 saved a checkpoint: its last phase is where rank 1 was before it read step 3's first batch.
-    ("hang-at-step:1:3", 0, "saving step 2: older checkpoints pruned", r"step 3, micro batch \d+/\d+", "in train_step"),
+@pytest.mark.parametrize("fault, eval_interval, stuck_past, waiting_in, frames", [
+    # Step 2 saved a checkpoint: its last phase is where rank 1 was before it read step 3's first batch. The
+    # other rank waits in step 3's first collective: ZeRO 1 reduces in the last micro batch's backward.
+    ("hang-at-step:1:3", 0, "saving step 2: older checkpoints pruned",
+     r"step 3, micro batch (\d+)/\1, its forward done",
+     ["in _hang_reading_a_batch", "in train_step"]),
     ("hang-in-eval:1:2", 2, "evaluation of valid after step 2, segment 1",
-     "evaluation of valid after step 2, segment 3", "in run_eval"),
-], ids=["reading_its_batch", "in_an_evaluation"])
+     "evaluation of valid after step 2, segment 3", ["in _hang_reading_a_batch", "in run_eval"]),
+    # The other rank waits in the same collective, past rank 1's last note.
+    ("hang-in-forward:1:3", 0, r"step 3, micro batch (\d+)/\1", r"step 3, micro batch (\d+)/\2, its forward done",
+     ["in _deadlocked_in_the_forward", "in train_step"]),
+], ids=["reading_its_batch", "in_an_evaluation", "in_its_forward"])
 def test_a_stuck_rank_is_named_with_where_it_is(corpus, tmp_path, fault, eval_interval, stuck_past, waiting_in,
-                                                stuck_in):
+                                                frames):
     """Its process lives and beats, so no heartbeat goes missing: its progress names it (before: on gloo, 'a
     collective failed while ranks [1] still answer'; on nccl, nccl's own abort)."""
     run_dir = tmp_path / "run"
     procs = _start(_config(corpus, run_dir, train={"collective_timeout_s": 8}, eval={"interval": eval_interval}),
                    fault)
     try:
-        _assert_rank_1_named_stuck(procs, stuck_past, waiting_in, r"\d+", ["in _hang_reading_a_batch", stuck_in])
+        _assert_rank_1_named_stuck(procs, stuck_past, waiting_in, r"\d+", frames)
         # The evaluation comes before the save of its step.
         assert read_latest(run_dir / "checkpoints") == (None if eval_interval else "step_00000002")
     finally:

@@ -245,6 +245,10 @@ class Trainer:
             input_ids, labels, plan = batch_to_device(mb.input_ids, mb.labels, self.device, cutoffs)  # [m, T] x2
             mems = self.bank.get(mb.stream_ids, mb.reset)  # n_layer x [m, mlen, d_model] or None
             out = engine(input_ids, labels=labels, mems=mems, tail_plan=plan)
+            # At ZeRO 0-2 the first collective of a micro batch is in its backward: a rank stuck in the forward
+            # stays behind this (n, 0), before any note between steps, (n, k >= 1).
+            note_progress((self.step * g + micro + 1, 0), f"step {self.step + 1}, micro batch {micro + 1}/{g}, "
+                          "its forward done")
             engine.backward(out.nll.mean())
             self.bank.put(mb.stream_ids, out.mems)
             nll_sum = out.nll.detach().double().sum()

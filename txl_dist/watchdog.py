@@ -860,8 +860,8 @@ def explained() -> bool:
 
 def note_progress(position: Position, label: str, patience_s: float | None = None) -> None:
     """This rank has begun the piece of work at `position` (increasing, compared as tuples: (micro batches
-    begun,) for a micro batch, (micro batches begun, notes since) for an evaluation segment or a phase of a
-    save after it), its input in hand; `label` says it for people ("step 12, micro batch 2/4"). Every rank
+    begun,) for a micro batch, (micro batches begun, 0) once its forward is done, (micro batches begun, notes
+    since) for an evaluation segment or a phase of a save after it), its input in hand; `label` says it for people ("step 12, micro batch 2/4"). Every rank
     must note the same positions at the same points, just before the piece's collectives: a rank left behind
     is then one that never reached them. `patience_s`: how long this rank may wait there before a neighbour
     behind it counts as stuck; collective_timeout_s unless the collectives that follow have a longer timeout
