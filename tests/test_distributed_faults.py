@@ -582,6 +582,26 @@ def test_start_up_phases_come_before_any_work_and_never_after_it():
     assert watch._progress[:2] == (first_segment, "evaluation of test, segment 1")
 
 
+def test_a_rank_whose_abort_line_is_word_for_word_anothers_counts_itself_a_reader():
+    """Two neighbours of a silent rank report it in the same second with the same words: the second must know
+    its line lost the race and count itself as a reader of the first, or the store's host waits out its bound
+    (READERS_WAIT_BEATS) before it exits. Every rank reads the line alone, without the writer's mark."""
+    from txl_dist.watchdog import Watchdog, _Keys
+
+    store = torch.distributed.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    line = "rank 1 (host h, pid 7) stopped responding: no heartbeat for 61 s; stopping"
+    reporters = []
+    for rank in (0, 2):
+        watch = Watchdog.__new__(Watchdog)  # its store calls only: no threads
+        watch.rank, watch.keys = rank, _Keys("test")
+        reporters.append(watch)
+    reporters[0]._publish_abort(store, line, readers=1)
+    reporters[1]._publish_abort(store, line, readers=1)
+    assert store.add(reporters[0].keys.abort_read, 0) == 1  # the second reporter, as a reader of the first
+    assert store.get(reporters[0].keys.abort_readers) == b"1"
+    assert reporters[1]._published_abort(store) == line
+
+
 def test_the_default_groups_timeout_leaves_the_first_report_to_the_watchdog():
     """Two beats over train.collective_timeout_s; with NCCL, whose clock starts when a collective is queued
     and whose own abort is a SIGABRT, two minutes at least."""

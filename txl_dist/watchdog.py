@@ -443,7 +443,7 @@ class Watchdog:
         self._publish_progress(store)
         self._read_infos(store)
         if store.check([self.keys.abort]):
-            self._stop_job(store.get(self.keys.abort).decode(), store=store, read=True)
+            self._stop_job(_abort_line(store.get(self.keys.abort)), store=store, read=True)
             return
         if self.address.hosted_by_rank0 and self.rank != 0 and store.check([self.keys.left(0)]):
             self._host_left_at = time.monotonic()
@@ -615,10 +615,16 @@ class Watchdog:
         os._exit(1)
 
     def _publish_abort(self, store: dist.TCPStore, line: str, readers: int) -> None:
-        if store.compare_set(self.keys.abort, "", line).decode() == line:  # the first line wins everywhere
+        entry = self._abort_entry(line)
+        if store.compare_set(self.keys.abort, "", entry).decode() == entry:  # the first line wins everywhere
             store.set(self.keys.abort_readers, str(readers))
         else:
             store.add(self.keys.abort_read, 1)  # another rank's line came first: this rank is one of its readers
+
+    def _abort_entry(self, line: str) -> str:
+        """What this rank writes to the abort key: its line, after the writer's rank, so that a rank whose line
+        is word for word another's (two neighbours' "no heartbeat for 61 s") knows it lost the race."""
+        return f"rank {self.rank}\n{line}"
 
     def _await_readers(self, store: dist.TCPStore) -> None:
         deadline = time.monotonic() + READERS_WAIT_BEATS * self.period
@@ -671,10 +677,10 @@ class Watchdog:
             return published
         line, lost = self._diagnose(store, exc)
         self._publish_abort(store, line, readers=self.world_size - 1 - lost)
-        return store.get(self.keys.abort).decode()  # the first explanation wins everywhere
+        return _abort_line(store.get(self.keys.abort))  # the first explanation wins everywhere
 
     def _published_abort(self, store: dist.TCPStore) -> str | None:
-        return store.get(self.keys.abort).decode() if store.check([self.keys.abort]) else None
+        return _abort_line(store.get(self.keys.abort)) if store.check([self.keys.abort]) else None
 
     def _diagnose(self, store: dist.TCPStore, exc: BaseException) -> tuple[str, int]:
         """The line, and how many ranks it names lost (they will not read it)."""
@@ -796,7 +802,7 @@ class Watchdog:
     def _leave(self, left_as: str, abort_line: str | None) -> dist.TCPStore:
         store = _connect(self.address, STORE_CALL_S)
         if abort_line:
-            store.compare_set(self.keys.abort, "", abort_line)
+            store.compare_set(self.keys.abort, "", self._abort_entry(abort_line))
         store.set(self.keys.left(self.rank), left_as)
         store.add(self.keys.left_count, 1)
         return store
@@ -811,6 +817,11 @@ class Watchdog:
             if store.check([self.keys.abort]):
                 deadline = min(deadline, time.monotonic() + 2 * self.period)
             time.sleep(min(0.2, self.period))
+
+
+def _abort_line(entry: bytes) -> str:
+    """The line of an abort key's entry (Watchdog._abort_entry)."""
+    return entry.decode().split("\n", 1)[-1]
 
 
 def _exit_later(seconds: float) -> None:
