@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from . import watchdog
+from . import rendezvous, watchdog
 from .host import cpus_per_rank, raise_open_file_limit
 from .errors import EXIT_FAILED, Refused, one_line
 
@@ -283,7 +283,9 @@ def collective_timeout() -> timedelta | None:
 
 def init_process_group(env: DistEnv, *, collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
                        control_timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S, backend: str | None = None) -> None:
-    """Join the job: the default group (`backend`, else default_backend(); timeout group_timeout()),
+    """Join the job: the rendezvous store, once every rank has joined it (rendezvous.join: a rank that never
+    comes is named, within the group's timeout), the default group (`backend`, else default_backend(); timeout
+    group_timeout()),
     the gloo control group of the host-side helpers (timeout control_timeout_s) and the lost-rank
     watchdog (a rank silent for collective_timeout_s ends the job). A no-op when already initialized; when
     someone else made the default group (deepspeed.init_distributed or a script's own init_process_group,
@@ -309,8 +311,7 @@ def init_process_group(env: DistEnv, *, collective_timeout_s: float = DEFAULT_CO
     _collective_timeout = timeout
     if store is None:
         try:
-            dist.init_process_group(backend, init_method="env://", rank=env.rank,
-                                    world_size=env.world_size, timeout=timeout)
+            store = rendezvous.join(env.master_addr, env.master_port, env.rank, env.world_size, timeout)
         except RuntimeError as e:  # DistNetworkError among them
             if env.rank == 0 and _port_taken(e):
                 raise LaunchError(
@@ -318,9 +319,9 @@ def init_process_group(env: DistEnv, *, collective_timeout_s: float = DEFAULT_CO
                     "job?); choose a free port (deepspeed --master_port, torchrun --master-port, or MASTER_PORT)"
                 ) from None
             raise
-    else:
-        dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size,
-                                timeout=timeout)
+    # As env:// would: keys of other users of a shared store (torchrun's agent) stay apart.
+    dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=env.rank,
+                            world_size=env.world_size, timeout=timeout)
     _start_control_group_and_watchdog(env, collective_timeout_s, control_timeout_s)
 
 

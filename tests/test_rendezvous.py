@@ -1,0 +1,75 @@
+"""txl_dist/rendezvous.py: every rank joins the job's store before the process group exists; a rank that never
+comes is named (tests/test_faults.py runs it through launch/train.py)."""
+from __future__ import annotations
+
+import re
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from dist_helpers import free_port
+from txl_dist.rendezvous import JoinFailed, _missing_line, join
+
+AGENT = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "r", "TORCHELASTIC_RESTART_COUNT": "0"}
+
+
+def _agent_store() -> dist.TCPStore:
+    """A store that outlives the joins, as torchrun's agent's does."""
+    return dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+
+
+def test_the_missing_ranks_are_named_up_to_eight():
+    line = _missing_line("0,2,5,", 64, 3, timedelta(seconds=620), "the store")
+    assert line.startswith("ranks 1, 3, 4, 6, 7, 8, 9, 10 and 53 more did not join the job within 620 s: 3 of 64 "
+                           "joined the store; "), line
+    assert _missing_line("1,0,", 3, 2, timedelta(seconds=8), "s").startswith("rank 2 did not join the job within 8 s")
+
+
+def test_ranks_that_joined_name_the_one_that_did_not():
+    agent = _agent_store()
+    with pytest.raises(JoinFailed, match=r"^rank 1 did not join the job within 1 s: 1 of 2 joined the rendezvous "
+                                         rf"store at 127\.0\.0\.1:{agent.port} \(MASTER_ADDR:MASTER_PORT\), hosted by "
+                                         "torchrun; "):
+        join("127.0.0.1", agent.port, 0, 2, timedelta(seconds=1), AGENT)
+
+
+def test_an_agents_store_serves_one_join_after_another():
+    """torchrun's store outlives a process group: a second join (another group in the same job, a restart)
+    counts its own ranks, not the first join's."""
+    agent = _agent_store()
+    for _ in range(2):
+        assert join("127.0.0.1", agent.port, 0, 1, timedelta(seconds=5), AGENT) is not None
+    assert agent.add("txl_join/r/0/arrivals", 0) == 2
+
+
+def test_a_rank_that_finds_no_store_says_where_it_looked():
+    port = free_port()
+    with pytest.raises(JoinFailed) as failed:
+        join("127.0.0.1", port, 1, 2, timedelta(seconds=1), {})
+    assert re.fullmatch(rf"rank 1 \(host [^)]+\) could not reach the rendezvous store at 127\.0\.0\.1:{port} "
+                        r"\(MASTER_ADDR:MASTER_PORT\), hosted by rank 0, within 1 s: rank 0 has not started it, or "
+                        r"this host cannot reach that address \(a wrong MASTER_ADDR, a firewall\); stopping",
+                        str(failed.value)), failed.value
+
+
+def test_a_store_that_goes_away_while_the_ranks_join_ends_the_join():
+    import threading
+
+    holder = [_agent_store()]
+    port, failures = holder[0].port, []
+
+    def joining():
+        try:
+            join("127.0.0.1", port, 0, 2, timedelta(seconds=20), AGENT)
+        except JoinFailed as e:
+            failures.append(str(e))
+
+    thread = threading.Thread(target=joining)
+    thread.start()
+    threading.Event().wait(0.5)
+    holder.clear()  # the store's host ends
+    thread.join(15)
+    assert not thread.is_alive()
+    assert failures and failures[0].startswith(f"rank 0 lost the rendezvous store at 127.0.0.1:{port} (MASTER_ADDR:"
+                                               "MASTER_PORT), hosted by torchrun, while the ranks joined ("), failures

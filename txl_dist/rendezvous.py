@@ -1,0 +1,101 @@
+"""Every rank joins the job's store before the process group is made, so that a rank that never comes is named.
+
+Why: with torch's env:// rendezvous, rank 0 ends with "Timed out after 620 seconds waiting for clients. 63/64
+clients joined" (which one is missing?), and a rank that cannot reach rank 0 logs a C++ stack trace for each
+failed try of its store client before "The client socket has timed out". Both are common on a cluster: a node
+that did not start its task, a wrong MASTER_ADDR, a firewall between nodes.
+
+Here, within the process group's timeout:
+- a rank that does not host the store first tries its port with a plain socket (quiet; retried while the
+  port refuses, as when rank 0 starts later), and fails with one line naming the address and what to check;
+- every rank then writes its rank to a roster in the store and counts itself, and waits until the count is
+  the world size; at the timeout, the ranks that joined name those that did not.
+The store is then what env:// would make: hosted by rank 0 at MASTER_ADDR:MASTER_PORT, or torchrun's agent's
+when TORCHELASTIC_USE_AGENT_STORE=True (every rank is a client then). Keys live under
+txl_join/<torchelastic run id>/<restart count>/<generation>: an agent's store outlives a process group.
+
+Uses only torch.distributed and the standard library.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Mapping
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from .errors import RunFailed
+
+CONNECT_RETRY_S = 0.2
+"""How often a rank retries the store's port while it refuses (its host has not started listening yet)."""
+MAX_NAMED = 8
+
+
+class JoinFailed(RunFailed):
+    """Not every rank of the job joined its store within the timeout."""
+
+
+def join(master_addr: str, master_port: int, rank: int, world_size: int, timeout: timedelta,
+         environ: Mapping[str, str] | None = None) -> dist.TCPStore:
+    """The job's store once all `world_size` ranks have joined it (this rank hosts it when it is rank 0 and no
+    agent does); JoinFailed when they have not within `timeout`. A store that cannot listen (its port taken)
+    raises the store's own error."""
+    environ = os.environ if environ is None else environ
+    agent = environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    hosts = rank == 0 and not agent
+    deadline = time.monotonic() + timeout.total_seconds()
+    where = f"the rendezvous store at {master_addr}:{master_port} (MASTER_ADDR:MASTER_PORT), hosted by " \
+            f"{'torchrun' if agent else 'rank 0'}"
+    if not hosts:
+        _await_port(master_addr, master_port, deadline, lambda: JoinFailed(
+            f"rank {rank} (host {socket.gethostname()}) could not reach {where}, within "
+            f"{timeout.total_seconds():.0f} s: {'torchrun' if agent else 'rank 0'} has not started it, or this "
+            "host cannot reach that address (a wrong MASTER_ADDR, a firewall); stopping"))
+    store = dist.TCPStore(master_addr, master_port, world_size, is_master=hosts, timeout=timeout,
+                          wait_for_workers=False, multi_tenant=True)
+    keys = _namespace(store, world_size, environ)
+    try:
+        store.append(f"{keys}/roster", f"{rank},")
+        store.add(f"{keys}/count", 1)
+        poll_s = min(1.0, 0.05 + world_size / 2000)  # 4096 ranks: each asks once a second
+        while (joined := store.add(f"{keys}/count", 0)) < world_size:
+            if time.monotonic() >= deadline:
+                raise JoinFailed(_missing_line(store.get(f"{keys}/roster").decode(), world_size, joined, timeout,
+                                               where))
+            time.sleep(poll_s)
+    except dist.DistError as e:  # the store's host went away meanwhile
+        raise JoinFailed(f"rank {rank} lost {where}, while the ranks joined ({e.__class__.__name__}: "
+                         f"{str(e).strip().splitlines()[0] if str(e).strip() else 'no message'}); stopping") from None
+    return store
+
+
+def _await_port(host: str, port: int, deadline: float, failure) -> None:
+    """Return once `host:port` accepts a connection; raise failure() at the deadline."""
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host, port), timeout=max(0.1, min(left, 5.0))):
+                return
+        except OSError:
+            if time.monotonic() + CONNECT_RETRY_S >= deadline:
+                raise failure() from None
+            time.sleep(CONNECT_RETRY_S)
+
+
+def _namespace(store: dist.TCPStore, world_size: int, environ: Mapping[str, str]) -> str:
+    """Keys of this process group: a process may join several times against one store (the agent's)."""
+    base = f"txl_join/{environ.get('TORCHELASTIC_RUN_ID', '')}/{environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    generation = (store.add(f"{base}/arrivals", 1) - 1) // world_size
+    return f"{base}/{generation}"
+
+
+def _missing_line(roster: str, world_size: int, joined: int, timeout: timedelta, where: str) -> str:
+    present = {int(r) for r in roster.split(",") if r}
+    missing = [r for r in range(world_size) if r not in present]
+    named = ", ".join(map(str, missing[:MAX_NAMED])) + (f" and {len(missing) - MAX_NAMED} more"
+                                                        if len(missing) > MAX_NAMED else "")
+    return (f"rank{'s' if len(missing) > 1 else ''} {named} did not join the job within "
+            f"{timeout.total_seconds():.0f} s: {joined} of {world_size} joined {where}; each rank's task must "
+            "start (the launcher's host list, that node's log) and reach MASTER_ADDR:MASTER_PORT; stopping")
