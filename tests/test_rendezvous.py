@@ -26,12 +26,16 @@ def test_the_missing_ranks_are_named_up_to_eight():
     assert _missing_line("1,0,", 3, 2, timedelta(seconds=8), "s").startswith("rank 2 did not join the job within 8 s")
 
 
-def test_ranks_that_joined_name_the_one_that_did_not():
+def test_ranks_that_joined_name_the_one_that_did_not(caplog):
     agent = _agent_store()
-    with pytest.raises(JoinFailed, match=r"^rank 1 did not join the job within 1 s: 1 of 2 joined the rendezvous "
+    with pytest.raises(JoinFailed, match=r"^rank 1 did not join the job within 2 s: 1 of 2 joined the rendezvous "
                                          rf"store at 127\.0\.0\.1:{agent.port} \(MASTER_ADDR:MASTER_PORT\), hosted by "
                                          "torchrun; "):
-        join("127.0.0.1", agent.port, 0, 2, timedelta(seconds=1), AGENT)
+        join("127.0.0.1", agent.port, 0, 2, timedelta(seconds=2), AGENT)
+    # Half-way, once: rank 0 says whom it waits for while someone can still start it.
+    (warning,) = [r.getMessage() for r in caplog.records if "waiting for" in r.getMessage()]
+    assert re.fullmatch(r"warning: waiting for rank 1 to join \(1 of 2 joined, 1 s so far\); the job stops if they "
+                        r"have not joined within 2 s", warning), warning
 
 
 def test_an_agents_store_serves_one_join_after_another():

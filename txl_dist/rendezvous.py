@@ -9,7 +9,8 @@ Here, within the process group's timeout:
 - a rank that does not host the store first tries its port with a plain socket (quiet; retried while the
   port refuses, as when rank 0 starts later), and fails with one line naming the address and what to check;
 - every rank then writes its rank to a roster in the store and counts itself, and waits until the count is
-  the world size; at the timeout, the ranks that joined name those that did not.
+  the world size; half-way, rank 0 names those it still waits for in a warning, and at the timeout the ranks
+  that joined name those that did not.
 The store is then what env:// would make: hosted by rank 0 at MASTER_ADDR:MASTER_PORT, or torchrun's agent's
 when TORCHELASTIC_USE_AGENT_STORE=True (every rank is a client then). Keys live under
 txl_join/<torchelastic run id>/<restart count>/<generation>: an agent's store outlives a process group.
@@ -18,6 +19,7 @@ Uses only torch.distributed and the standard library.
 """
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
@@ -28,6 +30,9 @@ import torch.distributed as dist
 
 from .errors import RunFailed
 
+WARNING_SHARE = 0.5
+"""Rank 0 names the ranks it still waits for once this share of the timeout has passed."""
+LOGGER_NAME = "txl_dist"
 CONNECT_RETRY_S = 0.2
 """How often a rank retries the store's port while it refuses (its host has not started listening yet)."""
 MAX_NAMED = 8
@@ -60,10 +65,19 @@ def join(master_addr: str, master_port: int, rank: int, world_size: int, timeout
         store.append(f"{keys}/roster", f"{rank},")
         store.add(f"{keys}/count", 1)
         poll_s = min(1.0, 0.05 + world_size / 2000)  # 4096 ranks: each asks once a second
+        warn_at = None if rank else deadline - timeout.total_seconds() * WARNING_SHARE
         while (joined := store.add(f"{keys}/count", 0)) < world_size:
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if now >= deadline:
                 raise JoinFailed(_missing_line(store.get(f"{keys}/roster").decode(), world_size, joined, timeout,
                                                where))
+            if warn_at is not None and now >= warn_at:  # once, on rank 0: a slow start is worth a word
+                warn_at = None
+                missing = _missing(store.get(f"{keys}/roster").decode(), world_size)
+                logging.getLogger(LOGGER_NAME).warning(
+                    "warning: waiting for %s to join (%d of %d joined, %.0f s so far); the job stops if they have "
+                    "not joined within %.0f s", _ranks_text(missing), joined, world_size,
+                    timeout.total_seconds() - (deadline - now), timeout.total_seconds())
             time.sleep(poll_s)
     except dist.DistError as e:  # the store's host went away meanwhile
         raise JoinFailed(f"rank {rank} lost {where}, while the ranks joined ({e.__class__.__name__}: "
@@ -91,11 +105,19 @@ def _namespace(store: dist.TCPStore, world_size: int, environ: Mapping[str, str]
     return f"{base}/{generation}"
 
 
-def _missing_line(roster: str, world_size: int, joined: int, timeout: timedelta, where: str) -> str:
+def _missing(roster: str, world_size: int) -> list[int]:
     present = {int(r) for r in roster.split(",") if r}
-    missing = [r for r in range(world_size) if r not in present]
-    named = ", ".join(map(str, missing[:MAX_NAMED])) + (f" and {len(missing) - MAX_NAMED} more"
-                                                        if len(missing) > MAX_NAMED else "")
-    return (f"rank{'s' if len(missing) > 1 else ''} {named} did not join the job within "
+    return [r for r in range(world_size) if r not in present]
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    """'rank 3', 'ranks 1, 3', 'ranks 1, 2, ... 8 and 56 more'."""
+    named = ", ".join(map(str, ranks[:MAX_NAMED])) + (f" and {len(ranks) - MAX_NAMED} more"
+                                                      if len(ranks) > MAX_NAMED else "")
+    return f"rank{'s' if len(ranks) > 1 else ''} {named}"
+
+
+def _missing_line(roster: str, world_size: int, joined: int, timeout: timedelta, where: str) -> str:
+    return (f"{_ranks_text(_missing(roster, world_size))} did not join the job within "
             f"{timeout.total_seconds():.0f} s: {joined} of {world_size} joined {where}; each rank's task must "
             "start (the launcher's host list, that node's log) and reach MASTER_ADDR:MASTER_PORT; stopping")

@@ -321,7 +321,7 @@ def check_run_dir_shared(path: Path, env: DistEnv) -> None:
     name, main_path = _on_main(env, lambda: (write_shared_check(path), path), "the run folder's check file written")
     try:
         mine = _together(lambda: None if sees_shared_check(path, name) else f"{env.rank} ({socket.gethostname()})",
-                         "the run folder's check file looked for")
+                         "the run folder's check file read back")
         missing = [m for m in distributed.gather_objects(mine) if m]
         if missing:
             raise distributed.agreed(RunDirUnusable(
