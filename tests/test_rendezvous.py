@@ -77,3 +77,26 @@ def test_a_store_that_goes_away_while_the_ranks_join_ends_the_join():
     assert not thread.is_alive()
     assert failures and failures[0].startswith(f"rank 0 lost the rendezvous store at 127.0.0.1:{port} (MASTER_ADDR:"
                                                "MASTER_PORT), hosted by torchrun, while the ranks joined ("), failures
+
+
+def test_a_second_process_with_the_same_rank_fails_at_once_and_the_rank_nobody_took_is_named():
+    """RANK from a per-node number (SLURM_LOCALID on 2 nodes: 0, 1, 0, 1): the second rank 0 must not count as
+    the missing rank 1."""
+    import threading
+
+    agent, first = _agent_store(), []
+
+    def joining():
+        try:
+            join("127.0.0.1", agent.port, 0, 2, timedelta(seconds=3), AGENT)
+        except JoinFailed as e:
+            first.append(str(e))
+
+    thread = threading.Thread(target=joining)
+    thread.start()
+    threading.Event().wait(0.5)
+    with pytest.raises(JoinFailed, match=r"^rank 0 \(host [^)]+\) joined the job twice: another process \(host "
+                                         r"[^)]+\) has the same rank; each task needs a RANK of its own"):
+        join("127.0.0.1", agent.port, 0, 2, timedelta(seconds=3), AGENT)
+    thread.join(10)
+    assert first and first[0].startswith("rank 1 did not join the job within 3 s: 1 of 2 joined"), first

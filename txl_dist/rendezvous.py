@@ -8,7 +8,8 @@ that did not start its task, a wrong MASTER_ADDR, a firewall between nodes.
 Here, within the process group's timeout:
 - a rank that does not host the store first tries its port with a plain socket (quiet; retried while the
   port refuses, as when rank 0 starts later), and fails with one line naming the address and what to check;
-- every rank then writes its rank to a roster in the store and counts itself, and waits until the count is
+- every rank then takes its rank's slot (a second process with the same rank fails at once, saying so),
+  writes its rank to a roster in the store and counts itself, and waits until the count is
   the world size; half-way, rank 0 names those it still waits for in a warning, and at the timeout the ranks
   that joined name those that did not.
 The store is then what env:// would make: hosted by rank 0 at MASTER_ADDR:MASTER_PORT, or torchrun's agent's
@@ -51,17 +52,25 @@ def join(master_addr: str, master_port: int, rank: int, world_size: int, timeout
     agent = environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
     hosts = rank == 0 and not agent
     deadline = time.monotonic() + timeout.total_seconds()
+    host = socket.gethostname()
     where = f"the rendezvous store at {master_addr}:{master_port} (MASTER_ADDR:MASTER_PORT), hosted by " \
             f"{'torchrun' if agent else 'rank 0'}"
     if not hosts:
         _await_port(master_addr, master_port, deadline, lambda: JoinFailed(
-            f"rank {rank} (host {socket.gethostname()}) could not reach {where}, within "
+            f"rank {rank} (host {host}) could not reach {where}, within "
             f"{timeout.total_seconds():.0f} s: {'torchrun' if agent else 'rank 0'} has not started it, or this "
             "host cannot reach that address (a wrong MASTER_ADDR, a firewall); stopping"))
     store = dist.TCPStore(master_addr, master_port, world_size, is_master=hosts, timeout=timeout,
                           wait_for_workers=False, multi_tenant=True)
     keys = _namespace(store, world_size, environ)
     try:
+        # Before counting: a second process with this rank (RANK set from a per-node number, such as
+        # SLURM_LOCALID) leaves its slot to the first and says so; the ranks nobody took are named at the timeout.
+        if store.add(f"{keys}/rank/{rank}", 1) > 1:
+            raise JoinFailed(f"rank {rank} (host {host}) joined the job twice: another process (host "
+                             f"{_host_of(store, keys, rank)}) has the same rank; each task needs a RANK of its own "
+                             "(a launcher's global task number, e.g. SLURM_PROCID, not a per-node one); stopping")
+        store.set(f"{keys}/host/{rank}", host)
         store.append(f"{keys}/roster", f"{rank},")
         store.add(f"{keys}/count", 1)
         poll_s = min(1.0, 0.05 + world_size / 2000)  # 4096 ranks: each asks once a second
@@ -83,6 +92,15 @@ def join(master_addr: str, master_port: int, rank: int, world_size: int, timeout
         raise JoinFailed(f"rank {rank} lost {where}, while the ranks joined ({e.__class__.__name__}: "
                          f"{str(e).strip().splitlines()[0] if str(e).strip() else 'no message'}); stopping") from None
     return store
+
+
+def _host_of(store: dist.TCPStore, keys: str, rank: int) -> str:
+    """The host of the first process that joined as `rank` (a moment after its slot was taken)."""
+    for _ in range(50):
+        if store.check([f"{keys}/host/{rank}"]):
+            return store.get(f"{keys}/host/{rank}").decode()
+        time.sleep(0.02)
+    return "unknown"
 
 
 def _await_port(host: str, port: int, deadline: float, failure) -> None:
