@@ -522,26 +522,30 @@ def test_a_rank_stuck_while_resuming_is_named_with_where_it_is(corpus, tmp_path,
         procs[1].kill()
 
 
-@pytest.mark.parametrize("started", [0, 1], ids=["rank_1_never_starts", "rank_0_never_starts"])
-def test_a_rank_that_never_joins_is_named_in_one_line(corpus, tmp_path, started):
+@pytest.mark.parametrize("started, address", [([0], "127.0.0.1"), ([1], "127.0.0.1"), ([0, 1], "no-such-host.invalid")],
+                         ids=["rank_1_never_starts", "rank_0_never_starts", "a_wrong_master_addr"])
+def test_a_rank_that_never_joins_is_named_in_one_line(corpus, tmp_path, started, address):
     """A node whose task did not start, or that cannot reach rank 0: before, rank 0 ended with torch's 'Timed
     out after 8 seconds waiting for clients. 1/2 clients joined' (which rank?), and a rank that could not
-    reach rank 0 logged a C++ stack trace for every try of its store client."""
+    reach rank 0 logged a C++ stack trace for every try of its store client (rank 0 too, for a MASTER_ADDR it
+    could not resolve)."""
     config = _config(corpus, tmp_path / "run", train={"collective_timeout_s": 6})
-    env = launcher_env() | {"RANK": str(started), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    port = str(free_port())
     began = time.monotonic()
-    proc = Launch([sys.executable, "launch/train.py", "--config", config], env)
-    assert proc.wait(120) == 1, proc.output[-3000:]
+    procs = [Launch([sys.executable, "launch/train.py", "--config", config], launcher_env() | {
+        "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": address,
+        "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}) for rank in started]
+    assert [p.wait(120) for p in procs] == [1] * len(procs), procs[0].output[-3000:]
     assert time.monotonic() - began < 8 + 30  # the process group's timeout (T + 2 beats), and the start-up
-    (line,) = _errors(proc)
-    store = r"the rendezvous store at 127\.0\.0\.1:\d+ \(MASTER_ADDR:MASTER_PORT\), hosted by rank 0"
-    if started == 0:
-        assert re.search(rf"error: rank 1 did not join the job within 8 s: 1 of 2 joined {store}; each rank's task "
-                         r"must start \(the launcher's host list, that node's log\) and reach MASTER_ADDR:MASTER_PORT; "
-                         "stopping$", line.strip()), line
-    else:
-        assert re.search(rf"error: rank 1 \(host [^)]+\) could not reach {store}, within 8 s: rank 0 has not started "
-                         r"it, or this host cannot reach that address \(a wrong MASTER_ADDR, a firewall\); stopping$",
-                         line.strip()), line
-    assert "frame #" not in proc.output and "c10d" not in proc.output and "Traceback" not in proc.output
+    store = rf"the rendezvous store at {re.escape(address)}:{port} \(MASTER_ADDR:MASTER_PORT\), hosted by rank 0"
+    for rank, proc in zip(started, procs):
+        (line,) = _errors(proc)
+        if rank == 0:
+            assert re.search(rf"error: rank 1 did not join the job within 8 s: 1 of 2 joined {store}; each rank's "
+                             r"task must start \(the launcher's host list, that node's log\) and reach "
+                             "MASTER_ADDR:MASTER_PORT; stopping$", line.strip()), line
+        else:
+            assert re.search(rf"error: rank 1 \(host [^)]+\) could not reach {store}, within 8 s: rank 0 has not "
+                             r"started it, or this host cannot reach that address \(a wrong MASTER_ADDR, a firewall; "
+                             r"last try: [^)]+\); stopping$", line.strip()), line
+        assert "frame #" not in proc.output and "c10d" not in proc.output and "Traceback" not in proc.output

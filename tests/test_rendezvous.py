@@ -53,7 +53,8 @@ def test_a_rank_that_finds_no_store_says_where_it_looked():
         join("127.0.0.1", port, 1, 2, timedelta(seconds=1), {})
     assert re.fullmatch(rf"rank 1 \(host [^)]+\) could not reach the rendezvous store at 127\.0\.0\.1:{port} "
                         r"\(MASTER_ADDR:MASTER_PORT\), hosted by rank 0, within 1 s: rank 0 has not started it, or "
-                        r"this host cannot reach that address \(a wrong MASTER_ADDR, a firewall\); stopping",
+                        r"this host cannot reach that address \(a wrong MASTER_ADDR, a firewall; last try: "
+                        r"\[Errno 111\] Connection refused\); stopping",
                         str(failed.value)), failed.value
 
 

@@ -24,7 +24,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -34,6 +34,7 @@ from .errors import RunFailed
 WARNING_SHARE = 0.5
 """Rank 0 names the ranks it still waits for once this share of the timeout has passed."""
 LOGGER_NAME = "txl_dist"
+LOOPBACK = "127.0.0.1"
 CONNECT_RETRY_S = 0.2
 """How often a rank retries the store's port while it refuses (its host has not started listening yet)."""
 MAX_NAMED = 8
@@ -56,12 +57,14 @@ def join(master_addr: str, master_port: int, rank: int, world_size: int, timeout
     where = f"the rendezvous store at {master_addr}:{master_port} (MASTER_ADDR:MASTER_PORT), hosted by " \
             f"{'torchrun' if agent else 'rank 0'}"
     if not hosts:
-        _await_port(master_addr, master_port, deadline, lambda: JoinFailed(
+        _await_port(master_addr, master_port, deadline, lambda last: JoinFailed(
             f"rank {rank} (host {host}) could not reach {where}, within "
             f"{timeout.total_seconds():.0f} s: {'torchrun' if agent else 'rank 0'} has not started it, or this "
-            "host cannot reach that address (a wrong MASTER_ADDR, a firewall); stopping"))
-    store = dist.TCPStore(master_addr, master_port, world_size, is_master=hosts, timeout=timeout,
-                          wait_for_workers=False, multi_tenant=True)
+            f"host cannot reach that address (a wrong MASTER_ADDR, a firewall; last try: {last}); stopping"))
+    # The host's own client goes over loopback (its server listens on every interface): a MASTER_ADDR that
+    # does not lead back to it (a name it cannot resolve) is then told by the ranks that cannot reach it.
+    store = dist.TCPStore(LOOPBACK if hosts else master_addr, master_port, world_size, is_master=hosts,
+                          timeout=timeout, wait_for_workers=False, multi_tenant=True)
     keys = _namespace(store, world_size, environ)
     try:
         # Before counting: a second process with this rank (RANK set from a per-node number, such as
@@ -103,16 +106,16 @@ def _host_of(store: dist.TCPStore, keys: str, rank: int) -> str:
     return "unknown"
 
 
-def _await_port(host: str, port: int, deadline: float, failure) -> None:
-    """Return once `host:port` accepts a connection; raise failure() at the deadline."""
+def _await_port(host: str, port: int, deadline: float, failure: Callable[[str], Exception]) -> None:
+    """Return once `host:port` accepts a connection; raise failure(the last try's error) at the deadline."""
     while True:
         left = deadline - time.monotonic()
         try:
             with socket.create_connection((host, port), timeout=max(0.1, min(left, 5.0))):
                 return
-        except OSError:
+        except OSError as e:
             if time.monotonic() + CONNECT_RETRY_S >= deadline:
-                raise failure() from None
+                raise failure(str(e) or type(e).__name__) from None
             time.sleep(CONNECT_RETRY_S)
 
 
