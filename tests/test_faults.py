@@ -526,7 +526,7 @@ def test_a_rank_stuck_while_resuming_is_named_with_where_it_is(corpus, tmp_path,
                          ids=["rank_1_never_starts", "rank_0_never_starts", "a_wrong_master_addr"])
 def test_a_rank_that_never_joins_is_named_in_one_line(corpus, tmp_path, started, address):
     """A node whose task did not start, or that cannot reach rank 0: before, rank 0 ended with torch's 'Timed
-    out after 8 seconds waiting for clients. 1/2 clients joined' (which rank?), and a rank that could not
+    out after 9 seconds waiting for clients. 1/2 clients joined' (which rank?), and a rank that could not
     reach rank 0 logged a C++ stack trace for every try of its store client (rank 0 too, for a MASTER_ADDR it
     could not resolve)."""
     config = _config(corpus, tmp_path / "run", train={"collective_timeout_s": 6})

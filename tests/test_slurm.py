@@ -426,6 +426,24 @@ def test_a_lost_rank_ends_the_job_within_the_collective_timeout_without_requeue(
     assert "not requeueing" in out
 
 
+def test_a_wrong_rendezvous_address_ends_the_job_with_one_line_per_rank_and_no_requeue(cluster, corpus, tmp_path):
+    """TXL_MASTER_ADDR naming no host: rank 1 says it could not reach the store there, rank 0 that rank 1 did
+    not join; no C++ stack trace from the store client, and no requeue."""
+    timeout_s = 6
+    job = cluster.sbatch("--nodes=2", "--ntasks-per-node=1", *train_args(
+        corpus, tmp_path / "run", "--set", f"train.collective_timeout_s={timeout_s}"),
+        env=cluster.env | {"TXL_MASTER_ADDR": "no-such-host.invalid"})
+    info = cluster.wait(job, timeout=timeout_s + 180)
+    out = cluster.output(job)
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("FAILED", "1:0", "0"), out[-5000:]
+    assert re.search(r"error: rank 1 did not join the job within 8 s: 1 of 2 joined the rendezvous store at "
+                     r"no-such-host\.invalid:\d+ \(MASTER_ADDR:MASTER_PORT\), hosted by rank 0; ", out), out[-5000:]
+    assert re.search(r"error: rank 1 \(host [^)]+\) could not reach the rendezvous store at no-such-host\.invalid:"
+                     r"\d+ \(MASTER_ADDR:MASTER_PORT\), hosted by rank 0, within 8 s: ", out), out[-5000:]
+    assert "frame #" not in out and "Traceback" not in out
+    assert "not requeueing" in out
+
+
 def test_refused_input_fails_the_job_with_status_2_and_no_requeue(cluster, corpus, tmp_path):
     job = cluster.sbatch("--nodes=2", "--ntasks-per-node=1",
                          *train_args(corpus, tmp_path / "run", "--set", "train.max_stepz=3"))
