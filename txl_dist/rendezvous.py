@@ -67,34 +67,45 @@ def join(master_addr: str, master_port: int, rank: int, world_size: int, timeout
                           timeout=timeout, wait_for_workers=False, multi_tenant=True)
     keys = _namespace(store, world_size, environ)
     try:
-        # Before counting: a second process with this rank (RANK set from a per-node number, such as
-        # SLURM_LOCALID) leaves its slot to the first and says so; the ranks nobody took are named at the timeout.
-        if store.add(f"{keys}/rank/{rank}", 1) > 1:
-            raise JoinFailed(f"rank {rank} (host {host}) joined the job twice: another process (host "
-                             f"{_host_of(store, keys, rank)}) has the same rank; each task needs a RANK of its own "
-                             "(a launcher's global task number, e.g. SLURM_PROCID, not a per-node one); stopping")
-        store.set(f"{keys}/host/{rank}", host)
-        store.append(f"{keys}/roster", f"{rank},")
-        store.add(f"{keys}/count", 1)
-        poll_s = min(1.0, 0.05 + world_size / 2000)  # 4096 ranks: each asks once a second
-        warn_at = None if rank else deadline - timeout.total_seconds() * WARNING_SHARE
-        while (joined := store.add(f"{keys}/count", 0)) < world_size:
-            now = time.monotonic()
-            if now >= deadline:
-                raise JoinFailed(_missing_line(store.get(f"{keys}/roster").decode(), world_size, joined, timeout,
-                                               where))
-            if warn_at is not None and now >= warn_at:  # once, on rank 0: a slow start is worth a word
-                warn_at = None
-                missing = _missing(store.get(f"{keys}/roster").decode(), world_size)
-                logging.getLogger(LOGGER_NAME).warning(
-                    "warning: waiting for %s to join (%d of %d joined, %.0f s so far); the job stops if they have "
-                    "not joined within %.0f s", _ranks_text(missing), joined, world_size,
-                    timeout.total_seconds() - (deadline - now), timeout.total_seconds())
-            time.sleep(poll_s)
+        _take_slot(store, keys, rank, host)
+        _await_everyone(store, keys, rank, world_size, deadline, timeout, where)
     except dist.DistError as e:  # the store's host went away meanwhile
         raise JoinFailed(f"rank {rank} lost {where}, while the ranks joined ({e.__class__.__name__}: "
                          f"{str(e).strip().splitlines()[0] if str(e).strip() else 'no message'}); stopping") from None
     return store
+
+
+def _take_slot(store: dist.TCPStore, keys: str, rank: int, host: str) -> None:
+    """Join as `rank`: its slot, the roster and the count. A second process with this rank (RANK set from a
+    per-node number, such as SLURM_LOCALID) leaves the slot to the first and says so, before it counts: the
+    ranks nobody took are then named at the timeout."""
+    if store.add(f"{keys}/rank/{rank}", 1) > 1:
+        raise JoinFailed(f"rank {rank} (host {host}) joined the job twice: another process (host "
+                         f"{_host_of(store, keys, rank)}) has the same rank; each task needs a RANK of its own "
+                         "(a launcher's global task number, e.g. SLURM_PROCID, not a per-node one); stopping")
+    store.set(f"{keys}/host/{rank}", host)
+    store.append(f"{keys}/roster", f"{rank},")
+    store.add(f"{keys}/count", 1)
+
+
+def _await_everyone(store: dist.TCPStore, keys: str, rank: int, world_size: int, deadline: float,
+                    timeout: timedelta, where: str) -> None:
+    """Return once `world_size` ranks have joined; JoinFailed naming the others at the deadline. Rank 0 names
+    them in a warning half-way too, while someone can still start them."""
+    poll_s = min(1.0, 0.05 + world_size / 2000)  # 4096 ranks: each asks once a second
+    warn_at = None if rank else deadline - timeout.total_seconds() * WARNING_SHARE
+    while (joined := store.add(f"{keys}/count", 0)) < world_size:
+        now = time.monotonic()
+        if now >= deadline:
+            raise JoinFailed(_missing_line(store.get(f"{keys}/roster").decode(), world_size, joined, timeout, where))
+        if warn_at is not None and now >= warn_at:
+            warn_at = None
+            missing = _missing(store.get(f"{keys}/roster").decode(), world_size)
+            logging.getLogger(LOGGER_NAME).warning(
+                "warning: waiting for %s to join (%d of %d joined, %.0f s so far); the job stops if they have not "
+                "joined within %.0f s", _ranks_text(missing), joined, world_size,
+                timeout.total_seconds() - (deadline - now), timeout.total_seconds())
+        time.sleep(poll_s)
 
 
 def _host_of(store: dist.TCPStore, keys: str, rank: int) -> str:
