@@ -1,6 +1,7 @@
 """launch/train.py with a fault injected into this process, for the fault tests (tests/test_faults.py).
 
     python tests/fault_job.py --fault KIND:RANK:STEP [--fault ...] -- <launch/train.py arguments>
+    python tests/fault_job.py --entry eval --fault KIND:RANK:STEP -- <launch/eval.py arguments>
 
 KIND (the fault happens on rank RANK only):
   kill-in-save   SIGKILL itself while writing its DeepSpeed file of the checkpoint of step STEP
@@ -230,14 +231,22 @@ def _poison_next_forward(t, whole: bool) -> None:
 
 def main(argv: list[str]) -> int:
     split = argv.index("--")
-    faults, train_args = argv[:split], argv[split + 1:]
-    for i in range(0, len(faults), 2):
-        assert faults[i] == "--fault", faults
-        kind, rank, step = faults[i + 1].split(":")
+    options, entry_args = argv[:split], argv[split + 1:]
+    entry = "train"
+    for i in range(0, len(options), 2):
+        if options[i] == "--entry":
+            entry = options[i + 1]
+            continue
+        assert options[i] == "--fault", options
+        kind, rank, step = options[i + 1].split(":")
         install(kind, int(rank), int(step))
+    if entry == "eval":
+        from launch.eval import main as eval_main
+
+        return eval_main(entry_args)
     from launch.train import main as train_main
 
-    return train_main(train_args)
+    return train_main(entry_args)
 
 
 if __name__ == "__main__":

@@ -43,16 +43,20 @@ def _config(corpus, run_dir, **sections) -> str:
 
 def _start(config: str, *faults: str, resume: str = "auto", world: int = 2, extra=()) -> list[Launch]:
     """`world` plain processes of launch/train.py (through tests/fault_job.py), each told its rank as srun would."""
+    return _launch("train", ["--config", config, "--resume", resume, *extra], faults, world)
+
+
+def _launch(entry: str, args: list[str], faults, world: int) -> list[Launch]:
     port = str(free_port())
     procs = []
     for rank in range(world):
         env = launcher_env() | {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                                 "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
                                 "OMP_NUM_THREADS": "1"}
-        # launch/train.py itself where there is no fault to inject.
-        script = ["tests/fault_job.py", *[a for f in faults for a in ("--fault", f)], "--"] if faults else \
-            ["launch/train.py"]
-        procs.append(Launch([sys.executable, *script, "--config", config, "--resume", resume, *extra], env))
+        # The entry point itself where there is no fault to inject.
+        script = ["tests/fault_job.py", "--entry", entry, *[a for f in faults for a in ("--fault", f)], "--"] \
+            if faults else [f"launch/{entry}.py"]
+        procs.append(Launch([sys.executable, *script, *args], env))
     return procs
 
 
@@ -518,6 +522,21 @@ def test_a_rank_stuck_while_resuming_is_named_with_where_it_is(corpus, tmp_path,
     try:
         _assert_rank_1_named_stuck(procs, stuck_past, waiting_in, "1[2-9]", frames)
         assert inventory(run_dir / "checkpoints").complete == ["step_00000002"]
+    finally:
+        procs[1].kill()
+
+
+def test_a_rank_stuck_loading_the_checkpoint_it_evaluates_is_named(corpus, tmp_path):
+    """launch/eval.py notes its start-up and segments too: the other rank, in the evaluation's collectives,
+    names the rank whose read never returns."""
+    run_dir = tmp_path / "run"
+    config = _config(corpus, run_dir, train={"collective_timeout_s": 6, "exit_step": 2},
+                     checkpoint={"interval": 2, "timeout_s": 12})
+    assert _finish(_start(config)) == [0, 0]
+    procs = _launch("eval", ["--checkpoint", str(run_dir)], ["hang-in-load:1:2"], world=2)
+    try:
+        _assert_rank_1_named_stuck(procs, "start-up: the engine built", r"evaluation of test, segment \d+", r"\d+",
+                                   ["in hanging_load", "in load_engine"])
     finally:
         procs[1].kill()
 
