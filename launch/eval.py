@@ -83,7 +83,7 @@ def evaluate_checkpoint(choice, split: str | None, env: distributed.DistEnv, che
         cfg = start.cfg
         ds_config = deepspeed_config(cfg, env.world_size, load_universal=start.resume.source.universal)
         engine = build_engine(lambda: TransformerXL(cfg.model), ds_config, seed=cfg.train.seed)
-        note_start_up("start-up: the engine built")  # a rank stuck loading is named as past this
+        note_start_up("the engine built")  # a rank stuck loading is named as past this
         ckpt.load_engine(engine, start.resume.source)
         start.release_checkpoint()  # loaded: the run's retention may remove the tag now
         result = start.evaluator.evaluate(

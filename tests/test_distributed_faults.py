@@ -175,7 +175,7 @@ def count_units_of_work() -> None:
     what ODD_ONE says:
       slow      sleeps SLOW_S, then goes on;
       stuck     stays stuck for ever, alive and beating;
-      creeping  moves on in parts of unit 3 for ever: its count never stays put long enough for the watch."""
+      creeping  moves on in parts of unit 3 for ever: its position never stays put long enough for the watch."""
     from txl_dist import watchdog
 
     env = _join(TIMEOUT_S)
@@ -571,14 +571,14 @@ def test_start_up_phases_come_before_any_work_and_never_after_it():
 
     watch = Watchdog.__new__(Watchdog)  # its notes only: no store, no threads
     watch.timeout_s, watch._progress = 6.0, ((), START_LABEL, 0.0, 6.0)
-    watch.note_start_up("start-up: the corpus checked", 12.0)
+    watch.note_start_up("the corpus checked", 12.0)
     assert watch._progress[0] == (0, 0, 1) and watch._progress[3] == 12.0
-    watch.note_start_up("start-up: the engine built")
+    watch.note_start_up("the engine built")
     assert watch._progress[:2] == ((0, 0, 2), "start-up: the engine built") and watch._progress[3] == 6.0
     first_segment, first_micro_batch = (0, 1), (1,)
     assert () < (0, 0, 1) < (0, 0, 2) < (0, 0, 10**6) < first_segment < first_micro_batch
     watch.note_progress(first_segment, "evaluation of test, segment 1")
-    watch.note_start_up("start-up: too late")
+    watch.note_start_up("too late")
     assert watch._progress[:2] == (first_segment, "evaluation of test, segment 1")
 
 

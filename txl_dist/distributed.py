@@ -476,7 +476,7 @@ def together(fn: Callable[[], T], done: str) -> T:
         result = fn()
     except Exception as e:  # re-raised below, after the ranks agree
         error = e
-    watchdog.note_start_up(f"start-up: {done}", _control_timeout_s)
+    watchdog.note_start_up(done, _control_timeout_s)
     if not any_rank(error is not None):
         return result
     mine = None if error is None else one_line(error)

@@ -29,7 +29,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from .errors import RunFailed
+from .errors import RunFailed, one_line
 
 WARNING_SHARE = 0.5
 """Rank 0 names the ranks it still waits for once this share of the timeout has passed."""
@@ -70,8 +70,8 @@ def join(master_addr: str, master_port: int, rank: int, world_size: int, timeout
         _take_slot(store, keys, rank, host)
         _await_everyone(store, keys, rank, world_size, deadline, timeout, where)
     except dist.DistError as e:  # the store's host went away meanwhile
-        raise JoinFailed(f"rank {rank} lost {where}, while the ranks joined ({e.__class__.__name__}: "
-                         f"{str(e).strip().splitlines()[0] if str(e).strip() else 'no message'}); stopping") from None
+        raise JoinFailed(f"rank {rank} lost {where}, while the ranks joined ({type(e).__name__}: {one_line(e)}); "
+                         "stopping") from None
     return store
 
 
@@ -126,7 +126,7 @@ def _await_port(host: str, port: int, deadline: float, failure: Callable[[str], 
                 return
         except OSError as e:
             if time.monotonic() + CONNECT_RETRY_S >= deadline:
-                raise failure(str(e) or type(e).__name__) from None
+                raise failure(one_line(e)) from None
             time.sleep(CONNECT_RETRY_S)
 
 

@@ -240,15 +240,15 @@ class Trainer:
         for micro in range(g):
             mb = next(self._batches)
             # Before this micro batch's collectives: a rank that never gets here is found stuck by its peers.
-            note_progress((self.step * g + micro + 1,), f"step {self.step + 1}, micro batch {micro + 1}/{g}")
+            begun, where = self.step * g + micro + 1, f"step {self.step + 1}, micro batch {micro + 1}/{g}"
+            note_progress((begun,), where)
             # Non-blocking copies, and the softmax's cluster counts from the host labels: no sync here.
             input_ids, labels, plan = batch_to_device(mb.input_ids, mb.labels, self.device, cutoffs)  # [m, T] x2
             mems = self.bank.get(mb.stream_ids, mb.reset)  # n_layer x [m, mlen, d_model] or None
             out = engine(input_ids, labels=labels, mems=mems, tail_plan=plan)
             # At ZeRO 0-2 the first collective of a micro batch is in its backward: a rank stuck in the forward
             # stays behind this (n, 0), before any note between steps, (n, k >= 1).
-            note_progress((self.step * g + micro + 1, 0), f"step {self.step + 1}, micro batch {micro + 1}/{g}, "
-                          "its forward done")
+            note_progress((begun, 0), f"{where}, its forward done")
             engine.backward(out.nll.mean())
             self.bank.put(mb.stream_ids, out.mems)
             nll_sum = out.nll.detach().double().sum()
@@ -506,7 +506,7 @@ def _build_from(start: TrainStart, env: DistEnv) -> Trainer:
 
     engine = build_engine(lambda: TransformerXL(cfg.model), ds_config, seed=cfg.train.seed,
                           compile_layers=cfg.train.compile)
-    note_start_up("start-up: the engine built")  # a rank stuck loading is then named as past this, not before
+    note_start_up("the engine built")  # a rank stuck loading is then named as past this, not before
     checkpoint.seed_rng(cfg.train.seed, env.rank)  # dropout differs between ranks, reproducibly
     manifest = start.manifest
     info = {

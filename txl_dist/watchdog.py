@@ -517,12 +517,13 @@ class Watchdog:
         """This rank has reached `position` (see the module function)."""
         self._progress = (position, label, time.monotonic(), patience_s or self.timeout_s)
 
-    def note_start_up(self, label: str, patience_s: float | None = None) -> None:
+    def note_start_up(self, done: str, patience_s: float | None = None) -> None:
         """This rank has done its part of the next phase of start-up (see the module function)."""
         position = self._progress[0]
         if position and position[:len(START_UP)] != START_UP:
             return  # the work has begun: a position never goes back
-        self.note_progress(START_UP + ((position[-1] if position else 0) + 1,), label, patience_s)
+        phase = (position[-1] if position else 0) + 1
+        self.note_progress(START_UP + (phase,), f"{START_LABEL}: {done}", patience_s)
 
     def _await_infos(self, store: dist.TCPStore, wait_s: float) -> None:
         """Read the neighbours' and rank 0's host and pid before the job goes on. They publish in the same
@@ -872,23 +873,25 @@ def explained() -> bool:
 def note_progress(position: Position, label: str, patience_s: float | None = None) -> None:
     """This rank has begun the piece of work at `position` (increasing, compared as tuples: (micro batches
     begun,) for a micro batch, (micro batches begun, 0) once its forward is done, (micro batches begun, notes
-    since) for an evaluation segment or a phase of a save after it), its input in hand; `label` says it for people ("step 12, micro batch 2/4"). Every rank
-    must note the same positions at the same points, just before the piece's collectives: a rank left behind
-    is then one that never reached them. `patience_s`: how long this rank may wait there before a neighbour
-    behind it counts as stuck; collective_timeout_s unless the collectives that follow have a longer timeout
-    (a save's wait on the control group: checkpoint.timeout_s). Only the position and a clock reading are
-    kept here; the beat thread publishes them. A no-op without a watch."""
+    since) for an evaluation segment or a phase of a save after it), its input in hand; `label` says it for
+    people ("step 12, micro batch 2/4"). Every rank must note the same positions at the same points, just
+    before the piece's collectives: a rank left behind is then one that never reached them. `patience_s`: how
+    long this rank may wait there before a neighbour behind it counts as stuck; collective_timeout_s unless
+    the collectives that follow have a longer timeout (a save's wait on the control group:
+    checkpoint.timeout_s). Only the position and a clock reading are kept here; the beat thread publishes
+    them. A no-op without a watch."""
     if _current is not None:
         _current.note_progress(position, label, patience_s)
 
 
-def note_start_up(label: str, patience_s: float | None = None) -> None:
-    """This rank has done its part of the next phase of the job's start ("start-up: checkpoint step_00000002
-    verified") and goes to wait for the others (distributed.together calls it): the k-th such note is position
-    START_UP + (k,). Every rank notes the same phases in the same order. Ignored once a micro batch or an
-    evaluation segment has been noted: positions only go forward. A no-op without a watch."""
+def note_start_up(done: str, patience_s: float | None = None) -> None:
+    """This rank has done its part of the next phase of the job's start (`done`, e.g. "checkpoint
+    step_00000002 verified", labelled "start-up: checkpoint step_00000002 verified") and goes to wait for the
+    others (distributed.together calls it): the k-th such note is position START_UP + (k,). Every rank notes
+    the same phases in the same order. Ignored once a micro batch or an evaluation segment has been noted:
+    positions only go forward. A no-op without a watch."""
     if _current is not None:
-        _current.note_start_up(label, patience_s)
+        _current.note_start_up(done, patience_s)
 
 
 def on_abort(callback: Callable[[], None]) -> None:
