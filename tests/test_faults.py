@@ -568,3 +568,24 @@ def test_a_rank_that_never_joins_is_named_in_one_line(corpus, tmp_path, started,
                              r"started it, or this host cannot reach that address \(a wrong MASTER_ADDR, a firewall; "
                              r"last try: [^)]+\); stopping$", line.strip()), line
         assert "frame #" not in proc.output and "c10d" not in proc.output and "Traceback" not in proc.output
+
+
+def test_a_task_started_with_another_world_size_stops_every_rank_at_once(corpus, tmp_path):
+    """A hand-set WORLD_SIZE that differs between tasks: before, the ranks waited out the group's timeout for
+    ranks that do not exist and named them as missing (or the one with the smaller world went on alone)."""
+    config = _config(corpus, tmp_path / "run", train={"collective_timeout_s": 60}, eval={"n_streams": 4})
+    port = str(free_port())
+    began = time.monotonic()
+    procs = [Launch([sys.executable, "launch/train.py", "--config", config], launcher_env() | {
+        "RANK": str(rank), "WORLD_SIZE": world, "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1"})
+        for rank, world in ((0, "2"), (1, "4"))]
+    assert [p.wait(120) for p in procs] == [1, 1], (procs[0].output[-3000:], procs[1].output[-3000:])
+    assert time.monotonic() - began < 45  # at once after start-up, not after the group's 60 s timeout
+    lines = [_errors(proc)[0].strip() for proc in procs]
+    assert lines[0].removeprefix("error: ") == lines[1].removeprefix("error: "), lines  # the refused rank's line
+    assert re.search(r"error: rank (1|0) \(host [^)]+\) was started with a world size of (4|2), rank (0|1) \(host "
+                     r"[^)]+\) with (2|4): every task of a job must be started with the same world size \(WORLD_SIZE, "
+                     r"or SLURM_NTASKS under srun: one launcher command for all nodes\); stopping$", lines[0]), lines
+    for proc in procs:
+        assert len(_errors(proc)) == 1 and "Traceback" not in proc.output and "frame #" not in proc.output

@@ -101,3 +101,31 @@ def test_a_second_process_with_the_same_rank_fails_at_once_and_the_rank_nobody_t
         join("127.0.0.1", agent.port, 0, 2, timedelta(seconds=3), AGENT)
     thread.join(10)
     assert first and first[0].startswith("rank 1 did not join the job within 3 s: 1 of 2 joined"), first
+
+
+def test_a_rank_started_with_another_world_size_stops_every_rank_at_once():
+    """One task with the wrong WORLD_SIZE: without the check the others would wait out the timeout for ranks
+    2 and 3, which do not exist, and name them as missing."""
+    import threading
+    import time
+
+    agent, first = _agent_store(), []
+
+    def joining():
+        try:
+            join("127.0.0.1", agent.port, 0, 2, timedelta(seconds=30), AGENT)
+        except JoinFailed as e:
+            first.append((str(e), time.monotonic()))
+
+    thread = threading.Thread(target=joining)
+    thread.start()
+    threading.Event().wait(0.5)
+    line = (r"rank 1 \(host [^)]+\) was started with a world size of 4, rank 0 \(host [^)]+\) with 2: every task "
+            r"of a job must be started with the same world size \(WORLD_SIZE, or SLURM_NTASKS under srun: one "
+            r"launcher command for all nodes\); stopping")
+    with pytest.raises(JoinFailed, match=f"^{line}$"):
+        join("127.0.0.1", agent.port, 1, 4, timedelta(seconds=30), AGENT)
+    refused_at = time.monotonic()
+    thread.join(10)
+    assert first and re.fullmatch(line, first[0][0]), first
+    assert first[0][1] - refused_at < 5  # at once, not at the 30 s timeout

@@ -8,6 +8,8 @@ that did not start its task, a wrong MASTER_ADDR, a firewall between nodes.
 Here, within the process group's timeout:
 - a rank that does not host the store first tries its port with a plain socket (quiet; retried while the
   port refuses, as when rank 0 starts later), and fails with one line naming the address and what to check;
+- the first rank to join sets the job's world size; a rank started with another one stops at once, and so
+  do the others, with its line (instead of waiting for ranks that do not exist);
 - every rank then takes its rank's slot (a second process with the same rank fails at once, saying so),
   writes its rank to a roster in the store and counts itself, and waits until the count is
   the world size; half-way, rank 0 names those it still waits for in a warning, and at the timeout the ranks
@@ -65,14 +67,29 @@ def join(master_addr: str, master_port: int, rank: int, world_size: int, timeout
     # does not lead back to it (a name it cannot resolve) is then told by the ranks that cannot reach it.
     store = dist.TCPStore(LOOPBACK if hosts else master_addr, master_port, world_size, is_master=hosts,
                           timeout=timeout, wait_for_workers=False, multi_tenant=True)
-    keys = _namespace(store, world_size, environ)
     try:
+        base = _base(environ)
+        _agree_on_world_size(store, base, rank, world_size, host)
+        keys = _namespace(store, base, world_size)
         _take_slot(store, keys, rank, host)
-        _await_everyone(store, keys, rank, world_size, deadline, timeout, where)
+        _await_everyone(store, keys, rank, world_size, deadline, timeout, where, refusal=f"{base}/refused")
     except dist.DistError as e:  # the store's host went away meanwhile
         raise JoinFailed(f"rank {rank} lost {where}, while the ranks joined ({type(e).__name__}: {one_line(e)}); "
                          "stopping") from None
     return store
+
+
+def _agree_on_world_size(store: dist.TCPStore, base: str, rank: int, world_size: int, host: str) -> None:
+    """The first rank to join sets the job's world size; a rank started with another one stops at once and
+    leaves its line for the others (who would otherwise wait, in vain, for ranks that do not exist)."""
+    first = store.compare_set(f"{base}/world_size", "", f"{world_size} {rank} {host}").decode()
+    agreed, first_rank, first_host = first.split(" ", 2)
+    if int(agreed) != world_size:
+        line = (f"rank {rank} (host {host}) was started with a world size of {world_size}, rank {first_rank} "
+                f"(host {first_host}) with {agreed}: every task of a job must be started with the same world "
+                "size (WORLD_SIZE, or SLURM_NTASKS under srun: one launcher command for all nodes); stopping")
+        store.set(f"{base}/refused", line)
+        raise JoinFailed(line)
 
 
 def _take_slot(store: dist.TCPStore, keys: str, rank: int, host: str) -> None:
@@ -89,12 +106,15 @@ def _take_slot(store: dist.TCPStore, keys: str, rank: int, host: str) -> None:
 
 
 def _await_everyone(store: dist.TCPStore, keys: str, rank: int, world_size: int, deadline: float,
-                    timeout: timedelta, where: str) -> None:
-    """Return once `world_size` ranks have joined; JoinFailed naming the others at the deadline. Rank 0 names
-    them in a warning half-way too, while someone can still start them."""
+                    timeout: timedelta, where: str, refusal: str) -> None:
+    """Return once `world_size` ranks have joined; JoinFailed naming the others at the deadline, or at once
+    with the line a refused rank left at `refusal`. Rank 0 names them in a warning half-way too, while someone
+    can still start them."""
     poll_s = min(1.0, 0.05 + world_size / 2000)  # 4096 ranks: each asks once a second
     warn_at = None if rank else deadline - timeout.total_seconds() * WARNING_SHARE
     while (joined := store.add(f"{keys}/count", 0)) < world_size:
+        if store.check([refusal]):
+            raise JoinFailed(store.get(refusal).decode())
         now = time.monotonic()
         if now >= deadline:
             raise JoinFailed(_missing_line(store.get(f"{keys}/roster").decode(), world_size, joined, timeout, where))
@@ -130,9 +150,13 @@ def _await_port(host: str, port: int, deadline: float, failure: Callable[[str], 
             time.sleep(CONNECT_RETRY_S)
 
 
-def _namespace(store: dist.TCPStore, world_size: int, environ: Mapping[str, str]) -> str:
+def _base(environ: Mapping[str, str]) -> str:
+    """Keys of this launch: an agent's store outlives its workers' restarts."""
+    return f"txl_join/{environ.get('TORCHELASTIC_RUN_ID', '')}/{environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def _namespace(store: dist.TCPStore, base: str, world_size: int) -> str:
     """Keys of this process group: a process may join several times against one store (the agent's)."""
-    base = f"txl_join/{environ.get('TORCHELASTIC_RUN_ID', '')}/{environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     generation = (store.add(f"{base}/arrivals", 1) - 1) // world_size
     return f"{base}/{generation}"
 
