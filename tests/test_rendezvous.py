@@ -129,3 +129,26 @@ def test_a_rank_started_with_another_world_size_stops_every_rank_at_once():
     thread.join(10)
     assert first and re.fullmatch(line, first[0][0]), first
     assert first[0][1] - refused_at < 5  # at once, not at the 30 s timeout
+
+
+def test_a_task_too_many_is_refused_at_once_by_a_store_rank_0_hosts():
+    """Three tasks for a world of two (RANK from a per-node number on too many nodes): the third, with a rank
+    already taken, is told so at once instead of waiting out the timeout while the job goes on without it."""
+    import threading
+    import time
+
+    port, joined = free_port(), []
+
+    def joining(rank):
+        joined.append(join("127.0.0.1", port, rank, 2, timedelta(seconds=20), {}))
+
+    threads = [threading.Thread(target=joining, args=(rank,)) for rank in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(15)
+    assert len(joined) == 2  # the job's group is made; rank 0's store still serves it
+    began = time.monotonic()
+    with pytest.raises(JoinFailed, match=r"^rank 1 \(host [^)]+\) joined the job twice: another process \(host "):
+        join("127.0.0.1", port, 1, 2, timedelta(seconds=20), {})
+    assert time.monotonic() - began < 5

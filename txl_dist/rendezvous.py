@@ -16,7 +16,8 @@ Here, within the process group's timeout:
   that joined name those that did not.
 The store is then what env:// would make: hosted by rank 0 at MASTER_ADDR:MASTER_PORT, or torchrun's agent's
 when TORCHELASTIC_USE_AGENT_STORE=True (every rank is a client then). Keys live under
-txl_join/<torchelastic run id>/<restart count>/<generation>: an agent's store outlives a process group.
+txl_join/<torchelastic run id>/<restart count>/<generation>: an agent's store outlives a process group (a
+store rank 0 hosts serves one: its generation is always 0, so that a task too many meets a taken slot).
 
 Uses only torch.distributed and the standard library.
 """
@@ -70,7 +71,7 @@ def join(master_addr: str, master_port: int, rank: int, world_size: int, timeout
     try:
         base = _base(environ)
         _agree_on_world_size(store, base, rank, world_size, host)
-        keys = _namespace(store, base, world_size)
+        keys = _namespace(store, base, world_size, agent)
         _take_slot(store, keys, rank, host)
         _await_everyone(store, keys, rank, world_size, deadline, timeout, where, refusal=f"{base}/refused")
     except dist.DistError as e:  # the store's host went away meanwhile
@@ -155,8 +156,13 @@ def _base(environ: Mapping[str, str]) -> str:
     return f"txl_join/{environ.get('TORCHELASTIC_RUN_ID', '')}/{environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
-def _namespace(store: dist.TCPStore, base: str, world_size: int) -> str:
-    """Keys of this process group: a process may join several times against one store (the agent's)."""
+def _namespace(store: dist.TCPStore, base: str, world_size: int, agent: bool) -> str:
+    """Keys of this process group: a process may join several times against an agent's store, one group after
+    another. A store rank 0 hosts serves one group: there a process beyond the world size (a task too many,
+    with a rank already taken) meets the others' slots and is refused at once, instead of waiting out the
+    timeout for a next group that never comes while the job runs without it."""
+    if not agent:
+        return f"{base}/0"
     generation = (store.add(f"{base}/arrivals", 1) - 1) // world_size
     return f"{base}/{generation}"
 
