@@ -103,6 +103,25 @@ def fail_alone_on_rank_1() -> None:
         distributed.destroy_process_group()
 
 
+def leave_then_call_the_helpers() -> None:
+    """Rank 1 leaves the job after its own failure where torch's abort leaves the groups initialized (torch 2.6
+    aborts NCCL groups only: gloo's stay, with a warning), then calls the helpers that distributed.together
+    calls on its way out; rank 0 waits in a barrier that rank 1 never joins."""
+    import torch.distributed as dist
+
+    env = _join(TIMEOUT_S)
+    distributed.barrier()
+    _say(ready=env.rank, pid=os.getpid())
+    if env.rank == 0:
+        distributed.barrier()
+        return
+    dist.distributed_c10d._abort_process_group = lambda group=None: None  # torch 2.6 on a gloo group
+    distributed.destroy_process_group(ValueError("the shard is corrupt"))
+    began = time.monotonic()
+    flag, everyone = distributed.any_rank(True), distributed.gather_objects("mine")
+    _say(flag=flag, everyone=everyone, seconds=time.monotonic() - began)
+
+
 def _make_the_teardown_hang() -> None:
     """Tearing the groups down (destroy or abort) never returns in this process; the bound is 2 s."""
     torch.distributed.destroy_process_group = lambda *args: time.sleep(600)
@@ -434,6 +453,19 @@ def test_a_rank_failing_alone_stops_the_others_at_once_with_its_error(job):
     lines = rank0.lines_naming(1)
     assert len(lines) == 1, rank0.stderr()
     assert f"pid {pid1}) stopped after an error: the shard is corrupt" in lines[0]
+
+
+def test_a_rank_that_left_the_job_runs_no_more_collectives(job):
+    """On torch 2.6 a rank whose load failed inside DeepSpeed left the job, then agreed on its failure
+    (distributed.together) in a collective of a group its abort had left alive: rank 0, stopped meanwhile,
+    closed the connection, and rank 1's line said "a collective failed: ... Connection closed by peer"
+    instead of its own error."""
+    rank0, rank1 = job("leave_then_call_the_helpers")
+    rank0.wait_for("ready")
+    said = rank1.wait_for("flag", timeout=30)
+    assert said["flag"] is True and said["everyone"] == ["mine"] and said["seconds"] < 1, said
+    assert rank1.exit_status(timeout=30) == 0, rank1.stderr()
+    assert rank0.exit_status(timeout=30) != 0  # its barrier ends (the watchdog, or gloo's closed connection)
 
 
 @pytest.mark.parametrize("late_rank", [0, 1])

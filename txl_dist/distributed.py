@@ -256,6 +256,9 @@ def default_backend() -> str:
 _control_group: dist.ProcessGroup | None = None
 _control_timeout_s: float | None = None  # checkpoint.timeout_s: the control group's waits (less its margin)
 _collective_timeout: timedelta | None = None
+_left = False
+"""This rank has left the job (destroy_process_group): it takes part in no collective of the helpers below, even
+where torch leaves an aborted group initialized (torch 2.6 aborts NCCL groups only, and warns)."""
 
 
 def group_timeout(collective_timeout_s: float, backend: str) -> timedelta:
@@ -290,7 +293,8 @@ def init_process_group(env: DistEnv, *, collective_timeout_s: float = DEFAULT_CO
     watchdog (a rank silent for collective_timeout_s ends the job). A no-op when already initialized; when
     someone else made the default group (deepspeed.init_distributed or a script's own init_process_group,
     NCCL-only on GPUs), the control group and the watchdog are added to it."""
-    global _collective_timeout
+    global _collective_timeout, _left
+    _left = False
     if dist.is_initialized():
         if _control_group is None:
             _join_existing(env, collective_timeout_s, control_timeout_s)
@@ -363,7 +367,8 @@ def destroy_process_group(error: BaseException | None = None) -> None:
     A failing rank (or one whose collective failed, explain_failure) aborts its groups instead, and exits
     with status 1 when that takes over TEARDOWN_AFTER_FAILURE_S (logging its line first).
     """
-    global _control_group, _control_timeout_s, _collective_timeout
+    global _control_group, _control_timeout_s, _collective_timeout, _left
+    _left = True
     line = _failure_line(error if error is not None else sys.exc_info()[1])
     collective_failed = watchdog.explained()
     watchdog.stop(line)
@@ -421,7 +426,7 @@ def on_abort(callback: Callable[[], None]) -> None:
 
 
 def _active() -> bool:
-    return dist.is_initialized() and dist.get_world_size() > 1
+    return not _left and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
