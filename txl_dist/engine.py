@@ -333,7 +333,8 @@ def skipped_unless_finite(engine, norm: torch.Tensor | None) -> Iterator[None]:
     optimizer = engine.optimizer
     if norm is None:
         yield
-    elif isinstance(optimizer, torch.optim.Adam) and optimizer.defaults.get("fused"):
+    elif isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) and optimizer.defaults.get("fused"):
+        # (AdamW subclasses Adam in newer torch; in torch 2.6 it is a class of its own with the same fused step)
         optimizer.found_inf = (~torch.isfinite(norm)).float()  # 0-d, like the steps it is subtracted from
         try:
             yield
