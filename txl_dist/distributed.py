@@ -256,9 +256,6 @@ def default_backend() -> str:
 _control_group: dist.ProcessGroup | None = None
 _control_timeout_s: float | None = None  # checkpoint.timeout_s: the control group's waits (less its margin)
 _collective_timeout: timedelta | None = None
-_left = False
-"""This rank has left the job (destroy_process_group): it takes part in no collective of the helpers below, even
-where torch leaves an aborted group initialized (torch 2.6 aborts NCCL groups only, and warns)."""
 
 
 def group_timeout(collective_timeout_s: float, backend: str) -> timedelta:
@@ -293,8 +290,7 @@ def init_process_group(env: DistEnv, *, collective_timeout_s: float = DEFAULT_CO
     watchdog (a rank silent for collective_timeout_s ends the job). A no-op when already initialized; when
     someone else made the default group (deepspeed.init_distributed or a script's own init_process_group,
     NCCL-only on GPUs), the control group and the watchdog are added to it."""
-    global _collective_timeout, _left
-    _left = False
+    global _collective_timeout
     if dist.is_initialized():
         if _control_group is None:
             _join_existing(env, collective_timeout_s, control_timeout_s)
@@ -367,8 +363,7 @@ def destroy_process_group(error: BaseException | None = None) -> None:
     A failing rank (or one whose collective failed, explain_failure) aborts its groups instead, and exits
     with status 1 when that takes over TEARDOWN_AFTER_FAILURE_S (logging its line first).
     """
-    global _control_group, _control_timeout_s, _collective_timeout, _left
-    _left = True
+    global _control_group, _control_timeout_s, _collective_timeout
     line = _failure_line(error if error is not None else sys.exc_info()[1])
     collective_failed = watchdog.explained()
     watchdog.stop(line)
@@ -394,12 +389,13 @@ def destroy_process_group(error: BaseException | None = None) -> None:
 
 def _abort_groups() -> None:
     """Tear every group down without waiting for collectives in flight (NCCL: ncclCommAbort, where a plain
-    destroy finalizes, waiting for this rank's kernels); a plain destroy where torch has no abort."""
+    destroy finalizes, waiting for this rank's kernels); a plain destroy where torch has no abort, or where its
+    abort left the groups in place (torch 2.6 aborts NCCL groups only: gloo's stay, with a warning), so that
+    this rank takes part in no later collective (distributed.together's agreement on its way out)."""
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
     if abort is not None:
         try:
             abort()
-            return
         except (RuntimeError, ValueError, NotImplementedError) as e:  # a backend without abort
             logging.getLogger(LOGGER_NAME).debug("aborting the process groups failed (%s); destroying them", e)
     if dist.is_initialized():
@@ -426,7 +422,7 @@ def on_abort(callback: Callable[[], None]) -> None:
 
 
 def _active() -> bool:
-    return not _left and dist.is_initialized() and dist.get_world_size() > 1
+    return dist.is_initialized() and dist.get_world_size() > 1
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
