@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from . import rendezvous, watchdog
 from .host import cpus_per_rank, raise_open_file_limit
-from .errors import EXIT_FAILED, Refused, one_line
+from .errors import EXIT_FAILED, LOGGER_NAME, Refused, one_line
 
 DEFAULT_MASTER_PORT = 29500
 SLURM_PORT_BASE, SLURM_PORT_SPAN = 20000, 12000
@@ -47,7 +47,6 @@ TEARDOWN_AFTER_FAILURE_S = 30.0
 down before it exits anyway: NCCL's graceful teardown waits for this rank's collectives in flight, which a
 stopped peer will never join, so a failing rank aborts its groups, and even an abort can hang."""
 NCCL_TIMEOUT_MARGIN_S = 120.0
-LOGGER_NAME = "txl_dist"
 T = TypeVar("T")
 E = TypeVar("E", bound=BaseException)
 

@@ -18,6 +18,8 @@ import os
 
 EXIT_REFUSED = 2
 EXIT_FAILED = 1
+LOGGER_NAME = "txl_dist"
+"""The project's logger, through which those lines (and warnings) are printed."""
 
 
 class Refused(Exception):

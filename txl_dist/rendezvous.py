@@ -32,11 +32,10 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from .errors import RunFailed, one_line
+from .errors import LOGGER_NAME, RunFailed, one_line
 
 WARNING_SHARE = 0.5
 """Rank 0 names the ranks it still waits for once this share of the timeout has passed."""
-LOGGER_NAME = "txl_dist"
 LOOPBACK = "127.0.0.1"
 CONNECT_RETRY_S = 0.2
 """How often a rank retries the store's port while it refuses (its host has not started listening yet)."""

@@ -58,6 +58,7 @@ from typing import TypeVar
 import torch.distributed as dist
 
 from . import rank_probe
+from .errors import LOGGER_NAME
 
 MAX_BEAT_PERIOD_S = 10.0
 STORE_CALL_S = 3.0
@@ -90,7 +91,6 @@ Position = tuple[int, ...]
 """Where a rank is in the work all ranks do alike, ordered as tuples are (note_progress)."""
 MAX_NAMED = 4
 MAX_CANDIDATES = 64
-LOGGER_NAME = "txl_dist"
 STORE_ERRORS = (RuntimeError, OSError)  # dist.DistError (store and network errors) derives from RuntimeError
 # A collective that failed says so in one of these (gloo's tcp transport, NCCL, the process group wrappers).
 COLLECTIVE_MARKERS = ("gloo", "nccl", "processgroup", "connection closed by peer", "connection reset by peer")
