@@ -541,6 +541,13 @@ def test_a_rank_stuck_loading_the_checkpoint_it_evaluates_is_named(corpus, tmp_p
         procs[1].kill()
 
 
+def _task_of_its_own_node(config: str, rank: int, world: int, address: str, port: str) -> Launch:
+    """launch/train.py as the one task of a node, told its rank, world and rendezvous as a launcher would."""
+    return Launch([sys.executable, "launch/train.py", "--config", config], launcher_env() | {
+        "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": address, "MASTER_PORT": port, "OMP_NUM_THREADS": "1"})
+
+
 @pytest.mark.parametrize("started, address", [([0], "127.0.0.1"), ([1], "127.0.0.1"), ([0, 1], "no-such-host.invalid")],
                          ids=["rank_1_never_starts", "rank_0_never_starts", "a_wrong_master_addr"])
 def test_a_rank_that_never_joins_is_named_in_one_line(corpus, tmp_path, started, address):
@@ -551,9 +558,7 @@ def test_a_rank_that_never_joins_is_named_in_one_line(corpus, tmp_path, started,
     config = _config(corpus, tmp_path / "run", train={"collective_timeout_s": 6})
     port = str(free_port())
     began = time.monotonic()
-    procs = [Launch([sys.executable, "launch/train.py", "--config", config], launcher_env() | {
-        "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": address,
-        "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}) for rank in started]
+    procs = [_task_of_its_own_node(config, rank, 2, address, port) for rank in started]
     assert [p.wait(120) for p in procs] == [1] * len(procs), procs[0].output[-3000:]
     assert time.monotonic() - began < 8 + 30  # the process group's timeout (T + 2 beats), and the start-up
     store = rf"the rendezvous store at {re.escape(address)}:{port} \(MASTER_ADDR:MASTER_PORT\), hosted by rank 0"
@@ -576,10 +581,7 @@ def test_a_task_started_with_another_world_size_stops_every_rank_at_once(corpus,
     config = _config(corpus, tmp_path / "run", train={"collective_timeout_s": 60}, eval={"n_streams": 4})
     port = str(free_port())
     began = time.monotonic()
-    procs = [Launch([sys.executable, "launch/train.py", "--config", config], launcher_env() | {
-        "RANK": str(rank), "WORLD_SIZE": world, "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1"})
-        for rank, world in ((0, "2"), (1, "4"))]
+    procs = [_task_of_its_own_node(config, rank, world, "127.0.0.1", port) for rank, world in ((0, 2), (1, 4))]
     assert [p.wait(120) for p in procs] == [1, 1], (procs[0].output[-3000:], procs[1].output[-3000:])
     assert time.monotonic() - began < 45  # at once after start-up, not after the group's 60 s timeout
     lines = [_errors(proc)[0].strip() for proc in procs]
