@@ -1,4 +1,5 @@
 """Suite-wide settings (CPU DeepSpeed, no hub access, deterministic small thread pools) and shared fixtures."""
+import logging
 import os
 import subprocess
 
@@ -9,6 +10,21 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(autouse=True)
+def project_loggers_put_back():
+    """distributed.setup_logging configures process-wide loggers: its own handler, and no propagation to the
+    root logger, where pytest's caplog listens (pytest 9.1 and newer also listen on the logger that
+    caplog.at_level names; 8.x does not). Put them back after every test, so that a test which ran
+    setup_logging in this process (an in-process training job) hides no record from the tests after it."""
+    loggers = [logging.getLogger(name) for name in ("txl_dist", "DeepSpeed")]
+    saved = [(lg.handlers[:], lg.level, lg.propagate) for lg in loggers]
+    yield
+    for lg, (handlers, level, propagate) in zip(loggers, saved):
+        lg.handlers[:] = handlers
+        lg.setLevel(level)
+        lg.propagate = propagate
 
 
 @pytest.fixture

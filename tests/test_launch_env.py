@@ -207,19 +207,8 @@ def test_collectives_work_without_a_process_group():
     assert distributed.gather_objects(3) == [3]
 
 
-@pytest.fixture
-def restore_logging():
-    """setup_logging configures process-wide loggers; put them back for the tests that follow."""
-    loggers = [logging.getLogger(distributed.LOGGER_NAME), logging.getLogger("DeepSpeed")]
-    saved = [(lg.handlers[:], lg.level, lg.propagate) for lg in loggers]
-    yield
-    for lg, (handlers, level, propagate) in zip(loggers, saved):
-        lg.handlers[:] = handlers
-        lg.setLevel(level)
-        lg.propagate = propagate
-
-
-def test_only_rank_zero_logs_info_unless_all_ranks(restore_logging):
+# setup_logging's process-wide loggers are put back after each test by conftest.project_loggers_put_back.
+def test_only_rank_zero_logs_info_unless_all_ranks():
     main = distributed.setup_logging(DistEnv(0, 2, 0, 2, "h", 1, "torchrun"))
     assert main.isEnabledFor(logging.INFO)
     other = distributed.setup_logging(DistEnv(1, 2, 1, 2, "h", 1, "torchrun"))
@@ -229,7 +218,7 @@ def test_only_rank_zero_logs_info_unless_all_ranks(restore_logging):
     assert "[rank 1]" in loud.handlers[0].formatter._fmt
 
 
-def test_a_warning_every_rank_logs_alike_is_printed_by_rank_zero_only(restore_logging, capfd):
+def test_a_warning_every_rank_logs_alike_is_printed_by_rank_zero_only(capfd):
     for rank, log_all_ranks in ((0, False), (1, False), (1, True)):
         log = distributed.setup_logging(DistEnv(rank, 2, rank, 2, "h", 1, "torchrun"), log_all_ranks=log_all_ranks)
         log.warning("alike %d %s", rank, log_all_ranks, extra=distributed.RANK_ZERO_ONLY)

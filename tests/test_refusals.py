@@ -283,8 +283,6 @@ def scene(tmp_path, pristine, request, capsys, monkeypatch):
     """A case's folder (also the working directory, so a stray relative write shows up in its snapshot), a
     launch environment of one process, and the process state a refused start must not leak."""
     environ = dict(os.environ)  # distributed.export writes the launch variables into os.environ
-    logger = logging.getLogger("txl_dist")
-    logger_state = (list(logger.handlers), logger.level, logger.propagate)
     for name in LAUNCH_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
@@ -294,7 +292,6 @@ def scene(tmp_path, pristine, request, capsys, monkeypatch):
     yield Scene(tmp_path, pristine, request, capsys, monkeypatch)
     os.environ.clear()
     os.environ.update(environ)
-    logger.handlers[:], logger.level, logger.propagate = logger_state
 
 
 # ----------------------------------------------------------------------------------------------------
