@@ -5,6 +5,8 @@ import subprocess
 
 import pytest
 
+from txl_dist.errors import LOGGER_NAME  # os only: nothing heavy is imported before the settings below
+
 # Set before any test imports deepspeed or datasets.
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -18,7 +20,7 @@ def project_loggers_put_back():
     root logger, where pytest's caplog listens (pytest 9.1 and newer also listen on the logger that
     caplog.at_level names; 8.x does not). Put them back after every test, so that a test which ran
     setup_logging in this process (an in-process training job) hides no record from the tests after it."""
-    loggers = [logging.getLogger(name) for name in ("txl_dist", "DeepSpeed")]
+    loggers = [logging.getLogger(name) for name in (LOGGER_NAME, "DeepSpeed")]
     saved = [(lg.handlers[:], lg.level, lg.propagate) for lg in loggers]
     yield
     for lg, (handlers, level, propagate) in zip(loggers, saved):
