@@ -31,7 +31,8 @@ def corpus(tmp_path_factory):
 
 def _config(corpus, run_dir, **sections) -> str:
     raw = tiny_config(corpus, run_dir, **{
-        "train": {"max_steps": STEPS, "collective_timeout_s": TIMEOUT_S, "max_nonfinite": 3, **sections.pop("train", {})},
+        "train": {"max_steps": STEPS, "collective_timeout_s": TIMEOUT_S, "max_nonfinite": 3,
+                  **sections.pop("train", {})},
         "checkpoint": {"interval": 2, "keep": 3, **sections.pop("checkpoint", {})},
         "eval": {"at_end": False, **sections.pop("eval", {})},
         # ZeRO-1: every rank writes a file of its own into a checkpoint (stage 0: rank 0 alone).

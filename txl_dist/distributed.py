@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 from . import rendezvous, watchdog
-from .host import cpus_per_rank, raise_open_file_limit
 from .errors import EXIT_FAILED, LOGGER_NAME, Refused, one_line
+from .host import cpus_per_rank, raise_open_file_limit
 
 DEFAULT_MASTER_PORT = 29500
 SLURM_PORT_BASE, SLURM_PORT_SPAN = 20000, 12000
