@@ -769,7 +769,7 @@ come second and get what the first part left."""
 PYTEST_OUTCOME = re.compile(r"^(tests/\w+\.py::\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)", re.M)
 
 
-def phase_cuda_tests(p: Phase, out: Path) -> None:
+def phase_cuda_tests(p: Phase, out: Path, parts: list[str] | None = None) -> None:
     """A "cuda_tests" record per part: the outcome counts, the failed tests with pytest's one-line reasons, and
     the exit status ("timeout" when the time box ended it: the log says how far it got)."""
     import importlib.util
@@ -779,8 +779,12 @@ def phase_cuda_tests(p: Phase, out: Path) -> None:
         raise Skipped("pytest unavailable")
     if p.device.type == "cuda":
         torch.cuda.empty_cache()  # this process's cached blocks: the tests run in a process of their own
-    env = child_env()
+    # DeepSpeed's CUDA accelerator for the trainer tests (tests/conftest.py defaults to the CPU one, under which
+    # the trainer runs on the CPU, GPU or not: distributed.uses_cuda).
+    env = child_env(**({"DS_ACCELERATOR": "cuda"} if p.device.type == "cuda" else {}))
     for log_name, selection, files in CUDA_TEST_PARTS:
+        if parts is not None and selection not in parts:
+            continue
         if p.left() < 10:
             p.truncated.append(selection)
             continue
@@ -798,11 +802,14 @@ def phase_cuda_tests(p: Phase, out: Path) -> None:
 # g. the project's own trainer through DeepSpeed
 
 
-def phase_deepspeed(p: Phase, out: Path, scratch: Path) -> None:
+def phase_deepspeed(p: Phase, out: Path, scratch: Path, trainer: argparse.Namespace | None = None) -> None:
     """Each ZeRO stage: a "deepspeed_started" record, the trainer's output streamed to DIR/deepspeed_zero<N>.log,
     then a "deepspeed" record (also after a timeout or a SIGTERM). The corpus and the run folder (the trainer
     saves a checkpoint at its last step, GBs at the base shape) live under scratch; each run folder is removed
-    after its stage."""
+    after its stage. `trainer` (the --trainer-* options) may name another config, stages, step count and
+    extra --set overrides (a preset's end-to-end check)."""
+    trainer = trainer or argparse.Namespace(trainer_config=None, trainer_stages=None, trainer_steps=None,
+                                            trainer_set=None)
     try:
         import_deepspeed()
     except Exception as e:  # noqa: BLE001
@@ -811,18 +818,18 @@ def phase_deepspeed(p: Phase, out: Path, scratch: Path) -> None:
     from bench.synthetic_corpus import write_corpus
     from txl_dist.data.format import Layout
 
-    cfg_path = "configs/tiny.json" if p.smoke else "configs/wt103_base.json"
+    cfg_path = trainer.trainer_config or ("configs/tiny.json" if p.smoke else "configs/wt103_base.json")
     base = load_config(REPO / cfg_path)
     vocab = 1000 if p.smoke else base.model.vocab_size
     streams = base.deepspeed["train_batch_size"]
-    steps = 4 if p.smoke else 6
+    steps = trainer.trainer_steps or (4 if p.smoke else 6)
     tgt = base.model.tgt_len
     corpus = scratch / "corpus"
     if not (corpus / "manifest.json").exists():
         n_train = streams * (tgt * (steps + 2) + 1)
         write_corpus(corpus, {"train": n_train, "valid": 8 * tgt * 3 + 8, "test": 8 * tgt * 3 + 8}, vocab,
                      Layout(1, streams))
-    stages = (1,) if p.smoke else (1, 2)
+    stages = tuple(trainer.trainer_stages or ((1,) if p.smoke else (1, 2)))
     for index, stage in enumerate(stages):
         run_dir = scratch / f"run-zero{stage}"
         log_path = out / f"deepspeed_zero{stage}.log"
@@ -835,6 +842,7 @@ def phase_deepspeed(p: Phase, out: Path, scratch: Path) -> None:
                 "model.attn_impl=matmul"]
         if p.smoke:
             sets += [f"model.vocab_size={vocab}", "model.cutoffs=[200,500]", "train.precision=fp32"]
+        sets += trainer.trainer_set or []
         if index == 0:  # the product's own profile window (CUDA kernels included); its summary is in the log
             sets.append(f"train.profile_steps=[{steps - 2},{steps - 1}]")
         cmd = [sys.executable, "launch/train.py", "--config", cfg_path, "--resume", "none"]
@@ -1101,6 +1109,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--end-epoch", type=float, default=None,
                     help="wall-clock time (seconds since the epoch) the phases must end by; gpu_check.sh passes its "
                          "own start + time box - margin, so that Python's imports count too")
+    ap.add_argument("--cuda-test-parts", nargs="+", choices=[part[1] for part in CUDA_TEST_PARTS], default=None,
+                    help="the cuda_tests phase's parts to run (-k selections; default: all, in order)")
+    ap.add_argument("--trainer-config", default=None,
+                    help="the deepspeed phase's config (default: configs/wt103_base.json, tiny.json for the smoke run)")
+    ap.add_argument("--trainer-stages", type=int, nargs="+", default=None, help="its ZeRO stages (default 1 2)")
+    ap.add_argument("--trainer-steps", type=int, default=None, help="its training steps (default 6)")
+    ap.add_argument("--trainer-set", action="append", default=None, metavar="KEY=VALUE",
+                    help="a further --set for the trainer (repeatable), after the phase's own")
     args = ap.parse_args(argv)
     out = Path(args.out)
     if args.cpu_smoke:
@@ -1124,7 +1140,8 @@ def main(argv: list[str] | None = None) -> int:
     shared: dict[str, Any] = {}
     fns: dict[str, Callable[[Phase], None]] = {
         "env": phase_env, "matmul": phase_matmul, "attention": phase_attention, "model": phase_model,
-        "cuda_tests": lambda p: phase_cuda_tests(p, out), "deepspeed": lambda p: phase_deepspeed(p, out, scratch),
+        "cuda_tests": lambda p: phase_cuda_tests(p, out, args.cuda_test_parts),
+        "deepspeed": lambda p: phase_deepspeed(p, out, scratch, args),
         "train": phase_train}
     carry = 0.0  # the schedule's time minus what the phases so far took: an overrun makes it negative
     code = 0

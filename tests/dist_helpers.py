@@ -51,11 +51,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def accelerator() -> str:
+    """DeepSpeed's accelerator for the ranks: the CPU (tests/conftest.py's default) unless the test run names
+    another (bench/gpu_check.py runs the CUDA tests with DS_ACCELERATOR=cuda)."""
+    return os.environ.get("DS_ACCELERATOR") or "cpu"
+
+
 def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
     """What torchrun would set for this rank on one machine."""
     return {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
             "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+            "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": accelerator()}
 
 
 def _child(fn: Callable[..., Any], args: tuple, env: dict[str, str], results) -> None:
@@ -117,7 +123,8 @@ def launcher_env() -> dict[str, str]:
     """The test process's environment minus what a launcher sets (and OMP_NUM_THREADS: we set it)."""
     drop = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT",
             "OMP_NUM_THREADS"}
-    return {k: v for k, v in os.environ.items() if k not in drop} | {"DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
+    return ({k: v for k, v in os.environ.items() if k not in drop}
+            | {"DS_ACCELERATOR": accelerator(), "PYTHONUNBUFFERED": "1"})
 
 
 class Launch:

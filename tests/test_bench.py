@@ -117,3 +117,19 @@ def test_compile_probe_times_every_case_both_ways():
     for r in results.values():
         assert r["eager_ms"] > 0 and r["compiled_ms"] > 0
         assert r["compiled_over_eager"] == pytest.approx(r["compiled_ms"] / r["eager_ms"], rel=0.05, abs=0.01)
+
+
+def test_position_rows_probe_times_both_row_widths(capsys):
+    """bench/position_rows.py (POSITION_ROW_ALIGN's measurement) runs its cases on a toy shape whose K+1 is
+    odd, padded and unpadded, and leaves the module's setting as it found it."""
+    import txl_dist.model.attention as attention
+    from bench.position_rows import main as position_rows
+
+    before = dict(attention.POSITION_ROW_ALIGN)
+    assert position_rows(["--cpu-smoke"]) == 0
+    assert attention.POSITION_ROW_ALIGN == before
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["case"] for r in rows] == ["attention/matmul", "attention/sdpa", "layer_step"]
+    for r in rows:
+        assert r["klen_plus_1"] % 2 == 1 and r["padded_width"] == r["klen_plus_1"] + 1
+        assert min(r["unpadded_ms"]) > 0 and min(r["padded_ms"]) > 0

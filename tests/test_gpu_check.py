@@ -258,3 +258,31 @@ def test_deepspeed_is_not_imported_when_setup_found_it_broken(monkeypatch):
         gpu_check.import_deepspeed()
     monkeypatch.delenv(gpu_check.NO_DEEPSPEED_ENV)
     assert gpu_check.import_deepspeed().__version__
+
+
+def test_options_pick_the_trainer_config_stages_sets_and_test_parts(tmp_path, monkeypatch):
+    # A focused second call (BENCHMARKS.md, run 2): another preset through the trainer at one ZeRO stage, with
+    # further --set overrides last; the CUDA tests without flex's part, under DeepSpeed's CUDA accelerator on a
+    # GPU (the CPU one here). A stand-in for run_logged records the commands.
+    calls = []
+
+    def run_logged(cmd, env, log_path, timeout_s):
+        calls.append((cmd, env))
+        log_path.write_text("")
+        return 0
+
+    monkeypatch.setattr(gpu_check, "run_logged", run_logged)
+    args = gpu_check.argparse.Namespace(trainer_config="configs/tiny.json", trainer_stages=[2], trainer_steps=3,
+                                        trainer_set=["train.compile=true", "model.attn_impl=sdpa"])
+    p = gpu_check.Phase("deepspeed", gpu_check.Recorder(tmp_path), torch.device("cpu"), True, 100.0, {})
+    gpu_check.phase_deepspeed(p, tmp_path, tmp_path / "scratch", args)
+    [(cmd, _)] = calls
+    sets = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--set"]
+    assert cmd[cmd.index("--config") + 1] == "configs/tiny.json"
+    assert "deepspeed.zero_optimization.stage=2" in sets and "train.max_steps=3" in sets
+    assert sets[-3:] == ["train.compile=true", "model.attn_impl=sdpa", "train.profile_steps=[1,2]"]
+    calls.clear()
+    p = gpu_check.Phase("cuda_tests", gpu_check.Recorder(tmp_path), torch.device("cpu"), True, 100.0, {})
+    gpu_check.phase_cuda_tests(p, tmp_path, ["not flex"])
+    [(cmd, env)] = calls
+    assert cmd[cmd.index("-k") + 1] == "not flex" and env.get("DS_ACCELERATOR") == os.environ.get("DS_ACCELERATOR")

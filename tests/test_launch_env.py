@@ -131,7 +131,8 @@ def test_a_node_whose_ranks_see_fewer_gpus_than_it_runs_ranks_is_refused(monkeyp
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: pytest.fail("set_device before the check"))
-    monkeypatch.setattr(os, "environ", dict(os.environ, CUDA_VISIBLE_DEVICES="5"))  # export() writes here
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+                        | {"CUDA_VISIBLE_DEVICES": "5"})  # export() writes here; no DS_ACCELERATOR=cpu
     env = DistEnv(11, 16, 3, 8, "127.0.0.1", 29500, "slurm")
     for local_rank in (0, 3):  # every rank of the node refuses, local rank 0 too: they stop together
         with pytest.raises(LaunchError, match=r"rank \d+: 8 ranks on this node but each sees 1 GPU\(s\) "
@@ -141,6 +142,26 @@ def test_a_node_whose_ranks_see_fewer_gpus_than_it_runs_ranks_is_refused(monkeyp
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     distributed.check_visible_gpus(env)  # all 8 visible: fine
     distributed.check_visible_gpus(DistEnv(0, 1, 0, 1, "127.0.0.1", 29500, "single"))
+
+
+def test_ds_accelerator_cpu_puts_the_whole_run_on_the_cpu_beside_gpus(monkeypatch):
+    # The first GPU check (H200, 2026-12-04): with DS_ACCELERATOR=cpu DeepSpeed's engine kept the model on the
+    # CPU while the evaluator took cuda:0, and the first validation failed in the embedding ("index is on
+    # cuda:0, different from other tensors on cpu"). One answer now serves the engine, batches and evaluator.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    env = DistEnv(1, 2, 1, 2, "127.0.0.1", 29500, "torchrun")
+    for value in ("cpu", " CPU "):
+        monkeypatch.setenv("DS_ACCELERATOR", value)
+        assert distributed.device_for(env) == torch.device("cpu")
+        assert distributed.default_backend() == "gloo"
+        distributed.check_visible_gpus(env)  # no GPU is needed, however many are visible
+    for value in ("cuda", None):
+        if value is None:
+            monkeypatch.delenv("DS_ACCELERATOR")
+        else:
+            monkeypatch.setenv("DS_ACCELERATOR", value)
+        assert distributed.device_for(env) == torch.device("cuda", 1)
+        assert distributed.default_backend() == "cpu:gloo,cuda:nccl"
 
 
 def test_ranks_on_a_node_with_gpus_that_torch_cannot_use_are_refused(monkeypatch):

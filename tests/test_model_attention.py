@@ -91,9 +91,14 @@ CASES = [  # (qlen, mlen, mem_len, same_length)
     (6, 0, 6, False), (6, 0, 4, True), (5, 7, 7, False), (5, 7, 7, True), (4, 9, 6, True), (1, 5, 5, False)]
 
 
+@pytest.mark.parametrize("row_align", [1, 8, 32])
 @pytest.mark.parametrize("impl", sorted(FAST))
 @pytest.mark.parametrize("qlen,mlen,mem_len,same_length", CASES)
-def test_fast_equals_reference_fp32(impl, qlen, mlen, mem_len, same_length):
+def test_fast_equals_reference_fp32(impl, qlen, mlen, mem_len, same_length, row_align, monkeypatch):
+    # row_align: the raw position scores' rows padded with zero distances (CUDA's tensor-core alignment), so
+    # that the rel-shifted view has a row stride past K; 32 pads more rows than there are keys.
+    monkeypatch.setitem(attention.POSITION_ROW_ALIGN, "cpu", row_align)
+    assert attention.position_row_width(qlen + mlen, torch.device("cpu")) % row_align == 0
     x = _inputs(3, qlen, mlen, 4, 8, seed=qlen * 100 + mlen)
     bias = attn_bias_from_mask(build_attn_mask(qlen, mlen, mem_len, same_length), torch.float32)
     ref = rel_attention_reference(**x, attn_bias=bias)
@@ -285,7 +290,8 @@ FLEX_CASES = [(6, 0, 6, False), (5, 7, 7, True), (4, 9, 6, True)]  # each shape 
 
 
 @pytest.mark.parametrize("qlen,mlen,mem_len,same_length", FLEX_CASES)
-def test_flex_forward_equals_reference_on_cpu(qlen, mlen, mem_len, same_length):
+def test_flex_forward_equals_reference_on_cpu(qlen, mlen, mem_len, same_length, monkeypatch):
+    monkeypatch.setitem(attention.POSITION_ROW_ALIGN, "cpu", 8)  # the position rows padded as on CUDA
     x = {k: v.detach() for k, v in _inputs(3, qlen, mlen, 4, 8, seed=qlen * 100 + mlen).items()}
     mask = build_attn_mask(qlen, mlen, mem_len, same_length)
     bias = attn_bias_from_mask(mask, torch.float32)

@@ -195,9 +195,22 @@ def configure_threads(env: DistEnv, environ: Mapping[str, str] | None = None) ->
     return torch.get_num_threads()
 
 
+def cpu_requested(environ: Mapping[str, str] | None = None) -> bool:
+    """DS_ACCELERATOR=cpu: DeepSpeed's accelerator is the CPU, so the whole run is (its engine places the
+    model there), also on a machine with GPUs."""
+    env = os.environ if environ is None else environ
+    return env.get("DS_ACCELERATOR", "").strip().lower() == "cpu"
+
+
+def uses_cuda(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether this process trains on CUDA: a device is there and the CPU was not asked for (cpu_requested)."""
+    return torch.cuda.is_available() and not cpu_requested(environ)
+
+
 def device_for(env: DistEnv) -> torch.device:
-    """cuda:<local rank> when CUDA is there, else the CPU."""
-    return torch.device("cuda", env.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    """cuda:<local rank> when the run uses CUDA (uses_cuda), else the CPU: the device of the engine's model, of
+    the batches, the memory bank and the evaluator alike."""
+    return torch.device("cuda", env.local_rank) if uses_cuda() else torch.device("cpu")
 
 
 def check_visible_gpus(env: DistEnv) -> None:
@@ -206,8 +219,8 @@ def check_visible_gpus(env: DistEnv) -> None:
     binding (srun --gpus-per-task, --gpu-bind, a CUDA_VISIBLE_DEVICES per rank) would otherwise fail inside
     torch with "invalid device ordinal". The same test on every rank of a node: they refuse together.
     A node that Slurm gave GPUs which torch cannot use is refused too (check_gpus_usable)."""
-    if not torch.cuda.is_available():
-        check_gpus_usable(f"rank {env.rank}", cuda_available=False)
+    if not uses_cuda():
+        check_gpus_usable(f"rank {env.rank}", cuda_available=torch.cuda.is_available())
         return
     visible = torch.cuda.device_count()
     if visible < env.local_world_size:
@@ -237,7 +250,7 @@ def check_gpus_usable(who: str, *, cuda_available: bool, environ: Mapping[str, s
     DS_ACCELERATOR=cpu says the CPU is meant."""
     env = os.environ if environ is None else environ
     gpus = slurm_gpus(env)
-    if cuda_available or not gpus or env.get("DS_ACCELERATOR", "").strip().lower() == "cpu":
+    if cuda_available or not gpus or cpu_requested(env):
         return
     why = ("a CPU build" if torch.version.cuda is None
            else f"built for CUDA {torch.version.cuda}, and torch.cuda.is_available() is False: a driver older "
@@ -248,8 +261,8 @@ def check_gpus_usable(who: str, *, cuda_available: bool, environ: Mapping[str, s
 
 
 def default_backend() -> str:
-    """The default group's backend: gloo for CPU tensors and, when CUDA is there, nccl for CUDA tensors."""
-    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    """The default group's backend: gloo for CPU tensors and, when the run uses CUDA, nccl for CUDA tensors."""
+    return "cpu:gloo,cuda:nccl" if uses_cuda() else "gloo"
 
 
 _control_group: dist.ProcessGroup | None = None
@@ -305,7 +318,7 @@ def init_process_group(env: DistEnv, *, collective_timeout_s: float = DEFAULT_CO
     export(env)
     check_visible_gpus(env)
     raise_open_file_limit()
-    if torch.cuda.is_available():
+    if uses_cuda():
         torch.cuda.set_device(env.local_rank)
     _collective_timeout = timeout
     if store is None:

@@ -142,20 +142,39 @@ def _head_major(q: torch.Tensor, kv: torch.Tensor, n_head: int):
     return head_q, head_k, head_v
 
 
+POSITION_ROW_ALIGN: dict[str, int] = {"cpu": 1, "cuda": 8}
+"""Per device type: the raw position scores' row width (K+1 distances) is rounded up to a multiple of this
+(default 1: no padding). Tensor-core GEMMs on CUDA need 16-byte aligned rows; K+1 is odd for the presets
+(K = tgt_len + mem_len), which left cuBLAS its alignment-1 kernels (cutlass_75 ..._align1) for the position
+product forward and both of its gradients. Measured on an H200, bf16, configs/large.json's shape
+(`python -m bench.position_rows`, 2026-12-04): padded 769 -> 776, attention alone forward + backward took
+0.88x the time at micro batch 16 (0.93x at 8), the model's eager forward + backward 0.93x at 16 (1.00x at 8).
+The CPU stays unpadded: the rows' strided view costs a copy there and nothing aligns better."""
+
+
+def position_row_width(klen: int, device: torch.device) -> int:
+    """The raw position scores' row width for `klen` keys on `device` (POSITION_ROW_ALIGN)."""
+    align = POSITION_ROW_ALIGN.get(device.type, 1)
+    return -(-(klen + 1) // align) * align
+
+
 def _position_scores(q_r: torch.Tensor, r_head_k: torch.Tensor, klen: int) -> torch.Tensor:
     """Rel-shifted position term [H*B, T, K] from q_r = (q + v) * scale [H, B, T, D], for free.
 
-    r gets one extra all-zero distance row, so the raw scores are [H, B*T, K+1]. With rows of K+1 entries,
-    the shifted entry [i, j] = raw[i, j + T - 1 - i] sits at flat offset i*K + j + T - 1 of each [T, K+1]
-    block: the shifted [T, K] matrix is the contiguous stretch starting at T - 1, so a narrow + view gives
-    it (no copy, no as_strided overlap). Positions past the diagonal + mlen read junk and are masked.
+    r gets all-zero distance rows up to the row width W (at least one: W >= K+1, position_row_width), so the
+    raw scores are [H, B*T, W]. The shifted entry [i, j] = raw[i, j + T - 1 - i] sits at flat offset
+    i*(W-1) + j + T - 1 of each [T, W] block: a narrow + view + narrow gives the shifted [T, K] matrix with row
+    stride W-1 (no copy, no as_strided overlap; contiguous when W = K+1). Positions past the diagonal + mlen
+    read zeros or junk and are masked.
     """
     n_head, bsz, qlen, d_head = q_r.shape
+    width = position_row_width(klen, q_r.device)
     head_r = r_head_k.view(klen, n_head, d_head)                                  # [K, H, D]
-    head_r = F.pad(head_r, (0, 0, 0, 0, 0, 1)).permute(1, 2, 0)                   # [H, D, K+1]
-    raw = torch.bmm(q_r.reshape(n_head, bsz * qlen, d_head), head_r)             # [H, B*T, K+1]
-    raw = raw.view(n_head * bsz, qlen * (klen + 1))                               # [H*B, T*(K+1)]
-    return raw.narrow(1, qlen - 1, qlen * klen).view(n_head * bsz, qlen, klen)    # [H*B, T, K]
+    head_r = F.pad(head_r, (0, 0, 0, 0, 0, width - klen)).permute(1, 2, 0)        # [H, D, W]
+    raw = torch.bmm(q_r.reshape(n_head, bsz * qlen, d_head), head_r)             # [H, B*T, W]
+    raw = raw.view(n_head * bsz, qlen * width)                                    # [H*B, T*W]
+    shifted = raw.narrow(1, qlen - 1, qlen * (width - 1)).view(n_head * bsz, qlen, width - 1)
+    return shifted.narrow(2, 0, klen)                                             # [H*B, T, K]
 
 
 def rel_attention_matmul(q: torch.Tensor, kv: torch.Tensor, r_head_k: torch.Tensor,
@@ -262,8 +281,9 @@ def rel_attention_flex(q: torch.Tensor, kv: torch.Tensor, r_head_k: torch.Tensor
 
     attn_bias: the BlockMask of the pattern (`flex_block_mask`; masked blocks are skipped), or the
     additive [T, K] bias, then added in the score_mod over every block. The position term is the raw
-    (q + v) . r product against K+1 distance rows, [B, H, T, K+1], read by the score_mod at the rel-shifted
-    column j + T - 1 - i (as `_position_scores` does by layout): no shifted copy, no [T, K] score tensor.
+    (q + v) . r product against K+1 distance rows (padded to position_row_width), [B, H, T, W], read by
+    the score_mod at the rel-shifted column j + T - 1 - i (as `_position_scores` does by layout): no
+    shifted copy, no [T, K] score tensor.
     Entries past the diagonal + mlen read the zero row (clamped index) and are masked anyway.
     FlexAttention has no dropout: training with dropatt > 0 is refused (config validation; here too).
     """
@@ -280,9 +300,10 @@ def rel_attention_flex(q: torch.Tensor, kv: torch.Tensor, r_head_k: torch.Tensor
             t.requires_grad for t in (q, kv, r_head_k, r_w_bias, r_r_bias)):
         raise ValueError("attn_impl 'flex' cannot train on a CPU (FlexAttention has no CPU backward); use "
                          "attn_impl 'auto' or 'matmul' (flex serves evaluation there)")
-    head_r = F.pad(r_head_k.view(klen, n_head, d_head), (0, 0, 0, 0, 0, 1))       # [K+1, H, D], row K zero
+    width = position_row_width(klen, head_q.device)                              # W >= K+1: rows K.. zero
+    head_r = F.pad(r_head_k.view(klen, n_head, d_head), (0, 0, 0, 0, 0, width - klen))  # [W, H, D]
     pos = torch.matmul((head_q + r_r_bias[:, None]) * scale,
-                       head_r.permute(1, 2, 0))                                    # [B, H, T, K+1]
+                       head_r.permute(1, 2, 0))                                    # [B, H, T, W]
     shift, last = qlen - 1, klen  # python ints: constants of the compiled kernel
 
     if isinstance(attn_bias, BlockMask):
