@@ -149,7 +149,8 @@ POSITION_ROW_ALIGN: dict[str, int] = {"cpu": 1, "cuda": 8}
 product forward and both of its gradients. Measured on an H200, bf16, configs/large.json's shape
 (`python -m bench.position_rows`, 2026-12-04): padded 769 -> 776, attention alone forward + backward took
 0.88x the time at micro batch 16 (0.93x at 8), the model's eager forward + backward 0.93x at 16 (1.00x at 8).
-The CPU stays unpadded: the rows' strided view costs a copy there and nothing aligns better."""
+The CPU stays unpadded: not measured at the presets' shapes there, and the strided view costs the baddbmm
+one copy of the scores."""
 
 
 def position_row_width(klen: int, device: torch.device) -> int:
