@@ -802,14 +802,14 @@ def phase_cuda_tests(p: Phase, out: Path, parts: list[str] | None = None) -> Non
 # g. the project's own trainer through DeepSpeed
 
 
-def phase_deepspeed(p: Phase, out: Path, scratch: Path, trainer: argparse.Namespace | None = None) -> None:
+def phase_deepspeed(p: Phase, out: Path, scratch: Path, *, config: str | None = None,
+                    stages: list[int] | None = None, steps: int | None = None, extra_sets: list[str] | None = None
+                    ) -> None:
     """Each ZeRO stage: a "deepspeed_started" record, the trainer's output streamed to DIR/deepspeed_zero<N>.log,
     then a "deepspeed" record (also after a timeout or a SIGTERM). The corpus and the run folder (the trainer
     saves a checkpoint at its last step, GBs at the base shape) live under scratch; each run folder is removed
-    after its stage. `trainer` (the --trainer-* options) may name another config, stages, step count and
-    extra --set overrides (a preset's end-to-end check)."""
-    trainer = trainer or argparse.Namespace(trainer_config=None, trainer_stages=None, trainer_steps=None,
-                                            trainer_set=None)
+    after its stage. The --trainer-* options may name another config, stages, step count and extra --set
+    overrides, put after the phase's own (a preset's end-to-end check)."""
     try:
         import_deepspeed()
     except Exception as e:  # noqa: BLE001
@@ -818,18 +818,18 @@ def phase_deepspeed(p: Phase, out: Path, scratch: Path, trainer: argparse.Namesp
     from bench.synthetic_corpus import write_corpus
     from txl_dist.data.format import Layout
 
-    cfg_path = trainer.trainer_config or ("configs/tiny.json" if p.smoke else "configs/wt103_base.json")
+    cfg_path = config or ("configs/tiny.json" if p.smoke else "configs/wt103_base.json")
     base = load_config(REPO / cfg_path)
     vocab = 1000 if p.smoke else base.model.vocab_size
     streams = base.deepspeed["train_batch_size"]
-    steps = trainer.trainer_steps or (4 if p.smoke else 6)
+    steps = steps or (4 if p.smoke else 6)
     tgt = base.model.tgt_len
     corpus = scratch / "corpus"
     if not (corpus / "manifest.json").exists():
         n_train = streams * (tgt * (steps + 2) + 1)
         write_corpus(corpus, {"train": n_train, "valid": 8 * tgt * 3 + 8, "test": 8 * tgt * 3 + 8}, vocab,
                      Layout(1, streams))
-    stages = tuple(trainer.trainer_stages or ((1,) if p.smoke else (1, 2)))
+    stages = tuple(stages or ((1,) if p.smoke else (1, 2)))
     for index, stage in enumerate(stages):
         run_dir = scratch / f"run-zero{stage}"
         log_path = out / f"deepspeed_zero{stage}.log"
@@ -842,8 +842,10 @@ def phase_deepspeed(p: Phase, out: Path, scratch: Path, trainer: argparse.Namesp
                 "model.attn_impl=matmul"]
         if p.smoke:
             sets += [f"model.vocab_size={vocab}", "model.cutoffs=[200,500]", "train.precision=fp32"]
-        sets += trainer.trainer_set or []
-        if index == 0:  # the product's own profile window (CUDA kernels included); its summary is in the log
+        sets += extra_sets or []
+        # The product's own profile window (CUDA kernels included; its summary is in the log): the last two
+        # steps but the last, which needs 3 steps (profile_steps start at 1).
+        if index == 0 and steps >= 3:
             sets.append(f"train.profile_steps=[{steps - 2},{steps - 1}]")
         cmd = [sys.executable, "launch/train.py", "--config", cfg_path, "--resume", "none"]
         for s in sets:
@@ -1141,7 +1143,8 @@ def main(argv: list[str] | None = None) -> int:
     fns: dict[str, Callable[[Phase], None]] = {
         "env": phase_env, "matmul": phase_matmul, "attention": phase_attention, "model": phase_model,
         "cuda_tests": lambda p: phase_cuda_tests(p, out, args.cuda_test_parts),
-        "deepspeed": lambda p: phase_deepspeed(p, out, scratch, args),
+        "deepspeed": lambda p: phase_deepspeed(p, out, scratch, config=args.trainer_config, stages=args.trainer_stages,
+                                               steps=args.trainer_steps, extra_sets=args.trainer_set),
         "train": phase_train}
     carry = 0.0  # the schedule's time minus what the phases so far took: an overrun makes it negative
     code = 0

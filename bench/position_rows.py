@@ -39,17 +39,10 @@ def synced(fn, device: torch.device):
 
 
 def with_align(align: int, device: torch.device, fn):
-    """fn run with POSITION_ROW_ALIGN[device.type] = align (put back after)."""
+    """fn run with POSITION_ROW_ALIGN[device.type] = align (main puts the table back at the end)."""
     def call() -> None:
-        saved = attention.POSITION_ROW_ALIGN.get(device.type)
         attention.POSITION_ROW_ALIGN[device.type] = align
-        try:
-            fn()
-        finally:
-            if saved is None:
-                attention.POSITION_ROW_ALIGN.pop(device.type, None)
-            else:
-                attention.POSITION_ROW_ALIGN[device.type] = saved
+        fn()
     return call
 
 
@@ -106,6 +99,17 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print("position_rows: no CUDA device (use --cpu-smoke)", file=sys.stderr)
         return 2
+    saved = dict(attention.POSITION_ROW_ALIGN)
+    try:
+        measure(cfg, args, device, dtype)
+    finally:
+        attention.POSITION_ROW_ALIGN.clear()
+        attention.POSITION_ROW_ALIGN.update(saved)
+    return 0
+
+
+def measure(cfg, args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> None:
+    """One JSON line per case and micro batch: both row widths timed in turns."""
     klen = cfg.tgt_len + cfg.mem_len
     for batch in args.batches:
         cases = {f"attention/{impl}": attention_call(impl, cfg, batch, device, dtype) for impl in ("matmul", "sdpa")}
@@ -123,7 +127,6 @@ def main(argv: list[str] | None = None) -> int:
         del cases
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return 0
 
 
 if __name__ == "__main__":

@@ -272,15 +272,18 @@ def test_options_pick_the_trainer_config_stages_sets_and_test_parts(tmp_path, mo
         return 0
 
     monkeypatch.setattr(gpu_check, "run_logged", run_logged)
-    args = gpu_check.argparse.Namespace(trainer_config="configs/tiny.json", trainer_stages=[2], trainer_steps=3,
-                                        trainer_set=["train.compile=true", "model.attn_impl=sdpa"])
     p = gpu_check.Phase("deepspeed", gpu_check.Recorder(tmp_path), torch.device("cpu"), True, 100.0, {})
-    gpu_check.phase_deepspeed(p, tmp_path, tmp_path / "scratch", args)
+    gpu_check.phase_deepspeed(p, tmp_path, tmp_path / "scratch", config="configs/tiny.json", stages=[2], steps=3,
+                              extra_sets=["train.compile=true", "model.attn_impl=sdpa"])
     [(cmd, _)] = calls
     sets = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--set"]
     assert cmd[cmd.index("--config") + 1] == "configs/tiny.json"
     assert "deepspeed.zero_optimization.stage=2" in sets and "train.max_steps=3" in sets
     assert sets[-3:] == ["train.compile=true", "model.attn_impl=sdpa", "train.profile_steps=[1,2]"]
+    calls.clear()
+    gpu_check.phase_deepspeed(p, tmp_path, tmp_path / "scratch", config="configs/tiny.json", stages=[0], steps=2)
+    [(cmd, _)] = calls
+    assert not any(a.startswith("train.profile_steps") for a in cmd)  # [0, 1] would be refused: no window
     calls.clear()
     p = gpu_check.Phase("cuda_tests", gpu_check.Recorder(tmp_path), torch.device("cpu"), True, 100.0, {})
     gpu_check.phase_cuda_tests(p, tmp_path, ["not flex"])
