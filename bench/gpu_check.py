@@ -18,14 +18,17 @@ was measured), then DIR/gpu_check_table.txt (a short table):
              every test is skipped (the smoke run checks the wiring)
   deepspeed  when DeepSpeed imports: the project's own trainer (launch/train.py) on a synthetic corpus with
              the base config, ZeRO 1 and 2, bf16, tracking off; its output streams to DIR/deepspeed_zero<N>.log
-             (the end of it kept), its progress lines go to the record; ZeRO 1 profiles its steps 4-5
-             (train.profile_steps), the line naming its busiest operators and kernels goes to the record too
+             (the end of it kept), its progress lines go to the record; every stage profiles its steps 4-5
+             (train.profile_steps): its busiest kernels and where the steps' wall time went (the device's
+             busy share, the host's waits, launches per step: txl_dist/trace_summary.py) go to the record
   train      configs/large.json and configs/wt103_base.json shapes in bf16: step time, tokens/s, MFU, peak
              memory, for each implementation at micro batch 8 (flex after the first torch.compile'd case, which
              takes the fastest of the others); then for the fastest one the config accepts, micro batch 8/16/32
              with and without activation checkpointing, eager, then torch.compile'd (plain torch AdamW, no
-             DeepSpeed); the compile's warm-up time and dynamo's graph count per case; and a profile of the
-             fastest one's eager step: its busiest operators and kernels by self device time (train_profile)
+             DeepSpeed); the compile's warm-up time and dynamo's graph count per case; and profiles of the
+             fastest one's eager step and of its compiled step at the large presets' micro batch (16): the
+             busiest kernels and the wall time summary, as the trainer's (train_profile). --train-shapes and
+             --train-batches run a subset (a focused call)
 
 One deadline (start + --budget-s) holds for all: each phase gets its share plus what earlier phases left
 (minus what they overran), deepspeed at least its share (the only end-to-end run of the product trainer),
@@ -65,7 +68,8 @@ from txl_dist.config import ConfigError, MemorySettings, ModelConfig, load_confi
 from txl_dist.flops import table_peak
 from txl_dist.model import TransformerXL
 from txl_dist.model.softmax import tail_plan
-from txl_dist.profiling import profiler_activities, ranking_key, top_operators
+from txl_dist.profiling import busiest, profiler_activities, ranking_key
+from txl_dist.trace_summary import activities_from_events, summarize, summary_line
 from txl_dist.model.attention import (ATTN_IMPLS, attn_bias_from_mask, build_attn_mask, candidate_attn_impls,
                                       flex_block_mask, recompile_limit)
 
@@ -94,6 +98,10 @@ much left (the suite's CUDA tests check flex in fp32 as well)."""
 COMPILING_IMPLS = ("flex",)
 """Attention implementations whose eager training steps compile (flex_attention's kernels, per shape)."""
 TRAIN_RECOMPILE_LIMIT = 64
+TRAIN_BATCHES = (8, 16, 32)
+"""The train phase's micro batches (--train-batches picks some)."""
+PRESET_MICRO_BATCH = 16
+"""configs/large.json's micro batch: the train phase profiles its compiled step at this size."""
 PROFILE_TOP_OPS = 15
 """Operators and kernels a train_profile record lists (by self time: device time on a GPU)."""
 PROFILE_NAME_CHARS = 120
@@ -552,13 +560,15 @@ class TrainCase:
         p.sync()
         with torch.profiler.profile(activities=profiler_activities(p.device)) as prof:
             for i in range(2, steps + 2):
-                step(i)
+                with torch.profiler.record_function(f"ProfilerStep#{i}"):  # the trainer's step spans
+                    step(i)
             p.sync()
         averages = prof.key_averages()
-        ops = top_operators(averages, p.device.type, PROFILE_TOP_OPS)
+        ops = busiest(averages, p.device.type, PROFILE_TOP_OPS)
         for op in ops:
             op["name"] = op["name"][:PROFILE_NAME_CHARS]
-        return dict(sorted_by=ranking_key(averages, p.device.type), steps=steps, ops=ops)
+        return dict(sorted_by=ranking_key(averages, p.device.type), steps=steps, ops=ops,
+                    summary=summarize(activities_from_events(prof.events())))
 
     def run(self, impl: str, batch: int, checkpointing: bool, warmup: int, steps: int) -> dict[str, Any]:
         p, cfg, model = self.p, self.cfg, self.model
@@ -663,20 +673,25 @@ class TrainMatrix:
             self.estimate_s[use_compile] = time.perf_counter() - t0
         return rec
 
-    def profile(self, impl: str, batch: int) -> None:
-        """Writes a train_profile record: the busiest operators of `impl`'s eager steps, where time allows."""
+    def profile(self, impl: str, batch: int, compiled: bool = False) -> None:
+        """Writes a train_profile record: the busiest kernels (operators on a CPU) of `impl`'s steps, eager or
+        compiled, and where their wall time went (trace_summary: the device's busy share, host waits,
+        launches), where time allows."""
         p = self.p
-        key = dict(shape=self.name, impl=impl, micro_batch=batch, checkpointing=False, compile=False)
+        key = dict(shape=self.name, impl=impl, micro_batch=batch, checkpointing=False, compile=compiled)
         left, needed = self.box - time.monotonic(), PROFILE_MIN_S["smoke" if p.smoke else "gpu"]
         if needed > left:
             p.write("train_profile", **key, skipped=f"time box: {left:.0f} s left, {needed:.0f} s needed")
             return
         t0 = time.perf_counter()
         try:
-            if self.eager is None:  # the eager cases that follow use it too
+            if compiled and self.compiled is None:
+                self.free(compiled=False)
+                self.compiled = TrainCase(p, self.cfg, compiled=True)
+            elif not compiled and self.eager is None:  # the eager cases that follow use it too
                 self.free(compiled=True)
                 self.eager = TrainCase(p, self.cfg, compiled=False)
-            rec = self.eager.profile(impl, batch, steps=2)
+            rec = (self.compiled if compiled else self.eager).profile(impl, batch, steps=2)
             p.write("train_profile", **key, **rec, seconds=round(time.perf_counter() - t0, 2))
         except Exception as e:  # noqa: BLE001 - a profile is information: the cases after it still run
             p.write("train_profile", **key, error=one_line(e), trace=trace_tail())
@@ -696,18 +711,20 @@ class TrainMatrix:
         self.free(compiled=False)
 
 
-def phase_train(p: Phase) -> None:
+def phase_train(p: Phase, shapes: list[str] | None = None, batches: list[int] | None = None) -> None:
     with recompile_limit(TRAIN_RECOMPILE_LIMIT):
-        train_matrix(p)
+        train_matrix(p, shapes, batches)
 
 
-def train_matrix(p: Phase) -> None:
+def train_matrix(p: Phase, only_shapes: list[str] | None = None, only_batches: list[int] | None = None) -> None:
+    """Each shape's cases (--train-shapes, --train-batches: a subset, for a focused call)."""
     impls = [i for i in ATTN_IMPLS if i != "reference"]  # the oracle's speed is not a product question
     no_backward = [i for i in impls if not trains_here(i, p.device)]
     impls = [i for i in impls if trains_here(i, p.device)]
-    batches = (2,) if p.smoke else (8, 16, 32)
+    batches = tuple(only_batches or ((2,) if p.smoke else TRAIN_BATCHES))
+    profiled_batch = PRESET_MICRO_BATCH if PRESET_MICRO_BATCH in batches else batches[len(batches) // 2]
     warmup, steps = (1, 1) if p.smoke else (3, 5)
-    shapes = train_shapes(p.smoke)
+    shapes = {k: v for k, v in train_shapes(p.smoke).items() if not only_shapes or k in only_shapes}
     share = {"large": 0.6, "base": 0.4}
     for index, (name, cfg) in enumerate(shapes.items()):
         for impl in no_backward:
@@ -747,6 +764,9 @@ def train_matrix(p: Phase) -> None:
                             not use_compile or best == compiled_first)
                         if not done:
                             matrix.run(best, batch, checkpointing, use_compile)
+            # The compiled step the large presets run, beside the trainer's profile (phase_deepspeed): the same
+            # kernels, so a difference in the device's busy share is the trainer's host side.
+            matrix.profile(best, profiled_batch, compiled=True)
         else:
             p.write("train_best", shape=name, impl=None, survey_step_ms=survey, refused=refused,
                     reason="no implementation the config accepts ran")
@@ -843,9 +863,9 @@ def phase_deepspeed(p: Phase, out: Path, scratch: Path, *, config: str | None = 
         if p.smoke:
             sets += [f"model.vocab_size={vocab}", "model.cutoffs=[200,500]", "train.precision=fp32"]
         sets += extra_sets or []
-        # The product's own profile window (CUDA kernels included; its summary is in the log): the last two
-        # steps but the last, which needs 3 steps (profile_steps start at 1).
-        if index == 0 and steps >= 3:
+        # The product's own profile window (CUDA kernels included; its summary is in the log and the record),
+        # every stage's: the last two steps but the last, which needs 3 steps (profile_steps start at 1).
+        if steps >= 3:
             sets.append(f"train.profile_steps=[{steps - 2},{steps - 1}]")
         cmd = [sys.executable, "launch/train.py", "--config", cfg_path, "--resume", "none"]
         for s in sets:
@@ -867,9 +887,22 @@ def phase_deepspeed(p: Phase, out: Path, scratch: Path, *, config: str | None = 
                     seconds=round(time.perf_counter() - start, 1), **trainer_progress(log_path))
             raise
         finally:
+            summaries = profile_summaries(run_dir)
             shutil.rmtree(run_dir, ignore_errors=True)
         progress = trainer_progress(log_path, tail_chars=2000 if code != 0 else 0)
-        p.write("deepspeed", zero_stage=stage, exit=code, seconds=round(time.perf_counter() - start, 1), **progress)
+        p.write("deepspeed", zero_stage=stage, exit=code, seconds=round(time.perf_counter() - start, 1), **progress,
+                **({"profile_summary": summaries[0]} if summaries else {}))
+
+
+def profile_summaries(run_dir: Path) -> list[dict[str, Any]]:
+    """The trainer's profile summaries in run_dir (txl_dist/profiling.py writes one per profiling rank)."""
+    out = []
+    for path in sorted(run_dir.glob("profile/*/rank*.summary.json")):
+        try:
+            out.append(json.loads(path.read_text())["summary"])
+        except (OSError, ValueError, KeyError):
+            continue
+    return out
 
 
 def trainer_progress(log_path: Path, tail_chars: int = 0) -> dict[str, Any]:
@@ -879,7 +912,7 @@ def trainer_progress(log_path: Path, tail_chars: int = 0) -> dict[str, Any]:
     progress = [ln.strip() for ln in text.splitlines() if "tok/s" in ln]
     tok_s = [float(m.group(1)) for ln in progress if (m := re.search(r"([\d.]+) tok/s", ln))]
     profile = [ln.strip() for ln in text.splitlines() if "profile of steps" in ln]
-    result = {"tokens_per_s_last": tok_s[-1] if tok_s else None, "progress": progress[-3:], "profile": profile[-1:]}
+    result = {"tokens_per_s_last": tok_s[-1] if tok_s else None, "progress": progress[-3:], "profile": profile[-2:]}
     if tail_chars:
         result["tail"] = text[-tail_chars:]
     return result
@@ -1079,7 +1112,10 @@ def write_table(rec: Recorder, out: Path) -> Path:
     for r in (r for r in rec.records if r["kind"] == "train_profile"):
         if r.get("ops"):
             top = ", ".join(f"{op['name'][:60]} {100 * op['share']:.1f}%" for op in r["ops"][:6])
-            lines.append(f"\nbusiest in {r['shape']}/{r['impl']}/mb{r['micro_batch']} (by {r['sorted_by']}): {top}")
+            case = f"{r['shape']}/{r['impl']}/mb{r['micro_batch']}{'/compiled' if r.get('compile') else ''}"
+            lines.append(f"\nbusiest in {case} (by {r['sorted_by']}): {top}")
+            if line := summary_line(r.get("summary")):
+                lines.append(f"  {line}")
         else:
             lines.append(f"\nprofile {r['shape']}/{r['impl']}: {r.get('error', r.get('skipped'))}")
     for r in (r for r in rec.records if r["kind"] == "cuda_tests" and "selection" in r):
@@ -1094,6 +1130,8 @@ def write_table(rec: Recorder, out: Path) -> Path:
                      + (f" ({r['skipped']})" if r.get("skipped") else "")
                      + (f", log deepspeed_zero{r['zero_stage']}.log" if "exit" in r else ""))
         lines += [f"  {line.split(' ', 1)[-1]}" for line in r.get("profile", [])]
+        if line := summary_line(r.get("profile_summary")):
+            lines.append(f"  {line}")
     path = out / TABLE
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -1119,6 +1157,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trainer-steps", type=int, default=None, help="its training steps (default 6)")
     ap.add_argument("--trainer-set", action="append", default=None, metavar="KEY=VALUE",
                     help="a further --set for the trainer (repeatable), after the phase's own")
+    ap.add_argument("--train-shapes", nargs="+", choices=["large", "base"], default=None,
+                    help="the train phase's shapes (default: both)")
+    ap.add_argument("--train-batches", type=int, nargs="+", default=None,
+                    help=f"the train phase's micro batches (default: {' '.join(map(str, TRAIN_BATCHES))})")
     args = ap.parse_args(argv)
     out = Path(args.out)
     if args.cpu_smoke:
@@ -1145,7 +1187,7 @@ def main(argv: list[str] | None = None) -> int:
         "cuda_tests": lambda p: phase_cuda_tests(p, out, args.cuda_test_parts),
         "deepspeed": lambda p: phase_deepspeed(p, out, scratch, config=args.trainer_config, stages=args.trainer_stages,
                                                steps=args.trainer_steps, extra_sets=args.trainer_set),
-        "train": phase_train}
+        "train": lambda p: phase_train(p, args.train_shapes, args.train_batches)}
     carry = 0.0  # the schedule's time minus what the phases so far took: an overrun makes it negative
     code = 0
     try:

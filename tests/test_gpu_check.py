@@ -133,8 +133,8 @@ def test_train_matrix_compiles_layers_before_the_flex_survey(tmp_path, monkeypat
             calls.append((self.name, impl, batch, checkpointing, use_compile))
             return {"step_ms": {"flex": 1.0, "sdpa": 2.0, "matmul": 3.0}[impl]}
 
-        def profile(self, impl, batch):
-            calls.append((self.name, "profile " + impl, batch, False, False))
+        def profile(self, impl, batch, compiled=False):
+            calls.append((self.name, "profile " + impl, batch, False, compiled))
 
         def close(self):
             pass
@@ -147,13 +147,16 @@ def test_train_matrix_compiles_layers_before_the_flex_survey(tmp_path, monkeypat
     # The fastest is profiled once the survey has found it, before the rest of its cases.
     assert base[:5] == [("matmul", 8, False, False), ("sdpa", 8, False, False), ("sdpa", 8, False, True),
                         ("flex", 8, False, False), ("profile flex", 8, False, False)]
-    assert base[5:] == [("flex", b, c, k) for k in (False, True) for b in (8, 16, 32) for c in (False, True)
-                        if (b, c, k) != (8, False, False)]
+    # Then its other cases, and a profile of its compiled step at the presets' micro batch (16).
+    assert base[5:-1] == [("flex", b, c, k) for k in (False, True) for b in (8, 16, 32) for c in (False, True)
+                          if (b, c, k) != (8, False, False)]
+    assert base[-1] == ("profile flex", 16, False, True)
     large = [c[1:] for c in calls if c[0] == "large"]  # dropatt 0.2: flex refused, timed last for information
     assert large[:3] == [("matmul", 8, False, False), ("sdpa", 8, False, False), ("sdpa", 8, False, True)]
     assert large[3] == ("profile sdpa", 8, False, False)
-    assert large[-1] == ("flex", 8, False, False) and all(c[0] == "sdpa" for c in large[4:-1])
-    assert len(large) == 2 + 1 + 11 + 1  # the survey, the profile, sdpa's 12 cases less the one surveyed, flex
+    assert large[-2:] == [("profile sdpa", 16, False, True), ("flex", 8, False, False)]
+    assert all(c[0] == "sdpa" for c in large[4:-2])
+    assert len(large) == 2 + 1 + 11 + 1 + 1  # the survey, 2 profiles, sdpa's 12 cases less the one surveyed, flex
 
 
 def test_phase_budget_charges_overruns_and_keeps_the_deadline():

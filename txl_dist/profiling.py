@@ -4,15 +4,19 @@ Each profiling rank writes into <run.dir>/profile/steps_<first>-<last>/ (first: 
 records; a job resumed inside the window writes a folder of its own):
 - rank<r>.trace.json.gz: the Chrome trace (Perfetto and chrome://tracing open it gzipped), one
   `ProfilerStep#<step>` span per optimizer step;
-- rank<r>.ops.txt: torch's operator table, sorted by self device time on a GPU, else by self CPU time.
-Rank 0 logs where they go when the window opens, and its busiest operators when it closes; its operator
-table also goes to the MLflow run (artifacts, profile/<the folder's name>/). A job that stops
+- rank<r>.ops.txt: torch's operator table, sorted by self device time on a GPU, else by self CPU time;
+- rank<r>.summary.json: where the window's wall time went (txl_dist/trace_summary.py): on a GPU, the share of
+  it the device was busy, the host's waits for the device, kernel launches per step, the busiest kernels.
+Rank 0 logs where they go when the window opens, and when it closes its busiest kernels (GPU) or operators
+(CPU) and, on a GPU, the summary's line; its operator table and summary also go to the MLflow run
+(artifacts, profile/<the folder's name>/). A job that stops
 inside the window (a stop request, a fault) writes what it recorded. The profiler only observes: the steps'
 numbers are those of an unprofiled run (tests/test_profiling.py).
 """
 from __future__ import annotations
 
 import gzip
+import json
 import logging
 import os
 import shutil
@@ -24,6 +28,7 @@ from torch.autograd.profiler_util import FunctionEventAvg
 
 from . import distributed
 from .atomic import atomic_path, atomic_write
+from .trace_summary import activities_from_events, summarize, summary_line
 
 log = logging.getLogger(distributed.LOGGER_NAME)
 
@@ -66,13 +71,22 @@ def ranking_key(averages: list[Any], device_type: str) -> str:
     return key
 
 
-def top_operators(averages: list[Any], device_type: str, limit: int) -> list[dict[str, Any]]:
-    """The `limit` operators (or kernels) with the most self time in a profile's key_averages(): name, calls,
-    self time in ms and its share of all self time (of that kind: device on a GPU, CPU else; see
-    ranking_key)."""
+def busiest(averages: list[Any], device_type: str, limit: int) -> list[dict[str, Any]]:
+    """The `limit` entries of a profile's key_averages() with the most self time: name, calls, self time in ms
+    and its share of the total, of that kind (see ranking_key). By device time, the entries are what ran on
+    the device (kernels, copies, fills), as torch's own total counts them: an operator's self device time is
+    its kernels' again, and an annotation's (`ProfilerStep*`, a compiled graph's `## Call CompiledFxGraph`)
+    is the length of its span on the device, idle time included (46% of "device time" in the first GPU
+    run's log was the step span itself). By CPU time, every entry: an annotation's self CPU time is what no
+    operator inside it accounts for (`ProfilerStep*`: Python, the loop, DeepSpeed's bookkeeping; a compiled
+    graph's: its C++ kernels, which are no aten operators)."""
     key = ranking_key(averages, device_type)
-    total = sum(getattr(e, key) for e in averages) or 1.0
-    ranked = sorted(averages, key=lambda e: getattr(e, key), reverse=True)[:limit]
+    rows = averages
+    if key != "self_cpu_time_total":
+        rows = [e for e in averages if not getattr(e, "is_user_annotation", False)
+                and getattr(e.device_type, "name", "CPU") != "CPU"]
+    total = sum(getattr(e, key) for e in rows) or 1.0
+    ranked = sorted(rows, key=lambda e: getattr(e, key), reverse=True)[:limit]
     return [{"name": e.key, "calls": e.count, "self_ms": round(getattr(e, key) / 1e3, 3),
              "share": round(getattr(e, key) / total, 4)} for e in ranked]
 
@@ -136,32 +150,32 @@ class StepProfiler:
         self._profiler.start()
         self._first_recorded = step
 
-    def after_step(self, step: int) -> Path | None:
+    def after_step(self, step: int) -> list[Path]:
         """Called after optimizer step `step`: ends the step's span; at the window's last step, writes the
-        profile and returns the operator table's path."""
+        profile and returns the paths of the operator table and the summary (the files MLflow gets)."""
         if self._profiler is None:
-            return None
+            return []
         self._end_step_span()
-        return self._finish(step) if step >= self.window[1] else None
+        return self._finish(step) if step >= self.window[1] else []
 
-    def close(self, step: int) -> Path | None:
+    def close(self, step: int) -> list[Path]:
         """The job ends (normally, on a stop request or a fault) after `step`: writes what was recorded and
-        returns the operator table's path (None when nothing was recorded or the writing failed)."""
+        returns the paths after_step returns (none when nothing was recorded or the writing failed)."""
         if self._profiler is None:
-            return None
+            return []
         try:
             return self._finish(step)
         except Exception as e:  # noqa: BLE001 - a failed profile must not hide the job's own outcome
             log.warning("rank %d: the profile of steps %d..%d was not written: %s", self.rank,
                         self._first_recorded, step, e)
-            return None
+            return []
 
     def _end_step_span(self) -> None:
         span, self._step_span = self._step_span, None
         if span is not None:
             span.__exit__(None, None, None)
 
-    def _finish(self, step: int) -> Path:
+    def _finish(self, step: int) -> list[Path]:
         self._end_step_span()
         profiler, self._profiler, self._done = self._profiler, None, True
         profiler.stop()
@@ -182,8 +196,18 @@ class StepProfiler:
         recorded = f"steps {self._first_recorded}..{step}"
         ops = atomic_write(self.folder / f"rank{self.rank:05d}.ops.txt",
                            f"rank {self.rank}, {recorded}, sorted by {key}\n{table}\n")
+        written, summary = [ops], None
+        try:
+            summary = summarize(activities_from_events(profiler.events()))
+            written.append(atomic_write(self.folder / f"rank{self.rank:05d}.summary.json",
+                                        json.dumps({"rank": self.rank, "summary": summary}, indent=1) + "\n"))
+        except Exception as e:  # noqa: BLE001 - an analysis of the events must not stop the training
+            log.warning("rank %d: the profile's summary was not written: %s", self.rank, e)
         if self.is_main:
-            top = top_operators(averages, self.device.type, LOGGED_OPS)
+            top = busiest(averages, self.device.type, LOGGED_OPS)
             log.info("profile of %s written to %s; by %s: %s", recorded, self.folder, key,
                      ", ".join(f"{op['name']} {100 * op['share']:.1f}%" for op in top))
-        return ops
+            line = summary_line(summary)
+            if line:
+                log.info("profile of %s: %s", recorded, line)
+        return written

@@ -141,13 +141,12 @@ class Trainer:
             self._log_profile(self.profiler.close(self.step))
             self.stop.restore()
 
-    def _log_profile(self, ops_table: Path | None) -> None:
-        if ops_table is None:
-            return
-        try:
-            self.tracker.log_artifact(ops_table, f"profile/{ops_table.parent.name}")
-        except Exception as e:  # noqa: BLE001 - also runs while a fault unwinds: it must not replace it
-            log.warning("tracking: the profile's operator table was not logged: %s", e)
+    def _log_profile(self, files: list[Path]) -> None:
+        for path in files:
+            try:
+                self.tracker.log_artifact(path, f"profile/{path.parent.name}")
+            except Exception as e:  # noqa: BLE001 - also runs while a fault unwinds: it must not replace it
+                log.warning("tracking: the profile's %s was not logged: %s", path.name, e)
 
     def _loop(self, last: int) -> int:
         cfg = self.cfg
