@@ -30,9 +30,10 @@ was measured), then DIR/gpu_check_table.txt (a short table):
              busiest kernels and the wall time summary, as the trainer's (train_profile). --train-shapes and
              --train-batches run a subset (a focused call)
 
-One deadline (start + --budget-s) holds for all: each phase gets its share plus what earlier phases left
+One deadline (start + --budget-s) holds for all: the phases run (--phases, in the order given) share it by
+their PHASE_BUDGET weights; each phase gets its share plus what earlier phases left
 (minus what they overran), deepspeed at least its share (the only end-to-end run of the product trainer),
-and train, last, what is left. DIR receives only small files (the device tool brings back at most 8 files
+and the last phase what is left. DIR receives only small files (the device tool brings back at most 8 files
 of at most 16 MiB); the corpus and the trainer's run folders go to a temporary folder that is removed.
 Every record has "phase" and "kind"; each phase ends with a {"kind": "phase", "status": ...} record
 (ok, error, skipped, truncated or killed, with the reason). --cpu-smoke runs every phase at toy size on the
@@ -1179,7 +1180,8 @@ def main(argv: list[str] | None = None) -> int:
     rec.write({"phase": "start", "kind": "start", "argv": sys.argv[1:], "smoke": args.cpu_smoke,
                "budget_s": args.budget_s, "scratch": str(scratch)})
     budgets = SMOKE_BUDGET if args.cpu_smoke else PHASE_BUDGET
-    scale = args.budget_s / sum(budgets.values())
+    # The phases run share the whole budget (a focused call with --phases gets all of it).
+    scale = args.budget_s / sum(budgets[name] for name in set(args.phases))
     signal.signal(signal.SIGTERM, _terminate)
     shared: dict[str, Any] = {}
     fns: dict[str, Callable[[Phase], None]] = {

@@ -292,3 +292,20 @@ def test_options_pick_the_trainer_config_stages_sets_and_test_parts(tmp_path, mo
     gpu_check.phase_cuda_tests(p, tmp_path, ["not flex"])
     [(cmd, env)] = calls
     assert cmd[cmd.index("-k") + 1] == "not flex" and env.get("DS_ACCELERATOR") == os.environ.get("DS_ACCELERATOR")
+
+
+def test_a_focused_call_shares_the_whole_budget_among_its_phases_in_its_order(tmp_path, monkeypatch):
+    # --phases env train deepspeed: the three share --budget-s by their weights (not a third of the time, as
+    # when the phases left out kept their shares), run in the order given, and the last gets what is left.
+    ran = []
+    monkeypatch.setattr(gpu_check, "run_phase", lambda name, fn, rec, device, smoke, budget, shared:
+                        ran.append((name, budget)))
+    weights = gpu_check.SMOKE_BUDGET
+    total = weights["env"] + weights["train"] + weights["deepspeed"]
+    assert gpu_check.main(["--cpu-smoke", "--out", str(tmp_path), "--budget-s", str(2 * total),
+                           "--phases", "env", "train", "deepspeed"]) == 0
+    assert [name for name, _ in ran] == ["env", "train", "deepspeed"]
+    env, train, deepspeed = (budget for _, budget in ran)
+    assert env == pytest.approx(2 * weights["env"], abs=0.5)
+    assert train == pytest.approx(2 * (weights["train"] + weights["env"]), abs=1.0)  # env used none of its share
+    assert deepspeed == pytest.approx(2 * total, abs=1.0)  # the last: all that is left (none was used)
