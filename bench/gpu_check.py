@@ -69,8 +69,8 @@ from txl_dist.config import ConfigError, MemorySettings, ModelConfig, load_confi
 from txl_dist.flops import table_peak
 from txl_dist.model import TransformerXL
 from txl_dist.model.softmax import tail_plan
-from txl_dist.profiling import busiest, profiler_activities, ranking_key
-from txl_dist.trace_summary import activities_from_events, summarize, summary_line
+from txl_dist.profiling import busiest, profiler_activities, ranking_key, window_summary
+from txl_dist.trace_summary import summary_line
 from txl_dist.model.attention import (ATTN_IMPLS, attn_bias_from_mask, build_attn_mask, candidate_attn_impls,
                                       flex_block_mask, recompile_limit)
 
@@ -569,7 +569,7 @@ class TrainCase:
         for op in ops:
             op["name"] = op["name"][:PROFILE_NAME_CHARS]
         return dict(sorted_by=ranking_key(averages, p.device.type), steps=steps, ops=ops,
-                    summary=summarize(activities_from_events(prof.events())))
+                    summary=window_summary(prof.events(), averages))
 
     def run(self, impl: str, batch: int, checkpointing: bool, warmup: int, steps: int) -> dict[str, Any]:
         p, cfg, model = self.p, self.cfg, self.model

@@ -93,7 +93,9 @@ def test_a_chrome_trace_gives_the_same_summary(tmp_path, capsys):
     assert main([str(empty)]) == 1
 
 
-def test_torch_event_objects_give_the_same_summary():
+def _function_events() -> list:
+    """WINDOW as torch.profiler's event objects (`profiler.events()`), with a step's span on the device and an
+    operator, which are neither steps nor device activity."""
     from torch.autograd import DeviceType
     from torch.autograd.profiler_util import FunctionEvent
 
@@ -106,10 +108,32 @@ def test_torch_event_objects_give_the_same_summary():
         return e
 
     events = [event(a, is_user_annotation=a.kind == "step") for a in WINDOW]
-    # A step's span on the device and an operator are neither steps nor device activity.
-    events += [event(Activity("step", "ProfilerStep#4", 0.0, 300.0), device_type=DeviceType.CUDA,
-                     is_user_annotation=True), event(Activity("api", "aten::mm", 1.0, 2.0))]
-    assert summarize(activities_from_events(events)) == summarize(WINDOW)
+    return events + [event(Activity("step", "ProfilerStep#4", 0.0, 300.0), device_type=DeviceType.CUDA,
+                           is_user_annotation=True), event(Activity("api", "aten::mm", 1.0, 2.0))]
+
+
+def test_torch_event_objects_give_the_same_summary():
+    assert summarize(activities_from_events(_function_events())) == summarize(WINDOW)
+
+
+def test_a_gpu_window_names_where_the_host_spent_its_time():
+    """profiling.window_summary adds the entries with the most self CPU time when the device was traced (a step
+    that waits on its host spends it there), and the log line names them."""
+    from torch.autograd.profiler_util import FunctionEventAvg
+
+    from txl_dist.profiling import window_summary
+
+    def entry(name, cpu_us):
+        e = FunctionEventAvg()
+        e.key, e.count, e.self_cpu_time_total = name, 1, cpu_us
+        return e
+
+    averages = [entry("aten::mm", 100.0), entry("ProfilerStep*", 300.0), entry("cudaLaunchKernel", 600.0)]
+    summary = window_summary(_function_events(), averages, host_rows=2)
+    assert [op["name"] for op in summary["host_busiest"]] == ["cudaLaunchKernel", "ProfilerStep*"]
+    assert summary_line(summary).endswith("; the host's busiest: cudaLaunchKernel 60.0%, ProfilerStep* 30.0%")
+    cpu_only = [e for e in _function_events() if getattr(e.device_type, "name", "") == "CPU"]
+    assert "host_busiest" not in window_summary(cpu_only, averages)  # nothing traced on a device
 
 
 def test_a_real_cpu_profile_has_its_steps_and_no_device():

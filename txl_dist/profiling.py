@@ -6,7 +6,8 @@ records; a job resumed inside the window writes a folder of its own):
   `ProfilerStep#<step>` span per optimizer step;
 - rank<r>.ops.txt: torch's operator table, sorted by self device time on a GPU, else by self CPU time;
 - rank<r>.summary.json: where the window's wall time went (txl_dist/trace_summary.py): on a GPU, the share of
-  it the device was busy, the host's waits for the device, kernel launches per step, the busiest kernels.
+  it the device was busy, the host's waits for the device, kernel launches per step, the busiest kernels,
+  and the operators with the most self CPU time (what a step that waits on its host spends it on).
 Rank 0 logs where they go when the window opens, and when it closes its busiest kernels (GPU) or operators
 (CPU) and, on a GPU, the summary's line; its operator table and summary also go to the MLflow run
 (artifacts, profile/<the folder's name>/). A job that stops
@@ -89,6 +90,16 @@ def busiest(averages: list[Any], device_type: str, limit: int) -> list[dict[str,
     ranked = sorted(rows, key=lambda e: getattr(e, key), reverse=True)[:limit]
     return [{"name": e.key, "calls": e.count, "self_ms": round(getattr(e, key) / 1e3, 3),
              "share": round(getattr(e, key) / total, 4)} for e in ranked]
+
+
+def window_summary(events: Any, averages: list[Any], host_rows: int = LOGGED_OPS) -> dict[str, Any] | None:
+    """trace_summary's summary of a profiled window (`profiler.events()`), with, when the device was traced,
+    "host_busiest": the `host_rows` entries with the most self CPU time (busiest): where a step that waits on
+    its host spends it (Python, launches, DeepSpeed's hooks)."""
+    summary = summarize(activities_from_events(events))
+    if summary is not None and summary["device"] is not None:
+        summary["host_busiest"] = busiest(averages, "cpu", host_rows)
+    return summary
 
 
 class StepProfiler:
@@ -198,7 +209,7 @@ class StepProfiler:
                            f"rank {self.rank}, {recorded}, sorted by {key}\n{table}\n")
         written, summary = [ops], None
         try:
-            summary = summarize(activities_from_events(profiler.events()))
+            summary = window_summary(profiler.events(), averages)
             written.append(atomic_write(self.folder / f"rank{self.rank:05d}.summary.json",
                                         json.dumps({"rank": self.rank, "summary": summary}, indent=1) + "\n"))
         except Exception as e:  # noqa: BLE001 - an analysis of the events must not stop the training

@@ -181,17 +181,20 @@ def _covered(merged: list[tuple[float, float]], lo: float, hi: float) -> float:
 
 
 def summary_line(summary: dict[str, Any] | None) -> str | None:
-    """One log line of a GPU window's summary; None when there is no device activity to speak of."""
+    """One log line of a GPU window's summary (with the host's busiest operators when the summary holds them,
+    "host_busiest": txl_dist/profiling.py adds them); None when there is no device activity to speak of."""
     if not summary or not summary["device"]:
         return None
     d = summary["device"]
     waits = ", ".join(f"{k} x{v['calls']}" for k, v in summary["host_waits"].items()) or "none"
     top = ", ".join(f"{k['name'][:60]} {100 * k['share']:.1f}%" for k in d["top"][:4])
     per_step = ", ".join(f"{100 * s:.1f}%" for s in d["busy_share_per_step"])
+    host = ", ".join(f"{k['name'][:60]} {100 * k['share']:.1f}%" for k in summary.get("host_busiest", [])[:4])
     return (f"device busy {100 * d['busy_share']:.1f}% of {summary['window_ms']:.0f} ms "
             f"(per step {per_step}); host waits {summary['host_waits_per_step']:g} per step, "
             f"{summary['host_wait_ms_per_step']:.1f} ms ({waits}); {summary['launches_per_step']:.0f} launches per "
-            f"step, mean device activity {d['mean_activity_us']:.0f} us; busiest: {top}")
+            f"step, mean device activity {d['mean_activity_us']:.0f} us; busiest: {top}"
+            + (f"; the host's busiest: {host}" if host else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
