@@ -69,8 +69,8 @@ from txl_dist.config import ConfigError, MemorySettings, ModelConfig, load_confi
 from txl_dist.flops import table_peak
 from txl_dist.model import TransformerXL
 from txl_dist.model.softmax import tail_plan
-from txl_dist.profiling import busiest, profiler_activities, ranking_key, window_summary
-from txl_dist.trace_summary import summary_line
+from txl_dist.profiling import profiler_activities
+from txl_dist.trace_summary import analyze, busiest, read_trace, summary_line
 from txl_dist.model.attention import (ATTN_IMPLS, attn_bias_from_mask, build_attn_mask, candidate_attn_impls,
                                       flex_block_mask, recompile_limit)
 
@@ -564,12 +564,15 @@ class TrainCase:
                 with torch.profiler.record_function(f"ProfilerStep#{i}"):  # the trainer's step spans
                     step(i)
             p.sync()
-        averages = prof.key_averages()
-        ops = busiest(averages, p.device.type, PROFILE_TOP_OPS)
+        with tempfile.TemporaryDirectory() as folder:
+            prof.export_chrome_trace(f"{folder}/trace.json")
+            times, summary = analyze(read_trace(f"{folder}/trace.json"), PROFILE_TOP_OPS)
+        side = "device" if times.device else "host"
+        ops = busiest(times, side, PROFILE_TOP_OPS)
         for op in ops:
             op["name"] = op["name"][:PROFILE_NAME_CHARS]
-        return dict(sorted_by=ranking_key(averages, p.device.type), steps=steps, ops=ops,
-                    summary=window_summary(prof.events(), averages))
+        return dict(sorted_by="device time" if side == "device" else "self CPU time", steps=steps, ops=ops,
+                    summary=summary)
 
     def run(self, impl: str, batch: int, checkpointing: bool, warmup: int, steps: int) -> dict[str, Any]:
         p, cfg, model = self.p, self.cfg, self.model

@@ -84,12 +84,13 @@ def test_cpu_smoke_runs_every_phase(tmp_path):
     assert all(r["recompile_limit_hits"] == 0 for r in steps), steps
     assert all(r["dynamo_graphs"] == 0 for r in steps if not r["compile"]), steps
     assert all(r["warmup_s"] >= r["compile_s"] >= 0 for r in steps)
-    # Each shape's fastest eager case was profiled: its busiest operators by self CPU time here.
-    profiles = {r["shape"]: r for r in by_kind["train_profile"]}
-    assert set(profiles) == {"large", "base"}, by_kind["train_profile"]
-    for shape, r in profiles.items():
+    # Each shape's fastest case was profiled eager and compiled: its busiest operators by self CPU time here.
+    profiles = {(r["shape"], r["compile"]): r for r in by_kind["train_profile"]}
+    assert set(profiles) == {(s, c) for s in ("large", "base") for c in (False, True)}, by_kind["train_profile"]
+    for (shape, _), r in profiles.items():
         assert r["impl"] == next(b["impl"] for b in by_kind["train_best"] if b["shape"] == shape)
-        assert r["sorted_by"] == "self_cpu_time_total" and len(r["ops"]) == 15, r
+        assert r["sorted_by"] == "self CPU time" and len(r["ops"]) == 15, r
+        assert r["summary"]["steps"] == [2, 3] and r["summary"]["device"] is None, r
         assert 0 < sum(op["share"] for op in r["ops"]) <= 1.0001 and any(op["name"] == "aten::mm" for op in r["ops"])
     assert "busiest in large/" in (out / "gpu_check_table.txt").read_text()
     # tests/test_gpu.py ran in both parts, every test of it skipped here (no CUDA), none failed or missing; the

@@ -1,16 +1,18 @@
 """txl_dist/trace_summary.py: the device's busy share, the host's waits and the launches of a profiled window,
-against numbers worked out by hand from a synthetic window; the same from torch's event objects and from a
-Chrome trace; and a real CPU profile (steps, no device)."""
+against numbers worked out by hand from a synthetic window, also read from a Chrome trace; the operator times
+of a real CPU profile against torch's own key_averages(); a GPU-shaped trace's device table and host list."""
 from __future__ import annotations
 
 import gzip
 import json
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 
-from txl_dist.trace_summary import (Activity, activities_from_events, activities_from_trace, main, summarize,
-                                    summary_line)
+from txl_dist.trace_summary import (Activity, activities_from_trace, analyze, busiest, main, operator_table,
+                                    operator_times, summarize, summary_line)
 
 # Two steps, 0-100 us and 100-250 us; the device runs behind the host and finishes at 260 us.
 # Kernels: stream 7 [10, 40] and [30, 60] (overlapping: union [10, 60]), stream 9 [50, 90] (union [10, 90]),
@@ -87,61 +89,87 @@ def test_a_chrome_trace_gives_the_same_summary(tmp_path, capsys):
     assert main([str(path)]) == 0
     assert capsys.readouterr().out.startswith("device busy 69.2%")
     assert main([str(path), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out) == summarize(WINDOW)
+    printed = json.loads(capsys.readouterr().out)
+    assert [r["name"] for r in printed.pop("host_busiest")][:2] == ["ProfilerStep*", "cudaStreamSynchronize"]
+    assert printed == summarize(WINDOW)
     empty = tmp_path / "empty.json"
     empty.write_text(json.dumps({"traceEvents": []}))
     assert main([str(empty)]) == 1
 
 
-def _function_events() -> list:
-    """WINDOW as torch.profiler's event objects (`profiler.events()`), with a step's span on the device and an
-    operator, which are neither steps nor device activity."""
-    from torch.autograd import DeviceType
-    from torch.autograd.profiler_util import FunctionEvent
+def test_self_cpu_times_equal_torchs_key_averages():
+    """The independent reference: torch's own table of the same profile (a model's forward and backward)."""
+    import dataclasses
 
-    def event(a: Activity, **kw) -> FunctionEvent:
-        kw.setdefault("device_type", DeviceType.CUDA if a.kind == "device" else DeviceType.CPU)
-        e = FunctionEvent(id=0, name=a.name, thread=1, start_us=a.start, end_us=a.end, trace_name=a.name,
-                          device_resource_id=a.stream, **kw)
-        if a.kind == "step":  # torch names every step "ProfilerStep*" in `name`
-            e.name = "ProfilerStep*"
-        return e
+    from txl_dist.config import ModelConfig
+    from txl_dist.model import TransformerXL
 
-    events = [event(a, is_user_annotation=a.kind == "step") for a in WINDOW]
-    return events + [event(Activity("step", "ProfilerStep#4", 0.0, 300.0), device_type=DeviceType.CUDA,
-                           is_user_annotation=True), event(Activity("api", "aten::mm", 1.0, 2.0))]
-
-
-def test_torch_event_objects_give_the_same_summary():
-    assert summarize(activities_from_events(_function_events())) == summarize(WINDOW)
-
-
-def test_a_gpu_window_names_where_the_host_spent_its_time():
-    """profiling.window_summary adds the entries with the most self CPU time when the device was traced (a step
-    that waits on its host spends it there), and the log line names them."""
-    from torch.autograd.profiler_util import FunctionEventAvg
-
-    from txl_dist.profiling import window_summary
-
-    def entry(name, cpu_us):
-        e = FunctionEventAvg()
-        e.key, e.count, e.self_cpu_time_total = name, 1, cpu_us
-        return e
-
-    averages = [entry("aten::mm", 100.0), entry("ProfilerStep*", 300.0), entry("cudaLaunchKernel", 600.0)]
-    summary = window_summary(_function_events(), averages, host_rows=2)
-    assert [op["name"] for op in summary["host_busiest"]] == ["cudaLaunchKernel", "ProfilerStep*"]
-    assert summary_line(summary).endswith("; the host's busiest: cudaLaunchKernel 60.0%, ProfilerStep* 30.0%")
-    cpu_only = [e for e in _function_events() if getattr(e.device_type, "name", "") == "CPU"]
-    assert "host_busiest" not in window_summary(cpu_only, averages)  # nothing traced on a device
+    cfg = ModelConfig(vocab_size=300, n_layer=2, d_model=32, n_head=2, d_head=16, d_inner=64, cutoffs=[100, 200],
+                      div_val=2, tgt_len=8, mem_len=8, attn_impl="matmul")
+    model = TransformerXL(dataclasses.replace(cfg))
+    ids = torch.randint(0, 300, (2, 8))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        for step in (3, 4):
+            with torch.profiler.record_function(f"ProfilerStep#{step}"):
+                model(ids, ids).nll.mean().backward()
+    path = Path(tempfile.mkdtemp()) / "trace.json"
+    prof.export_chrome_trace(str(path))
+    times = operator_times(json.loads(path.read_text()))
+    theirs = {e.key: e for e in prof.key_averages()}
+    assert set(theirs) <= set(times.host) and "ProfilerStep*" in theirs
+    for name, e in theirs.items():
+        calls, self_us, total_us = times.host[name]
+        assert calls == e.count, name
+        assert self_us == pytest.approx(e.self_cpu_time_total, abs=1e-3), name
+        assert total_us == pytest.approx(e.cpu_time_total, abs=1e-3), name
+    assert times.device == {}
+    assert busiest(times, "host", 1)[0]["name"] == max(theirs, key=lambda k: theirs[k].self_cpu_time_total)
 
 
-def test_a_real_cpu_profile_has_its_steps_and_no_device():
+def _gpu_trace() -> dict:
+    """_chrome_trace() with the operators around the launches: the host's nesting on two threads."""
+    trace = _chrome_trace()
+    trace["traceEvents"] += [
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 1e6 + 4.0, "dur": 4.0, "pid": 0, "tid": 1},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 1e6 + 109.0, "dur": 4.0, "pid": 0, "tid": 1},
+        {"ph": "X", "cat": "cpu_op", "name": "autograd::engine", "ts": 1e6 + 20.0, "dur": 30.0, "pid": 0, "tid": 2},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 1e6 + 24.0, "dur": 4.0, "pid": 0, "tid": 2},
+        {"ph": "X", "cat": "Trace", "name": "PyTorch Profiler (0)", "ts": 1e6, "dur": 400.0, "pid": 0, "tid": 1}]
+    return trace
+
+
+def test_a_gpu_trace_gives_kernels_by_device_time_and_operators_by_self_cpu_time(tmp_path, capsys):
+    times, summary = analyze(_gpu_trace(), host_rows=3)
+    assert times.device == {"gemm": [3, 100.0], "reduce": [1, 40.0], "Memcpy DtoH": [1, 60.0]}
+    # Thread 1: step 4 (100 us) holds an mm of 4 us (a launch of 1 inside), two more launches and a wait of
+    # 30; step 5 (150 us) an mm of 4 (a launch inside) and a wait of 60. Thread 2 (the backward's): 30 us
+    # holding an mm of 4. _chrome_trace's own mm of 5 us is on a thread of its own.
+    assert times.host["aten::mm"] == [4, 3.0 + 3.0 + 4.0 + 5.0, 17.0]
+    assert times.host["autograd::engine"] == [1, 26.0, 30.0]
+    assert times.host["ProfilerStep*"] == [2, (100 - 4 - 1 - 1 - 30) + (150 - 4 - 60), 250.0]
+    assert times.host["cudaLaunchKernel"] == [4, 4.0, 4.0]
+    assert "PyTorch Profiler (0)" not in times.host  # the trace's own span
+    assert sum(r[1] for r in times.host.values()) == pytest.approx(250.0 + 30.0 + 5.0)  # the top-level spans
+    assert busiest(times, "device", 1) == [{"name": "gemm", "calls": 3, "self_ms": 0.1, "share": 0.5}]
+    assert [r["name"] for r in summary["host_busiest"]] == [r["name"] for r in busiest(times, "host", 3)]
+    table = operator_table(times, 5)
+    assert table.startswith("host: operators by self CPU time") and "device: kernels, copies and fills" in table
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(_gpu_trace()))
+    assert main([str(path), "--table", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "device: kernels" in out and "the host's busiest: ProfilerStep*" in out
+
+
+def test_a_real_cpu_profile_has_its_steps_and_no_device(tmp_path):
     x = torch.randn(64, 64)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for step in (7, 8):
             with torch.profiler.record_function(f"ProfilerStep#{step}"):
                 x = x @ x / 64
-    s = summarize(activities_from_events(prof.events()))
+    prof.export_chrome_trace(str(tmp_path / "trace.json"))
+    times, s = analyze(json.loads((tmp_path / "trace.json").read_text()))
     assert s["steps"] == [7, 8] and s["device"] is None and s["launches_per_step"] == 0.0
-    assert s["window_ms"] == pytest.approx(sum(s["step_ms"]))
+    assert "host_busiest" not in s  # a CPU window: the operator table says it all
+    assert s["window_ms"] == pytest.approx(sum(s["step_ms"]), abs=0.002)  # each rounded to a microsecond
+    assert times.host["aten::mm"][0] == 2

@@ -207,8 +207,8 @@ class TrainConfig:
     """[first, last]: record optimizer steps first..last (inclusive) with torch.profiler on the ranks of
     train.profile_ranks. Each writes into <run.dir>/profile/steps_<f>-<last>/ (f: the first step this job
     records; a job resumed inside the window writes beside the stopped one) rank<r>.trace.json.gz (a Chrome
-    trace, for Perfetto or chrome://tracing), rank<r>.ops.txt (operators by self time: device time on a
-    GPU, CPU time else) and rank<r>.summary.json (on a GPU: the device's busy share of the steps' wall time,
+    trace, for Perfetto or chrome://tracing), rank<r>.ops.txt (operators by self CPU time, and on a GPU the
+    kernels by device time) and rank<r>.summary.json (on a GPU: the device's busy share of the steps' wall time,
     the host's waits for it, launches per step, the busiest kernels); rank 0 logs its busiest kernels (GPU)
     or operators (CPU), and on a GPU the summary's line. Evaluations and saves inside the window are
     recorded too. Profiled steps run slower (train/step_time_s shows it), with the same numbers. null: off."""

@@ -4,14 +4,15 @@ Each profiling rank writes into <run.dir>/profile/steps_<first>-<last>/ (first: 
 records; a job resumed inside the window writes a folder of its own):
 - rank<r>.trace.json.gz: the Chrome trace (Perfetto and chrome://tracing open it gzipped), one
   `ProfilerStep#<step>` span per optimizer step;
-- rank<r>.ops.txt: torch's operator table, sorted by self device time on a GPU, else by self CPU time;
-- rank<r>.summary.json: where the window's wall time went (txl_dist/trace_summary.py): on a GPU, the share of
-  it the device was busy, the host's waits for the device, kernel launches per step, the busiest kernels,
-  and the operators with the most self CPU time (what a step that waits on its host spends it on).
+- rank<r>.ops.txt: the operator table (txl_dist/trace_summary.py, from the trace): operators by self CPU
+  time, and on a GPU the kernels, copies and fills by device time;
+- rank<r>.summary.json: where the window's wall time went: on a GPU, the share of it the device was busy, the
+  host's waits for the device, kernel launches per step, the busiest kernels, and the operators with the
+  most self CPU time (what a step that waits on its host spends it on).
 Rank 0 logs where they go when the window opens, and when it closes its busiest kernels (GPU) or operators
 (CPU) and, on a GPU, the summary's line; its operator table and summary also go to the MLflow run
-(artifacts, profile/<the folder's name>/). A job that stops
-inside the window (a stop request, a fault) writes what it recorded. The profiler only observes: the steps'
+(artifacts, profile/<the folder's name>/). A job that stops inside the window (a stop request, a fault)
+writes what it recorded. The profiler only observes: the steps'
 numbers are those of an unprofiled run (tests/test_profiling.py).
 """
 from __future__ import annotations
@@ -22,14 +23,12 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Any
 
 import torch
-from torch.autograd.profiler_util import FunctionEventAvg
 
 from . import distributed
 from .atomic import atomic_path, atomic_write
-from .trace_summary import activities_from_events, summarize, summary_line
+from .trace_summary import analyze, busiest, operator_table, read_trace, summary_line
 
 log = logging.getLogger(distributed.LOGGER_NAME)
 
@@ -37,11 +36,6 @@ PROFILE_DIR = "profile"
 """The profiles' folder inside the run folder."""
 OPS_TABLE_ROWS = 60
 LOGGED_OPS = 8
-
-# torch renamed the CUDA timings "device" timings (2.4); both names are tried so that either torch works (they
-# are instance attributes: the class itself has neither).
-_DEVICE_SELF_TIME = next((name for name in ("self_device_time_total", "self_cuda_time_total")
-                          if hasattr(FunctionEventAvg(), name)), None)
 
 
 def window_folder(run_dir: str | os.PathLike, first: int, last: int) -> Path:
@@ -56,50 +50,6 @@ def profiler_activities(device: torch.device) -> list[torch.profiler.ProfilerAct
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     return activities
-
-
-def self_time_key(device_type: str) -> str:
-    """The key_averages() attribute that ranks operators: self device time on a GPU, self CPU time else."""
-    return _DEVICE_SELF_TIME if device_type == "cuda" and _DEVICE_SELF_TIME else "self_cpu_time_total"
-
-
-def ranking_key(averages: list[Any], device_type: str) -> str:
-    """self_time_key, or self CPU time when the profile holds no device time (a GPU whose kernel tracing,
-    CUPTI, was not available: torch then records the CPU side only)."""
-    key = self_time_key(device_type)
-    if key != "self_cpu_time_total" and not any(getattr(e, key) for e in averages):
-        return "self_cpu_time_total"
-    return key
-
-
-def busiest(averages: list[Any], device_type: str, limit: int) -> list[dict[str, Any]]:
-    """The `limit` entries of a profile's key_averages() with the most self time: name, calls, self time in ms
-    and its share of the total, of that kind (see ranking_key). By device time, the entries are what ran on
-    the device (kernels, copies, fills), as torch's own total counts them: an operator's self device time is
-    its kernels' again, and an annotation's (`ProfilerStep*`, a compiled graph's `## Call CompiledFxGraph`)
-    is the length of its span on the device, idle time included (46% of "device time" in the first GPU
-    run's log was the step span itself). By CPU time, every entry: an annotation's self CPU time is what no
-    operator inside it accounts for (`ProfilerStep*`: Python, the loop, DeepSpeed's bookkeeping; a compiled
-    graph's: its C++ kernels, which are no aten operators)."""
-    key = ranking_key(averages, device_type)
-    rows = averages
-    if key != "self_cpu_time_total":
-        rows = [e for e in averages if not getattr(e, "is_user_annotation", False)
-                and getattr(e.device_type, "name", "CPU") != "CPU"]
-    total = sum(getattr(e, key) for e in rows) or 1.0
-    ranked = sorted(rows, key=lambda e: getattr(e, key), reverse=True)[:limit]
-    return [{"name": e.key, "calls": e.count, "self_ms": round(getattr(e, key) / 1e3, 3),
-             "share": round(getattr(e, key) / total, 4)} for e in ranked]
-
-
-def window_summary(events: Any, averages: list[Any], host_rows: int = LOGGED_OPS) -> dict[str, Any] | None:
-    """trace_summary's summary of a profiled window (`profiler.events()`), with, when the device was traced,
-    "host_busiest": the `host_rows` entries with the most self CPU time (busiest): where a step that waits on
-    its host spends it (Python, launches, DeepSpeed's hooks)."""
-    summary = summarize(activities_from_events(events))
-    if summary is not None and summary["device"] is not None:
-        summary["host_busiest"] = busiest(averages, "cpu", host_rows)
-    return summary
 
 
 class StepProfiler:
@@ -193,31 +143,36 @@ class StepProfiler:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.folder.mkdir(parents=True, exist_ok=True)
-        trace = self.folder / f"rank{self.rank:05d}.trace.json.gz"
+        trace_path = self.folder / f"rank{self.rank:05d}.trace.json.gz"
         raw = self.folder / f".rank{self.rank:05d}.trace.{os.getpid()}.json"
         try:
             profiler.export_chrome_trace(str(raw))
-            with atomic_path(trace) as tmp, open(raw, "rb") as src, gzip.open(tmp, "wb", compresslevel=3) as dst:
+            trace = read_trace(raw)
+            with atomic_path(trace_path) as tmp, open(raw, "rb") as src, gzip.open(tmp, "wb", compresslevel=3) as dst:
                 shutil.copyfileobj(src, dst, 1 << 22)
         finally:
             raw.unlink(missing_ok=True)
-        averages = profiler.key_averages()
-        key = ranking_key(averages, self.device.type)
-        table = averages.table(sort_by=key, row_limit=OPS_TABLE_ROWS, max_name_column_width=90)
         recorded = f"steps {self._first_recorded}..{step}"
-        ops = atomic_write(self.folder / f"rank{self.rank:05d}.ops.txt",
-                           f"rank {self.rank}, {recorded}, sorted by {key}\n{table}\n")
-        written, summary = [ops], None
         try:
-            summary = window_summary(profiler.events(), averages)
-            written.append(atomic_write(self.folder / f"rank{self.rank:05d}.summary.json",
-                                        json.dumps({"rank": self.rank, "summary": summary}, indent=1) + "\n"))
-        except Exception as e:  # noqa: BLE001 - an analysis of the events must not stop the training
-            log.warning("rank %d: the profile's summary was not written: %s", self.rank, e)
+            # From the trace, not torch's key_averages(): its parsing of the events stalls the job for tens of
+            # seconds (txl_dist/trace_summary.py).
+            times, summary = analyze(trace, LOGGED_OPS)
+        except Exception as e:  # noqa: BLE001 - the trace is written; an analysis of it must not stop the job
+            log.warning("rank %d: the profile of %s was not analysed (its trace is in %s): %s", self.rank, recorded,
+                        trace_path, e)
+            return []
+        finally:
+            del trace
+        written = [atomic_write(self.folder / f"rank{self.rank:05d}.ops.txt",
+                                f"rank {self.rank}, {recorded}\n{operator_table(times, OPS_TABLE_ROWS)}"),
+                   atomic_write(self.folder / f"rank{self.rank:05d}.summary.json",
+                                json.dumps({"rank": self.rank, "summary": summary}, indent=1) + "\n")]
         if self.is_main:
-            top = busiest(averages, self.device.type, LOGGED_OPS)
-            log.info("profile of %s written to %s; by %s: %s", recorded, self.folder, key,
-                     ", ".join(f"{op['name']} {100 * op['share']:.1f}%" for op in top))
+            side = "device" if times.device else "host"
+            top = busiest(times, side, LOGGED_OPS)
+            log.info("profile of %s written to %s; busiest %s: %s", recorded, self.folder,
+                     "on the device" if side == "device" else "operators by self CPU time",
+                     ", ".join(f"{op['name'][:90]} {100 * op['share']:.1f}%" for op in top))
             line = summary_line(summary)
             if line:
                 log.info("profile of %s: %s", recorded, line)

@@ -1,13 +1,16 @@
-"""Where a profiled window's wall time went on a GPU: how busy the device was, what made the host wait for it,
-how many kernels the host launched, and which kernels took the device time.
+"""What a profiled window's Chrome trace says: where the steps' wall time went on a GPU (how busy the device
+was, what made the host wait for it, how many kernels the host launched), and the operator table: operators
+by self CPU time, and on a GPU the kernels, copies and fills by device time.
 
-torch's operator table ranks operators and kernels; it cannot say whether the device sat idle. On a GPU a
-step that takes twice the plain loop's time with the same kernels is waiting for its host, and the remedy
-(fewer launches, no sync, CUDA graphs) differs from that of slow kernels. The summary answers that from the
-profiler's own events (in the trainer's profile window, txl_dist/profiling.py, which writes it as
-rank<r>.summary.json beside the trace) or from a Chrome trace torch wrote:
+Read from the Chrome trace torch.profiler exports (the trainer's profile window, txl_dist/profiling.py, writes
+rank<r>.ops.txt and rank<r>.summary.json from it beside the trace), or from any such trace:
 
     python -m txl_dist.trace_summary runs/large/profile/steps_00000004-00000005/rank00000.trace.json.gz
+
+The trace, not torch's `key_averages()`: torch builds that from `profiler.events()`, whose parsing took 26 s
+of the ~36 s that a window of 360k events stalled its job on a CPU. From the trace: exporting it 0.9 s,
+reading it back (json) 9 s, this module's pass 0.9 s (11 s in all after the profiler stopped). The self CPU
+times, calls and totals are torch's (tests/test_trace_summary.py checks them against key_averages()).
 
 - the window: from the first `ProfilerStep#<n>` span's start (the CPU side, one span per optimizer step) to
   the later of the last span's end and the last device activity's end (a device running behind its host
@@ -17,7 +20,8 @@ rank<r>.summary.json beside the trace) or from a Chrome trace torch wrote:
 - host waits: CUDA API calls that block the host until the device catches up (the *Synchronize calls and
   the blocking cudaMemcpy), per step, with the time the host spent in them;
 - kernel launches per step and the mean kernel time (a launch-bound step has many short kernels);
-- the busiest kernels by device time, as shares of all device activity in the window.
+- the busiest kernels by device time, as shares of all device activity in the window, and the operators
+  with the most self CPU time (where a step that waits on its host spends it).
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 STEP_SPAN = re.compile(r"ProfilerStep#(\d+)")
 DEVICE_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
@@ -41,8 +45,13 @@ HOST_WAITS = frozenset({
 `tensor.item()` shows as cudaMemcpyAsync followed by cudaStreamSynchronize)."""
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchCooperativeKernel", "cudaGraphLaunch")
 """Name prefixes of the API calls that start device work (a CUDA graph launch counts as one)."""
+NOT_HOST = frozenset({"Trace", "gpu_user_annotation"})
+"""Chrome-trace categories that are neither device activity nor host work (the whole trace's span, a
+step's span on the device)."""
 TOP_KERNELS = 8
 KERNEL_NAME_CHARS = 160
+HOST_ROWS = 8
+"""How many of the host's busiest operators a GPU window's summary names."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,25 +67,6 @@ class Activity:
     @property
     def length(self) -> float:
         return max(0.0, self.end - self.start)
-
-
-def activities_from_events(events: Iterable[Any]) -> list[Activity]:
-    """The activities of torch.profiler's events (`profiler.events()`, FunctionEvent objects): CPU-side
-    `ProfilerStep#<n>` spans, device activities that are not annotations, and the CUDA API calls this
-    summary counts."""
-    out = []
-    for e in events:
-        device = getattr(e.device_type, "name", str(e.device_type))
-        name = e.trace_name or e.name  # e.name has "ProfilerStep*" for every step: trace_name keeps the number
-        start, end = e.time_range.start, e.time_range.end
-        if device == "CPU":
-            kind = "step" if STEP_SPAN.fullmatch(name) else "api" if _counted_api(name) else None
-        else:
-            kind = None if e.is_user_annotation else "device"
-        if kind is not None:
-            out.append(Activity(kind, name, float(start), float(end), e.device_resource_id if kind == "device"
-                                else None))
-    return out
 
 
 def activities_from_trace(trace: dict[str, Any]) -> list[Activity]:
@@ -104,6 +94,92 @@ def read_trace(path: str | Path) -> dict[str, Any]:
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt", encoding="utf-8") as f:
         return json.load(f)
+
+
+@dataclass(frozen=True)
+class OperatorTimes:
+    """Per name: host operators (and annotations, API calls) [calls, self CPU us, CPU total us], self being
+    the time inside no other recorded event of the same thread; device activities [calls, us]."""
+
+    host: dict[str, list[float]]
+    device: dict[str, list[float]]
+
+
+def operator_times(trace: dict[str, Any]) -> OperatorTimes:
+    """The window's operator times (steps' spans named "ProfilerStep*", as torch's table names them)."""
+    threads: dict[tuple, list[tuple[float, float, str]]] = defaultdict(list)
+    device: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") != "X":
+            continue
+        cat, name, dur = e.get("cat", ""), str(e.get("name", "")), float(e.get("dur", 0.0))
+        if cat in DEVICE_CATEGORIES:
+            device[name][0] += 1
+            device[name][1] += dur
+        elif cat not in NOT_HOST:
+            step_named = STEP_SPAN.sub("ProfilerStep*", name)
+            threads[(e.get("pid"), e.get("tid"))].append((float(e.get("ts", 0.0)), dur, step_named))
+    host: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+    for events in threads.values():
+        events.sort(key=lambda e: (e[0], -e[1]))  # a parent before the children that start with it
+        parent = [-1] * len(events)
+        children = [0] * len(events)
+        open_spans: list[int] = []  # the enclosing events, innermost last
+        for i, (start, _, _) in enumerate(events):
+            while open_spans and start >= events[open_spans[-1]][0] + events[open_spans[-1]][1]:
+                open_spans.pop()
+            if open_spans:
+                parent[i] = open_spans[-1]
+                children[parent[i]] += 1
+            open_spans.append(i)
+        for i, (_, dur, name) in enumerate(events):
+            up = parent[i]
+            host[name][1] += dur
+            if up >= 0:
+                host[events[up][2]][1] -= dur
+            # torch's table merges an operator into its parent of the same name when it is the only child (an
+            # operator that redispatches to itself): one call, the pair's self time, the parent's total.
+            if not (up >= 0 and events[up][2] == name and children[up] == 1):
+                host[name][0] += 1
+                host[name][2] += dur
+    return OperatorTimes(dict(host), dict(device))
+
+
+def busiest(times: OperatorTimes, side: str, limit: int) -> list[dict[str, Any]]:
+    """The `limit` busiest names of one side: "device" by device time, "host" by self CPU time; name, calls,
+    time in ms and its share of the side's total."""
+    rows = times.device if side == "device" else times.host
+    total = sum(r[1] for r in rows.values()) or 1.0
+    ranked = sorted(rows.items(), key=lambda kv: kv[1][1], reverse=True)[:limit]
+    return [{"name": name[:KERNEL_NAME_CHARS], "calls": int(r[0]), "self_ms": round(r[1] / 1e3, 3),
+             "share": round(r[1] / total, 4)} for name, r in ranked]
+
+
+def operator_table(times: OperatorTimes, rows: int) -> str:
+    """The operator table as text: the host's operators by self CPU time, then (when any) the device's
+    kernels, copies and fills by device time."""
+    lines = ["host: operators by self CPU time (inside no other recorded operator); CPU total includes the "
+             "operators inside", f"{'self CPU ms':>12} {'share':>7} {'CPU total ms':>13} {'calls':>8}  name"]
+    total = sum(r[1] for r in times.host.values()) or 1.0
+    for name, r in sorted(times.host.items(), key=lambda kv: kv[1][1], reverse=True)[:rows]:
+        lines.append(f"{r[1] / 1e3:12.3f} {100 * r[1] / total:6.1f}% {r[2] / 1e3:13.3f} {int(r[0]):8d}  {name}")
+    if times.device:
+        lines += ["", "device: kernels, copies and fills by device time", f"{'device ms':>12} {'share':>7} "
+                  f"{'calls':>8}  name"]
+        total = sum(r[1] for r in times.device.values()) or 1.0
+        for name, r in sorted(times.device.items(), key=lambda kv: kv[1][1], reverse=True)[:rows]:
+            lines.append(f"{r[1] / 1e3:12.3f} {100 * r[1] / total:6.1f}% {int(r[0]):8d}  {name[:KERNEL_NAME_CHARS]}")
+    return "\n".join(lines) + "\n"
+
+
+def analyze(trace: dict[str, Any], host_rows: int = HOST_ROWS) -> tuple[OperatorTimes, dict[str, Any] | None]:
+    """The trace's operator times and its summary (summarize), which on a GPU also names the host's
+    `host_rows` busiest operators ("host_busiest")."""
+    times = operator_times(trace)
+    summary = summarize(activities_from_trace(trace))
+    if summary is not None and summary["device"] is not None:
+        summary["host_busiest"] = busiest(times, "host", host_rows)
+    return times, summary
 
 
 def _counted_api(name: str) -> bool:
@@ -203,11 +279,16 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n  python -m txl_dist.trace_summary "
                "runs/large/profile/steps_00000004-00000005/rank00000.trace.json.gz\n"
-               "  python -m txl_dist.trace_summary --json rank00000.trace.json.gz\n")
+               "  python -m txl_dist.trace_summary --json rank00000.trace.json.gz\n"
+               "  python -m txl_dist.trace_summary --table 30 rank00000.trace.json.gz\n")
     p.add_argument("trace", help="a Chrome trace written by torch.profiler (.json or .json.gz)")
     p.add_argument("--json", action="store_true", help="print the whole summary as JSON")
+    p.add_argument("--table", type=int, metavar="ROWS", default=0,
+                   help="also print the operator table, ROWS rows per side (e.g. --table 30)")
     args = p.parse_args(argv)
-    summary = summarize(activities_from_trace(read_trace(args.trace)))
+    times, summary = analyze(read_trace(args.trace))
+    if args.table:
+        print(operator_table(times, args.table))
     if summary is None:
         print(f"{args.trace}: no ProfilerStep#<n> span in the trace")
         return 1
