@@ -117,3 +117,27 @@ def test_profile_ranks_absent_at_this_world_size_say_no_profile(tmp_path, caplog
     assert not any(line.startswith("profiling steps") for line in lines), lines
     assert sum("no profile" in line for line in lines) == 1, lines
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_analysis_keeps_the_trace_and_the_job(tmp_path, monkeypatch, caplog):
+    """The trace is written first; an analysis of it that fails (a trace format this code does not know) is
+    a warning, not the end of the training."""
+    import logging
+
+    import torch
+
+    from txl_dist import profiling
+
+    def broken(trace, rows):
+        raise KeyError("traceEvents")
+
+    monkeypatch.setattr(profiling, "analyze", broken)
+    profiler = profiling.StepProfiler([1, 1], None, rank=0, is_main=True, world_size=1, run_dir=tmp_path,
+                                      device=torch.device("cpu"))
+    with caplog.at_level(logging.WARNING, logger="txl_dist"):
+        profiler.before_step(1)
+        torch.randn(8, 8).matmul(torch.randn(8, 8))
+        assert profiler.after_step(1) == []
+    folder = window_folder(tmp_path, 1, 1)
+    assert [p.name for p in folder.iterdir()] == ["rank00000.trace.json.gz"]
+    assert any("was not analysed" in r.getMessage() and "traceEvents" in r.getMessage() for r in caplog.records)

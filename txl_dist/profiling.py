@@ -145,24 +145,24 @@ class StepProfiler:
         self.folder.mkdir(parents=True, exist_ok=True)
         trace_path = self.folder / f"rank{self.rank:05d}.trace.json.gz"
         raw = self.folder / f".rank{self.rank:05d}.trace.{os.getpid()}.json"
+        recorded = f"steps {self._first_recorded}..{step}"
+        trace_written = False
         try:
             profiler.export_chrome_trace(str(raw))
-            trace = read_trace(raw)
             with atomic_path(trace_path) as tmp, open(raw, "rb") as src, gzip.open(tmp, "wb", compresslevel=3) as dst:
                 shutil.copyfileobj(src, dst, 1 << 22)
-        finally:
-            raw.unlink(missing_ok=True)
-        recorded = f"steps {self._first_recorded}..{step}"
-        try:
+            trace_written = True
             # From the trace, not torch's key_averages(): its parsing of the events stalls the job for tens of
             # seconds (txl_dist/trace_summary.py).
-            times, summary = analyze(trace, LOGGED_OPS)
-        except Exception as e:  # noqa: BLE001 - the trace is written; an analysis of it must not stop the job
+            times, summary = analyze(read_trace(raw), LOGGED_OPS)
+        except Exception as e:  # noqa: BLE001 - an analysis of the written trace must not stop the job
+            if not trace_written:
+                raise
             log.warning("rank %d: the profile of %s was not analysed (its trace is in %s): %s", self.rank, recorded,
                         trace_path, e)
             return []
         finally:
-            del trace
+            raw.unlink(missing_ok=True)
         written = [atomic_write(self.folder / f"rank{self.rank:05d}.ops.txt",
                                 f"rank {self.rank}, {recorded}\n{operator_table(times, OPS_TABLE_ROWS)}"),
                    atomic_write(self.folder / f"rank{self.rank:05d}.summary.json",
