@@ -70,7 +70,7 @@ from txl_dist.flops import table_peak
 from txl_dist.model import TransformerXL
 from txl_dist.model.softmax import tail_plan
 from txl_dist.profiling import profiler_activities
-from txl_dist.trace_summary import analyze, busiest, read_trace, summary_line
+from txl_dist.trace_summary import analyze, headline, read_trace, shares_text, summary_line
 from txl_dist.model.attention import (ATTN_IMPLS, attn_bias_from_mask, build_attn_mask, candidate_attn_impls,
                                       flex_block_mask, recompile_limit)
 
@@ -567,12 +567,10 @@ class TrainCase:
         with tempfile.TemporaryDirectory() as folder:
             prof.export_chrome_trace(f"{folder}/trace.json")
             times, summary = analyze(read_trace(f"{folder}/trace.json"), PROFILE_TOP_OPS)
-        side = "device" if times.device else "host"
-        ops = busiest(times, side, PROFILE_TOP_OPS)
+        sorted_by, ops = headline(times, PROFILE_TOP_OPS)
         for op in ops:
             op["name"] = op["name"][:PROFILE_NAME_CHARS]
-        return dict(sorted_by="device time" if side == "device" else "self CPU time", steps=steps, ops=ops,
-                    summary=summary)
+        return dict(sorted_by=sorted_by, steps=steps, ops=ops, summary=summary)
 
     def run(self, impl: str, batch: int, checkpointing: bool, warmup: int, steps: int) -> dict[str, Any]:
         p, cfg, model = self.p, self.cfg, self.model
@@ -915,8 +913,9 @@ def trainer_progress(log_path: Path, tail_chars: int = 0) -> dict[str, Any]:
     text = log_path.read_text(errors="replace") if log_path.exists() else ""
     progress = [ln.strip() for ln in text.splitlines() if "tok/s" in ln]
     tok_s = [float(m.group(1)) for ln in progress if (m := re.search(r"([\d.]+) tok/s", ln))]
-    profile = [ln.strip() for ln in text.splitlines() if "profile of steps" in ln]
-    result = {"tokens_per_s_last": tok_s[-1] if tok_s else None, "progress": progress[-3:], "profile": profile[-2:]}
+    # The profile's "written to" line; its summary line reaches the record from the run folder (profile_summaries).
+    profile = [ln.strip() for ln in text.splitlines() if "profile of steps" in ln and " written to " in ln]
+    result = {"tokens_per_s_last": tok_s[-1] if tok_s else None, "progress": progress[-3:], "profile": profile[-1:]}
     if tail_chars:
         result["tail"] = text[-tail_chars:]
     return result
@@ -1115,7 +1114,7 @@ def write_table(rec: Recorder, out: Path) -> Path:
                 lines.append(f"(not a candidate for {shape}: {impl}: {reason})")
     for r in (r for r in rec.records if r["kind"] == "train_profile"):
         if r.get("ops"):
-            top = ", ".join(f"{op['name'][:60]} {100 * op['share']:.1f}%" for op in r["ops"][:6])
+            top = shares_text(r["ops"], 6)
             case = f"{r['shape']}/{r['impl']}/mb{r['micro_batch']}{'/compiled' if r.get('compile') else ''}"
             lines.append(f"\nbusiest in {case} (by {r['sorted_by']}): {top}")
             if line := summary_line(r.get("summary")):

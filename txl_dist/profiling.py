@@ -28,7 +28,7 @@ import torch
 
 from . import distributed
 from .atomic import atomic_path, atomic_write
-from .trace_summary import analyze, busiest, operator_table, read_trace, summary_line
+from .trace_summary import analyze, headline, operator_table, read_trace, shares_text, summary_line
 
 log = logging.getLogger(distributed.LOGGER_NAME)
 
@@ -168,11 +168,10 @@ class StepProfiler:
                    atomic_write(self.folder / f"rank{self.rank:05d}.summary.json",
                                 json.dumps({"rank": self.rank, "summary": summary}, indent=1) + "\n")]
         if self.is_main:
-            side = "device" if times.device else "host"
-            top = busiest(times, side, LOGGED_OPS)
+            _, top = headline(times, LOGGED_OPS)
             log.info("profile of %s written to %s; busiest %s: %s", recorded, self.folder,
-                     "on the device" if side == "device" else "operators by self CPU time",
-                     ", ".join(f"{op['name'][:90]} {100 * op['share']:.1f}%" for op in top))
+                     "on the device" if times.device else "operators by self CPU time",
+                     shares_text(top, LOGGED_OPS, name_chars=90))
             line = summary_line(summary)
             if line:
                 log.info("profile of %s: %s", recorded, line)

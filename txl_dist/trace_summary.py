@@ -155,6 +155,19 @@ def busiest(times: OperatorTimes, side: str, limit: int) -> list[dict[str, Any]]
              "share": round(r[1] / total, 4)} for name, r in ranked]
 
 
+def headline(times: OperatorTimes, limit: int) -> tuple[str, list[dict[str, Any]]]:
+    """What a profile names first, and its `limit` busiest (busiest): the kernels, copies and fills by device
+    time when the device was traced, else the operators by self CPU time."""
+    if times.device:
+        return "device time", busiest(times, "device", limit)
+    return "self CPU time", busiest(times, "host", limit)
+
+
+def shares_text(rows: list[dict[str, Any]], limit: int, name_chars: int = 60) -> str:
+    """"name 12.3%, ..." of the first `limit` rows of busiest (or of a summary's "top")."""
+    return ", ".join(f"{r['name'][:name_chars]} {100 * r['share']:.1f}%" for r in rows[:limit])
+
+
 def operator_table(times: OperatorTimes, rows: int) -> str:
     """The operator table as text: the host's operators by self CPU time, then (when any) the device's
     kernels, copies and fills by device time."""
@@ -263,9 +276,9 @@ def summary_line(summary: dict[str, Any] | None) -> str | None:
         return None
     d = summary["device"]
     waits = ", ".join(f"{k} x{v['calls']}" for k, v in summary["host_waits"].items()) or "none"
-    top = ", ".join(f"{k['name'][:60]} {100 * k['share']:.1f}%" for k in d["top"][:4])
+    top = shares_text(d["top"], 4)
     per_step = ", ".join(f"{100 * s:.1f}%" for s in d["busy_share_per_step"])
-    host = ", ".join(f"{k['name'][:60]} {100 * k['share']:.1f}%" for k in summary.get("host_busiest", [])[:4])
+    host = shares_text(summary.get("host_busiest", []), 4)
     return (f"device busy {100 * d['busy_share']:.1f}% of {summary['window_ms']:.0f} ms "
             f"(per step {per_step}); host waits {summary['host_waits_per_step']:g} per step, "
             f"{summary['host_wait_ms_per_step']:.1f} ms ({waits}); {summary['launches_per_step']:.0f} launches per "
