@@ -17,18 +17,20 @@ was measured), then DIR/gpu_check_table.txt (a short table):
              the tests without flex first, then flex's, each part's output in DIR/cuda_tests*.log; on a CPU
              every test is skipped (the smoke run checks the wiring)
   deepspeed  when DeepSpeed imports: the project's own trainer (launch/train.py) on a synthetic corpus with
-             the base config, ZeRO 1 and 2, bf16, tracking off; its output streams to DIR/deepspeed_zero<N>.log
-             (the end of it kept), its progress lines go to the record; every stage profiles its steps 4-5
-             (train.profile_steps): its busiest kernels and where the steps' wall time went (the device's
-             busy share, the host's waits, launches per step: txl_dist/trace_summary.py) go to the record
+             the base config, ZeRO 1 and 2, bf16, tracking off, 8 steps; its output streams to
+             DIR/deepspeed_zero<N>.log (the end of it kept), its progress lines (one per step) go to the record;
+             every stage profiles its steps 5-6 (train.profile_steps): its busiest kernels and where the steps'
+             wall time went (the device's busy share, the host's waits, launches per step:
+             txl_dist/trace_summary.py) go to the record, with the tokens/s of the steps from 3 on without the
+             profiler and under it, and the busy share estimated for an unprofiled step (unprofiled_reading)
   train      configs/large.json and configs/wt103_base.json shapes in bf16: step time, tokens/s, MFU, peak
              memory, for each implementation at micro batch 8 (flex after the first torch.compile'd case, which
              takes the fastest of the others); then for the fastest one the config accepts, micro batch 8/16/32
              with and without activation checkpointing, eager, then torch.compile'd (plain torch AdamW, no
              DeepSpeed); the compile's warm-up time and dynamo's graph count per case; and profiles of the
              fastest one's eager step and of its compiled step at the large presets' micro batch (16): the
-             busiest kernels and the wall time summary, as the trainer's (train_profile). --train-shapes and
-             --train-batches run a subset (a focused call)
+             busiest kernels and the wall time summary, as the trainer's, each beside as many steps timed without
+             the profiler (train_profile). --train-shapes and --train-batches run a subset (a focused call)
 
 One deadline (start + --budget-s) holds for all: the phases run (--phases, in the order given) share it by
 their PHASE_BUDGET weights; each phase gets its share plus what earlier phases left
@@ -37,7 +39,8 @@ and the last phase what is left. DIR receives only small files (the device tool 
 of at most 16 MiB); the corpus and the trainer's run folders go to a temporary folder that is removed.
 Every record has "phase" and "kind"; each phase ends with a {"kind": "phase", "status": ...} record
 (ok, error, skipped, truncated or killed, with the reason). --cpu-smoke runs every phase at toy size on the
-CPU.
+CPU (the trainer at toy widths, whatever --trainer-config names), and exits 1 when a phase ended in an error
+or a trainer stage or CUDA test part exited non-zero (on a GPU those are recorded and the run goes on).
 """
 from __future__ import annotations
 
@@ -52,6 +55,7 @@ import platform
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import sysconfig
@@ -555,12 +559,19 @@ class TrainCase:
         train.profile_steps logs them (txl_dist/profiling.py)."""
         p = self.p
         self._setup(impl, checkpointing=False)
-        step, _ = self._stepper(batch, steps + 2)
+        step, _ = self._stepper(batch, 2 * steps + 2)
         step(0)
         step(1)
         p.sync()
+        # As many steps unprofiled first: the profiler's own host work slows a host-bound step, and the busy
+        # share the trace gives is read against them too (unprofiled_reading).
+        start = time.perf_counter()
+        for i in range(2, steps + 2):
+            step(i)
+        p.sync()
+        step_ms_unprofiled = (time.perf_counter() - start) / steps * 1e3
         with torch.profiler.profile(activities=profiler_activities(p.device)) as prof:
-            for i in range(2, steps + 2):
+            for i in range(steps + 2, 2 * steps + 2):
                 with torch.profiler.record_function(f"ProfilerStep#{i}"):  # the trainer's step spans
                     step(i)
             p.sync()
@@ -570,7 +581,8 @@ class TrainCase:
         sorted_by, ops = headline(times, PROFILE_TOP_OPS)
         for op in ops:
             op["name"] = op["name"][:PROFILE_NAME_CHARS]
-        return dict(sorted_by=sorted_by, steps=steps, ops=ops, summary=summary)
+        return dict(sorted_by=sorted_by, steps=steps, ops=ops, summary=summary,
+                    **unprofiled_reading(summary, step_ms_unprofiled))
 
     def run(self, impl: str, batch: int, checkpointing: bool, warmup: int, steps: int) -> dict[str, Any]:
         p, cfg, model = self.p, self.cfg, self.model
@@ -609,6 +621,24 @@ class TrainCase:
         if p.device.type == "cuda":
             rec["peak_memory_gib"] = round(torch.cuda.max_memory_allocated(p.device) / 2**30, 2)
         return rec
+
+
+def unprofiled_reading(summary: dict[str, Any] | None, step_ms_unprofiled: float | None) -> dict[str, Any]:
+    """A profile window read against the same steps timed without the profiler: its slowdown (profiled over
+    unprofiled step time), and on a GPU the device's busy share of an unprofiled step, estimated as the window's
+    device busy time per step over the unprofiled step time (the kernels take about as long either way; the
+    profiler adds host work, which lowers the busy share of a host-bound step under it)."""
+    if not step_ms_unprofiled:
+        return {}
+    out: dict[str, Any] = {"step_ms_unprofiled": round(step_ms_unprofiled, 3)}
+    if summary and summary.get("step_ms"):
+        profiled = sum(summary["step_ms"]) / len(summary["step_ms"])
+        out["step_ms_profiled"] = round(profiled, 3)
+        out["profiler_slowdown"] = round(profiled / step_ms_unprofiled, 3)
+        if summary.get("device"):
+            busy_per_step = summary["device"]["busy_ms"] / len(summary["step_ms"])
+            out["busy_share_unprofiled_est"] = round(min(1.0, busy_per_step / step_ms_unprofiled), 4)
+    return out
 
 
 class TrainMatrix:
@@ -844,7 +874,7 @@ def phase_deepspeed(p: Phase, out: Path, scratch: Path, *, config: str | None = 
     base = load_config(REPO / cfg_path)
     vocab = 1000 if p.smoke else base.model.vocab_size
     streams = base.deepspeed["train_batch_size"]
-    steps = steps or (4 if p.smoke else 6)
+    steps = steps or (4 if p.smoke else 8)
     tgt = base.model.tgt_len
     corpus = scratch / "corpus"
     if not (corpus / "manifest.json").exists():
@@ -856,19 +886,20 @@ def phase_deepspeed(p: Phase, out: Path, scratch: Path, *, config: str | None = 
         run_dir = scratch / f"run-zero{stage}"
         log_path = out / f"deepspeed_zero{stage}.log"
         sets = [f"data.path={corpus}", f"run.dir={run_dir}", "tracking.enabled=false", f"train.max_steps={steps}",
-                f"train.log_interval={max(1, steps // 3)}", "eval.interval=0", "eval.at_end=false",
+                "train.log_interval=1", "eval.interval=0", "eval.at_end=false",
                 "eval.max_segments=2", "eval.n_streams=1", "checkpoint.interval=0",
                 f"deepspeed.zero_optimization.stage={stage}", "deepspeed.optimizer.params.torch_adam=true",
                 # "auto" would time flex at start-up (a compile inside this phase's box); the attention paths
                 # are the other phases' business, the trainer end to end is this one's.
                 "model.attn_impl=matmul"]
         if p.smoke:
-            sets += [f"model.vocab_size={vocab}", "model.cutoffs=[200,500]", "train.precision=fp32"]
+            sets += [f"model.vocab_size={vocab}", "model.cutoffs=[200,500]", *SMOKE_TRAINER_WIDTHS,
+                     "train.precision=fp32", "train.compile=false"]
+            # A GPU preset's deepspeed section names bf16 (or fp16): train.precision decides here.
+            sets += [f"deepspeed.{k}.enabled=false" for k in ("bf16", "fp16") if k in base.deepspeed]
         sets += extra_sets or []
-        # The product's own profile window (CUDA kernels included; its summary is in the log and the record),
-        # every stage's: the last two steps but the last, which needs 3 steps (profile_steps start at 1).
-        if steps >= 3:
-            sets.append(f"train.profile_steps=[{steps - 2},{steps - 1}]")
+        if window := trainer_profile_window(steps):
+            sets.append(f"train.profile_steps=[{window[0]},{window[1]}]")
         cmd = [sys.executable, "launch/train.py", "--config", cfg_path, "--resume", "none"]
         for s in sets:
             cmd += ["--set", s]
@@ -892,8 +923,35 @@ def phase_deepspeed(p: Phase, out: Path, scratch: Path, *, config: str | None = 
             summaries = profile_summaries(run_dir)
             shutil.rmtree(run_dir, ignore_errors=True)
         progress = trainer_progress(log_path, tail_chars=2000 if code != 0 else 0)
+        summary = summaries[0] if summaries else None
+        unprofiled_s = progress.get("step_s_unprofiled")
         p.write("deepspeed", zero_stage=stage, exit=code, seconds=round(time.perf_counter() - start, 1), **progress,
-                **({"profile_summary": summaries[0]} if summaries else {}))
+                **({"profile_summary": summary} if summary else {}),
+                **unprofiled_reading(summary, unprofiled_s and unprofiled_s * 1e3))
+
+
+def unprofiled_text(rec: dict[str, Any]) -> str | None:
+    """unprofiled_reading's numbers in a record, as a table line."""
+    if "profiler_slowdown" not in rec:
+        return None
+    busy = rec.get("busy_share_unprofiled_est")
+    return (f"unprofiled {rec['step_ms_unprofiled']:.1f} ms/step, profiled {rec['step_ms_profiled']:.1f} "
+            f"(x{rec['profiler_slowdown']:.2f})" + (f"; device busy ~{busy:.1%} of an unprofiled step" if busy else ""))
+
+
+SMOKE_TRAINER_WIDTHS = ("model.d_model=32", "model.d_embed=32", "model.n_head=2", "model.d_head=16",
+                        "model.d_inner=64", "model.tgt_len=16", "model.mem_len=16")
+"""The smoke run's trainer at toy widths, whatever --trainer-config names (a GPU preset keeps its depth, its
+micro steps and its ZeRO settings: the wiring the smoke run checks)."""
+
+
+def trainer_profile_window(steps: int) -> tuple[int, int] | None:
+    """The trainer's profile window (the product's own, CUDA kernels included) for a stage of `steps` steps:
+    two steps with two unprofiled ones after them (six or more steps; the first two compile and have no memory
+    yet), else the last two but the last; none under 3 steps (profile_steps start at 1)."""
+    if steps >= 6:
+        return steps - 3, steps - 2
+    return (steps - 2, steps - 1) if steps >= 3 else None
 
 
 def profile_summaries(run_dir: Path) -> list[dict[str, Any]]:
@@ -907,15 +965,30 @@ def profile_summaries(run_dir: Path) -> list[dict[str, Any]]:
     return out
 
 
+PROGRESS_LINE = re.compile(r"step (\d+)/\d+ \|.* ([\d.]+) tok/s \|.* ([\d.]+) s/step \|")
+FIRST_STEADY_STEP = 3
+"""The trainer's first step whose rate counts: step 1 has no memory yet, steps 1 and 2 compile."""
+
+
 def trainer_progress(log_path: Path, tail_chars: int = 0) -> dict[str, Any]:
-    """The trainer's last progress lines and its last tokens/s, from its log; with tail_chars, also the log's
-    last characters (a failed run's error), from the same read."""
+    """From the trainer's log (one progress line per step, train.log_interval 1): its last progress lines, its
+    last tokens/s, and the medians of its steady steps' tokens/s and seconds per step apart for the steps under
+    the profiler (whose lines end "| profiled"); with tail_chars, also the log's last characters (a failed
+    run's error), from the same read."""
     text = log_path.read_text(errors="replace") if log_path.exists() else ""
     progress = [ln.strip() for ln in text.splitlines() if "tok/s" in ln]
+    rates: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+    for line in progress:
+        if (m := PROGRESS_LINE.search(line)) and int(m.group(1)) >= FIRST_STEADY_STEP:
+            rates[line.endswith("| profiled")].append((float(m.group(2)), float(m.group(3))))
     tok_s = [float(m.group(1)) for ln in progress if (m := re.search(r"([\d.]+) tok/s", ln))]
     # The profile's "written to" line; its summary line reaches the record from the run folder (profile_summaries).
     profile = [ln.strip() for ln in text.splitlines() if "profile of steps" in ln and " written to " in ln]
     result = {"tokens_per_s_last": tok_s[-1] if tok_s else None, "progress": progress[-3:], "profile": profile[-1:]}
+    for profiled, suffix in ((False, "unprofiled"), (True, "profiled")):
+        if rates[profiled]:
+            result[f"tokens_per_s_{suffix}"] = statistics.median(r[0] for r in rates[profiled])
+            result[f"step_s_{suffix}"] = statistics.median(r[1] for r in rates[profiled])
     if tail_chars:
         result["tail"] = text[-tail_chars:]
     return result
@@ -1119,6 +1192,8 @@ def write_table(rec: Recorder, out: Path) -> Path:
             lines.append(f"\nbusiest in {case} (by {r['sorted_by']}): {top}")
             if line := summary_line(r.get("summary")):
                 lines.append(f"  {line}")
+            if line := unprofiled_text(r):
+                lines.append(f"  {line}")
         else:
             lines.append(f"\nprofile {r['shape']}/{r['impl']}: {r.get('error', r.get('skipped'))}")
     for r in (r for r in rec.records if r["kind"] == "cuda_tests" and "selection" in r):
@@ -1128,12 +1203,17 @@ def write_table(rec: Recorder, out: Path) -> Path:
                      f"{r['seconds']} s, log {r['log']}" + "".join(f"\n  {f}" for f in r["failures"]))
     ds = [r for r in rec.records if r["kind"] == "deepspeed"]
     for r in ds:
-        lines.append(f"\nDeepSpeed trainer ZeRO {r.get('zero_stage')}: exit {r.get('exit')}, "
-                     f"{r.get('tokens_per_s_last')} tok/s (last progress line), {r.get('seconds')} s"
+        rate = (f"{r['tokens_per_s_unprofiled']:.0f} tok/s (median of the unprofiled steps from step "
+                f"{FIRST_STEADY_STEP})" if r.get("tokens_per_s_unprofiled") else
+                f"{r.get('tokens_per_s_last')} tok/s (last progress line)")
+        lines.append(f"\nDeepSpeed trainer ZeRO {r.get('zero_stage')}: exit {r.get('exit')}, {rate}, "
+                     f"{r.get('seconds')} s"
                      + (f" ({r['skipped']})" if r.get("skipped") else "")
                      + (f", log deepspeed_zero{r['zero_stage']}.log" if "exit" in r else ""))
         lines += [f"  {line.split(' ', 1)[-1]}" for line in r.get("profile", [])]
         if line := summary_line(r.get("profile_summary")):
+            lines.append(f"  {line}")
+        if line := unprofiled_text(r):
             lines.append(f"  {line}")
     path = out / TABLE
     path.write_text("\n".join(lines) + "\n")
@@ -1219,7 +1299,24 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(scratch, ignore_errors=True)
     table = write_table(rec, out)
     print(f"gpu_check: {rec.path} and {table}", flush=True)
+    if args.cpu_smoke and code == 0 and (failed := smoke_failures(rec.records)):
+        # On a GPU a failed part is a measurement to record and the rest still runs; the smoke run exists so
+        # that the script cannot rot, so there it fails the run.
+        print(f"gpu_check --cpu-smoke: failed: {'; '.join(failed)}", file=sys.stderr, flush=True)
+        code = 1
     return code
+
+
+def smoke_failures(records: list[dict[str, Any]]) -> list[str]:
+    """What failed in a run's records: phases that ended in an error, trainer stages and CUDA test parts that
+    exited non-zero."""
+    failed = [f"phase {r['phase']}: {r.get('reason', 'error')}" for r in records
+              if r["kind"] == "phase" and r.get("status") == "error"]
+    failed += [f"trainer ZeRO {r.get('zero_stage')} exit {r['exit']} (deepspeed_zero{r.get('zero_stage')}.log)"
+               for r in records if r["kind"] == "deepspeed" and "exit" in r and r["exit"] != 0]
+    failed += [f"CUDA tests -k '{r.get('selection')}' exit {r['exit']}" for r in records
+               if r["kind"] == "cuda_tests" and "exit" in r and r["exit"] != 0]
+    return failed
 
 
 if __name__ == "__main__":

@@ -90,7 +90,12 @@ def test_cpu_smoke_runs_every_phase(tmp_path):
     for (shape, _), r in profiles.items():
         assert r["impl"] == next(b["impl"] for b in by_kind["train_best"] if b["shape"] == shape)
         assert r["sorted_by"] == "self CPU time" and len(r["ops"]) == 15, r
-        assert r["summary"]["steps"] == [2, 3] and r["summary"]["device"] is None, r
+        # Steps 2-3 timed without the profiler, then 4-5 under it; the two read side by side (no device here).
+        assert r["summary"]["steps"] == [4, 5] and r["summary"]["device"] is None, r
+        assert r["step_ms_unprofiled"] > 0 and r["step_ms_profiled"] == pytest.approx(
+            sum(r["summary"]["step_ms"]) / 2, abs=1e-3)
+        assert r["profiler_slowdown"] == pytest.approx(r["step_ms_profiled"] / r["step_ms_unprofiled"], rel=1e-2)
+        assert "busy_share_unprofiled_est" not in r
         assert 0 < sum(op["share"] for op in r["ops"]) <= 1.0001 and any(op["name"] == "aten::mm" for op in r["ops"])
     assert "busiest in large/" in (out / "gpu_check_table.txt").read_text()
     # tests/test_gpu.py ran in both parts, every test of it skipped here (no CUDA), none failed or missing; the
@@ -113,6 +118,12 @@ def test_cpu_smoke_runs_every_phase(tmp_path):
     # The trainer profiled two of its steps (train.profile_steps) and logged its busiest operators.
     (profile,) = ds["profile"]
     assert "profile of steps 2..3 written to" in profile and "aten::mm" in profile, ds
+    # One progress line per step: steps 2-3 under the profiler say so, and the rates from step 3 on are kept
+    # apart (here step 3 profiled, step 4 not), with the profile read against the unprofiled step.
+    log = (out / "deepspeed_zero1.log").read_text()
+    assert [ln.endswith("| profiled") for ln in log.splitlines() if " tok/s " in ln] == [False, True, True, False]
+    assert ds["tokens_per_s_unprofiled"] == ds["tokens_per_s_last"] and ds["tokens_per_s_profiled"] > 0, ds
+    assert ds["step_ms_unprofiled"] == pytest.approx(ds["step_s_unprofiled"] * 1e3) and ds["profiler_slowdown"] > 0
     (start,) = by_kind["start"]
     assert not Path(start["scratch"]).exists()
     table = (out / "gpu_check_table.txt").read_text()
@@ -310,3 +321,37 @@ def test_a_focused_call_shares_the_whole_budget_among_its_phases_in_its_order(tm
     assert env == pytest.approx(2 * weights["env"], abs=0.5)
     assert train == pytest.approx(2 * (weights["train"] + weights["env"]), abs=1.0)  # env used none of its share
     assert deepspeed == pytest.approx(2 * total, abs=1.0)  # the last: all that is left (none was used)
+
+
+def test_the_trainer_profile_window_leaves_unprofiled_steady_steps_and_the_reading_uses_them():
+    # 8 steps (the GPU default): steps 3-4 and 7-8 time the trainer without the profiler, 5-6 under it.
+    assert gpu_check.trainer_profile_window(8) == (5, 6)
+    assert gpu_check.trainer_profile_window(6) == (3, 4)
+    assert gpu_check.trainer_profile_window(4) == (2, 3) and gpu_check.trainer_profile_window(3) == (1, 2)
+    assert gpu_check.trainer_profile_window(2) is None
+    # A GPU summary: 2 steps of 150 ms under the profiler with 120 ms of device activity in all; unprofiled the
+    # steps take 100 ms, so the device was busy ~60% of an unprofiled step (40% of a profiled one).
+    summary = {"step_ms": [140.0, 160.0], "device": {"busy_ms": 120.0}}
+    assert gpu_check.unprofiled_reading(summary, 100.0) == {
+        "step_ms_unprofiled": 100.0, "step_ms_profiled": 150.0, "profiler_slowdown": 1.5,
+        "busy_share_unprofiled_est": 0.6}
+    assert gpu_check.unprofiled_reading({"step_ms": [150.0], "device": None}, 100.0) == {
+        "step_ms_unprofiled": 100.0, "step_ms_profiled": 150.0, "profiler_slowdown": 1.5}
+    assert gpu_check.unprofiled_reading(summary, None) == {}
+    assert gpu_check.unprofiled_text({"step_ms_unprofiled": 100.0, "step_ms_profiled": 150.0,
+                                      "profiler_slowdown": 1.5, "busy_share_unprofiled_est": 0.6}) == (
+        "unprofiled 100.0 ms/step, profiled 150.0 (x1.50); device busy ~60.0% of an unprofiled step")
+
+
+def test_a_smoke_run_fails_on_a_failed_phase_trainer_stage_or_test_part():
+    # On a GPU these are measurements to record; in --cpu-smoke they mean the script has rotted (a trainer stage
+    # that exits 2 on a config refusal once went unnoticed behind the run's exit 0).
+    ok = [{"kind": "phase", "phase": "env", "status": "ok"}, {"kind": "phase", "phase": "train", "status": "skipped"},
+          {"kind": "deepspeed", "zero_stage": 0, "exit": 0}, {"kind": "deepspeed", "zero_stage": 2, "skipped": "x"},
+          {"kind": "cuda_tests", "selection": "flex", "exit": 0}]
+    assert gpu_check.smoke_failures(ok) == []
+    bad = ok + [{"kind": "phase", "phase": "model", "status": "error", "reason": "boom"},
+                {"kind": "deepspeed", "zero_stage": 2, "exit": 2},
+                {"kind": "cuda_tests", "selection": "not flex", "exit": "timeout"}]
+    assert gpu_check.smoke_failures(bad) == ["phase model: boom", "trainer ZeRO 2 exit 2 (deepspeed_zero2.log)",
+                                             "CUDA tests -k 'not flex' exit timeout"]

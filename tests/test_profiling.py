@@ -40,6 +40,11 @@ def test_the_chosen_ranks_profile_the_window_and_the_numbers_do_not_change(corpu
     assert rank0[1]["losses"] == rank0[0]["losses"]  # bitwise: the profiler only observes
     assert rank0[2]["losses"] == rank0[0]["losses"]
     assert len(rank0[0]["losses"]) == 4
+    # The profiled steps are flagged (train/profiled) on every rank, also where only a peer records: the others
+    # wait for it in the step's collectives, so their step times are a profiled step's too.
+    for job, steps in ((0, []), (1, [2, 3]), (2, [2])):
+        for rank in (rank0, rank1):
+            assert [s for s, m in rank[job]["metrics"].items() if m.get("train/profiled") == 1.0] == steps
 
     assert not (tmp_path / "plain" / "profile").exists()
     folder = window_folder(tmp_path / "every_rank", 2, 3)
@@ -141,3 +146,42 @@ def test_a_failed_analysis_keeps_the_trace_and_the_job(tmp_path, monkeypatch, ca
     folder = window_folder(tmp_path, 1, 1)
     assert [p.name for p in folder.iterdir()] == ["rank00000.trace.json.gz"]
     assert any("was not analysed" in r.getMessage() and "traceEvents" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("shapes", [False, True])
+def test_profile_shapes_records_the_operators_input_shapes_only_when_asked(tmp_path, shapes):
+    """train.profile_shapes: record_shapes costs a host-bound step under the profiler ~1.15x more time and the
+    trace ~1.5x the size (docs/performance.md), so it is off unless asked for."""
+    import torch
+
+    from txl_dist.profiling import StepProfiler
+
+    profiler = StepProfiler([1, 1], None, rank=0, is_main=True, world_size=1, run_dir=tmp_path,
+                            device=torch.device("cpu"), shapes=shapes)
+    assert profiler.covers(1) and not profiler.covers(2)
+    profiler.before_step(1)
+    torch.randn(8, 8).matmul(torch.randn(8, 8))
+    profiler.after_step(1)
+    with gzip.open(window_folder(tmp_path, 1, 1) / "rank00000.trace.json.gz", "rt") as f:
+        events = json.load(f)["traceEvents"]
+    (mm,) = [e for e in events if e.get("name") == "aten::mm"]
+    assert ("Input Dims" in mm.get("args", {})) == shapes
+    if shapes:
+        assert mm["args"]["Input Dims"] == [[8, 8], [8, 8]]
+
+
+def test_profiled_steps_are_covered_on_every_rank_unless_no_recording_rank_exists(tmp_path):
+    import torch
+
+    from txl_dist.profiling import StepProfiler
+
+    def covered(ranks, rank, world_size):
+        profiler = StepProfiler([2, 3], ranks, rank=rank, is_main=rank == 0, world_size=world_size,
+                                run_dir=tmp_path, device=torch.device("cpu"))
+        return [s for s in range(1, 5) if profiler.covers(s)]
+
+    assert covered([1], 0, 2) == [2, 3]  # rank 0 waits for rank 1's profiled steps
+    assert covered(None, 1, 2) == [2, 3]
+    assert covered([5], 0, 2) == []  # no such rank at this world size: nothing runs under the profiler
+    assert StepProfiler(None, [0], rank=0, is_main=True, world_size=1, run_dir=tmp_path,
+                        device=torch.device("cpu")).covers(1) is False

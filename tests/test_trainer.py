@@ -412,3 +412,19 @@ def test_zero3_partition_padding_is_not_a_weight_of_the_finite_check():
     rank0, rank1 = run_ranks(_finite_check_with_nan_padding, 2)
     assert rank0 == [True, True, True]
     assert rank1 == [True, True, False]
+
+
+def test_the_progress_rate_leaves_out_profiled_steps_and_says_so():
+    """The progress line's tokens/s is the mean step time of the steps since the last line, without the
+    steps under the profiler (1.3-1.6x slower on a host-bound step, BENCHMARKS.md) when there are others."""
+    from txl_dist.trainer import RateWindow
+
+    def report(*steps):
+        window = RateWindow()
+        for seconds, profiled in steps:
+            window.add(seconds, profiled)
+        return window.report()
+
+    assert report((1.0, False), (3.0, False)) == (2.0, "")
+    assert report((1.0, False), (9.0, True), (3.0, False)) == (2.0, " | 1 profiled step(s) left out")
+    assert report((5.0, True), (7.0, True)) == (6.0, " | profiled")

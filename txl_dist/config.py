@@ -211,9 +211,14 @@ class TrainConfig:
     kernels by device time) and rank<r>.summary.json (on a GPU: the device's busy share of the steps' wall time,
     the host's waits for it, launches per step, the busiest kernels); rank 0 logs its busiest kernels (GPU)
     or operators (CPU), and on a GPU the summary's line. Evaluations and saves inside the window are
-    recorded too. Profiled steps run slower (train/step_time_s shows it), with the same numbers. null: off."""
+    recorded too. Profiled steps run slower, with the same numbers: their train/step_time_s and tokens/s are
+    logged with train/profiled = 1, and the progress line's rate leaves them out. null: off."""
     profile_ranks: list[int] | None = field(default_factory=lambda: [0])
     """The global ranks that record train.profile_steps; null: every rank (one trace per rank)."""
+    profile_shapes: bool = False
+    """Record each operator's input shapes in the profile's trace (torch.profiler's record_shapes: the "Input
+    Dims" Perfetto shows). Off by default: it makes a host-bound step slower still under the profiler and its
+    trace slower to write (docs/performance.md), and the operator table and summary do not use it."""
 
 
 @dataclass
@@ -354,7 +359,7 @@ class RunConfig:
 VOLATILE_SECTIONS = ("run", "checkpoint", "tracking")
 VOLATILE_KEYS = ("train.exit_step", "train.log_interval", "train.collective_timeout_s", "train.max_nonfinite",
                  "train.compile", "train.peak_flops", "train.profile_steps", "train.profile_ranks",
-                 "model.attn_impl")
+                 "train.profile_shapes", "model.attn_impl")
 
 
 def precision_of(train_precision: str | None, deepspeed: dict[str, Any]) -> str | None:

@@ -57,8 +57,9 @@ class StepProfiler:
     on the ranks chosen; a no-op elsewhere and outside the window."""
 
     def __init__(self, steps: list[int] | None, ranks: list[int] | None, *, rank: int, is_main: bool,
-                 world_size: int, run_dir: str | os.PathLike, device: torch.device):
+                 world_size: int, run_dir: str | os.PathLike, device: torch.device, shapes: bool = False):
         self.window = tuple(steps) if steps else None
+        self.shapes = shapes
         self.ranks = ranks
         self.rank, self.is_main, self.world_size, self.device = rank, is_main, world_size, device
         self.records = self.window is not None and (ranks is None or rank in ranks)
@@ -107,9 +108,16 @@ class StepProfiler:
         if not self.records:
             self._done = True
             return
-        self._profiler = torch.profiler.profile(activities=profiler_activities(self.device), record_shapes=True)
+        self._profiler = torch.profiler.profile(activities=profiler_activities(self.device), record_shapes=self.shapes)
         self._profiler.start()
         self._first_recorded = step
+
+    def covers(self, step: int) -> bool:
+        """Whether optimizer step `step` runs under the profiler on some rank: on every rank a slower step, since
+        the others wait for the profiled ones in the step's collectives."""
+        if self.window is None or not self.window[0] <= step <= self.window[1]:
+            return False
+        return self.ranks is None or any(r < self.world_size for r in self.ranks)
 
     def after_step(self, step: int) -> list[Path]:
         """Called after optimizer step `step`: ends the step's span; at the window's last step, writes the

@@ -99,7 +99,7 @@ class Trainer:
         """<run.dir>/curves.png, redrawn by rank 0 after each evaluation and at the end."""
         self.profiler = StepProfiler(cfg.train.profile_steps, cfg.train.profile_ranks, rank=env.rank,
                                      is_main=env.is_main, world_size=env.world_size, run_dir=cfg.run.dir,
-                                     device=self.device)
+                                     device=self.device, shapes=cfg.train.profile_shapes)
         self._batches = iter(loader)
         self._notes_between_steps = 0  # evaluation segments and save phases noted for the watchdog
 
@@ -153,21 +153,24 @@ class Trainer:
         log.info("training steps %d..%d of %d on %d rank(s): %d streams x %d tokens per step, %d micro "
                  "step(s) of %d streams per rank", self.step + 1, last, cfg.train.max_steps, self.env.world_size,
                  cfg.n_streams(), cfg.model.tgt_len, self.loader.accumulation_steps, cfg.micro_batch())
-        window_time, window_steps = 0.0, 0  # training time only: evaluations and saves do not count
+        window = RateWindow()
         while self.step < last:
+            profiled = self.profiler.covers(self.step + 1)
             self.profiler.before_step(self.step + 1)
             stats = self.train_step()
             self._log_profile(self.profiler.after_step(self.step))
             stop = stats.pop("stop")
             diverged = self._count_nonfinite(stats.pop("nonfinite"))
             stats["train/nonfinite_steps"] = float(self.nonfinite_steps)
-            window_time, window_steps = window_time + stats["train/step_time_s"], window_steps + 1
+            if profiled:
+                stats["train/profiled"] = 1.0
+            window.add(stats["train/step_time_s"], profiled)
             self.tracker.log_metrics(stats, step=self.step)
             if diverged:
                 raise distributed.agreed(diverged)
             if self.step % cfg.train.log_interval == 0 or self.step == last:
-                self._progress(stats, window_time / window_steps, last)
-                window_time, window_steps = 0.0, 0
+                self._progress(stats, *window.report(), last)
+                window = RateWindow()
             if stop:  # every rank sees it at this step (reduced with the loss): the gather is collective
                 reasons = describe_reasons(distributed.gather_objects(self.stop.reason()))
                 log.warning("stopping after step %d (%s): saving a checkpoint", self.step, reasons,
@@ -405,15 +408,39 @@ class Trainer:
             metrics["train/mfu"] = flops_per_s / self.peak_flops
         return metrics
 
-    def _progress(self, stats: dict[str, float], step_time: float, last: int) -> None:
+    def _progress(self, stats: dict[str, float], step_time: float, note: str, last: int) -> None:
+        """The progress line; step_time and note: RateWindow.report()'s."""
         eta = step_time * (last - self.step)
         norm = stats["train/grad_norm"]
         flops = self._flops_metrics(step_time)
         mfu = f" | MFU {flops['train/mfu'] * 100:.3g}%" if "train/mfu" in flops else ""
-        log.info("step %d/%d | loss %.4f | lr %.3e | grad norm %s | %.0f tok/s | %s%s | %.3f s/step | ETA %s",
+        log.info("step %d/%d | loss %.4f | lr %.3e | grad norm %s | %.0f tok/s | %s%s | %.3f s/step | ETA %s%s",
                  self.step, last, stats["train/loss"], stats["train/lr"],
                  "n/a" if norm is None else f"{norm:.3f}", self.tokens_per_step / step_time,
-                 _flops_text(flops["train/model_flops_per_s"]), mfu, step_time, _hms(eta))
+                 _flops_text(flops["train/model_flops_per_s"]), mfu, step_time, _hms(eta), note)
+
+
+class RateWindow:
+    """The steps since the last progress line, by their training time (evaluations and saves do not count):
+    those under the profiler apart, since its overhead is no training rate to report."""
+
+    def __init__(self) -> None:
+        self._seconds = {False: 0.0, True: 0.0}
+        self._steps = {False: 0, True: 0}
+
+    def add(self, seconds: float, profiled: bool) -> None:
+        self._seconds[profiled] += seconds
+        self._steps[profiled] += 1
+
+    def report(self) -> tuple[float, str]:
+        """The mean step time the line reports, and what the line says of profiled steps: the unprofiled steps'
+        mean with " | <n> profiled step(s) left out" when there are both, the profiled steps' with " | profiled"
+        when there are only those, else no note."""
+        if not self._steps[False]:
+            return self._seconds[True] / self._steps[True], " | profiled"
+        left_out = self._steps[True]
+        return (self._seconds[False] / self._steps[False],
+                f" | {left_out} profiled step(s) left out" if left_out else "")
 
 
 def failure_line(e: BaseException) -> str:
