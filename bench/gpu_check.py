@@ -30,7 +30,8 @@ was measured), then DIR/gpu_check_table.txt (a short table):
              DeepSpeed); the compile's warm-up time and dynamo's graph count per case; and profiles of the
              fastest one's eager step and of its compiled step at the large presets' micro batch (16): the
              busiest kernels and the wall time summary, as the trainer's, each beside as many steps timed without
-             the profiler (train_profile). --train-shapes and --train-batches run a subset (a focused call)
+             the profiler (train_profile). --train-shapes, --train-batches and --train-impls run a subset (a
+             focused call)
 
 One deadline (start + --budget-s) holds for all: the phases run (--phases, in the order given) share it by
 their PHASE_BUDGET weights; each phase gets its share plus what earlier phases left
@@ -743,14 +744,19 @@ class TrainMatrix:
         self.free(compiled=False)
 
 
-def phase_train(p: Phase, shapes: list[str] | None = None, batches: list[int] | None = None) -> None:
+def phase_train(p: Phase, shapes: list[str] | None = None, batches: list[int] | None = None,
+                impls: list[str] | None = None) -> None:
     with recompile_limit(TRAIN_RECOMPILE_LIMIT):
-        train_matrix(p, shapes, batches)
+        train_matrix(p, shapes, batches, impls)
 
 
-def train_matrix(p: Phase, only_shapes: list[str] | None = None, only_batches: list[int] | None = None) -> None:
-    """Each shape's cases (--train-shapes, --train-batches: a subset, for a focused call)."""
-    impls = [i for i in ATTN_IMPLS if i != "reference"]  # the oracle's speed is not a product question
+TRAIN_IMPLS = tuple(i for i in ATTN_IMPLS if i != "reference")  # the oracle's speed is not a product question
+
+
+def train_matrix(p: Phase, only_shapes: list[str] | None = None, only_batches: list[int] | None = None,
+                 only_impls: list[str] | None = None) -> None:
+    """Each shape's cases (--train-shapes, --train-batches, --train-impls: a subset, for a focused call)."""
+    impls = [i for i in TRAIN_IMPLS if not only_impls or i in only_impls]
     no_backward = [i for i in impls if not trains_here(i, p.device)]
     impls = [i for i in impls if trains_here(i, p.device)]
     batches = tuple(only_batches or ((2,) if p.smoke else TRAIN_BATCHES))
@@ -1237,13 +1243,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trainer-config", default=None,
                     help="the deepspeed phase's config (default: configs/wt103_base.json, tiny.json for the smoke run)")
     ap.add_argument("--trainer-stages", type=int, nargs="+", default=None, help="its ZeRO stages (default 1 2)")
-    ap.add_argument("--trainer-steps", type=int, default=None, help="its training steps (default 6)")
+    ap.add_argument("--trainer-steps", type=int, default=None, help="its training steps (default 8)")
     ap.add_argument("--trainer-set", action="append", default=None, metavar="KEY=VALUE",
                     help="a further --set for the trainer (repeatable), after the phase's own")
     ap.add_argument("--train-shapes", nargs="+", choices=["large", "base"], default=None,
                     help="the train phase's shapes (default: both)")
     ap.add_argument("--train-batches", type=int, nargs="+", default=None,
                     help=f"the train phase's micro batches (default: {' '.join(map(str, TRAIN_BATCHES))})")
+    ap.add_argument("--train-impls", nargs="+", choices=TRAIN_IMPLS, default=None,
+                    help="the train phase's attention implementations (default: all)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     if args.cpu_smoke:
@@ -1271,7 +1279,7 @@ def main(argv: list[str] | None = None) -> int:
         "cuda_tests": lambda p: phase_cuda_tests(p, out, args.cuda_test_parts),
         "deepspeed": lambda p: phase_deepspeed(p, out, scratch, config=args.trainer_config, stages=args.trainer_stages,
                                                steps=args.trainer_steps, extra_sets=args.trainer_set),
-        "train": lambda p: phase_train(p, args.train_shapes, args.train_batches)}
+        "train": lambda p: phase_train(p, args.train_shapes, args.train_batches, args.train_impls)}
     carry = 0.0  # the schedule's time minus what the phases so far took: an overrun makes it negative
     code = 0
     try:

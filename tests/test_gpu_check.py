@@ -170,6 +170,14 @@ def test_train_matrix_compiles_layers_before_the_flex_survey(tmp_path, monkeypat
     assert all(c[0] == "sdpa" for c in large[4:-2])
     assert len(large) == 2 + 1 + 11 + 1 + 1  # the survey, 2 profiles, sdpa's 12 cases less the one surveyed, flex
 
+    # A focused call (--train-shapes large --train-batches 16 --train-impls matmul): the compiled step the large
+    # presets run and its profile, with no other implementation's survey or compiles.
+    calls.clear()
+    gpu_check.train_matrix(p, ["large"], [16], ["matmul"])
+    assert [c[1:] for c in calls] == [("matmul", 16, False, False), ("matmul", 16, False, True),
+                                      ("profile matmul", 16, False, False), ("matmul", 16, True, False),
+                                      ("matmul", 16, True, True), ("profile matmul", 16, False, True)]
+
 
 def test_phase_budget_charges_overruns_and_keeps_the_deadline():
     # Time left over carries forward, an overrun is charged to the next phase, never past the deadline.
