@@ -560,7 +560,7 @@ class TrainCase:
         train.profile_steps logs them (txl_dist/profiling.py)."""
         p = self.p
         self._setup(impl, checkpointing=False)
-        step, _ = self._stepper(batch, 2 * steps + 2)
+        step, labels = self._stepper(batch, 2 * steps + 2)
         step(0)
         step(1)
         p.sync()
@@ -582,8 +582,14 @@ class TrainCase:
         sorted_by, ops = headline(times, PROFILE_TOP_OPS)
         for op in ops:
             op["name"] = op["name"][:PROFILE_NAME_CHARS]
+        fpt, _ = self._flops_per_token(batch, labels)
         return dict(sorted_by=sorted_by, steps=steps, ops=ops, summary=summary,
-                    **unprofiled_reading(summary, step_ms_unprofiled))
+                    **unprofiled_reading(summary, step_ms_unprofiled, fpt * batch * self.cfg.tgt_len))
+
+    def _flops_per_token(self, batch: int, labels: torch.Tensor) -> tuple[float, str]:
+        """The model FLOPs per trained token of this case's steps (txl_dist/flops.py), and the counter."""
+        dense = self.model.crit.resolved_tail_mode(self.p.device, planned=True) == "dense"
+        return flops_per_token(self.cfg, batch, labels, dense)
 
     def run(self, impl: str, batch: int, checkpointing: bool, warmup: int, steps: int) -> dict[str, Any]:
         p, cfg, model = self.p, self.cfg, self.model
@@ -606,8 +612,8 @@ class TrainCase:
             p.sync()
         step_s = (time.perf_counter() - start) / steps
         tok_s = batch * cfg.tgt_len / step_s
+        fpt, counter = self._flops_per_token(batch, labels)
         dense = model.crit.resolved_tail_mode(p.device, planned=True) == "dense"
-        fpt, counter = flops_per_token(cfg, batch, labels, dense)
         # compile_s: what the warm-up steps took beyond as many steady steps (compiles, autotuning).
         rec = dict(step_ms=round(step_s * 1e3, 2), tokens_per_s=round(tok_s), warmup_s=round(warm_s, 2),
                    compile_s=round(max(0.0, warm_s - warmup * step_s), 2), dropatt=dropatt, config_dropatt=cfg.dropatt,
@@ -624,21 +630,31 @@ class TrainCase:
         return rec
 
 
-def unprofiled_reading(summary: dict[str, Any] | None, step_ms_unprofiled: float | None) -> dict[str, Any]:
+def unprofiled_reading(summary: dict[str, Any] | None, step_ms_unprofiled: float | None,
+                       flops_per_step: float | None = None) -> dict[str, Any]:
     """A profile window read against the same steps timed without the profiler: its slowdown (profiled over
     unprofiled step time), and on a GPU the device's busy share of an unprofiled step, estimated as the window's
     device busy time per step over the unprofiled step time (the kernels take about as long either way; the
-    profiler adds host work, which lowers the busy share of a host-bound step under it)."""
+    profiler adds host work, which lowers the busy share of a host-bound step under it). With the model's
+    FLOPs per step (all matrix products: txl_dist/flops.py), also the matmul kernels' time per step, their
+    share of an unprofiled step and the FLOP/s they ran at: MFU is about that share times that rate over the
+    peak, so the two say whether the GEMMs are slow or the rest of the step is long."""
     if not step_ms_unprofiled:
         return {}
     out: dict[str, Any] = {"step_ms_unprofiled": round(step_ms_unprofiled, 3)}
     if summary and summary.get("step_ms"):
-        profiled = sum(summary["step_ms"]) / len(summary["step_ms"])
+        n = len(summary["step_ms"])
+        profiled = sum(summary["step_ms"]) / n
         out["step_ms_profiled"] = round(profiled, 3)
         out["profiler_slowdown"] = round(profiled / step_ms_unprofiled, 3)
-        if summary.get("device"):
-            busy_per_step = summary["device"]["busy_ms"] / len(summary["step_ms"])
-            out["busy_share_unprofiled_est"] = round(min(1.0, busy_per_step / step_ms_unprofiled), 4)
+        if device := summary.get("device"):
+            out["busy_share_unprofiled_est"] = round(min(1.0, device["busy_ms"] / n / step_ms_unprofiled), 4)
+            matmul_ms = sum(k["ms"] for k in device.get("kinds", []) if k["name"] == "matmul") / n
+            if matmul_ms > 0:
+                out["matmul_ms_per_step"] = round(matmul_ms, 3)
+                out["matmul_share_unprofiled_est"] = round(min(1.0, matmul_ms / step_ms_unprofiled), 4)
+                if flops_per_step:
+                    out["matmul_tflops_est"] = round(flops_per_step / (matmul_ms / 1e3) / 1e12, 1)
     return out
 
 
@@ -933,16 +949,18 @@ def phase_deepspeed(p: Phase, out: Path, scratch: Path, *, config: str | None = 
         unprofiled_s = progress.get("step_s_unprofiled")
         p.write("deepspeed", zero_stage=stage, exit=code, seconds=round(time.perf_counter() - start, 1), **progress,
                 **({"profile_summary": summary} if summary else {}),
-                **unprofiled_reading(summary, unprofiled_s and unprofiled_s * 1e3))
+                **unprofiled_reading(summary, unprofiled_s and unprofiled_s * 1e3, progress.get("flops_per_step")))
 
 
 def unprofiled_text(rec: dict[str, Any]) -> str | None:
     """unprofiled_reading's numbers in a record, as a table line."""
     if "profiler_slowdown" not in rec:
         return None
-    busy = rec.get("busy_share_unprofiled_est")
+    busy, matmul = rec.get("busy_share_unprofiled_est"), rec.get("matmul_share_unprofiled_est")
     return (f"unprofiled {rec['step_ms_unprofiled']:.1f} ms/step, profiled {rec['step_ms_profiled']:.1f} "
-            f"(x{rec['profiler_slowdown']:.2f})" + (f"; device busy ~{busy:.1%} of an unprofiled step" if busy else ""))
+            f"(x{rec['profiler_slowdown']:.2f})" + (f"; device busy ~{busy:.1%} of an unprofiled step" if busy else "")
+            + (f", matmul kernels ~{matmul:.1%}" if matmul else "")
+            + (f" at {rec['matmul_tflops_est']:g} TFLOP/s" if rec.get("matmul_tflops_est") else ""))
 
 
 SMOKE_TRAINER_WIDTHS = ("model.d_model=32", "model.d_embed=32", "model.n_head=2", "model.d_head=16",
@@ -971,7 +989,8 @@ def profile_summaries(run_dir: Path) -> list[dict[str, Any]]:
     return out
 
 
-PROGRESS_LINE = re.compile(r"step (\d+)/\d+ \|.* ([\d.]+) tok/s \|.* ([\d.]+) s/step \|")
+PROGRESS_LINE = re.compile(r"step (\d+)/\d+ \|.* ([\d.]+) tok/s \| ([\d.]+) ([MGTP])FLOP/s \|.* ([\d.]+) s/step \|")
+FLOPS_UNITS = {"M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15}
 FIRST_STEADY_STEP = 3
 """The trainer's first step whose rate counts: step 1 has no memory yet, steps 1 and 2 compile."""
 
@@ -983,10 +1002,12 @@ def trainer_progress(log_path: Path, tail_chars: int = 0) -> dict[str, Any]:
     run's error), from the same read."""
     text = log_path.read_text(errors="replace") if log_path.exists() else ""
     progress = [ln.strip() for ln in text.splitlines() if "tok/s" in ln]
-    rates: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+    rates: dict[bool, list[tuple[float, float, float]]] = {False: [], True: []}  # tok/s, s/step, FLOPs/step
     for line in progress:
         if (m := PROGRESS_LINE.search(line)) and int(m.group(1)) >= FIRST_STEADY_STEP:
-            rates[line.endswith("| profiled")].append((float(m.group(2)), float(m.group(3))))
+            step_s = float(m.group(5))
+            flops = float(m.group(3)) * FLOPS_UNITS[m.group(4)] * step_s
+            rates[line.endswith("| profiled")].append((float(m.group(2)), step_s, flops))
     tok_s = [float(m.group(1)) for ln in progress if (m := re.search(r"([\d.]+) tok/s", ln))]
     # The profile's "written to" line; its summary line reaches the record from the run folder (profile_summaries).
     profile = [ln.strip() for ln in text.splitlines() if "profile of steps" in ln and " written to " in ln]
@@ -995,6 +1016,8 @@ def trainer_progress(log_path: Path, tail_chars: int = 0) -> dict[str, Any]:
         if rates[profiled]:
             result[f"tokens_per_s_{suffix}"] = statistics.median(r[0] for r in rates[profiled])
             result[f"step_s_{suffix}"] = statistics.median(r[1] for r in rates[profiled])
+    if rates[False]:  # the model's FLOPs per step (the same every step; the line's rounding aside)
+        result["flops_per_step"] = statistics.median(r[2] for r in rates[False])
     if tail_chars:
         result["tail"] = text[-tail_chars:]
     return result

@@ -331,7 +331,7 @@ def test_a_focused_call_shares_the_whole_budget_among_its_phases_in_its_order(tm
     assert deepspeed == pytest.approx(2 * total, abs=1.0)  # the last: all that is left (none was used)
 
 
-def test_the_trainer_profile_window_leaves_unprofiled_steady_steps_and_the_reading_uses_them():
+def test_the_trainer_profile_window_leaves_unprofiled_steady_steps_and_the_reading_uses_them(tmp_path):
     # 8 steps (the GPU default): steps 3-4 and 7-8 time the trainer without the profiler, 5-6 under it.
     assert gpu_check.trainer_profile_window(8) == (5, 6)
     assert gpu_check.trainer_profile_window(6) == (3, 4)
@@ -343,12 +343,31 @@ def test_the_trainer_profile_window_leaves_unprofiled_steady_steps_and_the_readi
     assert gpu_check.unprofiled_reading(summary, 100.0) == {
         "step_ms_unprofiled": 100.0, "step_ms_profiled": 150.0, "profiler_slowdown": 1.5,
         "busy_share_unprofiled_est": 0.6}
+    # With the device time by kind: 80 ms of GEMMs in the window, 40 per step, 40% of an unprofiled step; 10
+    # TFLOP per step of model FLOPs in 40 ms ran at 250 TFLOP/s.
+    summary["device"]["kinds"] = [{"name": "matmul", "ms": 80.0}, {"name": "elementwise", "ms": 40.0}]
+    assert gpu_check.unprofiled_reading(summary, 100.0, 10e12) == {
+        "step_ms_unprofiled": 100.0, "step_ms_profiled": 150.0, "profiler_slowdown": 1.5,
+        "busy_share_unprofiled_est": 0.6, "matmul_ms_per_step": 40.0, "matmul_share_unprofiled_est": 0.4,
+        "matmul_tflops_est": 250.0}
     assert gpu_check.unprofiled_reading({"step_ms": [150.0], "device": None}, 100.0) == {
         "step_ms_unprofiled": 100.0, "step_ms_profiled": 150.0, "profiler_slowdown": 1.5}
     assert gpu_check.unprofiled_reading(summary, None) == {}
     assert gpu_check.unprofiled_text({"step_ms_unprofiled": 100.0, "step_ms_profiled": 150.0,
                                       "profiler_slowdown": 1.5, "busy_share_unprofiled_est": 0.6}) == (
         "unprofiled 100.0 ms/step, profiled 150.0 (x1.50); device busy ~60.0% of an unprofiled step")
+    assert gpu_check.unprofiled_text(gpu_check.unprofiled_reading(summary, 100.0, 10e12)).endswith(
+        "device busy ~60.0% of an unprofiled step, matmul kernels ~40.0% at 250 TFLOP/s")
+    # The trainer's FLOPs per step from its progress lines (rate x step time), unprofiled steps only.
+    log = tmp_path / "trainer.log"
+    log.write_text("".join(f"12:00:0{i} step {i}/8 | loss 7.0 | lr 1e-4 | grad norm 1.0 | 1000 tok/s | "
+                           f"{f} | MFU 1% | {t} s/step | ETA 0:00:01{' | profiled' if i in (5, 6) else ''}\n"
+                           for i, f, t in ((1, "1.00 GFLOP/s", "9.000"), (3, "2.00 TFLOP/s", "0.500"),
+                                           (4, "2.00 TFLOP/s", "0.500"), (5, "1.00 TFLOP/s", "1.000"),
+                                           (6, "1.00 TFLOP/s", "1.000"))))
+    progress = gpu_check.trainer_progress(log)
+    assert progress["flops_per_step"] == 1e12 and progress["step_s_unprofiled"] == 0.5
+    assert progress["tokens_per_s_unprofiled"] == 1000 and progress["step_s_profiled"] == 1.0
 
 
 def test_a_smoke_run_fails_on_a_failed_phase_trainer_stage_or_test_part():

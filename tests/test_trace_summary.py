@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from txl_dist.trace_summary import (Activity, activities_from_trace, analyze, busiest, main, operator_table,
-                                    operator_times, summarize, summary_line)
+from txl_dist.trace_summary import (Activity, activities_from_trace, analyze, busiest, kernel_kind, main,
+                                    operator_table, operator_times, summarize, summary_line)
 
 # Two steps, 0-100 us and 100-250 us; the device runs behind the host and finishes at 260 us.
 # Kernels: stream 7 [10, 40] and [30, 60] (overlapping: union [10, 60]), stream 9 [50, 90] (union [10, 90]),
@@ -45,6 +45,9 @@ def test_the_summary_of_a_window_matches_the_numbers_worked_out_by_hand():
     assert d["activities_per_step"] == 2.5 and d["mean_activity_us"] == (30 + 30 + 40 + 40 + 60) / 5
     assert d["stream_ms"] == {"7": 0.16, "9": 0.04}
     assert d["top"][0] == {"name": "gemm", "calls": 3, "ms": 0.1, "share": 0.5}
+    assert d["kinds"] == [{"name": "matmul", "calls": 3, "ms": 0.1, "share": 0.5},
+                          {"name": "copies", "calls": 1, "ms": 0.06, "share": 0.3},
+                          {"name": "other", "calls": 1, "ms": 0.04, "share": 0.2}]
     assert s["host_waits_per_step"] == 1.0 and s["host_wait_ms_per_step"] == 0.045
     assert s["host_waits"] == {"cudaDeviceSynchronize": {"calls": 1, "ms": 0.03},
                                "cudaStreamSynchronize": {"calls": 1, "ms": 0.06}}
@@ -52,6 +55,7 @@ def test_the_summary_of_a_window_matches_the_numbers_worked_out_by_hand():
     line = summary_line(s)
     assert line.startswith("device busy 69.2% of 0 ms (per step 80.0%, 62.5%); host waits 1 per step")
     assert "cudaStreamSynchronize x1" in line and "busiest: gemm 50.0%" in line
+    assert "by kind: matmul 50.0%, copies 30.0%, other 20.0%; busiest" in line
 
 
 def test_what_lies_before_the_window_and_a_window_without_steps():
@@ -173,3 +177,35 @@ def test_a_real_cpu_profile_has_its_steps_and_no_device(tmp_path):
     assert "host_busiest" not in s  # a CPU window: the operator table says it all
     assert s["window_ms"] == pytest.approx(sum(s["step_ms"]), abs=0.002)  # each rounded to a microsecond
     assert times.host["aten::mm"][0] == 2
+
+
+@pytest.mark.parametrize("name, kind", [
+    # Kernel names as CUDA builds of torch name them (cuBLAS, CUTLASS, inductor, ATen, Kineto's copies).
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off_"
+     "kernel__5x_cublas", "matmul"),
+    ("nvjet_hsh_128x256_64x4_2x1_v_bz_coopA_NTT", "matmul"),
+    ("void cutlass::Kernel2<cutlass_75_tensorop_bf16_s1688gemm_bf16_64x64_32x6_tn_align1>(...)", "matmul"),
+    ("ampere_bf16_s16816gemm_bf16_128x128_ldg8_f2f_stages_32x5_nn", "matmul"),
+    ("triton_tem_fused_mm_3", "matmul"),
+    ("triton_per_fused__softmax_add_exp_native_dropout_prepare_softmax_online_sub_6", "compiled (triton)"),
+    ("triton_poi_fused_add_mul_0", "compiled (triton)"),
+    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4>>(...)", "fused attention"),
+    ("fmha_cutlassB_bf16_aligned_64x64_k64_sm80(...)", "fused attention"),
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>(...)", "optimizer"),
+    ("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<c10::BFloat16, float>(...)",
+     "softmax, norms, reductions"),
+    ("void (anonymous namespace)::softmax_warp_forward<c10::BFloat16, c10::BFloat16, float, 10>(...)",
+     "softmax, norms, reductions"),
+    ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float>>(...)", "softmax, norms, reductions"),
+    ("void at::native::indexSelectLargeIndex<c10::BFloat16, long, unsigned int, 2, 2, -2, true>(...)",
+     "index, gather, cat"),
+    ("void at::native::(anonymous namespace)::CatArrayBatchedCopy<...>(...)", "index, gather, cat"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>>(...)",
+     "elementwise"),
+    ("Memcpy DtoD (Device -> Device)", "copies"),
+    ("Memset (Device)", "fills"),
+    ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "communication"),
+    ("some_custom_kernel", "other"),
+])
+def test_device_activity_kinds_from_kernel_names(name, kind):
+    assert kernel_kind(name) == kind

@@ -20,7 +20,8 @@ times, calls and totals are torch's (tests/test_trace_summary.py checks them aga
 - host waits: CUDA API calls that block the host until the device catches up (the *Synchronize calls and
   the blocking cudaMemcpy), per step, with the time the host spent in them;
 - kernel launches per step and the mean kernel time (a launch-bound step has many short kernels);
-- the busiest kernels by device time, as shares of all device activity in the window, and the operators
+- the device time by kind of kernel (KERNEL_KINDS: matmul, compiled fused kernels, elementwise, softmax and
+  norms, ...) and the busiest kernels, as shares of all device activity in the window, and the operators
   with the most self CPU time (where a step that waits on its host spends it).
 """
 from __future__ import annotations
@@ -48,6 +49,23 @@ LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchCooperativeKernel",
 NOT_HOST = frozenset({"Trace", "gpu_user_annotation"})
 """Chrome-trace categories that are neither device activity nor host work (the whole trace's span, a
 step's span on the device)."""
+KERNEL_KINDS = (
+    ("copies", ("memcpy",)), ("fills", ("memset",)), ("communication", ("nccl",)),
+    ("fused attention", ("flash", "fmha", "sdpa", "flex_attention", "attention")),
+    ("optimizer", ("multi_tensor_apply", "adam")),
+    ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "triton_tem_", "s16816", "s1688", "wgmma",
+                "splitkreduce")),
+    ("compiled (triton)", ("triton_",)),
+    ("softmax, norms, reductions", ("softmax", "layer_norm", "layernorm", "gammabeta", "reduce_kernel", "rms_norm",
+                                    "batch_norm", "group_norm")),
+    ("index, gather, cat", ("index", "gather", "scatter", "embedding", "catarray")),
+    ("elementwise", ("elementwise", "dropout", "copy", "fill", "philox")),
+)
+"""Kinds of device activity by name (the first kind with a fragment in the lowercased name; else "other"):
+cuBLAS and CUTLASS GEMMs (Hopper's cuBLAS names its own "nvjet_..."), inductor's matmul templates
+(triton_tem_) and its other kernels (triton_poi_/per_/red_: fused pointwise and reductions), ATen's kernels,
+Kineto's copies and fills. What a step's device time is spent on: GEMMs near the peak, or the memory-bound
+rest around them."""
 TOP_KERNELS = 8
 KERNEL_NAME_CHARS = 160
 HOST_ROWS = 8
@@ -243,6 +261,10 @@ def _device_summary(devices: list[Activity], bounds: list[float], n_steps: int) 
         by_name[a.name][1] += a.length
         streams[str(a.stream)] += a.length
     top = sorted(by_name.items(), key=lambda kv: kv[1][1], reverse=True)[:TOP_KERNELS]
+    by_kind: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for name, (calls, t) in by_name.items():
+        by_kind[kernel_kind(name)][0] += calls
+        by_kind[kernel_kind(name)][1] += t
     return {
         "busy_share": round(busy / (bounds[-1] - bounds[0]), 4) if bounds[-1] > bounds[0] else 0.0,
         "busy_share_per_step": [round(s, 4) for s in per_step],
@@ -252,7 +274,18 @@ def _device_summary(devices: list[Activity], bounds: list[float], n_steps: int) 
         "stream_ms": {k: round(v / 1e3, 3) for k, v in sorted(streams.items(), key=lambda kv: -kv[1])},
         "top": [{"name": name[:KERNEL_NAME_CHARS], "calls": c, "ms": round(t / 1e3, 3), "share": round(t / total, 4)}
                 for name, (c, t) in top],
+        "kinds": [{"name": kind, "calls": int(c), "ms": round(t / 1e3, 3), "share": round(t / total, 4)}
+                  for kind, (c, t) in sorted(by_kind.items(), key=lambda kv: kv[1][1], reverse=True)],
     }
+
+
+def kernel_kind(name: str) -> str:
+    """The KERNEL_KINDS kind of a device activity's name."""
+    low = name.lower()
+    for kind, fragments in KERNEL_KINDS:
+        if any(f in low for f in fragments):
+            return kind
+    return "other"
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -282,7 +315,8 @@ def summary_line(summary: dict[str, Any] | None) -> str | None:
     return (f"device busy {100 * d['busy_share']:.1f}% of {summary['window_ms']:.0f} ms "
             f"(per step {per_step}); host waits {summary['host_waits_per_step']:g} per step, "
             f"{summary['host_wait_ms_per_step']:.1f} ms ({waits}); {summary['launches_per_step']:.0f} launches per "
-            f"step, mean device activity {d['mean_activity_us']:.0f} us; busiest: {top}"
+            f"step, mean device activity {d['mean_activity_us']:.0f} us; by kind: {shares_text(d['kinds'], 5)}; "
+            f"busiest: {top}"
             + (f"; the host's busiest: {host}" if host else ""))
 
 
