@@ -582,17 +582,16 @@ class TrainCase:
         sorted_by, ops = headline(times, PROFILE_TOP_OPS)
         for op in ops:
             op["name"] = op["name"][:PROFILE_NAME_CHARS]
-        fpt, _ = self._flops_per_token(batch, labels)
+        fpt, _ = flops_per_token(self.cfg, batch, labels, self._dense_tails())
         return dict(sorted_by=sorted_by, steps=steps, ops=ops, summary=summary,
                     **unprofiled_reading(summary, step_ms_unprofiled, fpt * batch * self.cfg.tgt_len))
 
-    def _flops_per_token(self, batch: int, labels: torch.Tensor) -> tuple[float, str]:
-        """The model FLOPs per trained token of this case's steps (txl_dist/flops.py), and the counter."""
-        dense = self.model.crit.resolved_tail_mode(self.p.device, planned=True) == "dense"
-        return flops_per_token(self.cfg, batch, labels, dense)
+    def _dense_tails(self) -> bool:
+        """Whether this case's adaptive softmax runs its tails dense (the FLOPs it counts depend on it)."""
+        return self.model.crit.resolved_tail_mode(self.p.device, planned=True) == "dense"
 
     def run(self, impl: str, batch: int, checkpointing: bool, warmup: int, steps: int) -> dict[str, Any]:
-        p, cfg, model = self.p, self.cfg, self.model
+        p, cfg = self.p, self.cfg
         dropatt = self._setup(impl, checkpointing)
         n = warmup + steps
         step, labels = self._stepper(batch, n)
@@ -612,8 +611,8 @@ class TrainCase:
             p.sync()
         step_s = (time.perf_counter() - start) / steps
         tok_s = batch * cfg.tgt_len / step_s
-        fpt, counter = self._flops_per_token(batch, labels)
-        dense = model.crit.resolved_tail_mode(p.device, planned=True) == "dense"
+        dense = self._dense_tails()
+        fpt, counter = flops_per_token(cfg, batch, labels, dense)
         # compile_s: what the warm-up steps took beyond as many steady steps (compiles, autotuning).
         rec = dict(step_ms=round(step_s * 1e3, 2), tokens_per_s=round(tok_s), warmup_s=round(warm_s, 2),
                    compile_s=round(max(0.0, warm_s - warmup * step_s), 2), dropatt=dropatt, config_dropatt=cfg.dropatt,
@@ -1003,12 +1002,14 @@ def trainer_progress(log_path: Path, tail_chars: int = 0) -> dict[str, Any]:
     text = log_path.read_text(errors="replace") if log_path.exists() else ""
     progress = [ln.strip() for ln in text.splitlines() if "tok/s" in ln]
     rates: dict[bool, list[tuple[float, float, float]]] = {False: [], True: []}  # tok/s, s/step, FLOPs/step
+    tok_s = []
     for line in progress:
-        if (m := PROGRESS_LINE.search(line)) and int(m.group(1)) >= FIRST_STEADY_STEP:
-            step_s = float(m.group(5))
-            flops = float(m.group(3)) * FLOPS_UNITS[m.group(4)] * step_s
-            rates[line.endswith("| profiled")].append((float(m.group(2)), step_s, flops))
-    tok_s = [float(m.group(1)) for ln in progress if (m := re.search(r"([\d.]+) tok/s", ln))]
+        if m := PROGRESS_LINE.search(line):
+            tok_s.append(float(m.group(2)))
+            if int(m.group(1)) >= FIRST_STEADY_STEP:
+                step_s = float(m.group(5))
+                flops = float(m.group(3)) * FLOPS_UNITS[m.group(4)] * step_s
+                rates[line.endswith("| profiled")].append((tok_s[-1], step_s, flops))
     # The profile's "written to" line; its summary line reaches the record from the run folder (profile_summaries).
     profile = [ln.strip() for ln in text.splitlines() if "profile of steps" in ln and " written to " in ln]
     result = {"tokens_per_s_last": tok_s[-1] if tok_s else None, "progress": progress[-3:], "profile": profile[-1:]}

@@ -92,12 +92,19 @@ class StepProfiler:
             self._step_span = torch.profiler.record_function(f"ProfilerStep#{step}")
             self._step_span.__enter__()
 
+    def _in_window(self, step: int) -> bool:
+        return self.window is not None and self.window[0] <= step <= self.window[1]
+
+    def _present_ranks(self) -> list[int] | None:
+        """The ranks of train.profile_ranks that exist at this world size; None: every rank."""
+        return None if self.ranks is None else [r for r in self.ranks if r < self.world_size]
+
     def _open(self, step: int) -> None:
-        if self._done or self.window is None or not self.window[0] <= step <= self.window[1]:
+        if self._done or not self._in_window(step):
             return
         self.folder = window_folder(self.run_dir, step, self.window[1])
         if self.is_main:  # also when rank 0 itself does not record (train.profile_ranks without 0)
-            present = None if self.ranks is None else [r for r in self.ranks if r < self.world_size]
+            present = self._present_ranks()
             if present == []:
                 log.info("train.profile_steps %d..%d: none of train.profile_ranks %s exist at world size %d; no "
                          "profile", step, self.window[1], ", ".join(map(str, self.ranks)), self.world_size)
@@ -115,9 +122,7 @@ class StepProfiler:
     def covers(self, step: int) -> bool:
         """Whether optimizer step `step` runs under the profiler on some rank: on every rank a slower step, since
         the others wait for the profiled ones in the step's collectives."""
-        if self.window is None or not self.window[0] <= step <= self.window[1]:
-            return False
-        return self.ranks is None or any(r < self.world_size for r in self.ranks)
+        return self._in_window(step) and self._present_ranks() != []
 
     def after_step(self, step: int) -> list[Path]:
         """Called after optimizer step `step`: ends the step's span; at the window's last step, writes the

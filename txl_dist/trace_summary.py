@@ -263,8 +263,9 @@ def _device_summary(devices: list[Activity], bounds: list[float], n_steps: int) 
     top = sorted(by_name.items(), key=lambda kv: kv[1][1], reverse=True)[:TOP_KERNELS]
     by_kind: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for name, (calls, t) in by_name.items():
-        by_kind[kernel_kind(name)][0] += calls
-        by_kind[kernel_kind(name)][1] += t
+        kind = by_kind[kernel_kind(name)]
+        kind[0] += calls
+        kind[1] += t
     return {
         "busy_share": round(busy / (bounds[-1] - bounds[0]), 4) if bounds[-1] > bounds[0] else 0.0,
         "busy_share_per_step": [round(s, 4) for s in per_step],
