@@ -76,8 +76,8 @@ from txl_dist.model import TransformerXL
 from txl_dist.model.softmax import tail_plan
 from txl_dist.profiling import profiler_activities
 from txl_dist.trace_summary import analyze, headline, read_trace, shares_text, summary_line
-from txl_dist.model.attention import (ATTN_IMPLS, attn_bias_from_mask, build_attn_mask, candidate_attn_impls,
-                                      flex_block_mask, recompile_limit)
+from txl_dist.model.attention import (ATTN_IMPLS, attn_mask_for, build_attn_mask, candidate_attn_impls,
+                                      recompile_limit)
 
 REPO = Path(__file__).resolve().parents[1]
 JSONL = "gpu_check.jsonl"
@@ -283,19 +283,24 @@ def trains_here(impl: str, device: torch.device) -> bool:
     return impl == "reference" or impl in candidate_attn_impls(device, torch.float32, training=True, dropatt=0.0)
 
 
+def impls_here(device: torch.device) -> list[str]:
+    """ATTN_IMPLS that run on this device: triton's kernels only on CUDA, where the triton package imports."""
+    runnable = candidate_attn_impls(device, torch.float32, training=False, dropatt=0.0)
+    return [impl for impl in ATTN_IMPLS if impl != "triton" or impl in runnable]
+
+
 def attention_fwd_bwd(impl: str, x64: dict[str, torch.Tensor], grad64: torch.Tensor, bias_mask: torch.Tensor,
                       dtype: torch.dtype) -> tuple[Callable[[], None], Callable[[], dict[str, torch.Tensor]]]:
     """A timing closure and a closure returning float64 output + grads of one impl in one dtype (the output
     only, and a forward-only timing, where the impl has no backward on this device).
 
-    flex gets the BlockMask the model gives it (fully masked blocks skipped), the others the additive bias."""
+    Each gets the mask in the form the model gives it (attn_mask_for: flex its BlockMask, whose fully masked
+    blocks are skipped, triton its KeyPattern, the others the additive bias); bias_mask is full memory
+    (mlen = klen - qlen), without same_length."""
     x = {k: v.to(dtype).requires_grad_() for k, v in x64.items()}
     grad = grad64.to(dtype)
-    if impl == "flex":
-        qlen, klen = bias_mask.shape
-        bias = flex_block_mask(qlen, klen - qlen, klen - qlen, False, bias_mask.device)
-    else:
-        bias = attn_bias_from_mask(bias_mask, dtype)
+    qlen, klen = bias_mask.shape
+    bias = attn_mask_for(impl, qlen, klen - qlen, klen - qlen, False, bias_mask.device, dtype)
     fn = ATTN_IMPLS[impl]
     if not trains_here(impl, bias_mask.device):
         def forward() -> torch.Tensor:
@@ -333,7 +338,7 @@ def phase_attention(p: Phase) -> None:
             p.truncated.append(dname)
             continue
         runs = {}
-        for impl in ATTN_IMPLS:
+        for impl in impls_here(p.device):
             if impl in COMPILING_IMPLS and dname != "bf16" and p.left() < p.first_compile_min_s["flex"]:
                 p.truncated.append(f"{impl}/{dname}")
                 continue
@@ -409,7 +414,7 @@ def phase_model(p: Phase) -> None:
     # The reference first (each dtype's baseline), flex last and in bf16 only: it compiles for every key
     # length (6 graphs per dtype here) and must not eat the time of the others; the attention phase checks
     # flex in both dtypes.
-    others = [i for i in ATTN_IMPLS if i not in ("reference", "flex")]
+    others = [i for i in impls_here(p.device) if i not in ("reference", "flex")]
     order = [(impl, d) for impl in ["reference", *others] for d in dtypes]
     order += [("flex", "bf16")] if "flex" in ATTN_IMPLS else []
     baselines: dict[str, dict[str, float]] = {}
@@ -782,7 +787,7 @@ def train_matrix(p: Phase, only_shapes: list[str] | None = None, only_batches: l
     for index, (name, cfg) in enumerate(shapes.items()):
         for impl in no_backward:
             p.write("train_step", shape=name, impl=impl, micro_batch=batches[0], checkpointing=False, compile=False,
-                    skipped=f"no backward for {impl} on {p.device.type}")
+                    skipped=f"{impl} does not train on {p.device.type}")
         # This shape's share of what is left, among the shapes still to run.
         share_now = share[name] / sum(share[n] for n in list(shapes)[index:])
         matrix = TrainMatrix(p, name, cfg, time.monotonic() + share_now * max(0.0, p.left()), warmup, steps, impls)
@@ -833,12 +838,17 @@ def train_matrix(p: Phase, only_shapes: list[str] | None = None, only_batches: l
 
 HOST_SYNCS_AT_ZERO2 = ("tests/test_host_syncs.py::"
                        "test_deepspeed_does_not_wait_for_the_device_inside_a_step_of_one_rank[2]")
-CUDA_TEST_PARTS = (("cuda_tests.log", "not flex", ("tests/test_gpu.py", HOST_SYNCS_AT_ZERO2)),
+CUDA_TEST_PARTS = (("cuda_tests.log", "not flex", ("tests/test_gpu.py", "tests/test_triton_attention.py",
+                                                  HOST_SYNCS_AT_ZERO2)),
                    ("cuda_tests_flex.log", "flex", ("tests/test_gpu.py",)))
-"""The CUDA tests in two pytest runs (log name, -k selection, files or test ids): tests/test_gpu.py, and the
-tiny trainer's DeepSpeed waits for the device inside a step at the GPU presets' ZeRO 2 (CUDA takes waits that
-the CPU skips; a trainer start of ~15 s, so one stage only); flex's tests compile per shape and dtype, so they
-come second and get what the first part left."""
+"""The CUDA tests in two pytest runs (log name, -k selection, files or test ids): tests/test_gpu.py, the fused
+Triton kernels compiled for the device (tests/test_triton_attention.py), and the tiny trainer's DeepSpeed waits
+for the device inside a step at the GPU presets' ZeRO 2 (CUDA takes waits that the CPU skips; a trainer start
+of ~15 s, so one stage only); flex's tests compile per shape and dtype, so they come second and get what the
+first part left."""
+INTERPRETED_ON_CPU = ("tests/test_triton_attention.py",)
+"""Files that a CPU runs in Triton's interpreter (~15 s, and the suite runs them anyway): --cpu-smoke leaves
+them out of its toy-sized time box."""
 PYTEST_OUTCOME = re.compile(r"^(tests/\w+\.py::\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)", re.M)
 
 
@@ -861,6 +871,8 @@ def phase_cuda_tests(p: Phase, out: Path, parts: list[str] | None = None) -> Non
         if p.left() < 10:
             p.truncated.append(selection)
             continue
+        if p.device.type != "cuda":
+            files = tuple(f for f in files if f not in INTERPRETED_ON_CPU)
         cmd = [sys.executable, "-m", "pytest", "-v", "-rfE", "-p", "no:cacheprovider", "-k", selection, *files]
         start = time.perf_counter()
         code = run_logged(cmd, env, out / log_name, p.left())

@@ -1,4 +1,5 @@
 """Suite-wide settings (CPU DeepSpeed, no hub access, deterministic small thread pools) and shared fixtures."""
+import glob
 import logging
 import os
 import subprocess
@@ -12,6 +13,10 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Without an NVIDIA device the fused attention kernels (txl_dist/model/triton_attention.py) run in Triton's
+# interpreter on CPU tensors: read when triton is first imported, so it is set before anything imports it.
+if not glob.glob("/dev/nvidia[0-9]*"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -147,6 +147,8 @@ def test_decoding_attn_impl_replaces_only_flex():
     assert decoding_attn_impl("flex", cpu, torch.bfloat16) in ("matmul", "sdpa")  # auto's choice for this CPU
     for name in ("auto", "matmul", "sdpa", "reference"):
         assert decoding_attn_impl(name, cpu, torch.float32) == name == decoding_attn_impl(name, cuda, torch.bfloat16)
+    # A model trained with the CUDA kernels decodes with auto's choice where they cannot run.
+    assert decoding_attn_impl("triton", cpu, torch.float32) == "auto"
 
 
 def test_a_flex_model_decodes_without_flex_exactly_like_matmul(sharp_model, monkeypatch):

@@ -1,6 +1,6 @@
 """CUDA paths of the model (marked `gpu`; they run wherever a CUDA device is present, e.g. a GPU CI box).
 
-Each fast attention implementation (matmul, sdpa, flex) and both adaptive-softmax tail modes must equal the
+Each fast attention implementation (matmul, sdpa, triton, flex) and both adaptive-softmax tail modes must equal the
 plain reference on the GPU, forward and backward: fp32 (TF32 off) within 1e-4, bf16 within 2e-2 relative
 (whole training steps: against the reference in float64, test_cuda_training_step_equals_reference).
 FlexAttention's backward exists only here (a CPU has none), and so do compiled layers on CUDA. A training micro
@@ -60,7 +60,7 @@ TOLERANCES = {torch.float32: dict(rtol=0, atol=1e-4), torch.bfloat16: dict(rtol=
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("impl", ["matmul", "sdpa", "flex", "auto"])
+@pytest.mark.parametrize("impl", ["matmul", "sdpa", "triton", "flex", "auto"])
 @pytest.mark.parametrize("same_length", [False, True])
 def test_cuda_attention_equals_reference(impl, same_length, dtype):
     model = make_model(same_length=same_length).eval().to(dtype)
@@ -96,7 +96,7 @@ def training_step(model, name, ids):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("impl", ["matmul", "sdpa", "flex"])
+@pytest.mark.parametrize("impl", ["matmul", "sdpa", "triton", "flex"])
 @pytest.mark.parametrize("same_length", [False, True])
 def test_cuda_training_step_equals_reference(impl, same_length, dtype):
     """Forward and backward of the whole model (mems carried, gradients of every parameter), dropout off,
@@ -262,7 +262,7 @@ def test_cuda_flex_model_generates_without_flex(monkeypatch):
     assert flex_calls == [] and flex.attn_impl == "flex"
 
 
-@pytest.mark.parametrize("impl", ["matmul", "flex"])
+@pytest.mark.parametrize("impl", ["matmul", "triton", "flex"])
 def test_cuda_compiled_layers_equal_eager_without_recompiles(impl):
     from torch._dynamo.testing import CompileCounterWithBackend
 

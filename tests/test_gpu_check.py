@@ -55,21 +55,24 @@ def test_cpu_smoke_runs_every_phase(tmp_path):
     # Every implementation was checked against the float64 oracle and timed, in both dtypes (forward only
     # where it has no backward on a CPU: FlexAttention).
     trainable = {"reference", *candidate_attn_impls(torch.device("cpu"), torch.float32, training=True, dropatt=0.0)}
+    # triton's kernels run on CUDA only: not here.
+    runs_here = gpu_check.impls_here(torch.device("cpu"))
+    assert set(runs_here) == set(ATTN_IMPLS) - {"triton"}
     forward_only = {(r["impl"], r["forward_only"]) for r in by_kind["attention_error"] if "error" not in r}
-    assert forward_only == {(i, i not in trainable) for i in ATTN_IMPLS}
+    assert forward_only == {(i, i not in trainable) for i in runs_here}
     pairs = {(r["impl"], r["dtype"]) for r in by_kind["attention_error"] if "error" not in r}
-    assert pairs == {(i, d) for i in ATTN_IMPLS for d in ("fp32", "bf16")}
+    assert pairs == {(i, d) for i in runs_here for d in ("fp32", "bf16")}
     assert {(r["impl"], r["dtype"]) for r in by_kind["attention_time"]} == pairs
     fp32_err = [r["max_abs_out"] for r in by_kind["attention_error"] if r["dtype"] == "fp32"]
     assert max(fp32_err) < 1e-4, by_kind["attention_error"]
     model = {(r["impl"], r["dtype"]): r for r in by_kind["model_error"]}
     # flex in bf16 only there (its compiles per key length; the attention phase checks both dtypes)
-    assert set(model) == {(i, d) for i in ATTN_IMPLS for d in ("fp32", "bf16")} - {("flex", "fp32")}
+    assert set(model) == {(i, d) for i in runs_here for d in ("fp32", "bf16")} - {("flex", "fp32")}
     assert all(r["ok"] for r in model.values()), model
     # The training matrix: every non-reference impl surveyed, then the best with checkpointing and compile.
     steps = [r for r in by_kind["train_step"] if "error" not in r and "skipped" not in r]
     assert not [r for r in by_kind["train_step"] if "error" in r], by_kind["train_step"]
-    skipped = {r["impl"] for r in by_kind["train_step"] if r.get("skipped", "").startswith("no backward")}
+    skipped = {r["impl"] for r in by_kind["train_step"] if " does not train on " in r.get("skipped", "")}
     assert skipped == set(ATTN_IMPLS) - trainable
     for shape in ("large", "base"):
         ran = {(r["impl"], r["checkpointing"], r["compile"]) for r in steps if r["shape"] == shape}
@@ -143,7 +146,7 @@ def test_train_matrix_compiles_layers_before_the_flex_survey(tmp_path, monkeypat
 
         def run(self, impl, batch, checkpointing, use_compile):
             calls.append((self.name, impl, batch, checkpointing, use_compile))
-            return {"step_ms": {"flex": 1.0, "sdpa": 2.0, "matmul": 3.0}[impl]}
+            return {"step_ms": {"flex": 1.0, "sdpa": 2.0, "matmul": 3.0, "triton": 2.5}[impl]}
 
         def profile(self, impl, batch, compiled=False):
             calls.append((self.name, "profile " + impl, batch, False, compiled))
@@ -157,18 +160,19 @@ def test_train_matrix_compiles_layers_before_the_flex_survey(tmp_path, monkeypat
     gpu_check.train_matrix(p)
     base = [c[1:] for c in calls if c[0] == "base"]  # wt103_base: dropatt 0, flex allowed
     # The fastest is profiled once the survey has found it, before the rest of its cases.
-    assert base[:5] == [("matmul", 8, False, False), ("sdpa", 8, False, False), ("sdpa", 8, False, True),
-                        ("flex", 8, False, False), ("profile flex", 8, False, False)]
+    assert base[:6] == [("matmul", 8, False, False), ("sdpa", 8, False, False), ("triton", 8, False, False),
+                        ("sdpa", 8, False, True), ("flex", 8, False, False), ("profile flex", 8, False, False)]
     # Then its other cases, and a profile of its compiled step at the presets' micro batch (16).
-    assert base[5:-1] == [("flex", b, c, k) for k in (False, True) for b in (8, 16, 32) for c in (False, True)
+    assert base[6:-1] == [("flex", b, c, k) for k in (False, True) for b in (8, 16, 32) for c in (False, True)
                           if (b, c, k) != (8, False, False)]
     assert base[-1] == ("profile flex", 16, False, True)
     large = [c[1:] for c in calls if c[0] == "large"]  # dropatt 0.2: flex refused, timed last for information
-    assert large[:3] == [("matmul", 8, False, False), ("sdpa", 8, False, False), ("sdpa", 8, False, True)]
-    assert large[3] == ("profile sdpa", 8, False, False)
+    assert large[:4] == [("matmul", 8, False, False), ("sdpa", 8, False, False), ("triton", 8, False, False),
+                         ("sdpa", 8, False, True)]
+    assert large[4] == ("profile sdpa", 8, False, False)
     assert large[-2:] == [("profile sdpa", 16, False, True), ("flex", 8, False, False)]
-    assert all(c[0] == "sdpa" for c in large[4:-2])
-    assert len(large) == 2 + 1 + 11 + 1 + 1  # the survey, 2 profiles, sdpa's 12 cases less the one surveyed, flex
+    assert all(c[0] == "sdpa" for c in large[5:-2])
+    assert len(large) == 3 + 1 + 11 + 1 + 1  # the survey, 2 profiles, sdpa's 12 cases less the one surveyed, flex
 
     # A focused call (--train-shapes large --train-batches 16 --train-impls matmul): the compiled step the large
     # presets run and its profile, with no other implementation's survey or compiles.

@@ -12,7 +12,9 @@ from torch.nn.attention.flex_attention import create_mask
 import txl_dist.model.attention as attention
 
 from txl_dist.config import ConfigError, ModelConfig, validate_model
-from txl_dist.model.attention import (ATTN_IMPLS, attn_bias_from_mask, build_attn_mask, candidate_attn_impls,
+from txl_dist.model import triton_attention
+from txl_dist.model.attention import (ATTN_IMPLS, attn_bias_from_mask, attn_mask_for, build_attn_mask,
+                                      candidate_attn_impls,
                                       flex_block_mask, rel_attention_flex, rel_attention_matmul,
                                       rel_attention_reference, rel_attention_sdpa, rel_shift, resolve_attn_impl,
                                       sdpa_backends, time_attn_impls)
@@ -136,12 +138,15 @@ def test_fast_bf16_close_to_reference(impl, qlen, mlen, mem_len, same_length):
 def test_dropatt_only_in_training():
     x = _inputs(2, 4, 3, 2, 8)
     bias = attn_bias_from_mask(build_attn_mask(4, 3, 3, False), torch.float32)
-    for fn in (fn for name, fn in ATTN_IMPLS.items() if name != "flex"):  # flex has no dropout: see below
-        a = fn(**x, attn_bias=bias, dropatt=0.5, training=False)
+    for name, fn in ATTN_IMPLS.items():
+        if name == "flex" or (name == "triton" and not triton_attention.triton_available()):
+            continue  # flex has no dropout (see below); triton's own file tests its kernels' dropout
+        mask = attn_mask_for(name, 4, 3, 3, False, torch.device("cpu"), torch.float32)  # triton: interpreted
+        a = fn(**x, attn_bias=mask, dropatt=0.5, training=False)
         torch.testing.assert_close(a, rel_attention_reference(**x, attn_bias=bias), rtol=0, atol=1e-5)
         torch.manual_seed(0)
-        b = fn(**x, attn_bias=bias, dropatt=0.5, training=True)
-        assert not torch.allclose(a, b)
+        b = fn(**x, attn_bias=mask, dropatt=0.5, training=True)
+        assert not torch.allclose(a, b), name
 
 
 def test_resolve_attn_impl():
@@ -325,13 +330,20 @@ def test_flex_refuses_what_it_cannot_do():
     validate_model(ModelConfig(vocab_size=10, attn_impl="flex", dropatt=0.0))
 
 
-def test_candidate_attn_impls():
+def test_candidate_attn_impls(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     for training in (False, True):
         assert candidate_attn_impls(cpu, torch.float32, training=training, dropatt=0.0) == ["matmul", "sdpa"]
-    assert candidate_attn_impls(cuda, torch.bfloat16, training=True, dropatt=0.0) == ["matmul", "sdpa", "flex"]
+    # triton (with attention dropout) wherever the package is installed, on CUDA only.
+    monkeypatch.setattr(triton_attention, "triton_available", lambda: True)
+    assert candidate_attn_impls(cuda, torch.bfloat16, training=True, dropatt=0.0) == ["matmul", "sdpa", "flex",
+                                                                                     "triton"]
+    assert candidate_attn_impls(cuda, torch.bfloat16, training=True, dropatt=0.1) == ["matmul", "sdpa", "triton"]
+    assert candidate_attn_impls(cuda, torch.bfloat16, training=False, dropatt=0.1) == ["matmul", "sdpa", "flex",
+                                                                                      "triton"]
+    assert candidate_attn_impls(cpu, torch.float32, training=False, dropatt=0.0) == ["matmul", "sdpa"]
+    monkeypatch.setattr(triton_attention, "triton_available", lambda: False)
     assert candidate_attn_impls(cuda, torch.bfloat16, training=True, dropatt=0.1) == ["matmul", "sdpa"]
-    assert candidate_attn_impls(cuda, torch.bfloat16, training=False, dropatt=0.1) == ["matmul", "sdpa", "flex"]
     for names in (candidate_attn_impls(d, torch.float32, training=t, dropatt=p)
                   for d in (cpu, cuda) for t in (False, True) for p in (0.0, 0.1)):
         assert set(names) <= set(ATTN_IMPLS) and "reference" not in names

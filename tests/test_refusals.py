@@ -405,6 +405,14 @@ case("config.range.negative-seed")(train_with(train={"seed": -1}))
 case("config.range.dropout")(train_with(model={"dropout": 1.5}))
 case("config.flex-with-dropatt")(train_with(model={"attn_impl": "flex", "dropatt": 0.1}))
 case("config.flex-training-on-cpu")(train_with(model={"attn_impl": "flex"}))
+case("config.triton-on-cpu")(train_with(model={"attn_impl": "triton"}))
+
+
+@case("config.triton-on-cpu.eval")
+def _(s):
+    s.eval("--checkpoint", s.trained_run(), "--set", "model.attn_impl=triton")
+
+
 case("config.range.max-steps")(train_with(train={"max_steps": 0}))
 case("config.range.exit-step")(train_with(train={"exit_step": 5}))
 case("config.same-length-without-memory")(train_with(eval={"mem_len": 0, "same_length": True}))

@@ -69,7 +69,7 @@ class MemorySettings:
 PRECISIONS = ("fp32", "bf16", "fp16")
 """The precisions a run trains in (train.precision also accepts "auto" and null)."""
 
-ATTN_IMPL_NAMES = ("auto", "reference", "matmul", "sdpa", "flex")
+ATTN_IMPL_NAMES = ("auto", "reference", "matmul", "sdpa", "flex", "triton")
 """Names model.attn_impl accepts (txl_dist.model.attention.ATTN_IMPLS holds the implementations)."""
 
 
@@ -125,7 +125,8 @@ class ModelConfig:
     attn_impl: str = "auto"
     """Relative attention implementation: "auto" (measured once at start-up per device and dtype, see
     txl_dist/model/attention.py), or one of "matmul", "sdpa", "flex" (FlexAttention: no attention dropout,
-    so only with dropatt 0; no backward on a CPU), "reference". Changes speed, not the math: it may change
+    so only with dropatt 0; no backward on a CPU), "triton" (fused kernels of our own, with attention
+    dropout; CUDA only, needs the triton package), "reference". Changes speed, not the math: it may change
     on resume."""
     pad_vocab_multiple: int = 1
     """Store the adaptive softmax's head rows (shortlist + one per cluster) and each tail's output and

@@ -50,7 +50,7 @@ import torch
 
 from txl_dist.config import MemorySettings
 from txl_dist.errors import Refused
-from txl_dist.model.attention import resolve_attn_impl
+from txl_dist.model.attention import candidate_attn_impls, resolve_attn_impl
 
 STATE_VERSION = 1
 """Version of GenerationSession.state_dict(); load_state_dict refuses any other."""
@@ -157,8 +157,10 @@ def decoding_attn_impl(attn_impl: str, device: torch.device, dtype: torch.dtype)
 
     "flex" (compiled per key length, and nearly every decoding forward has a new one: the module doc) becomes
     what "auto" means statically on `device` for `dtype` (resolve_attn_impl), matmul should that ever be flex;
-    every other name, "auto" included, stays as it is.
+    "triton" where its kernels cannot run (not CUDA, no triton) becomes "auto"; every other name stays.
     """
+    if attn_impl == "triton" and "triton" not in candidate_attn_impls(device, dtype, training=False, dropatt=0.0):
+        attn_impl = "auto"  # a model trained with the CUDA kernels, decoding where they cannot run
     if attn_impl != "flex":
         return attn_impl
     impl = resolve_attn_impl("auto", device, dtype)

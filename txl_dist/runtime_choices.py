@@ -266,6 +266,8 @@ def _unfit_attn_impl(cfg: RunConfig, device: torch.device, dtype: torch.dtype, n
     have raised model.dropatt, which FlexAttention does not have (the model would refuse it after start-up)."""
     from .model import attention
 
+    if name == "triton" and name not in attention.candidate_attn_impls(device, dtype, training=False, dropatt=0.0):
+        return "runs on CUDA only, with the triton package"
     if not training or name in attention.candidate_attn_impls(device, dtype, training=True, dropatt=cfg.model.dropatt):
         return None
     if name == "flex" and cfg.model.dropatt > 0:

@@ -154,12 +154,22 @@ def check_has_optimizer(cfg: RunConfig) -> None:
                           '0.00025, "torch_adam": true}} (as configs/tiny.json)')
 
 
-def check_trainable_attn_impl(cfg: RunConfig, device) -> None:
-    """FlexAttention has no backward on a CPU: a training job that names it there is refused at start (the model
-    would raise at the first step, after the engine and the run folder exist)."""
-    if cfg.model.attn_impl == "flex" and device.type == "cpu":
+def check_attn_impl_runs_here(cfg: RunConfig, device, *, training: bool) -> None:
+    """FlexAttention has no backward on a CPU, and the Triton kernels run on CUDA only (and need triton): a job
+    that names them where they cannot run is refused at start (the model would raise at the first step or
+    batch, after the engine and the run folder exist)."""
+    if training and cfg.model.attn_impl == "flex" and device.type == "cpu":
         raise ConfigError("model.attn_impl: 'flex' cannot train on a CPU (FlexAttention has no CPU backward); use "
                           "'auto' or 'matmul' (flex serves evaluation there)")
+    if cfg.model.attn_impl == "triton":
+        from .model import triton_attention
+
+        if device.type != "cuda":
+            raise ConfigError(f"model.attn_impl: 'triton' runs on CUDA only, and this job runs on {device.type}; "
+                              "use 'auto' or 'matmul' (e.g. --set model.attn_impl=auto)")
+        if not triton_attention.triton_available():
+            raise ConfigError("model.attn_impl: 'triton' needs the triton package, which does not import here "
+                              "(torch's CUDA wheels bring it); use 'auto' or 'matmul'")
 
 
 def join(cfg: RunConfig, env: DistEnv) -> None:
@@ -365,7 +375,7 @@ def start_training(cfg: RunConfig, env: DistEnv, resume: str = "auto", *, log_fi
     join(cfg, env)
 
     def local_checks():
-        check_trainable_attn_impl(cfg, distributed.device_for(env))
+        check_attn_impl_runs_here(cfg, distributed.device_for(env), training=True)
         check_has_optimizer(cfg)
         resolved, manifest = open_corpus(cfg)
         # The loaders open (and verify) their files now: bad data fails the start, not step 10,000.
@@ -748,6 +758,7 @@ def _eval_local_checks(cfg: RunConfig, run_info: dict[str, Any], tag_dir: Path, 
     The fit first: a corpus made with another tokenizer, or a model that is not the checkpoint's, is what the
     user must hear about; the config's own checks against the corpus (model.vocab_size, model.cutoffs) come
     after, and a config that fits the checkpoint passes them (its vocabulary and cutoffs are the checkpoint's)."""
+    check_attn_impl_runs_here(cfg, distributed.device_for(env), training=False)
     manifest = read_manifest(cfg.data.path)
     check_checkpoint_fits(with_vocab_if_unset(cfg, manifest.tokenizer.vocab_size), manifest, run_info, tag_dir,
                           purpose="evaluate")

@@ -14,16 +14,21 @@ Three interchangeable implementations take the same arguments and return the sam
   position term a `score_mod` reading one precomputed [B, H, T, K+1] tensor at the rel-shifted index, the
   memory-causal pattern a BlockMask whose empty blocks are skipped. No score tensor is written, no
   attention dropout exists (docs/architecture.md: the dropatt policy), and on CPU there is no backward.
+- `rel_attention_triton`: our own fused kernels (txl_dist/model/triton_attention.py): the same position
+  tensor read at the rel-shifted index, the mask as index arithmetic, attention dropout from a counter-based
+  generator, and a backward that writes the position gradient without atomics. CUDA only.
 
-`attn_bias` is the additive [T, K] bias (0 visible, -inf masked) for every path; flex also takes the
-BlockMask of the same pattern (`flex_block_mask`), which is what the model passes it. "auto" is chosen by
-measurement at start-up (`candidate_attn_impls`, `time_attn_impls`), or statically (`resolve_attn_impl`).
+`attn_bias` is the additive [T, K] bias (0 visible, -inf masked) for matmul, sdpa and the reference; flex
+takes the BlockMask of the same pattern (`flex_block_mask`), triton its `KeyPattern`: `attn_mask_for` gives
+each path its form. "auto" is chosen by measurement at start-up (`candidate_attn_impls`, `time_attn_impls`),
+or statically (`resolve_attn_impl`).
 
 Shapes: B batch, T query length (the segment), K = mlen + T key length, H heads, D head size.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import statistics
@@ -36,6 +41,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+from txl_dist.model import triton_attention
 from txl_dist.model.dropout import Dropout, dropout
 
 AttentionFn = Callable[..., torch.Tensor]
@@ -83,6 +89,30 @@ def flex_block_mask(qlen: int, mlen: int, mem_len: int, same_length: bool, devic
 
     # Kept eager: compiling the mask builder would add a compile per shape for a one-time cost.
     return create_block_mask(mask_mod, None, None, qlen, mlen + qlen, device=device)
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyPattern:
+    """build_attn_mask's pattern as the numbers `visible_key` needs: the fused Triton kernels' mask."""
+    mlen: int
+    mem_len: int
+    same_length: bool
+
+    @property
+    def window(self) -> int | None:
+        """Keys j > i + mlen - window only (same_length), or None."""
+        return self.mem_len if self.same_length else None
+
+
+def attn_mask_for(impl: str, qlen: int, mlen: int, mem_len: int, same_length: bool, device: torch.device,
+                  dtype: torch.dtype) -> torch.Tensor | BlockMask | KeyPattern:
+    """The `attn_bias` argument implementation `impl` takes for this pattern (built once per forward and
+    shared by the layers): flex's cached BlockMask, triton's KeyPattern, else the additive [T, K] bias."""
+    if impl == "flex":
+        return flex_block_mask(qlen, mlen, mem_len, same_length, device)
+    if impl == "triton":
+        return KeyPattern(mlen, mem_len, same_length)
+    return attn_bias_from_mask(build_attn_mask(qlen, mlen, mem_len, same_length, device), dtype)
 
 
 def attn_bias_from_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -159,6 +189,17 @@ def position_row_width(klen: int, device: torch.device) -> int:
     return -(-(klen + 1) // align) * align
 
 
+def _raw_position_scores(q_r: torch.Tensor, r_head_k: torch.Tensor, klen: int) -> torch.Tensor:
+    """Unshifted position products [H*B, T, W] of q_r [H, B, T, D] with the distance rows K-1 .. 0 of r,
+    padded with all-zero rows to the width W = position_row_width (>= K+1): one matmul per head."""
+    n_head, bsz, qlen, d_head = q_r.shape
+    width = position_row_width(klen, q_r.device)
+    head_r = r_head_k.view(klen, n_head, d_head)                                  # [K, H, D]
+    head_r = F.pad(head_r, (0, 0, 0, 0, 0, width - klen)).permute(1, 2, 0)        # [H, D, W]
+    raw = torch.bmm(q_r.reshape(n_head, bsz * qlen, d_head), head_r)             # [H, B*T, W]
+    return raw.view(n_head * bsz, qlen, width)                                    # [H*B, T, W]
+
+
 def _position_scores(q_r: torch.Tensor, r_head_k: torch.Tensor, klen: int) -> torch.Tensor:
     """Rel-shifted position term [H*B, T, K] from q_r = (q + v) * scale [H, B, T, D], for free.
 
@@ -168,11 +209,9 @@ def _position_scores(q_r: torch.Tensor, r_head_k: torch.Tensor, klen: int) -> to
     stride W-1 (no copy, no as_strided overlap; contiguous when W = K+1). Positions past the diagonal + mlen
     read zeros or junk and are masked.
     """
-    n_head, bsz, qlen, d_head = q_r.shape
-    width = position_row_width(klen, q_r.device)
-    head_r = r_head_k.view(klen, n_head, d_head)                                  # [K, H, D]
-    head_r = F.pad(head_r, (0, 0, 0, 0, 0, width - klen)).permute(1, 2, 0)        # [H, D, W]
-    raw = torch.bmm(q_r.reshape(n_head, bsz * qlen, d_head), head_r)             # [H, B*T, W]
+    n_head, bsz, qlen, _ = q_r.shape
+    raw = _raw_position_scores(q_r, r_head_k, klen)                               # [H*B, T, W]
+    width = raw.shape[2]
     raw = raw.view(n_head * bsz, qlen * width)                                    # [H*B, T*W]
     shifted = raw.narrow(1, qlen - 1, qlen * (width - 1)).view(n_head * bsz, qlen, width - 1)
     return shifted.narrow(2, 0, klen)                                             # [H*B, T, K]
@@ -327,11 +366,45 @@ def rel_attention_flex(q: torch.Tensor, kv: torch.Tensor, r_head_k: torch.Tensor
     return attn_vec.transpose(1, 2).reshape(bsz, qlen, n_head * d_head)          # [B, T, H*D]
 
 
+def rel_attention_triton(q: torch.Tensor, kv: torch.Tensor, r_head_k: torch.Tensor,
+                         r_w_bias: torch.Tensor, r_r_bias: torch.Tensor, attn_bias: KeyPattern,
+                         dropatt: float = 0.0, training: bool = False) -> torch.Tensor:
+    """Relative attention through the fused Triton kernels (same arguments and result as the reference).
+
+    attn_bias: the KeyPattern of the mask (`attn_mask_for`). The inputs go in as rel_attention_matmul
+    prepares them: head-major q_w = (q + u) * scale and k, v, and the unshifted position products
+    ((q + v) * scale) . r [H*B, T, W], all in the projections' dtype (float32 biases under autocast would
+    otherwise promote them). Attention dropout is the kernels' own (txl_dist/model/triton_attention.py).
+    """
+    if not isinstance(attn_bias, KeyPattern):
+        raise TypeError(f"attn_impl 'triton' takes a KeyPattern as attn_bias (attn_mask_for), got "
+                        f"{type(attn_bias).__name__}")
+    if q.device.type != "cuda" and not triton_attention.interpreting():
+        raise ValueError("attn_impl 'triton' runs on CUDA only (its kernels are Triton's); use attn_impl 'auto' "
+                         "or 'matmul'")
+    n_head, d_head = r_w_bias.shape
+    bsz, qlen, _ = q.shape
+    klen = kv.shape[1]
+    scale = d_head ** -0.5
+    head_q, head_k, head_v = _head_major(q, kv, n_head)                           # [H,B,T,D], [H,B,K,D] x2
+    dtype = head_q.dtype
+    q_w = ((head_q + r_w_bias[:, None, None]) * scale).to(dtype)                  # [H, B, T, D]
+    q_r = ((head_q + r_r_bias[:, None, None]) * scale).to(dtype)                  # [H, B, T, D]
+    pos = _raw_position_scores(q_r, r_head_k.to(dtype), klen)                     # [H*B, T, W]
+    attn_vec = triton_attention.fused_rel_attention(
+        q_w.view(n_head * bsz, qlen, d_head), head_k.view(n_head * bsz, klen, d_head),
+        head_v.view(n_head * bsz, klen, d_head), pos, attn_bias.mlen, attn_bias.window,
+        dropatt if training else 0.0)                                              # [H*B, T, D]
+    attn_vec = attn_vec.view(n_head, bsz, qlen, d_head).permute(1, 2, 0, 3)        # [B, T, H, D] (view)
+    return attn_vec.reshape(bsz, qlen, n_head * d_head)                           # [B, T, H*D]
+
+
 ATTN_IMPLS: dict[str, AttentionFn] = {
     "reference": rel_attention_reference,
     "matmul": rel_attention_matmul,
     "sdpa": rel_attention_sdpa,
     "flex": rel_attention_flex,
+    "triton": rel_attention_triton,
 }
 """Attention implementations by name; `TransformerXL.attn_impl` picks one ("auto": see AUTO_ATTN_IMPL)."""
 
@@ -369,12 +442,15 @@ def candidate_attn_impls(device: torch.device, dtype: torch.dtype, *, training: 
     training with dropatt > 0: docs/architecture.md, the dropatt policy) and no backward on a CPU; its CPU
     forward (compiled C++) lost to sdpa in fp32 and bf16 and to matmul in fp32 on evaluation shapes
     (bench/bench_attention.py, docs/architecture.md), so on a CPU it is a candidate for neither training
-    nor evaluation (measuring it would only add a compile to start-up).
+    nor evaluation (measuring it would only add a compile to start-up). triton (our fused kernels, with
+    attention dropout) is a candidate on CUDA wherever the triton package imports.
     """
     del dtype  # every path serves every dtype; the measurement decides between them
     names = ["matmul", "sdpa"]
     if device.type != "cpu" and not (training and dropatt > 0):
         names.append("flex")
+    if device.type == "cuda" and triton_attention.triton_available():
+        names.append("triton")
     return names
 
 
@@ -398,12 +474,11 @@ def time_attn_impls(names: list[str], *, batch: int, n_head: int, d_head: int, q
     x = dict(q=rnd(batch, qlen, hd), kv=rnd(batch, klen, 2 * hd), r_head_k=rnd(klen, hd),
              r_w_bias=rnd(n_head, d_head), r_r_bias=rnd(n_head, d_head))
     grad_out = torch.randn(batch, qlen, hd, generator=gen, device=device).to(dtype)
-    bias = attn_bias_from_mask(build_attn_mask(qlen, mlen, mlen, False, device), dtype)  # [T, K]
-    block_mask = flex_block_mask(qlen, mlen, mlen, False, device)
+    masks = {name: attn_mask_for(name, qlen, mlen, mlen, False, device, dtype) for name in names}
 
     def call(name: str) -> None:
         fn = ATTN_IMPLS[name]
-        mask = block_mask if name == "flex" else bias
+        mask = masks[name]
         if training:
             torch.autograd.grad(fn(**x, attn_bias=mask, training=True), list(x.values()), grad_out)
         else:

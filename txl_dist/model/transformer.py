@@ -9,8 +9,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from txl_dist.config import MemorySettings, ModelConfig, validate_model
-from txl_dist.model.attention import (ATTN_IMPLS, attn_bias_from_mask, build_attn_mask, flex_block_mask,
-                                      resolve_attn_impl)
+from txl_dist.model.attention import ATTN_IMPLS, attn_mask_for, resolve_attn_impl
 from txl_dist.model.dropout import Dropout
 from txl_dist.model.embedding import AdaptiveEmbedding, sinusoid_position_embedding
 from txl_dist.model.layer import TransformerXLLayer
@@ -178,14 +177,10 @@ class TransformerXL(nn.Module):
         klen = mlen + qlen
         device = word_emb.device
 
-        # Built once per forward, shared by every layer: flex takes its cached BlockMask, the rest a bias.
+        # Built once per forward, shared by every layer (flex: its cached BlockMask, triton: a KeyPattern).
         impl = resolve_attn_impl(self.attn_impl if attn_impl is None else attn_impl, device, word_emb.dtype)
         attn_fn = ATTN_IMPLS[impl]
-        if impl == "flex":
-            attn_bias = flex_block_mask(qlen, mlen, memory.mem_len, memory.same_length, device)
-        else:
-            attn_mask = build_attn_mask(qlen, mlen, memory.mem_len, memory.same_length, device)  # [T, K] bool
-            attn_bias = attn_bias_from_mask(attn_mask, word_emb.dtype)              # [T, K]
+        attn_bias = attn_mask_for(impl, qlen, mlen, memory.mem_len, memory.same_length, device, word_emb.dtype)
         pos_emb = sinusoid_position_embedding(klen, self.d_model, memory.clamp_len, device,
                                               word_emb.dtype)                      # [K, d_model]
 

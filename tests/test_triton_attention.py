@@ -1,0 +1,235 @@
+"""The fused Triton kernels of relative attention (attn_impl "triton", txl_dist/model/triton_attention.py).
+
+On a CUDA device they run compiled; elsewhere in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1
+where the machine has no NVIDIA device), the same kernel code on CPU tensors. Checked against an independent
+O(T*K) reference written from the definition (scores, shifted position term, mask, softmax, dropout mask),
+forward and all four gradients, over shapes that cross tile borders, with and without same_length's window,
+head sizes that are not powers of two and padded position rows. Dropout: the kernels' mask is read back
+through one-hot values (the output row is then the dropped probabilities), its rate checked, and the backward
+checked against the reference run with that same mask. compile_for_target compiles the kernels for an H100/H200
+(sm_90) with Triton's own compiler and ptxas, no GPU needed.
+"""
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="scripts/test.sh installs triton (its interpreter runs these kernels on a CPU)")
+
+from txl_dist.config import ModelConfig  # noqa: E402
+from txl_dist.model import TransformerXL, triton_attention  # noqa: E402
+from txl_dist.model.attention import (KeyPattern, attn_mask_for, build_attn_mask,  # noqa: E402
+                                      candidate_attn_impls, rel_attention_triton)
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.skipif(DEVICE.type == "cpu" and not triton_attention.interpreting(),
+                                reason="no CUDA device and TRITON_INTERPRET is not 1 (tests/conftest.py sets it)")
+
+
+def reference(q, k, v, pos, mlen, mem_len, same_length, keep=None, p_drop=0.0):
+    """Float64 attention from the definition: score[i, j] = q_i . k_j + pos[i, j + T - 1 - i], masked."""
+    q, k, v, pos = (t.double() for t in (q, k, v, pos))
+    _, qlen, _ = q.shape
+    klen = k.shape[1]
+    i = torch.arange(qlen, device=q.device)[:, None]
+    j = torch.arange(klen, device=q.device)[None, :]
+    column = (j + qlen - 1 - i).clamp(max=pos.shape[2] - 1)  # past the diagonal + mlen: masked below
+    scores = q @ k.transpose(1, 2) + pos[:, i, column]
+    mask = build_attn_mask(qlen, mlen, mem_len, same_length, q.device)
+    probs = scores.masked_fill(mask, float("-inf")).softmax(-1)
+    if keep is not None:
+        probs = probs * keep / (1 - p_drop)
+    return probs @ v
+
+
+def rel_err(got, want):
+    got, want = got.detach().double(), want.detach().double()
+    return float((got - want).norm() / want.norm())
+
+
+def inputs(bh, qlen, mlen, d_head, pad, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    klen = qlen + mlen
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(DEVICE, dtype).requires_grad_()
+
+    return rnd(bh, qlen, d_head), rnd(bh, klen, d_head), rnd(bh, klen, d_head), rnd(bh, qlen, klen + 1 + pad)
+
+
+CASES = [  # bh, qlen, mlen, d_head, position-row padding, same_length
+    (3, 20, 13, 12, 0, False),
+    (2, 33, 40, 16, 7, True),
+    (2, 16, 0, 24, 0, False),
+    (2, 40, 24, 16, 1, True),
+    (1, 17, 50, 32, 3, True),  # the window (mem_len 50) starts inside the first key tiles
+]
+
+
+@pytest.mark.parametrize("bh,qlen,mlen,d_head,pad,same_length", CASES)
+def test_forward_and_every_gradient_equal_the_reference(bh, qlen, mlen, d_head, pad, same_length):
+    q, k, v, pos = inputs(bh, qlen, mlen, d_head, pad)
+    out = triton_attention.fused_rel_attention(q, k, v, pos, mlen, mlen if same_length else None, 0.0)
+    expected = reference(q, k, v, pos, mlen, mlen, same_length)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    got = torch.autograd.grad(out, (q, k, v, pos), grad_out)
+    want = torch.autograd.grad(expected, (q, k, v, pos), grad_out.double())
+    assert rel_err(out, expected) < 1e-5, rel_err(out, expected)
+    for name, g_got, g_want in zip("q k v pos".split(), got, want):
+        assert rel_err(g_got, g_want) < 1e-5, (name, rel_err(g_got, g_want))
+    # Position columns that no (query, key) pair reads get no gradient (the padding, the future's columns).
+    rows, cols = torch.nonzero(want[3][0] == 0, as_tuple=True)
+    assert torch.all(got[3][0][rows, cols] == 0)
+
+
+# Triton 3.9's interpreter multiplies bf16 tiles wrongly (tl.dot reads their bits as integers: an identity times
+# a bf16 matrix is off by 2.7e8), so on a CPU the 16-bit case is fp16; the compiled kernels take bf16 on CUDA
+# (and compile in it: test_the_kernels_compile_for_an_h200_without_a_gpu).
+HALF = torch.bfloat16 if DEVICE.type == "cuda" else torch.float16
+
+
+def test_half_precision_error_is_its_rounding():
+    q, k, v, pos = inputs(4, 48, 40, 32, 1, HALF)
+    out = triton_attention.fused_rel_attention(q, k, v, pos, 40, None, 0.0)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    got = torch.autograd.grad(out, (q, k, v, pos), grad_out.to(HALF))
+    exact = reference(q, k, v, pos, 40, 40, False)
+    want = torch.autograd.grad(exact, (q, k, v, pos), grad_out.double())
+    # The floor: the exact result rounded once to the 16-bit type.
+    assert rel_err(out, exact) < 3 * rel_err(exact.to(HALF), exact) + 1e-3
+    for name, g_got, g_want in zip("q k v pos".split(), got, want):
+        assert rel_err(g_got, g_want) < 3 * rel_err(g_want.to(HALF), g_want) + 2e-2, (name, rel_err(g_got, g_want))
+
+
+def one_hot_values(bh, klen, d_head):
+    """Values whose row j is the unit vector j: the output row i is then row i of the (dropped) probabilities."""
+    v = torch.zeros(bh, klen, d_head, device=DEVICE)
+    v[:, torch.arange(klen), torch.arange(klen)] = 1.0
+    return v.requires_grad_()
+
+
+def test_dropout_mask_rate_backward_and_repeatability(monkeypatch):
+    bh, qlen, mlen, p_drop = 4, 32, 24, 0.3
+    klen = qlen + mlen
+    q, k, _, pos = inputs(bh, qlen, mlen, 64, 2)
+    v = one_hot_values(bh, klen, 64)
+    torch.manual_seed(7)
+    out = triton_attention.fused_rel_attention(q, k, v, pos, mlen, None, p_drop)
+    probs = reference(q, k, v, pos, mlen, mlen, False)[..., :klen]                # undropped probabilities
+    dropped = out[..., :klen].detach().double()
+    visible = probs > 0
+    keep = (dropped > 0) & visible
+    # Kept entries are the probabilities scaled by 1 / (1 - p); dropped ones are exactly zero.
+    torch.testing.assert_close(dropped[keep], (probs[keep] / (1 - p_drop)), rtol=1e-5, atol=1e-6)
+    assert torch.all(dropped[~visible] == 0)
+    n_visible = int(visible.sum())
+    rate = 1 - int(keep.sum()) / n_visible
+    assert abs(rate - p_drop) < 5 * math.sqrt(p_drop * (1 - p_drop) / n_visible), (rate, n_visible)
+
+    # The backward regenerates the forward's mask: gradients equal the reference run with that mask.
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    got = torch.autograd.grad(out, (q, k, v, pos), grad_out)
+    expected = reference(q, k, v, pos, mlen, mlen, False, keep=keep.double(), p_drop=p_drop)
+    want = torch.autograd.grad(expected, (q, k, v, pos), grad_out.double())
+    for name, g_got, g_want in zip("q k v pos".split(), got, want):
+        assert rel_err(g_got, g_want) < 1e-5, (name, rel_err(g_got, g_want))
+
+    # The seed comes from torch's generator: the same state gives the same mask, another state another.
+    torch.manual_seed(7)
+    again = triton_attention.fused_rel_attention(q, k, v, pos, mlen, None, p_drop)
+    other = triton_attention.fused_rel_attention(q, k, v, pos, mlen, None, p_drop)
+    assert torch.equal(again, out)
+    assert not torch.equal(other, out)
+
+    # The mask is a function of (head-batch row, query, key) alone: other tile sizes draw the same one.
+    tiles = triton_attention.Blocks(32, 32, 4, 2)
+    monkeypatch.setattr(triton_attention, "kernel_blocks", lambda device: dict.fromkeys(("fwd", "dkdv", "dq"), tiles))
+    torch.manual_seed(7)
+    retiled = triton_attention.fused_rel_attention(q, k, v, pos, mlen, None, p_drop)
+    assert torch.equal((retiled[..., :klen].detach() > 0) & visible, keep)
+
+
+def test_no_dropout_outside_training():
+    x = dict(q=torch.randn(2, 16, 64, device=DEVICE), kv=torch.randn(2, 40, 128, device=DEVICE),
+             r_head_k=torch.randn(40, 64, device=DEVICE), r_w_bias=torch.randn(4, 16, device=DEVICE),
+             r_r_bias=torch.randn(4, 16, device=DEVICE))
+    pattern = KeyPattern(24, 24, False)
+    plain = rel_attention_triton(**x, attn_bias=pattern, dropatt=0.5, training=False)
+    assert torch.equal(plain, rel_attention_triton(**x, attn_bias=pattern, dropatt=0.0, training=True))
+    assert not torch.equal(plain, rel_attention_triton(**x, attn_bias=pattern, dropatt=0.5, training=True))
+
+
+@pytest.mark.parametrize("same_length", [False, True])
+def test_the_model_with_triton_attention_equals_matmul(same_length):
+    """Two segments with mems through a whole (small) model, every parameter's gradient, fp32."""
+    cfg = ModelConfig(vocab_size=300, n_layer=2, d_model=32, n_head=2, d_head=16, d_inner=64, cutoffs=[100],
+                      div_val=1, dropout=0.0, dropatt=0.0, tgt_len=16, mem_len=20, same_length=same_length)
+    torch.manual_seed(0)
+    model = TransformerXL(cfg).to(DEVICE).train()
+    ids = torch.randint(0, 300, (2, 33), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    results = {}
+    for impl in ("matmul", "triton"):
+        model.attn_impl = impl
+        model.zero_grad(set_to_none=True)
+        first = model(ids[:, :16], labels=ids[:, 1:17])
+        second = model(ids[:, 16:32], labels=ids[:, 17:33], mems=first.mems)
+        nll = torch.cat([first.nll, second.nll], dim=1)
+        nll.mean().backward()
+        results[impl] = nll.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    torch.testing.assert_close(results["triton"][0], results["matmul"][0], rtol=0, atol=1e-5)
+    for name, grad in results["matmul"][1].items():
+        torch.testing.assert_close(results["triton"][1][name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_the_custom_ops_registrations_hold():
+    """torch.library.opcheck: the schema, the fake (meta) implementation torch.compile traces with, and the
+    autograd registration, on a small case with dropout."""
+    q, k, v, pos = (t.detach().requires_grad_() for t in inputs(2, 16, 16, 16, 0))
+    seed = torch.tensor([5], dtype=torch.int64, device=DEVICE)
+    torch.library.opcheck(triton_attention.rel_attn_fwd, (q, k, v, pos, seed, 16, 32, 0.2))
+
+
+def test_traced_by_torch_compile_with_its_backward():
+    """The layer code around the kernels under dynamo + AOT autograd (the fake implementations, the backward
+    op), as train.compile runs it; aot_eager keeps the rest eager, so this stays quick on a CPU."""
+    x = dict(q=torch.randn(2, 16, 32, device=DEVICE, requires_grad=True),
+             kv=torch.randn(2, 32, 64, device=DEVICE, requires_grad=True),
+             r_head_k=torch.randn(32, 32, device=DEVICE, requires_grad=True),
+             r_w_bias=torch.randn(2, 16, device=DEVICE), r_r_bias=torch.randn(2, 16, device=DEVICE))
+    pattern = KeyPattern(16, 16, True)
+    eager = rel_attention_triton(**x, attn_bias=pattern)
+    torch._dynamo.reset()
+    compiled = torch.compile(rel_attention_triton, backend="aot_eager", fullgraph=True)(**x, attn_bias=pattern)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-6)
+    grads = torch.autograd.grad(compiled.sum(), [x["q"], x["kv"], x["r_head_k"]])
+    want = torch.autograd.grad(eager.sum(), [x["q"], x["kv"], x["r_head_k"]])
+    for g_got, g_want in zip(grads, want):
+        torch.testing.assert_close(g_got, g_want, rtol=0, atol=1e-5)
+
+
+def test_the_kernels_compile_for_an_h200_without_a_gpu():
+    """Triton's compiler and ptxas for sm_90 (H100/H200), bf16 with dropout, the GPU presets' head size; in a
+    process of its own, since this one may have made the kernels interpreted (TRITON_INTERPRET)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import torch; from txl_dist.model import triton_attention as t; "
+            "print(t.compile_for_target(90, torch.bfloat16, 64, dropout=True))")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "['fwd', 'dkdv', 'dq']"
+
+
+def test_where_the_path_may_run(monkeypatch):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert "triton" not in candidate_attn_impls(cpu, torch.float32, training=True, dropatt=0.1)
+    assert "triton" in candidate_attn_impls(cuda, torch.bfloat16, training=True, dropatt=0.1)  # has dropout
+    assert isinstance(attn_mask_for("triton", 16, 8, 8, True, cpu, torch.float32), KeyPattern)
+    monkeypatch.setattr(triton_attention, "interpreting", lambda: False)
+    x = dict(q=torch.randn(1, 4, 32), kv=torch.randn(1, 4, 64), r_head_k=torch.randn(4, 32),
+             r_w_bias=torch.randn(2, 16), r_r_bias=torch.randn(2, 16))
+    with pytest.raises(ValueError, match="CUDA only"):
+        rel_attention_triton(**x, attn_bias=KeyPattern(0, 4, False))
+    with pytest.raises(TypeError, match="KeyPattern"):
+        rel_attention_triton(**x, attn_bias=torch.zeros(4, 4))

@@ -1,0 +1,162 @@
+"""The Triton kernels of fused relative attention; txl_dist/model/triton_attention.py is their interface (the
+algorithm is described there). Imported only when a kernel first runs: importing triton costs time and
+prints nanobind's leak report at exit, which no process that never uses the kernels should pay. Whether the
+kernels are interpreted (TRITON_INTERPRET=1) is fixed by the environment at that import."""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    # float32 inputs: IEEE products, as torch's float32 matmuls (tensor-core tf32 would differ by ~1e-3)
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _scores(q, k, pos_bh, offs_m, offs_n, T, KL, W, MLEN, WINDOW, IEEE: tl.constexpr):
+    """Float32 scores [BLOCK_M, BLOCK_N] (-inf where not visible) and the visibility mask."""
+    visible = (offs_n[None, :] <= offs_m[:, None] + MLEN) & (offs_n[None, :] < KL) & (offs_m[:, None] < T)
+    visible = visible & (offs_n[None, :] > offs_m[:, None] + MLEN - WINDOW)
+    rel = offs_n[None, :] + (T - 1) - offs_m[:, None]
+    pos = tl.load(pos_bh + offs_m[:, None] * W + rel, mask=visible, other=0.0)
+    s = _dot(q, tl.trans(k), IEEE) + pos.to(tl.float32)
+    return tl.where(visible, s, float("-inf")), visible
+
+
+@triton.jit
+def _keep(seed, bh, offs_m, start_n, T, KL, P_DROP, BLOCK_N: tl.constexpr):
+    """The dropout keep-mask of a block [BLOCK_M, BLOCK_N], the same in the backward: one Philox call gives
+    four uniforms (FlashAttention's economy: a quarter of the rounds of a call per element), so key j of query
+    i takes component j % 4 of the call at counter (bh * T + i) * ceil(KL / 4) + j // 4, whatever the tiling
+    (BLOCK_N and start_n are multiples of 4; within a group of four, the components sit in join's order)."""
+    quads = start_n // 4 + tl.arange(0, BLOCK_N // 4)
+    offsets = (bh * T + offs_m[:, None].to(tl.int64)) * ((KL + 3) // 4) + quads[None, :]
+    r0, r1, r2, r3 = tl.rand4x(seed, offsets)
+    uniform = tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), (offs_m.shape[0], BLOCK_N))
+    return uniform >= P_DROP
+
+
+@triton.jit
+def _key_range(start_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KL, MLEN, WINDOW):
+    """Key blocks a query block may see: from its first row's window start to its last row's diagonal."""
+    lo = tl.maximum(start_m + MLEN - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+    hi = tl.minimum(start_m + BLOCK_M + MLEN, KL)
+    return lo, hi
+
+
+@triton.jit
+def rel_attn_fwd(Q, K, V, POS, SEED, O, LSE, T, KL, W, MLEN, WINDOW, P_DROP,
+                  D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  DROPOUT: tl.constexpr, IEEE: tl.constexpr):
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1).to(tl.int64)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_mask = (offs_m < T)[:, None] & (offs_d < D)[None, :]
+    q = tl.load(Q + bh * T * D + offs_m[:, None] * D + offs_d[None, :], mask=row_mask, other=0.0)
+    k_bh, v_bh, pos_bh = K + bh * KL * D, V + bh * KL * D, POS + bh * T * W
+    seed = tl.load(SEED)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    lo, hi = _key_range(start_m, BLOCK_M, BLOCK_N, KL, MLEN, WINDOW)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kv_mask = (offs_n < KL)[:, None] & (offs_d < D)[None, :]
+        k = tl.load(k_bh + offs_n[:, None] * D + offs_d[None, :], mask=kv_mask, other=0.0)
+        s, visible = _scores(q, k, pos_bh, offs_m, offs_n, T, KL, W, MLEN, WINDOW, IEEE)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DROPOUT:
+            p = tl.where(_keep(seed, bh, offs_m, start_n, T, KL, P_DROP, BLOCK_N), p / (1.0 - P_DROP), 0.0)
+        v = tl.load(v_bh + offs_n[:, None] * D + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+        m_i = m_new
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    acc = acc / l_safe[:, None]
+    tl.store(O + bh * T * D + offs_m[:, None] * D + offs_d[None, :], acc.to(O.dtype.element_ty),
+             mask=row_mask)
+    tl.store(LSE + bh * T + offs_m, m_i + tl.log(l_safe), mask=offs_m < T)
+
+
+@triton.jit
+def rel_attn_bwd_dkdv(Q, K, V, POS, SEED, DO, LSE, DELTA, DK, DV, T, KL, W, MLEN, WINDOW, P_DROP,
+                       D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr):
+    start_n = tl.program_id(0) * BLOCK_N
+    bh = tl.program_id(1).to(tl.int64)
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    kv_mask = (offs_n < KL)[:, None] & (offs_d < D)[None, :]
+    kv_offs = bh * KL * D + offs_n[:, None] * D + offs_d[None, :]
+    k = tl.load(K + kv_offs, mask=kv_mask, other=0.0)
+    v = tl.load(V + kv_offs, mask=kv_mask, other=0.0)
+    q_bh, do_bh, pos_bh = Q + bh * T * D, DO + bh * T * D, POS + bh * T * W
+    seed = tl.load(SEED)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    # Queries that see a key of this block: i + MLEN >= j (and, with a window, i + MLEN - WINDOW < j).
+    lo = tl.maximum(start_n - MLEN, 0) // BLOCK_M * BLOCK_M
+    hi = tl.minimum(start_n + BLOCK_N - 1 - MLEN + WINDOW, T)
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        row_mask = (offs_m < T)[:, None] & (offs_d < D)[None, :]
+        q = tl.load(q_bh + offs_m[:, None] * D + offs_d[None, :], mask=row_mask, other=0.0)
+        do = tl.load(do_bh + offs_m[:, None] * D + offs_d[None, :], mask=row_mask, other=0.0)
+        lse = tl.load(LSE + bh * T + offs_m, mask=offs_m < T, other=0.0)
+        delta = tl.load(DELTA + bh * T + offs_m, mask=offs_m < T, other=0.0)
+        s, visible = _scores(q, k, pos_bh, offs_m, offs_n, T, KL, W, MLEN, WINDOW, IEEE)
+        p = tl.exp(s - lse[:, None])
+        dp = _dot(do, tl.trans(v), IEEE)
+        if DROPOUT:
+            keep = _keep(seed, bh, offs_m, start_n, T, KL, P_DROP, BLOCK_N)
+            p_dropped = tl.where(keep, p / (1.0 - P_DROP), 0.0)
+            dp = tl.where(keep, dp / (1.0 - P_DROP), 0.0)
+        else:
+            p_dropped = p
+        dv += _dot(tl.trans(p_dropped.to(do.dtype)), do, IEEE)
+        ds = p * (dp - delta[:, None])
+        dk += _dot(tl.trans(ds.to(q.dtype)), q, IEEE)
+    tl.store(DK + kv_offs, dk.to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + kv_offs, dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def rel_attn_bwd_dq(Q, K, V, POS, SEED, DO, LSE, DELTA, DQ, DPOS, T, KL, W, MLEN, WINDOW, P_DROP,
+                     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr):
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1).to(tl.int64)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_mask = (offs_m < T)[:, None] & (offs_d < D)[None, :]
+    row_offs = bh * T * D + offs_m[:, None] * D + offs_d[None, :]
+    q = tl.load(Q + row_offs, mask=row_mask, other=0.0)
+    do = tl.load(DO + row_offs, mask=row_mask, other=0.0)
+    lse = tl.load(LSE + bh * T + offs_m, mask=offs_m < T, other=0.0)
+    delta = tl.load(DELTA + bh * T + offs_m, mask=offs_m < T, other=0.0)
+    k_bh, v_bh, pos_bh, dpos_bh = K + bh * KL * D, V + bh * KL * D, POS + bh * T * W, DPOS + bh * T * W
+    seed = tl.load(SEED)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    lo, hi = _key_range(start_m, BLOCK_M, BLOCK_N, KL, MLEN, WINDOW)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kv_mask = (offs_n < KL)[:, None] & (offs_d < D)[None, :]
+        k = tl.load(k_bh + offs_n[:, None] * D + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_bh + offs_n[:, None] * D + offs_d[None, :], mask=kv_mask, other=0.0)
+        s, visible = _scores(q, k, pos_bh, offs_m, offs_n, T, KL, W, MLEN, WINDOW, IEEE)
+        p = tl.exp(s - lse[:, None])
+        dp = _dot(do, tl.trans(v), IEEE)
+        if DROPOUT:
+            dp = tl.where(_keep(seed, bh, offs_m, start_n, T, KL, P_DROP, BLOCK_N), dp / (1.0 - P_DROP), 0.0)
+        ds = p * (dp - delta[:, None])
+        dq += _dot(ds.to(k.dtype), k, IEEE)
+        # One (query, key) pair per position entry: a plain store (the rest of dpos stays zero).
+        rel = offs_n[None, :] + (T - 1) - offs_m[:, None]
+        tl.store(dpos_bh + offs_m[:, None] * W + rel, ds.to(DPOS.dtype.element_ty), mask=visible)
+    tl.store(DQ + row_offs, dq.to(DQ.dtype.element_ty), mask=row_mask)
