@@ -12,10 +12,12 @@ was measured), then DIR/gpu_check_table.txt (a short table):
   model      whole-model forward+backward on the device for every implementation (two segments with mems,
              and an evaluation segment with long memory, same_length and clamp_len) against the float64
              reference model; every implementation but flex in both dtypes first, flex last
-  cuda_tests tests/test_gpu.py under pytest (CUDA-only correctness: every attention path and tail mode against
-             the reference, forward and backward, no host sync in a micro step, compiled layers equal to eager),
-             the tests without flex first, then flex's, each part's output in DIR/cuda_tests*.log; on a CPU
-             every test is skipped (the smoke run checks the wiring)
+  cuda_tests tests/test_gpu.py and tests/test_triton_attention.py under pytest (CUDA-only correctness: every
+             attention path and tail mode against the reference, forward and backward, the fused Triton kernels
+             compiled for the device, no host sync in a micro step, compiled layers equal to eager), the tests
+             without flex first, then flex's, each part's output in DIR/cuda_tests*.log; on a CPU every test of
+             test_gpu.py is skipped and the Triton file left out (the suite runs it interpreted; the smoke run
+             checks the wiring)
   deepspeed  when DeepSpeed imports: the project's own trainer (launch/train.py) on a synthetic corpus with
              the base config, ZeRO 1 and 2, bf16, tracking off, 8 steps; its output streams to
              DIR/deepspeed_zero<N>.log (the end of it kept), its progress lines (one per step) go to the record;
