@@ -191,6 +191,7 @@ def test_a_real_cpu_profile_has_its_steps_and_no_device(tmp_path):
     ("triton_poi_fused_add_mul_0", "compiled (triton)"),
     ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4>>(...)", "fused attention"),
     ("fmha_cutlassB_bf16_aligned_64x64_k64_sm80(...)", "fused attention"),
+    ("rel_attn_bwd_dkdv", "fused attention"),  # txl_dist/model/triton_kernels.py
     ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>(...)", "optimizer"),
     ("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<c10::BFloat16, float>(...)",
      "softmax, norms, reductions"),

@@ -32,7 +32,7 @@ pytestmark = [
     # A CUDA build of torch on a machine without a GPU brings its own, older triton (3.6 with torch 2.11).
     pytest.mark.skipif(DEVICE.type == "cpu" and tuple(map(int, triton.__version__.split(".")[:2])) < (3, 9),
                        reason=f"triton {triton.__version__}'s interpreter cannot run loops bounded by program-id "
-                              "values under numpy 2.4 (fixed in 3.9; scripts/test.sh installs 3.9 or later where "
+                              "values under numpy 2.4 or later (fixed in 3.9; scripts/test.sh installs 3.9 or later where "
                               "torch brings no triton)"),
 ]
 

@@ -51,7 +51,7 @@ NOT_HOST = frozenset({"Trace", "gpu_user_annotation"})
 step's span on the device)."""
 KERNEL_KINDS = (
     ("copies", ("memcpy",)), ("fills", ("memset",)), ("communication", ("nccl",)),
-    ("fused attention", ("flash", "fmha", "sdpa", "flex_attention", "attention")),
+    ("fused attention", ("flash", "fmha", "sdpa", "flex_attention", "attention", "rel_attn_")),
     ("optimizer", ("multi_tensor_apply", "adam")),
     ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "triton_tem_", "s16816", "s1688", "wgmma",
                 "splitkreduce")),
@@ -63,7 +63,8 @@ KERNEL_KINDS = (
 )
 """Kinds of device activity by name (the first kind with a fragment in the lowercased name; else "other"):
 cuBLAS and CUTLASS GEMMs (Hopper's cuBLAS names its own "nvjet_..."), inductor's matmul templates
-(triton_tem_) and its other kernels (triton_poi_/per_/red_: fused pointwise and reductions), ATen's kernels,
+(triton_tem_) and its other kernels (triton_poi_/per_/red_: fused pointwise and reductions), our fused
+relative attention (rel_attn_*, txl_dist/model/triton_kernels.py), ATen's kernels,
 Kineto's copies and fills. What a step's device time is spent on: GEMMs near the peak, or the memory-bound
 rest around them."""
 TOP_KERNELS = 8

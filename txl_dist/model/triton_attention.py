@@ -53,9 +53,9 @@ class Blocks(NamedTuple):
 
 def kernel_blocks(device: torch.device) -> dict[str, Blocks]:
     """Tile sizes per kernel. CUDA: 64 x 64 tiles over 8 warps, chosen without a GPU by what ptxas reports for
-    sm_90 (bf16, d_head 64, 2026-12-04; `compile_for_target`): the only one of six candidates without
-    register spills in any kernel without dropout (with dropout: 0, 16 and 156 bytes in fwd, dkdv, dq), where
-    128 x 64 on 4 warps, FlashAttention-2's usual forward tile, spilled 3 KB; not yet timed on a GPU
+    sm_90 (bf16, d_head 64, 2026-12-04; `compile_for_target`): of six candidates the only one without register
+    spills in any kernel without dropout (with dropout: 0, 24 and 96 bytes of spill stores in fwd, dkdv, dq),
+    where 128 x 64 on 4 warps, FlashAttention-2's usual forward tile, spilled 3 KB. Not yet timed on a GPU
     (bench/gpu_check.py times this path beside the others). The interpreter: the smallest tiles a dot product
     takes (16), so that small test shapes still cross tile borders."""
     if device.type != "cuda":

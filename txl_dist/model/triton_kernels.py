@@ -74,6 +74,7 @@ def rel_attn_fwd(Q, K, V, POS, SEED, O, LSE, T, KL, W, MLEN, WINDOW, P_DROP,
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
             p = tl.where(_keep(seed, bh, offs_m, start_n, T, KL, P_DROP, BLOCK_N), p / (1.0 - P_DROP), 0.0)
+        # v only now: fewer registers live across the softmax (the backward loads k and v together)
         v = tl.load(v_bh + offs_n[:, None] * D + offs_d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
         m_i = m_new
@@ -85,6 +86,43 @@ def rel_attn_fwd(Q, K, V, POS, SEED, O, LSE, T, KL, W, MLEN, WINDOW, P_DROP,
 
 
 @triton.jit
+def _key_rows(K, V, bh, offs_n, offs_d, KL, D: tl.constexpr):
+    """A key tile's k and v [BLOCK_N, BLOCK_D]; zeros past KL."""
+    mask = (offs_n < KL)[:, None] & (offs_d < D)[None, :]
+    offs = bh * KL * D + offs_n[:, None] * D + offs_d[None, :]
+    return tl.load(K + offs, mask=mask, other=0.0), tl.load(V + offs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _query_rows(Q, DO, LSE, DELTA, bh, offs_m, offs_d, T, D: tl.constexpr):
+    """A query tile's q and dO [BLOCK_M, BLOCK_D], its log-sum-exp and rowsum(dO * O) [BLOCK_M]; zeros past T."""
+    row_mask = (offs_m < T)[:, None] & (offs_d < D)[None, :]
+    offs = bh * T * D + offs_m[:, None] * D + offs_d[None, :]
+    q = tl.load(Q + offs, mask=row_mask, other=0.0)
+    do = tl.load(DO + offs, mask=row_mask, other=0.0)
+    lse = tl.load(LSE + bh * T + offs_m, mask=offs_m < T, other=0.0)
+    delta = tl.load(DELTA + bh * T + offs_m, mask=offs_m < T, other=0.0)
+    return q, do, lse, delta
+
+
+@triton.jit
+def _tile_grads(q, k, v, do, lse, delta, pos_bh, seed, bh, offs_m, offs_n, start_n, T, KL, W, MLEN, WINDOW, P_DROP,
+                BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr):
+    """One (query tile, key tile) of the backward: the probabilities after dropout (for dV), the scores'
+    gradient dS = P * (dP - rowsum(dO * O)), and the visibility mask."""
+    s, visible = _scores(q, k, pos_bh, offs_m, offs_n, T, KL, W, MLEN, WINDOW, IEEE)
+    p = tl.exp(s - lse[:, None])
+    dp = _dot(do, tl.trans(v), IEEE)
+    if DROPOUT:
+        keep = _keep(seed, bh, offs_m, start_n, T, KL, P_DROP, BLOCK_N)
+        p_dropped = tl.where(keep, p / (1.0 - P_DROP), 0.0)
+        dp = tl.where(keep, dp / (1.0 - P_DROP), 0.0)
+    else:
+        p_dropped = p
+    return p_dropped, p * (dp - delta[:, None]), visible
+
+
+@triton.jit
 def rel_attn_bwd_dkdv(Q, K, V, POS, SEED, DO, LSE, DELTA, DK, DV, T, KL, W, MLEN, WINDOW, P_DROP,
                        D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr):
@@ -92,11 +130,8 @@ def rel_attn_bwd_dkdv(Q, K, V, POS, SEED, DO, LSE, DELTA, DK, DV, T, KL, W, MLEN
     bh = tl.program_id(1).to(tl.int64)
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    kv_mask = (offs_n < KL)[:, None] & (offs_d < D)[None, :]
-    kv_offs = bh * KL * D + offs_n[:, None] * D + offs_d[None, :]
-    k = tl.load(K + kv_offs, mask=kv_mask, other=0.0)
-    v = tl.load(V + kv_offs, mask=kv_mask, other=0.0)
-    q_bh, do_bh, pos_bh = Q + bh * T * D, DO + bh * T * D, POS + bh * T * W
+    k, v = _key_rows(K, V, bh, offs_n, offs_d, KL, D)
+    pos_bh = POS + bh * T * W
     seed = tl.load(SEED)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
@@ -105,23 +140,13 @@ def rel_attn_bwd_dkdv(Q, K, V, POS, SEED, DO, LSE, DELTA, DK, DV, T, KL, W, MLEN
     hi = tl.minimum(start_n + BLOCK_N - 1 - MLEN + WINDOW, T)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        row_mask = (offs_m < T)[:, None] & (offs_d < D)[None, :]
-        q = tl.load(q_bh + offs_m[:, None] * D + offs_d[None, :], mask=row_mask, other=0.0)
-        do = tl.load(do_bh + offs_m[:, None] * D + offs_d[None, :], mask=row_mask, other=0.0)
-        lse = tl.load(LSE + bh * T + offs_m, mask=offs_m < T, other=0.0)
-        delta = tl.load(DELTA + bh * T + offs_m, mask=offs_m < T, other=0.0)
-        s, visible = _scores(q, k, pos_bh, offs_m, offs_n, T, KL, W, MLEN, WINDOW, IEEE)
-        p = tl.exp(s - lse[:, None])
-        dp = _dot(do, tl.trans(v), IEEE)
-        if DROPOUT:
-            keep = _keep(seed, bh, offs_m, start_n, T, KL, P_DROP, BLOCK_N)
-            p_dropped = tl.where(keep, p / (1.0 - P_DROP), 0.0)
-            dp = tl.where(keep, dp / (1.0 - P_DROP), 0.0)
-        else:
-            p_dropped = p
+        q, do, lse, delta = _query_rows(Q, DO, LSE, DELTA, bh, offs_m, offs_d, T, D)
+        p_dropped, ds, _ = _tile_grads(q, k, v, do, lse, delta, pos_bh, seed, bh, offs_m, offs_n, start_n, T, KL, W,
+                                       MLEN, WINDOW, P_DROP, BLOCK_N, DROPOUT, IEEE)
         dv += _dot(tl.trans(p_dropped.to(do.dtype)), do, IEEE)
-        ds = p * (dp - delta[:, None])
         dk += _dot(tl.trans(ds.to(q.dtype)), q, IEEE)
+    kv_mask = (offs_n < KL)[:, None] & (offs_d < D)[None, :]
+    kv_offs = bh * KL * D + offs_n[:, None] * D + offs_d[None, :]
     tl.store(DK + kv_offs, dk.to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + kv_offs, dv.to(DV.dtype.element_ty), mask=kv_mask)
 
@@ -134,29 +159,19 @@ def rel_attn_bwd_dq(Q, K, V, POS, SEED, DO, LSE, DELTA, DQ, DPOS, T, KL, W, MLEN
     bh = tl.program_id(1).to(tl.int64)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    row_mask = (offs_m < T)[:, None] & (offs_d < D)[None, :]
-    row_offs = bh * T * D + offs_m[:, None] * D + offs_d[None, :]
-    q = tl.load(Q + row_offs, mask=row_mask, other=0.0)
-    do = tl.load(DO + row_offs, mask=row_mask, other=0.0)
-    lse = tl.load(LSE + bh * T + offs_m, mask=offs_m < T, other=0.0)
-    delta = tl.load(DELTA + bh * T + offs_m, mask=offs_m < T, other=0.0)
-    k_bh, v_bh, pos_bh, dpos_bh = K + bh * KL * D, V + bh * KL * D, POS + bh * T * W, DPOS + bh * T * W
+    q, do, lse, delta = _query_rows(Q, DO, LSE, DELTA, bh, offs_m, offs_d, T, D)
+    pos_bh, dpos_bh = POS + bh * T * W, DPOS + bh * T * W
     seed = tl.load(SEED)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     lo, hi = _key_range(start_m, BLOCK_M, BLOCK_N, KL, MLEN, WINDOW)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        kv_mask = (offs_n < KL)[:, None] & (offs_d < D)[None, :]
-        k = tl.load(k_bh + offs_n[:, None] * D + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_bh + offs_n[:, None] * D + offs_d[None, :], mask=kv_mask, other=0.0)
-        s, visible = _scores(q, k, pos_bh, offs_m, offs_n, T, KL, W, MLEN, WINDOW, IEEE)
-        p = tl.exp(s - lse[:, None])
-        dp = _dot(do, tl.trans(v), IEEE)
-        if DROPOUT:
-            dp = tl.where(_keep(seed, bh, offs_m, start_n, T, KL, P_DROP, BLOCK_N), dp / (1.0 - P_DROP), 0.0)
-        ds = p * (dp - delta[:, None])
+        k, v = _key_rows(K, V, bh, offs_n, offs_d, KL, D)
+        _, ds, visible = _tile_grads(q, k, v, do, lse, delta, pos_bh, seed, bh, offs_m, offs_n, start_n, T, KL, W,
+                                     MLEN, WINDOW, P_DROP, BLOCK_N, DROPOUT, IEEE)
         dq += _dot(ds.to(k.dtype), k, IEEE)
         # One (query, key) pair per position entry: a plain store (the rest of dpos stays zero).
         rel = offs_n[None, :] + (T - 1) - offs_m[:, None]
         tl.store(dpos_bh + offs_m[:, None] * W + rel, ds.to(DPOS.dtype.element_ty), mask=visible)
-    tl.store(DQ + row_offs, dq.to(DQ.dtype.element_ty), mask=row_mask)
+    row_mask = (offs_m < T)[:, None] & (offs_d < D)[None, :]
+    tl.store(DQ + bh * T * D + offs_m[:, None] * D + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=row_mask)
