@@ -78,6 +78,7 @@ from txl_dist.model import TransformerXL
 from txl_dist.model.softmax import tail_plan
 from txl_dist.profiling import profiler_activities
 from txl_dist.trace_summary import analyze, headline, read_trace, shares_text, summary_line
+from txl_dist.model import triton_attention
 from txl_dist.model.attention import (ATTN_IMPLS, attn_mask_for, build_attn_mask, candidate_attn_impls,
                                       recompile_limit)
 
@@ -359,8 +360,10 @@ def phase_attention(p: Phase) -> None:
             continue
         ref = seconds.get("reference")
         for impl, s in seconds.items():
+            # triton: the tiles its kernels' tuner picked on this device (txl_dist/model/triton_attention.py)
+            extra = {"tiles": triton_attention.tuned_tiles()} if impl == "triton" else {}
             p.write("attention_time", impl=impl, dtype=dname, ms=round(s * 1e3, 3),
-                    speedup_vs_reference=round(ref / s, 3) if ref else None)
+                    speedup_vs_reference=round(ref / s, 3) if ref else None, **extra)
 
 
 # ----------------------------------------------------------------------------------------------------

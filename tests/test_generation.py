@@ -140,15 +140,16 @@ def with_attn_impl(model: TransformerXL, attn_impl: str) -> TransformerXL:
     return twin
 
 
-def test_decoding_attn_impl_replaces_only_flex():
+def test_decoding_attn_impl_replaces_only_flex_and_triton():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert decoding_attn_impl("flex", cpu, torch.float32) == "matmul"
     assert decoding_attn_impl("flex", cuda, torch.bfloat16) == "matmul"
     assert decoding_attn_impl("flex", cpu, torch.bfloat16) in ("matmul", "sdpa")  # auto's choice for this CPU
     for name in ("auto", "matmul", "sdpa", "reference"):
         assert decoding_attn_impl(name, cpu, torch.float32) == name == decoding_attn_impl(name, cuda, torch.bfloat16)
-    # A model trained with the CUDA kernels decodes with auto's choice where they cannot run.
-    assert decoding_attn_impl("triton", cpu, torch.float32) == "auto"
+    # A model trained with the fused Triton kernels decodes with auto's static choice too (one query row).
+    assert decoding_attn_impl("triton", cpu, torch.float32) == "matmul"
+    assert decoding_attn_impl("triton", cuda, torch.bfloat16) == "matmul"
 
 
 def test_a_flex_model_decodes_without_flex_exactly_like_matmul(sharp_model, monkeypatch):

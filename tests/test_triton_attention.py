@@ -99,6 +99,53 @@ def test_forward_and_every_gradient_equal_the_reference(bh, qlen, mlen, d_head, 
 HALF = torch.bfloat16 if DEVICE.type == "cuda" else torch.float16
 
 
+class OneCandidate:
+    """triton.autotune's stand-in for the interpreter (which has no clock to time with): runs candidate `index`
+    of each kernel's list, so that every tile the CUDA tuner may pick is checked for its results."""
+
+    def __init__(self, index):
+        self.index = index
+
+    def __call__(self, configs, key):
+        assert "SHAPE_CLASS" in key
+        config = configs[self.index % len(configs)]
+
+        class Tuned:
+            best_config = config
+
+            def __init__(self, kernel):
+                self.kernel = kernel
+
+            def __getitem__(self, grid):
+                return lambda *args, **meta: self.kernel[grid(config.kwargs)](
+                    *args, **meta, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
+
+        return Tuned
+
+
+@pytest.mark.parametrize("index", range(max(map(len, triton_attention.TILE_CANDIDATES.values()))))
+def test_every_tile_the_tuner_may_pick_gives_the_same_results(index, monkeypatch):
+    monkeypatch.setattr(triton_attention, "tunes", lambda device: True)
+    monkeypatch.setattr(triton, "autotune", OneCandidate(index))
+    triton_attention._tuned.cache_clear()
+    try:
+        q, k, v, pos = inputs(2, 70, 60, 16, 3)  # 130 keys: partial tiles of every candidate size
+        torch.manual_seed(3)
+        out = triton_attention.fused_rel_attention(q, k, v, pos, 60, 100, 0.25)
+        grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+        got = torch.autograd.grad(out, (q, k, v, pos), grad_out)
+        tiles = triton_attention.tuned_tiles()
+    finally:
+        triton_attention._tuned.cache_clear()
+    assert set(tiles) == {"fwd", "dkdv", "dq"}
+    torch.manual_seed(3)  # the same mask with the untuned tiles
+    again = triton_attention.fused_rel_attention(q, k, v, pos, 60, 100, 0.25)
+    want = torch.autograd.grad(again, (q, k, v, pos), grad_out)
+    assert rel_err(out, again) < 1e-5
+    for name, g_got, g_want in zip("q k v pos".split(), got, want):
+        assert rel_err(g_got, g_want) < 1e-5, (name, rel_err(g_got, g_want))
+
+
 def test_half_precision_error_is_its_rounding():
     q, k, v, pos = inputs(4, 48, 40, 32, 1, HALF)
     out = triton_attention.fused_rel_attention(q, k, v, pos, 40, None, 0.0)

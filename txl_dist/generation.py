@@ -20,7 +20,8 @@ the mems of the previous ones, as in evaluation; then every new token is one seg
 the cached mems, so the cost of a token depends on mem_len, not on how much was generated. With mem_len at
 least the whole context, the log-probabilities are those of re-running the full context (tests prove it).
 
-Attention: the session's forwards never use the model's attn_impl "flex" (`decoding_attn_impl`). Compiled
+Attention: the session's forwards never use the model's attn_impl "flex" or "triton" (`decoding_attn_impl`; the
+fused Triton kernels' tiles hold 64 query rows where a decoding forward has one). Compiled
 FlexAttention has static shapes, one kernel per key length, and here almost every forward brings a new one (a
 one-token segment against mems that grow by one token up to mem_len, prompt pieces of any length): a compile
 per token for the first mem_len tokens, then, past FLEX_RECOMPILE_LIMIT, an unfused eager fallback. The
@@ -50,7 +51,7 @@ import torch
 
 from txl_dist.config import MemorySettings
 from txl_dist.errors import Refused
-from txl_dist.model.attention import candidate_attn_impls, resolve_attn_impl
+from txl_dist.model.attention import resolve_attn_impl
 
 STATE_VERSION = 1
 """Version of GenerationSession.state_dict(); load_state_dict refuses any other."""
@@ -157,14 +158,13 @@ def decoding_attn_impl(attn_impl: str, device: torch.device, dtype: torch.dtype)
 
     "flex" (compiled per key length, and nearly every decoding forward has a new one: the module doc) becomes
     what "auto" means statically on `device` for `dtype` (resolve_attn_impl), matmul should that ever be flex;
-    "triton" where its kernels cannot run (not CUDA, no triton) becomes "auto"; every other name stays.
+    so does "triton" (its tiles hold 64 query rows, a decoding forward has one, and every new power of two of
+    key lengths would time its tiles again); every other name, "auto" included, stays as it is.
     """
-    if attn_impl == "triton" and "triton" not in candidate_attn_impls(device, dtype, training=False, dropatt=0.0):
-        attn_impl = "auto"  # a model trained with the CUDA kernels, decoding where they cannot run
-    if attn_impl != "flex":
+    if attn_impl not in ("flex", "triton"):
         return attn_impl
     impl = resolve_attn_impl("auto", device, dtype)
-    return "matmul" if impl == "flex" else impl
+    return "matmul" if impl in ("flex", "triton") else impl
 
 
 def default_mem_len(cfg) -> int:

@@ -24,6 +24,7 @@ compiles them for sm_90 without a GPU (`compile_for_target`).
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import os
@@ -51,16 +52,59 @@ class Blocks(NamedTuple):
     num_stages: int
 
 
+KERNEL_NAMES = {"fwd": "rel_attn_fwd", "dkdv": "rel_attn_bwd_dkdv", "dq": "rel_attn_bwd_dq"}
+"""The kernels of txl_dist/model/triton_kernels.py by role."""
+
+TILE_CANDIDATES: dict[str, tuple[Blocks, ...]] = {
+    "fwd": (Blocks(64, 64, 8, 2), Blocks(128, 64, 8, 2), Blocks(64, 32, 4, 2), Blocks(128, 32, 4, 2)),
+    "dkdv": (Blocks(64, 64, 8, 2), Blocks(32, 64, 4, 2), Blocks(64, 32, 4, 2)),
+    "dq": (Blocks(64, 64, 8, 2), Blocks(64, 32, 4, 2), Blocks(32, 64, 4, 2)),
+}
+"""The tiles each kernel chooses from on CUDA, by timing them (triton.autotune) at its first call per shape
+class (`shape_class`), head size, dtype and dropout: measured on the device, not fixed here. The first of each is
+the default (`kernel_blocks`): of six candidates compiled for sm_90 without a GPU (bf16, d_head 64, 2026-12-04;
+`compile_for_target`), 64 x 64 on 8 warps was the only one without register spills in any kernel without
+dropout (with dropout: 0, 24 and 96 bytes of spill stores in fwd, dkdv, dq), where 128 x 64 on 4 warps,
+FlashAttention-2's usual forward tile, spilled 3 KB; the others spilled under 0.3 KB. A tile that does not fit
+the device (shared memory, registers) is skipped by the tuner. Tiles change the order of the float32 sums
+(not the dropout mask: it is a function of the head-batch row, query and key), so two runs on one GPU may pick
+differently and differ in the last bits, as GPU runs do anyway (docs/checkpoints.md)."""
+
+
 def kernel_blocks(device: torch.device) -> dict[str, Blocks]:
-    """Tile sizes per kernel. CUDA: 64 x 64 tiles over 8 warps, chosen without a GPU by what ptxas reports for
-    sm_90 (bf16, d_head 64, 2026-12-04; `compile_for_target`): of six candidates the only one without register
-    spills in any kernel without dropout (with dropout: 0, 24 and 96 bytes of spill stores in fwd, dkdv, dq),
-    where 128 x 64 on 4 warps, FlashAttention-2's usual forward tile, spilled 3 KB. Not yet timed on a GPU
-    (bench/gpu_check.py times this path beside the others). The interpreter: the smallest tiles a dot product
-    takes (16), so that small test shapes still cross tile borders."""
+    """Tile sizes per kernel without tuning: on CUDA the first candidate of each (TILE_CANDIDATES); in the
+    interpreter the smallest tiles a dot product takes (16), so that small test shapes cross tile borders."""
     if device.type != "cuda":
-        return {name: Blocks(16, 16, 1, 1) for name in ("fwd", "dkdv", "dq")}
-    return {name: Blocks(64, 64, 8, 2) for name in ("fwd", "dkdv", "dq")}
+        return {name: Blocks(16, 16, 1, 1) for name in KERNEL_NAMES}
+    return {name: candidates[0] for name, candidates in TILE_CANDIDATES.items()}
+
+
+def shape_class(qlen: int, klen: int) -> int:
+    """The tuner's key for a shape: query and key lengths rounded up to powers of two. Evaluation's memory grows
+    segment by segment, a new key length each time: exact lengths would time the tiles again for each."""
+    return (1 << (qlen - 1).bit_length()) << 24 | (1 << (klen - 1).bit_length())
+
+
+def tunes(device: torch.device) -> bool:
+    """Whether the kernels choose their tiles by timing on this device (CUDA; the interpreter has no clock)."""
+    return device.type == "cuda"
+
+
+@functools.lru_cache(maxsize=None)
+def _tuned(name: str):
+    """The kernel `name` wrapped in triton.autotune over its TILE_CANDIDATES (CUDA)."""
+    import triton
+
+    configs = [triton.Config({"BLOCK_M": b.block_m, "BLOCK_N": b.block_n}, num_warps=b.num_warps,
+                             num_stages=b.num_stages) for b in TILE_CANDIDATES[name]]
+    return triton.autotune(configs, key=["SHAPE_CLASS", "D", "DROPOUT", "IEEE"])(
+        getattr(_kernels(), KERNEL_NAMES[name]))
+
+
+def tuned_tiles() -> dict[str, str]:
+    """The tile each tuned kernel last ran with (for a benchmark's record); empty before the first CUDA call."""
+    return {name: str(getattr(_tuned(name), "best_config", None)) for name in KERNEL_NAMES
+            if _tuned.cache_info().currsize and getattr(_tuned(name), "best_config", None) is not None}
 
 
 def _kernels():
@@ -77,17 +121,22 @@ def _block_d(d_head: int) -> int:
     return max(16, 1 << (d_head - 1).bit_length())
 
 
-def _launch_args(q: torch.Tensor, k: torch.Tensor, pos: torch.Tensor, mlen: int, window: int,
-                 p_drop: float) -> tuple:
-    _, qlen, d_head = q.shape
-    return (qlen, k.shape[1], pos.shape[2], mlen, window, p_drop)
-
-
-def _constexprs(q: torch.Tensor, blocks: Blocks, p_drop: float) -> dict:
-    d_head = q.shape[2]
-    return dict(D=d_head, BLOCK_D=_block_d(d_head), BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n,
-                DROPOUT=p_drop > 0, IEEE=q.dtype == torch.float32, num_warps=blocks.num_warps,
-                num_stages=blocks.num_stages)
+def _launch(name: str, rows: int, q: torch.Tensor, k: torch.Tensor, pos: torch.Tensor, tensors: tuple,
+            mlen: int, window: int, p_drop: float) -> None:
+    """Runs kernel `name` over `rows` rows (queries; keys for dkdv) of each head-batch row: tuned on CUDA, with
+    kernel_blocks' tiles in the interpreter."""
+    bh, qlen, d_head = q.shape
+    klen = k.shape[1]
+    args = (*tensors, qlen, klen, pos.shape[2], mlen, window, p_drop, shape_class(qlen, klen))
+    meta = dict(D=d_head, BLOCK_D=_block_d(d_head), DROPOUT=p_drop > 0, IEEE=q.dtype == torch.float32)
+    tile = "BLOCK_N" if name == "dkdv" else "BLOCK_M"
+    if tunes(q.device):
+        _tuned(name)[lambda config: (math.ceil(rows / config[tile]), bh)](*args, **meta)
+        return
+    b = kernel_blocks(q.device)[name]
+    grid = (math.ceil(rows / (b.block_n if name == "dkdv" else b.block_m)), bh)
+    getattr(_kernels(), KERNEL_NAMES[name])[grid](*args, **meta, BLOCK_M=b.block_m, BLOCK_N=b.block_n,
+                                                  num_warps=b.num_warps, num_stages=b.num_stages)
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, mlen: int) -> None:
@@ -106,17 +155,13 @@ def rel_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.T
                  mlen: int, window: int, p_drop: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Output [BH, T, D] and float32 log-sum-exp [BH, T] of fused relative attention (module doc).
 
-    window: keys j > i + mlen - window only (same_length's mem_len; KL, the key count, for no window); seed: int64 [1] on the
-    device, read by the kernel (dropout's key; unused when p_drop is 0)."""
-    kernels = _kernels()
+    window: keys j > i + mlen - window only (same_length's mem_len; KL, the key count, for no window);
+    seed: int64 [1] on the device, read by the kernel (dropout's key; unused when p_drop is 0)."""
     _check_inputs(q, k, v, pos, mlen)
     bh, qlen, _ = q.shape
     out = torch.empty_like(q)
     lse = torch.empty(bh, qlen, dtype=torch.float32, device=q.device)
-    blocks = kernel_blocks(q.device)["fwd"]
-    grid = (math.ceil(qlen / blocks.block_m), bh)
-    kernels.rel_attn_fwd[grid](q, k, v, pos, seed, out, lse, *_launch_args(q, k, pos, mlen, window, p_drop),
-                        **_constexprs(q, blocks, p_drop))
+    _launch("fwd", qlen, q, k, pos, (q, k, v, pos, seed, out, lse), mlen, window, p_drop)
     return out, lse
 
 
@@ -130,20 +175,12 @@ def rel_attn_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
                  out: torch.Tensor, lse: torch.Tensor, seed: torch.Tensor, mlen: int, window: int,
                  p_drop: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv, dpos) of rel_attn_fwd's output."""
-    kernels = _kernels()
-    bh, qlen, _ = q.shape
     grad_out = grad_out.contiguous()
     delta = (grad_out.float() * out.float()).sum(-1)                              # [BH, T]: rowsum(dO * O)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dpos = torch.zeros_like(pos)  # entries no (query, key) pair reads keep a zero gradient
-    args = _launch_args(q, k, pos, mlen, window, p_drop)
-    blocks = kernel_blocks(q.device)
-    grid = (math.ceil(k.shape[1] / blocks["dkdv"].block_n), bh)
-    kernels.rel_attn_bwd_dkdv[grid](q, k, v, pos, seed, grad_out, lse, delta, dk, dv, *args,
-                             **_constexprs(q, blocks["dkdv"], p_drop))
-    grid = (math.ceil(qlen / blocks["dq"].block_m), bh)
-    kernels.rel_attn_bwd_dq[grid](q, k, v, pos, seed, grad_out, lse, delta, dq, dpos, *args,
-                           **_constexprs(q, blocks["dq"], p_drop))
+    _launch("dkdv", k.shape[1], q, k, pos, (q, k, v, pos, seed, grad_out, lse, delta, dk, dv), mlen, window, p_drop)
+    _launch("dq", q.shape[1], q, k, pos, (q, k, v, pos, seed, grad_out, lse, delta, dq, dpos), mlen, window, p_drop)
     return dq, dk, dv, dpos
 
 
@@ -185,10 +222,10 @@ def fused_rel_attention(q_w: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos
 
 
 def compile_for_target(arch: int = 90, dtype: torch.dtype = torch.bfloat16, d_head: int = 64,
-                       dropout: bool = True) -> list[str]:
+                       dropout: bool = True, every_candidate: bool = False) -> list[str]:
     """Compile the three kernels for CUDA architecture `arch` (90: H100/H200) without a GPU: Triton's own
-    front end, optimizer and ptxas run; what fails to compile on the device fails here. Returns the kernel
-    names compiled (for the test to check)."""
+    front end, optimizer and ptxas run; what fails to compile on the device fails here. The default tiles, or
+    every one of TILE_CANDIDATES. Returns the kernel names compiled, once per tile (for the test to check)."""
     kernels = _kernels()
     if interpreting():
         raise RuntimeError("compile_for_target: TRITON_INTERPRET=1 made the kernels interpreted; run it in a "
@@ -197,9 +234,9 @@ def compile_for_target(arch: int = 90, dtype: torch.dtype = torch.bfloat16, d_he
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    blocks = kernel_blocks(torch.device("cuda"))
     elem = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[dtype]
-    ints = {"T": "i32", "KL": "i32", "W": "i32", "MLEN": "i32", "WINDOW": "i32", "P_DROP": "fp32"}
+    ints = {"T": "i32", "KL": "i32", "W": "i32", "MLEN": "i32", "WINDOW": "i32", "P_DROP": "fp32",
+            "SHAPE_CLASS": "i32"}
     tensors = {
         "fwd": (kernels.rel_attn_fwd, dict(Q=elem, K=elem, V=elem, POS=elem, SEED="*i64", O=elem, LSE="*fp32")),
         "dkdv": (kernels.rel_attn_bwd_dkdv, dict(Q=elem, K=elem, V=elem, POS=elem, SEED="*i64", DO=elem,
@@ -209,13 +246,13 @@ def compile_for_target(arch: int = 90, dtype: torch.dtype = torch.bfloat16, d_he
     }
     compiled = []
     for name, (kernel, pointers) in tensors.items():
-        b = blocks[name]
-        constexprs = dict(D=d_head, BLOCK_D=_block_d(d_head), BLOCK_M=b.block_m, BLOCK_N=b.block_n,
-                          DROPOUT=dropout, IEEE=dtype == torch.float32)
-        signature = {**pointers, **ints, **{key: "constexpr" for key in constexprs}}
-        src = ASTSource(fn=kernel, signature=signature, constexprs={(kernel.arg_names.index(key),): value
-                                                                    for key, value in constexprs.items()})
-        triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                       options=dict(num_warps=b.num_warps, num_stages=b.num_stages))
-        compiled.append(name)
+        for b in TILE_CANDIDATES[name] if every_candidate else TILE_CANDIDATES[name][:1]:
+            constexprs = dict(D=d_head, BLOCK_D=_block_d(d_head), BLOCK_M=b.block_m, BLOCK_N=b.block_n,
+                              DROPOUT=dropout, IEEE=dtype == torch.float32)
+            signature = {**pointers, **ints, **{key: "constexpr" for key in constexprs}}
+            src = ASTSource(fn=kernel, signature=signature,
+                            constexprs={(kernel.arg_names.index(key),): value for key, value in constexprs.items()})
+            triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                           options=dict(num_warps=b.num_warps, num_stages=b.num_stages))
+            compiled.append(name)
     return compiled

@@ -1,7 +1,8 @@
 """The Triton kernels of fused relative attention; txl_dist/model/triton_attention.py is their interface (the
 algorithm is described there). Imported only when a kernel first runs: importing triton costs time and
 prints nanobind's leak report at exit, which no process that never uses the kernels should pay. Whether the
-kernels are interpreted (TRITON_INTERPRET=1) is fixed by the environment at that import."""
+kernels are interpreted (TRITON_INTERPRET=1) is fixed by the environment at that import. SHAPE_CLASS is read by
+no kernel: it is the autotuner's key (triton_attention.shape_class)."""
 import triton
 import triton.language as tl
 
@@ -47,7 +48,7 @@ def _key_range(start_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KL, MLEN, 
 
 
 @triton.jit
-def rel_attn_fwd(Q, K, V, POS, SEED, O, LSE, T, KL, W, MLEN, WINDOW, P_DROP,
+def rel_attn_fwd(Q, K, V, POS, SEED, O, LSE, T, KL, W, MLEN, WINDOW, P_DROP, SHAPE_CLASS,
                   D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   DROPOUT: tl.constexpr, IEEE: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
@@ -124,7 +125,7 @@ def _tile_grads(q, k, v, do, lse, delta, pos_bh, seed, bh, offs_m, offs_n, start
 
 @triton.jit
 def rel_attn_bwd_dkdv(Q, K, V, POS, SEED, DO, LSE, DELTA, DK, DV, T, KL, W, MLEN, WINDOW, P_DROP,
-                       D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                      SHAPE_CLASS, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr):
     start_n = tl.program_id(0) * BLOCK_N
     bh = tl.program_id(1).to(tl.int64)
@@ -153,7 +154,7 @@ def rel_attn_bwd_dkdv(Q, K, V, POS, SEED, DO, LSE, DELTA, DK, DV, T, KL, W, MLEN
 
 @triton.jit
 def rel_attn_bwd_dq(Q, K, V, POS, SEED, DO, LSE, DELTA, DQ, DPOS, T, KL, W, MLEN, WINDOW, P_DROP,
-                     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                    SHAPE_CLASS, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)
