@@ -5,7 +5,9 @@ content term q_w . k from the block's own dot product, position term read from t
 `pos` [BH, T, W] (W >= K+1 distance columns) at the rel-shifted column j + T - 1 - i, the memory-causal
 pattern (and same_length's window) as index arithmetic, attention dropout from a counter-based generator
 (Philox, `tl.rand`) keyed by one seed per call, so the backward regenerates the same mask instead of storing
-it. Saved for backward: the output and one float32 log-sum-exp per query row.
+it (one Philox call per four scores; the mask depends on the head-batch row, query and key, not on the tiles).
+Saved for backward: the output and one float32 log-sum-exp per query row. On CUDA each kernel times its
+candidate tiles at its first call per shape class and keeps the fastest (TILE_CANDIDATES).
 
 The backward is two kernels that recompute the probabilities block by block: one per key block (dk, dv in
 registers), one per query block (dq, and the position term's gradient). Every entry of `pos` is read by at
@@ -18,7 +20,7 @@ so score = q_w . k + pos[i, j + T - 1 - i]. Shapes: BH = batch x heads (any orde
 keys, D head size (any: padded to a power of two in registers).
 
 CUDA only in production (`rel_attention_triton` in attention.py refuses a CPU tensor). Under Triton's
-interpreter (TRITON_INTERPRET=1 when triton is imported) the same kernels run on CPU tensors with numpy:
+interpreter (TRITON_INTERPRET=1 when the kernels are first imported) the same kernels run on CPU tensors:
 the test suite checks them that way against the einsum reference (tests/test_triton_attention.py), and
 compiles them for sm_90 without a GPU (`compile_for_target`).
 """
@@ -31,7 +33,6 @@ import os
 from typing import NamedTuple
 
 import torch
-
 
 
 def triton_available() -> bool:
@@ -61,14 +62,14 @@ TILE_CANDIDATES: dict[str, tuple[Blocks, ...]] = {
     "dq": (Blocks(64, 64, 8, 2), Blocks(64, 32, 4, 2), Blocks(32, 64, 4, 2)),
 }
 """The tiles each kernel chooses from on CUDA, by timing them (triton.autotune) at its first call per shape
-class (`shape_class`), head size, dtype and dropout: measured on the device, not fixed here. The first of each is
-the default (`kernel_blocks`): of six candidates compiled for sm_90 without a GPU (bf16, d_head 64, 2026-12-04;
-`compile_for_target`), 64 x 64 on 8 warps was the only one without register spills in any kernel without
-dropout (with dropout: 0, 24 and 96 bytes of spill stores in fwd, dkdv, dq), where 128 x 64 on 4 warps,
-FlashAttention-2's usual forward tile, spilled 3 KB; the others spilled under 0.3 KB. A tile that does not fit
-the device (shared memory, registers) is skipped by the tuner. Tiles change the order of the float32 sums
-(not the dropout mask: it is a function of the head-batch row, query and key), so two runs on one GPU may pick
-differently and differ in the last bits, as GPU runs do anyway (docs/checkpoints.md)."""
+class (`shape_class`), head size, dtype and dropout: measured on the device, not fixed here. First of each, the
+default (`kernel_blocks`): 64 x 64 on 8 warps, of six tiles compiled for sm_90 without a GPU (bf16, d_head 64,
+2026-12-04; `compile_for_target` and ptxas) the only one without register spills in any kernel without dropout
+(with dropout: 0, 24 and 96 bytes of spill stores in fwd, dkdv, dq). The other candidates spill 12-272 bytes
+with dropout; 128 x 64 on 4 warps, FlashAttention-2's usual forward tile, spilled 3 KB and is none. A tile that
+does not fit the device (shared memory, registers) is skipped by the tuner. Tiles change the order of the
+float32 sums (not the dropout mask: it is a function of the head-batch row, query and key), so two runs on one
+GPU may pick differently and differ in the last bits, as GPU runs do anyway (docs/checkpoints.md)."""
 
 
 def kernel_blocks(device: torch.device) -> dict[str, Blocks]:
@@ -103,8 +104,10 @@ def _tuned(name: str):
 
 def tuned_tiles() -> dict[str, str]:
     """The tile each tuned kernel last ran with (for a benchmark's record); empty before the first CUDA call."""
-    return {name: str(getattr(_tuned(name), "best_config", None)) for name in KERNEL_NAMES
-            if _tuned.cache_info().currsize and getattr(_tuned(name), "best_config", None) is not None}
+    if not _tuned.cache_info().currsize:
+        return {}
+    picked = {name: getattr(_tuned(name), "best_config", None) for name in KERNEL_NAMES}
+    return {name: str(config) for name, config in picked.items() if config is not None}
 
 
 def _kernels():
