@@ -3,7 +3,7 @@
 score[i, j] = (q_i + u) . k_j + (q_i + v) . r_{i-j}, with u = r_w_bias, v = r_r_bias and r the projected
 sinusoid embedding of the distance between query i and key j.
 
-Three interchangeable implementations take the same arguments and return the same attention vectors:
+Five interchangeable implementations take the same arguments and return the same attention vectors:
 - `rel_attention_reference`: plain einsum + the reference code's rel-shift; the test oracle.
 - `rel_attention_matmul`: contiguous head-major layouts, batched matmuls, a free rel-shift, a softmax in
   the scores' dtype (accumulating in float32). The fastest on CPU (bench/bench_attention.py).
