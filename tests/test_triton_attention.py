@@ -6,8 +6,9 @@ O(T*K) reference written from the definition (scores, shifted position term, mas
 forward and all four gradients, over shapes that cross tile borders, with and without same_length's window,
 head sizes that are not powers of two and padded position rows. Dropout: the kernels' mask is read back
 through one-hot values (the output row is then the dropped probabilities), its rate checked, and the backward
-checked against the reference run with that same mask. compile_for_target compiles the kernels for an H100/H200
-(sm_90) with Triton's own compiler and ptxas, no GPU needed.
+checked against the reference run with that same mask. Every tile the CUDA tuner may pick gives the same
+results (a stand-in tuner). compile_for_target compiles the kernels for an H100/H200 (sm_90) with Triton's own
+compiler and ptxas, no GPU needed.
 """
 import math
 import os
@@ -32,8 +33,8 @@ pytestmark = [
     # A CUDA build of torch on a machine without a GPU brings its own, older triton (3.6 with torch 2.11).
     pytest.mark.skipif(DEVICE.type == "cpu" and tuple(map(int, triton.__version__.split(".")[:2])) < (3, 9),
                        reason=f"triton {triton.__version__}'s interpreter cannot run loops bounded by program-id "
-                              "values under numpy 2.4 or later (fixed in 3.9; scripts/test.sh installs 3.9 or later where "
-                              "torch brings no triton)"),
+                              "values under numpy 2.4 or later (fixed in 3.9; scripts/test.sh installs 3.9 or later "
+                              "where torch brings no triton)"),
 ]
 
 

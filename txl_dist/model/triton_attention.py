@@ -24,8 +24,6 @@ interpreter (TRITON_INTERPRET=1 when the kernels are first imported) the same ke
 the test suite checks them that way against the einsum reference (tests/test_triton_attention.py), and
 compiles them for sm_90 without a GPU (`compile_for_target`).
 """
-from __future__ import annotations
-
 import functools
 import importlib.util
 import math
