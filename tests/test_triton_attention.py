@@ -277,6 +277,16 @@ def test_the_kernels_compile_for_an_h200_without_a_gpu():
     assert done.stdout.strip().splitlines()[-1] == "['fwd', 'dkdv', 'dq']"
 
 
+def test_older_triton_never_tries_the_tile_its_compiler_aborts_on(monkeypatch):
+    monkeypatch.setattr(triton_attention, "_triton_version", lambda: (3, 2))
+    crashing = dict(triton_attention.CRASHES_OLDER_TRITON)
+    assert crashing["dkdv"] not in triton_attention.tile_candidates("dkdv")
+    assert triton_attention.kernel_blocks(torch.device("cuda"))["dkdv"] == triton_attention.tile_candidates("dkdv")[0]
+    assert triton_attention.tile_candidates("fwd") == triton_attention.TILE_CANDIDATES["fwd"]
+    monkeypatch.setattr(triton_attention, "_triton_version", lambda: (3, 6))
+    assert triton_attention.tile_candidates("dkdv") == triton_attention.TILE_CANDIDATES["dkdv"]
+
+
 def test_where_the_path_may_run(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert "triton" not in candidate_attn_impls(cpu, torch.float32, training=True, dropatt=0.1)
