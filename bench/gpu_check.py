@@ -1200,6 +1200,9 @@ def write_table(rec: Recorder, out: Path) -> Path:
             e = errs.get((r.get("impl"), r["dtype"]), {})
             lines.append(f"| {r.get('impl')} | {r['dtype']} | {r.get('ms')} | {r.get('speedup_vs_reference')} | "
                          f"{e.get('max_abs_out', e.get('error'))} | {e.get('max_abs_d_q')} |")
+        lines += [f"triton's tiles ({r['dtype']}), picked by timing: "
+                  + ", ".join(f"{kernel} {tile}" for kernel, tile in r["tiles"].items())
+                  for r in att if r.get("tiles")]
     model = [r for r in rec.records if r["kind"] == "model_error"]
     if model:
         lines += ["", "| model fwd+bwd vs float64 | dtype | ok | nll | eval nll | rel grad |", "|---|---|---|---|---|---|"]

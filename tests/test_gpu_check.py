@@ -278,6 +278,17 @@ def test_table_never_recommends_a_setting_the_config_refuses(tmp_path):
     assert "flex (dropatt 0.0: the config refuses)" in table and "not a candidate for large: flex" in table
 
 
+def test_table_names_the_tiles_the_triton_kernels_picked(tmp_path):
+    rec = gpu_check.Recorder(tmp_path)
+    tiles = {"fwd": "BLOCK_M: 64, BLOCK_N: 64, num_warps: 8", "dkdv": "BLOCK_M: 32, BLOCK_N: 64, num_warps: 4"}
+    rec.write(dict(phase="attention", kind="attention_time", impl="matmul", dtype="bf16", ms=1.5))
+    rec.write(dict(phase="attention", kind="attention_time", impl="triton", dtype="bf16", ms=0.5, tiles=tiles))
+    table = gpu_check.write_table(rec, tmp_path).read_text()
+    assert ("triton's tiles (bf16), picked by timing: fwd BLOCK_M: 64, BLOCK_N: 64, num_warps: 8, dkdv BLOCK_M: 32, "
+            "BLOCK_N: 64, num_warps: 4") in table
+    assert table.count("picked by timing") == 1
+
+
 def test_deepspeed_is_not_imported_when_setup_found_it_broken(monkeypatch):
     # gpu_check.sh tried the import with a time limit; a hung import must not hang a phase without one.
     monkeypatch.setenv(gpu_check.NO_DEEPSPEED_ENV, "deepspeed did not import within 90 s (setup.log)")
