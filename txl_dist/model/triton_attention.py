@@ -64,7 +64,7 @@ TILE_CANDIDATES: dict[str, tuple[Blocks, ...]] = {
 class (`shape_class`), head size, dtype and dropout: measured on the device, not fixed here. First of each, the
 default (`kernel_blocks`): 64 x 64 on 8 warps, of six tiles compiled for sm_90 without a GPU (bf16, d_head 64,
 2026-12-04; `compile_for_target` and ptxas) the only one without register spills in any kernel without dropout
-(with dropout: 0, 24 and 96 bytes of spill stores in fwd, dkdv, dq). The other candidates spill 12-272 bytes
+(with dropout: 0, 28 and 24 bytes of spill stores in fwd, dkdv, dq). The other candidates spill 0-440 bytes
 with dropout; 128 x 64 on 4 warps, FlashAttention-2's usual forward tile, spilled 3 KB and is none. A tile that
 does not fit the device (shared memory, registers) is skipped by the tuner. Tiles change the order of the
 float32 sums (not the dropout mask: it is a function of the head-batch row, query and key), so two runs on one
@@ -139,8 +139,11 @@ def _kernels():
     return triton_kernels
 
 
-def _block_d(d_head: int) -> int:
-    return max(16, 1 << (d_head - 1).bit_length())
+def _kernel_meta(d_head: int, dtype: torch.dtype, dropout: bool) -> dict:
+    """The kernels' compile-time parameters other than the tiles: the head size, its power-of-two register
+    width (at least 16, a dot product's minimum), dropout on or off, and IEEE products for float32."""
+    return dict(D=d_head, BLOCK_D=max(16, 1 << (d_head - 1).bit_length()), DROPOUT=dropout,
+                IEEE=dtype == torch.float32)
 
 
 def _launch(name: str, rows: int, q: torch.Tensor, k: torch.Tensor, pos: torch.Tensor, tensors: tuple,
@@ -150,15 +153,18 @@ def _launch(name: str, rows: int, q: torch.Tensor, k: torch.Tensor, pos: torch.T
     bh, qlen, d_head = q.shape
     klen = k.shape[1]
     args = (*tensors, qlen, klen, pos.shape[2], mlen, window, p_drop, shape_class(qlen, klen))
-    meta = dict(D=d_head, BLOCK_D=_block_d(d_head), DROPOUT=p_drop > 0, IEEE=q.dtype == torch.float32)
-    tile = "BLOCK_N" if name == "dkdv" else "BLOCK_M"
+    meta = _kernel_meta(d_head, q.dtype, p_drop > 0)
+
+    def grid(tiles: dict) -> tuple[int, int]:
+        return math.ceil(rows / tiles["BLOCK_N" if name == "dkdv" else "BLOCK_M"]), bh
+
     if tunes(q.device):
-        _tuned(name)[lambda config: (math.ceil(rows / config[tile]), bh)](*args, **meta)
+        _tuned(name)[grid](*args, **meta)
         return
     b = kernel_blocks(q.device)[name]
-    grid = (math.ceil(rows / (b.block_n if name == "dkdv" else b.block_m)), bh)
-    getattr(_kernels(), KERNEL_NAMES[name])[grid](*args, **meta, BLOCK_M=b.block_m, BLOCK_N=b.block_n,
-                                                  num_warps=b.num_warps, num_stages=b.num_stages)
+    tiles = dict(BLOCK_M=b.block_m, BLOCK_N=b.block_n)
+    getattr(_kernels(), KERNEL_NAMES[name])[grid(tiles)](*args, **meta, **tiles, num_warps=b.num_warps,
+                                                         num_stages=b.num_stages)
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, mlen: int) -> None:
@@ -269,8 +275,7 @@ def compile_for_target(arch: int = 90, dtype: torch.dtype = torch.bfloat16, d_he
     compiled = []
     for name, (kernel, pointers) in tensors.items():
         for b in tile_candidates(name) if every_candidate else tile_candidates(name)[:1]:
-            constexprs = dict(D=d_head, BLOCK_D=_block_d(d_head), BLOCK_M=b.block_m, BLOCK_N=b.block_n,
-                              DROPOUT=dropout, IEEE=dtype == torch.float32)
+            constexprs = dict(_kernel_meta(d_head, dtype, dropout), BLOCK_M=b.block_m, BLOCK_N=b.block_n)
             signature = {**pointers, **ints, **{key: "constexpr" for key in constexprs}}
             if "constexprs" in inspect.signature(ASTSource).parameters:
                 src = ASTSource(fn=kernel, signature=signature, constexprs={

@@ -16,12 +16,25 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _rows(bh, offs, offs_d, N, D: tl.constexpr):
+    """Element offsets and in-bounds mask of rows `offs` [len, BLOCK_D] of head-batch row bh of a [BH, N, D]
+    tensor (q, k, v, their gradients, the output)."""
+    return bh * N * D + offs[:, None] * D + offs_d[None, :], (offs < N)[:, None] & (offs_d < D)[None, :]
+
+
+@triton.jit
+def _position_offsets(offs_m, offs_n, T, W):
+    """Offsets [BLOCK_M, BLOCK_N] into a head-batch row of the position product [T, W]: query i, key j read
+    column j + T - 1 - i (the rel-shift)."""
+    return offs_m[:, None] * W + offs_n[None, :] + (T - 1) - offs_m[:, None]
+
+
+@triton.jit
 def _scores(q, k, pos_bh, offs_m, offs_n, T, KL, W, MLEN, WINDOW, IEEE: tl.constexpr):
     """Float32 scores [BLOCK_M, BLOCK_N] (-inf where not visible) and the visibility mask."""
     visible = (offs_n[None, :] <= offs_m[:, None] + MLEN) & (offs_n[None, :] < KL) & (offs_m[:, None] < T)
     visible = visible & (offs_n[None, :] > offs_m[:, None] + MLEN - WINDOW)
-    rel = offs_n[None, :] + (T - 1) - offs_m[:, None]
-    pos = tl.load(pos_bh + offs_m[:, None] * W + rel, mask=visible, other=0.0)
+    pos = tl.load(pos_bh + _position_offsets(offs_m, offs_n, T, W), mask=visible, other=0.0)
     s = _dot(q, tl.trans(k), IEEE) + pos.to(tl.float32)
     return tl.where(visible, s, float("-inf")), visible
 
@@ -49,15 +62,15 @@ def _key_range(start_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KL, MLEN, 
 
 @triton.jit
 def rel_attn_fwd(Q, K, V, POS, SEED, O, LSE, T, KL, W, MLEN, WINDOW, P_DROP, SHAPE_CLASS,
-                  D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  DROPOUT: tl.constexpr, IEEE: tl.constexpr):
+                 D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 DROPOUT: tl.constexpr, IEEE: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    row_mask = (offs_m < T)[:, None] & (offs_d < D)[None, :]
-    q = tl.load(Q + bh * T * D + offs_m[:, None] * D + offs_d[None, :], mask=row_mask, other=0.0)
-    k_bh, v_bh, pos_bh = K + bh * KL * D, V + bh * KL * D, POS + bh * T * W
+    q_offs, q_mask = _rows(bh, offs_m, offs_d, T, D)
+    q = tl.load(Q + q_offs, mask=q_mask, other=0.0)
+    pos_bh = POS + bh * T * W
     seed = tl.load(SEED)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -65,8 +78,8 @@ def rel_attn_fwd(Q, K, V, POS, SEED, O, LSE, T, KL, W, MLEN, WINDOW, P_DROP, SHA
     lo, hi = _key_range(start_m, BLOCK_M, BLOCK_N, KL, MLEN, WINDOW)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        kv_mask = (offs_n < KL)[:, None] & (offs_d < D)[None, :]
-        k = tl.load(k_bh + offs_n[:, None] * D + offs_d[None, :], mask=kv_mask, other=0.0)
+        kv_offs, kv_mask = _rows(bh, offs_n, offs_d, KL, D)
+        k = tl.load(K + kv_offs, mask=kv_mask, other=0.0)
         s, visible = _scores(q, k, pos_bh, offs_m, offs_n, T, KL, W, MLEN, WINDOW, IEEE)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
@@ -76,31 +89,28 @@ def rel_attn_fwd(Q, K, V, POS, SEED, O, LSE, T, KL, W, MLEN, WINDOW, P_DROP, SHA
         if DROPOUT:
             p = tl.where(_keep(seed, bh, offs_m, start_n, T, KL, P_DROP, BLOCK_N), p / (1.0 - P_DROP), 0.0)
         # v only now: fewer registers live across the softmax (the backward loads k and v together)
-        v = tl.load(v_bh + offs_n[:, None] * D + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + kv_offs, mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
         m_i = m_new
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     acc = acc / l_safe[:, None]
-    tl.store(O + bh * T * D + offs_m[:, None] * D + offs_d[None, :], acc.to(O.dtype.element_ty),
-             mask=row_mask)
+    tl.store(O + q_offs, acc.to(O.dtype.element_ty), mask=q_mask)
     tl.store(LSE + bh * T + offs_m, m_i + tl.log(l_safe), mask=offs_m < T)
 
 
 @triton.jit
 def _key_rows(K, V, bh, offs_n, offs_d, KL, D: tl.constexpr):
     """A key tile's k and v [BLOCK_N, BLOCK_D]; zeros past KL."""
-    mask = (offs_n < KL)[:, None] & (offs_d < D)[None, :]
-    offs = bh * KL * D + offs_n[:, None] * D + offs_d[None, :]
+    offs, mask = _rows(bh, offs_n, offs_d, KL, D)
     return tl.load(K + offs, mask=mask, other=0.0), tl.load(V + offs, mask=mask, other=0.0)
 
 
 @triton.jit
 def _query_rows(Q, DO, LSE, DELTA, bh, offs_m, offs_d, T, D: tl.constexpr):
     """A query tile's q and dO [BLOCK_M, BLOCK_D], its log-sum-exp and rowsum(dO * O) [BLOCK_M]; zeros past T."""
-    row_mask = (offs_m < T)[:, None] & (offs_d < D)[None, :]
-    offs = bh * T * D + offs_m[:, None] * D + offs_d[None, :]
-    q = tl.load(Q + offs, mask=row_mask, other=0.0)
-    do = tl.load(DO + offs, mask=row_mask, other=0.0)
+    offs, mask = _rows(bh, offs_m, offs_d, T, D)
+    q = tl.load(Q + offs, mask=mask, other=0.0)
+    do = tl.load(DO + offs, mask=mask, other=0.0)
     lse = tl.load(LSE + bh * T + offs_m, mask=offs_m < T, other=0.0)
     delta = tl.load(DELTA + bh * T + offs_m, mask=offs_m < T, other=0.0)
     return q, do, lse, delta
@@ -126,7 +136,7 @@ def _tile_grads(q, k, v, do, lse, delta, pos_bh, seed, bh, offs_m, offs_n, start
 @triton.jit
 def rel_attn_bwd_dkdv(Q, K, V, POS, SEED, DO, LSE, DELTA, DK, DV, T, KL, W, MLEN, WINDOW, P_DROP,
                       SHAPE_CLASS, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr):
+                      BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr):
     start_n = tl.program_id(0) * BLOCK_N
     bh = tl.program_id(1).to(tl.int64)
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -146,8 +156,7 @@ def rel_attn_bwd_dkdv(Q, K, V, POS, SEED, DO, LSE, DELTA, DK, DV, T, KL, W, MLEN
                                        MLEN, WINDOW, P_DROP, BLOCK_N, DROPOUT, IEEE)
         dv += _dot(tl.trans(p_dropped.to(do.dtype)), do, IEEE)
         dk += _dot(tl.trans(ds.to(q.dtype)), q, IEEE)
-    kv_mask = (offs_n < KL)[:, None] & (offs_d < D)[None, :]
-    kv_offs = bh * KL * D + offs_n[:, None] * D + offs_d[None, :]
+    kv_offs, kv_mask = _rows(bh, offs_n, offs_d, KL, D)
     tl.store(DK + kv_offs, dk.to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + kv_offs, dv.to(DV.dtype.element_ty), mask=kv_mask)
 
@@ -155,7 +164,7 @@ def rel_attn_bwd_dkdv(Q, K, V, POS, SEED, DO, LSE, DELTA, DK, DV, T, KL, W, MLEN
 @triton.jit
 def rel_attn_bwd_dq(Q, K, V, POS, SEED, DO, LSE, DELTA, DQ, DPOS, T, KL, W, MLEN, WINDOW, P_DROP,
                     SHAPE_CLASS, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr):
+                    BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -172,7 +181,6 @@ def rel_attn_bwd_dq(Q, K, V, POS, SEED, DO, LSE, DELTA, DQ, DPOS, T, KL, W, MLEN
                                      MLEN, WINDOW, P_DROP, BLOCK_N, DROPOUT, IEEE)
         dq += _dot(ds.to(k.dtype), k, IEEE)
         # One (query, key) pair per position entry: a plain store (the rest of dpos stays zero).
-        rel = offs_n[None, :] + (T - 1) - offs_m[:, None]
-        tl.store(dpos_bh + offs_m[:, None] * W + rel, ds.to(DPOS.dtype.element_ty), mask=visible)
-    row_mask = (offs_m < T)[:, None] & (offs_d < D)[None, :]
-    tl.store(DQ + bh * T * D + offs_m[:, None] * D + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=row_mask)
+        tl.store(dpos_bh + _position_offsets(offs_m, offs_n, T, W), ds.to(DPOS.dtype.element_ty), mask=visible)
+    q_offs, q_mask = _rows(bh, offs_m, offs_d, T, D)
+    tl.store(DQ + q_offs, dq.to(DQ.dtype.element_ty), mask=q_mask)
