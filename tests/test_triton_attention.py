@@ -10,10 +10,12 @@ checked against the reference run with that same mask. Every tile the CUDA tuner
 results (a stand-in tuner). compile_for_target compiles the kernels for an H100/H200 (sm_90) with Triton's own
 compiler and ptxas, no GPU needed.
 """
+import json
 import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +28,7 @@ from txl_dist.model import TransformerXL, triton_attention  # noqa: E402
 from txl_dist.model.attention import (KeyPattern, attn_mask_for, build_attn_mask,  # noqa: E402
                                       candidate_attn_impls, rel_attention_triton)
 
+REPO = Path(__file__).resolve().parents[1]
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = [
     pytest.mark.skipif(DEVICE.type == "cpu" and not triton_attention.interpreting(),
@@ -38,7 +41,7 @@ pytestmark = [
 ]
 
 
-def reference(q, k, v, pos, mlen, mem_len, same_length, keep=None, p_drop=0.0):
+def reference(q, k, v, pos, mlen, mem_len, same_length, keep=None):
     """Float64 attention from the definition: score[i, j] = q_i . k_j + pos[i, j + T - 1 - i], masked."""
     q, k, v, pos = (t.double() for t in (q, k, v, pos))
     _, qlen, _ = q.shape
@@ -49,8 +52,8 @@ def reference(q, k, v, pos, mlen, mem_len, same_length, keep=None, p_drop=0.0):
     scores = q @ k.transpose(1, 2) + pos[:, i, column]
     mask = build_attn_mask(qlen, mlen, mem_len, same_length, q.device)
     probs = scores.masked_fill(mask, float("-inf")).softmax(-1)
-    if keep is not None:
-        probs = probs * keep / (1 - p_drop)
+    if keep is not None:  # dropout's mask, times the kept scores' scale
+        probs = probs * keep
     return probs @ v
 
 
@@ -167,8 +170,13 @@ def one_hot_values(bh, klen, d_head):
     return v.requires_grad_()
 
 
-def test_dropout_mask_rate_backward_and_repeatability(monkeypatch):
-    bh, qlen, mlen, p_drop = 4, 32, 24, 0.3
+@pytest.mark.parametrize("p_drop, bits", [(0.3, 16), (0.001, 32)])
+def test_dropout_mask_rate_backward_and_repeatability(monkeypatch, p_drop, bits):
+    """16-bit draws where they hold p within 0.1%, 32-bit ones below (triton_attention.dropout_words)."""
+    words = triton_attention.dropout_words(p_drop)
+    assert words.bits == bits and abs(words.keep_from / 2 ** bits - p_drop) <= 1e-3 * p_drop
+    assert words.scale == 2 ** bits / (2 ** bits - words.keep_from)
+    bh, qlen, mlen = 4, 32, 24
     klen = qlen + mlen
     q, k, _, pos = inputs(bh, qlen, mlen, 64, 2)
     v = one_hot_values(bh, klen, 64)
@@ -179,7 +187,7 @@ def test_dropout_mask_rate_backward_and_repeatability(monkeypatch):
     visible = probs > 0
     keep = (dropped > 0) & visible
     # Kept entries are the probabilities scaled by 1 / (1 - p); dropped ones are exactly zero.
-    torch.testing.assert_close(dropped[keep], (probs[keep] / (1 - p_drop)), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dropped[keep], probs[keep] * words.scale, rtol=1e-5, atol=1e-6)
     assert torch.all(dropped[~visible] == 0)
     n_visible = int(visible.sum())
     rate = 1 - int(keep.sum()) / n_visible
@@ -188,7 +196,7 @@ def test_dropout_mask_rate_backward_and_repeatability(monkeypatch):
     # The backward regenerates the forward's mask: gradients equal the reference run with that mask.
     grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(DEVICE)
     got = torch.autograd.grad(out, (q, k, v, pos), grad_out)
-    expected = reference(q, k, v, pos, mlen, mlen, False, keep=keep.double(), p_drop=p_drop)
+    expected = reference(q, k, v, pos, mlen, mlen, False, keep=keep.double() * words.scale)
     want = torch.autograd.grad(expected, (q, k, v, pos), grad_out.double())
     for name, g_got, g_want in zip("q k v pos".split(), got, want):
         assert rel_err(g_got, g_want) < 1e-5, (name, rel_err(g_got, g_want))
@@ -271,10 +279,32 @@ def test_the_kernels_compile_for_an_h200_without_a_gpu():
     process of its own, since this one may have made the kernels interpreted (TRITON_INTERPRET)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = ("import torch; from txl_dist.model import triton_attention as t; "
-            "print(t.compile_for_target(90, torch.bfloat16, 64, dropout=True))")
+            "print([name for name, _, _ in t.compile_for_target(90, torch.bfloat16, 64, dropout=True)])")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "['fwd', 'dkdv', 'dq']"
+
+
+def test_machine_code_of_the_unmasked_tiles(tmp_path):
+    """The kernels' sm_90 code as bench/triton_census.py reads it (nvdisasm): each kernel's first loop, over the
+    key (or query) tiles that every row sees whole, selects no -inf (the mask's signature: a tile classified as
+    whole that was not would fail the reference tests, one never classified so would show here), while the
+    loops over the edge tiles do; and no loop of the default tiles touches spilled registers."""
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm").exists():
+        pytest.skip(f"triton {triton.__version__} ships no nvdisasm")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "census.jsonl"
+    done = subprocess.run([sys.executable, "-m", "bench.triton_census", "--json", str(out)], env=env,
+                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {row["kernel"]: row for row in map(json.loads, out.read_text().splitlines())}
+    assert set(rows) == {"fwd", "dkdv", "dq"}
+    for name, row in rows.items():
+        whole, *edges = row["loops"]
+        assert len(edges) == 2, (name, row["loops"])
+        assert whole["mask_selects"] == 0 and all(edge["mask_selects"] > 0 for edge in edges), (name, row)
+        assert whole["instructions"] < min(edge["instructions"] for edge in edges), (name, row)
+        assert all(loop["local_memory"] == 0 for loop in row["loops"]), (name, row)
 
 
 def test_older_triton_never_tries_the_tile_its_compiler_aborts_on(monkeypatch):

@@ -21,8 +21,9 @@ _LEVELS = 1 << 16
 _MAX_RELATIVE_ERROR = 1e-3
 
 
-def _drop_level(p: float) -> int | None:
-    """k of the 16-bit mask for drop probability p, or None where F.dropout must serve."""
+def drop_level(p: float) -> int | None:
+    """k of the 16-bit mask for drop probability p, or None where 16 bits cannot hold p (F.dropout serves then;
+    the fused Triton attention draws 32-bit words instead)."""
     k = round(p * _LEVELS)
     if k <= 0 or k >= _LEVELS or abs(k / _LEVELS - p) > _MAX_RELATIVE_ERROR * p:
         return None
@@ -32,7 +33,7 @@ def _drop_level(p: float) -> int | None:
 def _fast_path(x: torch.Tensor, p: float, training: bool) -> int | None:
     if not training or p == 0.0 or x.device.type != "cpu" or torch.compiler.is_compiling():
         return None
-    return _drop_level(p)
+    return drop_level(p)
 
 
 def scaled_keep_mask(shape: torch.Size, k: int, dtype: torch.dtype) -> torch.Tensor:

@@ -4,8 +4,10 @@ One kernel per query block walks the visible key blocks with an online softmax (
 content term q_w . k from the block's own dot product, position term read from the raw position product
 `pos` [BH, T, W] (W >= K+1 distance columns) at the rel-shifted column j + T - 1 - i, the memory-causal
 pattern (and same_length's window) as index arithmetic, attention dropout from a counter-based generator
-(Philox, `tl.rand`) keyed by one seed per call, so the backward regenerates the same mask instead of storing
-it (one Philox call per four scores; the mask depends on the head-batch row, query and key, not on the tiles).
+(Philox, `tl.philox`) keyed by one seed per call, so the backward regenerates the same mask instead of storing
+it (one Philox call per eight scores with 16-bit draws, `dropout_words`; the mask depends on the head-batch
+row, query and key, not on the tiles). Key tiles that every row of the query tile sees whole run without the
+mask's arithmetic (`_full_keys`, `_full_queries` in the kernels); exponentials are base 2.
 Saved for backward: the output and one float32 log-sum-exp per query row. On CUDA each kernel times its
 candidate tiles at its first call per shape class and keeps the fastest (TILE_CANDIDATES).
 
@@ -33,6 +35,7 @@ from typing import NamedTuple
 
 import torch
 
+from txl_dist.model.dropout import drop_level
 
 def triton_available() -> bool:
     """Whether the triton package is installed here (found, not imported: see _kernels)."""
@@ -56,19 +59,19 @@ KERNEL_NAMES = {"fwd": "rel_attn_fwd", "dkdv": "rel_attn_bwd_dkdv", "dq": "rel_a
 """The kernels of txl_dist/model/triton_kernels.py by role."""
 
 TILE_CANDIDATES: dict[str, tuple[Blocks, ...]] = {
-    "fwd": (Blocks(64, 64, 8, 2), Blocks(128, 64, 8, 2), Blocks(64, 32, 4, 2), Blocks(128, 32, 4, 2)),
-    "dkdv": (Blocks(64, 64, 8, 2), Blocks(32, 64, 4, 2), Blocks(64, 32, 4, 2)),
-    "dq": (Blocks(64, 64, 8, 2), Blocks(64, 32, 4, 2), Blocks(32, 64, 4, 2)),
+    "fwd": (Blocks(128, 64, 8, 2), Blocks(64, 64, 4, 2), Blocks(64, 32, 4, 2)),
+    "dkdv": (Blocks(128, 64, 8, 2), Blocks(32, 64, 4, 2), Blocks(64, 32, 4, 2)),
+    "dq": (Blocks(128, 32, 8, 2), Blocks(64, 32, 4, 2), Blocks(32, 64, 4, 2)),
 }
 """The tiles each kernel chooses from on CUDA, by timing them (triton.autotune) at its first call per shape
-class (`shape_class`), head size, dtype and dropout: measured on the device, not fixed here. First of each, the
-default (`kernel_blocks`): 64 x 64 on 8 warps, of six tiles compiled for sm_90 without a GPU (bf16, d_head 64,
-2026-12-04; `compile_for_target` and ptxas) the only one without register spills in any kernel without dropout
-(with dropout: 0, 28 and 24 bytes of spill stores in fwd, dkdv, dq). The other candidates spill 0-440 bytes
-with dropout; 128 x 64 on 4 warps, FlashAttention-2's usual forward tile, spilled 3 KB and is none. A tile that
-does not fit the device (shared memory, registers) is skipped by the tuner. Tiles change the order of the
-float32 sums (not the dropout mask: it is a function of the head-batch row, query and key), so two runs on one
-GPU may pick differently and differ in the last bits, as GPU runs do anyway (docs/checkpoints.md)."""
+class (`shape_class`), head size, dtype and dropout: measured on the device, not fixed here. Chosen by the
+kernels' machine code for sm_90 (bench/triton_census.py, bf16, d_head 64, dropout, 2026-12-05): the fewest
+issue cycles per score among tiles whose loops spill nothing. A Hopper warpgroup multiplies 64 rows at a
+time, so a block of rows must be at least 16 x warps: 64 rows on 8 warps (the old default) computed every
+score twice. First of each: the default where nothing is timed (`kernel_blocks`). A tile that does not fit
+the device (shared memory, registers) is skipped by the tuner. Tiles change the order of the float32 sums (not
+the dropout mask: it is a function of the head-batch row, query and key), so two runs on one GPU may pick
+differently and differ in the last bits, as GPU runs do anyway (docs/checkpoints.md)."""
 
 
 CRASHES_OLDER_TRITON = (("dkdv", Blocks(64, 64, 8, 2)),)
@@ -117,7 +120,7 @@ def _tuned(name: str):
 
     configs = [triton.Config({"BLOCK_M": b.block_m, "BLOCK_N": b.block_n}, num_warps=b.num_warps,
                              num_stages=b.num_stages) for b in tile_candidates(name)]
-    return triton.autotune(configs, key=["SHAPE_CLASS", "D", "DROPOUT", "IEEE"])(
+    return triton.autotune(configs, key=["SHAPE_CLASS", "D", "DROP_BITS", "IEEE"])(
         getattr(_kernels(), KERNEL_NAMES[name]))
 
 
@@ -139,10 +142,38 @@ def _kernels():
     return triton_kernels
 
 
-def _kernel_meta(d_head: int, dtype: torch.dtype, dropout: bool) -> dict:
+class DropoutWords(NamedTuple):
+    """How the kernels draw attention dropout for a drop probability: `bits` per draw (0: no dropout; 16: eight
+    draws per Philox call; 32: four), a score kept where its draw is at least `keep_from` (passed to the kernel
+    as the int32 of the same bits), kept scores scaled by `scale`."""
+    bits: int
+    keep_from: int
+    scale: float
+
+
+def dropout_words(p_drop: float) -> DropoutWords:
+    """16-bit draws where they hold p_drop within 0.1% (as the CPU dropout's masks, txl_dist/model/dropout.py:
+    p >= ~0.0076), else 32-bit ones. The drop probability is then keep_from / 2^bits, and `scale` is exactly
+    1 / (1 - that), so the expectation is preserved exactly."""
+    if p_drop == 0:
+        return DropoutWords(0, 0, 1.0)
+    k16 = drop_level(p_drop)
+    if k16 is not None:
+        return DropoutWords(16, k16, 65536 / (65536 - k16))
+    k32 = min(max(round(p_drop * 2 ** 32), 1), 2 ** 32 - 1)
+    return DropoutWords(32, k32, 2 ** 32 / (2 ** 32 - k32))
+
+
+def _int32_bits(value: int) -> int:
+    """The int32 with the bits of a uint32 (a kernel's integer arguments are signed 32-bit up to 2^31 - 1)."""
+    return value - 2 ** 32 if value >= 2 ** 31 else value
+
+
+def _kernel_meta(d_head: int, dtype: torch.dtype, drop_bits: int) -> dict:
     """The kernels' compile-time parameters other than the tiles: the head size, its power-of-two register
-    width (at least 16, a dot product's minimum), dropout on or off, and IEEE products for float32."""
-    return dict(D=d_head, BLOCK_D=max(16, 1 << (d_head - 1).bit_length()), DROPOUT=dropout,
+    width (at least 16, a dot product's minimum), the dropout draws' bits (0: none; dropout_words), and IEEE
+    products for float32."""
+    return dict(D=d_head, BLOCK_D=max(16, 1 << (d_head - 1).bit_length()), DROP_BITS=drop_bits,
                 IEEE=dtype == torch.float32)
 
 
@@ -152,8 +183,10 @@ def _launch(name: str, rows: int, q: torch.Tensor, k: torch.Tensor, pos: torch.T
     kernel_blocks' tiles in the interpreter."""
     bh, qlen, d_head = q.shape
     klen = k.shape[1]
-    args = (*tensors, qlen, klen, pos.shape[2], mlen, window, p_drop, shape_class(qlen, klen))
-    meta = _kernel_meta(d_head, q.dtype, p_drop > 0)
+    words = dropout_words(p_drop)
+    args = (*tensors, qlen, klen, pos.shape[2], mlen, window, _int32_bits(words.keep_from), words.scale,
+            shape_class(qlen, klen))
+    meta = _kernel_meta(d_head, q.dtype, words.bits)
 
     def grid(tiles: dict) -> tuple[int, int]:
         return math.ceil(rows / tiles["BLOCK_N" if name == "dkdv" else "BLOCK_M"]), bh
@@ -249,11 +282,24 @@ def fused_rel_attention(q_w: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos
     return out
 
 
+class TargetShape(NamedTuple):
+    """The lengths a compile for a target specializes on, as Triton's launcher does at run time: every pointer
+    argument (torch's allocations are 16-byte aligned) and every integer argument divisible by 16 is compiled
+    as such, which decides whether loads become 16-byte vectors. Default: configs/large.json's training
+    attention (T 384, mem_len 384, K+1 = 769 distances padded to 776 on CUDA, no same_length window)."""
+    qlen: int = 384
+    klen: int = 768
+    width: int = 776
+    window: int = 768
+
+
 def compile_for_target(arch: int = 90, dtype: torch.dtype = torch.bfloat16, d_head: int = 64,
-                       dropout: bool = True, every_candidate: bool = False) -> list[str]:
+                       dropout: bool = True, every_candidate: bool = False,
+                       shape: TargetShape = TargetShape()) -> list[tuple[str, Blocks, object]]:
     """Compile the three kernels for CUDA architecture `arch` (90: H100/H200) without a GPU: Triton's own
     front end, optimizer and ptxas run; what fails to compile on the device fails here. The default tiles, or
-    every one of tile_candidates. Returns the kernel names compiled, once per tile (for the test to check)."""
+    every one of tile_candidates. Specialized for `shape` as the launcher would specialize a call with it.
+    Returns (kernel role, tiles, Triton's compiled kernel: its `asm` holds the PTX and the cubin) per compile."""
     kernels = _kernels()
     if interpreting():
         raise RuntimeError("compile_for_target: TRITON_INTERPRET=1 made the kernels interpreted; run it in a "
@@ -263,8 +309,11 @@ def compile_for_target(arch: int = 90, dtype: torch.dtype = torch.bfloat16, d_he
     from triton.compiler import ASTSource
 
     elem = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[dtype]
-    ints = {"T": "i32", "KL": "i32", "W": "i32", "MLEN": "i32", "WINDOW": "i32", "P_DROP": "fp32",
-            "SHAPE_CLASS": "i32"}
+    ints = {"T": "i32", "KL": "i32", "W": "i32", "MLEN": "i32", "WINDOW": "i32", "KEEP_FROM": "i32",
+            "KEEP_SCALE": "fp32", "SHAPE_CLASS": "i32"}
+    drop_bits = dropout_words(0.2).bits if dropout else 0  # the presets' dropatt
+    values = dict(T=shape.qlen, KL=shape.klen, W=shape.width, MLEN=shape.klen - shape.qlen, WINDOW=shape.window,
+                  SHAPE_CLASS=shape_class(shape.qlen, shape.klen))
     tensors = {
         "fwd": (kernels.rel_attn_fwd, dict(Q=elem, K=elem, V=elem, POS=elem, SEED="*i64", O=elem, LSE="*fp32")),
         "dkdv": (kernels.rel_attn_bwd_dkdv, dict(Q=elem, K=elem, V=elem, POS=elem, SEED="*i64", DO=elem,
@@ -274,15 +323,19 @@ def compile_for_target(arch: int = 90, dtype: torch.dtype = torch.bfloat16, d_he
     }
     compiled = []
     for name, (kernel, pointers) in tensors.items():
+        aligned = [*pointers, *(key for key, value in values.items() if value % 16 == 0)]
         for b in tile_candidates(name) if every_candidate else tile_candidates(name)[:1]:
-            constexprs = dict(_kernel_meta(d_head, dtype, dropout), BLOCK_M=b.block_m, BLOCK_N=b.block_n)
+            constexprs = dict(_kernel_meta(d_head, dtype, drop_bits), BLOCK_M=b.block_m, BLOCK_N=b.block_n)
             signature = {**pointers, **ints, **{key: "constexpr" for key in constexprs}}
             if "constexprs" in inspect.signature(ASTSource).parameters:
                 src = ASTSource(fn=kernel, signature=signature, constexprs={
-                    (kernel.arg_names.index(key),): value for key, value in constexprs.items()})
-            else:  # triton before 3.3 (torch 2.6 brings 3.2): constants by name
-                src = ASTSource(fn=kernel, signature=signature, constants=constexprs)
-            triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                           options=dict(num_warps=b.num_warps, num_stages=b.num_stages))
-            compiled.append(name)
+                    (kernel.arg_names.index(key),): value for key, value in constexprs.items()},
+                    attrs={(kernel.arg_names.index(key),): [["tt.divisibility", 16]] for key in aligned})
+            else:  # triton before 3.3 (torch 2.6 brings 3.2): constants by name, alignment in a descriptor
+                from triton.backends.compiler import AttrsDescriptor
+
+                src = ASTSource(fn=kernel, signature=signature, constants=constexprs, attrs=AttrsDescriptor.from_hints(
+                    {kernel.arg_names.index(key): 16 for key in aligned}))
+            compiled.append((name, b, triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                                                     options=dict(num_warps=b.num_warps, num_stages=b.num_stages))))
     return compiled

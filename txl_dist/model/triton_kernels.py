@@ -30,26 +30,48 @@ def _position_offsets(offs_m, offs_n, T, W):
 
 
 @triton.jit
-def _scores(q, k, pos_bh, offs_m, offs_n, T, KL, W, MLEN, WINDOW, IEEE: tl.constexpr):
-    """Float32 scores [BLOCK_M, BLOCK_N] (-inf where not visible) and the visibility mask."""
+def _visible(offs_m, offs_n, T, KL, MLEN, WINDOW):
+    """Which (query, key) pairs of a tile are scored: key j <= i + MLEN, inside same_length's window
+    (j > i + MLEN - WINDOW), and both in range."""
     visible = (offs_n[None, :] <= offs_m[:, None] + MLEN) & (offs_n[None, :] < KL) & (offs_m[:, None] < T)
-    visible = visible & (offs_n[None, :] > offs_m[:, None] + MLEN - WINDOW)
-    pos = tl.load(pos_bh + _position_offsets(offs_m, offs_n, T, W), mask=visible, other=0.0)
-    s = _dot(q, tl.trans(k), IEEE) + pos.to(tl.float32)
-    return tl.where(visible, s, float("-inf")), visible
+    return visible & (offs_n[None, :] > offs_m[:, None] + MLEN - WINDOW)
 
 
 @triton.jit
-def _keep(seed, bh, offs_m, start_n, T, KL, P_DROP, BLOCK_N: tl.constexpr):
-    """The dropout keep-mask of a block [BLOCK_M, BLOCK_N], the same in the backward: one Philox call gives
-    four uniforms (FlashAttention's economy: a quarter of the rounds of a call per element), so key j of query
-    i takes component j % 4 of the call at counter (bh * T + i) * ceil(KL / 4) + j // 4, whatever the tiling
-    (BLOCK_N and start_n are multiples of 4; within a group of four, the components sit in join's order)."""
-    quads = start_n // 4 + tl.arange(0, BLOCK_N // 4)
-    offsets = (bh * T + offs_m[:, None].to(tl.int64)) * ((KL + 3) // 4) + quads[None, :]
-    r0, r1, r2, r3 = tl.rand4x(seed, offsets)
-    uniform = tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), (offs_m.shape[0], BLOCK_N))
-    return uniform >= P_DROP
+def _scores(q, k, pos_bh, offs_m, offs_n, T, KL, W, MLEN, WINDOW, MASKED: tl.constexpr, IEEE: tl.constexpr):
+    """Float32 scores [BLOCK_M, BLOCK_N] of a tile, -inf where not visible. An unmasked tile (MASKED False:
+    every pair visible, _full_keys / _full_queries) skips the mask's compares and selects, most of a tile's
+    instructions besides the exponentials (bench/triton_census.py)."""
+    offsets = _position_offsets(offs_m, offs_n, T, W)
+    if MASKED:
+        visible = _visible(offs_m, offs_n, T, KL, MLEN, WINDOW)
+        pos = tl.load(pos_bh + offsets, mask=visible, other=0.0)
+        return tl.where(visible, _dot(q, tl.trans(k), IEEE) + pos.to(tl.float32), float("-inf"))
+    return _dot(q, tl.trans(k), IEEE) + tl.load(pos_bh + offsets).to(tl.float32)
+
+
+@triton.jit
+def _keep(seed, bh, offs_m, start_n, T, KEEP_FROM, BLOCK_N: tl.constexpr, DROP_BITS: tl.constexpr):
+    """The dropout keep-mask of a block [BLOCK_M, BLOCK_N], the same in the backward. One Philox call gives four
+    32-bit words for the counter (group of keys, query row bh * T + i as two words): with DROP_BITS 16 each
+    word is two 16-bit draws and a call serves 8 keys, else 4 (FlashAttention's economy: a fraction of the
+    rounds of a call per element; Philox is most of a dropout tile's instructions, bench/triton_census.py).
+    Key j takes draw j % group of its group's call whatever the tiling (BLOCK_N and start_n are multiples of 8;
+    join's order places the draws). A draw keeps its score when it is at least KEEP_FROM (triton_attention
+    `dropout_words`): an integer compare, no float per element."""
+    GROUP: tl.constexpr = 128 // DROP_BITS
+    groups = (start_n // GROUP + tl.arange(0, BLOCK_N // GROUP)).to(tl.uint32)
+    rows = bh * T + offs_m.to(tl.int64)
+    zeros = tl.zeros((offs_m.shape[0], BLOCK_N // GROUP), tl.uint32)
+    r0, r1, r2, r3 = tl.philox(seed, groups[None, :] + zeros, rows.to(tl.uint32)[:, None] + zeros,
+                               (rows >> 32).to(tl.uint32)[:, None] + zeros, zeros)
+    if DROP_BITS == 16:
+        r0 = tl.join(r0 & 0xFFFF, r0 >> 16)
+        r1 = tl.join(r1 & 0xFFFF, r1 >> 16)
+        r2 = tl.join(r2 & 0xFFFF, r2 >> 16)
+        r3 = tl.join(r3 & 0xFFFF, r3 >> 16)
+    draws = tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), (offs_m.shape[0], BLOCK_N))
+    return draws >= KEEP_FROM.to(tl.uint32, bitcast=True)
 
 
 @triton.jit
@@ -61,9 +83,61 @@ def _key_range(start_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KL, MLEN, 
 
 
 @triton.jit
-def rel_attn_fwd(Q, K, V, POS, SEED, O, LSE, T, KL, W, MLEN, WINDOW, P_DROP, SHAPE_CLASS,
+def _full_keys(start_m, lo, hi, T, KL, MLEN, WINDOW, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[a, b): the key blocks of [lo, hi) that every row of the query block sees whole. a is where the last
+    row's window has begun, b where the first row's diagonal or the keys end; none if the block has rows past
+    T. [lo, a) and [b, hi) are the masked blocks (the window's edge, the diagonal). All bounds but hi are
+    multiples of BLOCK_N and lo <= a <= b <= hi."""
+    a = tl.minimum(tl.maximum(lo, (tl.maximum(start_m + BLOCK_M + MLEN - WINDOW, 0) + BLOCK_N - 1)
+                              // BLOCK_N * BLOCK_N), hi)
+    b = tl.minimum(start_m + MLEN + 1, KL) // BLOCK_N * BLOCK_N
+    b = tl.where(start_m + BLOCK_M <= T, b, a)
+    return a, tl.maximum(a, b)
+
+
+@triton.jit
+def _full_queries(start_n, lo, hi, T, KL, MLEN, WINDOW, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[a, b): the query blocks of [lo, hi) whose every row sees the whole key block (the counterpart of
+    _full_keys for the backward's loop over query blocks)."""
+    a = tl.minimum(tl.maximum(lo, (tl.maximum(start_n + BLOCK_N - 1 - MLEN, 0) + BLOCK_M - 1)
+                              // BLOCK_M * BLOCK_M), hi)
+    b = tl.maximum(tl.minimum(start_n - MLEN + WINDOW, T), 0) // BLOCK_M * BLOCK_M
+    b = tl.where(start_n + BLOCK_N <= KL, b, a)
+    return a, tl.maximum(a, b)
+
+
+@triton.jit
+def _fwd_blocks(acc, m_i, l_i, q, K, V, pos_bh, seed, KEEP_FROM, bh, offs_m, offs_d, lo, hi, T, KL, W, MLEN,
+                WINDOW, D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DROP_BITS: tl.constexpr,
+                IEEE: tl.constexpr):
+    """The forward's online softmax over key blocks [lo, hi). Exponentials in base 2, the scale folded into
+    one multiply-add per score (exp2 is one instruction; exp is five, with its range checks). m_i stays in
+    natural units."""
+    LOG2E: tl.constexpr = 1.4426950408889634
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kv_offs, kv_mask = _rows(bh, offs_n, offs_d, KL, D)
+        k = tl.load(K + kv_offs, mask=kv_mask, other=0.0)
+        s = _scores(q, k, pos_bh, offs_m, offs_n, T, KL, W, MLEN, WINDOW, MASKED, IEEE)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if MASKED:
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+        p = tl.math.exp2(s * LOG2E - (m_new * LOG2E)[:, None])
+        alpha = tl.math.exp2((m_i - m_new) * LOG2E)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DROP_BITS:
+            p = tl.where(_keep(seed, bh, offs_m, start_n, T, KEEP_FROM, BLOCK_N, DROP_BITS), p, 0.0)
+        # v only now: fewer registers live across the softmax (the backward loads k and v together)
+        v = tl.load(V + kv_offs, mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def rel_attn_fwd(Q, K, V, POS, SEED, O, LSE, T, KL, W, MLEN, WINDOW, KEEP_FROM, KEEP_SCALE, SHAPE_CLASS,
                  D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 DROPOUT: tl.constexpr, IEEE: tl.constexpr):
+                 DROP_BITS: tl.constexpr, IEEE: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -76,26 +150,20 @@ def rel_attn_fwd(Q, K, V, POS, SEED, O, LSE, T, KL, W, MLEN, WINDOW, P_DROP, SHA
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     lo, hi = _key_range(start_m, BLOCK_M, BLOCK_N, KL, MLEN, WINDOW)
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        kv_offs, kv_mask = _rows(bh, offs_n, offs_d, KL, D)
-        k = tl.load(K + kv_offs, mask=kv_mask, other=0.0)
-        s, visible = _scores(q, k, pos_bh, offs_m, offs_n, T, KL, W, MLEN, WINDOW, IEEE)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if DROPOUT:
-            p = tl.where(_keep(seed, bh, offs_m, start_n, T, KL, P_DROP, BLOCK_N), p / (1.0 - P_DROP), 0.0)
-        # v only now: fewer registers live across the softmax (the backward loads k and v together)
-        v = tl.load(V + kv_offs, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
-        m_i = m_new
+    a, b = _full_keys(start_m, lo, hi, T, KL, MLEN, WINDOW, BLOCK_M, BLOCK_N)
+    acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, q, K, V, pos_bh, seed, KEEP_FROM, bh, offs_m, offs_d, a, b, T, KL, W,
+                                MLEN, WINDOW, D, BLOCK_N, False, DROP_BITS, IEEE)
+    acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, q, K, V, pos_bh, seed, KEEP_FROM, bh, offs_m, offs_d, lo, a, T, KL,
+                                W, MLEN, WINDOW, D, BLOCK_N, True, DROP_BITS, IEEE)
+    acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, q, K, V, pos_bh, seed, KEEP_FROM, bh, offs_m, offs_d, b, hi, T, KL,
+                                W, MLEN, WINDOW, D, BLOCK_N, True, DROP_BITS, IEEE)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    if DROP_BITS:
+        acc = acc * KEEP_SCALE  # kept probabilities are p / (1 - p_drop): one multiply per output, not per score
     acc = acc / l_safe[:, None]
     tl.store(O + q_offs, acc.to(O.dtype.element_ty), mask=q_mask)
-    tl.store(LSE + bh * T + offs_m, m_i + tl.log(l_safe), mask=offs_m < T)
+    m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+    tl.store(LSE + bh * T + offs_m, m_safe + tl.log(l_safe), mask=offs_m < T)
 
 
 @triton.jit
@@ -107,36 +175,51 @@ def _key_rows(K, V, bh, offs_n, offs_d, KL, D: tl.constexpr):
 
 @triton.jit
 def _query_rows(Q, DO, LSE, DELTA, bh, offs_m, offs_d, T, D: tl.constexpr):
-    """A query tile's q and dO [BLOCK_M, BLOCK_D], its log-sum-exp and rowsum(dO * O) [BLOCK_M]; zeros past T."""
+    """A query tile's q and dO [BLOCK_M, BLOCK_D], its log-sum-exp (in base 2: times log2(e)) and
+    rowsum(dO * O) [BLOCK_M]; zeros past T."""
     offs, mask = _rows(bh, offs_m, offs_d, T, D)
     q = tl.load(Q + offs, mask=mask, other=0.0)
     do = tl.load(DO + offs, mask=mask, other=0.0)
     lse = tl.load(LSE + bh * T + offs_m, mask=offs_m < T, other=0.0)
     delta = tl.load(DELTA + bh * T + offs_m, mask=offs_m < T, other=0.0)
-    return q, do, lse, delta
+    return q, do, lse * 1.4426950408889634, delta
 
 
 @triton.jit
-def _tile_grads(q, k, v, do, lse, delta, pos_bh, seed, bh, offs_m, offs_n, start_n, T, KL, W, MLEN, WINDOW, P_DROP,
-                BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr):
-    """One (query tile, key tile) of the backward: the probabilities after dropout (for dV), the scores'
-    gradient dS = P * (dP - rowsum(dO * O)), and the visibility mask."""
-    s, visible = _scores(q, k, pos_bh, offs_m, offs_n, T, KL, W, MLEN, WINDOW, IEEE)
-    p = tl.exp(s - lse[:, None])
+def _tile_grads(q, k, v, do, lse2, delta, pos_bh, seed, KEEP_FROM, KEEP_SCALE, bh, offs_m, offs_n, start_n, T, KL, W,
+                MLEN, WINDOW, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DROP_BITS: tl.constexpr,
+                IEEE: tl.constexpr):
+    """One (query tile, key tile) of the backward: the probabilities kept by dropout, not yet scaled by
+    1 / (1 - p_drop) (dV takes the scale once at its end), and the scores' gradient
+    dS = P * (dP - rowsum(dO * O)). lse2: the log-sum-exp in base 2."""
+    s = _scores(q, k, pos_bh, offs_m, offs_n, T, KL, W, MLEN, WINDOW, MASKED, IEEE)
+    p = tl.math.exp2(s * 1.4426950408889634 - lse2[:, None])
     dp = _dot(do, tl.trans(v), IEEE)
-    if DROPOUT:
-        keep = _keep(seed, bh, offs_m, start_n, T, KL, P_DROP, BLOCK_N)
-        p_dropped = tl.where(keep, p / (1.0 - P_DROP), 0.0)
-        dp = tl.where(keep, dp / (1.0 - P_DROP), 0.0)
-    else:
-        p_dropped = p
-    return p_dropped, p * (dp - delta[:, None]), visible
+    if DROP_BITS:
+        keep = _keep(seed, bh, offs_m, start_n, T, KEEP_FROM, BLOCK_N, DROP_BITS)
+        return tl.where(keep, p, 0.0), p * (tl.where(keep, dp, 0.0) * KEEP_SCALE - delta[:, None])
+    return p, p * (dp - delta[:, None])
 
 
 @triton.jit
-def rel_attn_bwd_dkdv(Q, K, V, POS, SEED, DO, LSE, DELTA, DK, DV, T, KL, W, MLEN, WINDOW, P_DROP,
+def _dkdv_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, pos_bh, seed, KEEP_FROM, KEEP_SCALE, bh, offs_n, offs_d, start_n, lo,
+                 hi, T, KL, W, MLEN, WINDOW, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 MASKED: tl.constexpr, DROP_BITS: tl.constexpr, IEEE: tl.constexpr):
+    """dk and dv of one key block summed over query blocks [lo, hi)."""
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        q, do, lse2, delta = _query_rows(Q, DO, LSE, DELTA, bh, offs_m, offs_d, T, D)
+        p_kept, ds = _tile_grads(q, k, v, do, lse2, delta, pos_bh, seed, KEEP_FROM, KEEP_SCALE, bh, offs_m, offs_n,
+                                 start_n, T, KL, W, MLEN, WINDOW, BLOCK_N, MASKED, DROP_BITS, IEEE)
+        dv += _dot(tl.trans(p_kept.to(do.dtype)), do, IEEE)
+        dk += _dot(tl.trans(ds.to(q.dtype)), q, IEEE)
+    return dk, dv
+
+
+@triton.jit
+def rel_attn_bwd_dkdv(Q, K, V, POS, SEED, DO, LSE, DELTA, DK, DV, T, KL, W, MLEN, WINDOW, KEEP_FROM, KEEP_SCALE,
                       SHAPE_CLASS, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr):
+                      BLOCK_N: tl.constexpr, DROP_BITS: tl.constexpr, IEEE: tl.constexpr):
     start_n = tl.program_id(0) * BLOCK_N
     bh = tl.program_id(1).to(tl.int64)
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -149,38 +232,60 @@ def rel_attn_bwd_dkdv(Q, K, V, POS, SEED, DO, LSE, DELTA, DK, DV, T, KL, W, MLEN
     # Queries that see a key of this block: i + MLEN >= j (and, with a window, i + MLEN - WINDOW < j).
     lo = tl.maximum(start_n - MLEN, 0) // BLOCK_M * BLOCK_M
     hi = tl.minimum(start_n + BLOCK_N - 1 - MLEN + WINDOW, T)
-    for start_m in range(lo, hi, BLOCK_M):
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        q, do, lse, delta = _query_rows(Q, DO, LSE, DELTA, bh, offs_m, offs_d, T, D)
-        p_dropped, ds, _ = _tile_grads(q, k, v, do, lse, delta, pos_bh, seed, bh, offs_m, offs_n, start_n, T, KL, W,
-                                       MLEN, WINDOW, P_DROP, BLOCK_N, DROPOUT, IEEE)
-        dv += _dot(tl.trans(p_dropped.to(do.dtype)), do, IEEE)
-        dk += _dot(tl.trans(ds.to(q.dtype)), q, IEEE)
+    a, b = _full_queries(start_n, lo, hi, T, KL, MLEN, WINDOW, BLOCK_M, BLOCK_N)
+    dk, dv = _dkdv_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, pos_bh, seed, KEEP_FROM, KEEP_SCALE, bh, offs_n, offs_d,
+                          start_n, a, b, T, KL, W, MLEN, WINDOW, D, BLOCK_M, BLOCK_N, False, DROP_BITS, IEEE)
+    dk, dv = _dkdv_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, pos_bh, seed, KEEP_FROM, KEEP_SCALE, bh, offs_n, offs_d,
+                          start_n, lo, a, T, KL, W, MLEN, WINDOW, D, BLOCK_M, BLOCK_N, True, DROP_BITS, IEEE)
+    dk, dv = _dkdv_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, pos_bh, seed, KEEP_FROM, KEEP_SCALE, bh, offs_n, offs_d,
+                          start_n, b, hi, T, KL, W, MLEN, WINDOW, D, BLOCK_M, BLOCK_N, True, DROP_BITS, IEEE)
+    if DROP_BITS:
+        dv = dv * KEEP_SCALE
     kv_offs, kv_mask = _rows(bh, offs_n, offs_d, KL, D)
     tl.store(DK + kv_offs, dk.to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + kv_offs, dv.to(DV.dtype.element_ty), mask=kv_mask)
 
 
 @triton.jit
-def rel_attn_bwd_dq(Q, K, V, POS, SEED, DO, LSE, DELTA, DQ, DPOS, T, KL, W, MLEN, WINDOW, P_DROP,
+def _dq_blocks(dq, q, do, lse2, delta, K, V, pos_bh, dpos_bh, seed, KEEP_FROM, KEEP_SCALE, bh, offs_m, offs_d, lo, hi, T,
+               KL, W, MLEN, WINDOW, D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+               DROP_BITS: tl.constexpr, IEEE: tl.constexpr):
+    """dq of one query block summed over key blocks [lo, hi), and those blocks' position gradient."""
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k, v = _key_rows(K, V, bh, offs_n, offs_d, KL, D)
+        _, ds = _tile_grads(q, k, v, do, lse2, delta, pos_bh, seed, KEEP_FROM, KEEP_SCALE, bh, offs_m, offs_n, start_n,
+                            T, KL, W, MLEN, WINDOW, BLOCK_N, MASKED, DROP_BITS, IEEE)
+        dq += _dot(ds.to(k.dtype), k, IEEE)
+        # One (query, key) pair per position entry: a plain store (the rest of dpos stays zero).
+        offsets = _position_offsets(offs_m, offs_n, T, W)
+        if MASKED:
+            tl.store(dpos_bh + offsets, ds.to(dpos_bh.dtype.element_ty),
+                     mask=_visible(offs_m, offs_n, T, KL, MLEN, WINDOW))
+        else:
+            tl.store(dpos_bh + offsets, ds.to(dpos_bh.dtype.element_ty))
+    return dq
+
+
+@triton.jit
+def rel_attn_bwd_dq(Q, K, V, POS, SEED, DO, LSE, DELTA, DQ, DPOS, T, KL, W, MLEN, WINDOW, KEEP_FROM, KEEP_SCALE,
                     SHAPE_CLASS, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr):
+                    BLOCK_N: tl.constexpr, DROP_BITS: tl.constexpr, IEEE: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    q, do, lse, delta = _query_rows(Q, DO, LSE, DELTA, bh, offs_m, offs_d, T, D)
+    q, do, lse2, delta = _query_rows(Q, DO, LSE, DELTA, bh, offs_m, offs_d, T, D)
     pos_bh, dpos_bh = POS + bh * T * W, DPOS + bh * T * W
     seed = tl.load(SEED)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     lo, hi = _key_range(start_m, BLOCK_M, BLOCK_N, KL, MLEN, WINDOW)
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        k, v = _key_rows(K, V, bh, offs_n, offs_d, KL, D)
-        _, ds, visible = _tile_grads(q, k, v, do, lse, delta, pos_bh, seed, bh, offs_m, offs_n, start_n, T, KL, W,
-                                     MLEN, WINDOW, P_DROP, BLOCK_N, DROPOUT, IEEE)
-        dq += _dot(ds.to(k.dtype), k, IEEE)
-        # One (query, key) pair per position entry: a plain store (the rest of dpos stays zero).
-        tl.store(dpos_bh + _position_offsets(offs_m, offs_n, T, W), ds.to(DPOS.dtype.element_ty), mask=visible)
+    a, b = _full_keys(start_m, lo, hi, T, KL, MLEN, WINDOW, BLOCK_M, BLOCK_N)
+    dq = _dq_blocks(dq, q, do, lse2, delta, K, V, pos_bh, dpos_bh, seed, KEEP_FROM, KEEP_SCALE, bh, offs_m, offs_d, a, b,
+                    T, KL, W, MLEN, WINDOW, D, BLOCK_N, False, DROP_BITS, IEEE)
+    dq = _dq_blocks(dq, q, do, lse2, delta, K, V, pos_bh, dpos_bh, seed, KEEP_FROM, KEEP_SCALE, bh, offs_m, offs_d, lo, a,
+                    T, KL, W, MLEN, WINDOW, D, BLOCK_N, True, DROP_BITS, IEEE)
+    dq = _dq_blocks(dq, q, do, lse2, delta, K, V, pos_bh, dpos_bh, seed, KEEP_FROM, KEEP_SCALE, bh, offs_m, offs_d, b, hi,
+                    T, KL, W, MLEN, WINDOW, D, BLOCK_N, True, DROP_BITS, IEEE)
     q_offs, q_mask = _rows(bh, offs_m, offs_d, T, D)
     tl.store(DQ + q_offs, dq.to(DQ.dtype.element_ty), mask=q_mask)
