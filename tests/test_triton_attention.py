@@ -72,20 +72,21 @@ def inputs(bh, qlen, mlen, d_head, pad, dtype=torch.float32, seed=0):
     return rnd(bh, qlen, d_head), rnd(bh, klen, d_head), rnd(bh, klen, d_head), rnd(bh, qlen, klen + 1 + pad)
 
 
-CASES = [  # bh, qlen, mlen, d_head, position-row padding, same_length
-    (3, 20, 13, 12, 0, False),
-    (2, 33, 40, 16, 7, True),
-    (2, 16, 0, 24, 0, False),
-    (2, 40, 24, 16, 1, True),
-    (1, 17, 50, 32, 3, True),  # the window (mem_len 50) starts inside the first key tiles
+CASES = [  # bh, qlen, mlen, d_head, position-row padding, same_length's window (mem_len) or None
+    (3, 20, 13, 12, 0, None),
+    (2, 33, 40, 16, 7, 40),
+    (2, 16, 0, 24, 0, None),
+    (2, 40, 24, 16, 1, 24),
+    (1, 17, 50, 32, 3, 50),  # the window starts inside the first key tiles
+    (2, 20, 70, 16, 0, 5),  # a window narrower than the memory: the first key tiles are seen by no query
 ]
 
 
-@pytest.mark.parametrize("bh,qlen,mlen,d_head,pad,same_length", CASES)
-def test_forward_and_every_gradient_equal_the_reference(bh, qlen, mlen, d_head, pad, same_length):
+@pytest.mark.parametrize("bh,qlen,mlen,d_head,pad,window", CASES)
+def test_forward_and_every_gradient_equal_the_reference(bh, qlen, mlen, d_head, pad, window):
     q, k, v, pos = inputs(bh, qlen, mlen, d_head, pad)
-    out = triton_attention.fused_rel_attention(q, k, v, pos, mlen, mlen if same_length else None, 0.0)
-    expected = reference(q, k, v, pos, mlen, mlen, same_length)
+    out = triton_attention.fused_rel_attention(q, k, v, pos, mlen, window, 0.0)
+    expected = reference(q, k, v, pos, mlen, window or mlen, window is not None)
     grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     got = torch.autograd.grad(out, (q, k, v, pos), grad_out)
     want = torch.autograd.grad(expected, (q, k, v, pos), grad_out.double())

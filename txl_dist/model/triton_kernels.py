@@ -86,24 +86,25 @@ def _key_range(start_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KL, MLEN, 
 def _full_keys(start_m, lo, hi, T, KL, MLEN, WINDOW, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """[a, b): the key blocks of [lo, hi) that every row of the query block sees whole. a is where the last
     row's window has begun, b where the first row's diagonal or the keys end; none if the block has rows past
-    T. [lo, a) and [b, hi) are the masked blocks (the window's edge, the diagonal). All bounds but hi are
-    multiples of BLOCK_N and lo <= a <= b <= hi."""
+    T. [lo, a) and [b, hi) are the masked blocks (the window's edge, the diagonal). lo <= a <= b <= hi, and a
+    and b are multiples of BLOCK_N unless they equal hi."""
     a = tl.minimum(tl.maximum(lo, (tl.maximum(start_m + BLOCK_M + MLEN - WINDOW, 0) + BLOCK_N - 1)
                               // BLOCK_N * BLOCK_N), hi)
     b = tl.minimum(start_m + MLEN + 1, KL) // BLOCK_N * BLOCK_N
     b = tl.where(start_m + BLOCK_M <= T, b, a)
-    return a, tl.maximum(a, b)
+    return a, tl.maximum(a, b)  # <= hi: min(start_m + MLEN + 1, KL) <= hi
 
 
 @triton.jit
 def _full_queries(start_n, lo, hi, T, KL, MLEN, WINDOW, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """[a, b): the query blocks of [lo, hi) whose every row sees the whole key block (the counterpart of
-    _full_keys for the backward's loop over query blocks)."""
+    _full_keys for the backward's loop over query blocks). hi < lo where a window narrower than the memory
+    leaves the key block unseen: then a = b = hi, and every range is empty."""
     a = tl.minimum(tl.maximum(lo, (tl.maximum(start_n + BLOCK_N - 1 - MLEN, 0) + BLOCK_M - 1)
                               // BLOCK_M * BLOCK_M), hi)
     b = tl.maximum(tl.minimum(start_n - MLEN + WINDOW, T), 0) // BLOCK_M * BLOCK_M
     b = tl.where(start_n + BLOCK_N <= KL, b, a)
-    return a, tl.maximum(a, b)
+    return a, tl.minimum(tl.maximum(a, b), hi)
 
 
 @triton.jit
