@@ -37,6 +37,7 @@ import torch
 
 from txl_dist.model.dropout import drop_level
 
+
 def triton_available() -> bool:
     """Whether the triton package is installed here (found, not imported: see _kernels)."""
     return importlib.util.find_spec("triton") is not None
@@ -77,8 +78,9 @@ differently and differ in the last bits, as GPU runs do anyway (docs/checkpoints
 CRASHES_OLDER_TRITON = (("dkdv", Blocks(64, 64, 8, 2)),)
 """Tiles whose compile aborts the process in triton before 3.6: Triton 3.2 (torch 2.6's) fails an assertion in
 its layout code (LinearLayout::reshapeOuts) on dkdv at 64 x 64 on 8 warps, with or without dropout, for sm_90
-and sm_80 alike (every other candidate compiles there); 3.6 and 3.9 compile them all. An abort cannot be caught,
-so the tuner must never try it there."""
+and sm_80 alike (the kernels of 2026-12-04; every candidate of today compiles with 3.2, 3.6 and 3.9). An abort
+cannot be caught, so the tuner must never try it there: the entry stays though that tile is no candidate now
+(64 rows on 8 warps duplicate work on Hopper, TILE_CANDIDATES), should it come back."""
 
 
 def _triton_version() -> tuple[int, int]:
@@ -153,7 +155,7 @@ class DropoutWords(NamedTuple):
 
 def dropout_words(p_drop: float) -> DropoutWords:
     """16-bit draws where they hold p_drop within 0.1% (as the CPU dropout's masks, txl_dist/model/dropout.py:
-    p >= ~0.0076), else 32-bit ones. The drop probability is then keep_from / 2^bits, and `scale` is exactly
+    every p from ~0.0076 up, and some below), else 32-bit ones. The drop probability is then keep_from / 2^bits, and `scale` is exactly
     1 / (1 - that), so the expectation is preserved exactly."""
     if p_drop == 0:
         return DropoutWords(0, 0, 1.0)
