@@ -143,8 +143,9 @@ def main(argv=None) -> int:
         for i, loop in enumerate(row["loops"]):
             kinds = ", ".join(f"{k} {v}" for k, v in loop["kinds"].items())
             print(f"      loop {i}: {loop['instructions']} instructions ({loop['per_score']} per score, "
-                  f"{loop['mask_selects']} -inf selects, {loop['local_memory']} spill accesses), issue {loop['issue_cycles']:.0f} / tensor "
-                  f"{loop['tensor_cycles']:.0f} cycles = {loop['issue_over_tensor']}x | {kinds}")
+                  f"{loop['mask_selects']} -inf selects, {loop['local_memory']} spill accesses), issue "
+                  f"{loop['issue_cycles']:.0f} / tensor {loop['tensor_cycles']:.0f} cycles = "
+                  f"{loop['issue_over_tensor']}x | {kinds}")
     if args.json:
         with open(args.json, "a") as f:
             for row in rows:

@@ -275,13 +275,17 @@ def test_traced_by_torch_compile_with_its_backward():
         torch.testing.assert_close(g_got, g_want, rtol=0, atol=1e-5)
 
 
-def test_the_kernels_compile_for_an_h200_without_a_gpu():
-    """Triton's compiler and ptxas for sm_90 (H100/H200), bf16 with dropout, the GPU presets' head size; in a
-    process of its own, since this one may have made the kernels interpreted (TRITON_INTERPRET)."""
+def compiling(*args: str) -> subprocess.CompletedProcess:
+    """python `args` in a process of its own without TRITON_INTERPRET (this one may have made the kernels
+    interpreted), where Triton's compiler and ptxas run."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("import torch; from txl_dist.model import triton_attention as t; "
-            "print([name for name, _, _ in t.compile_for_target(90, torch.bfloat16, 64, dropout=True)])")
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+
+
+def test_the_kernels_compile_for_an_h200_without_a_gpu():
+    """Triton's compiler and ptxas for sm_90 (H100/H200), bf16 with dropout, the GPU presets' head size."""
+    done = compiling("-c", "import torch; from txl_dist.model import triton_attention as t; "
+                     "print([name for name, _, _ in t.compile_for_target(90, torch.bfloat16, 64, dropout=True)])")
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "['fwd', 'dkdv', 'dq']"
 
@@ -293,10 +297,8 @@ def test_machine_code_of_the_unmasked_tiles(tmp_path):
     loops over the edge tiles do; and no loop of the default tiles touches spilled registers."""
     if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm").exists():
         pytest.skip(f"triton {triton.__version__} ships no nvdisasm")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = tmp_path / "census.jsonl"
-    done = subprocess.run([sys.executable, "-m", "bench.triton_census", "--json", str(out)], env=env,
-                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    done = compiling("-m", "bench.triton_census", "--json", str(out))
     assert done.returncode == 0, done.stderr[-3000:]
     rows = {row["kernel"]: row for row in map(json.loads, out.read_text().splitlines())}
     assert set(rows) == {"fwd", "dkdv", "dq"}

@@ -155,8 +155,8 @@ class DropoutWords(NamedTuple):
 
 def dropout_words(p_drop: float) -> DropoutWords:
     """16-bit draws where they hold p_drop within 0.1% (as the CPU dropout's masks, txl_dist/model/dropout.py:
-    every p from ~0.0076 up, and some below), else 32-bit ones. The drop probability is then keep_from / 2^bits, and `scale` is exactly
-    1 / (1 - that), so the expectation is preserved exactly."""
+    every p from ~0.0076 up, and some below), else 32-bit ones. The drop probability is then keep_from / 2^bits,
+    and `scale` is exactly 1 / (1 - that), so the expectation is preserved exactly."""
     if p_drop == 0:
         return DropoutWords(0, 0, 1.0)
     k16 = drop_level(p_drop)

@@ -6,6 +6,9 @@ no kernel: it is the autotuner's key (triton_attention.shape_class)."""
 import triton
 import triton.language as tl
 
+LOG2E = tl.constexpr(1.4426950408889634)
+"""log2(e): the kernels' exponentials are base 2 (exp2 is one instruction; exp is five, with its range checks)."""
+
 
 @triton.jit
 def _dot(a, b, IEEE: tl.constexpr):
@@ -112,9 +115,7 @@ def _fwd_blocks(acc, m_i, l_i, q, K, V, pos_bh, seed, KEEP_FROM, bh, offs_m, off
                 WINDOW, D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DROP_BITS: tl.constexpr,
                 IEEE: tl.constexpr):
     """The forward's online softmax over key blocks [lo, hi). Exponentials in base 2, the scale folded into
-    one multiply-add per score (exp2 is one instruction; exp is five, with its range checks). m_i stays in
-    natural units."""
-    LOG2E: tl.constexpr = 1.4426950408889634
+    one multiply-add per score. m_i stays in natural units."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kv_offs, kv_mask = _rows(bh, offs_n, offs_d, KL, D)
@@ -183,7 +184,7 @@ def _query_rows(Q, DO, LSE, DELTA, bh, offs_m, offs_d, T, D: tl.constexpr):
     do = tl.load(DO + offs, mask=mask, other=0.0)
     lse = tl.load(LSE + bh * T + offs_m, mask=offs_m < T, other=0.0)
     delta = tl.load(DELTA + bh * T + offs_m, mask=offs_m < T, other=0.0)
-    return q, do, lse * 1.4426950408889634, delta
+    return q, do, lse * LOG2E, delta
 
 
 @triton.jit
@@ -194,7 +195,7 @@ def _tile_grads(q, k, v, do, lse2, delta, pos_bh, seed, KEEP_FROM, KEEP_SCALE, b
     1 / (1 - p_drop) (dV takes the scale once at its end), and the scores' gradient
     dS = P * (dP - rowsum(dO * O)). lse2: the log-sum-exp in base 2."""
     s = _scores(q, k, pos_bh, offs_m, offs_n, T, KL, W, MLEN, WINDOW, MASKED, IEEE)
-    p = tl.math.exp2(s * 1.4426950408889634 - lse2[:, None])
+    p = tl.math.exp2(s * LOG2E - lse2[:, None])
     dp = _dot(do, tl.trans(v), IEEE)
     if DROP_BITS:
         keep = _keep(seed, bh, offs_m, start_n, T, KEEP_FROM, BLOCK_N, DROP_BITS)
@@ -203,8 +204,8 @@ def _tile_grads(q, k, v, do, lse2, delta, pos_bh, seed, KEEP_FROM, KEEP_SCALE, b
 
 
 @triton.jit
-def _dkdv_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, pos_bh, seed, KEEP_FROM, KEEP_SCALE, bh, offs_n, offs_d, start_n, lo,
-                 hi, T, KL, W, MLEN, WINDOW, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _dkdv_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, pos_bh, seed, KEEP_FROM, KEEP_SCALE, bh, offs_n, offs_d, start_n,
+                 lo, hi, T, KL, W, MLEN, WINDOW, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  MASKED: tl.constexpr, DROP_BITS: tl.constexpr, IEEE: tl.constexpr):
     """dk and dv of one key block summed over query blocks [lo, hi)."""
     for start_m in range(lo, hi, BLOCK_M):
@@ -248,8 +249,8 @@ def rel_attn_bwd_dkdv(Q, K, V, POS, SEED, DO, LSE, DELTA, DK, DV, T, KL, W, MLEN
 
 
 @triton.jit
-def _dq_blocks(dq, q, do, lse2, delta, K, V, pos_bh, dpos_bh, seed, KEEP_FROM, KEEP_SCALE, bh, offs_m, offs_d, lo, hi, T,
-               KL, W, MLEN, WINDOW, D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+def _dq_blocks(dq, q, do, lse2, delta, K, V, pos_bh, dpos_bh, seed, KEEP_FROM, KEEP_SCALE, bh, offs_m, offs_d, lo, hi,
+               T, KL, W, MLEN, WINDOW, D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                DROP_BITS: tl.constexpr, IEEE: tl.constexpr):
     """dq of one query block summed over key blocks [lo, hi), and those blocks' position gradient."""
     for start_n in range(lo, hi, BLOCK_N):
@@ -282,11 +283,11 @@ def rel_attn_bwd_dq(Q, K, V, POS, SEED, DO, LSE, DELTA, DQ, DPOS, T, KL, W, MLEN
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     lo, hi = _key_range(start_m, BLOCK_M, BLOCK_N, KL, MLEN, WINDOW)
     a, b = _full_keys(start_m, lo, hi, T, KL, MLEN, WINDOW, BLOCK_M, BLOCK_N)
-    dq = _dq_blocks(dq, q, do, lse2, delta, K, V, pos_bh, dpos_bh, seed, KEEP_FROM, KEEP_SCALE, bh, offs_m, offs_d, a, b,
-                    T, KL, W, MLEN, WINDOW, D, BLOCK_N, False, DROP_BITS, IEEE)
-    dq = _dq_blocks(dq, q, do, lse2, delta, K, V, pos_bh, dpos_bh, seed, KEEP_FROM, KEEP_SCALE, bh, offs_m, offs_d, lo, a,
-                    T, KL, W, MLEN, WINDOW, D, BLOCK_N, True, DROP_BITS, IEEE)
-    dq = _dq_blocks(dq, q, do, lse2, delta, K, V, pos_bh, dpos_bh, seed, KEEP_FROM, KEEP_SCALE, bh, offs_m, offs_d, b, hi,
-                    T, KL, W, MLEN, WINDOW, D, BLOCK_N, True, DROP_BITS, IEEE)
+    dq = _dq_blocks(dq, q, do, lse2, delta, K, V, pos_bh, dpos_bh, seed, KEEP_FROM, KEEP_SCALE, bh, offs_m, offs_d,
+                    a, b, T, KL, W, MLEN, WINDOW, D, BLOCK_N, False, DROP_BITS, IEEE)
+    dq = _dq_blocks(dq, q, do, lse2, delta, K, V, pos_bh, dpos_bh, seed, KEEP_FROM, KEEP_SCALE, bh, offs_m, offs_d,
+                    lo, a, T, KL, W, MLEN, WINDOW, D, BLOCK_N, True, DROP_BITS, IEEE)
+    dq = _dq_blocks(dq, q, do, lse2, delta, K, V, pos_bh, dpos_bh, seed, KEEP_FROM, KEEP_SCALE, bh, offs_m, offs_d,
+                    b, hi, T, KL, W, MLEN, WINDOW, D, BLOCK_N, True, DROP_BITS, IEEE)
     q_offs, q_mask = _rows(bh, offs_m, offs_d, T, D)
     tl.store(DQ + q_offs, dq.to(DQ.dtype.element_ty), mask=q_mask)
