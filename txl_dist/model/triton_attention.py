@@ -15,7 +15,8 @@ The backward is two kernels that recompute the probabilities block by block: one
 registers), one per query block (dq, and the position term's gradient). Every entry of `pos` is read by at
 most one (query, key) pair (for a fixed row i the column j + T - 1 - i is one-to-one in j), so `dpos` is
 written with plain stores, no atomics: the reason this path exists beside FlexAttention, whose generic
-gradient of a captured tensor must assume collisions.
+gradient of a captured tensor must assume collisions. A small store kernel writes the zeros of the entries no
+pair reads, so `dpos` is never zero-filled as a whole.
 
 Inputs are pre-scaled as in `rel_attention_matmul` (q_w = (q + u) / sqrt(D), pos = ((q + v) / sqrt(D)) . r),
 so score = q_w . k + pos[i, j + T - 1 - i]. Shapes: BH = batch x heads (any order), T queries, KL = mlen + T
@@ -233,6 +234,25 @@ def _(q, k, v, pos, seed, mlen, window, p_drop):
     return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
 
 
+ZERO_BLOCKS = Blocks(32, 128, 4, 1)
+"""Tiles of rel_attn_zero_unread on CUDA (a store-only kernel: not tuned; 16 x 16 in the interpreter)."""
+
+
+def position_grad_buffer(pos: torch.Tensor) -> torch.Tensor:
+    """The position gradient's storage, uninitialized: the dq kernel and rel_attn_zero_unread write every entry
+    once (a memset of the whole [BH, T, W] fewer per layer and step: ~26% of it is zeros at large's shape;
+    the tests hand it NaNs)."""
+    return torch.empty_like(pos)
+
+
+def _zero_unread(dpos: torch.Tensor, qlen: int, klen: int, mlen: int, window: int) -> None:
+    """Zeros where no (query, key) pair reads the position product (rel_attn_zero_unread)."""
+    b = ZERO_BLOCKS if dpos.device.type == "cuda" else Blocks(16, 16, 1, 1)
+    _kernels().rel_attn_zero_unread[(math.ceil(qlen / b.block_m), dpos.shape[0])](
+        dpos, qlen, klen, dpos.shape[2], mlen, window, BLOCK_M=b.block_m, BLOCK_N=b.block_n,
+        num_warps=b.num_warps, num_stages=b.num_stages)
+
+
 @torch.library.custom_op("txl_dist::rel_attn_bwd", mutates_args=())
 def rel_attn_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
                  out: torch.Tensor, lse: torch.Tensor, seed: torch.Tensor, mlen: int, window: int,
@@ -241,7 +261,8 @@ def rel_attn_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     grad_out = grad_out.contiguous()
     delta = (grad_out.float() * out.float()).sum(-1)                              # [BH, T]: rowsum(dO * O)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    dpos = torch.zeros_like(pos)  # entries no (query, key) pair reads keep a zero gradient
+    dpos = position_grad_buffer(pos)
+    _zero_unread(dpos, q.shape[1], k.shape[1], mlen, window)
     _launch("dkdv", k.shape[1], q, k, pos, (q, k, v, pos, seed, grad_out, lse, delta, dk, dv), mlen, window, p_drop)
     _launch("dq", q.shape[1], q, k, pos, (q, k, v, pos, seed, grad_out, lse, delta, dq, dpos), mlen, window, p_drop)
     return dq, dk, dv, dpos
@@ -300,8 +321,9 @@ def compile_for_target(arch: int = 90, dtype: torch.dtype = torch.bfloat16, d_he
                        shape: TargetShape = TargetShape()) -> list[tuple[str, Blocks, object]]:
     """Compile the three kernels for CUDA architecture `arch` (90: H100/H200) without a GPU: Triton's own
     front end, optimizer and ptxas run; what fails to compile on the device fails here. The default tiles, or
-    every one of tile_candidates. Specialized for `shape` as the launcher would specialize a call with it.
-    Returns (kernel role, tiles, Triton's compiled kernel: its `asm` holds the PTX and the cubin) per compile."""
+    every one of tile_candidates; and the zero-store kernel ("zero", ZERO_BLOCKS). Specialized for `shape` as
+    the launcher would specialize a call with it. Returns (kernel role, tiles, Triton's compiled kernel: its
+    `asm` holds the PTX and the cubin) per compile."""
     kernels = _kernels()
     if interpreting():
         raise RuntimeError("compile_for_target: TRITON_INTERPRET=1 made the kernels interpreted; run it in a "
@@ -323,12 +345,16 @@ def compile_for_target(arch: int = 90, dtype: torch.dtype = torch.bfloat16, d_he
         "dq": (kernels.rel_attn_bwd_dq, dict(Q=elem, K=elem, V=elem, POS=elem, SEED="*i64", DO=elem, LSE="*fp32",
                                       DELTA="*fp32", DQ=elem, DPOS=elem)),
     }
+    tensors["zero"] = (kernels.rel_attn_zero_unread, dict(DPOS=elem))
     compiled = []
     for name, (kernel, pointers) in tensors.items():
-        aligned = [*pointers, *(key for key, value in values.items() if value % 16 == 0)]
-        for b in tile_candidates(name) if every_candidate else tile_candidates(name)[:1]:
-            constexprs = dict(_kernel_meta(d_head, dtype, drop_bits), BLOCK_M=b.block_m, BLOCK_N=b.block_n)
-            signature = {**pointers, **ints, **{key: "constexpr" for key in constexprs}}
+        aligned = [*pointers, *(key for key, value in values.items() if value % 16 == 0 and key in kernel.arg_names)]
+        kernel_ints = {key: value for key, value in ints.items() if key in kernel.arg_names}
+        for b in (ZERO_BLOCKS,) if name == "zero" else tile_candidates(name)[:None if every_candidate else 1]:
+            constexprs = dict(BLOCK_M=b.block_m, BLOCK_N=b.block_n)
+            if name != "zero":
+                constexprs.update(_kernel_meta(d_head, dtype, drop_bits))
+            signature = {**pointers, **kernel_ints, **{key: "constexpr" for key in constexprs}}
             if "constexprs" in inspect.signature(ASTSource).parameters:
                 src = ASTSource(fn=kernel, signature=signature, constexprs={
                     (kernel.arg_names.index(key),): value for key, value in constexprs.items()},

@@ -259,7 +259,7 @@ def _dq_blocks(dq, q, do, lse2, delta, K, V, pos_bh, dpos_bh, seed, KEEP_FROM, K
         _, ds = _tile_grads(q, k, v, do, lse2, delta, pos_bh, seed, KEEP_FROM, KEEP_SCALE, bh, offs_m, offs_n, start_n,
                             T, KL, W, MLEN, WINDOW, BLOCK_N, MASKED, DROP_BITS, IEEE)
         dq += _dot(ds.to(k.dtype), k, IEEE)
-        # One (query, key) pair per position entry: a plain store (the rest of dpos stays zero).
+        # One (query, key) pair per position entry: a plain store (the rest: rel_attn_zero_unread).
         offsets = _position_offsets(offs_m, offs_n, T, W)
         if MASKED:
             tl.store(dpos_bh + offsets, ds.to(dpos_bh.dtype.element_ty),
@@ -291,3 +291,27 @@ def rel_attn_bwd_dq(Q, K, V, POS, SEED, DO, LSE, DELTA, DQ, DPOS, T, KL, W, MLEN
                     b, hi, T, KL, W, MLEN, WINDOW, D, BLOCK_N, True, DROP_BITS, IEEE)
     q_offs, q_mask = _rows(bh, offs_m, offs_d, T, D)
     tl.store(DQ + q_offs, dq.to(DQ.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit
+def rel_attn_zero_unread(DPOS, T, KL, W, MLEN, WINDOW, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Zeros in the position gradient [BH, T, W] where no (query, key) pair reads: row i's columns before its
+    first visible key's, first(i) = max(i + MLEN - WINDOW + 1, 0) + T - 1 - i, and the padding from KL on (its
+    rows of r are zero, but a non-finite gradient there would still reach dq_r through the position product's
+    backward). Every column from first(i) to KL - 1 is one visible pair's, which the dq kernel stores, so the
+    two kernels together write each entry once and dpos needs no zero-fill of all of it. A kernel of its own:
+    inside the dq kernel the same stores made its loops spill registers (bench/triton_census.py)."""
+    start_m = tl.program_id(0) * BLOCK_M
+    dpos_bh = DPOS + tl.program_id(1).to(tl.int64) * T * W
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    rows_in = offs_m < T
+    first = tl.maximum(offs_m + MLEN - WINDOW + 1, 0) + (T - 1) - offs_m  # non-increasing in i
+    zeros = tl.zeros([BLOCK_M, BLOCK_N], DPOS.dtype.element_ty)
+    for start_c in range(0, tl.maximum(start_m + MLEN - WINDOW + 1, 0) + (T - 1) - start_m, BLOCK_N):
+        offs_c = start_c + tl.arange(0, BLOCK_N)
+        tl.store(dpos_bh + offs_m[:, None] * W + offs_c[None, :], zeros,
+                 mask=rows_in[:, None] & (offs_c[None, :] < first[:, None]))
+    for start_c in range(KL, W, BLOCK_N):
+        offs_c = start_c + tl.arange(0, BLOCK_N)
+        tl.store(dpos_bh + offs_m[:, None] * W + offs_c[None, :], zeros,
+                 mask=rows_in[:, None] & (offs_c[None, :] < W))
