@@ -317,6 +317,17 @@ def test_machine_code_of_the_unmasked_tiles(tmp_path):
         assert all(loop["local_memory"] == 0 for loop in row["loops"]), (name, row)
 
 
+def test_the_position_skew_probe_compiles_both_loops():
+    """bench/position_skew_probe.py (docs/performance.md's reason the position product stays outside the
+    kernels) still compiles its two loops for sm_90 and reads their machine code."""
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm").exists():
+        pytest.skip(f"triton {triton.__version__} ships no nvdisasm")
+    done = compiling("-m", "bench.position_skew_probe")
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if "per score" in line]
+    assert len(lines) == 6 and sum("gather" in line for line in lines) == 3, done.stdout
+
+
 def test_older_triton_never_tries_the_tile_its_compiler_aborts_on(monkeypatch):
     monkeypatch.setattr(triton_attention, "_triton_version", lambda: (3, 2))
     crashing = dict(triton_attention.CRASHES_OLDER_TRITON)
