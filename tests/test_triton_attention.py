@@ -201,7 +201,7 @@ def test_dropout_mask_rate_backward_and_repeatability(monkeypatch, p_drop, bits)
     rate = 1 - int(keep.sum()) / n_visible
     assert abs(rate - p_drop) < 5 * math.sqrt(p_drop * (1 - p_drop) / n_visible), (rate, n_visible)
 
-    # The backward regenerates the forward's mask: gradients equal the reference run with that mask.
+    # The backward reads the forward's mask back: gradients equal the reference run with that mask.
     grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(DEVICE)
     got = torch.autograd.grad(out, (q, k, v, pos), grad_out)
     expected = reference(q, k, v, pos, mlen, mlen, False, keep=keep.double() * words.scale)

@@ -4,12 +4,14 @@ One kernel per query block walks the visible key blocks with an online softmax (
 content term q_w . k from the block's own dot product, position term read from the raw position product
 `pos` [BH, T, W] (W >= K+1 distance columns) at the rel-shifted column j + T - 1 - i, the memory-causal
 pattern (and same_length's window) as index arithmetic, attention dropout from a counter-based generator
-(Philox, `tl.philox`) keyed by one seed per call, so the backward regenerates the same mask instead of storing
-it (one Philox call per eight scores with 16-bit draws, `dropout_words`; the mask depends on the head-batch
-row, query and key, not on the tiles). Key tiles that every row of the query tile sees whole run without the
-mask's arithmetic (`_full_keys`, `_full_queries` in the kernels); exponentials are base 2.
-Saved for backward: the output and one float32 log-sum-exp per query row. On CUDA each kernel times its
-candidate tiles at its first call per shape class and keeps the fastest (TILE_CANDIDATES).
+(Philox, `tl.philox`) keyed by one seed per call (one Philox call per eight scores with 16-bit draws,
+`dropout_words`; the mask depends on the head-batch row, query and key, not on the tiles). The forward stores
+the mask as bits, one per score, and the backward reads them instead of drawing again (Philox was about half
+of each backward loop's instructions, bench/triton_census.py; the bits are 1/16 of a bf16 score tensor). Key
+tiles that every row of the query tile sees whole run without the mask's arithmetic (`_full_keys`,
+`_full_queries` in the kernels); exponentials are base 2.
+Saved for backward: the output, one float32 log-sum-exp per query row and the dropout bits. On CUDA each
+kernel times its candidate tiles at its first call per shape class and keeps the fastest (TILE_CANDIDATES).
 
 The backward is two kernels that recompute the probabilities block by block: one per key block (dk, dv in
 registers), one per query block (dq, and the position term's gradient). Every entry of `pos` is read by at
@@ -180,6 +182,11 @@ def _kernel_meta(d_head: int, dtype: torch.dtype, drop_bits: int) -> dict:
                 IEEE=dtype == torch.float32)
 
 
+def key_groups(klen: int) -> int:
+    """Bytes per query row of the stored dropout mask: one bit per key."""
+    return -(-klen // 8)
+
+
 def _launch(name: str, rows: int, q: torch.Tensor, k: torch.Tensor, pos: torch.Tensor, tensors: tuple,
             mlen: int, window: int, p_drop: float) -> None:
     """Runs kernel `name` over `rows` rows (queries; keys for dkdv) of each head-batch row: tuned on CUDA, with
@@ -187,7 +194,8 @@ def _launch(name: str, rows: int, q: torch.Tensor, k: torch.Tensor, pos: torch.T
     bh, qlen, d_head = q.shape
     klen = k.shape[1]
     words = dropout_words(p_drop)
-    args = (*tensors, qlen, klen, pos.shape[2], mlen, window, _int32_bits(words.keep_from), words.scale,
+    drawn = (_int32_bits(words.keep_from),) if name == "fwd" else ()  # the backward reads the forward's mask
+    args = (*tensors, qlen, klen, pos.shape[2], key_groups(klen), mlen, window, *drawn, words.scale,
             shape_class(qlen, klen))
     meta = _kernel_meta(d_head, q.dtype, words.bits)
 
@@ -214,10 +222,17 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.
         raise ValueError("rel_attn: q, k, v and pos must be contiguous and of one dtype")
 
 
+def _keep_mask_shape(q: torch.Tensor, k: torch.Tensor, p_drop: float) -> tuple[int, ...]:
+    """The stored dropout mask: [BH, T, KL / 8] bytes, one bit per score; one unread byte without dropout."""
+    return (q.shape[0], q.shape[1], key_groups(k.shape[1])) if p_drop > 0 else (1,)
+
+
 @torch.library.custom_op("txl_dist::rel_attn_fwd", mutates_args=())
 def rel_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, seed: torch.Tensor,
-                 mlen: int, window: int, p_drop: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Output [BH, T, D] and float32 log-sum-exp [BH, T] of fused relative attention (module doc).
+                 mlen: int, window: int, p_drop: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Output [BH, T, D], float32 log-sum-exp [BH, T] and the dropout mask as bits (uint8 [BH, T, KL / 8]:
+    bit b of byte g keeps key 8g + b; bytes of blocks no visible pair reads are left unwritten) of fused relative
+    attention (module doc).
 
     window: keys j > i + mlen - window only (same_length's mem_len; KL, the key count, for no window);
     seed: int64 [1] on the device, read by the kernel (dropout's key; unused when p_drop is 0)."""
@@ -225,13 +240,15 @@ def rel_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.T
     bh, qlen, _ = q.shape
     out = torch.empty_like(q)
     lse = torch.empty(bh, qlen, dtype=torch.float32, device=q.device)
-    _launch("fwd", qlen, q, k, pos, (q, k, v, pos, seed, out, lse), mlen, window, p_drop)
-    return out, lse
+    keep = torch.empty(_keep_mask_shape(q, k, p_drop), dtype=torch.uint8, device=q.device)
+    _launch("fwd", qlen, q, k, pos, (q, k, v, pos, seed, out, lse, keep), mlen, window, p_drop)
+    return out, lse, keep
 
 
 @rel_attn_fwd.register_fake
 def _(q, k, v, pos, seed, mlen, window, p_drop):
-    return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
+    return (torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32),
+            q.new_empty(_keep_mask_shape(q, k, p_drop), dtype=torch.uint8))
 
 
 ZERO_BLOCKS = Blocks(32, 128, 4, 1)
@@ -255,7 +272,7 @@ def _zero_unread(dpos: torch.Tensor, qlen: int, klen: int, mlen: int, window: in
 
 @torch.library.custom_op("txl_dist::rel_attn_bwd", mutates_args=())
 def rel_attn_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
-                 out: torch.Tensor, lse: torch.Tensor, seed: torch.Tensor, mlen: int, window: int,
+                 out: torch.Tensor, lse: torch.Tensor, keep: torch.Tensor, mlen: int, window: int,
                  p_drop: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv, dpos) of rel_attn_fwd's output."""
     grad_out = grad_out.contiguous()
@@ -263,27 +280,27 @@ def rel_attn_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dpos = position_grad_buffer(pos)
     _zero_unread(dpos, q.shape[1], k.shape[1], mlen, window)
-    _launch("dkdv", k.shape[1], q, k, pos, (q, k, v, pos, seed, grad_out, lse, delta, dk, dv), mlen, window, p_drop)
-    _launch("dq", q.shape[1], q, k, pos, (q, k, v, pos, seed, grad_out, lse, delta, dq, dpos), mlen, window, p_drop)
+    _launch("dkdv", k.shape[1], q, k, pos, (q, k, v, pos, keep, grad_out, lse, delta, dk, dv), mlen, window, p_drop)
+    _launch("dq", q.shape[1], q, k, pos, (q, k, v, pos, keep, grad_out, lse, delta, dq, dpos), mlen, window, p_drop)
     return dq, dk, dv, dpos
 
 
 @rel_attn_bwd.register_fake
-def _(grad_out, q, k, v, pos, out, lse, seed, mlen, window, p_drop):
+def _(grad_out, q, k, v, pos, out, lse, keep, mlen, window, p_drop):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(pos)
 
 
 def _setup_context(ctx, inputs, output) -> None:
     q, k, v, pos, seed, mlen, window, p_drop = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, pos, out, lse, seed)
+    out, lse, keep = output
+    ctx.save_for_backward(q, k, v, pos, out, lse, keep)
     ctx.settings = (mlen, window, p_drop)
 
 
-def _backward(ctx, grad_out, grad_lse):
-    del grad_lse  # the log-sum-exp is an internal output: nothing downstream differentiates it
-    q, k, v, pos, out, lse, seed = ctx.saved_tensors
-    dq, dk, dv, dpos = rel_attn_bwd(grad_out, q, k, v, pos, out, lse, seed, *ctx.settings)
+def _backward(ctx, grad_out, grad_lse, grad_keep):
+    del grad_lse, grad_keep  # internal outputs (the log-sum-exp, the mask): nothing downstream differentiates them
+    q, k, v, pos, out, lse, keep = ctx.saved_tensors
+    dq, dk, dv, dpos = rel_attn_bwd(grad_out, q, k, v, pos, out, lse, keep, *ctx.settings)
     return dq, dk, dv, dpos, None, None, None, None
 
 
@@ -301,7 +318,7 @@ def fused_rel_attention(q_w: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos
         seed = torch.randint(0, 2 ** 62, (1,), device=q_w.device, dtype=torch.int64)
     else:
         seed = torch.zeros(1, device=q_w.device, dtype=torch.int64)
-    out, _ = rel_attn_fwd(q_w, k, v, pos, seed, mlen, window, p_drop)
+    out, _, _ = rel_attn_fwd(q_w, k, v, pos, seed, mlen, window, p_drop)
     return out
 
 
@@ -333,16 +350,18 @@ def compile_for_target(arch: int = 90, dtype: torch.dtype = torch.bfloat16, d_he
     from triton.compiler import ASTSource
 
     elem = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[dtype]
-    ints = {"T": "i32", "KL": "i32", "W": "i32", "MLEN": "i32", "WINDOW": "i32", "KEEP_FROM": "i32",
+    ints = {"T": "i32", "KL": "i32", "W": "i32", "KG": "i32", "MLEN": "i32", "WINDOW": "i32", "KEEP_FROM": "i32",
             "KEEP_SCALE": "fp32", "SHAPE_CLASS": "i32"}
     drop_bits = dropout_words(0.2).bits if dropout else 0  # the presets' dropatt
-    values = dict(T=shape.qlen, KL=shape.klen, W=shape.width, MLEN=shape.klen - shape.qlen, WINDOW=shape.window,
+    values = dict(T=shape.qlen, KL=shape.klen, W=shape.width, KG=key_groups(shape.klen), MLEN=shape.klen - shape.qlen,
+                  WINDOW=shape.window,
                   SHAPE_CLASS=shape_class(shape.qlen, shape.klen))
     tensors = {
-        "fwd": (kernels.rel_attn_fwd, dict(Q=elem, K=elem, V=elem, POS=elem, SEED="*i64", O=elem, LSE="*fp32")),
-        "dkdv": (kernels.rel_attn_bwd_dkdv, dict(Q=elem, K=elem, V=elem, POS=elem, SEED="*i64", DO=elem,
+        "fwd": (kernels.rel_attn_fwd, dict(Q=elem, K=elem, V=elem, POS=elem, SEED="*i64", O=elem, LSE="*fp32",
+                                           KEEP="*u8")),
+        "dkdv": (kernels.rel_attn_bwd_dkdv, dict(Q=elem, K=elem, V=elem, POS=elem, KEEP="*u8", DO=elem,
                                           LSE="*fp32", DELTA="*fp32", DK=elem, DV=elem)),
-        "dq": (kernels.rel_attn_bwd_dq, dict(Q=elem, K=elem, V=elem, POS=elem, SEED="*i64", DO=elem, LSE="*fp32",
+        "dq": (kernels.rel_attn_bwd_dq, dict(Q=elem, K=elem, V=elem, POS=elem, KEEP="*u8", DO=elem, LSE="*fp32",
                                       DELTA="*fp32", DQ=elem, DPOS=elem)),
     }
     tensors["zero"] = (kernels.rel_attn_zero_unread, dict(DPOS=elem))

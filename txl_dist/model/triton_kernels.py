@@ -54,27 +54,69 @@ def _scores(q, k, pos_bh, offs_m, offs_n, T, KL, W, MLEN, WINDOW, MASKED: tl.con
 
 
 @triton.jit
-def _keep(seed, bh, offs_m, start_n, T, KEEP_FROM, BLOCK_N: tl.constexpr, DROP_BITS: tl.constexpr):
-    """The dropout keep-mask of a block [BLOCK_M, BLOCK_N], the same in the backward. One Philox call gives four
-    32-bit words for the counter (group of keys, query row bh * T + i as two words): with DROP_BITS 16 each
-    word is two 16-bit draws and a call serves 8 keys, else 4 (FlashAttention's economy: a fraction of the
-    rounds of a call per element; Philox is most of a dropout tile's instructions, bench/triton_census.py).
-    Key j takes draw j % group of its group's call whatever the tiling (BLOCK_N and start_n are multiples of 8;
-    join's order places the draws). A draw keeps its score when it is at least KEEP_FROM (triton_attention
-    `dropout_words`): an integer compare, no float per element."""
-    GROUP: tl.constexpr = 128 // DROP_BITS
-    groups = (start_n // GROUP + tl.arange(0, BLOCK_N // GROUP)).to(tl.uint32)
+def _keep_draws(seed, bh, offs_m, start_n, T, BLOCK_N: tl.constexpr, DROP_BITS: tl.constexpr):
+    """Dropout's draws for a block as eight tensors [BLOCK_M, BLOCK_N // 8] (uint32): number b is the draw of key
+    start_n + 8g + b of group g. The counter: the key group (two counters per group with 32-bit draws) and the
+    query row bh * T + i as two words; a Philox call gives four 32-bit words, eight 16-bit draws with DROP_BITS
+    16, else four (FlashAttention's economy: a fraction of a call's rounds per element; Philox is most of a
+    dropout tile's instructions, bench/triton_census.py). A draw keeps its score when it is at least KEEP_FROM
+    (triton_attention `dropout_words`): an integer compare, no float per element. Only the forward draws; it
+    stores the decisions as bits for the backward (`_keep_byte`, `_stored_keep`)."""
+    groups = (start_n // 8 + tl.arange(0, BLOCK_N // 8)).to(tl.uint32)
     rows = bh * T + offs_m.to(tl.int64)
-    zeros = tl.zeros((offs_m.shape[0], BLOCK_N // GROUP), tl.uint32)
-    r0, r1, r2, r3 = tl.philox(seed, groups[None, :] + zeros, rows.to(tl.uint32)[:, None] + zeros,
-                               (rows >> 32).to(tl.uint32)[:, None] + zeros, zeros)
+    zeros = tl.zeros((offs_m.shape[0], BLOCK_N // 8), tl.uint32)
+    row_lo, row_hi = rows.to(tl.uint32)[:, None] + zeros, (rows >> 32).to(tl.uint32)[:, None] + zeros
     if DROP_BITS == 16:
-        r0 = tl.join(r0 & 0xFFFF, r0 >> 16)
-        r1 = tl.join(r1 & 0xFFFF, r1 >> 16)
-        r2 = tl.join(r2 & 0xFFFF, r2 >> 16)
-        r3 = tl.join(r3 & 0xFFFF, r3 >> 16)
-    draws = tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), (offs_m.shape[0], BLOCK_N))
-    return draws >= KEEP_FROM.to(tl.uint32, bitcast=True)
+        r0, r1, r2, r3 = tl.philox(seed, groups[None, :] + zeros, row_lo, row_hi, zeros)
+        return r0 & 0xFFFF, r0 >> 16, r1 & 0xFFFF, r1 >> 16, r2 & 0xFFFF, r2 >> 16, r3 & 0xFFFF, r3 >> 16
+    r0, r1, r2, r3 = tl.philox(seed, 2 * groups[None, :] + zeros, row_lo, row_hi, zeros)
+    r4, r5, r6, r7 = tl.philox(seed, 2 * groups[None, :] + 1 + zeros, row_lo, row_hi, zeros)
+    return r0, r1, r2, r3, r4, r5, r6, r7
+
+
+@triton.jit
+def _by_key(x0, x1, x2, x3, x4, x5, x6, x7, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Eight tensors [BLOCK_M, BLOCK_N // 8] as one [BLOCK_M, BLOCK_N], number b at key 8g + b: joins (the
+    innermost the slowest of the three new axes) place them without moving data between threads."""
+    joined = tl.join(tl.join(tl.join(x0, x4), tl.join(x2, x6)), tl.join(tl.join(x1, x5), tl.join(x3, x7)))
+    return tl.reshape(joined, (BLOCK_M, BLOCK_N))
+
+
+@triton.jit
+def _keep_byte(d0, d1, d2, d3, d4, d5, d6, d7, keep_from):
+    """A group's eight keep decisions as one byte: bit b for key 8g + b (the forward stores it)."""
+    return ((d0 >= keep_from).to(tl.uint32) | ((d1 >= keep_from).to(tl.uint32) << 1)
+            | ((d2 >= keep_from).to(tl.uint32) << 2) | ((d3 >= keep_from).to(tl.uint32) << 3)
+            | ((d4 >= keep_from).to(tl.uint32) << 4) | ((d5 >= keep_from).to(tl.uint32) << 5)
+            | ((d6 >= keep_from).to(tl.uint32) << 6) | ((d7 >= keep_from).to(tl.uint32) << 7)).to(tl.uint8)
+
+
+@triton.jit
+def _keep_offsets(offs_m, start_n, T, KG, BLOCK_N: tl.constexpr):
+    """Offsets and mask [BLOCK_M, BLOCK_N // 8] of a block's bytes in a head-batch row [T, KG] of the stored
+    keep-mask."""
+    groups = start_n // 8 + tl.arange(0, BLOCK_N // 8)
+    return offs_m[:, None] * KG + groups[None, :], (offs_m < T)[:, None] & (groups < KG)[None, :]
+
+
+@triton.jit
+def _drawn_keep(seed, keep_bh, bh, offs_m, start_n, T, KG, KEEP_FROM, BLOCK_N: tl.constexpr,
+                DROP_BITS: tl.constexpr):
+    """The forward's keep-mask [BLOCK_M, BLOCK_N] of a block, its bits stored for the backward on the way."""
+    d0, d1, d2, d3, d4, d5, d6, d7 = _keep_draws(seed, bh, offs_m, start_n, T, BLOCK_N, DROP_BITS)
+    keep_from = KEEP_FROM.to(tl.uint32, bitcast=True)
+    offsets, in_range = _keep_offsets(offs_m, start_n, T, KG, BLOCK_N)
+    tl.store(keep_bh + offsets, _keep_byte(d0, d1, d2, d3, d4, d5, d6, d7, keep_from), mask=in_range)
+    return _by_key(d0, d1, d2, d3, d4, d5, d6, d7, offs_m.shape[0], BLOCK_N) >= keep_from
+
+
+@triton.jit
+def _stored_keep(keep_bh, offs_m, start_n, T, KG, BLOCK_N: tl.constexpr):
+    """The forward's keep-mask of a block, read back from its bytes (bytes no visible pair reads were never
+    written: their scores are masked anyway)."""
+    offsets, in_range = _keep_offsets(offs_m, start_n, T, KG, BLOCK_N)
+    b = tl.load(keep_bh + offsets, mask=in_range, other=0)
+    return _by_key(b & 1, b & 2, b & 4, b & 8, b & 16, b & 32, b & 64, b & 128, offs_m.shape[0], BLOCK_N) != 0
 
 
 @triton.jit
@@ -111,8 +153,8 @@ def _full_queries(start_n, lo, hi, T, KL, MLEN, WINDOW, BLOCK_M: tl.constexpr, B
 
 
 @triton.jit
-def _fwd_blocks(acc, m_i, l_i, q, K, V, pos_bh, seed, KEEP_FROM, bh, offs_m, offs_d, lo, hi, T, KL, W, MLEN,
-                WINDOW, D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DROP_BITS: tl.constexpr,
+def _fwd_blocks(acc, m_i, l_i, q, K, V, pos_bh, seed, keep_bh, KEEP_FROM, bh, offs_m, offs_d, lo, hi, T, KL, W,
+                KG, MLEN, WINDOW, D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DROP_BITS: tl.constexpr,
                 IEEE: tl.constexpr):
     """The forward's online softmax over key blocks [lo, hi). Exponentials in base 2, the scale folded into
     one multiply-add per score. m_i stays in natural units."""
@@ -128,7 +170,8 @@ def _fwd_blocks(acc, m_i, l_i, q, K, V, pos_bh, seed, KEEP_FROM, bh, offs_m, off
         alpha = tl.math.exp2((m_i - m_new) * LOG2E)
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROP_BITS:
-            p = tl.where(_keep(seed, bh, offs_m, start_n, T, KEEP_FROM, BLOCK_N, DROP_BITS), p, 0.0)
+            keep = _drawn_keep(seed, keep_bh, bh, offs_m, start_n, T, KG, KEEP_FROM, BLOCK_N, DROP_BITS)
+            p = tl.where(keep, p, 0.0)
         # v only now: fewer registers live across the softmax (the backward loads k and v together)
         v = tl.load(V + kv_offs, mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
@@ -137,7 +180,7 @@ def _fwd_blocks(acc, m_i, l_i, q, K, V, pos_bh, seed, KEEP_FROM, bh, offs_m, off
 
 
 @triton.jit
-def rel_attn_fwd(Q, K, V, POS, SEED, O, LSE, T, KL, W, MLEN, WINDOW, KEEP_FROM, KEEP_SCALE, SHAPE_CLASS,
+def rel_attn_fwd(Q, K, V, POS, SEED, O, LSE, KEEP, T, KL, W, KG, MLEN, WINDOW, KEEP_FROM, KEEP_SCALE, SHAPE_CLASS,
                  D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  DROP_BITS: tl.constexpr, IEEE: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
@@ -146,19 +189,19 @@ def rel_attn_fwd(Q, K, V, POS, SEED, O, LSE, T, KL, W, MLEN, WINDOW, KEEP_FROM, 
     offs_d = tl.arange(0, BLOCK_D)
     q_offs, q_mask = _rows(bh, offs_m, offs_d, T, D)
     q = tl.load(Q + q_offs, mask=q_mask, other=0.0)
-    pos_bh = POS + bh * T * W
+    pos_bh, keep_bh = POS + bh * T * W, KEEP + bh * T * KG
     seed = tl.load(SEED)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     lo, hi = _key_range(start_m, BLOCK_M, BLOCK_N, KL, MLEN, WINDOW)
     a, b = _full_keys(start_m, lo, hi, T, KL, MLEN, WINDOW, BLOCK_M, BLOCK_N)
-    acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, q, K, V, pos_bh, seed, KEEP_FROM, bh, offs_m, offs_d, a, b, T, KL, W,
-                                MLEN, WINDOW, D, BLOCK_N, False, DROP_BITS, IEEE)
-    acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, q, K, V, pos_bh, seed, KEEP_FROM, bh, offs_m, offs_d, lo, a, T, KL,
-                                W, MLEN, WINDOW, D, BLOCK_N, True, DROP_BITS, IEEE)
-    acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, q, K, V, pos_bh, seed, KEEP_FROM, bh, offs_m, offs_d, b, hi, T, KL,
-                                W, MLEN, WINDOW, D, BLOCK_N, True, DROP_BITS, IEEE)
+    acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, q, K, V, pos_bh, seed, keep_bh, KEEP_FROM, bh, offs_m, offs_d, a, b,
+                                T, KL, W, KG, MLEN, WINDOW, D, BLOCK_N, False, DROP_BITS, IEEE)
+    acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, q, K, V, pos_bh, seed, keep_bh, KEEP_FROM, bh, offs_m, offs_d, lo, a,
+                                T, KL, W, KG, MLEN, WINDOW, D, BLOCK_N, True, DROP_BITS, IEEE)
+    acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, q, K, V, pos_bh, seed, keep_bh, KEEP_FROM, bh, offs_m, offs_d, b, hi,
+                                T, KL, W, KG, MLEN, WINDOW, D, BLOCK_N, True, DROP_BITS, IEEE)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     if DROP_BITS:
         acc = acc * KEEP_SCALE  # kept probabilities are p / (1 - p_drop): one multiply per output, not per score
@@ -188,9 +231,8 @@ def _query_rows(Q, DO, LSE, DELTA, bh, offs_m, offs_d, T, D: tl.constexpr):
 
 
 @triton.jit
-def _tile_grads(q, k, v, do, lse2, delta, pos_bh, seed, KEEP_FROM, KEEP_SCALE, bh, offs_m, offs_n, start_n, T, KL, W,
-                MLEN, WINDOW, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DROP_BITS: tl.constexpr,
-                IEEE: tl.constexpr):
+def _tile_grads(q, k, v, do, lse2, delta, pos_bh, keep_bh, KEEP_SCALE, offs_m, offs_n, start_n, T, KL, W, KG, MLEN,
+                WINDOW, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DROP_BITS: tl.constexpr, IEEE: tl.constexpr):
     """One (query tile, key tile) of the backward: the probabilities kept by dropout, not yet scaled by
     1 / (1 - p_drop) (dV takes the scale once at its end), and the scores' gradient
     dS = P * (dP - rowsum(dO * O)). lse2: the log-sum-exp in base 2."""
@@ -198,49 +240,48 @@ def _tile_grads(q, k, v, do, lse2, delta, pos_bh, seed, KEEP_FROM, KEEP_SCALE, b
     p = tl.math.exp2(s * LOG2E - lse2[:, None])
     dp = _dot(do, tl.trans(v), IEEE)
     if DROP_BITS:
-        keep = _keep(seed, bh, offs_m, start_n, T, KEEP_FROM, BLOCK_N, DROP_BITS)
+        keep = _stored_keep(keep_bh, offs_m, start_n, T, KG, BLOCK_N)
         return tl.where(keep, p, 0.0), p * (tl.where(keep, dp, 0.0) * KEEP_SCALE - delta[:, None])
     return p, p * (dp - delta[:, None])
 
 
 @triton.jit
-def _dkdv_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, pos_bh, seed, KEEP_FROM, KEEP_SCALE, bh, offs_n, offs_d, start_n,
-                 lo, hi, T, KL, W, MLEN, WINDOW, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _dkdv_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, pos_bh, keep_bh, KEEP_SCALE, bh, offs_n, offs_d, start_n, lo, hi,
+                 T, KL, W, KG, MLEN, WINDOW, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  MASKED: tl.constexpr, DROP_BITS: tl.constexpr, IEEE: tl.constexpr):
     """dk and dv of one key block summed over query blocks [lo, hi)."""
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q, do, lse2, delta = _query_rows(Q, DO, LSE, DELTA, bh, offs_m, offs_d, T, D)
-        p_kept, ds = _tile_grads(q, k, v, do, lse2, delta, pos_bh, seed, KEEP_FROM, KEEP_SCALE, bh, offs_m, offs_n,
-                                 start_n, T, KL, W, MLEN, WINDOW, BLOCK_N, MASKED, DROP_BITS, IEEE)
+        p_kept, ds = _tile_grads(q, k, v, do, lse2, delta, pos_bh, keep_bh, KEEP_SCALE, offs_m, offs_n, start_n, T,
+                                 KL, W, KG, MLEN, WINDOW, BLOCK_N, MASKED, DROP_BITS, IEEE)
         dv += _dot(tl.trans(p_kept.to(do.dtype)), do, IEEE)
         dk += _dot(tl.trans(ds.to(q.dtype)), q, IEEE)
     return dk, dv
 
 
 @triton.jit
-def rel_attn_bwd_dkdv(Q, K, V, POS, SEED, DO, LSE, DELTA, DK, DV, T, KL, W, MLEN, WINDOW, KEEP_FROM, KEEP_SCALE,
-                      SHAPE_CLASS, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+def rel_attn_bwd_dkdv(Q, K, V, POS, KEEP, DO, LSE, DELTA, DK, DV, T, KL, W, KG, MLEN, WINDOW, KEEP_SCALE, SHAPE_CLASS,
+                      D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, DROP_BITS: tl.constexpr, IEEE: tl.constexpr):
     start_n = tl.program_id(0) * BLOCK_N
     bh = tl.program_id(1).to(tl.int64)
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     k, v = _key_rows(K, V, bh, offs_n, offs_d, KL, D)
-    pos_bh = POS + bh * T * W
-    seed = tl.load(SEED)
+    pos_bh, keep_bh = POS + bh * T * W, KEEP + bh * T * KG
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     # Queries that see a key of this block: i + MLEN >= j (and, with a window, i + MLEN - WINDOW < j).
     lo = tl.maximum(start_n - MLEN, 0) // BLOCK_M * BLOCK_M
     hi = tl.minimum(start_n + BLOCK_N - 1 - MLEN + WINDOW, T)
     a, b = _full_queries(start_n, lo, hi, T, KL, MLEN, WINDOW, BLOCK_M, BLOCK_N)
-    dk, dv = _dkdv_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, pos_bh, seed, KEEP_FROM, KEEP_SCALE, bh, offs_n, offs_d,
-                          start_n, a, b, T, KL, W, MLEN, WINDOW, D, BLOCK_M, BLOCK_N, False, DROP_BITS, IEEE)
-    dk, dv = _dkdv_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, pos_bh, seed, KEEP_FROM, KEEP_SCALE, bh, offs_n, offs_d,
-                          start_n, lo, a, T, KL, W, MLEN, WINDOW, D, BLOCK_M, BLOCK_N, True, DROP_BITS, IEEE)
-    dk, dv = _dkdv_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, pos_bh, seed, KEEP_FROM, KEEP_SCALE, bh, offs_n, offs_d,
-                          start_n, b, hi, T, KL, W, MLEN, WINDOW, D, BLOCK_M, BLOCK_N, True, DROP_BITS, IEEE)
+    dk, dv = _dkdv_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, pos_bh, keep_bh, KEEP_SCALE, bh, offs_n, offs_d, start_n,
+                          a, b, T, KL, W, KG, MLEN, WINDOW, D, BLOCK_M, BLOCK_N, False, DROP_BITS, IEEE)
+    dk, dv = _dkdv_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, pos_bh, keep_bh, KEEP_SCALE, bh, offs_n, offs_d, start_n,
+                          lo, a, T, KL, W, KG, MLEN, WINDOW, D, BLOCK_M, BLOCK_N, True, DROP_BITS, IEEE)
+    dk, dv = _dkdv_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, pos_bh, keep_bh, KEEP_SCALE, bh, offs_n, offs_d, start_n,
+                          b, hi, T, KL, W, KG, MLEN, WINDOW, D, BLOCK_M, BLOCK_N, True, DROP_BITS, IEEE)
     if DROP_BITS:
         dv = dv * KEEP_SCALE
     kv_offs, kv_mask = _rows(bh, offs_n, offs_d, KL, D)
@@ -249,15 +290,15 @@ def rel_attn_bwd_dkdv(Q, K, V, POS, SEED, DO, LSE, DELTA, DK, DV, T, KL, W, MLEN
 
 
 @triton.jit
-def _dq_blocks(dq, q, do, lse2, delta, K, V, pos_bh, dpos_bh, seed, KEEP_FROM, KEEP_SCALE, bh, offs_m, offs_d, lo, hi,
-               T, KL, W, MLEN, WINDOW, D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+def _dq_blocks(dq, q, do, lse2, delta, K, V, pos_bh, dpos_bh, keep_bh, KEEP_SCALE, bh, offs_m, offs_d, lo, hi, T, KL,
+               W, KG, MLEN, WINDOW, D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                DROP_BITS: tl.constexpr, IEEE: tl.constexpr):
     """dq of one query block summed over key blocks [lo, hi), and those blocks' position gradient."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k, v = _key_rows(K, V, bh, offs_n, offs_d, KL, D)
-        _, ds = _tile_grads(q, k, v, do, lse2, delta, pos_bh, seed, KEEP_FROM, KEEP_SCALE, bh, offs_m, offs_n, start_n,
-                            T, KL, W, MLEN, WINDOW, BLOCK_N, MASKED, DROP_BITS, IEEE)
+        _, ds = _tile_grads(q, k, v, do, lse2, delta, pos_bh, keep_bh, KEEP_SCALE, offs_m, offs_n, start_n, T, KL, W,
+                            KG, MLEN, WINDOW, BLOCK_N, MASKED, DROP_BITS, IEEE)
         dq += _dot(ds.to(k.dtype), k, IEEE)
         # One (query, key) pair per position entry: a plain store (the rest: rel_attn_zero_unread).
         offsets = _position_offsets(offs_m, offs_n, T, W)
@@ -270,25 +311,24 @@ def _dq_blocks(dq, q, do, lse2, delta, K, V, pos_bh, dpos_bh, seed, KEEP_FROM, K
 
 
 @triton.jit
-def rel_attn_bwd_dq(Q, K, V, POS, SEED, DO, LSE, DELTA, DQ, DPOS, T, KL, W, MLEN, WINDOW, KEEP_FROM, KEEP_SCALE,
-                    SHAPE_CLASS, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+def rel_attn_bwd_dq(Q, K, V, POS, KEEP, DO, LSE, DELTA, DQ, DPOS, T, KL, W, KG, MLEN, WINDOW, KEEP_SCALE, SHAPE_CLASS,
+                    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, DROP_BITS: tl.constexpr, IEEE: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     q, do, lse2, delta = _query_rows(Q, DO, LSE, DELTA, bh, offs_m, offs_d, T, D)
-    pos_bh, dpos_bh = POS + bh * T * W, DPOS + bh * T * W
-    seed = tl.load(SEED)
+    pos_bh, dpos_bh, keep_bh = POS + bh * T * W, DPOS + bh * T * W, KEEP + bh * T * KG
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     lo, hi = _key_range(start_m, BLOCK_M, BLOCK_N, KL, MLEN, WINDOW)
     a, b = _full_keys(start_m, lo, hi, T, KL, MLEN, WINDOW, BLOCK_M, BLOCK_N)
-    dq = _dq_blocks(dq, q, do, lse2, delta, K, V, pos_bh, dpos_bh, seed, KEEP_FROM, KEEP_SCALE, bh, offs_m, offs_d,
-                    a, b, T, KL, W, MLEN, WINDOW, D, BLOCK_N, False, DROP_BITS, IEEE)
-    dq = _dq_blocks(dq, q, do, lse2, delta, K, V, pos_bh, dpos_bh, seed, KEEP_FROM, KEEP_SCALE, bh, offs_m, offs_d,
-                    lo, a, T, KL, W, MLEN, WINDOW, D, BLOCK_N, True, DROP_BITS, IEEE)
-    dq = _dq_blocks(dq, q, do, lse2, delta, K, V, pos_bh, dpos_bh, seed, KEEP_FROM, KEEP_SCALE, bh, offs_m, offs_d,
-                    b, hi, T, KL, W, MLEN, WINDOW, D, BLOCK_N, True, DROP_BITS, IEEE)
+    dq = _dq_blocks(dq, q, do, lse2, delta, K, V, pos_bh, dpos_bh, keep_bh, KEEP_SCALE, bh, offs_m, offs_d, a, b, T,
+                    KL, W, KG, MLEN, WINDOW, D, BLOCK_N, False, DROP_BITS, IEEE)
+    dq = _dq_blocks(dq, q, do, lse2, delta, K, V, pos_bh, dpos_bh, keep_bh, KEEP_SCALE, bh, offs_m, offs_d, lo, a, T,
+                    KL, W, KG, MLEN, WINDOW, D, BLOCK_N, True, DROP_BITS, IEEE)
+    dq = _dq_blocks(dq, q, do, lse2, delta, K, V, pos_bh, dpos_bh, keep_bh, KEEP_SCALE, bh, offs_m, offs_d, b, hi, T,
+                    KL, W, KG, MLEN, WINDOW, D, BLOCK_N, True, DROP_BITS, IEEE)
     q_offs, q_mask = _rows(bh, offs_m, offs_d, T, D)
     tl.store(DQ + q_offs, dq.to(DQ.dtype.element_ty), mask=q_mask)
 
