@@ -8,7 +8,8 @@ was measured), then DIR/gpu_check_table.txt (a short table):
   matmul     the device's matmul peak (bf16, fp16, tf32, fp32): the denominator of the measured MFU
   attention  relative attention alone, forward+backward, every implementation in ATTN_IMPLS (discovered),
              fp32 and bf16: max abs errors of output and gradients against the einsum reference run in
-             float64, beside the reference's own error in that dtype; time per call
+             float64, beside the reference's own error in that dtype; time per call; and one profiled bf16
+             call of each: its busiest kernels (attention_profile)
   model      whole-model forward+backward on the device for every implementation (two segments with mems,
              and an evaluation segment with long memory, same_length and clamp_len) against the float64
              reference model; every implementation but flex in both dtypes first, flex last
@@ -77,7 +78,7 @@ from txl_dist.flops import table_peak
 from txl_dist.model import TransformerXL
 from txl_dist.model.softmax import tail_plan
 from txl_dist.profiling import profiler_activities
-from txl_dist.trace_summary import analyze, headline, read_trace, shares_text, summary_line
+from txl_dist.trace_summary import analyze, headline, operator_times, read_trace, shares_text, summary_line
 from txl_dist.model import triton_attention
 from txl_dist.model.attention import (ATTN_IMPLS, attn_mask_for, build_attn_mask, candidate_attn_impls,
                                       recompile_limit)
@@ -115,6 +116,8 @@ PROFILE_TOP_OPS = 15
 """Operators and kernels a train_profile record lists (by self time: device time on a GPU)."""
 PROFILE_NAME_CHARS = 120
 """CUDA kernel names are C++ template instantiations: cut to this many characters."""
+ATTENTION_PROFILE_TOP = 8
+"""Kernels (operators on a CPU) an attention_profile record lists, by device time (self CPU time)."""
 PROFILE_MIN_S = {"gpu": 20.0, "smoke": 3.0}
 """Time box left that a profile of the best eager case needs (4 steps and torch's summary of the events)."""
 """dynamo's recompile limit during the train phase. Its default (8) is below what the compiled matrix needs:
@@ -364,6 +367,25 @@ def phase_attention(p: Phase) -> None:
             extra = {"tiles": triton_attention.tuned_tiles()} if impl == "triton" else {}
             p.write("attention_time", impl=impl, dtype=dname, ms=round(s * 1e3, 3),
                     speedup_vs_reference=round(ref / s, 3) if ref else None, **extra)
+        if dname == "bf16":
+            for impl, run in runs.items():
+                attention_profile(p, impl, run, dname)
+
+
+def attention_profile(p: Phase, impl: str, run: Callable[[], None], dtype_name: str) -> None:
+    """One profiled call of an implementation after its timing: its time kernel by kernel (operators on a CPU).
+    For triton, the measured side of bench/triton_census.py's issue floors (rel_attn_fwd, rel_attn_bwd_dkdv,
+    rel_attn_bwd_dq) beside the position product's matmuls and the zero stores."""
+    try:
+        with torch.profiler.profile(activities=profiler_activities(p.device)) as prof:
+            run()
+            p.sync()
+        with tempfile.TemporaryDirectory() as folder:
+            prof.export_chrome_trace(f"{folder}/trace.json")
+            sorted_by, ops = headline(operator_times(read_trace(f"{folder}/trace.json")), ATTENTION_PROFILE_TOP)
+        p.write("attention_profile", impl=impl, dtype=dtype_name, sorted_by=sorted_by, ops=ops)
+    except Exception as e:  # noqa: BLE001  (a profile that fails leaves the timings standing)
+        p.write("attention_profile", impl=impl, dtype=dtype_name, error=one_line(e), trace=trace_tail())
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1200,6 +1222,10 @@ def write_table(rec: Recorder, out: Path) -> Path:
             e = errs.get((r.get("impl"), r["dtype"]), {})
             lines.append(f"| {r.get('impl')} | {r['dtype']} | {r.get('ms')} | {r.get('speedup_vs_reference')} | "
                          f"{e.get('max_abs_out', e.get('error'))} | {e.get('max_abs_d_q')} |")
+        for r in (r for r in rec.records if r["kind"] == "attention_profile"):
+            kernels = ", ".join(f"{o['name'][:48]} {1e3 * o['self_ms']:.0f} us" for o in r.get("ops", [])[:6])
+            lines.append(f"{r['impl']} ({r['dtype']}, one call, by {r.get('sorted_by')}): "
+                         f"{kernels or r.get('error')}")
         lines += [f"triton's tiles ({r['dtype']}), picked by timing: "
                   + ", ".join(f"{kernel} {tile}" for kernel, tile in r["tiles"].items())
                   for r in att if r.get("tiles")]

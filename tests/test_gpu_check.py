@@ -65,6 +65,10 @@ def test_cpu_smoke_runs_every_phase(tmp_path):
     assert {(r["impl"], r["dtype"]) for r in by_kind["attention_time"]} == pairs
     fp32_err = [r["max_abs_out"] for r in by_kind["attention_error"] if r["dtype"] == "fp32"]
     assert max(fp32_err) < 1e-4, by_kind["attention_error"]
+    # One profiled bf16 call of each: its busiest operators here (kernels on a GPU), each with a time.
+    profiles = {r["impl"]: r for r in by_kind["attention_profile"]}
+    assert set(profiles) == set(runs_here) and all(r["dtype"] == "bf16" for r in profiles.values())
+    assert all(r["ops"] and all(op["self_ms"] >= 0 for op in r["ops"]) for r in profiles.values()), profiles
     model = {(r["impl"], r["dtype"]): r for r in by_kind["model_error"]}
     # flex in bf16 only there (its compiles per key length; the attention phase checks both dtypes)
     assert set(model) == {(i, d) for i in runs_here for d in ("fp32", "bf16")} - {("flex", "fp32")}
