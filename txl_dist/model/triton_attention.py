@@ -274,7 +274,7 @@ def _zero_unread(dpos: torch.Tensor, qlen: int, klen: int, mlen: int, window: in
 def rel_attn_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
                  out: torch.Tensor, lse: torch.Tensor, keep: torch.Tensor, mlen: int, window: int,
                  p_drop: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients (dq, dk, dv, dpos) of rel_attn_fwd's output."""
+    """Gradients (dq, dk, dv, dpos) of rel_attn_fwd's output; keep: its dropout bits (read when p_drop > 0)."""
     grad_out = grad_out.contiguous()
     delta = (grad_out.float() * out.float()).sum(-1)                              # [BH, T]: rowsum(dO * O)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
