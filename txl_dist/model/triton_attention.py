@@ -64,13 +64,15 @@ KERNEL_NAMES = {"fwd": "rel_attn_fwd", "dkdv": "rel_attn_bwd_dkdv", "dq": "rel_a
 
 TILE_CANDIDATES: dict[str, tuple[Blocks, ...]] = {
     "fwd": (Blocks(128, 64, 8, 2), Blocks(64, 64, 4, 2), Blocks(64, 32, 4, 2)),
-    "dkdv": (Blocks(128, 64, 8, 2), Blocks(32, 64, 4, 2), Blocks(64, 32, 4, 2)),
+    "dkdv": (Blocks(128, 64, 8, 2), Blocks(64, 64, 4, 2), Blocks(32, 64, 4, 2)),
     "dq": (Blocks(128, 32, 8, 2), Blocks(64, 32, 4, 2), Blocks(32, 64, 4, 2)),
 }
 """The tiles each kernel chooses from on CUDA, by timing them (triton.autotune) at its first call per shape
 class (`shape_class`), head size, dtype and dropout: measured on the device, not fixed here. Chosen by the
 kernels' machine code for sm_90 (bench/triton_census.py, bf16, d_head 64, dropout, 2026-12-05): the fewest
-issue cycles per score among tiles whose loops spill nothing. A Hopper warpgroup multiplies 64 rows at a
+issue cycles per score among tiles whose loops spill nothing (dkdv's 64 x 64 on 4 warps since the stored dropout
+bits: 0.220 in its whole-tile loop against 0.228 for the default, the edge loops the other way round; it took the
+place of 64 x 32 on 4 warps, 0.364). A Hopper warpgroup multiplies 64 rows at a
 time, so a block of rows must be at least 16 x warps: 64 rows on 8 warps (the old default) computed every
 score twice. First of each: the default where nothing is timed (`kernel_blocks`). A tile that does not fit
 the device (shared memory, registers) is skipped by the tuner. Tiles change the order of the float32 sums (not
