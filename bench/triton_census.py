@@ -16,6 +16,11 @@ whenever it exceeds the tensor cores' (FlashAttention-3's observation at d_head 
 mask's instructions, not the products, bound the kernel). The ratio issue / tensor is printed per loop; it
 predicts which code changes speed the kernel up before a GPU times it. Not a timing: latencies, memory stalls
 and two CTAs sharing an SM are not modelled.
+
+Each kernel's floor at large's attention (`--heads-batch` rows, default micro batch 8 x 16 heads) sums its
+loops' issue cycles over the tiles it runs, counted by the kernels' own range arithmetic in Triton's
+interpreter (`loop_trips`), on a whole H100/H200: the figure a GPU's measured kernel time (gpu_check's
+attention_profile) is compared with.
 """
 from __future__ import annotations
 
@@ -29,9 +34,17 @@ import sys
 import tempfile
 
 import torch
+import triton
+import triton.language as tl
+
+from txl_dist.model import triton_kernels
 
 TENSOR_MACS_PER_CYCLE = 2048
 """bf16 dense multiply-adds per SM and cycle on an H100/H200: 989.4e12 / 2 / 132 SMs / 1.83e9 Hz."""
+
+SM_COUNT = 132
+SM_CLOCK_HZ = 989.4e12 / 2 / TENSOR_MACS_PER_CYCLE / SM_COUNT
+"""An H100/H200's SMs and the clock its bf16 data-sheet rate implies (~1.83 GHz): the floors' time base."""
 
 PRODUCTS_PER_TILE = {"fwd": 2, "dkdv": 4, "dq": 3}
 """Tile-sized matrix products per kernel: QK^T and PV; the backward's recomputed QK^T and dO V^T, then dV and dK
@@ -97,6 +110,59 @@ def loops(found: list[tuple[int, str, str]]) -> list[tuple[list[str], list[str]]
     return bodies
 
 
+@triton.jit
+def _loop_trips(OUT, T, KL, MLEN, WINDOW, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BY_KEYS: tl.constexpr):
+    """Per program: the trips of a kernel's three loops (whole tiles, the low edge, the high edge), by the
+    kernels' own range arithmetic."""
+    pid = tl.program_id(0)
+    if BY_KEYS:  # dkdv: a key block over query blocks
+        start = pid * BLOCK_N
+        lo, hi = triton_kernels._query_range(start, BLOCK_M, BLOCK_N, T, MLEN, WINDOW)
+        a, b = triton_kernels._full_queries(start, lo, hi, T, KL, MLEN, WINDOW, BLOCK_M, BLOCK_N)
+        step: tl.constexpr = BLOCK_M
+    else:
+        start = pid * BLOCK_M
+        lo, hi = triton_kernels._key_range(start, BLOCK_M, BLOCK_N, KL, MLEN, WINDOW)
+        a, b = triton_kernels._full_keys(start, lo, hi, T, KL, MLEN, WINDOW, BLOCK_M, BLOCK_N)
+        step: tl.constexpr = BLOCK_N
+    tl.store(OUT + pid * 3, (tl.maximum(b - a, 0) + step - 1) // step)
+    tl.store(OUT + pid * 3 + 1, (tl.maximum(a - lo, 0) + step - 1) // step)
+    tl.store(OUT + pid * 3 + 2, (tl.maximum(hi - b, 0) + step - 1) // step)
+
+
+def trips_interpreted(name: str, block_m: int, block_n: int, qlen: int, klen: int, window: int) -> list[int]:
+    """The trips of kernel `name`'s three loops summed over one head-batch row's programs (Triton's interpreter:
+    run it with TRITON_INTERPRET=1)."""
+    by_keys = name == "dkdv"
+    programs = -(-(klen if by_keys else qlen) // (block_n if by_keys else block_m))
+    out = torch.zeros(programs * 3, dtype=torch.int32)
+    _loop_trips[(programs,)](out, qlen, klen, klen - qlen, window, BLOCK_M=block_m, BLOCK_N=block_n, BY_KEYS=by_keys)
+    return out.view(programs, 3).sum(0).tolist()
+
+
+def loop_trips(cases: list[tuple[str, int, int]], shape) -> list[list[int]]:
+    """trips_interpreted of each (kernel, block_m, block_n) at `shape` (a TargetShape), in a process of its own
+    (this one compiles for the GPU, so its kernels are not interpreted)."""
+    calls = ", ".join(f"trips_interpreted({name!r}, {m}, {n}, {shape.qlen}, {shape.klen}, {shape.window})"
+                      for name, m, n in cases)
+    done = subprocess.run([sys.executable, "-c", f"from bench.triton_census import trips_interpreted; print([{calls}])"],
+                          env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, check=True,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def floors(row: dict, trips: list[int], heads_batch: int) -> dict:
+    """A kernel's issue floor and tensor-core time at `heads_batch` head-batch rows of the census shape, in
+    microseconds on a whole H100/H200: every loop's trips times its issue (tensor) cycles per tile, over
+    SM_COUNT SMs at SM_CLOCK_HZ. Edge tiles count at their loops' cost; stalls, tails and the code outside the
+    loops are not modelled."""
+    scale = heads_batch / SM_COUNT / SM_CLOCK_HZ * 1e6
+    issue = sum(n * loop["issue_cycles"] for n, loop in zip(trips, row["loops"]))
+    tensor = sum(n * loop["tensor_cycles"] for n, loop in zip(trips, row["loops"]))
+    return dict(trips=trips, heads_batch=heads_batch, floor_us=round(issue * scale, 1),
+                tensor_us=round(tensor * scale, 1))
+
+
 def census(name: str, blocks, compiled, d_head: int) -> dict:
     cubin = compiled.asm["cubin"]
     found = instructions(_run_tool("nvdisasm", cubin, "-c"))
@@ -128,6 +194,8 @@ def main(argv=None) -> int:
     parser.add_argument("--no-dropout", action="store_true", help="kernels compiled without attention dropout")
     parser.add_argument("--d-head", type=int, default=64)
     parser.add_argument("--json", help="also write the census as JSON lines here")
+    parser.add_argument("--heads-batch", type=int, default=128,
+                        help="head-batch rows the floors count (default: large's attention at micro batch 8, 8 x 16)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("triton_census: unset TRITON_INTERPRET (the interpreter compiles nothing)")
@@ -137,10 +205,16 @@ def main(argv=None) -> int:
             triton_attention.compile_for_target(90, torch.bfloat16, args.d_head, dropout=not args.no_dropout,
                                                 every_candidate=args.every_candidate)
             if name in PRODUCTS_PER_TILE]  # not the zero-store kernel: it has no tiles of scores
-    print(f"sm_90, bf16, d_head {args.d_head}, dropout {'off' if args.no_dropout else 'on'}; per thread and tile")
+    shape = triton_attention.TargetShape()
+    cases = [(row["kernel"], *map(int, row["tiles"].split("/")[0].split("x"))) for row in rows]
+    for row, trips in zip(rows, loop_trips(cases, shape)):
+        row.update(floors(row, trips, args.heads_batch))
+    print(f"sm_90, bf16, d_head {args.d_head}, dropout {'off' if args.no_dropout else 'on'}; per thread and tile; "
+          f"floors at {args.heads_batch} head-batch rows of T {shape.qlen}, KL {shape.klen} on {SM_COUNT} SMs")
     for row in rows:
         print(f"{row['kernel']:5} {row['tiles']:15} {row['registers']} registers, {row['spill_stores']} spill "
-              f"stores, {row['instructions']} instructions")
+              f"stores, {row['instructions']} instructions; loop trips {row['trips']} per head-batch row: issue "
+              f"floor {row['floor_us']} us, tensor cores {row['tensor_us']} us")
         for i, loop in enumerate(row["loops"]):
             kinds = ", ".join(f"{k} {v}" for k, v in loop["kinds"].items())
             print(f"      loop {i}: {loop['instructions']} instructions ({loop['per_score']} per score, "

@@ -301,7 +301,8 @@ def test_machine_code_of_the_unmasked_tiles(tmp_path):
     """The kernels' sm_90 code as bench/triton_census.py reads it (nvdisasm): each kernel's first loop, over the
     key (or query) tiles that every row sees whole, selects no -inf (the mask's signature: a tile classified as
     whole that was not would fail the reference tests, one never classified so would show here), while the
-    loops over the edge tiles do; and no loop of the default tiles touches spilled registers."""
+    loops over the edge tiles do; no loop of the default tiles touches spilled registers; and the issue floors
+    count tiles that cover the attention."""
     if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm").exists():
         pytest.skip(f"triton {triton.__version__} ships no nvdisasm")
     out = tmp_path / "census.jsonl"
@@ -315,6 +316,12 @@ def test_machine_code_of_the_unmasked_tiles(tmp_path):
         assert whole["mask_selects"] == 0 and all(edge["mask_selects"] > 0 for edge in edges), (name, row)
         assert whole["instructions"] < min(edge["instructions"] for edge in edges), (name, row)
         assert all(loop["local_memory"] == 0 for loop in row["loops"]), (name, row)
+        # The floors count the kernels' own loop trips (interpreted): their tiles cover every visible pair of
+        # the census shape (T 384 under 384 of memory, no window: 384 x 385 + 384 x 383 / 2) with little waste.
+        block_m, block_n = map(int, row["tiles"].split("/")[0].split("x"))
+        covered = sum(row["trips"]) * block_m * block_n
+        assert 221_376 <= covered <= 1.25 * 221_376, (name, row["trips"])
+        assert 0 < row["tensor_us"] < row["floor_us"], (name, row)
 
 
 def test_the_position_skew_probe_compiles_both_loops():

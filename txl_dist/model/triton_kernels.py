@@ -128,6 +128,14 @@ def _key_range(start_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KL, MLEN, 
 
 
 @triton.jit
+def _query_range(start_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, T, MLEN, WINDOW):
+    """Query blocks that may see a key block: i + MLEN >= j (and, with a window, i + MLEN - WINDOW < j)."""
+    lo = tl.maximum(start_n - MLEN, 0) // BLOCK_M * BLOCK_M
+    hi = tl.minimum(start_n + BLOCK_N - 1 - MLEN + WINDOW, T)
+    return lo, hi
+
+
+@triton.jit
 def _full_keys(start_m, lo, hi, T, KL, MLEN, WINDOW, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """[a, b): the key blocks of [lo, hi) that every row of the query block sees whole. a is where the last
     row's window has begun, b where the first row's diagonal or the keys end; none if the block has rows past
@@ -272,9 +280,7 @@ def rel_attn_bwd_dkdv(Q, K, V, POS, KEEP, DO, LSE, DELTA, DK, DV, T, KL, W, KG, 
     pos_bh, keep_bh = POS + bh * T * W, KEEP + bh * T * KG
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    # Queries that see a key of this block: i + MLEN >= j (and, with a window, i + MLEN - WINDOW < j).
-    lo = tl.maximum(start_n - MLEN, 0) // BLOCK_M * BLOCK_M
-    hi = tl.minimum(start_n + BLOCK_N - 1 - MLEN + WINDOW, T)
+    lo, hi = _query_range(start_n, BLOCK_M, BLOCK_N, T, MLEN, WINDOW)
     a, b = _full_queries(start_n, lo, hi, T, KL, MLEN, WINDOW, BLOCK_M, BLOCK_N)
     dk, dv = _dkdv_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, pos_bh, keep_bh, KEEP_SCALE, bh, offs_n, offs_d, start_n,
                           a, b, T, KL, W, KG, MLEN, WINDOW, D, BLOCK_M, BLOCK_N, False, DROP_BITS, IEEE)
