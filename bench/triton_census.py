@@ -145,8 +145,9 @@ def loop_trips(cases: list[tuple[str, int, int]], shape) -> list[list[int]]:
     (this one compiles for the GPU, so its kernels are not interpreted)."""
     calls = ", ".join(f"trips_interpreted({name!r}, {m}, {n}, {shape.qlen}, {shape.klen}, {shape.window})"
                       for name, m, n in cases)
-    done = subprocess.run([sys.executable, "-c", f"from bench.triton_census import trips_interpreted; print([{calls}])"],
-                          env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, check=True,
+    code = f"from bench.triton_census import trips_interpreted; print([{calls}])"
+    done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"),
+                          capture_output=True, text=True, check=True,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     return json.loads(done.stdout.strip().splitlines()[-1])
 
