@@ -372,6 +372,13 @@ def phase_attention(p: Phase) -> None:
                 attention_profile(p, impl, run, dname)
 
 
+def exported_trace(prof: torch.profiler.profile) -> dict[str, Any]:
+    """A finished profiler's Chrome trace, read back (txl_dist/trace_summary.py analyses that form)."""
+    with tempfile.TemporaryDirectory() as folder:
+        prof.export_chrome_trace(f"{folder}/trace.json")
+        return read_trace(f"{folder}/trace.json")
+
+
 def attention_profile(p: Phase, impl: str, run: Callable[[], None], dtype_name: str) -> None:
     """One profiled call of an implementation after its timing: its time kernel by kernel (operators on a CPU).
     For triton, the measured side of bench/triton_census.py's issue floors (rel_attn_fwd, rel_attn_bwd_dkdv,
@@ -380,9 +387,7 @@ def attention_profile(p: Phase, impl: str, run: Callable[[], None], dtype_name: 
         with torch.profiler.profile(activities=profiler_activities(p.device)) as prof:
             run()
             p.sync()
-        with tempfile.TemporaryDirectory() as folder:
-            prof.export_chrome_trace(f"{folder}/trace.json")
-            sorted_by, ops = headline(operator_times(read_trace(f"{folder}/trace.json")), ATTENTION_PROFILE_TOP)
+        sorted_by, ops = headline(operator_times(exported_trace(prof)), ATTENTION_PROFILE_TOP)
         p.write("attention_profile", impl=impl, dtype=dtype_name, sorted_by=sorted_by, ops=ops)
     except Exception as e:  # noqa: BLE001  (a profile that fails leaves the timings standing)
         p.write("attention_profile", impl=impl, dtype=dtype_name, error=one_line(e), trace=trace_tail())
@@ -608,9 +613,7 @@ class TrainCase:
                 with torch.profiler.record_function(f"ProfilerStep#{i}"):  # the trainer's step spans
                     step(i)
             p.sync()
-        with tempfile.TemporaryDirectory() as folder:
-            prof.export_chrome_trace(f"{folder}/trace.json")
-            times, summary = analyze(read_trace(f"{folder}/trace.json"), PROFILE_TOP_OPS)
+        times, summary = analyze(exported_trace(prof), PROFILE_TOP_OPS)
         sorted_by, ops = headline(times, PROFILE_TOP_OPS)
         for op in ops:
             op["name"] = op["name"][:PROFILE_NAME_CHARS]

@@ -202,12 +202,13 @@ def main(argv=None) -> int:
         raise SystemExit("triton_census: unset TRITON_INTERPRET (the interpreter compiles nothing)")
     from txl_dist.model import triton_attention
 
-    rows = [census(name, blocks, compiled, args.d_head) for name, blocks, compiled in
-            triton_attention.compile_for_target(90, torch.bfloat16, args.d_head, dropout=not args.no_dropout,
-                                                every_candidate=args.every_candidate)
-            if name in PRODUCTS_PER_TILE]  # not the zero-store kernel: it has no tiles of scores
+    kernels = [(name, blocks, compiled) for name, blocks, compiled in
+               triton_attention.compile_for_target(90, torch.bfloat16, args.d_head, dropout=not args.no_dropout,
+                                                   every_candidate=args.every_candidate)
+               if name in PRODUCTS_PER_TILE]  # not the zero-store kernel: it has no tiles of scores
+    rows = [census(name, blocks, compiled, args.d_head) for name, blocks, compiled in kernels]
     shape = triton_attention.TargetShape()
-    cases = [(row["kernel"], *map(int, row["tiles"].split("/")[0].split("x"))) for row in rows]
+    cases = [(name, blocks.block_m, blocks.block_n) for name, blocks, _ in kernels]
     for row, trips in zip(rows, loop_trips(cases, shape)):
         row.update(floors(row, trips, args.heads_batch))
     print(f"sm_90, bf16, d_head {args.d_head}, dropout {'off' if args.no_dropout else 'on'}; per thread and tile; "

@@ -101,11 +101,16 @@ def tile_candidates(name: str) -> tuple[Blocks, ...]:
     return tuple(b for b in TILE_CANDIDATES[name] if (name, b) not in CRASHES_OLDER_TRITON)
 
 
+INTERPRETER_BLOCKS = Blocks(16, 16, 1, 1)
+"""Every kernel's tiles in the interpreter: the smallest a dot product takes, so small test shapes cross tile
+borders."""
+
+
 def kernel_blocks(device: torch.device) -> dict[str, Blocks]:
     """Tile sizes per kernel without tuning: on CUDA the first candidate of each (tile_candidates); in the
-    interpreter the smallest tiles a dot product takes (16), so that small test shapes cross tile borders."""
+    interpreter INTERPRETER_BLOCKS."""
     if device.type != "cuda":
-        return {name: Blocks(16, 16, 1, 1) for name in KERNEL_NAMES}
+        return dict.fromkeys(KERNEL_NAMES, INTERPRETER_BLOCKS)
     return {name: tile_candidates(name)[0] for name in KERNEL_NAMES}
 
 
@@ -254,7 +259,7 @@ def _(q, k, v, pos, seed, mlen, window, p_drop):
 
 
 ZERO_BLOCKS = Blocks(32, 128, 4, 1)
-"""Tiles of rel_attn_zero_unread on CUDA (a store-only kernel: not tuned; 16 x 16 in the interpreter)."""
+"""Tiles of rel_attn_zero_unread on CUDA (a store-only kernel: not tuned; INTERPRETER_BLOCKS there)."""
 
 
 def position_grad_buffer(pos: torch.Tensor) -> torch.Tensor:
@@ -266,7 +271,7 @@ def position_grad_buffer(pos: torch.Tensor) -> torch.Tensor:
 
 def _zero_unread(dpos: torch.Tensor, qlen: int, klen: int, mlen: int, window: int) -> None:
     """Zeros where no (query, key) pair reads the position product (rel_attn_zero_unread)."""
-    b = ZERO_BLOCKS if dpos.device.type == "cuda" else Blocks(16, 16, 1, 1)
+    b = ZERO_BLOCKS if dpos.device.type == "cuda" else INTERPRETER_BLOCKS
     _kernels().rel_attn_zero_unread[(math.ceil(qlen / b.block_m), dpos.shape[0])](
         dpos, qlen, klen, dpos.shape[2], mlen, window, BLOCK_M=b.block_m, BLOCK_N=b.block_n,
         num_warps=b.num_warps, num_stages=b.num_stages)
