@@ -133,3 +133,39 @@ def test_position_rows_probe_times_both_row_widths(capsys):
     for r in rows:
         assert r["klen_plus_1"] % 2 == 1 and r["padded_width"] == r["klen_plus_1"] + 1
         assert min(r["unpadded_ms"]) > 0 and min(r["padded_ms"]) > 0
+
+
+def test_step_ablation_times_every_variant_beside_the_unchanged_step():
+    """bench/step_ablation.py (where a CPU step's time goes) trains every variant at toy size, and each of its
+    replaced names still exists in the code it patches (a renamed one fails instead of measuring nothing)."""
+    from bench import step_ablation
+
+    r = step_ablation.ablate("comparison", torch.float32, reps=1, quick=True)
+    names = set(step_ablation.variants())
+    assert set(r["step_ms"]) == names and set(r["saves_share"]) == names - {"unchanged"}
+    assert all(t > 0 for t in r["step_ms"].values())
+    assert r["ideal_step_ms"] > 0 and 0 < r["mfu"] < 1
+    # Each variant removes what it names.
+    from txl_dist.model import attention, dropout
+    x = torch.randn(4, 8)
+    patches = step_ablation.variants()
+    with step_ablation.patched(patches["dropout (masks and multiplies)"]):
+        assert dropout.Dropout(0.5).train()(x) is x and attention.dropout(x, 0.5, True) is x
+    with step_ablation.patched(patches["dropout masks (each drawn once, reused)"]):
+        assert torch.equal(dropout.dropout(x, 0.5, True), dropout.dropout(x, 0.5, True))
+    with step_ablation.patched(patches["attention softmax"]):
+        assert torch.nn.functional.softmax(x, dim=-1) is x
+    with step_ablation.patched(patches["layer norm"]):
+        assert torch.nn.LayerNorm(8)(x) is x
+    with step_ablation.patched(patches["adaptive softmax's log-softmax and NLL"]):
+        target = torch.tensor([1, 2, 3, 4])
+        assert torch.equal(torch.nn.functional.cross_entropy(x, target, reduction="none"), x[range(4), target])
+    param = torch.nn.Parameter(torch.ones(2))
+    param.grad = torch.ones(2)
+    with step_ablation.patched(patches["optimizer step (fused AdamW)"]):
+        torch.optim.AdamW([param], lr=0.1).step()
+    assert torch.equal(param.detach(), torch.ones(2))
+    assert not torch.equal(dropout.dropout(x, 0.5, True), dropout.dropout(x, 0.5, True))  # restored on exit
+    with pytest.raises(AttributeError, match="no 'not_there'"):
+        with step_ablation.patched([(step_ablation, "not_there", None)]):
+            pass
