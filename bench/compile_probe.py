@@ -22,9 +22,9 @@ from typing import Callable
 
 import torch
 
+from bench.suite import DTYPES
 from bench.timing import interleaved
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 N_ELEMENTS = 1 << 20
 
 ELEMENTWISE: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], bool]] = {

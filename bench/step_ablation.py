@@ -26,10 +26,11 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn.functional as F
 
+from bench.suite import (DTYPES, MFU_PRESETS, flops_per_token, matmul_call, our_training, preset_layer_config,
+                         speed_config)
 from bench.timing import interleaved
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-SHAPES = ("comparison", "large", "wt103_base_aligned", "wt103_base")
+SHAPES = ("comparison", *(name for name, _ in MFU_PRESETS))
 
 Patch = tuple[Any, str, Any]
 
@@ -86,16 +87,12 @@ def patched(patches: list[Patch]) -> Iterator[None]:
 
 
 def shape_config(shape: str, quick: bool):
-    from bench.suite import MFU_PRESETS, preset_layer_config, speed_config
-
     if shape == "comparison":
         return speed_config(quick)
     return preset_layer_config(shape, dict(MFU_PRESETS)[shape], quick)
 
 
 def ablate(shape: str, dtype: torch.dtype, reps: int, quick: bool) -> dict[str, Any]:
-    from bench.suite import flops_per_token, matmul_call, our_training
-
     cfg = shape_config(shape, quick)
     batch = 4 if quick else 8
     runs: dict[str, tuple[Callable[[int], None], list[Patch]]] = {}
