@@ -4,6 +4,7 @@ runs them as subprocesses and reads one JSON line from their stdout.
     python -m bench.probes step-memory --checkpointing 0|1 [--quick]
     python -m bench.probes checkpoint --dir DIR [--quick]
     python -m bench.probes grad-accum [--stage 1|2|3] [--micro-steps 4] [--reps 5] [--quick]
+    python -m bench.probes comm-volume [--stages 0 1 2 3] [--micro-steps 1 2 4] [--dtype bf16|fp32] [--quick]
 """
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -120,6 +123,12 @@ def _one_rank_process_group() -> None:
     os.environ["MASTER_PORT"] = str(free_port())
 
 
+def _optimizer_step(engine, ids: torch.Tensor) -> None:
+    for x in ids:
+        engine.backward(engine(x, x).nll.float().mean())
+        engine.step()
+
+
 def grad_accum_cost(stage: int, micro_steps: int, reps: int, quick: bool) -> dict:
     """bf16 training steps with gradients accumulated in fp32 (the default at ZeRO 1-3) against bf16, one
     engine each, the same model and batches, timed in turns; and the optimizer's extra fp32 gradient bytes."""
@@ -144,9 +153,7 @@ def grad_accum_cost(stage: int, micro_steps: int, reps: int, quick: bool) -> dic
 
     def step(engine) -> float:
         start = time.perf_counter()
-        for x in ids:
-            engine.backward(engine(x, x).nll.float().mean())
-            engine.step()
+        _optimizer_step(engine, ids)
         return time.perf_counter() - start
 
     times: dict[str, list[float]] = {k: [] for k in engines}
@@ -161,6 +168,77 @@ def grad_accum_cost(stage: int, micro_steps: int, reps: int, quick: bool) -> dic
             "step_s_fp32_accum": round(best["fp32"], 4), "step_s_bf16_accum": round(best["bf16"], 4),
             "ratio_fp32_over_bf16": round(best["fp32"] / best["bf16"], 3),
             "optimizer": {k: type(e.optimizer).__name__ for k, e in engines.items()}}
+
+
+COMM_WORLD = 2
+
+
+def comm_volume(stages: list[int], micro_steps: list[int], dtype: str, quick: bool) -> dict:
+    """What DeepSpeed's collectives carry per optimizer step, for each ZeRO stage and number of micro steps:
+    2 ranks (gloo), each running `comm-volume-rank`; rank 0's result."""
+    from bench.gpu_check import free_port
+
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), WORLD_SIZE=str(COMM_WORLD), LOCAL_WORLD_SIZE=str(COMM_WORLD))
+    argv = [sys.executable, "-m", "bench.probes", "comm-volume-rank", "--dtype", dtype,
+            "--stages", *map(str, stages), "--micro-steps", *map(str, micro_steps), *(["--quick"] if quick else [])]
+    procs = [subprocess.Popen(argv, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(COMM_WORLD)]
+    outputs = [p.communicate(timeout=900)[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError("comm-volume ranks failed: " + " | ".join(
+            f"rank {r} exit {p.returncode}: {out[-2000:]}" for r, (p, out) in enumerate(zip(procs, outputs))))
+    line = next(ln for ln in outputs[0].splitlines() if ln.startswith("PROBE "))
+    return json.loads(line[len("PROBE "):])
+
+
+def comm_volume_rank(stages: list[int], micro_steps: list[int], dtype: str, quick: bool) -> dict:
+    """One rank of `comm-volume`: per (stage, micro steps), an engine trains 1 step (warm-up), then 2 steps with
+    DeepSpeed's comms logger reset before them; per collective, its calls and the bytes of the tensors handed to
+    it (the logger's message sizes) per optimizer step, also as a multiple of the gradient's bytes (parameters x
+    the model dtype's size: 1.0 is one whole gradient)."""
+    import deepspeed.comm as ds_comm
+
+    from txl_dist.config import config_from_dict
+    from txl_dist.engine import build_engine, deepspeed_config
+    from txl_dist.model import TransformerXL
+
+    model_cfg = memory_model_config(quick)
+    micro, measured_steps = 2, 2
+    element_bytes = {"bf16": 2, "fp32": 4}[dtype]
+    runs = []
+    for stage in stages:
+        for k in micro_steps:
+            ds_section: dict = {
+                "train_batch_size": micro * k * COMM_WORLD, "train_micro_batch_size_per_gpu": micro,
+                "zero_optimization": {"stage": stage}, "gradient_clipping": 1.0, "steps_per_print": 10**9,
+                "comms_logger": {"enabled": True, "prof_all": True},
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}}
+            if dtype == "bf16":
+                ds_section["bf16"] = {"enabled": True}
+            raw = {"train": {"max_steps": 10**6}, "deepspeed": ds_section}
+            ds = deepspeed_config(config_from_dict(raw), COMM_WORLD)
+            engine = build_engine(lambda: TransformerXL(model_cfg), ds, seed=0)
+            ids = torch.randint(0, model_cfg.vocab_size, (k, micro, model_cfg.tgt_len),
+                                generator=torch.Generator().manual_seed(1))
+
+            _optimizer_step(engine, ids)
+            ds_comm.reset_log()
+            for _ in range(measured_steps):
+                _optimizer_step(engine, ids)
+            summary = ds_comm.log_summary(return_dict=True)["summary"]
+            n_params = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())  # ZeRO-3: whole
+            grad_bytes = n_params * element_bytes
+            ops = {}
+            for op, sizes in summary.items():
+                if op.startswith("log_summary"):
+                    continue
+                nbytes = sum(v["count"] * v["msg_size_bytes"] for v in sizes.values()) / measured_steps
+                ops[op] = {"calls": sum(v["count"] for v in sizes.values()) / measured_steps,
+                           "bytes": nbytes, "gradients": round(nbytes / grad_bytes, 3)}
+            runs.append({"stage": stage, "micro_steps": k, "optimizer": type(engine.optimizer).__name__,
+                         "gradient_bytes": grad_bytes, "ops": ops})
+    return {"world": COMM_WORLD, "dtype": dtype, "n_params": n_params, "runs": runs}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -178,9 +256,18 @@ def main(argv: list[str] | None = None) -> None:
     acc.add_argument("--micro-steps", type=int, default=4)
     acc.add_argument("--reps", type=int, default=5)
     acc.add_argument("--quick", action="store_true")
+    for name in ("comm-volume", "comm-volume-rank"):
+        cv = sub.add_parser(name)
+        cv.add_argument("--stages", type=int, nargs="+", choices=(0, 1, 2, 3), default=[0, 1, 2, 3])
+        cv.add_argument("--micro-steps", type=int, nargs="+", default=[1, 2, 4])
+        cv.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+        cv.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
     if args.probe == "step-memory":
         result = step_memory(bool(args.checkpointing), args.quick)
+    elif args.probe in ("comm-volume", "comm-volume-rank"):
+        run = comm_volume if args.probe == "comm-volume" else comm_volume_rank
+        result = run(args.stages, args.micro_steps, args.dtype, args.quick)
     elif args.probe == "grad-accum":
         result = grad_accum_cost(args.stage, args.micro_steps, args.reps, args.quick)
     else:

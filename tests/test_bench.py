@@ -169,3 +169,22 @@ def test_step_ablation_times_every_variant_beside_the_unchanged_step():
     with pytest.raises(AttributeError, match="no 'not_there'"):
         with step_ablation.patched([(step_ablation, "not_there", None)]):
             pass
+
+
+@pytest.mark.slow
+def test_comm_volume_probe_sees_zero_2_all_reduce_every_micro_step():
+    """`bench.probes comm-volume` on 2 real ranks (gloo): ZeRO 1 all-reduces one whole gradient per optimizer
+    step, ZeRO 2 one per micro step, as the trainer's start-up note (gradient_traffic_note) tells a user."""
+    from bench.suite import probe, child_env
+    from txl_dist.engine import gradient_traffic_note
+
+    result = probe(["comm-volume", "--quick", "--stages", "1", "2", "--micro-steps", "1", "3", "--dtype", "fp32"],
+                   child_env())
+    assert result["world"] == 2 and result["n_params"] > 0
+    gradients = {(r["stage"], r["micro_steps"]): r["ops"]["all_reduce"]["gradients"] for r in result["runs"]}
+    assert set(gradients) == {(1, 1), (1, 3), (2, 1), (2, 3)}
+    for (stage, k), sent in gradients.items():
+        expected = k if stage == 2 else 1  # the step's other all-reduces (norm, overflow) are a few bytes
+        assert sent == pytest.approx(expected, abs=0.01), (stage, k, sent)
+        assert (gradient_traffic_note(stage, 2, k) is None) == (sent < 1.5), (stage, k)
+    assert gradient_traffic_note(2, 1, 8) is None  # one rank: nothing is sent

@@ -47,6 +47,7 @@ def test_deepspeed_then_torchrun_with_sigterm_then_resume_one_mlflow_run(corpus,
                  "--config", str(config), "--set", "train.exit_step=2"])
     assert ds.wait() == 0, ds.output[-4000:]
     assert "world size 2 (deepspeed, 1 thread(s) per rank)" in ds.output
+    assert "the whole gradient after each" not in ds.output  # ZeRO 1 all-reduces once per step
     assert sum("step 2/2 | loss" in line for line in ds.lines) == 1  # rank 0 alone prints
     assert read_latest(ckpt) == "step_00000002"
 
@@ -86,11 +87,12 @@ def test_deepspeed_then_torchrun_with_sigterm_then_resume_one_mlflow_run(corpus,
 
 
 def test_srun_style_environment(corpus, tmp_path):
-    """Two plain processes that know only SLURM_* variables, as srun starts them."""
+    """Two plain processes that know only SLURM_* variables, as srun starts them (at ZeRO 2 with 2 micro steps
+    per rank: the start-up names the extra gradient traffic)."""
     ckpt = tmp_path / "run" / "checkpoints"
     config = tmp_path / "run.json"
     config.write_text(json.dumps(tiny_config(corpus, tmp_path / "run", train={"max_steps": 2},
-                                             eval={"at_end": False})))
+                                             eval={"at_end": False}, deepspeed={"zero_optimization": {"stage": 2}})))
     port = str(free_port())
     procs = []
     for rank in (0, 1):
@@ -101,6 +103,7 @@ def test_srun_style_environment(corpus, tmp_path):
     codes = [p.wait() for p in procs]
     assert codes == [0, 0], procs[0].output[-3000:] + procs[1].output[-3000:]
     assert "world size 2 (slurm, 1 thread(s) per rank)" in procs[0].output
+    assert "ZeRO 2 all-reduces the whole gradient after each of the step's 2 micro steps" in procs[0].output
     assert "[rank 1] " in procs[1].output  # --log-all-ranks: rank 1 prints too, prefixed
     assert read_run_info(ckpt / read_latest(ckpt))["world_size"] == 2
 

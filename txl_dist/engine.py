@@ -98,6 +98,21 @@ def model_dtype(ds_config: dict[str, Any]) -> torch.dtype:
     return torch.float32
 
 
+def gradient_traffic_note(stage: int, world_size: int, accumulation_steps: int) -> str | None:
+    """What a ZeRO 2 run with several micro steps per rank sends more than ZeRO 1, or None where it sends the same.
+
+    DeepSpeed 0.19.8's ZeRO 2 all-reduces each micro step's whole gradient as backward produces it
+    (stage_1_and_2.py, reduce_ready_partitions_and_remove_grads), ZeRO 1 once per optimizer step:
+    `python -m bench.probes comm-volume` counts it (docs/performance.md, "ZeRO stage and gradient traffic")."""
+    if stage != 2 or world_size == 1 or accumulation_steps == 1:
+        return None
+    return (f"ZeRO 2 all-reduces the whole gradient after each of the step's {accumulation_steps} micro steps: "
+            f"{accumulation_steps}x the gradient traffic of ZeRO 1, which all-reduces once per step. Over slow links "
+            "(PCIe without NVLink, Ethernet between nodes) fewer micro steps (more ranks, or a larger micro batch) "
+            "send less; ZeRO 1 does too, but sums bf16 gradients in bf16 (docs/performance.md, "
+            "\"ZeRO stage and gradient traffic\")")
+
+
 ZERO3_COMPILE_WARNING = (
     "train.compile at ZeRO-3: DeepSpeed's hooks that gather each submodule's weights break every layer's graph "
     "(2 layers: 23 graphs, 39 breaks, dynamo's recompile limit hit, where ZeRO 0-2 compile 3 graphs and no "

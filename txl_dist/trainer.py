@@ -39,8 +39,8 @@ from .config import RunConfig
 from .curves import RunCurves
 from .data import StreamLoader
 from .distributed import DistEnv
-from .engine import build_engine, deepspeed_config, global_grad_norm, model_dtype, skipped_unless_finite, \
-    zero_stage
+from .engine import build_engine, deepspeed_config, global_grad_norm, gradient_traffic_note, model_dtype, \
+    skipped_unless_finite, zero_stage
 from .errors import RunFailed, one_line
 from .flops import flops_per_token
 from .evaluate import Evaluator, batch_to_device
@@ -577,6 +577,9 @@ def _log_run_start(trainer: Trainer, start: TrainStart, env: DistEnv, n_params: 
              trainer.flops_per_token / 1e9, env.world_size, env.launcher, torch.get_num_threads(),
              zero_stage(cfg.deepspeed), str(model_dtype(trainer.engine.config)).replace("torch.", ""),
              start.run_dir.path, mlflow_status(tracker.run_id))
+    traffic = gradient_traffic_note(zero_stage(cfg.deepspeed), env.world_size, trainer.loader.accumulation_steps)
+    if traffic:
+        log.info("%s", traffic)
 
 
 def run_choices_artifact(start: TrainStart, step: int) -> str:
