@@ -171,6 +171,8 @@ def grad_accum_cost(stage: int, micro_steps: int, reps: int, quick: bool) -> dic
 
 
 COMM_WORLD = 2
+PRESET_ZERO_1_2 = {"overlap_comm": True, "contiguous_gradients": True}
+"""The GPU presets' ZeRO 2 settings (configs/large.json), also given to ZeRO 1: the defaults count the same."""
 
 
 def comm_volume(stages: list[int], micro_steps: list[int], dtype: str, quick: bool) -> dict:
@@ -211,8 +213,8 @@ def comm_volume_rank(stages: list[int], micro_steps: list[int], dtype: str, quic
         for k in micro_steps:
             ds_section: dict = {
                 "train_batch_size": micro * k * COMM_WORLD, "train_micro_batch_size_per_gpu": micro,
-                "zero_optimization": {"stage": stage}, "gradient_clipping": 1.0, "steps_per_print": 10**9,
-                "comms_logger": {"enabled": True, "prof_all": True},
+                "zero_optimization": {"stage": stage, **(PRESET_ZERO_1_2 if stage in (1, 2) else {})},
+                "gradient_clipping": 1.0, "steps_per_print": 10**9, "comms_logger": {"enabled": True, "prof_all": True},
                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}}
             if dtype == "bf16":
                 ds_section["bf16"] = {"enabled": True}
