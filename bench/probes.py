@@ -186,7 +186,11 @@ def comm_volume(stages: list[int], micro_steps: list[int], dtype: str, quick: bo
             "--stages", *map(str, stages), "--micro-steps", *map(str, micro_steps), *(["--quick"] if quick else [])]
     procs = [subprocess.Popen(argv, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for r in range(COMM_WORLD)]
-    outputs = [p.communicate(timeout=900)[0] for p in procs]
+    try:
+        outputs = [p.communicate(timeout=900)[0] for p in procs]
+    finally:
+        for p in procs:  # a rank left waiting for its peer after the other failed or hung
+            p.kill()
     if any(p.returncode for p in procs):
         raise RuntimeError("comm-volume ranks failed: " + " | ".join(
             f"rank {r} exit {p.returncode}: {out[-2000:]}" for r, (p, out) in enumerate(zip(procs, outputs))))

@@ -109,7 +109,7 @@ def gradient_traffic_note(stage: int, world_size: int, accumulation_steps: int) 
     return (f"ZeRO 2 all-reduces the whole gradient after each of the step's {accumulation_steps} micro steps: "
             f"{accumulation_steps}x the gradient traffic of ZeRO 1, which all-reduces once per step. Over slow links "
             "(PCIe without NVLink, Ethernet between nodes) fewer micro steps (more ranks, or a larger micro batch) "
-            "send less; ZeRO 1 does too, but sums bf16 gradients in bf16 (docs/performance.md, "
+            "send less; ZeRO 1 does too, but sums a bf16 run's gradients in bf16 (docs/performance.md, "
             "\"ZeRO stage and gradient traffic\")")
 
 
