@@ -177,24 +177,18 @@ PRESET_ZERO_1_2 = {"overlap_comm": True, "contiguous_gradients": True}
 
 def comm_volume(stages: list[int], micro_steps: list[int], dtype: str, quick: bool) -> dict:
     """What DeepSpeed's collectives carry per optimizer step, for each ZeRO stage and number of micro steps:
-    2 ranks (gloo), each running `comm-volume-rank`; rank 0's result."""
+    `comm-volume-rank` on 2 ranks (gloo) under torch.distributed.run, as the suite's zero section starts its
+    ranks; rank 0's result."""
     from bench.gpu_check import free_port
 
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()), WORLD_SIZE=str(COMM_WORLD), LOCAL_WORLD_SIZE=str(COMM_WORLD))
-    argv = [sys.executable, "-m", "bench.probes", "comm-volume-rank", "--dtype", dtype,
-            "--stages", *map(str, stages), "--micro-steps", *map(str, micro_steps), *(["--quick"] if quick else [])]
-    procs = [subprocess.Popen(argv, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(COMM_WORLD)]
-    try:
-        outputs = [p.communicate(timeout=900)[0] for p in procs]
-    finally:
-        for p in procs:  # a rank left waiting for its peer after the other failed or hung
-            p.kill()
-    if any(p.returncode for p in procs):
-        raise RuntimeError("comm-volume ranks failed: " + " | ".join(
-            f"rank {r} exit {p.returncode}: {out[-2000:]}" for r, (p, out) in enumerate(zip(procs, outputs))))
-    line = next(ln for ln in outputs[0].splitlines() if ln.startswith("PROBE "))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(COMM_WORLD),
+           "--master_port", str(free_port()), "-m", "bench.probes", "comm-volume-rank", "--dtype", dtype,
+           "--stages", *map(str, stages), "--micro-steps", *map(str, micro_steps), *(["--quick"] if quick else [])]
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")  # 2 ranks on 2 cores
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("PROBE ")), None)
+    if proc.returncode != 0 or line is None:
+        raise RuntimeError(f"comm-volume ranks failed ({proc.returncode}):\n{proc.stdout[-3000:]}")
     return json.loads(line[len("PROBE "):])
 
 
@@ -278,7 +272,8 @@ def main(argv: list[str] | None = None) -> None:
         result = grad_accum_cost(args.stage, args.micro_steps, args.reps, args.quick)
     else:
         result = checkpoint_speed(args.dir, args.quick, args.reps)
-    print("PROBE " + json.dumps(result), flush=True)
+    if args.probe != "comm-volume-rank" or os.environ.get("RANK") == "0":  # one line, not one per rank
+        print("PROBE " + json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":
