@@ -21,12 +21,15 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import psutil
 import torch.multiprocessing as mp
 
 from txl_dist.tracking import Tracker
+
+if TYPE_CHECKING:
+    import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 PRELOAD = ["torch", "torch._dynamo", "txl_dist.deepspeed_import", "numpy", "pyarrow", "txl_dist.engine", "txl_dist.trainer"]
@@ -188,7 +191,7 @@ def venv_bin(name: str) -> str:
 # Small corpora and configs for training tests
 
 
-def learnable_stream(n_tokens: int, vocab_size: int, seed: int) -> "np.ndarray":
+def learnable_stream(n_tokens: int, vocab_size: int, seed: int) -> np.ndarray:
     """Tokens a tiny model can learn from: random 'sentences' of a small phrase book, EOD (3) between."""
     import numpy as np
 

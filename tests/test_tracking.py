@@ -31,13 +31,13 @@ from txl_dist.tracking import (
 REPO = Path(__file__).resolve().parents[1]
 
 
-def runs_of(client, experiment):
-    exp = client.get_experiment_by_name(experiment)
-    return [] if exp is None else client.search_runs([exp.experiment_id])
+def runs_of(mlflow_client, experiment_name):
+    exp = mlflow_client.get_experiment_by_name(experiment_name)
+    return [] if exp is None else mlflow_client.search_runs([exp.experiment_id])
 
 
-def history(client, run_id, key):
-    return [(m.step, m.value) for m in client.get_metric_history(run_id, key)]
+def history(mlflow_client, run_id, key):
+    return [(m.step, m.value) for m in mlflow_client.get_metric_history(run_id, key)]
 
 
 def leaves(obj, prefix=""):

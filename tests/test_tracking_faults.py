@@ -26,13 +26,13 @@ BLOCKING_BOUND_S = 0.5
 """A log_* call may take this long at most: a bound on blocking, far above a normal call (~0.1 ms)."""
 
 
-def history(client, run_id, key):
-    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+def history(mlflow_client, run_id, key):
+    return sorted((m.step, m.value) for m in mlflow_client.get_metric_history(run_id, key))
 
 
-def runs_of(client, experiment):
-    exp = client.get_experiment_by_name(experiment)
-    return [] if exp is None else client.search_runs([exp.experiment_id])
+def runs_of(mlflow_client, experiment_name):
+    exp = mlflow_client.get_experiment_by_name(experiment_name)
+    return [] if exp is None else mlflow_client.search_runs([exp.experiment_id])
 
 
 def replay_cli(run_dir, *args) -> subprocess.CompletedProcess:
@@ -104,7 +104,8 @@ def test_a_stalled_store_never_blocks_logging_and_calls_keep_their_order(
     assert len(history(client, run_id, "train/loss")) == 50
 
 
-def test_server_gone_mid_run_warns_once_and_replay_fills_every_step(experiment, tmp_path, monkeypatch, caplog):
+def test_server_gone_mid_run_warns_once_and_replay_fills_every_step(
+        experiment, tmp_path, monkeypatch, caplog):  # noqa: F811 (the imported fixture, by name)
     # Fail each request at once instead of retrying for minutes, so that the failure (and its warning)
     # happens while the test is still "training".
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
