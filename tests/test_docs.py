@@ -326,8 +326,6 @@ def test_no_docstring_or_document_points_outside_the_repository():
     assert not hits, "\n".join(hits)
 
 
-# Written on another branch (the benchmarks); linked from docs/README.md ahead of the merge. Remove this
-# entry once BENCHMARKS.md is in the repository: the test then checks that link like any other.
 def test_markdown_links_between_documents_resolve():
     broken = []
     for doc in DOCUMENTS:
@@ -338,3 +336,24 @@ def test_markdown_links_between_documents_resolve():
             if not path.exists():
                 broken.append(f"{doc.relative_to(REPO)}: {target}")
     assert not broken, "\n".join(broken)
+
+
+def test_the_documented_slurm_port_formula_is_the_codes():
+    from txl_dist.distributed import SLURM_PORT_BASE, SLURM_PORT_SPAN
+
+    stated = {(doc.relative_to(REPO).as_posix(), m.group(0)) for doc in DOCUMENTS
+              for m in re.finditer(r"(\d+) \+ job id % (\d+)", doc.read_text(encoding="utf-8"))
+              if (int(m.group(1)), int(m.group(2))) != (SLURM_PORT_BASE, SLURM_PORT_SPAN)}
+    assert not stated, f"the code says {SLURM_PORT_BASE} + job id % {SLURM_PORT_SPAN}: {sorted(stated)}"
+    assert any("job id %" in doc.read_text(encoding="utf-8") for doc in DOCUMENTS)
+
+
+def test_bench_scripts_the_documents_run_by_path_run_by_path():
+    """`python bench/x.py ...` works only for scripts that need no `bench` package on the path; the others are
+    documented as `python -m bench.x`."""
+    scripts = sorted({m.group(1) for doc in DOCUMENTS
+                      for m in re.finditer(r"`(?:python\S* )?(bench/\w+\.py) -", doc.read_text(encoding="utf-8"))})
+    for script in scripts:
+        done = subprocess.run([sys.executable, script, "--help"], cwd=REPO, capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0, f"python {script} --help: {done.stderr.strip().splitlines()[-1:]}"
