@@ -78,6 +78,12 @@ def test_deepspeed_then_torchrun_with_sigterm_then_resume_one_mlflow_run(corpus,
     history = client.get_metric_history(run_id, "train/loss")
     assert sorted(m.step for m in history) == list(range(1, MAX_STEPS + 1))
     assert [m.step for m in client.get_metric_history(run_id, "test/loss")] == [MAX_STEPS]
+
+    # 4. Relaunched with a lower max_steps (1 rank): nothing to do, and the run stays FINISHED.
+    assert run_ranks(_train_main, 1, ["--config", str(config), "--set", f"train.max_steps={MAX_STEPS - 1}"],
+                     timeout=600) == [0]
+    assert client.get_run(run_id).info.status == "FINISHED"
+    assert read_latest(ckpt) == f"step_{MAX_STEPS:08d}"
     for key in ("train/lr", "train/grad_norm", "train/tokens_per_s", "train/tokens_seen", "train/step_time_s",
                 "train/memory_peak_mib", "valid/loss", "test/bits_per_byte"):
         assert client.get_metric_history(run_id, key), key
@@ -145,15 +151,22 @@ def test_a_stop_signal_after_the_job_does_not_end_the_process(corpus, tmp_path):
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
 
 
-def test_exit_process_keeps_the_status_and_the_exit_handlers():
-    # txl_dist/entry.py: the entry points end with gc.freeze (no teardown collection); what runs at exit must
-    # still run (MLflow ends its run in an atexit handler), and buffered output must still reach its file.
+def test_exit_process_keeps_the_status_the_threads_and_the_exit_handlers():
+    # txl_dist/entry.py: the entry points end without the interpreter's teardown; what runs at exit must still
+    # run (MLflow ends its run in an atexit handler, after the threads the interpreter waits for), buffered
+    # output must still reach its file, and nothing may be printed after the job's last line (triton's
+    # bindings, imported by torch's optimizers, reported "leaked instances" after a gc.freeze).
     import subprocess
 
-    script = ("import atexit, sys\n"
+    script = ("import atexit, sys, threading, time\n"
+              "import torch, triton\n"
               "from txl_dist.entry import exit_process\n"
+              "torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])\n"
               "atexit.register(lambda: print('exit handler ran'))\n"
+              "threading.Thread(target=lambda: (time.sleep(0.5), print('thread done'))).start()\n"
               "sys.stdout.write('buffered line\\n')\n"
+              "sys.stderr.write('error: the last line\\n')\n"
               "exit_process(3)\n")
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert (done.returncode, done.stdout) == (3, "buffered line\nexit handler ran\n"), done.stderr[-2000:]
+    assert (done.returncode, done.stdout) == (3, "buffered line\nthread done\nexit handler ran\n"), done.stderr
+    assert done.stderr == "error: the last line\n"

@@ -605,7 +605,9 @@ def run(cfg: RunConfig, env: DistEnv, *, resume: str = "auto", log_all_ranks: bo
     status = "FAILED"
     try:
         code = trainer.train()
-        status = "FINISHED" if trainer.step == cfg.train.max_steps else "KILLED"
+        # >=: a job relaunched with a lower max_steps than its checkpoint has nothing to do, and its run stays
+        # FINISHED rather than turning KILLED
+        status = "FINISHED" if trainer.step >= cfg.train.max_steps else "KILLED"
         return code
     except BaseException as e:
         trainer.ended = f"failed after step {trainer.step}: {failure_line(e)}"
