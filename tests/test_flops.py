@@ -8,7 +8,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from txl_dist.config import ModelConfig
 from txl_dist.flops import (cluster_token_shares, flops_breakdown, flops_per_token, measure_matmul_peak, peak_flops,
-                            table_peak, zipf_cluster_shares)
+                            small_head_warning, table_peak, zipf_cluster_shares)
 from txl_dist.model import TransformerXL
 
 VOCAB, T, M, B = 200, 12, 20, 3
@@ -144,3 +144,11 @@ def test_the_trainers_flops_count_the_tail_mode_its_planned_steps_run():
     assert trained_tail_mode(net.crit, torch.device("cpu")) == "gather"
     net.crit.tail_mode = "dense"  # an explicit mode is what the steps run
     assert trained_tail_mode(net.crit, gpu) == "dense"
+
+
+def test_start_up_warns_of_a_head_cluster_that_holds_few_tokens():
+    assert small_head_warning([], [1.0]) is None and small_head_warning([8], None) is None
+    assert small_head_warning([1000, 2000], [0.816, 0.1, 0.084]) is None  # the tiny preset on Shakespeare
+    line = small_head_warning([200, 500], [0.0003, 0.2, 0.7997])
+    assert line.startswith("model.cutoffs [200, 500]: the head cluster (ids below 200) holds only 0.0% of") and \
+        "256 byte pieces" in line

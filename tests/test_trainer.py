@@ -328,10 +328,15 @@ def _final_eval_and_last_line(raws: tuple[dict, dict]) -> dict:
 def test_the_last_line_without_tracking_and_a_self_describing_final_eval(corpus, tmp_path):
     from txl_dist.trainer import mlflow_status
 
-    raws = tuple(tiny_config(corpus, tmp_path / name, train={"max_steps": 2}, eval={"clamp_len": 5})
-                 for name in ("untracked", "recorded"))
+    # The corpus's ids are uniform over 4..63: cutoffs [60] hold ~95% of its tokens in the head, [8] ~15%.
+    raws = tuple(tiny_config(corpus, tmp_path / name, train={"max_steps": 2}, eval={"clamp_len": 5},
+                             model={"cutoffs": [cutoff]})
+                 for name, cutoff in (("untracked", 60), ("recorded", 8)))
     (out,) = run_ranks(_final_eval_and_last_line, 1, raws, timeout=600)
     assert out["code"] == 0
+    small_head = [line for line in out["lines"] if "the head cluster" in line]
+    assert len(small_head) == 1 and small_head[0].startswith("model.cutoffs [8]: the head cluster (ids below 8) "
+                                                             "holds only 1"), small_head
     last = [line for line in out["lines"] if line.startswith("run folder ")][-1]
     assert last.endswith(" | MLflow off") or " | MLflow off | " in last, last  # no status of a run that is not
     assert mlflow_status("0123abcd", "KILLED") == "MLflow run 0123abcd (KILLED)"

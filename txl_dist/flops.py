@@ -64,6 +64,25 @@ def zipf_cluster_shares(cutoffs: Sequence[int], vocab_size: int) -> list[float]:
     return [(harmonic(hi) - harmonic(lo)) / total for lo, hi in zip(ends[:-1], ends[1:])]
 
 
+SMALL_HEAD_SHARE = 0.5
+"""Below this share of the training tokens in the head cluster, start-up warns (small_head_warning). Adaptive
+softmax setups hold most tokens in the head: 82% for the tiny preset on Shakespeare, more at larger cutoffs."""
+
+
+def small_head_warning(cutoffs: Sequence[int], shares: Sequence[float] | None) -> str | None:
+    """A line for the start-up log when the head cluster holds under SMALL_HEAD_SHARE of the sampled training
+    tokens, else None. The cutoffs assume ids ordered by frequency; a SentencePiece vocabulary is ordered by
+    piece score after its fixed pieces, which come first (the control pieces and, with byte fallback, 256
+    byte pieces), so a small cutoffs[0] can leave the head with rare pieces alone and send most tokens
+    through a tail (the head's cluster logit, then a second softmax), learning and training slower."""
+    if not cutoffs or not shares or shares[0] >= SMALL_HEAD_SHARE:
+        return None
+    return (f"model.cutoffs {list(cutoffs)}: the head cluster (ids below {cutoffs[0]}) holds only {shares[0]:.1%} of "
+            f"a sample of the training tokens; the adaptive softmax expects most tokens in the head. A SentencePiece "
+            f"vocabulary starts with its control pieces and, with byte fallback, 256 byte pieces: raise cutoffs[0] "
+            f"well above them, or use no cutoffs ([])")
+
+
 def sample_cluster_shares(reader, start: int, stop: int, cutoffs: Sequence[int], vocab_size: int, *,
                           max_tokens: int = 1 << 22, pieces: int = 64) -> list[float]:
     """Cluster shares of tokens [start, stop) of a split (`reader.read(a, b)`, e.g. txl_dist.data's

@@ -42,7 +42,7 @@ from .distributed import DistEnv
 from .engine import build_engine, deepspeed_config, global_grad_norm, gradient_traffic_note, model_dtype, \
     skipped_unless_finite, zero_stage
 from .errors import RunFailed, one_line
-from .flops import flops_per_token
+from .flops import flops_per_token, small_head_warning
 from .evaluate import Evaluator, batch_to_device
 from .memory import MemoryBank, merge_state_dicts
 from .profiling import StepProfiler
@@ -580,6 +580,9 @@ def _log_run_start(trainer: Trainer, start: TrainStart, env: DistEnv, n_params: 
     traffic = gradient_traffic_note(zero_stage(cfg.deepspeed), env.world_size, trainer.loader.accumulation_steps)
     if traffic:
         log.info("%s", traffic)
+    head = small_head_warning(cfg.model.cutoffs, start.cluster_shares)
+    if head:
+        log.warning("%s", head)
 
 
 def run_choices_artifact(start: TrainStart, step: int) -> str:
