@@ -49,8 +49,15 @@ def owned_scratch(out: Path, kind: str):
     return scratch.owned_scratch(out, kind, kinds=SCRATCH_KINDS, on_removed=lambda folder: _say_removed(out, folder))
 
 
-REPLACEABLE = {"manifest.json": "corpus", "shard.json": "shard folder"}
+REPLACEABLE = {"manifest.json": "corpus", "shard.json": "shard folder", "README.txt": "fetched corpus"}
 """The file that marks a folder --overwrite may replace, and what such a folder is (see check_output)."""
+FETCHED_SIGNATURE = "Written by `python -m data_prep fetch-corpus "
+"""The line fetch-corpus ends its README.txt with: a README.txt is a common name for a user's notes, so only
+one holding this line marks a fetched corpus (folders fetched before the mark existed carry it too)."""
+SIGNED = {"README.txt": (FETCHED_SIGNATURE, "README.txt written by fetch-corpus")}
+"""Markers that mark only when their text holds a line (marker -> (line, how a refusal names the marker))."""
+_SIGNED_MAX_BYTES = 1 << 16
+"""A signed marker longer than this is someone else's file (fetch-corpus writes well under 1 KiB)."""
 
 
 def check_output(out: Path, overwrite: bool, marker: str | None = None) -> None:
@@ -69,8 +76,9 @@ def check_output(out: Path, overwrite: bool, marker: str | None = None) -> None:
 
 
 def _check_replaceable(out: Path, marker: str) -> None:
-    """An existing folder --overwrite may replace: one holding `marker`, or an empty one."""
-    if (out / marker).is_file():
+    """An existing folder --overwrite may replace: one holding `marker` (with its line, for a SIGNED one), or an
+    empty one."""
+    if _marked(out / marker, marker):
         return
     try:
         names = sorted(p.name for p in out.iterdir())
@@ -79,8 +87,26 @@ def _check_replaceable(out: Path, marker: str) -> None:
     if names:
         shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
         what = REPLACEABLE[marker]
-        raise PrepError(f"{out} is not a {what} (no {marker}) and holds {shown}; --overwrite replaces only a "
+        named = SIGNED[marker][1] if marker in SIGNED else marker
+        raise PrepError(f"{out} is not a {what} (no {named}) and holds {shown}; --overwrite replaces only a "
                         f"{what} or an empty folder: move those files away or choose another output")
+
+
+def _marked(path: Path, marker: str) -> bool:
+    """Whether `path` is the marker file (holding its line, for a SIGNED marker)."""
+    if not path.is_file():
+        return False
+    if marker not in SIGNED:
+        return True
+    try:
+        with open(path, "rb") as f:
+            data = f.read(_SIGNED_MAX_BYTES + 1)
+    except OSError as e:
+        raise cannot_read(path, e) from None
+    if len(data) > _SIGNED_MAX_BYTES:
+        return False
+    line = SIGNED[marker][0]
+    return any(text.startswith(line) for text in data.decode("utf-8", errors="replace").splitlines())
 
 
 @contextmanager

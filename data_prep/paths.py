@@ -77,12 +77,24 @@ def check_writable_parent(out: Path) -> None:
     let this user create files, found out by creating one (output_paths.probe_create: os.access says yes to
     root). A read-only file system is left to the write's own fault line (errors.py)."""
     parent = nearest_existing(Path(os.path.abspath(out)).parent)
+    if not parent.is_dir():  # the probe would only say "Not a directory", and changing permissions cannot help
+        raise PrepError(f"{out}: cannot be written: {parent} is {not_a_folder(parent)}; "
+                        "choose another output")
     try:
         probe_create(parent)
     except OSError as e:
         if e.errno != errno.EROFS:
             raise PrepError(f"{out}: cannot be written: {parent} does not let this user create files "
                             f"({e.strerror or e}); change its permissions or choose another output") from None
+
+
+def not_a_folder(path: Path) -> str:
+    """What `path`, which exists (as a name at least) but is no folder, is instead."""
+    if path.is_file():
+        return "a file, not a folder"
+    if path.is_symlink() and not path.exists():
+        return f"a symbolic link to {os.readlink(path)}, which does not exist"
+    return "not a folder"
 
 
 def cannot_read(path: Path, error: OSError, fix: str = "check its permissions") -> PrepError:

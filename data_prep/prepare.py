@@ -24,7 +24,7 @@ from typing import Any
 from tqdm import tqdm
 
 from data_prep.atomic import atomic_dir, owned_scratch
-from data_prep.paths import check_output_apart, check_writable_parent
+from data_prep.paths import check_output_apart, check_writable_parent, nearest_existing, not_a_folder
 from data_prep.encode import Encoded, Encoder, document_texts
 from data_prep.errors import PrepError
 from data_prep.layout import SplitWriter, check_fits, iter_token_file, split_layouts
@@ -214,6 +214,9 @@ def _check_work_dir(work_dir: Path, target: Path) -> None:
     if work == out or out in work.parents:
         raise PrepError(f"--work-dir {work_dir} is inside the output {target}, which is built elsewhere and "
                         "swapped in at the end; give a work folder outside it")
+    existing = nearest_existing(work_dir)
+    if not existing.is_dir():  # else making it fails with a bare "Not a directory" traceback
+        raise PrepError(f"--work-dir {work_dir}: {existing} is {not_a_folder(existing)}; give another work folder")
 
 
 def _check_prepare_space(sources: dict[str, list[Source]], text_field: str, vocab_size: int, target: Path,

@@ -21,6 +21,8 @@ import codecs
 import glob
 import hashlib
 import json
+import logging
+import re
 import stat
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -350,6 +352,7 @@ def _read_group(group: Sequence[Source], opts: ReadOptions, batch_rows: int, lab
 
     kind = group[0].kind
     cache = str(opts.cache_dir) if opts.cache_dir else None
+    logging.getLogger(_DATASETS_JSON_LOGGER).addFilter(_DROP_LOAD_FAILURE)  # a no-op once it is there
     try:
         if kind == TEXT and not opts.line_docs:
             yield from read_text_documents(group, opts.errors, batch_rows)
@@ -388,7 +391,65 @@ def _read_group(group: Sequence[Source], opts: ReadOptions, batch_rows: int, lab
         raise PrepError(f"input {label}: invalid UTF-8 ({e.reason}); pass --errors replace") from None
     except (ValueError, OSError, pa.ArrowException, datasets.exceptions.DatasetsError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        if kind == JSON:
+            first = json_fault(group[0].path) or _ARROW_ROW.sub("", first)
         raise PrepError(f"input {label}: cannot be read as {kind} ({first})") from None
+
+
+_DATASETS_JSON_LOGGER = "datasets.packaged_modules.json.json"
+_ARROW_ROW = re.compile(r" in row \d+")
+"""Arrow's "in row N" counts rows from 0 and from the start of the block `datasets` handed it, not lines of
+the file: no number the user could look up."""
+
+
+class _DropLoadFailure(logging.Filter):
+    """`datasets` logs "Failed to load JSON from file ..." (a second line, with Arrow's row number) just before
+    it raises the error that becomes the input's one-line refusal."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(("Failed to load JSON from file",
+                                               "Failed to convert pandas DataFrame to Arrow Table"))
+
+
+_DROP_LOAD_FAILURE = _DropLoadFailure()
+JSON_SCAN_BYTES = 1 << 30
+"""json_fault looks this far into a file for its first bad line: reading on would hold a refusal up for
+minutes, for a line number only."""
+_JSON_VALUE_NAMES = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "true or false",
+                     type(None): "null"}
+_NOT_SPACE = re.compile(r"[^ \t\r\n]")
+
+
+def json_fault(path: Path) -> str | None:
+    """`line N, column C: what` (1-based) of the first line of JSON Lines input `path` that holds anything but
+    JSON objects, or None when its first JSON_SCAN_BYTES hold none (Arrow refused something else, or later)."""
+    decoder = json.JSONDecoder()  # NaN and Infinity included: Arrow reads them as numbers too
+    seen = 0
+    try:
+        with open(path, "rb") as f:
+            for number, raw in enumerate(f, 1):
+                seen += len(raw)
+                if seen > JSON_SCAN_BYTES:
+                    return None
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    return None  # refused by its own check, which names the byte
+                if number == 1:
+                    line = line.removeprefix("\ufeff")
+                found = _NOT_SPACE.search(line)
+                while found:  # Arrow also takes several objects on one line
+                    try:
+                        value, end = decoder.raw_decode(line, found.start())
+                    except json.JSONDecodeError as e:
+                        return f"line {number}, column {e.colno}: {e.msg}"
+                    if not isinstance(value, dict):
+                        return f"line {number}, column {found.start() + 1}: {_JSON_VALUE_NAMES[type(value)]}, " \
+                               "not an object"
+                    found = _NOT_SPACE.search(line, end)
+    except OSError:
+        return None
+    return None
 
 
 def saved_dataset_is_empty(folder: Path) -> bool:

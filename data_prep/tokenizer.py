@@ -243,6 +243,71 @@ def describe_tokenizer(path: str | os.PathLike, eod_piece: str | None = None) ->
                           pad_id=sp.pad_id())
 
 
+TRAINING_OPTIONS = {"vocab_size": "--vocab-size", "model_type": "--model-type",
+                    "sample_sentences": "--tokenizer-sample", "byte_fallback": "--byte-fallback",
+                    "character_coverage": "--character-coverage", "normalization": "--normalization",
+                    "newline_piece": "--newline-piece", "remove_extra_whitespaces": "--remove-extra-whitespaces",
+                    "add_dummy_prefix": "--add-dummy-prefix"}
+"""TrainerOptions field -> its command-line option (seed and threads are no option of their own here)."""
+
+
+def check_trained_with(path: str | os.PathLike, given: dict) -> None:
+    """Refuse tokenizer-training options (TrainerOptions field -> value) that the reused model at `path` was not
+    trained with: they cannot change it, and passing them over would record values that did not apply. Those
+    it was trained with are accepted, so that one set of options can serve the tokenizer job and the jobs that
+    reuse its model (launch/slurm/prep.sh)."""
+    if not given:
+        return
+    load_processor(path)  # its one-line refusals of a missing file or a file that is no model
+    actual = trained_values(_model_proto(path))
+    wrong = [f"{_option_text(name, value)} (the model's: {_model_text(name, actual[name])})"
+             for name, value in given.items() if not _agrees(name, value, actual)]
+    if wrong:
+        raise PrepError(f"--tokenizer-model {path} was not trained with {', '.join(wrong)}; tokenizer-training "
+                        "options cannot change a reused model: drop them or give the model's values")
+
+
+def trained_values(proto) -> dict:
+    """What a model was trained with, by TrainerOptions field (vocab_size: the size SentencePiece recorded,
+    which is the number of pieces unless the model was trained without a hard limit)."""
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    spec, norm = proto.trainer_spec, proto.normalizer_spec
+    return {"vocab_size": spec.vocab_size or len(proto.pieces), "model_type": model_type_of(proto),
+            "sample_sentences": spec.input_sentence_size, "byte_fallback": spec.byte_fallback,
+            "character_coverage": spec.character_coverage, "normalization": norm.name,
+            "newline_piece": any(p.piece == "\n" and p.type == pb.ModelProto.SentencePiece.USER_DEFINED
+                                 for p in proto.pieces),
+            "remove_extra_whitespaces": norm.remove_extra_whitespaces, "add_dummy_prefix": norm.add_dummy_prefix}
+
+
+def _agrees(name: str, given, actual: dict) -> bool:
+    if name == "vocab_size" and actual["model_type"] == "char":
+        # A char model has a piece per character up to the size asked for, and records the size it reached:
+        # asked for more, it would have come out the same.
+        return given >= actual["vocab_size"]
+    if isinstance(given, float):  # the model file keeps the coverage as a float32
+        return abs(given - actual[name]) < 1e-6
+    return given == actual[name]
+
+
+def _model_text(name: str, value) -> str:
+    if isinstance(value, bool):
+        return _option_text(name, value)
+    return f"{value:.6g}" if isinstance(value, float) else str(value)
+
+
+def _option_text(name: str, value) -> str:
+    option = TRAINING_OPTIONS[name]
+    if name == "newline_piece":
+        return option if value else "no newline piece"
+    if isinstance(value, bool):
+        return option if value else f"--no-{option[2:]}"
+    if isinstance(value, float):
+        return f"{option} {value:.6g}"
+    return f"{option} {value}"
+
+
 def control_pieces(sp: spm.SentencePieceProcessor, most: int = 8) -> str:
     """The model's control pieces (never produced by encoding text), quoted, for a message."""
     pieces = [repr(sp.id_to_piece(i)) for i in range(sp.get_piece_size()) if sp.is_control(i)]

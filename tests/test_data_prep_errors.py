@@ -121,6 +121,20 @@ def test_undecodable_json_lines(model, tmp_path, capsys):
     assert "bad.jsonl" in msg and f"byte offset {offset}" in msg
 
 
+def test_malformed_json_lines_name_the_line_in_one_line(model, tmp_path, capsys):
+    # a blank line, and two objects on one line (Arrow takes both), before the bad line: Arrow said "row 1"
+    (tmp_path / "bad.jsonl").write_text('{"text": "a"}\n\n{"text": "b"} {"text": "c"}\n{"text": broken}\n')
+    out = subprocess.run([sys.executable, "-m", "data_prep",
+                          *map(str, prepare_args(tmp_path / "out", model, tmp_path / "bad.jsonl"))],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr == (f"error: input {tmp_path / 'bad.jsonl'}: cannot be read as json "
+                                                  "(line 4, column 10: Expecting value)\n"), out.stderr
+    (tmp_path / "bad.jsonl").write_text('{"text": "a"}\n  [1, 2]\n')
+    msg = fail(capsys, *prepare_args(tmp_path / "out", model, tmp_path / "bad.jsonl"))
+    assert "cannot be read as json (line 2, column 3: an array, not an object)" in msg
+    assert untouched(tmp_path, {"bad.jsonl"})
+
+
 def test_missing_or_non_text_field(model, tmp_path, capsys):
     (tmp_path / "a.jsonl").write_text(json.dumps({"body": "text"}) + "\n")
     msg = fail(capsys, *prepare_args(tmp_path / "out", model, tmp_path / "a.jsonl"))
@@ -166,6 +180,40 @@ def test_existing_output_is_refused_and_failures_keep_it(base_corpus, model, pla
     assert read_manifest(out).digest() == before and untouched(tmp_path, {"out"})
     run(*prepare_args(out, model, plays[0], extra=["--overwrite"]))
     assert read_manifest(out).splits["train"].n_documents == 1 and untouched(tmp_path, {"out"})
+
+
+def test_fetch_corpus_overwrite_replaces_only_a_fetched_corpus_or_an_empty_folder(plays, tmp_path, capsys):
+    out = tmp_path / "mine"
+    (out / "sub").mkdir(parents=True)
+    (out / "notes.txt").write_text("keep me")
+    msg = fail(capsys, "fetch-corpus", "shakespeare", out, "--overwrite")
+    assert msg == (f"error: {out} is not a fetched corpus (no README.txt written by fetch-corpus) and holds notes.txt, "
+                   "sub; --overwrite replaces only a fetched corpus or an empty folder: move those files away or "
+                   "choose another output")
+    (out / "notes.txt").rename(out / "README.txt")  # a README of one's own does not make a fetched corpus
+    assert "holds README.txt, sub" in fail(capsys, "fetch-corpus", "shakespeare", out, "--overwrite")
+    assert (out / "README.txt").read_text() == "keep me" and (out / "sub").is_dir()
+    assert untouched(tmp_path, {"mine"})
+    run("fetch-corpus", "shakespeare", tmp_path / "empty", "--overwrite")  # an empty folder, made just now
+    (tmp_path / "empty" / "train" / "extra.txt").write_text("fetched, then added to")
+    run("fetch-corpus", "shakespeare", tmp_path / "empty", "--overwrite")  # a fetched corpus: replaced
+    assert not (tmp_path / "empty" / "train" / "extra.txt").exists()
+    assert untouched(tmp_path, {"mine", "empty"})
+
+
+def test_an_output_below_a_file_is_refused_as_a_file(model, plays, tmp_path, capsys):
+    file = Path(shutil.copy(plays[0], tmp_path / "train.txt"))
+    for out in (file / "sub", file / "deeper" / "sub"):
+        msg = fail(capsys, *prepare_args(out, model, plays[1]))
+        assert msg == f"error: {out}: cannot be written: {file} is a file, not a folder; choose another output"
+    msg = fail(capsys, "train-tokenizer", "--out", file / "t.model", "--train", plays[1], "--quiet")
+    assert f"{file} is a file, not a folder" in msg
+    msg = fail(capsys, *prepare_args(tmp_path / "out", model, plays[1], extra=["--work-dir", file / "w"]))
+    assert msg == f"error: --work-dir {file / 'w'}: {file} is a file, not a folder; give another work folder"
+    (tmp_path / "link").symlink_to(tmp_path / "gone")
+    msg = fail(capsys, *prepare_args(tmp_path / "link" / "out", model, plays[1]))
+    assert f"{tmp_path / 'link'} is a symbolic link to {tmp_path / 'gone'}, which does not exist" in msg
+    assert untouched(tmp_path, {"train.txt", "link"}) and file.read_bytes() == plays[0].read_bytes()
 
 
 def test_finalize_refuses_incomplete_or_mixed_shards(model, plays, tmp_path, capsys):
@@ -394,6 +442,51 @@ def test_an_input_error_found_while_training_is_the_inputs_refusal(plays, tmp_pa
     assert second == first == f"error: input {tmp_path / 'null.jsonl'}: 1 document(s) have no text (null 'text'); " \
                               "drop them or fill them in"
     assert untouched(tmp_path, {"null.jsonl"})
+
+
+def test_training_options_next_to_a_reused_tokenizer_must_be_its_own(base_corpus, model, plays, tmp_path, capsys):
+    """They cannot change the model: one it was not trained with is refused instead of ignored (and recorded as if
+    it had applied); its own are accepted, as prep.sh passes the tokenizer job's options to the shard tasks."""
+    msg = fail(capsys, *prepare_args(tmp_path / "out", model, plays[0], extra=[
+        "--vocab-size", 500, "--model-type", "unigram", "--character-coverage", 0.99]))
+    assert msg == (f"error: --tokenizer-model {model} was not trained with --vocab-size 500 (the model's: 400), "
+                   "--model-type unigram (the model's: bpe), --character-coverage 0.99 (the model's: 0.9995); "
+                   "tokenizer-training options cannot change a reused model: drop them or give the model's values")
+    msg = fail(capsys, *prepare_args(tmp_path / "out", model, plays[0], extra=[
+        "--tokenizer-sample", 5000, "--no-byte-fallback", "--normalization", "identity", "--newline-piece",
+        "--no-remove-extra-whitespaces", "--no-add-dummy-prefix"]))
+    assert ("--tokenizer-sample 5000 (the model's: 1000000), --no-byte-fallback (the model's: --byte-fallback), "
+            "--normalization identity (the model's: nmt_nfkc), --newline-piece (the model's: no newline piece), "
+            "--no-remove-extra-whitespaces (the model's: --remove-extra-whitespaces), --no-add-dummy-prefix "
+            "(the model's: --add-dummy-prefix);") in msg
+    # an option given with its default value is given: checked like any other
+    assert "--vocab-size 4096 (the model's: 400)" in fail(capsys, *prepare_args(tmp_path / "out", model, plays[0],
+                                                                                 extra=["--vocab-size", 4096]))
+    assert untouched(tmp_path, set())
+    own = ["--vocab-size", 400, "--model-type", "bpe", "--character-coverage", 0.9995, "--tokenizer-sample", 1000000,
+           "--byte-fallback", "--normalization", "nmt_nfkc", "--remove-extra-whitespaces", "--add-dummy-prefix"]
+    run(*prepare_args(tmp_path / "out", model, plays[0], extra=own))
+    recorded = read_manifest(tmp_path / "out").provenance["args"]
+    assert (recorded["vocab_size"], recorded["model_type"], recorded["byte_fallback"]) == (400, "bpe", True)
+    # left out, they did not apply: not recorded at all (once the defaults, vocab_size 4096 for a model of 400)
+    assert not {"vocab_size", "model_type", "character_coverage"} & set(read_manifest(base_corpus).provenance["args"])
+    # the plan reads only the inputs: prep.sh runs it beside the job that trains the model it names
+    run("prepare", "--plan", "--out", tmp_path / "parts", "--tokenizer-model", tmp_path / "parts/tokenizer.model",
+        "--vocab-size", 400, "--quiet", "--train", plays[0])
+
+
+def test_a_text_keeping_tokenizer_is_reused_with_the_options_it_was_trained_with(plays, tmp_path, capsys):
+    keep = ["--vocab-size", 400, "--model-type", "char", "--character-coverage", 1.0, "--tokenizer-sample", 2000,
+            "--normalization", "identity", "--no-byte-fallback", "--newline-piece", "--no-remove-extra-whitespaces",
+            "--no-add-dummy-prefix"]
+    run("train-tokenizer", "--out", tmp_path / "keep.model", "--train", plays[0], "--quiet", *keep)
+    run(*prepare_args(tmp_path / "out", tmp_path / "keep.model", plays[1], extra=keep))
+    tokenizer = read_manifest(tmp_path / "out").tokenizer
+    assert tokenizer.model_type == "char" and tokenizer.vocab_size < 400  # a piece per character, all of them
+    fewer = tokenizer.vocab_size - 1  # would have left a character out
+    msg = fail(capsys, *prepare_args(tmp_path / "again", tmp_path / "keep.model", plays[1],
+                                     extra=["--vocab-size", fewer]))
+    assert f"--vocab-size {fewer} (the model's: {tokenizer.vocab_size});" in msg
 
 
 def test_trainer_options_outside_sentencepiece_limits(plays, tmp_path, capsys):

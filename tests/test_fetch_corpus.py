@@ -85,6 +85,12 @@ def test_existing_output_needs_overwrite(tmp_path, capsys):
     (out / "mine.txt").write_text("keep me")
     assert run("fetch-corpus", "ptb", out) == 2
     assert "--overwrite" in capsys.readouterr().err and (out / "mine.txt").read_text() == "keep me"
+    # --overwrite replaces a fetched corpus or an empty folder only: the user's file stays, and is named.
+    assert run("fetch-corpus", "ptb", out, "--overwrite") == 2
+    err = capsys.readouterr().err
+    assert "is not a fetched corpus" in err and "mine.txt" in err and (out / "mine.txt").read_text() == "keep me"
+    (out / "mine.txt").unlink()
     assert run("fetch-corpus", "ptb", out, "--overwrite") == 0
     assert sorted(p.name for p in out.iterdir()) == ["README.txt", "test.txt", "train.txt", "valid.txt"]
+    assert run("fetch-corpus", "ptb", out, "--overwrite") == 0  # a fetched corpus is replaced
     shutil.rmtree(out)
