@@ -8,14 +8,20 @@ verified against their checksums and read with weights-only unpickling. DIR gets
 model.safetensors (txl_dist.interop.load_native reads it back) and the training corpus' tokenizer.model (so
 that launch/generate.py --model DIR needs no --tokenizer; HF_DIR gets it too). One process, CPU, no launcher needed.
 The output folders are checked first: one that cannot be made or written (below a regular file, in a
-read-only place), or --hf naming the --out folder itself (both write model.safetensors), is refused before
-the checkpoint is read. Exit status 0, 2 for a refused checkpoint or output (one line says why), 1 when
-writing fails midway (a full disk).
+read-only place), --hf naming the --out folder itself (both write model.safetensors), or an existing folder
+that holds other files than a former export (a model of elsewhere, files of the user's: they would be
+replaced or left beside the new weights; --overwrite writes into it anyway) is refused before the checkpoint
+is read. A former export's folder is written over: its files are replaced, and its tokenizer.model removed
+when this export has none, so that no other model's tokenizer stays beside the new weights. Both folders
+record the digest of the checkpoint's tokenizer (tokenizer_sha256 in model_config.json and config.json), which
+launch/generate.py --model checks its tokenizer against. Exit status 0, 2 for a refused checkpoint or output
+(one line says why), 1 when writing fails midway (a full disk).
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import logging
 from pathlib import Path
 
@@ -23,6 +29,7 @@ from txl_dist.atomic import atomic_write
 from txl_dist.entry import exit_process, guarded
 from txl_dist.errors import RunFailed
 
+TOKENIZER_NAME = "tokenizer.model"
 
 EPILOG = """examples:
   python launch/export.py --checkpoint runs/tiny --out exported/tiny
@@ -33,7 +40,8 @@ TransfoXLLMHeadModel.from_pretrained(HF_DIR) (transformers 4.37.2). Its config.j
 end-of-document id of the training corpus (read from its manifest), so that HF generate() stops at the end
 of a document. Both folders get the corpus' tokenizer.model, checked against the digest the checkpoint
 recorded. When the corpus cannot be read, or holds another tokenizer by now, both are left out with a
-warning.
+warning (and a former export's tokenizer.model is removed); the digest is recorded all the same, so that
+launch/generate.py --model DIR --tokenizer CORPUS refuses a corpus of another tokenizer.
 
 In HuggingFace, mems=None is not an empty memory but mem_len zero vectors that the first segments attend
 to: their log-probs differ from txl-dist (and the paper), by up to 3 nats on the first segment of a small
@@ -57,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="native model folder to write (model_config.json + model.safetensors), e.g. exported/tiny")
     p.add_argument("--hf", default=None, metavar="HF_DIR",
                    help="also write a HuggingFace Transformer-XL folder here, e.g. exported/tiny-hf")
+    p.add_argument("--overwrite", action="store_true",
+                   help="write into an --out / --hf folder that holds other files than a former export (refused "
+                        "without it): the export's files there are replaced, a tokenizer.model is removed when the "
+                        "export has none, other files stay")
     return p
 
 
@@ -64,8 +76,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
 
 
-def check_outputs(out: str, hf: str | None) -> None:
-    """Refuse output folders that cannot be written, or that are one folder, before the checkpoint is read."""
+def check_outputs(out: str, hf: str | None, overwrite: bool = False) -> None:
+    """Refuse output folders that cannot be written, that are one folder, or (unless overwrite) that hold other
+    files than a former export, before the checkpoint is read."""
     from txl_dist.output_paths import check_distinct_folders, check_output_folder
 
     check_output_folder(out, "--out")
@@ -74,31 +87,79 @@ def check_outputs(out: str, hf: str | None) -> None:
         # Nested folders are fine (each writes only its own top level); one folder is not.
         check_distinct_folders(out, "--out", hf, "--hf", "the HuggingFace model.safetensors would replace the "
                                "native one")
+    if not overwrite:
+        check_former_export(out, "--out", native=True)
+        if hf is not None:
+            check_former_export(hf, "--hf", native=False)
 
 
-def export(checkpoint: str, out: str, hf: str | None = None):
+def foreign_files(folder: str | Path, *, native: bool) -> list[str]:
+    """The entries of `folder` that make it something else than a new or empty folder or a former export of
+    ours (of the native or the HuggingFace kind): the export would replace them or leave them beside its
+    weights. [] when the export may write there."""
+    from txl_dist.interop.hf_files import CONFIG_NAME
+    from txl_dist.interop.native import MODEL_CONFIG_NAME, TOKENIZER_SHA256_KEY, WEIGHTS_NAME
+    from txl_dist.output_paths import PROBE_PREFIX
+
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    config = MODEL_CONFIG_NAME if native else CONFIG_NAME
+    ours = (config, WEIGHTS_NAME, TOKENIZER_NAME)
+    names = sorted(p.name for p in folder.iterdir() if not p.name.startswith(PROBE_PREFIX) and not any(
+        p.name.startswith(f".{name}.") and p.name.endswith(".tmp") for name in ours))  # atomic_write's temporaries
+    if not names or set(names) <= {WEIGHTS_NAME}:  # empty, or an export stopped before it wrote its config
+        return []
+    if config in names:
+        if native:  # model_config.json: a folder of ours (save_native)
+            return []
+        try:  # a config.json launch/export.py wrote records the tokenizer's digest; one of elsewhere does not
+            if TOKENIZER_SHA256_KEY in json.loads((folder / config).read_text(encoding="utf-8")):
+                return []
+        except (OSError, ValueError, TypeError):
+            pass
+    return names
+
+
+def check_former_export(folder: str, flag: str, *, native: bool) -> None:
+    """OutputError for an existing folder holding other files than a former export (foreign_files)."""
+    from txl_dist.output_paths import OutputError
+
+    names = foreign_files(folder, native=native)
+    if names:
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        raise OutputError(f"{flag} {folder}: holds files that are not those of a former export ({shown}); the export "
+                          "would replace them or leave them beside its weights: choose a new or empty folder, or "
+                          "pass --overwrite to write into it")
+
+
+def export(checkpoint: str, out: str, hf: str | None = None, overwrite: bool = False):
     """Build the checkpoint's model on the CPU with its fp32 weights, write the folder(s); returns the model."""
     from txl_dist import checkpoint as ckpt
     from txl_dist.interop import save_native, to_hf
+    from txl_dist.interop.native import TOKENIZER_SHA256_KEY
     from txl_dist.model import TransformerXL
     from txl_dist.startup import open_export
 
-    check_outputs(out, hf)
+    check_outputs(out, hf, overwrite)
     with open_export(checkpoint) as (tag_dir, run_info, model_cfg):  # held: a training run's retention waits
         model = TransformerXL(model_cfg)
         ckpt.load_fp32_weights(model, tag_dir, run_info["zero_stage"])
     model.eval()
-    tokenizer = training_tokenizer(run_info["config"]["data"]["path"], run_info["tokenizer_sha256"], hf is not None)
+    tokenizer_sha256 = run_info["tokenizer_sha256"]
+    tokenizer = training_tokenizer(run_info["config"]["data"]["path"], tokenizer_sha256, hf is not None)
     # HF generate() stops at config.json's eos_token_id; without one transformers takes 0 (not our end of document).
-    hf_extra = {"eos_token_id": tokenizer[0]} if tokenizer else {}
+    hf_extra = {TOKENIZER_SHA256_KEY: tokenizer_sha256, **({"eos_token_id": tokenizer[0]} if tokenizer else {})}
+    folders = [Path(out)] + ([Path(hf)] if hf is not None else [])
     try:
-        save_native(model, out)
-        if tokenizer:  # the folder is then all launch/generate.py --model needs
-            atomic_write(Path(out) / "tokenizer.model", tokenizer[1])
+        for folder in folders:  # a former export's tokenizer goes first: never beside the new weights
+            (folder / TOKENIZER_NAME).unlink(missing_ok=True)
+        save_native(model, out, tokenizer_sha256)
         if hf is not None:
             to_hf(model, hf, extra_config=hf_extra)
-            if tokenizer:
-                atomic_write(Path(hf) / "tokenizer.model", tokenizer[1])
+        if tokenizer:  # the folders are then all launch/generate.py --model needs
+            for folder in folders:
+                atomic_write(folder / TOKENIZER_NAME, tokenizer[1])
     except OSError as e:  # the folders were checked at the start: a full disk, a folder removed since
         raise RunFailed(f"export to {e.filename or out}: {e.strerror or e}; the files already there are whole "
                         "(each is written atomically), run the export again") from None
@@ -134,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     log = logging.getLogger("txl_dist")
 
     def job() -> int:
-        export(args.checkpoint, args.out, args.hf)
+        export(args.checkpoint, args.out, args.hf, args.overwrite)
         print(f"exported {args.checkpoint} -> {args.out}" + (f" and {args.hf} (HuggingFace)" if args.hf else ""))
         return 0
 

@@ -9,9 +9,10 @@ checksums and read with weights-only unpickling; its text goes through the Sente
 it was trained on (data.path of its configuration, checked against the tokenizer's sha256 it recorded), or
 --tokenizer. DIR is an exported native folder (launch/export.py --out) or a HuggingFace Transformer-XL folder
 (config.json + weights); its tokenizer is --tokenizer, else DIR/tokenizer.model (launch/export.py writes
-it). The prompt starts a new document (the end-of-document id goes first, as in the training stream) unless
---continue-document; an
-empty --prompt '' generates a document from nothing. One process; CPU unless --device cuda. Exit status 0, or
+it), checked against the tokenizer's sha256 the folder records (tokenizer_sha256, which launch/export.py
+writes; an older folder without it is not checked). The prompt starts a new document (the end-of-document
+id goes first, as in the training stream) unless --continue-document; an empty --prompt '' generates a
+document from nothing. One process; CPU unless --device cuda. Exit status 0, or
 2 for refused input (one line says why). Only the samples go to stdout (whatever a library prints meanwhile
 goes to stderr), so --json output can be parsed as it is.
 """
@@ -107,7 +108,8 @@ def load(checkpoint: str | None, model_dir: str | None, tokenizer: str | None, d
         model, source, expected_sha, default_tok = _from_checkpoint(checkpoint)
     else:
         model, source, expected_sha, default_tok = _from_folder(model_dir)
-    tok = _tokenizer(tokenizer or default_tok, expected_sha, model.config.vocab_size, source)
+    tok = _tokenizer(tokenizer or default_tok, expected_sha, model.config.vocab_size, source,
+                     found_beside=model_dir is not None and tokenizer is None)
     try:
         model = model.to(torch.device(device))
     except (RuntimeError, ValueError) as e:
@@ -131,7 +133,7 @@ def _from_checkpoint(path: str):
 
 def _from_folder(path: str):
     from txl_dist.generation import GenerationError
-    from txl_dist.interop import from_hf, load_native
+    from txl_dist.interop import from_hf, load_native, recorded_tokenizer_sha256
     from txl_dist.interop.native import MODEL_CONFIG_NAME
 
     folder = Path(path)
@@ -142,12 +144,16 @@ def _from_folder(path: str):
     else:
         raise GenerationError(f"--model {path}: neither {MODEL_CONFIG_NAME} (native) nor config.json (HuggingFace) "
                               "is in it; pass a folder written by launch/export.py or save_pretrained")
+    # The digest of the tokenizer it was trained with, where the folder records one (launch/export.py does): a
+    # tokenizer.model left there by an earlier export, or a wrong --tokenizer, is then refused.
+    expected_sha = recorded_tokenizer_sha256(folder)
     default = folder / "tokenizer.model"
-    return model, str(folder), None, str(default) if default.is_file() else None
+    return model, str(folder), expected_sha, str(default) if default.is_file() else None
 
 
-def _tokenizer(path: str | None, expected_sha: str | None, vocab_size: int, source: str):
-    """The SentencePiece model at `path` (a corpus folder or a .model file) as a generation Tokenizer."""
+def _tokenizer(path: str | None, expected_sha: str | None, vocab_size: int, source: str, found_beside: bool = False):
+    """The SentencePiece model at `path` (a corpus folder or a .model file) as a generation Tokenizer, checked
+    against expected_sha where known; found_beside: `path` is the model folder's own tokenizer.model."""
     from txl_dist.data import read_manifest
     from txl_dist.data.format import sha256_file
     from txl_dist.generation import GenerationError, Tokenizer
@@ -165,7 +171,8 @@ def _tokenizer(path: str | None, expected_sha: str | None, vocab_size: int, sour
         raise GenerationError(f"tokenizer {path} does not exist (the model's corpus moved?); pass --tokenizer "
                               "CORPUS_DIR or a SentencePiece .model file")
     if expected_sha is not None and sha256_file(model_file) != expected_sha:
-        raise GenerationError(f"{model_file} is not the tokenizer {source} was trained with (sha256 differs); "
+        left = " (a file another model's export left there?)" if found_beside else ""
+        raise GenerationError(f"{model_file} is not the tokenizer {source} was trained with (sha256 differs){left}; "
                               "pass --tokenizer with the corpus it was trained on")
     tok = Tokenizer(str(model_file), eod_id)
     if tok.vocab_size != vocab_size:

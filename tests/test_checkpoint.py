@@ -400,7 +400,35 @@ def test_a_latest_that_names_no_tag_is_ignored_not_refused(tmp_path, latest):
 def test_run_info_of_another_version_is_refused(tmp_path):
     tag = _tag(tmp_path, 1)
     (tag / "txl_state" / "run.json").write_text(json.dumps({"version": 99}))
-    with pytest.raises(CheckpointError, match="version 99"):
+    with pytest.raises(CheckpointError, match="version 99") as refused:
+        checkpoint.read_run_info(tag)
+    # Read by eval, export and generate as well as by a resume: the advice names no one of them.
+    assert str(refused.value) == (f"{tag / 'txl_state' / 'run.json'}: version 99 is not 2 (saved by another version "
+                                  "of txl-dist); use the version that wrote it")
+
+
+@pytest.mark.parametrize("content, what", [
+    (b"{}", "no version"),
+    (b'{"step": 1, "version": null}', "version None is not an integer"),
+    (b'{"version": "2"}', "version '2' is not an integer"),
+    (b'{"version": true}', "version True is not an integer"),
+    (b"[2]", "not a JSON object"),
+])
+def test_a_run_info_without_an_integer_version_is_damaged_not_old(tmp_path, content, what):
+    tag = _tag(tmp_path, 1)
+    path = tag / "txl_state" / "run.json"
+    path.write_bytes(content)
+    with pytest.raises(CheckpointError) as refused:
+        checkpoint.read_run_info(tag)
+    assert str(refused.value) == (f"{path}: damaged ({what}; every run.json txl-dist writes has its integer "
+                                  "version); use another tag")
+    assert checkpoint.verify(tag) == str(refused.value)  # eval and export report it as the tag's damage
+
+
+def test_a_run_info_that_is_not_utf8_cannot_be_read(tmp_path):
+    tag = _tag(tmp_path, 1)
+    (tag / "txl_state" / "run.json").write_bytes(b'{"version": 2, "x": "\xff"}')
+    with pytest.raises(CheckpointError, match=r"run.json: cannot read \(.*\); use another tag"):
         checkpoint.read_run_info(tag)
 
 

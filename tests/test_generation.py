@@ -590,6 +590,94 @@ def test_export_without_the_training_corpus_leaves_tokenizer_and_eos_token_id_ou
             assert ("no eos_token_id" in lines[0]) == hf
 
 
+def other_tokenizer(folder):
+    """A SentencePiece model of the trained corpus' vocabulary size (64) made from other text: another tokenizer."""
+    import io
+
+    import sentencepiece as spm
+
+    writer = io.BytesIO()
+    lines = [f"{' '.join(reversed(WORDS[i:] + WORDS[:i]))} {' '.join(WORDS[i:]).upper()} {i * 7919}"
+             for i in range(len(WORDS))]
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines),
+                                   model_writer=writer, vocab_size=64, user_defined_symbols=["<eod>"], minloglevel=2)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "tokenizer.model").write_bytes(writer.getvalue())
+    return folder / "tokenizer.model"
+
+
+def test_export_over_a_former_export_leaves_no_other_models_tokenizer_and_generate_checks_the_digest(trained,
+                                                                                                  tmp_path, caplog):
+    """Run A exported into E (with A's tokenizer.model); then run B, trained with another tokenizer of the same
+    vocabulary size, whose corpus has moved away, into E: E keeps no tokenizer.model, records B's tokenizer digest,
+    and launch/generate.py --model E refuses A's tokenizer (found in E, or given) and takes B's."""
+    from launch.export import main as export_main
+    from txl_dist.data.format import sha256_file
+
+    corpus, run = trained
+    native, hf = tmp_path / "E", tmp_path / "E-hf"
+    assert export_main(["--checkpoint", str(run), "--out", str(native), "--hf", str(hf)]) == 0
+    a_sha = sha256_file(corpus / "tokenizer.model")
+    for folder, config in ((native, "model_config.json"), (hf, "config.json")):
+        assert (folder / "tokenizer.model").read_bytes() == (corpus / "tokenizer.model").read_bytes()
+        assert json.loads((folder / config).read_text())["tokenizer_sha256"] == a_sha
+
+    # Run B: A's weights, recorded as trained on a corpus (now moved away) of another tokenizer.
+    b_tokenizer = other_tokenizer(tmp_path / "b-tokenizer")
+    b_sha = sha256_file(b_tokenizer)
+    run_b = tmp_path / "run-b"
+    shutil.copytree(run, run_b)
+    for run_json in run_b.glob("checkpoints/step_*/txl_state/run.json"):
+        info = json.loads(run_json.read_text())
+        info["tokenizer_sha256"] = b_sha
+        info["config"]["data"]["path"] = str(tmp_path / "moved-corpus")
+        run_json.write_text(json.dumps(info))
+    with caplog.at_level(logging.WARNING, logger="txl_dist"):
+        assert export_main(["--checkpoint", str(run_b), "--out", str(native), "--hf", str(hf)]) == 0
+    assert "no tokenizer.model in the exported folders" in caplog.text
+    for folder, config in ((native, "model_config.json"), (hf, "config.json")):
+        assert not (folder / "tokenizer.model").exists()  # A's is not left beside B's weights
+        assert json.loads((folder / config).read_text())["tokenizer_sha256"] == b_sha
+
+    def refused(argv) -> str:
+        caplog.clear()
+        with caplog.at_level(logging.ERROR, logger="txl_dist"):
+            assert _generate_main(argv + ["--prompt", "hello", "--max-new-tokens", "2", "--greedy"]) == EXIT_REFUSED
+        lines = [r.getMessage() for r in caplog.records]
+        assert len(lines) == 1 and lines[0].startswith("error: "), lines
+        return lines[0]
+
+    for folder in (native, hf):
+        assert "has no tokenizer.model; pass --tokenizer" in refused(["--model", str(folder)])
+        for wrong in (corpus, corpus / "tokenizer.model"):  # A's tokenizer, given: refused as --checkpoint does
+            assert "is not the tokenizer" in refused(["--model", str(folder), "--tokenizer", str(wrong)])
+        assert _generate_main(["--model", str(folder), "--tokenizer", str(b_tokenizer), "--prompt", "hello",
+                               "--max-new-tokens", "2", "--greedy"]) == 0
+        # A tokenizer.model another export left there (an older txl-dist did) is refused, not used silently.
+        shutil.copy(corpus / "tokenizer.model", folder / "tokenizer.model")
+        message = refused(["--model", str(folder)])
+        assert "is not the tokenizer" in message and "another model's export left there" in message
+
+    # An export from before the digest was recorded still loads, with any tokenizer of its vocabulary.
+    config = json.loads((native / "model_config.json").read_text())
+    del config["tokenizer_sha256"]
+    (native / "model_config.json").write_text(json.dumps(config))
+    assert _generate_main(["--model", str(native), "--prompt", "hello", "--max-new-tokens", "2", "--greedy"]) == 0
+
+    # A --hf folder holding a model of elsewhere (its config.json records no digest) is refused, not written over;
+    # --overwrite writes into it.
+    (hf / "config.json").write_text(json.dumps({"model_type": "transfo-xl", "n_layer": 2}))
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="txl_dist"):
+        assert export_main(["--checkpoint", str(run), "--out", str(native), "--hf", str(hf)]) == EXIT_REFUSED
+    assert "holds files that are not those of a former export (config.json, model.safetensors, tokenizer.model)" \
+        in caplog.text
+    assert json.loads((hf / "config.json").read_text()) == {"model_type": "transfo-xl", "n_layer": 2}
+    assert export_main(["--checkpoint", str(run), "--out", str(native), "--hf", str(hf), "--overwrite"]) == 0
+    assert json.loads((hf / "config.json").read_text())["tokenizer_sha256"] == a_sha
+    assert (hf / "tokenizer.model").read_bytes() == (corpus / "tokenizer.model").read_bytes()
+
+
 def test_the_samples_memory_check_counts_the_sessions_own_default_mem_len(monkeypatch):
     """Without --mem-len a session keeps mem_len + tgt_len states per layer (default_mem_len): the check before
     decoding counts that window (with one prompt chunk), not the model's training mem_len."""

@@ -293,6 +293,38 @@ def test_native_round_trip(tmp_path):
     assert_same_model(model, load_native(tmp_path / "native"))
 
 
+def test_native_folder_records_the_tokenizer_digest_and_the_conversions_carry_it(tmp_path, capsys):
+    """launch/export.py records the checkpoint's tokenizer sha256 in model_config.json (and config.json); the model
+    loads as before, an older folder without it too, and from-hf / to-hf carry it to the folder they write."""
+    from txl_dist.interop import recorded_tokenizer_sha256
+
+    sha = "0123456789abcdef" * 4
+    model = small_model(CONFIGS["plain"])
+    save_native(model, tmp_path / "native", tokenizer_sha256=sha)
+    assert json.loads((tmp_path / "native" / "model_config.json").read_text()) == {
+        **dataclasses.asdict(model.config), "tokenizer_sha256": sha}
+    assert_same_model(model, load_native(tmp_path / "native"))
+    assert recorded_tokenizer_sha256(tmp_path / "native") == sha
+    assert main(["to-hf", str(tmp_path / "native"), str(tmp_path / "hf")]) == 0
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["tokenizer_sha256"] == sha
+    assert recorded_tokenizer_sha256(tmp_path / "hf") == sha
+    assert main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "native2")]) == 0
+    assert recorded_tokenizer_sha256(tmp_path / "native2") == sha
+    assert_same_model(model, load_native(tmp_path / "native2"))
+    save_native(model, tmp_path / "older")  # no digest recorded: None, and nothing carried
+    assert recorded_tokenizer_sha256(tmp_path / "older") is None
+    assert main(["to-hf", str(tmp_path / "older"), str(tmp_path / "older-hf")]) == 0
+    assert "tokenizer_sha256" not in json.loads((tmp_path / "older-hf" / "config.json").read_text())
+    # A damaged digest is refused in one line naming the file, by load_native and by the CLI.
+    config = json.loads((tmp_path / "native" / "model_config.json").read_text())
+    (tmp_path / "native" / "model_config.json").write_text(json.dumps({**config, "tokenizer_sha256": 42}))
+    with pytest.raises(ConfigError, match=r"model_config.json: tokenizer_sha256 must be a sha256 \(64 hex digits\), "
+                                          "got 42; the file is damaged"):
+        load_native(tmp_path / "native")
+    err = _cli_error(capsys, ["to-hf", str(tmp_path / "native"), str(tmp_path / "hf3")])
+    assert "tokenizer_sha256 must be a sha256" in err and not (tmp_path / "hf3").exists()
+
+
 def test_cli_to_hf_and_back(tmp_path, capsys):
     model = small_model(CONFIGS["div1_cutoffs_projs"])
     save_native(model, tmp_path / "native")

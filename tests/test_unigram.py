@@ -51,3 +51,79 @@ def test_cli_prints_the_model_beside_the_baseline(corpus, tmp_path, capsys, capl
     assert [r.getMessage().split(":")[0] for r in caplog.records] == ["error", "error"]
     assert "not a launch/eval.py result for split 'test'" in caplog.records[0].getMessage()
     assert "no split 'valid'" in caplog.records[1].getMessage()
+
+
+def _refusal(caplog, argv) -> str:
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="txl_dist"):
+        assert main(argv) == EXIT_REFUSED
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "\n" not in lines[0], lines
+    return lines[0]
+
+
+@pytest.mark.parametrize("content, words", [
+    (b"\xff\xfe{}", "not UTF-8 text (byte 0); a JSON file is text"),
+    (b'{"split": "test", "perplexity": ', "invalid JSON at line 1"),
+    (b"[1, 2]", "the top level must be a JSON object; pass the file launch/eval.py --json-out wrote"),
+    (b'{"split": "test", "perplexity": "x"}', 'perplexity "x" is not a number > 0; the file is damaged'),
+    (b'{"split": "test", "perplexity": null}', "perplexity null is not a number > 0"),
+    (b'{"split": "test", "perplexity": true}', "perplexity true is not a number > 0"),
+    (b'{"split": "test", "perplexity": 9, "tokens": 498, "eval_streams": "2", "eval": {"tgt_len": 8}}',
+     "tokens, eval_streams or eval.tgt_len / eval.max_segments are not the numbers launch/eval.py writes"),
+])
+def test_a_model_result_that_is_no_eval_result_is_a_one_line_refusal(corpus, tmp_path, caplog, content, words):
+    folder, _, _ = corpus
+    (tmp_path / "eval.json").write_bytes(content)
+    message = _refusal(caplog, [str(folder), "--model-result", str(tmp_path / "eval.json")])
+    assert message.startswith(f"error: --model-result {tmp_path / 'eval.json'}: ") and words in message, message
+
+
+def eval_result(tokens, streams=2, tgt_len=8, max_segments=None) -> dict:
+    """What launch/eval.py --json-out writes (the keys the check reads)."""
+    return {"checkpoint": "runs/x/checkpoints/step_00000600", "step": 600, "split": "test", "eval_streams": streams,
+            "world_size": 1, "eval": {"tgt_len": tgt_len, "mem_len": 8, "clamp_len": -1, "same_length": True,
+                                      "max_segments": max_segments},
+            "loss": 3.7, "perplexity": 40.4, "tokens": float(tokens)}
+
+
+def test_a_model_result_of_another_corpus_is_refused_by_its_token_count(corpus, tmp_path, capsys, caplog):
+    folder, _, _ = corpus
+    path = tmp_path / "eval.json"
+    # 500 test tokens: 2 streams of 250, every token of each but its first; 3 streams of 166; 10 windows of 8.
+    for result in (eval_result(498), eval_result(3 * 165, streams=3), eval_result(160, max_segments=10),
+                   eval_result(498, max_segments=100)):
+        path.write_text(json.dumps(result))
+        assert main([str(folder), "--model-result", str(path)]) == 0
+        assert capsys.readouterr().out.startswith("test perplexity: model 40.40 (step 600), unigram ")
+    path.write_text(json.dumps(eval_result(2 * (3000 // 2 - 1))))  # the count of another corpus' split
+    message = _refusal(caplog, [str(folder), "--model-result", str(path)])
+    assert message == (f"error: --model-result {path}: the evaluation predicted 2998 tokens of split 'test' over 2 "
+                       f"streams, but the split of {folder} has 500 tokens, which give 498: the result is of another "
+                       "corpus (or another preparation of it), and would be compared with the wrong baseline; pass "
+                       "the result of an evaluation of this corpus")
+    path.write_text(json.dumps(eval_result(498, streams=3)))
+    assert "predicted 498 tokens" in _refusal(caplog, [str(folder), "--model-result", str(path), "--json"])
+    assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("n_streams, tgt_len, max_segments", [(2, 8, None), (3, 7, None), (2, 8, 5), (4, 16, 3)])
+def test_predicted_tokens_is_what_the_evaluator_predicts(corpus, n_streams, tgt_len, max_segments):
+    import torch
+
+    from txl_dist.config import EvalConfig, ModelConfig
+    from txl_dist.evaluate import Evaluator
+    from txl_dist.model import TransformerXL
+    from txl_dist.unigram import predicted_tokens
+
+    folder, _, test = corpus
+    torch.manual_seed(0)
+    model = TransformerXL(ModelConfig(vocab_size=VOCAB, n_layer=1, d_model=8, n_head=1, d_head=8, d_inner=16,
+                                      tgt_len=tgt_len, mem_len=4))
+    cfg = EvalConfig(tgt_len=tgt_len, mem_len=4, n_streams=n_streams, max_segments=max_segments)
+    evaluator = Evaluator(folder, cfg, rank=0, world_size=1, n_streams=n_streams)
+    try:
+        tokens = evaluator.evaluate(model, "test")["tokens"]
+    finally:
+        evaluator.close()
+    assert tokens == predicted_tokens(len(test), n_streams, tgt_len, max_segments)

@@ -881,12 +881,18 @@ def read_run_info(tag_dir: str | os.PathLike) -> dict[str, Any]:
     path = Path(tag_dir) / STATE_DIR / RUN_FILE
     try:
         info = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8 text
         raise CheckpointError(f"{path}: cannot read ({one_line(e)}); use another tag") from None
-    if not isinstance(info, dict) or info.get("version") != RUN_INFO_VERSION:
-        version = info.get("version") if isinstance(info, dict) else None
-        raise CheckpointError(f"{path}: version {version!r} is not {RUN_INFO_VERSION} (saved by another version of "
-                              "txl-dist); resume with the version that wrote it")
+    # Every run.json this project wrote is an object with an integer version: anything else is damaged, not old.
+    version = info.get("version") if isinstance(info, dict) else None
+    if not isinstance(version, int) or isinstance(version, bool):
+        what = ("not a JSON object" if not isinstance(info, dict) else "no version" if "version" not in info
+                else f"version {version!r} is not an integer")
+        raise CheckpointError(f"{path}: damaged ({what}; every run.json txl-dist writes has its integer version); "
+                              "use another tag")
+    if version != RUN_INFO_VERSION:
+        raise CheckpointError(f"{path}: version {version} is not {RUN_INFO_VERSION} (saved by another version of "
+                              "txl-dist); use the version that wrote it")
     return info
 
 

@@ -8,7 +8,9 @@ seen in training still has a probability), and the perplexity is exp of the mean
 token of the split, end-of-document ids included. A language model that does not beat it has learnt nothing
 beyond frequencies. launch/eval.py predicts every token of each eval stream but the stream's first, so its
 count is a few tokens smaller; the two perplexities are still over the same text. --model-result reads
-the JSON launch/eval.py writes (--output) and prints the model's perplexity beside the baseline.
+the JSON launch/eval.py writes (--json-out) and prints the model's perplexity beside the baseline; a result
+whose token count cannot come from CORPUS_DIR's split (the evaluation of another corpus) is refused, as are
+one of another split, and a file that is no such result (not UTF-8, not JSON, a perplexity that is no number).
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from txl_dist.config import read_json_object
 from txl_dist.data import CorpusError, read_manifest, split_reader
 from txl_dist.entry import exit_process, guarded
 
@@ -77,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     log = logging.getLogger("txl_dist")
 
     def job() -> int:
-        model = _model_result(args.model_result, args.split) if args.model_result else None
+        model = _model_result(args.model_result, args.split, args.corpus) if args.model_result else None
         result = unigram_perplexity(args.corpus, args.split, args.train_split, args.smoothing)
         if args.json:
             print(json.dumps({**result, **({"model_perplexity": model["perplexity"]} if model else {})}, indent=2))
@@ -92,16 +95,60 @@ def main(argv: list[str] | None = None) -> int:
     return guarded(job, log)
 
 
-def _model_result(path: str, split: str) -> dict:
-    try:
-        result = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CorpusError(f"--model-result {path}: cannot read it ({type(e).__name__}); pass the file "
-                          "launch/eval.py --output wrote") from None
-    if not isinstance(result, dict) or "perplexity" not in result or result.get("split") != split:
+def _model_result(path: str, split: str, corpus: str | Path) -> dict:
+    """The launch/eval.py result at `path`, checked to be one of `split` of this corpus, as far as it tells."""
+    hint = "; pass the file launch/eval.py --json-out wrote"
+    result = read_json_object(path, error=CorpusError, label=f"--model-result {path}", missing_hint=hint,
+                              object_hint=hint)
+    if "perplexity" not in result or result.get("split") != split:
         raise CorpusError(f"--model-result {path}: not a launch/eval.py result for split '{split}'; evaluate "
-                          f"that split with --output {path}")
+                          f"that split with --json-out {path}")
+    perplexity = result["perplexity"]
+    if not _is_number(perplexity) or not perplexity > 0:
+        raise CorpusError(f"--model-result {path}: perplexity {json.dumps(perplexity)} is not a number > 0; the "
+                          "file is damaged: evaluate again with launch/eval.py --json-out")
+    _check_same_text(result, path, split, corpus)
     return result
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def predicted_tokens(n_tokens: int, n_streams: int, tgt_len: int, max_segments: int | None) -> int:
+    """How many tokens launch/eval.py predicts of a split of n_tokens: n_streams streams of n_tokens // n_streams
+    tokens, every token of each but its first (the first max_segments windows of tgt_len, where set)."""
+    stream_len = n_tokens // n_streams
+    per_stream = max(stream_len - 1, 0)
+    if max_segments is not None:
+        per_stream = min(per_stream, max_segments * tgt_len)
+    return n_streams * per_stream
+
+
+def _check_same_text(result: dict, path: str, split: str, corpus: str | Path) -> None:
+    """Refuse a result whose token count cannot come from this corpus' split: an evaluation of another corpus
+    (another vocabulary, another text) would be compared with the wrong baseline. A result without the counts
+    (written by hand, or by an older launch/eval.py) is not checked."""
+    if "tokens" not in result or "eval_streams" not in result:
+        return
+    tokens, streams, memory = result["tokens"], result["eval_streams"], result.get("eval", {})
+    tgt_len = memory.get("tgt_len") if isinstance(memory, dict) else None
+    max_segments = memory.get("max_segments") if isinstance(memory, dict) else None
+    if not (_is_number(tokens) and tokens >= 0 and float(tokens).is_integer() and isinstance(streams, int)
+            and not isinstance(streams, bool) and streams > 0 and isinstance(tgt_len, int) and tgt_len > 0
+            and (max_segments is None or isinstance(max_segments, int))):
+        raise CorpusError(f"--model-result {path}: tokens, eval_streams or eval.tgt_len / eval.max_segments are not "
+                          "the numbers launch/eval.py writes; the file is damaged: evaluate again with --json-out")
+    manifest = read_manifest(corpus)
+    if split not in manifest.splits:
+        return  # refused by unigram_perplexity, naming the splits there are
+    n_tokens = manifest.splits[split].n_tokens
+    expected = predicted_tokens(n_tokens, streams, tgt_len, max_segments)
+    if int(tokens) != expected:
+        raise CorpusError(f"--model-result {path}: the evaluation predicted {int(tokens)} tokens of split '{split}' "
+                          f"over {streams} streams, but the split of {corpus} has {n_tokens} tokens, which give "
+                          f"{expected}: the result is of another corpus (or another preparation of it), and would "
+                          "be compared with the wrong baseline; pass the result of an evaluation of this corpus")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ Formats:
   to_hf writes config.json + model.safetensors, loadable with from_pretrained.
 - Native folder (ours): model_config.json (our ModelConfig as JSON) + model.safetensors (our state_dict,
   tied tensors stored once). from-hf writes it, to-hf reads it. Training checkpoints are exported by
-  launch/export.py, which calls to_hf with extra_config={"eos_token_id": the corpus' end-of-document id}.
+  launch/export.py, which calls to_hf with extra_config={"eos_token_id": the corpus' end-of-document id,
+  "tokenizer_sha256": the checkpoint's tokenizer digest} and records that digest in model_config.json too;
+  the conversions carry it from one folder to the other (recorded_tokenizer_sha256 reads it).
 
 Python:
     from_hf(src_dir) -> TransformerXL            to_hf(model, out_dir, extra_config=None) -> Path
@@ -21,7 +23,7 @@ weights (tensor names and tying), convert (from_hf / to_hf), native (our folder)
 from txl_dist.interop.convert import from_hf, to_hf
 from txl_dist.interop.hf_config import hf_config_from_model_config, model_config_from_hf
 from txl_dist.interop.hf_files import HFFormatError
-from txl_dist.interop.native import load_native, save_native
+from txl_dist.interop.native import load_native, recorded_tokenizer_sha256, save_native
 from txl_dist.interop.weights import hf_state_dict
 
 __all__ = [
@@ -31,6 +33,7 @@ __all__ = [
     "hf_state_dict",
     "load_native",
     "model_config_from_hf",
+    "recorded_tokenizer_sha256",
     "save_native",
     "to_hf",
 ]

@@ -4,6 +4,8 @@
     python -m txl_dist.interop to-hf SRC OUT_DIR         native folder -> HF folder (from_pretrained loads it)
 
 OUT_DIR is checked before anything is read: it must be makeable and writable, and not the source folder.
+The digest of the tokenizer the weights were trained with (tokenizer_sha256, which launch/export.py records)
+goes along into OUT_DIR, so that launch/generate.py --model still checks the tokenizer it is given.
 Refused input (those, a source that is no such folder, truncated weights) is one `error:` line, exit status 2;
 a write that fails after the checks passed (a full disk, say) is one `error:` line, exit status 1, like a job's
 fault (txl_dist/entry.py).
@@ -15,7 +17,7 @@ import sys
 
 from txl_dist.errors import EXIT_FAILED, EXIT_REFUSED, Refused, one_line
 from txl_dist.interop.convert import from_hf, to_hf
-from txl_dist.interop.native import load_native, save_native
+from txl_dist.interop.native import TOKENIZER_SHA256_KEY, load_native, recorded_tokenizer_sha256, save_native
 from txl_dist.output_paths import check_distinct_folders, check_output_folder
 
 
@@ -54,10 +56,15 @@ def main(argv: list[str] | None = None) -> int:
                                "replace the source's")
         check_output_folder(args.out_dir, "OUT_DIR")
         model = from_hf(src) if args.command == "from-hf" else load_native(src)
+        tokenizer_sha256 = recorded_tokenizer_sha256(src)  # carried over, for launch/generate.py --model's check
     except (Refused, ValueError, OSError) as e:  # the package's refusals are one-liners
         _exit(EXIT_REFUSED, one_line(e, limit=2000))
     try:
-        out = save_native(model, args.out_dir) if args.command == "from-hf" else to_hf(model, args.out_dir)
+        if args.command == "from-hf":
+            out = save_native(model, args.out_dir, tokenizer_sha256)
+        else:
+            extra = {TOKENIZER_SHA256_KEY: tokenizer_sha256} if tokenizer_sha256 else None
+            out = to_hf(model, args.out_dir, extra_config=extra)
     except OSError as e:  # the input was fine: a fault of the machine, and each file is written whole or not at all
         _exit(EXIT_FAILED, f"writing {args.out_dir} failed: {one_line(e, limit=2000)}")
     print(f"wrote {out}")

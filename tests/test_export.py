@@ -1,0 +1,88 @@
+"""launch/export.py's output folders: a new or empty folder, or a former export of ours (native: its
+model_config.json; HuggingFace: a config.json that records tokenizer_sha256), is written over; a folder holding
+anything else (a model of elsewhere, the user's files) is refused with one line before the checkpoint is read,
+unless --overwrite. The export of a real checkpoint over a former one is tested in tests/test_generation.py."""
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from txl_dist.errors import EXIT_REFUSED
+
+SHA = "ab" * 32
+
+
+def _export(argv, caplog) -> tuple[int, list[str]]:
+    from launch.export import main
+
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="txl_dist"):
+        status = main([str(a) for a in argv])
+    return status, [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def _snapshot(root):
+    return {p.relative_to(root): (p.read_bytes() if p.is_file() else None) for p in sorted(root.rglob("*"))}
+
+
+@pytest.mark.parametrize("kind, files", [
+    ("--out", {"notes.txt": "mine"}),
+    ("--out", {"tokenizer.model": "a user's tokenizer"}),               # no model_config.json: not ours
+    ("--hf", {"config.json": json.dumps({"model_type": "transfo-xl"}), "model.safetensors": "weights"}),
+    ("--hf", {"config.json": "not JSON", "pytorch_model.bin": "weights"}),
+    ("--hf", {"model_config.json": "{}"}),                              # a native folder is no HF export
+])
+def test_a_folder_holding_other_files_than_a_former_export_is_refused_before_the_checkpoint(tmp_path, caplog, kind,
+                                                                                           files):
+    folder = tmp_path / "given"
+    folder.mkdir()
+    for name, text in files.items():
+        (folder / name).write_text(text)
+    before = _snapshot(tmp_path)
+    argv = ["--checkpoint", tmp_path / "nowhere", "--out", tmp_path / "native"] + (["--hf", folder] if kind == "--hf"
+                                                                                    else [])
+    if kind == "--out":
+        argv[3] = folder
+    status, errors = _export(argv, caplog)
+    assert status == EXIT_REFUSED
+    shown = ", ".join(sorted(files))
+    assert errors == [f"error: {kind} {folder}: holds files that are not those of a former export ({shown}); the "
+                      "export would replace them or leave them beside its weights: choose a new or empty folder, or "
+                      "pass --overwrite to write into it"]
+    assert _snapshot(tmp_path) == before  # nothing written
+    # --overwrite lets the output through: the export goes on to the checkpoint (which does not exist here).
+    status, errors = _export(argv + ["--overwrite"], caplog)
+    assert status == EXIT_REFUSED and len(errors) == 1 and "nowhere does not exist" in errors[0], errors
+    assert _snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("kind, files", [
+    ("--out", {}),                                                      # empty
+    ("--out", {"model_config.json": "{}", "model.safetensors": "w", "tokenizer.model": "t", "README": "x"}),
+    ("--out", {"model.safetensors": "w", ".model_config.json.abc.tmp": ""}),  # an export stopped midway
+    ("--hf", {"config.json": json.dumps({"tokenizer_sha256": SHA}), "model.safetensors": "w", "tokenizer.model": "t"}),
+    ("--hf", {".txl-probe-x": ""}),
+])
+def test_a_new_empty_or_former_export_folder_is_accepted(tmp_path, caplog, kind, files):
+    folder = tmp_path / "given"
+    folder.mkdir()
+    for name, text in files.items():
+        (folder / name).write_text(text)
+    out = folder if kind == "--out" else tmp_path / "native"
+    argv = ["--checkpoint", tmp_path / "nowhere", "--out", out] + (["--hf", folder] if kind == "--hf" else [])
+    status, errors = _export(argv, caplog)
+    assert status == EXIT_REFUSED and len(errors) == 1 and "nowhere does not exist" in errors[0], errors
+
+
+def test_foreign_files_lists_what_is_not_an_export(tmp_path):
+    from launch.export import foreign_files
+
+    assert foreign_files(tmp_path / "missing", native=True) == []
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "transfo-xl"}))
+    (tmp_path / "pytorch_model.bin").write_text("w")
+    assert foreign_files(tmp_path, native=False) == ["config.json", "pytorch_model.bin"]
+    assert foreign_files(tmp_path, native=True) == ["config.json", "pytorch_model.bin"]
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "transfo-xl", "tokenizer_sha256": SHA}))
+    assert foreign_files(tmp_path, native=False) == []
