@@ -111,6 +111,8 @@ def test_overrides_are_typed_and_reach_nested_deepspeed_keys(tmp_path):
     (["train.exit_step=50000"], "train.exit_step"),
     (["deepspeed.scheduler.params.total_num_steps=7"], "differs from train.max_steps"),
     (["train.max_steps"], "expected section.key=value"),
+    (["deepspeed.gradient_clipping=-1"], "deepspeed.gradient_clipping: must be >= 0, got -1"),
+    (["deepspeed.gradient_clipping=-0.5"], "deepspeed.gradient_clipping: must be >= 0, got -0.5"),
 ])
 def test_bad_values_are_refused_with_one_line_naming_the_key(overrides, message):
     with pytest.raises(ConfigError) as info:
@@ -187,3 +189,10 @@ def test_a_key_left_out_of_the_resumed_config_counts_as_changed():
     assert changed_settings(saved, now) == ["deepspeed.activation_checkpointing", "deepspeed.gradient_clipping"]
     del saved["model"]["pad_vocab_multiple"]  # left out on both sides in turn: each side's default
     assert changed_settings(now, saved) == ["deepspeed.activation_checkpointing", "deepspeed.gradient_clipping"]
+
+
+def test_gradient_clipping_zero_turns_it_off_and_is_accepted():
+    """0 is DeepSpeed's "no clipping" (it clips only above 0); a negative value, which it would treat the same
+    without a word, is refused (test_bad_values_are_refused_with_one_line_naming_the_key)."""
+    cfg = load_config(CONFIGS[0].parent / "tiny.json", ["deepspeed.gradient_clipping=0"])
+    assert cfg.deepspeed["gradient_clipping"] == 0

@@ -181,3 +181,59 @@ def test_bad_corpus_input_is_a_one_line_corpus_error(corpus, case):
         assert "\n" not in str(refused.value), f"{entry}: {refused.value}"
         assert named in str(refused.value), f"{entry}: {refused.value}"
         assert isinstance(refused.value, Refused), entry
+
+
+# ----------------------------------------------------------------------------------------------------
+# What a corpus path names, and the splits a training run needs
+
+
+def test_a_corpus_path_that_is_a_file_says_so(corpus, tmp_path):
+    text = tmp_path / "train.txt"
+    text.write_text("some text\n")
+    with pytest.raises(CorpusError, match=f"^{text}: is a file, not a corpus folder; .*--train {text}$"):
+        read_manifest(text)
+    with pytest.raises(CorpusError, match=f"^{corpus / 'manifest.json'}: is a file, not a corpus folder; name its "
+                                          f"folder {corpus}$"):
+        read_manifest(corpus / "manifest.json")
+    with pytest.raises(CorpusError, match="corpus folder does not exist; run `python -m data_prep prepare"):
+        read_manifest(tmp_path / "absent")
+
+
+def test_an_arrow_path_that_is_a_folder_or_no_file_says_so(corpus):
+    first = corpus / FIRST
+    first.unlink()
+    first.mkdir()
+    with pytest.raises(CorpusError, match=f"^{first}: is a folder, not a file "):
+        train_loader("train")(corpus)
+    first.rmdir()
+    first.symlink_to(corpus / "gone.arrow")
+    with pytest.raises(CorpusError, match=f"^{first}: is not a regular file "):
+        train_loader("train")(corpus)
+
+
+@pytest.mark.parametrize("data, at_end, message", [
+    ({}, True, "no split 'valid' for data.valid_split; the corpus has empty, short, train; use --set "
+               "data.valid_split=train --set data.test_split=train (evaluates on training text: no held-out "
+               "measure), or prepare the corpus with held-out text (`python -m data_prep prepare` with "
+               "--valid-fraction F or --valid FILE and --test-fraction F or --test FILE)"),
+    ({"valid_split": "short"}, True, "no split 'test' for data.test_split; the corpus has empty, short, train; use "
+                                     "--set data.test_split=train (evaluates on training text: no held-out measure), "
+                                     "or prepare the corpus with held-out text (`python -m data_prep prepare` with "
+                                     "--test-fraction F or --test FILE), or --set eval.at_end=false (no final test "
+                                     "evaluation)"),
+    ({"valid_split": "short"}, False, None),
+    ({"train_split": "trian"}, False, "no split 'trian' for data.train_split; the corpus has empty, short, train; "
+                                      "set data.train_split to one of them"),
+], ids=["no-held-out-split", "no-test-split", "no-test-split-needed", "train-split"])
+def test_a_split_the_training_run_needs_is_named_with_a_way_on(corpus, data, at_end, message):
+    from txl_dist.config import config_from_dict
+    from txl_dist.startup import check_training_splits
+
+    cfg = config_from_dict({"data": {"path": str(corpus), **data}, "eval": {"at_end": at_end},
+                            "deepspeed": {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 8}})
+    if message is None:
+        check_training_splits(cfg, read_manifest(corpus))
+        return
+    with pytest.raises(CorpusError) as refused:
+        check_training_splits(cfg, read_manifest(corpus))
+    assert str(refused.value) == f"{corpus / 'manifest.json'}: {message}"

@@ -343,6 +343,20 @@ def _(s):
     s.train(s.root / "binary.json")
 
 
+@case("config.not-a-regular-file")
+def _(s):
+    if not Path("/dev/zero").is_char_device():
+        pytest.skip("no /dev/zero here")
+    s.train(Path("/dev/zero"))  # read to its end, it has none: a MemoryError, or the memory limit's kill
+
+
+@case("config.duplicate-key")
+def _(s):
+    text = json.dumps(s.config()).replace('"max_steps": 2', '"max_steps": 600, "max_steps": 2')
+    assert text.count('"max_steps"') == 2
+    s.train(text)
+
+
 @case("config.not-finite")
 def _(s):
     s.train(None, "--set", "model.init_std=NaN")
@@ -463,6 +477,12 @@ case("deepspeed.steps-per-print-zero")(train_with(deepspeed={"steps_per_print": 
 case("deepspeed.predivide-factor-zero")(train_with(deepspeed={"gradient_predivide_factor": 0}))
 
 
+@case("deepspeed.gradient-clipping-negative")
+def _(s):
+    s.train(None, "--set", "deepspeed.gradient_clipping=-1")
+
+
+
 @case("deepspeed.monitor-without-its-package")
 def _(s):
     import importlib.util
@@ -534,6 +554,14 @@ def _(s):
     s.train(s.config(data={"path": s.values["absent"]}))
 
 
+@case("data.corpus-is-a-file")
+def _(s):
+    text_file = s.root / "train.txt"
+    text_file.write_text("the text a corpus is prepared from\n")
+    s.values["text-file"] = str(text_file)
+    s.train(s.config(data={"path": str(text_file)}))
+
+
 @case("data.manifest-missing")
 def _(s):
     (s.corpus / "manifest.json").unlink()
@@ -549,6 +577,13 @@ def _(s):
 @case("data.arrow-file-missing")
 def _(s):
     (s.corpus / "train/00000.arrow").unlink()
+    s.train()
+
+
+@case("data.arrow-file-is-a-folder")
+def _(s):
+    (s.corpus / "train/00000.arrow").unlink()
+    (s.corpus / "train/00000.arrow").mkdir()
     s.train()
 
 
@@ -573,6 +608,15 @@ def _(s):
 case("data.split-empty")(train_with(data={"train_split": "empty"}))
 case("data.split-too-short")(train_with(data={"train_split": "short"}))
 case("data.split-unknown")(train_with(data={"valid_split": "dev"}))
+
+
+@case("data.valid-split-missing")
+def _(s):
+    # As `python -m data_prep prepare --train FILE` makes it: no valid (nor test) split.
+    root = write_corpus(s.root / "train-only", {"train": learnable_stream(4 * 97, VOCAB, 0)}, vocab_size=VOCAB)
+    s.values["train-only"] = str(root)
+    s.train(s.config(data={"path": str(root)}))
+
 
 
 @case("data.eval-split-unknown")
@@ -788,6 +832,17 @@ def _(s):
     s.train(s.config(run={"dir": s.values["run"]}))
 
 
+@case("run-folder.is-the-corpus")
+def _(s):
+    # <run> stays the case's own (absent) run folder: nothing at all may appear in the corpus, not even a lock.
+    s.train(s.config(run={"dir": str(s.corpus)}))
+
+
+@case("run-folder.in-the-corpus")
+def _(s):
+    s.train(s.config(run={"dir": str(s.corpus / "run")}))
+
+
 # Outputs (checked before the checkpoint is read or evaluated; the paths are relative to the case's folder)
 
 
@@ -811,6 +866,16 @@ def _(s):
 def _(s):
     (s.root / "results").mkdir()
     s.eval("--checkpoint", s.trained_run(), "--json-out", "results")
+
+
+@case("output.eval-json-out-in-the-corpus")
+def _(s):
+    s.eval("--checkpoint", s.trained_run(), "--split", "valid", "--json-out", s.corpus / "manifest.json")
+
+
+@case("output.eval-json-out-in-a-checkpoint")
+def _(s):
+    s.eval("--checkpoint", s.trained_run(), "--json-out", s.tag / "txl_state" / "run.json")
 
 
 # Tracking
@@ -867,3 +932,45 @@ def deviations_from_the_promise(scene: Scene) -> list[str]:
     if scene.status != EXIT_REFUSED:
         out.append(f"exit status {scene.status}")
     return out
+
+
+def test_outputs_in_a_checkpoint_its_run_folder_or_a_corpus_are_refused(tmp_path):
+    """The output checks behind the output.* rows, for the places the table does not run: a file in a run's
+    checkpoints/ folder (its `latest`) or deeper in a corpus, a folder in checkpoints/; the run folder itself
+    and a file beside the corpus stay writable."""
+    from txl_dist.output_paths import OutputError, check_output_file, check_output_folder
+
+    run = tmp_path / "run"
+    tag = run / "checkpoints" / TAG
+    (tag / "txl_state").mkdir(parents=True)
+    (tag / "txl_state" / "run.json").write_text("{}")
+    corpus = make_corpus(tmp_path / "corpus")
+    refused = {
+        run / "checkpoints" / "latest": f"lies in the checkpoint folder {run / 'checkpoints'} ",
+        tag / "mp_rank_00_model_states.pt": f"lies in the checkpoint {tag};",
+        corpus / "train" / "00000.arrow": f"lies in the corpus {corpus};",
+    }
+    for path, why in refused.items():
+        with pytest.raises(OutputError, match=f"^--json-out {re.escape(str(path))}: {re.escape(why)}"):
+            check_output_file(path, "--json-out")
+    with pytest.raises(OutputError, match=f"^--out {re.escape(str(run / 'checkpoints' / 'x'))}: lies in the "
+                                          "checkpoint folder"):
+        check_output_folder(run / "checkpoints" / "x", "--out")
+    assert check_output_file(run / "result.json", "--json-out") == run / "result.json"
+    assert check_output_file(tmp_path / "result.json", "--json-out") == tmp_path / "result.json"
+    assert check_output_folder(run / "exported", "--out") == run / "exported"
+
+
+def test_a_run_folder_in_any_corpus_is_refused(tmp_path):
+    """run.dir in a corpus other than data.path (found by its manifest and tokenizer) is refused too; a run folder
+    beside the corpus, or one whose name merely starts like it, is not."""
+    from txl_dist.run_dir import RunDirUnusable, check_run_dir_place
+
+    corpus, other = make_corpus(tmp_path / "corpus"), make_corpus(tmp_path / "other")
+    with pytest.raises(RunDirUnusable, match=f"^run.dir {re.escape(str(other / 'run'))} lies in the corpus "
+                                             f"{re.escape(str(other))}; "):
+        check_run_dir_place(other / "run", corpus)
+    with pytest.raises(RunDirUnusable, match=r"is the corpus folder \(data.path\)"):
+        check_run_dir_place(tmp_path / "corpus" / ".", tmp_path / "corpus/")
+    check_run_dir_place(tmp_path / "run", corpus)
+    check_run_dir_place(tmp_path / "corpus-run", corpus)

@@ -16,6 +16,8 @@ import hashlib
 import importlib.util
 import json
 import math
+import os
+import stat
 import types
 import typing
 from dataclasses import MISSING, dataclass, field, fields
@@ -472,8 +474,25 @@ def read_json_object(path: str | Path, *, error: type[Exception] = ConfigError, 
     label = str(path) if label is None else label
     if not str(path).strip():
         raise error(f"{label.rstrip()}: an empty path names no file")
+    duplicates: list[tuple[str, dict]] = []
+
+    def refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        obj: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in obj and not duplicates:
+                duplicates.append((key, obj))
+            obj[key] = value
+        return obj
+
     try:
-        raw = json.loads(Path(path).read_text(encoding="utf-8"))
+        mode = os.stat(path).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError
+        if not stat.S_ISREG(mode):
+            # /dev/zero would be read without end, a FIFO with no writer would block: refuse, as data_prep does
+            raise error(f"{label} is {_file_kind(mode)}, not a regular file; write the JSON to a file and pass "
+                        "that") from None
+        raw = json.loads(Path(path).read_text(encoding="utf-8"), object_pairs_hook=refuse_duplicates)
     except FileNotFoundError:
         raise error(f"{label} does not exist{where_relative(path)}{missing_hint}") from None
     except IsADirectoryError:
@@ -484,9 +503,37 @@ def read_json_object(path: str | Path, *, error: type[Exception] = ConfigError, 
         raise error(f"{label}: cannot read it ({e.strerror or type(e).__name__})") from None
     except json.JSONDecodeError as e:
         raise error(f"{label}: invalid JSON at line {e.lineno} col {e.colno}: {e.msg}") from None
+    if duplicates:
+        key, obj = duplicates[0]
+        keys = [*(_path_to(raw, obj) or []), key]
+        dotted = "".join(k if k.startswith("[") else f".{k}" for k in keys).removeprefix(".")
+        # Python's json keeps the last value silently: `"max_steps": 600, "max_steps": 2` would train 2 steps.
+        raise error(f"{label}: key '{dotted}' appears more than once (JSON would keep the last silently); "
+                    "keep one")
     if not isinstance(raw, dict):
         raise error(f"{label}: the top level must be a JSON object{object_hint}")
     return raw
+
+
+def _file_kind(mode: int) -> str:
+    for is_kind, what in ((stat.S_ISFIFO, "a pipe or FIFO"), (stat.S_ISCHR, "a character device"),
+                          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if is_kind(mode):
+            return what
+    return "something other than a file"
+
+
+def _path_to(node: Any, target: dict, at: list[str] | None = None) -> list[str] | None:
+    """The keys (list items as [i]) from `node` down to the object `target` (by identity)."""
+    at = [] if at is None else at
+    if node is target:
+        return at
+    children = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for key, child in children:
+        found = _path_to(child, target, at + [key if isinstance(node, dict) else f"[{key}]"])
+        if found is not None:
+            return found
+    return None
 
 
 def config_from_dict(raw: dict[str, Any]) -> RunConfig:
@@ -843,6 +890,10 @@ def validate_deepspeed(ds: dict[str, Any], max_steps: int) -> None:
     if _is_number(every) and every < 1:
         raise ConfigError(f"deepspeed.steps_per_print: must be >= 1, got {every} (DeepSpeed logs every that many "
                           "steps)")
+    clipping = ds.get("gradient_clipping")
+    if _is_number(clipping) and clipping < 0:  # DeepSpeed clips only when > 0: a negative value is "off", unsaid
+        raise ConfigError(f"deepspeed.gradient_clipping: must be >= 0, got {clipping} (the largest gradient norm; 0 "
+                          "turns clipping off, as DeepSpeed does for any value <= 0)")
     factor = ds.get("gradient_predivide_factor")
     if _is_number(factor) and factor <= 0:
         raise ConfigError(f"deepspeed.gradient_predivide_factor: must be > 0, got {factor} (DeepSpeed divides the "

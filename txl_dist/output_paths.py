@@ -25,19 +25,15 @@ def check_output_folder(path: str | os.PathLike, flag: str) -> Path:
     """The folder `path` (made later, with its parents) can be made and written; else OutputError.
 
     Refused: an existing path that is not a folder, a path below a regular file, a place that cannot be
-    written (read-only, /proc, no permission). `flag` names the option in the message, e.g. '--out'.
+    written (read-only, /proc, no permission), a folder in a checkpoint, a run's checkpoints/ or a corpus.
+    `flag` names the option in the message, e.g. '--out'.
     """
     if not str(path).strip():
         raise OutputError(f"{flag}: an empty path names no folder; give one, e.g. exported/my-model")
     out = Path(path)
     if os.path.lexists(out) and not out.is_dir():  # a file, or a link to nothing
         raise OutputError(f"{flag} {path}: exists and is not a folder; choose another path")
-    for folder in (out, *out.resolve().parents):
-        if (folder / "txl_state" / "run.json").is_file():
-            raise OutputError(f"{flag} {path}: lies in the checkpoint {folder}; its files are checksummed and "
-                              "retention removes it: choose a folder outside it")
-        if (folder / "manifest.json").is_file() and (folder / "tokenizer.model").is_file():
-            raise OutputError(f"{flag} {path}: lies in the corpus {folder}; choose a folder outside it")
+    _check_not_in_data((out, *out.resolve().parents), flag, path, "a folder")
     existing = next((p for p in (out, *out.parents) if _exists(p, flag, path)), Path("."))
     if not existing.is_dir():
         raise OutputError(f"{flag} {path}: cannot be made ({existing} is not a folder); choose another path")
@@ -49,7 +45,8 @@ def check_output_file(path: str | os.PathLike, flag: str) -> Path:
     """A file can be written atomically at `path` (a temporary beside it, renamed over it); else OutputError.
 
     Refused: a folder at `path`, a parent folder that does not exist or is not a folder, one that cannot be
-    written. The parent is not made: a mistyped folder is more likely than a wanted new one.
+    written, a file in a checkpoint, a run's checkpoints/ or a corpus (eval --json-out C/manifest.json would
+    replace the corpus' manifest). The parent is not made: a mistyped folder is more likely than a wanted new one.
     """
     if not str(path).strip():
         raise OutputError(f"{flag}: an empty path names no file; give one, e.g. result.json")
@@ -62,8 +59,39 @@ def check_output_file(path: str | os.PathLike, flag: str) -> Path:
                           "path")
     if not parent.is_dir():
         raise OutputError(f"{flag} {path}: {parent} is not a folder; choose another path")
+    _check_not_in_data((parent.resolve(), *parent.resolve().parents), flag, path, "a file")
     _probe(parent, flag, path, folder=False)
     return out
+
+
+def is_checkpoint_tag(folder: Path) -> bool:
+    """A checkpoint tag folder (txl_dist.checkpoint: a step_* folder is complete once it holds run.json)."""
+    return (folder / "txl_state" / "run.json").is_file()
+
+
+def is_checkpoint_folder(folder: Path) -> bool:
+    """A run's checkpoints/ folder: it holds a checkpoint tag (its `latest` and retention live there)."""
+    return folder.name == "checkpoints" and any(is_checkpoint_tag(tag) for tag in folder.glob("step_*"))
+
+
+def is_corpus(folder: Path) -> bool:
+    """A corpus folder written by `python -m data_prep prepare` (its manifest and tokenizer)."""
+    return (folder / "manifest.json").is_file() and (folder / "tokenizer.model").is_file()
+
+
+def _check_not_in_data(folders: tuple[Path, ...], flag: str, path: str | os.PathLike, what: str) -> None:
+    """Refuse an output (`what`: "a folder" or "a file") whose `folders` (the output folder or a file's folder,
+    then their parents) include a checkpoint tag, a run's checkpoints/ folder or a corpus: it would replace or
+    sit among files that are checksummed (a tag's run.json, the corpus' manifest) or pruned by retention."""
+    for folder in folders:
+        if is_checkpoint_tag(folder):
+            raise OutputError(f"{flag} {path}: lies in the checkpoint {folder}; its files are checksummed and "
+                              f"retention removes it: choose {what} outside it")
+        if is_checkpoint_folder(folder):
+            raise OutputError(f"{flag} {path}: lies in the checkpoint folder {folder} (its tags and `latest`, "
+                              f"which retention prunes): choose {what} outside it")
+        if is_corpus(folder):
+            raise OutputError(f"{flag} {path}: lies in the corpus {folder}; choose {what} outside it")
 
 
 def check_distinct_folders(first: str | os.PathLike, first_flag: str, second: str | os.PathLike, second_flag: str,

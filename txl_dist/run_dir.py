@@ -19,7 +19,7 @@ holds it, for the refusal message, and for one more check: on a file system whos
 lock granted over the record of another Slurm job on another host that scontrol says is running is refused.
 On file systems without flock support the job warns and goes on unlocked.
 
-Standard library only.
+Standard library only (and txl_dist's errors and output_paths, which are too).
 """
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import Refused, one_line
+from .output_paths import is_corpus
 
 LOCK_FILE = ".lock"
 RESOLVED_CONFIG = "config.resolved.json"
@@ -74,6 +75,20 @@ class RunDir:
 
     def log_file(self, rank: int) -> Path:
         return self.logs / ("train.log" if rank == 0 else f"rank-{rank:05d}.log")
+
+
+def check_run_dir_place(run_dir: str | os.PathLike, corpus: str | os.PathLike) -> None:
+    """Refuse (RunDirUnusable, naming run.dir) a run folder that is the corpus folder `corpus` (data.path) or
+    lies in it, or in any other prepared corpus: the lock, logs, checkpoints and tracking store would be
+    written among the corpus' files. Paths only (and the markers of a corpus): nothing is made or read, so
+    start-up refuses it before the corpus is verified or the lock taken."""
+    run, data = Path(run_dir).resolve(), Path(corpus).resolve()
+    inside = data if run.is_relative_to(data) else next((f for f in (run, *run.parents) if is_corpus(f)), None)
+    if inside is not None:
+        where = ("is the corpus folder (data.path)" if run == data else f"lies in the corpus {corpus} (data.path)"
+                 if inside == data else f"is the corpus {inside}" if run == inside else f"lies in the corpus {inside}")
+        raise RunDirUnusable(f"run.dir {run_dir} {where}; the run's lock, logs and checkpoints would be written "
+                             "among its files: choose a run.dir outside it")
 
 
 SHARED_CHECK_PREFIX = ".shared-check-"

@@ -31,6 +31,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import os
 import shutil
 import socket
 from concurrent.futures import ThreadPoolExecutor
@@ -56,8 +57,8 @@ from .engine import check_optimizer_op_available, deepspeed_config, zero_stage
 from .evaluate import Evaluator
 from .flops import sample_cluster_shares
 from .host import cpus_per_rank
-from .run_dir import RunDir, RunDirUnusable, RunLock, acquire_lock, attach_log_file, sees_shared_check, \
-    write_shared_check
+from .run_dir import RunDir, RunDirUnusable, RunLock, acquire_lock, attach_log_file, check_run_dir_place, \
+    sees_shared_check, write_shared_check
 from .runtime_choices import RunChoices
 
 log = logging.getLogger(distributed.LOGGER_NAME)
@@ -197,6 +198,45 @@ def with_vocab(cfg: RunConfig, vocab_size: int, corpus: str) -> RunConfig:
             f"set it to null (taken from the manifest){cutoffs} or prepare the data with the matching tokenizer")
     check_cutoffs(cfg.model.cutoffs, vocab_size)
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab_size))
+
+
+def with_absolute_data_path(cfg: RunConfig) -> RunConfig:
+    """cfg with data.path made absolute against the working directory (symlinks kept, as the user named them).
+
+    data.path is the one path of a run's config that is read again after training (launch/eval.py,
+    generate.py and export.py take it from the checkpoint's config); a relative one would resolve against their
+    working directory. run.dir is not read from a checkpoint's config (a resume names its own)."""
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=os.path.abspath(cfg.data.path)))
+
+
+def check_training_splits(cfg: RunConfig, manifest: Manifest) -> None:
+    """Refuse a split that data.train_split, data.valid_split or (with eval.at_end) data.test_split names and
+    the corpus lacks, naming the key and a way on: a corpus prepared with --train alone has no held-out split."""
+    keys = {"data.train_split": cfg.data.train_split, "data.valid_split": cfg.data.valid_split}
+    if cfg.eval.at_end:
+        keys["data.test_split"] = cfg.data.test_split
+    missing = {key: name for key, name in keys.items() if name not in manifest.splits}
+    if not missing:
+        return
+    key, name = next(iter(missing.items()))
+    line = (f"{Path(cfg.data.path) / 'manifest.json'}: no split '{name}' for {key}; the corpus has "
+            f"{', '.join(sorted(manifest.splits))}")
+    if key == "data.train_split":
+        raise CorpusError(f"{line}; set data.train_split to one of them")
+    # Every held-out split missing is named at once: the advice must not lead into the next refusal.
+    fixes = {}
+    for k in missing:
+        default = default_value(*k.split("."))
+        fixes[k] = default if default in manifest.splits else cfg.data.train_split
+    line += f"; use {' '.join(f'--set {k}={v}' for k, v in fixes.items())}"
+    lacking = [k.split(".")[1].removesuffix("_split") for k, v in fixes.items() if v == cfg.data.train_split]
+    if lacking:
+        options = " and ".join(f"--{s}-fraction F or --{s} FILE" for s in lacking)
+        line += (" (evaluates on training text: no held-out measure), or prepare the corpus with held-out text "
+                 f"(`python -m data_prep prepare` with {options})")
+        if list(fixes) == ["data.test_split"]:
+            line += ", or --set eval.at_end=false (no final test evaluation)"
+    raise CorpusError(line)
 
 
 def _cutoffs_fit(cutoffs: list[int], vocab_size: int) -> bool:
@@ -373,11 +413,17 @@ def start_training(cfg: RunConfig, env: DistEnv, resume: str = "auto", *, log_fi
 
     run_dir = RunDir(Path(cfg.run.dir))
     join(cfg, env)
+    # Before the corpus is read and the lock taken: a run folder in the corpus would put the lock and the log there.
+    _together(lambda: check_run_dir_place(run_dir.path, cfg.data.path), "the run folder's place checked")
 
     def local_checks():
         check_attn_impl_runs_here(cfg, distributed.device_for(env), training=True)
         check_has_optimizer(cfg)
         resolved, manifest = open_corpus(cfg)
+        check_training_splits(resolved, manifest)
+        # The config written to the run folder and into checkpoints names the corpus absolutely: eval, generate
+        # and export read data.path from it, from whatever folder they run in.
+        resolved = with_absolute_data_path(resolved)
         # The loaders open (and verify) their files now: bad data fails the start, not step 10,000.
         try:
             loader = StreamLoader(resolved.data.path, resolved.data.train_split, rank=env.rank,

@@ -169,6 +169,12 @@ class _OpenFile:
 
 def _check_file(entry: FileEntry, path: Path, verify: bool) -> None:
     if not path.is_file():
+        if path.is_dir():
+            raise CorpusError(f"{path}: is a folder, not a file (the manifest lists an Arrow file there); re-run "
+                              "prepare")
+        if os.path.lexists(path):  # a FIFO, a device, a link to nothing
+            raise CorpusError(f"{path}: is not a regular file (the manifest lists an Arrow file there); re-run "
+                              "prepare")
         raise CorpusError(f"{path}: corpus file is missing (listed in the manifest); re-run prepare")
     if not verify:
         return

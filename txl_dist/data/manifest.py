@@ -231,6 +231,14 @@ def read_manifest(corpus_dir: str | os.PathLike) -> Manifest:
     corpus_dir = Path(corpus_dir)
     path = corpus_dir / MANIFEST_FILE
     if not corpus_dir.is_dir():
+        if os.path.lexists(corpus_dir):  # a file (train.txt, the manifest itself), a device, a broken link
+            folder = "name the folder `python -m data_prep prepare --out DIR` wrote (it holds manifest.json)"
+            if not corpus_dir.is_file():
+                raise CorpusError(f"{corpus_dir}: is not a folder (a device, a FIFO, a link to nothing), not a corpus "
+                                  f"folder; {folder}")
+            hint = (f"name its folder {corpus_dir.parent}" if corpus_dir.name == MANIFEST_FILE else
+                    f"{folder}, e.g. one prepared from it with --train {corpus_dir}")
+            raise CorpusError(f"{corpus_dir}: is a file, not a corpus folder; {hint}")
         raise CorpusError(
             f"{corpus_dir}: corpus folder does not exist; run `python -m data_prep prepare --out {corpus_dir}`")
     try:
@@ -239,6 +247,9 @@ def read_manifest(corpus_dir: str | os.PathLike) -> Manifest:
         raise CorpusError(
             f"{path} is missing: {corpus_dir} is not a prepared corpus (or preparation did not finish); "
             "run `python -m data_prep prepare`") from None
+    except IsADirectoryError:
+        raise CorpusError(f"{path}: is a folder, not the manifest file; {corpus_dir} is not a prepared corpus, "
+                          "re-run prepare") from None
     except UnicodeDecodeError:
         raise CorpusError(f"{path}: not UTF-8 text; the manifest is corrupt, re-run prepare") from None
     try:
