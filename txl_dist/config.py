@@ -96,7 +96,9 @@ class ModelConfig:
     div_val: int = 1
     """Adaptive input/softmax: each further cluster's embedding size is divided by div_val."""
     cutoffs: list[int] = field(default_factory=list)
-    """Adaptive softmax cluster boundaries, strictly increasing, each below vocab_size; [] = plain softmax."""
+    """Adaptive softmax cluster boundaries, strictly increasing, each below vocab_size; [] = plain softmax. They
+    assume frequent tokens have low ids: start-up warns when the head (ids below cutoffs[0]) holds under half of
+    a sample of the training tokens (a SentencePiece vocabulary starts with its control and byte pieces)."""
     tie_weight: bool = True
     """Share the adaptive softmax output embeddings with the adaptive input embeddings."""
     tie_projs: list[bool] | None = None
