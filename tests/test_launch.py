@@ -164,9 +164,13 @@ def test_exit_process_keeps_the_status_the_threads_and_the_exit_handlers():
               "torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])\n"
               "atexit.register(lambda: print('exit handler ran'))\n"
               "threading.Thread(target=lambda: (time.sleep(0.5), print('thread done'))).start()\n"
+              "from concurrent.futures import ThreadPoolExecutor\n"
+              "pool = ThreadPoolExecutor(1)\n"  # its idle worker ends only through the interpreter's exit hooks
+              "pool.submit(print, 'pool done').result()\n"
               "sys.stdout.write('buffered line\\n')\n"
               "sys.stderr.write('error: the last line\\n')\n"
               "exit_process(3)\n")
-    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert (done.returncode, done.stdout) == (3, "buffered line\nthread done\nexit handler ran\n"), done.stderr
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (3, "pool done\nbuffered line\nthread done\nexit handler ran\n"), \
+        done.stderr
     assert done.stderr == "error: the last line\n"

@@ -66,10 +66,9 @@ def exit_process(status: int) -> NoReturn:
     too, but then triton's bindings, imported by torch's optimizers, printed ~30 lines of "nanobind: leaked
     instances" after a refusal's one line.)
     """
-    current = threading.current_thread()
-    for thread in threading.enumerate():
-        if thread is not current and not thread.daemon:
-            thread.join()
+    # The interpreter's own first two exit steps, in its order. threading._shutdown is what it calls: it also
+    # runs the hooks that end thread pools' workers (concurrent.futures), which a join alone would wait on forever.
+    threading._shutdown()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
