@@ -124,7 +124,9 @@ def test_cpu_smoke_runs_every_phase(tmp_path):
     assert ds["progress"] and ds["progress"][-1] in (out / "deepspeed_zero1.log").read_text()
     # The trainer profiled two of its steps (train.profile_steps) and logged its busiest operators.
     (profile,) = ds["profile"]
-    assert "profile of steps 2..3 written to" in profile and "aten::mm" in profile, ds
+    # Which operators lead varies from run to run at this size (mm, bmm, softmax and norms within a few points).
+    assert "profile of steps 2..3 written to" in profile and re.search(r"by self CPU time: .*aten::\w+ [\d.]+%",
+                                                                       profile), ds
     # One progress line per step: steps 2-3 under the profiler say so, and the rates from step 3 on are kept
     # apart (here step 3 profiled, step 4 not), with the profile read against the unprofiled step.
     log = (out / "deepspeed_zero1.log").read_text()
