@@ -9,7 +9,8 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from data_prep.tokenizer import MODEL_TYPES, TRAINING_THREADS, TrainerOptions, check_trained_with
+from data_prep.tokenizer import MODEL_TYPES, TRAINING_OPTIONS, TRAINING_THREADS, TrainerOptions, \
+    check_trained_with
 from data_prep.errors import PrepError, access_fault_line, write_fault_line
 from txl_dist.errors import EXIT_FAILED, EXIT_REFUSED, Refused
 from txl_dist.host import raise_open_file_limit, usable_cpus
@@ -234,10 +235,7 @@ _WRITES_TO = {"fetch-corpus": "out", "prepare": "out", "train-tokenizer": "out",
 _ELSEWHERE = {"fetch-corpus": "choose another output folder",
               "relayout": "copy the corpus to another file system and relayout it there"}
 """How a command puts its output on another file system (default: choose another --out)."""
-_TRAINING = {"vocab_size": "vocab_size", "model_type": "model_type", "tokenizer_sample": "sample_sentences",
-             "byte_fallback": "byte_fallback", "character_coverage": "character_coverage",
-             "normalization": "normalization", "newline_piece": "newline_piece",
-             "remove_extra_whitespaces": "remove_extra_whitespaces", "add_dummy_prefix": "add_dummy_prefix"}
+_TRAINING = {option[2:].replace("-", "_"): name for name, option in TRAINING_OPTIONS.items()}
 """The tokenizer-training options (argparse dest -> TrainerOptions field). Their parser default is None so that
 one left out is told from one given with its default value: next to --tokenizer-model a given one must be what
 the model was trained with (launch/slurm/prep.sh passes the tokenizer job's options to the shard tasks too),
