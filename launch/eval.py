@@ -72,6 +72,7 @@ def evaluate_checkpoint(choice, split: str | None, env: distributed.DistEnv, che
     choice: what startup.eval_config read (the tag is held for reading until its weights are loaded);
     check_outputs: rank 0's check of what it will write, before any work (startup.start_evaluation)."""
     from txl_dist import checkpoint as ckpt
+    from txl_dist.data import read_manifest
     from txl_dist.engine import build_engine, deepspeed_config
     from txl_dist.model import TransformerXL
     from txl_dist.startup import start_evaluation
@@ -94,9 +95,11 @@ def evaluate_checkpoint(choice, split: str | None, env: distributed.DistEnv, che
     memory = {key: getattr(cfg.eval, key) for key in ("tgt_len", "mem_len", "clamp_len", "same_length", "max_segments")}
     # What the numbers were computed in: a bf16 and an fp32 evaluation of one checkpoint differ in the 5th digit.
     runtime = {"precision": start.choices.precision, "attn_impl": start.choices.attn_impl}
+    # Which text was scored: unigram --model-result refuses a result of another corpus (or preparation) by it.
+    tokens_sha256 = read_manifest(cfg.data.path).splits[start.split].tokens_sha256
     return {"checkpoint": str(tag_dir), "step": run_info["step"], "split": start.split,
-            "eval_streams": cfg.eval_streams(env.world_size), "world_size": env.world_size, "eval": memory,
-            **runtime, **result}
+            "split_tokens_sha256": tokens_sha256, "eval_streams": cfg.eval_streams(env.world_size),
+            "world_size": env.world_size, "eval": memory, **runtime, **result}
 
 
 def result_table(result: dict) -> str:

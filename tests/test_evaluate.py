@@ -278,7 +278,9 @@ def test_eval_stdout_is_the_table_and_the_json_whatever_the_environment(trained,
 
 
 def test_eval_prints_a_table_and_the_json_and_writes_the_json_out_file(trained, tmp_path):
-    _, ckpt = trained
+    from txl_dist.data import read_manifest
+
+    corpus, ckpt = trained
     printed, written = tmp_path / "stdout.txt", tmp_path / "result.json"
     assert run_ranks(_eval_printing, 1, ["--checkpoint", str(ckpt), "--split", "valid", "--set", "eval.mem_len=12",
                                          "--json-out", str(written)], printed) == [0]
@@ -287,6 +289,7 @@ def test_eval_prints_a_table_and_the_json_and_writes_the_json_out_file(trained, 
     assert json.loads(written.read_text()) == result
     assert result["eval"] == {"tgt_len": 8, "mem_len": 12, "clamp_len": -1, "same_length": True, "max_segments": 3}
     assert (result["precision"], result["attn_impl"]) == ("fp32", "matmul")  # what the numbers were computed in
+    assert result["split_tokens_sha256"] == read_manifest(corpus).splits["valid"].tokens_sha256  # which text
     rows = dict(line.split(None, 1) for line in table.splitlines())
     assert list(rows) == ["checkpoint", "split", "precision", "memory", "loss", "perplexity", "bits/token", "bits/byte",
                           "bits/char"]

@@ -107,6 +107,27 @@ def test_a_model_result_of_another_corpus_is_refused_by_its_token_count(corpus, 
     assert capsys.readouterr().out == ""
 
 
+def test_a_model_result_of_another_text_is_refused_by_its_split_digest(corpus, tmp_path, capsys, caplog):
+    from txl_dist.data import read_manifest
+
+    folder, _, _ = corpus
+    path = tmp_path / "eval.json"
+    digest = read_manifest(folder).splits["test"].tokens_sha256
+    path.write_text(json.dumps(eval_result(498) | {"split_tokens_sha256": digest}))
+    assert main([str(folder), "--model-result", str(path)]) == 0
+    assert capsys.readouterr().out.startswith("test perplexity: model 40.40 (step 600), unigram ")
+    # The same count, another text (a corpus prepared again with another tokenizer can give the same count):
+    other = "0" * 64
+    for result in (eval_result(498) | {"split_tokens_sha256": other}, {"split": "test", "perplexity": 9.0,
+                                                                       "split_tokens_sha256": other}):
+        path.write_text(json.dumps(result))
+        message = _refusal(caplog, [str(folder), "--model-result", str(path)])
+        assert message == (f"error: --model-result {path}: the evaluation scored split 'test' with tokens_sha256 "
+                           f"000000000000..., but the split of {folder} has {digest[:12]}...: the result is of "
+                           "another corpus (or another preparation of it), and would be compared with the wrong "
+                           "baseline; pass the result of an evaluation of this corpus")
+
+
 @pytest.mark.parametrize("n_streams, tgt_len, max_segments", [(2, 8, None), (3, 7, None), (2, 8, 5), (4, 16, 3)])
 def test_predicted_tokens_is_what_the_evaluator_predicts(corpus, n_streams, tgt_len, max_segments):
     import torch

@@ -9,8 +9,9 @@ token of the split, end-of-document ids included. A language model that does not
 beyond frequencies. launch/eval.py predicts every token of each eval stream but the stream's first, so its
 count is a few tokens smaller; the two perplexities are still over the same text. --model-result reads
 the JSON launch/eval.py writes (--json-out) and prints the model's perplexity beside the baseline; a result
-whose token count cannot come from CORPUS_DIR's split (the evaluation of another corpus) is refused, as are
-one of another split, and a file that is no such result (not UTF-8, not JSON, a perplexity that is no number).
+of another text than CORPUS_DIR's split (its split_tokens_sha256 differs, or its token count cannot come from
+the split) is refused, as are one of another split, and a file that is no such result (not UTF-8, not JSON, a
+perplexity that is no number).
 """
 from __future__ import annotations
 
@@ -126,29 +127,41 @@ def predicted_tokens(n_tokens: int, n_streams: int, tgt_len: int, max_segments: 
 
 
 def _check_same_text(result: dict, path: str, split: str, corpus: str | Path) -> None:
-    """Refuse a result whose token count cannot come from this corpus' split: an evaluation of another corpus
-    (another vocabulary, another text) would be compared with the wrong baseline. A result without the counts
-    (written by hand, or by an older launch/eval.py) is not checked."""
-    if "tokens" not in result or "eval_streams" not in result:
+    """Refuse a result of another corpus (another vocabulary, another text), which would be compared with the
+    wrong baseline: by the split's tokens_sha256 where the result records it, and by its token count, which
+    must be one this corpus' split can give. A result without them (written by hand, or by an older
+    launch/eval.py) is not checked."""
+    recorded = result.get("split_tokens_sha256")
+    counted = "tokens" in result and "eval_streams" in result
+    if recorded is None and not counted:
         return
-    tokens, streams, memory = result["tokens"], result["eval_streams"], result.get("eval", {})
-    tgt_len = memory.get("tgt_len") if isinstance(memory, dict) else None
-    max_segments = memory.get("max_segments") if isinstance(memory, dict) else None
-    if not (_is_number(tokens) and tokens >= 0 and float(tokens).is_integer() and isinstance(streams, int)
-            and not isinstance(streams, bool) and streams > 0 and isinstance(tgt_len, int) and tgt_len > 0
-            and (max_segments is None or isinstance(max_segments, int))):
-        raise CorpusError(f"--model-result {path}: tokens, eval_streams or eval.tgt_len / eval.max_segments are not "
-                          "the numbers launch/eval.py writes; the file is damaged: evaluate again with --json-out")
+    if counted:
+        tokens, streams, memory = result["tokens"], result["eval_streams"], result.get("eval", {})
+        tgt_len = memory.get("tgt_len") if isinstance(memory, dict) else None
+        max_segments = memory.get("max_segments") if isinstance(memory, dict) else None
+        if not (_is_number(tokens) and tokens >= 0 and float(tokens).is_integer() and isinstance(streams, int)
+                and not isinstance(streams, bool) and streams > 0 and isinstance(tgt_len, int) and tgt_len > 0
+                and (max_segments is None or isinstance(max_segments, int))):
+            raise CorpusError(f"--model-result {path}: tokens, eval_streams or eval.tgt_len / eval.max_segments are "
+                              "not the numbers launch/eval.py writes; the file is damaged: evaluate again with "
+                              "--json-out")
     manifest = read_manifest(corpus)
     if split not in manifest.splits:
         return  # refused by unigram_perplexity, naming the splits there are
+    other = ("the result is of another corpus (or another preparation of it), and would be compared with the wrong "
+             "baseline; pass the result of an evaluation of this corpus")
+    digest = manifest.splits[split].tokens_sha256
+    if recorded is not None and recorded != digest:
+        raise CorpusError(f"--model-result {path}: the evaluation scored split '{split}' with tokens_sha256 "
+                          f"{str(recorded)[:12]}..., but the split of {corpus} has {digest[:12]}...: {other}")
+    if not counted:
+        return
     n_tokens = manifest.splits[split].n_tokens
     expected = predicted_tokens(n_tokens, streams, tgt_len, max_segments)
     if int(tokens) != expected:
         raise CorpusError(f"--model-result {path}: the evaluation predicted {int(tokens)} tokens of split '{split}' "
                           f"over {streams} streams, but the split of {corpus} has {n_tokens} tokens, which give "
-                          f"{expected}: the result is of another corpus (or another preparation of it), and would "
-                          "be compared with the wrong baseline; pass the result of an evaluation of this corpus")
+                          f"{expected}: {other}")
 
 
 if __name__ == "__main__":
