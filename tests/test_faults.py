@@ -357,6 +357,23 @@ def test_auto_resume_does_not_trust_latest_and_none_or_a_rollback_never_delete(c
     _assert_same_weights(_weights(run_dir, STEPS), straight)
 
 
+def test_a_rollback_refused_at_its_mlflow_run_leaves_the_newer_tags_in_place(corpus, tmp_path):
+    run_dir = tmp_path / "run"
+    ckpt = run_dir / "checkpoints"
+    assert _finish(_start(_config(corpus, run_dir, train={"exit_step": 6}))) == [0, 0]
+    refused = _start(_config(corpus, run_dir), resume=str(ckpt / "step_00000004"),
+                     extra=["--set", "tracking.enabled=true", "--set", f"tracking.uri=http://127.0.0.1:{free_port()}"])
+    assert _finish(refused) == [2, 2]
+    (line,) = _errors(refused[0])
+    assert "cannot open an MLflow run" in line, line
+    assert "moved step_00000006 back from" in refused[0].output
+    assert inventory(ckpt).complete == ["step_00000002", "step_00000004", "step_00000006"]
+    assert not (ckpt / "superseded").exists()
+    resumed = _start(_config(corpus, run_dir, train={"exit_step": 8}))
+    assert _finish(resumed) == [0, 0], resumed[0].output[-3000:]
+    assert "step_00000006 at step 6" in resumed[0].output
+
+
 def test_a_rollback_with_a_lower_lr_continues_in_a_new_mlflow_run(corpus, tmp_path):
     from mlflow import MlflowClient
 

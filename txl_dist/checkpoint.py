@@ -53,7 +53,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -298,6 +298,19 @@ def supersede_newer(ckpt_dir: str | os.PathLike, step: int,
                 os.replace(universal, dest / universal.name)
     fsync_dir(ckpt_dir)
     return dest, newer
+
+
+def restore_superseded(ckpt_dir: str | os.PathLike, dest: str | os.PathLike, tags: list[str]) -> None:
+    """Undo supersede_newer(...) -> (dest, tags): the start that rolled back was refused after the move."""
+    ckpt_dir, dest = Path(ckpt_dir), Path(dest)
+    for tag in tags:
+        for name in (tag, tag + UNIVERSAL_SUFFIX):
+            if (dest / name).is_dir():
+                os.replace(dest / name, ckpt_dir / name)
+    for folder in (dest, dest.parent):
+        with suppress(OSError):
+            folder.rmdir()  # only when empty
+    fsync_dir(ckpt_dir)
 
 
 def superseded_runs(ckpt_dir: str | os.PathLike, step: int) -> set[str]:

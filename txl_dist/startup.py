@@ -14,8 +14,9 @@ to a run folder another job might own. The phases:
    the job may resume from;
 3. every rank: the chosen tag's checksums (the ranks share the hashing) and its fit with this run
    (one owner: check_checkpoint_fits); with checkpoint.fallback an older tag when the newest is damaged;
-4. rank 0: tags newer than the resume point moved to superseded/ (a rollback never deletes them), the
-   universal conversion when the world size changed, free disk space, and the MLflow run.
+4. rank 0: the universal conversion when the world size changed; then, last, tags newer than the resume
+   point moved to superseded/ (a rollback never deletes them), free disk space and the MLflow run (a refusal
+   there moves the tags back: a refused start leaves the checkpoints as they were).
 
 Before the fit check of phase 3 (for a new run: after phase 2) rank 0 decides what "auto" means for
 train.precision and model.attn_impl (measured, or the choices the checkpoint recorded) and every rank takes
@@ -466,7 +467,15 @@ def start_training(cfg: RunConfig, env: DistEnv, resume: str = "auto", *, log_fi
         loader, model = start.loader, start.cfg.model
         start.cluster_shares = _on_main(env, lambda: sample_cluster_shares(
             loader.reader, *loader.block, model.cutoffs, model.vocab_size), "the softmax clusters' shares sampled")
-        start.tracker = _open_tracker(start, env, create_tracker)
+        # Last, with the MLflow run: a rollback's move of the newer tags is undone if the run is refused.
+        set_aside = _on_main(env, lambda: _set_aside_newer(start), "newer checkpoints set aside")
+        try:
+            start.tracker = _open_tracker(start, env, create_tracker)
+        except BaseException:
+            if env.is_main and set_aside is not None:
+                checkpoint.restore_superseded(start.run_dir.checkpoints, *set_aside)
+                log.warning("the start was refused: moved %s back from %s", ", ".join(set_aside[1]), set_aside[0])
+            raise
     except BaseException:
         start.close()
         raise
@@ -582,19 +591,23 @@ def _choose_resume(start: TrainStart, env: DistEnv, resume: str) -> Resume | Non
     _together(lambda: check_checkpoint_fits(cfg, start.manifest, run_info, tag_dir, purpose="resume"),
               f"checkpoint {tag_dir.name}'s fit with this run checked")
     source = checkpoint.engine_source(tag_dir, run_info, world_size=env.world_size)
-
-    def prepare_folder() -> None:
-        if tag_dir.parent.resolve() == ckpt_dir.resolve():
-            moved = checkpoint.supersede_newer(ckpt_dir, run_info["step"])
-            if moved:
-                dest, tags = moved
-                log.warning("resuming from %s: moved %d newer tag(s) (%s) to %s; they are not deleted", tag_dir.name,
-                            len(tags), ", ".join(tags), dest)
-
-    _on_main(env, prepare_folder, "newer checkpoints set aside")
     _ready_universal_copy(source, tag_dir, run_info, env)
     _check_loadable(source)
     return Resume(tag_dir, run_info, source)
+
+
+def _set_aside_newer(start: TrainStart) -> tuple[Path, list[str]] | None:
+    """A rollback (resuming this run folder's own tag, with newer tags beside it): those tags moved to
+    superseded/<time>/, never deleted; (that folder, the tags), or None when nothing moved."""
+    resume, ckpt_dir = start.resume, start.run_dir.checkpoints
+    if resume is None or resume.tag_dir.parent.resolve() != ckpt_dir.resolve():
+        return None
+    moved = checkpoint.supersede_newer(ckpt_dir, resume.run_info["step"])
+    if moved:
+        dest, tags = moved
+        log.warning("resuming from %s: moved %d newer tag(s) (%s) to %s; they are not deleted", resume.tag_dir.name,
+                    len(tags), ", ".join(tags), dest)
+    return moved
 
 
 LEFTOVER_REPORTS = {"save": "removed %d interrupted save(s): %s", "removal": "finished %d interrupted removal(s): %s",
