@@ -290,6 +290,27 @@ def test_a_run_dir_that_refuses_the_journal_leaves_no_run_open(
     assert client.get_run(run_id).info.status == "FINISHED"
 
 
+def test_a_journal_on_a_full_disk_warns_once_and_never_raises(mlflow_server, client, experiment, tmp_path,
+                                                               caplog):  # noqa: F811
+    from txl_dist.tracking.journal import _Journal
+
+    # /dev/full: every write that reaches it fails with ENOSPC, as on a full run dir.
+    tracker = create_tracker(cfg_for(mlflow_server.uri, experiment), 0, tmp_path / "run")
+    tracker._journal.close()
+    tracker._journal = _Journal(Path("/dev/full"))
+    with caplog.at_level(logging.WARNING, logger="txl_dist.tracking"):
+        for step in range(1, 4):
+            tracker.log_metrics({"train/loss": float(step)}, step=step)
+            tracker.flush_journal()  # what the trainer does at a checkpoint
+        assert tracker.flush(timeout=60)
+        delivery = tracker.close()  # what runs while a failed save is on its way out
+    warnings = [r.getMessage() for r in caplog.records if "metrics journal" in r.getMessage()]
+    assert warnings == ["tracking: cannot write the metrics journal /dev/full (No space left on device); from now "
+                        "on this job's metrics go to the store only, and what it does not take cannot be replayed"]
+    assert delivery.ok and delivery.sent == 3  # the store still has every value
+    assert history(client, tracker.run_id, "train/loss") == [(1, 1.0), (2, 2.0), (3, 3.0)]
+
+
 def test_an_artifact_replaced_later_is_never_put_back_by_replay(
         mlflow_server, client, experiment, tmp_path, monkeypatch):  # noqa: F811
     from txl_dist.tracking import mlflow_run

@@ -433,3 +433,33 @@ def test_the_progress_rate_leaves_out_profiled_steps_and_says_so():
     assert report((1.0, False), (3.0, False)) == (2.0, "")
     assert report((1.0, False), (9.0, True), (3.0, False)) == (2.0, " | 1 profiled step(s) left out")
     assert report((5.0, True), (7.0, True)) == (6.0, " | profiled")
+
+
+def test_a_failure_to_close_the_run_never_replaces_the_jobs_own_failure(monkeypatch, tmp_path, caplog):
+    import logging
+    import types
+
+    import txl_dist.trainer as trainer_module
+
+    class SaveFailed(Exception):
+        pass
+
+    def raising(exc):
+        def call(*args, **kwargs):
+            raise exc
+        return call
+
+    fake = types.SimpleNamespace(
+        step=7, ended=None, train=raising(SaveFailed("checkpoint step_00000008 could not be saved")),
+        draw_curves=lambda: None, close=raising(OSError(28, "No space left on device")),
+        tracker=types.SimpleNamespace(run_id=None, ui_hint=lambda: None))
+    monkeypatch.setattr(trainer_module, "build", lambda *args, **kwargs: fake)
+    cfg = types.SimpleNamespace(train=types.SimpleNamespace(max_steps=10), run=types.SimpleNamespace(dir=str(tmp_path)))
+    env = types.SimpleNamespace(is_main=True)
+    with caplog.at_level(logging.WARNING), pytest.raises(SaveFailed):
+        trainer_module.run(cfg, env)
+    assert "closing the run after the failure failed too: [Errno 28] No space left on device" in caplog.text
+    assert fake.ended == "failed after step 7: checkpoint step_00000008 could not be saved"
+    fake.train = lambda: 0  # no failure in flight: a failing close is the job's failure
+    with pytest.raises(OSError):
+        trainer_module.run(cfg, env)

@@ -605,7 +605,7 @@ def run(cfg: RunConfig, env: DistEnv, *, resume: str = "auto", log_all_ranks: bo
     run folder.
     """
     trainer = build(cfg, env, resume=resume, log_file=env.is_main or log_all_ranks)
-    status = "FAILED"
+    status, failing = "FAILED", False
     try:
         code = trainer.train()
         # >=: a job relaunched with a lower max_steps than its checkpoint has nothing to do, and its run stays
@@ -613,14 +613,21 @@ def run(cfg: RunConfig, env: DistEnv, *, resume: str = "auto", log_all_ranks: bo
         status = "FINISHED" if trainer.step >= cfg.train.max_steps else "KILLED"
         return code
     except BaseException as e:
+        failing = True
         trainer.ended = f"failed after step {trainer.step}: {failure_line(e)}"
         raise
     finally:
-        if env.is_main:
-            curves = trainer.draw_curves()
-            log.info("run folder %s | %s%s", Path(cfg.run.dir).resolve(), mlflow_status(trainer.tracker.run_id, status),
-                     f" | curves {curves.resolve()}" if curves else "")
-            hint = trainer.tracker.ui_hint()
-            if hint:
-                log.info("MLflow UI: %s", hint)
-        trainer.close(status)
+        try:
+            if env.is_main:
+                curves = trainer.draw_curves()
+                log.info("run folder %s | %s%s", Path(cfg.run.dir).resolve(),
+                         mlflow_status(trainer.tracker.run_id, status), f" | curves {curves.resolve()}" if curves else "")
+                hint = trainer.tracker.ui_hint()
+                if hint:
+                    log.info("MLflow UI: %s", hint)
+            trainer.close(status)
+        except Exception as e:
+            if not failing:
+                raise
+            # The job's own failure is what the user must read; this one would replace it.
+            log.warning("closing the run after the failure failed too: %s", failure_line(e))

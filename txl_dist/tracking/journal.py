@@ -30,6 +30,7 @@ meanwhile (config.resolved.json is, by every job), and the copy is what replay u
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
 import json
 import logging
@@ -318,26 +319,44 @@ def _summarize(folder: TrackingFolder) -> _JournalSummary:
 
 
 class _Journal:
-    """metrics.jsonl: appended by the training thread (buffered), flushed by the writer before it sends."""
+    """metrics.jsonl: appended by the training thread (buffered), flushed by the writer before it sends.
+
+    A write that fails (a full disk) never reaches the caller: tracking does not stop training, and close()
+    often runs while training's own exception is on its way out. The journal is then closed for the rest of
+    the job (a torn last line is cut by the next job's repair) and one warning says what that costs."""
 
     def __init__(self, path: Path) -> None:
+        self.path = path
         self._file = open(path, "a", encoding="utf-8", buffering=JOURNAL_BUFFER_BYTES)
         self._lock = threading.Lock()
+        self.error: OSError | None = None
 
     def append(self, batch: _Batch) -> None:
         line = batch.to_line()
         with self._lock:
             if not self._file.closed:
-                self._file.write(line)
+                self._guarded(self._file.write, line)
 
     def flush(self) -> None:
         with self._lock:
             if not self._file.closed:
-                self._file.flush()
+                self._guarded(self._file.flush)
 
     def close(self) -> None:
         with self._lock:
-            self._file.close()
+            if not self._file.closed:
+                self._guarded(self._file.close)
+
+    def _guarded(self, call: Callable[..., object], *args: object) -> None:
+        try:
+            call(*args)
+        except OSError as e:
+            self.error = e
+            with contextlib.suppress(OSError):
+                self._file.close()  # closed even when its last flush fails
+            logger.warning("tracking: cannot write the metrics journal %s (%s); from now on this job's metrics go to "
+                           "the store only, and what it does not take cannot be replayed", self.path,
+                           e.strerror or e)
 
 
 class _DeliveryLog:
