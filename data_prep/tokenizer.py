@@ -3,7 +3,9 @@
 A trained model has unk_id 0 and an end-of-document control piece "<eod>" (SentencePiece's eos slot, id 1);
 no bos or pad. A control piece is never produced by encoding text, so an eod id in the stream always marks
 a document end. Training reads a random sample of sentences (lines of the training documents), so its
-memory depends on --tokenizer-sample, not on the corpus size.
+memory depends on --tokenizer-sample, not on the corpus size. Its other pieces are then numbered by their
+frequency in a sample of those sentences (`_renumber_by_frequency`), as the adaptive input and softmax
+expect; a model given with --tokenizer-model is used as it is.
 
 By default (SentencePiece's defaults) the text is not kept as it is: the nmt_* normalizations turn newlines
 and tabs into spaces, and extra whitespace (leading, trailing, repeated spaces) is removed, so decoding gives
@@ -20,12 +22,15 @@ of encoding it whole (data_prep/encode.py encodes long documents in pieces).
 from __future__ import annotations
 
 import io
+import itertools
 import os
+import random
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import sentencepiece as spm
 
 from data_prep.errors import PrepError
@@ -45,6 +50,11 @@ MIN_SAMPLE_SENTENCES = 101
 """SentencePiece's smallest input_sentence_size (it refuses 1..100)."""
 COVERAGE_RANGE = (0.98, 1.0)
 """SentencePiece's allowed character_coverage."""
+RENUMBER_SAMPLE_SENTENCES = 100_000
+"""At most this many training sentences (and at most --tokenizer-sample) are counted to number a trained
+model's pieces by frequency: enough to order the pieces the adaptive softmax's cutoffs separate (on
+Shakespeare, 86.09% of the training tokens in a 1,000-id head against 86.13% in the order of all their
+counts), for 0.3 s of encoding on 2 cores, a few percent of the training."""
 
 
 @dataclass(frozen=True)
@@ -131,7 +141,7 @@ def train_tokenizer(sentences: Iterable[str], out: str | os.PathLike, opts: Trai
     check_trainer_options(opts)
     spm.set_random_generator_seed(opts.seed)
     model = io.BytesIO()
-    feed = _RecordingFeed(sentences)
+    feed = _RecordingFeed(sentences, min(opts.sample_sentences, RENUMBER_SAMPLE_SENTENCES), opts.seed)
     try:
         spm.SentencePieceTrainer.train(
             sentence_iterator=iter(feed), model_writer=model,
@@ -152,8 +162,44 @@ def train_tokenizer(sentences: Iterable[str], out: str | os.PathLike, opts: Trai
     if feed.error is not None:
         raise feed.error
     out = Path(out)
-    out.write_bytes(model.getvalue())
+    out.write_bytes(_renumber_by_frequency(model.getvalue(), feed.sample))
     return out
+
+
+def _renumber_by_frequency(model: bytes, sample: list[str]) -> bytes:
+    """The model with its pieces renumbered by how often they occur in `sample`, most frequent first.
+
+    The adaptive input and softmax give the ids below model.cutoffs[0] the full-size head, which pays off only
+    when those ids are the frequent ones; SentencePiece numbers its control pieces, then the 256 byte pieces
+    (byte fallback), then the others by score or merge order, only loosely by frequency. The unknown and
+    control pieces keep their ids (unk_id 0, the eod id 1); every other piece takes a free slot in order of
+    its count, ties by its old id, so unseen pieces keep their old order at the end. A piece keeps its string,
+    score and type, and segmentation looks pieces up by string and compares scores (ties broken by position
+    in the text, never by id), so every text gives the same pieces as before, under new ids."""
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    proto = pb.ModelProto()
+    proto.ParseFromString(model)
+    sp = spm.SentencePieceProcessor(model_proto=model)
+    ids = sp.encode(sample, num_threads=os.cpu_count() or 1)
+    counts = np.bincount(np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64),
+                         minlength=len(proto.pieces))
+    types = pb.ModelProto.SentencePiece
+    for i, piece in enumerate(proto.pieces):
+        if piece.piece == "\n" and piece.type == types.USER_DEFINED:
+            # The trainer's sentences are lines without their line break: one newline ended each of them.
+            counts[i] = len(sample)
+    fixed = {types.UNKNOWN, types.CONTROL}
+    slots = [i for i, piece in enumerate(proto.pieces) if piece.type not in fixed]
+    order = sorted(slots, key=lambda i: (-counts[i], i))
+    new_order = list(range(len(proto.pieces)))
+    for slot, old in zip(slots, order):
+        new_order[slot] = old
+    renumbered = pb.ModelProto()
+    renumbered.CopyFrom(proto)
+    del renumbered.pieces[:]
+    renumbered.pieces.extend(proto.pieces[old] for old in new_order)
+    return renumbered.SerializeToString()
 
 
 def _text_keeping_options(opts: TrainerOptions) -> dict:
@@ -168,17 +214,28 @@ def _text_keeping_options(opts: TrainerOptions) -> dict:
 
 class _RecordingFeed:
     """The sentences for SentencePiece, keeping what their reading raised: SentencePiece aborts on it but turns
-    it into a RuntimeError of several lines (an input's one-line refusal inside its own C++ message)."""
+    it into a RuntimeError of several lines (an input's one-line refusal inside its own C++ message). It also
+    keeps a uniform sample of at most `keep` of them (reservoir sampling, seeded), which the pieces are
+    counted on: the sentences are read once, as they stream by."""
 
-    def __init__(self, sentences: Iterable[str]):
+    def __init__(self, sentences: Iterable[str], keep: int = 0, seed: int = 0):
         self.sentences = sentences
         self.error: BaseException | None = None
         self.count = 0
         """Sentences handed to SentencePiece so far."""
+        self.keep = keep
+        self.sample: list[str] = []
+        self._rng = random.Random(seed)
 
     def __iter__(self) -> Iterator[str]:
         try:
             for sentence in self.sentences:
+                if self.count < self.keep:
+                    self.sample.append(sentence)
+                else:
+                    j = self._rng.randrange(self.count + 1)
+                    if j < self.keep:
+                        self.sample[j] = sentence
                 self.count += 1
                 yield sentence
         except BaseException as e:  # noqa: BLE001 - also Ctrl-C and SIGTERM, re-raised as they were

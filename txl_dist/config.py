@@ -98,7 +98,8 @@ class ModelConfig:
     cutoffs: list[int] = field(default_factory=list)
     """Adaptive softmax cluster boundaries, strictly increasing, each below vocab_size; [] = plain softmax. They
     assume frequent tokens have low ids: start-up warns when the head (ids below cutoffs[0]) holds under half of
-    a sample of the training tokens (a SentencePiece vocabulary starts with its control and byte pieces)."""
+    a sample of the training tokens (data_prep numbers the tokenizers it trains by frequency; a SentencePiece
+    model given to it keeps its own order, its control and byte pieces first)."""
     tie_weight: bool = True
     """Share the adaptive softmax output embeddings with the adaptive input embeddings."""
     tie_projs: list[bool] | None = None

@@ -66,21 +66,23 @@ def zipf_cluster_shares(cutoffs: Sequence[int], vocab_size: int) -> list[float]:
 
 SMALL_HEAD_SHARE = 0.5
 """Below this share of the training tokens in the head cluster, start-up warns (small_head_warning). Adaptive
-softmax setups hold most tokens in the head: 82% for the tiny preset on Shakespeare, more at larger cutoffs."""
+softmax setups hold most tokens in the head: 86% for the tiny preset on Shakespeare, more at larger cutoffs."""
 
 
 def small_head_warning(cutoffs: Sequence[int], shares: Sequence[float] | None) -> str | None:
     """A line for the start-up log when the head cluster holds under SMALL_HEAD_SHARE of the sampled training
-    tokens, else None. The cutoffs assume ids ordered by frequency; a SentencePiece vocabulary is ordered by
-    piece score after its fixed pieces, which come first (the control pieces and, with byte fallback, 256
-    byte pieces), so a small cutoffs[0] can leave the head with rare pieces alone and send most tokens
-    through a tail (the head's cluster logit, then a second softmax), learning and training slower."""
+    tokens, else None. The cutoffs assume ids ordered by frequency, as data_prep numbers the tokenizers it
+    trains; a tokenizer given with --tokenizer-model keeps SentencePiece's order: its fixed pieces first (the
+    control pieces and, with byte fallback, 256 byte pieces), then by score or merge order. A small
+    cutoffs[0] can then leave the head with rare pieces alone and send most tokens through a tail (the
+    head's cluster logit, then a second softmax), learning and training slower."""
     if not cutoffs or not shares or shares[0] >= SMALL_HEAD_SHARE:
         return None
     return (f"model.cutoffs {list(cutoffs)}: the head cluster (ids below {cutoffs[0]}) holds only {shares[0]:.1%} of "
-            f"a sample of the training tokens; the adaptive softmax expects most tokens in the head. A SentencePiece "
-            f"vocabulary starts with its control pieces and, with byte fallback, 256 byte pieces: raise cutoffs[0] "
-            f"well above them, or use no cutoffs ([])")
+            f"a sample of the training tokens; the adaptive softmax expects most tokens in the head, at low ids. A "
+            f"SentencePiece model given to data_prep (--tokenizer-model) keeps its own order, its control pieces "
+            f"and 256 byte pieces first: raise cutoffs[0] well above them, prepare the corpus with a tokenizer "
+            f"data_prep trains (numbered by frequency), or use no cutoffs ([])")
 
 
 def sample_cluster_shares(reader, start: int, stop: int, cutoffs: Sequence[int], vocab_size: int, *,
