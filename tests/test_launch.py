@@ -174,3 +174,27 @@ def test_exit_process_keeps_the_status_the_threads_and_the_exit_handlers():
     assert (done.returncode, done.stdout) == (3, "pool done\nbuffered line\nthread done\nexit handler ran\n"), \
         done.stderr
     assert done.stderr == "error: the last line\n"
+
+
+def test_a_ctrl_c_that_stops_at_once_is_one_line_and_exit_130():
+    # Training's second Ctrl-C (or the first of an evaluation, an export): KeyboardInterrupt, through the
+    # entry points' guarded(); it used to print a traceback of ~100 lines.
+    import subprocess
+
+    script = ("import logging, os, signal, time\n"
+              "from txl_dist import stop_request\n"
+              "from txl_dist.entry import exit_process, guarded\n"
+              "stop_request.FORCE_AFTER_S = 0.0\n"  # the second press counts as the user insisting at once
+              "stop_request.catch_stop_signals()\n"
+              "logging.basicConfig(format='%(message)s')\n"
+              "def job():\n"
+              "    os.kill(os.getpid(), signal.SIGINT)\n"
+              "    os.kill(os.getpid(), signal.SIGINT)\n"
+              "    time.sleep(30)\n"
+              "    return 0\n"
+              "exit_process(guarded(job, logging.getLogger('txl_dist')))\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 130, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert lines[-1] == "error: interrupted (Ctrl-C): stopped at once, without saving", done.stderr
+    assert "Traceback" not in done.stderr

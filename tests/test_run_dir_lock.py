@@ -140,3 +140,22 @@ def test_the_record_of_a_job_on_this_host_or_outside_slurm_asks_nobody(tmp_path,
     acquire_lock(run).release()
     lock_record(run, "", "gpu7")  # not a Slurm job: nothing to ask
     acquire_lock(run).release()
+
+
+def test_a_lock_file_that_cannot_be_written_names_the_run_dir_and_frees_the_lock(tmp_path, monkeypatch):
+    import errno
+
+    import txl_dist.run_dir as run_dir_module
+    from txl_dist.run_dir import RunDirUnusable
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # what a full disk gives: no file name
+
+    monkeypatch.setattr(run_dir_module.os, "pwrite", full)
+    run = tmp_path / "run"
+    with pytest.raises(RunDirUnusable) as refused:
+        acquire_lock(run)
+    assert str(refused.value) == (f"run.dir {run}: cannot write its lock file {LOCK_FILE} (No space left on device); "
+                                  "free space there or choose another run.dir")
+    monkeypatch.undo()
+    acquire_lock(run).release()  # the refused attempt did not keep the lock

@@ -3,6 +3,7 @@
     refused (errors.Refused): bad input, nothing written            -> "error: ..." and exit status 2
     failed  (errors.RunFailed): a fault while the job ran           -> "error: ..." and exit status 1
     a collective that broke because a peer was lost                 -> "error: rank N ... was lost" and 1
+    Ctrl-C that stops at once (training's second): nothing saved    -> "error: interrupted ..." and 130
 Anything else is a bug: its traceback is printed, the exit status is 1, and the other ranks are told at
 once (distributed.destroy_process_group) instead of waiting for this one in a collective.
 """
@@ -17,7 +18,7 @@ from collections.abc import Callable
 from typing import NoReturn
 
 from . import distributed
-from .errors import EXIT_FAILED, EXIT_REFUSED, RankFault, Refused, RunFailed, one_line
+from .errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_REFUSED, RankFault, Refused, RunFailed, one_line
 from .run_dir import detach_log_file
 
 
@@ -35,6 +36,11 @@ def guarded(job: Callable[[], int], log: logging.Logger) -> int:
         if isinstance(e, RankFault):  # found by this rank alone: the others are told (destroy_process_group)
             alone = e
         return EXIT_FAILED
+    except KeyboardInterrupt as e:  # training's second Ctrl-C (txl_dist/stop_request.py), other jobs' first
+        alone = e
+        if os.environ.get("RANK", "0") == "0":  # every rank of a terminal's job has it: one line
+            log.error("error: interrupted (Ctrl-C): stopped at once, without saving")
+        return EXIT_INTERRUPTED
     except Exception as e:
         lost = distributed.explain_failure(e)  # also tells the other ranks
         if lost is None:

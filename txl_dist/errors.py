@@ -18,6 +18,8 @@ import os
 
 EXIT_REFUSED = 2
 EXIT_FAILED = 1
+EXIT_INTERRUPTED = 130
+"""A second Ctrl-C: stopped at once, without saving (128 + SIGINT, as a shell reports it)."""
 LOGGER_NAME = "txl_dist"
 """The project's logger, through which those lines (and warnings) are printed."""
 

@@ -194,8 +194,13 @@ def _held(fd: int, path: Path, purpose: str) -> RunLock:
     holder = {"host": socket.gethostname(), "pid": os.getpid(), "purpose": purpose,
               "since": time.strftime("%Y-%m-%d %H:%M:%S"), "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
               "slurm_restart_count": int(os.environ.get("SLURM_RESTART_COUNT") or 0)}
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
+    except OSError as e:  # a full disk: the errno alone names no file
+        os.close(fd)
+        raise RunDirUnusable(f"run.dir {path.parent}: cannot write its lock file {path.name} "
+                             f"({e.strerror or one_line(e)}); free space there or choose another run.dir") from None
     return RunLock(fd, path)
 
 
