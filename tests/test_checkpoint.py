@@ -716,3 +716,23 @@ def test_deepspeeds_tensor_parallel_warning_on_an_elastic_load_is_not_shown(tmp_
     finally:
         ds_logger.removeHandler(handler)
     assert seen == ["another DeepSpeed warning"]
+
+
+def test_resuming_a_tag_the_run_set_aside_says_how_to_go_back_to_it(tmp_path):
+    from txl_dist.checkpoint import RUN_FILE, STATE_DIR, CheckpointError, check_resume_request
+
+    ckpt = tmp_path / "run" / "checkpoints"
+    aside = ckpt / "superseded" / "20261205-120000" / "step_00000008"
+    (aside / STATE_DIR).mkdir(parents=True)
+    (aside / STATE_DIR / RUN_FILE).write_text("{}")
+    with pytest.raises(CheckpointError) as refused:
+        check_resume_request(str(aside), ckpt, ["step_00000004"])
+    assert str(refused.value) == (
+        f"--resume {aside}: a tag this run set aside when it rolled back; to go back to it, move it into {ckpt} "
+        f"(`mv {aside} {ckpt}/`, after moving a tag of the same name there out of the way) and resume from it "
+        f"there (--resume {ckpt / 'step_00000008'}): the tags newer than it are then set aside in turn")
+    other = tmp_path / "other" / "checkpoints" / "step_00000008"
+    (other / STATE_DIR).mkdir(parents=True)
+    (other / STATE_DIR / RUN_FILE).write_text("{}")
+    with pytest.raises(CheckpointError, match="a checkpoint of another run folder"):
+        check_resume_request(str(other), ckpt, ["step_00000004"])

@@ -853,6 +853,13 @@ def check_resume_request(resume: str, ckpt_dir: str | os.PathLike, complete: lis
             f"--resume none: {ckpt_dir} already holds checkpoints up to {complete[-1]}; continue them "
             "(--resume auto), roll back to one (--resume PATH), or choose a new run.dir")
     if resume not in ("auto", "none") and complete and resolve_path(resume).parent.resolve() != ckpt_dir.resolve():
+        tag = resolve_path(resume).resolve()
+        if tag.parent.parent == (ckpt_dir / SUPERSEDED_DIR).resolve():
+            raise CheckpointError(
+                f"--resume {resume}: a tag this run set aside when it rolled back; to go back to it, move it into "
+                f"{ckpt_dir} (`mv {tag} {ckpt_dir}/`, after moving a tag of the same name there out of the way) "
+                f"and resume from it there (--resume {ckpt_dir / tag.name}): the tags newer than it are then set "
+                "aside in turn")
         raise CheckpointError(
             f"--resume {resume}: a checkpoint of another run folder, but {ckpt_dir} already holds checkpoints "
             f"up to {complete[-1]}; start from it in a new run.dir")
