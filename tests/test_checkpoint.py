@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import subprocess
 import sys
@@ -736,3 +737,23 @@ def test_resuming_a_tag_the_run_set_aside_says_how_to_go_back_to_it(tmp_path):
     (other / STATE_DIR / RUN_FILE).write_text("{}")
     with pytest.raises(CheckpointError, match="a checkpoint of another run folder"):
         check_resume_request(str(other), ckpt, ["step_00000004"])
+
+
+def test_a_universal_copy_that_cannot_be_written_is_one_line_naming_the_way_out(tmp_path, monkeypatch):
+    import errno
+
+    import txl_dist.scratch as scratch
+    from txl_dist.checkpoint import CheckpointError, convert_to_universal
+
+    def read_only(prefix, dir):  # what a read-only mount gives, naming the folder mkdtemp tried
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), f"{dir}/{prefix}x1y2z3")
+
+    monkeypatch.setattr(scratch.tempfile, "mkdtemp", read_only)
+    ckpt = tmp_path / "checkpoints"
+    (ckpt / "step_00000004").mkdir(parents=True)
+    with pytest.raises(CheckpointError) as refused:
+        convert_to_universal(ckpt / "step_00000004", ckpt / "step_00000004_universal", zero_stage=1)
+    assert str(refused.value) == (
+        f"{ckpt / 'step_00000004'}: cannot write the universal copy that a load at another world size reads beside "
+        f"it (Read-only file system); make {ckpt} writable (or copy the run folder to where it can be), or load it "
+        "with the world size it was saved with")

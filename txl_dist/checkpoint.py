@@ -993,6 +993,16 @@ def convert_to_universal(tag_dir: Path, out: Path, *, zero_stage: int) -> bool:
     when another job's, converted meanwhile, was kept: not verified here, the caller must verify it."""
     # The other ranks wait (control timeout) while this one converts: the node's idle cores do the work, a few
     # shards at a time (each worker holds one optimizer shard or one parameter's pieces).
+    try:
+        return _convert_to_universal(tag_dir, out, zero_stage)
+    except OSError as e:  # a read-only or full file system: the bare error would name a temporary folder
+        raise CheckpointError(
+            f"{tag_dir}: cannot write the universal copy that a load at another world size reads beside it "
+            f"({e.strerror or one_line(e)}); make {out.parent} writable (or copy the run folder to where it can "
+            "be), or load it with the world size it was saved with") from None
+
+
+def _convert_to_universal(tag_dir: Path, out: Path, zero_stage: int) -> bool:
     workers = str(max(1, min(CONVERSION_MAX_WORKERS, usable_cpus())))
     # An owned scratch folder: a training job starting meanwhile removes only a killed conversion's folder,
     # never one in progress (an evaluation job's, which holds no lock on the run folder). DeepSpeed's converter
