@@ -290,8 +290,8 @@ def test_a_run_dir_that_refuses_the_journal_leaves_no_run_open(
     assert client.get_run(run_id).info.status == "FINISHED"
 
 
-def test_a_journal_on_a_full_disk_warns_once_and_never_raises(mlflow_server, client, experiment, tmp_path,
-                                                               caplog):  # noqa: F811
+def test_a_journal_on_a_full_disk_warns_once_and_never_raises(  # noqa: F811
+        mlflow_server, client, experiment, tmp_path, caplog):  # noqa: F811
     from txl_dist.tracking.journal import _Journal
 
     # /dev/full: every write that reaches it fails with ENOSPC, as on a full run dir.
