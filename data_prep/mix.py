@@ -110,6 +110,18 @@ def parse_source(text: str) -> SourceSpec:
     return SourceSpec(name, Path(path), w)
 
 
+def normalized_weights(weights: Sequence[float]) -> list[float]:
+    """The weights (each positive and finite) as shares summing to 1. Where their sum overflows (two weights of
+    1e308 made every share 0, and the schedule never moved on) they are scaled by the largest first; else
+    they are divided as they always were, so that a mix command gives the same corpus as with earlier versions."""
+    total = sum(weights)
+    if not math.isfinite(total):
+        largest = max(weights)
+        weights = [w / largest for w in weights]  # each in (0, 1]: the sum is at most len(weights)
+        total = sum(weights)
+    return [w / total for w in weights]
+
+
 @dataclass
 class _Source:
     """A source corpus opened for mixing: its manifest, normalized weight and the ends of its train documents."""
@@ -350,8 +362,8 @@ def _mix(specs: Sequence[SourceSpec], out: Path, scratch: Path, *, train_tokens:
          world_size: int, n_streams: int, eval_streams: int | None, overwrite: bool, index: bool,
          command: Sequence[str] | None, args: dict[str, Any] | None, progress: bool) -> Manifest:
     """mix() once its arguments are checked; the sources' document ends live in files under `scratch`."""
-    total_weight = sum(s.weight for s in specs)
-    sources = [_open_source(s, i, s.weight / total_weight, progress, scratch) for i, s in enumerate(specs)]
+    shares = normalized_weights([s.weight for s in specs])
+    sources = [_open_source(s, i, share, progress, scratch) for i, (s, share) in enumerate(zip(specs, shares))]
     _check_same_tokenizer(sources)
     first = sources[0].manifest
     n_target = train_tokens if train_tokens is not None else sum(s.manifest.splits["train"].n_tokens for s in sources)
@@ -630,8 +642,9 @@ def _check_mix_space(specs: Sequence[SourceSpec], out: Path, train_tokens: int |
     dtype = manifests[0].dtype  # one tokenizer for all (checked after the scan)
     itemsize = np.dtype(dtype).itemsize
     n_tokens = train_tokens if train_tokens is not None else sum(t.n_tokens for _, t in trains)
-    total_weight = sum(w for w, _ in trains)
-    n_docs = math.ceil(sum(w / total_weight * n_tokens * t.n_documents / max(t.n_tokens, 1) for w, t in trains))
+    shares = normalized_weights([w for w, _ in trains])
+    n_docs = math.ceil(sum(share * n_tokens * t.n_documents / max(t.n_tokens, 1)
+                           for share, (_, t) in zip(shares, trains)))
     row_bytes = sum(f.type.bit_width for f in (INDEX_SCHEMA if index else DOCUMENTS_SCHEMA)) // 8
     held_out = 2 * itemsize * sum(m.splits[split].n_tokens for m in manifests for split in HELD_OUT
                                   if split in m.splits)

@@ -165,6 +165,16 @@ def test_same_seed_same_mixture_other_seed_other_order(corpora, mixture, tmp_pat
     assert a.splits["valid/ptb"].tokens_sha256 == other.splits["valid/ptb"].tokens_sha256  # held out: not mixed
 
 
+def test_weights_whose_sum_overflows_mix_by_their_ratio(corpora, mixture, tmp_path):
+    # 3 : 1 as WEIGHTS, at the top of the float range: the plain sum is inf (every share was 0: a hang).
+    huge = {"sh": repr(1.5 * 2.0 ** 1023), "ptb": repr(0.5 * 2.0 ** 1023)}
+    sources = [a for n, w in huge.items() for a in ("--source", f"{n}={corpora[n]}:{w}")]
+    args = ["mix", "--out", tmp_path / "huge", *sources, "--world-size", 2, "--n-streams", 8, "--quiet", "--seed", 7]
+    assert run(*args) == 0
+    ours, same_ratio = read_manifest(tmp_path / "huge"), read_manifest(mixture)
+    assert ours.splits["train"].tokens_sha256 == same_ratio.splits["train"].tokens_sha256
+
+
 def test_train_tokens_sets_the_length(corpora, tmp_path):
     assert run(*mix_args(corpora, tmp_path / "short", "--train-tokens", 100_000)) == 0
     m = read_manifest(tmp_path / "short")
