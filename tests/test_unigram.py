@@ -148,3 +148,30 @@ def test_predicted_tokens_is_what_the_evaluator_predicts(corpus, n_streams, tgt_
     finally:
         evaluator.close()
     assert tokens == predicted_tokens(len(test), n_streams, tgt_len, max_segments)
+
+
+def test_the_baseline_beside_a_model_is_over_the_tokens_the_model_predicted(corpus, tmp_path, capsys):
+    folder, train, test = corpus
+    counts = Counter(train)
+
+    def plain(tokens):
+        nll = -sum(math.log((counts[t] + 1) / (len(train) + VOCAB)) for t in tokens) / len(tokens)
+        return math.exp(nll)
+
+    path = tmp_path / "eval.json"
+    # 2 streams of 250 test tokens; 10 windows of 8 scored per stream: tokens 1-80 and 251-330.
+    path.write_text(json.dumps(eval_result(160, max_segments=10)))
+    assert main([str(folder), "--model-result", str(path), "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["tokens"] == 160
+    assert printed["perplexity"] == pytest.approx(plain(test[1:81] + test[251:331]), rel=1e-12)
+    path.write_text(json.dumps(eval_result(498)))  # every token but each stream's first
+    assert main([str(folder), "--model-result", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["perplexity"] == pytest.approx(plain(test[1:250] + test[251:500]),
+                                                                              rel=1e-12)
+
+
+@pytest.mark.parametrize("smoothing", ["inf", "0", "-1", "nan"])
+def test_a_smoothing_that_is_no_positive_finite_number_is_refused(corpus, caplog, smoothing):
+    folder, _, _ = corpus
+    assert "--smoothing must be a finite number > 0" in _refusal(caplog, [str(folder), "--smoothing", smoothing])

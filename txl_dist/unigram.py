@@ -6,9 +6,9 @@
 p(w) = (count_train(w) + smoothing) / (n_train + smoothing * V) (add-one, Laplace, by default: a piece never
 seen in training still has a probability), and the perplexity is exp of the mean of -log p(w) over every
 token of the split, end-of-document ids included. A language model that does not beat it has learnt nothing
-beyond frequencies. launch/eval.py predicts every token of each eval stream but the stream's first, so its
-count is a few tokens smaller; the two perplexities are still over the same text. --model-result reads
-the JSON launch/eval.py writes (--json-out) and prints the model's perplexity beside the baseline; a result
+beyond frequencies. --model-result reads the JSON launch/eval.py writes (--json-out) and prints the model's
+perplexity beside the baseline, computed then over the very tokens the evaluation predicted (every token of
+each eval stream but its first; with eval.max_segments, only the first windows of each); a result
 of another text than CORPUS_DIR's split (its split_tokens_sha256 differs, or its token count cannot come from
 the split) is refused, as are one of another split, and a file that is no such result (not UTF-8, not JSON, a
 perplexity that is no number).
@@ -20,6 +20,7 @@ import json
 import logging
 import math
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -28,22 +29,26 @@ from txl_dist.data import CorpusError, read_manifest, split_reader
 from txl_dist.entry import exit_process, guarded
 
 
-def token_counts(corpus_dir: str | Path, split: str, vocab_size: int) -> np.ndarray:
-    """int64 [vocab_size]: how often each id occurs in the split's stream (read once, in record batches)."""
+def token_counts(corpus_dir: str | Path, split: str, vocab_size: int,
+                 ranges: list[tuple[int, int]] | None = None) -> np.ndarray:
+    """int64 [vocab_size]: how often each id occurs in the split's stream, or in its token `ranges` [a, b) (read
+    once, in record batches)."""
     manifest = read_manifest(corpus_dir)
     reader = split_reader(corpus_dir, manifest, split)
     counts = np.zeros(vocab_size, dtype=np.int64)
-    for chunk in reader.chunks(0, reader.n_tokens):
-        counts += np.bincount(chunk, minlength=vocab_size)[:vocab_size]
+    for a, b in ranges if ranges is not None else [(0, reader.n_tokens)]:
+        for chunk in reader.chunks(a, b):
+            counts += np.bincount(chunk, minlength=vocab_size)[:vocab_size]
     return counts
 
 
 def unigram_perplexity(corpus_dir: str | Path, split: str = "test", train_split: str = "train",
-                       smoothing: float = 1.0) -> dict:
-    """The split's perplexity under the smoothed unigram model of train_split (see the module doc)."""
-    if not smoothing > 0:
-        raise CorpusError(f"--smoothing must be > 0 (add-k smoothing gives unseen pieces a probability), got "
-                          f"{smoothing}")
+                       smoothing: float = 1.0, predicted: EvalWindows | None = None) -> dict:
+    """The split's perplexity under the smoothed unigram model of train_split (see the module doc); over the
+    tokens an evaluation with `predicted`'s streams and windows predicts, when given."""
+    if not (smoothing > 0 and math.isfinite(smoothing)):
+        raise CorpusError(f"--smoothing must be a finite number > 0 (add-k smoothing gives unseen pieces a "
+                          f"probability), got {smoothing}")
     manifest = read_manifest(corpus_dir)
     vocab = manifest.tokenizer.vocab_size
     for name in (split, train_split):
@@ -51,7 +56,8 @@ def unigram_perplexity(corpus_dir: str | Path, split: str = "test", train_split:
             raise CorpusError(f"{Path(corpus_dir) / 'manifest.json'}: no split '{name}'; the corpus has "
                               f"{', '.join(sorted(manifest.splits))}")
     train = token_counts(corpus_dir, train_split, vocab).astype(np.float64)
-    evaluated = token_counts(corpus_dir, split, vocab).astype(np.float64)
+    ranges = None if predicted is None else predicted_ranges(manifest.splits[split].n_tokens, *predicted)
+    evaluated = token_counts(corpus_dir, split, vocab, ranges).astype(np.float64)
     log_p = np.log(train + smoothing) - math.log(train.sum() + smoothing * vocab)   # [V]
     n = evaluated.sum()
     loss = float(-(evaluated * log_p).sum() / n)
@@ -81,8 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     log = logging.getLogger("txl_dist")
 
     def job() -> int:
-        model = _model_result(args.model_result, args.split, args.corpus) if args.model_result else None
-        result = unigram_perplexity(args.corpus, args.split, args.train_split, args.smoothing)
+        model, windows = (_model_result(args.model_result, args.split, args.corpus) if args.model_result
+                          else (None, None))
+        # Over the very tokens the model predicted: an evaluation limited by eval.max_segments scores a prefix.
+        result = unigram_perplexity(args.corpus, args.split, args.train_split, args.smoothing, windows)
         if args.json:
             print(json.dumps({**result, **({"model_perplexity": model["perplexity"]} if model else {})}, indent=2))
             return 0
@@ -96,8 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     return guarded(job, log)
 
 
-def _model_result(path: str, split: str, corpus: str | Path) -> dict:
-    """The launch/eval.py result at `path`, checked to be one of `split` of this corpus, as far as it tells."""
+def _model_result(path: str, split: str, corpus: str | Path) -> tuple[dict, EvalWindows | None]:
+    """The launch/eval.py result at `path`, checked to be one of `split` of this corpus, as far as it tells;
+    and the streams and windows it predicted, where it records them."""
     hint = "; pass the file launch/eval.py --json-out wrote"
     result = read_json_object(path, error=CorpusError, label=f"--model-result {path}", missing_hint=hint,
                               object_hint=hint)
@@ -108,25 +117,38 @@ def _model_result(path: str, split: str, corpus: str | Path) -> dict:
     if not _is_number(perplexity) or not perplexity > 0:
         raise CorpusError(f"--model-result {path}: perplexity {json.dumps(perplexity)} is not a number > 0; the "
                           "file is damaged: evaluate again with launch/eval.py --json-out")
-    _check_same_text(result, path, split, corpus)
-    return result
+    return result, _check_same_text(result, path, split, corpus)
 
 
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def predicted_tokens(n_tokens: int, n_streams: int, tgt_len: int, max_segments: int | None) -> int:
-    """How many tokens launch/eval.py predicts of a split of n_tokens: n_streams streams of n_tokens // n_streams
-    tokens, every token of each but its first (the first max_segments windows of tgt_len, where set)."""
+class EvalWindows(NamedTuple):
+    """What decides which tokens of a split launch/eval.py predicts (its JSON's eval_streams and eval)."""
+
+    n_streams: int
+    tgt_len: int
+    max_segments: int | None
+
+
+def predicted_ranges(n_tokens: int, n_streams: int, tgt_len: int, max_segments: int | None) -> list[tuple[int, int]]:
+    """The token ranges [a, b) launch/eval.py predicts of a split of n_tokens: n_streams streams of
+    n_tokens // n_streams tokens, every token of each but its first (the first max_segments windows of
+    tgt_len, where set)."""
     stream_len = n_tokens // n_streams
     per_stream = max(stream_len - 1, 0)
     if max_segments is not None:
         per_stream = min(per_stream, max_segments * tgt_len)
-    return n_streams * per_stream
+    return [(s * stream_len + 1, s * stream_len + 1 + per_stream) for s in range(n_streams) if per_stream]
 
 
-def _check_same_text(result: dict, path: str, split: str, corpus: str | Path) -> None:
+def predicted_tokens(n_tokens: int, n_streams: int, tgt_len: int, max_segments: int | None) -> int:
+    """How many tokens launch/eval.py predicts of a split of n_tokens (predicted_ranges)."""
+    return sum(b - a for a, b in predicted_ranges(n_tokens, n_streams, tgt_len, max_segments))
+
+
+def _check_same_text(result: dict, path: str, split: str, corpus: str | Path) -> EvalWindows | None:
     """Refuse a result of another corpus (another vocabulary, another text), which would be compared with the
     wrong baseline: by the split's tokens_sha256 where the result records it, and by its token count, which
     must be one this corpus' split can give. A result without them (written by hand, or by an older
@@ -134,7 +156,7 @@ def _check_same_text(result: dict, path: str, split: str, corpus: str | Path) ->
     recorded = result.get("split_tokens_sha256")
     counted = "tokens" in result and "eval_streams" in result
     if recorded is None and not counted:
-        return
+        return None
     if counted:
         tokens, streams, memory = result["tokens"], result["eval_streams"], result.get("eval", {})
         tgt_len = memory.get("tgt_len") if isinstance(memory, dict) else None
@@ -147,7 +169,7 @@ def _check_same_text(result: dict, path: str, split: str, corpus: str | Path) ->
                               "--json-out")
     manifest = read_manifest(corpus)
     if split not in manifest.splits:
-        return  # refused by unigram_perplexity, naming the splits there are
+        return None  # refused by unigram_perplexity, naming the splits there are
     other = ("the result is of another corpus (or another preparation of it), and would be compared with the wrong "
              "baseline; pass the result of an evaluation of this corpus")
     digest = manifest.splits[split].tokens_sha256
@@ -155,13 +177,14 @@ def _check_same_text(result: dict, path: str, split: str, corpus: str | Path) ->
         raise CorpusError(f"--model-result {path}: the evaluation scored split '{split}' with tokens_sha256 "
                           f"{str(recorded)[:12]}..., but the split of {corpus} has {digest[:12]}...: {other}")
     if not counted:
-        return
+        return None
     n_tokens = manifest.splits[split].n_tokens
     expected = predicted_tokens(n_tokens, streams, tgt_len, max_segments)
     if int(tokens) != expected:
         raise CorpusError(f"--model-result {path}: the evaluation predicted {int(tokens)} tokens of split '{split}' "
                           f"over {streams} streams, but the split of {corpus} has {n_tokens} tokens, which give "
                           f"{expected}: {other}")
+    return EvalWindows(streams, tgt_len, max_segments)
 
 
 if __name__ == "__main__":
