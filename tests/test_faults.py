@@ -498,6 +498,100 @@ def test_a_stop_signal_during_start_up_is_kept_and_honoured_after_the_first_step
     assert inventory(run_dir / "checkpoints").complete == ["step_00000001"]
 
 
+def _with_evals(corpus, run_dir) -> str:
+    """Validation at step 4 and at the end, test and final_eval.json at the end, an MLflow run (sqlite in run_dir)."""
+    return _config(corpus, run_dir, eval={"interval": 4, "at_end": True},
+                   tracking={"enabled": True, "experiment": "evals", "system_metrics": False})
+
+
+def _mlflow(run_dir):
+    from mlflow import MlflowClient
+
+    run_id = (run_dir / "tracking" / "run_id").read_text().strip()
+    return MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}"), run_id
+
+
+def _evaluations(run_dir) -> dict[str, list[tuple[int, float]]]:
+    """Every valid/* and test/* metric of the run folder's MLflow run: its (step, value) points, repeats kept."""
+    client, run_id = _mlflow(run_dir)
+    keys = [k for k in client.get_run(run_id).data.metrics if k.startswith(("valid/", "test/"))]
+    return {k: sorted((m.step, m.value) for m in client.get_metric_history(run_id, k)) for k in keys}
+
+
+def _final_eval(run_dir, dst) -> dict | None:
+    client, run_id = _mlflow(run_dir)
+    if "final_eval.json" not in {a.path for a in client.list_artifacts(run_id)}:
+        return None
+    return json.loads(open(client.download_artifacts(run_id, "final_eval.json", str(dst))).read())
+
+
+def _owed(run_dir, step: int) -> bool:
+    return json.loads((run_dir / "checkpoints" / f"step_{step:08d}" / "txl_state" / "run.json").read_text())[
+        "evals_owed"]
+
+
+@pytest.fixture(scope="module")
+def evaluated(corpus, tmp_path_factory):
+    """A run with evaluations and no fault: its run folder, evaluation metrics and final_eval.json."""
+    run_dir = tmp_path_factory.mktemp("evaluated") / "run"
+    procs = _start(_with_evals(corpus, run_dir))
+    assert _finish(procs) == [0, 0], procs[0].output[-3000:]
+    metrics = _evaluations(run_dir)
+    assert sorted(s for s, _ in metrics["valid/loss"]) == [4, STEPS] and [s for s, _ in metrics["test/loss"]] == [STEPS]
+    return run_dir, metrics, _final_eval(run_dir, run_dir.parent)
+
+
+def test_a_stop_in_the_last_step_saves_first_and_the_restart_runs_the_final_evaluation(corpus, tmp_path, evaluated):
+    """Before, the stop saved and the job ended FINISHED without valid/test at the last step or final_eval.json,
+    and the restart said "nothing to do: the checkpoint is at step 8"."""
+    straight_dir, straight, straight_final = evaluated
+    run_dir = tmp_path / "run"
+    config = _with_evals(corpus, run_dir)
+    stopped = _start(config, f"sigterm-at-step:0:{STEPS - 1}")  # seen by the ranks in step STEPS
+    assert _finish(stopped) == [0, 0], stopped[0].output[-3000:]
+    out = stopped[0].output
+    assert (f"stopping after step {STEPS} (SIGTERM): saving a checkpoint; its evaluation is left to the next job"
+            in out), out[-3000:]
+    assert f"valid at step {STEPS}" not in out and "test at step" not in out
+    assert _owed(run_dir, STEPS)
+    client, run_id = _mlflow(run_dir)
+    assert client.get_run(run_id).info.status == "KILLED"  # not finished: its final evaluation is owed
+    assert client.get_run(run_id).data.tags["txl.ended"] == (
+        f"stopped after step {STEPS} (SIGTERM); the next job resumes from step_{STEPS:08d}, evaluating its step first")
+    assert _final_eval(run_dir, tmp_path) is None
+    resumed = _start(config)
+    assert _finish(resumed) == [0, 0], resumed[0].output[-3000:]
+    out = resumed[0].output
+    assert "nothing to do" not in out
+    assert out.count(f"valid at step {STEPS}:") == 1 and out.count(f"test at step {STEPS}:") == 1, out[-3000:]
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["txl.ended"] == f"finished at step {STEPS}"
+    assert _evaluations(run_dir) == straight  # each evaluation once, with the uninterrupted run's numbers
+    final = _final_eval(run_dir, tmp_path)
+    assert final.pop("checkpoint") == str(run_dir / "checkpoints" / f"step_{STEPS:08d}")
+    assert straight_final.pop("checkpoint") == str(straight_dir / "checkpoints" / f"step_{STEPS:08d}")
+    assert final == straight_final
+
+
+def test_a_stop_at_an_eval_interval_step_leaves_its_validation_to_the_restart(corpus, tmp_path, evaluated):
+    """Before, the validation at that step was never run: the restart went on with the next step."""
+    straight_dir, straight, _ = evaluated
+    run_dir = tmp_path / "run"
+    config = _with_evals(corpus, run_dir)
+    stopped = _start(config, "sigterm-at-step:0:3")  # seen in step 4, an eval.interval step
+    assert _finish(stopped) == [0, 0], stopped[0].output[-3000:]
+    assert "stopping after step 4 (SIGTERM): saving a checkpoint; its evaluation is left" in stopped[0].output
+    assert "valid at step" not in stopped[0].output
+    assert _owed(run_dir, 4)
+    resumed = _start(config)
+    assert _finish(resumed) == [0, 0], resumed[0].output[-3000:]
+    assert resumed[0].output.count("valid at step 4:") == 1
+    assert _evaluations(run_dir) == straight  # valid at 4 once (and at 8, test at 8) with the straight numbers
+    assert not _owed(run_dir, STEPS)
+    # The evaluation before step 5 changed nothing of the training: bitwise the straight run's weights.
+    _assert_same_weights(_weights(run_dir, STEPS), _weights(straight_dir, STEPS))
+
+
 def test_a_token_id_outside_the_vocabulary_stops_every_rank_with_one_line_naming_it(tmp_path):
     """A corpus whose checksums are right but whose writer was not data_prep: an id >= the vocabulary in rank
     1's streams. Rank 1 stops with one line naming the position (not an IndexError deep in the model), and

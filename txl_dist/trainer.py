@@ -13,7 +13,10 @@ for each of the g micro batches (the rank's streams, m at a time, at the same ti
 and non-finite flags; one host read per step), so it does not depend on the world size. Evaluation runs on
 valid every eval.interval steps and at the end, and on test at the end (eval.at_end); checkpoints every
 checkpoint.interval steps, at the end, at train.exit_step, and on SIGTERM/SIGUSR1 or when the launcher is
-gone (txl_dist.stop_request: all ranks agree at the next step boundary, save, and return exit status 0).
+gone (txl_dist.stop_request: all ranks agree at the next step boundary, save, and return exit status 0). A stop
+saves before the evaluations due at its step and records them as owed (`evals_owed`): the job that resumes
+from that checkpoint runs them before its first step, logged at that step (at train.max_steps: the final
+valid and test evaluations and final_eval.json).
 
 Non-finite values: a step whose loss or gradient norm is not finite on any rank updates no weight (DeepSpeed
 skips it under bf16/fp16 and ZeRO 1-3; at fp32 stage 0 engine.skipped_unless_finite does), the memory
@@ -79,10 +82,16 @@ class Trainer:
         """Steps skipped because a loss or gradient norm was not finite, over the whole run."""
         self.nonfinite_streak = 0
         """Such steps in a row, up to the current one."""
+        self.evals_owed = False
+        """The evaluations due after the current step (eval.interval's validation; at train.max_steps the final
+        valid and test) have not run: a stop request saved the step before them. Saved with the step; the job
+        that resumes from it runs them before its first step (checkpoints without it: none owed)."""
         self.last_checkpoint: Path | None = None
+        """The tag this job saved last (the final evaluation's weights are its)."""
+        self.resumed_from: Path | None = None
+        """The tag this job resumed from (the weights of an owed final evaluation, with no save of its own)."""
         self.ended: str | None = None
         """How this job ended, in one line: the MLflow run's tag txl.ended."""
-        """The tag this job saved last (the final evaluation's weights are its)."""
         self.checkpoint_bytes = start.checkpoint_bytes
         """The expected size of a checkpoint (rank 0 checks the free space for it before each save)."""
         self.tokens_per_step = cfg.n_streams() * cfg.model.tgt_len
@@ -109,7 +118,8 @@ class Trainer:
     def state_dict(self) -> dict[str, Any]:
         """The loop's own position (the engine, loader and bank save theirs)."""
         return {"version": STATE_VERSION, "step": self.step, "tokens_seen": self.tokens_seen,
-                "nonfinite_steps": self.nonfinite_steps, "nonfinite_streak": self.nonfinite_streak}
+                "nonfinite_steps": self.nonfinite_steps, "nonfinite_streak": self.nonfinite_streak,
+                "evals_owed": self.evals_owed}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue counting from a saved position."""
@@ -118,6 +128,7 @@ class Trainer:
         self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
         self.nonfinite_steps = int(state.get("nonfinite_steps", 0))
         self.nonfinite_streak = int(state.get("nonfinite_streak", 0))
+        self.evals_owed = bool(state.get("evals_owed", False))
 
     # ------------------------------------------------------------------------------------------------
     # The loop
@@ -129,9 +140,18 @@ class Trainer:
         """
         cfg = self.cfg
         last = cfg.train.max_steps if cfg.train.exit_step is None else cfg.train.exit_step
+        owed = self.evals_owed and self._validation_due()
+        if owed:
+            self._run_owed_evaluations()
+        self.evals_owed = False
         if self.step >= last:
-            log.info("nothing to do: the checkpoint is at step %d, training stops at %d", self.step, last)
-            self.ended = f"nothing to do: the checkpoint is at step {self.step}, training stops at {last}"
+            if owed and self.step == cfg.train.max_steps:
+                self.ended = f"finished at step {self.step}"
+            elif owed:
+                self.ended = f"evaluated step {self.step}, which the checkpoint owed; training stops at {last}"
+            else:
+                log.info("nothing to do: the checkpoint is at step %d, training stops at %d", self.step, last)
+                self.ended = f"nothing to do: the checkpoint is at step {self.step}, training stops at {last}"
             return 0
         self.stop = StopRequest()
         self.profiler.announce(self.step + 1)
@@ -173,15 +193,18 @@ class Trainer:
                 window = RateWindow()
             if stop:  # every rank sees it at this step (reduced with the loss): the gather is collective
                 reasons = describe_reasons(distributed.gather_objects(self.stop.reason()))
-                log.warning("stopping after step %d (%s): saving a checkpoint", self.step, reasons,
+                # Save first (the window before a preemption's kill is short): this step's evaluations, if
+                # any, are left to the job that resumes from the checkpoint, which records them as owed.
+                self.evals_owed = self._validation_due()
+                log.warning("stopping after step %d (%s): saving a checkpoint%s", self.step, reasons,
+                            "; its evaluation is left to the next job" if self.evals_owed else "",
                             extra=distributed.RANK_ZERO_ONLY)
                 saved = self.save()
-                self.ended = f"stopped after step {self.step} ({reasons}); the next job resumes from {saved.name}"
+                self.ended = (f"stopped after step {self.step} ({reasons}); the next job resumes from {saved.name}"
+                              + (", evaluating its step first" if self.evals_owed else ""))
                 return 0
-            final = self.step == cfg.train.max_steps
-            if final or (cfg.eval.interval and self.step % cfg.eval.interval == 0):
-                self.run_eval(cfg.data.valid_split, "valid")
-                self.draw_curves()
+            if self._validation_due():
+                self._validate()
             if self.step == last:
                 self.save()
             elif cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0:
@@ -189,12 +212,39 @@ class Trainer:
                     log.warning("step %d: no periodic checkpoint during a run of non-finite steps", self.step)
                 else:
                     self.save()
-        if self.step == cfg.train.max_steps and cfg.eval.at_end:
-            result = self.run_eval(cfg.data.test_split, "test")
-            self.tracker.log_dict(self.final_eval_record(cfg.data.test_split, result), "final_eval.json")
+        if self._final_test_due():
+            self._final_test()
         self.ended = (f"finished at step {self.step}" if self.step == cfg.train.max_steps else
                       f"stopped at train.exit_step {self.step}; the next job resumes from {self.last_checkpoint.name}")
         return 0
+
+    def _validation_due(self) -> bool:
+        """Whether the current step is one to validate after: every eval.interval steps, and train.max_steps
+        (whose final test comes after its save, so that a step owing any evaluation owes this one)."""
+        interval = self.cfg.eval.interval
+        return self.step == self.cfg.train.max_steps or bool(interval and self.step % interval == 0)
+
+    def _final_test_due(self) -> bool:
+        """Whether the current step is train.max_steps with eval.at_end: test and final_eval.json follow."""
+        return self.step == self.cfg.train.max_steps and self.cfg.eval.at_end
+
+    def _validate(self) -> None:
+        self.run_eval(self.cfg.data.valid_split, "valid")
+        self.draw_curves()
+
+    def _final_test(self) -> None:
+        split = self.cfg.data.test_split
+        result = self.run_eval(split, "test")
+        self.tracker.log_dict(self.final_eval_record(split, result), "final_eval.json")
+
+    def _run_owed_evaluations(self) -> None:
+        """The evaluations of the checkpoint's step that a stop request saved before (all ranks, before any new
+        step): logged at that step, on the same weights, as the stopped job would have logged them. Evaluation
+        uses its own loaders and memory and no randomness: the training that follows stays exact."""
+        log.info("step %d: running the evaluation its checkpoint owes (a stop request saved it first)", self.step)
+        self._validate()
+        if self._final_test_due():
+            self._final_test()
 
     def final_eval_record(self, split: str, numbers: dict[str, float]) -> dict[str, Any]:
         """The final evaluation as the artifact final_eval.json holds it: the numbers with what they were computed
@@ -203,7 +253,7 @@ class Trainer:
         cfg = self.cfg
         memory = {key: getattr(cfg.eval, key) for key in ("tgt_len", "mem_len", "clamp_len", "same_length",
                                                           "max_segments")}
-        saved = self.last_checkpoint
+        saved = self.last_checkpoint or self.resumed_from  # the weights evaluated: this job's save, else its resume
         return {"checkpoint": str(saved) if saved is not None else None, "step": self.step, "split": split,
                 "eval_streams": cfg.eval_streams(self.env.world_size),
                 "world_size": self.env.world_size, "eval": memory, "precision": cfg.train.precision,
@@ -382,6 +432,7 @@ class Trainer:
             checkpoint.set_rng_state(state["rng"])
         else:
             checkpoint.seed_rng(self.cfg.train.seed, self.env.rank, self.step)
+        self.resumed_from = tag_dir
         log.info("resumed from %s at step %d (%s)", tag_dir, self.step,
                  "same world size" if same_world else
                  f"elastic: {run_info['world_size']} -> {self.env.world_size} ranks")
@@ -609,8 +660,9 @@ def run(cfg: RunConfig, env: DistEnv, *, resume: str = "auto", log_all_ranks: bo
     try:
         code = trainer.train()
         # >=: a job relaunched with a lower max_steps than its checkpoint has nothing to do, and its run stays
-        # FINISHED rather than turning KILLED
-        status = "FINISHED" if trainer.step >= cfg.train.max_steps else "KILLED"
+        # FINISHED rather than turning KILLED. A stop at max_steps that left the final evaluation to the next job
+        # is not finished: KILLED, as other stops.
+        status = "FINISHED" if trainer.step >= cfg.train.max_steps and not trainer.evals_owed else "KILLED"
         return code
     except BaseException as e:
         failing = True
@@ -620,8 +672,8 @@ def run(cfg: RunConfig, env: DistEnv, *, resume: str = "auto", log_all_ranks: bo
         try:
             if env.is_main:
                 curves = trainer.draw_curves()
-                log.info("run folder %s | %s%s", Path(cfg.run.dir).resolve(),
-                         mlflow_status(trainer.tracker.run_id, status), f" | curves {curves.resolve()}" if curves else "")
+                log.info("run folder %s | %s%s", Path(cfg.run.dir).resolve(), mlflow_status(
+                    trainer.tracker.run_id, status), f" | curves {curves.resolve()}" if curves else "")
                 hint = trainer.tracker.ui_hint()
                 if hint:
                     log.info("MLflow UI: %s", hint)
