@@ -319,6 +319,30 @@ def test_usr1_mid_run_saves_requeues_and_resumes_bitwise_in_the_same_mlflow_run(
     assert f"txl-slurm: done: step_{stop_at:08d} (step {stop_at} of {stop_at})" in out
 
 
+def test_usr1_in_the_last_step_requeues_and_the_restart_runs_the_final_evaluation(cluster, corpus, tmp_path):
+    # The stop saves the last step before its final evaluation (evals_owed): the job must not count that as done.
+    run_dir, last = tmp_path / "run", 6
+    short = ["--set", f"train.max_steps={last}"]
+    first = cluster.sbatch("--nodes=2", "--ntasks-per-node=1",
+                           *train_args(corpus, run_dir, *short, "--set", f"train.exit_step={last - 1}"))
+    assert cluster.wait(first)["JobState"] == "COMPLETED", cluster.output(first)[-5000:]
+    job = cluster.sbatch("--nodes=2", "--ntasks-per-node=1", *train_args(corpus, run_dir, *short))
+    cluster.wait_for_text(job, f"job {job} (txl-train) restart 0 on")
+    cluster.run("scancel", "--batch", "--signal=USR1", str(job))  # the ranks stop after their first step, the last
+    info = cluster.wait(job, timeout=400)
+    out = cluster.output(job)
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), out[-5000:]
+    tag = f"step_{last:08d}"
+    assert f"stopping after step {last} (SIGUSR1): saving a checkpoint; its evaluation is left to the next job" in out
+    assert f"txl-slurm: {tag} (the last step) was saved before its final evaluation; the restart runs it" in out
+    assert "first the evaluation of its step, which a stop request left owed" in out  # the restart's header
+    assert f"step {last}: running the evaluation its checkpoint owes" in out
+    assert f"txl-slurm: done: {tag} (step {last} of {last})" in out
+    client, run = mlflow_run(run_dir)
+    assert run.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "test/loss")] == [last]
+
+
 def test_exit_step_ends_without_requeue_and_the_two_node_checkpoint_continues_on_one_node(cluster, corpus, straight,
                                                                                            tmp_path):
     run_dir = tmp_path / "run"

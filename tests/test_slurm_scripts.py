@@ -108,6 +108,16 @@ def test_a_save_of_this_job_is_a_tag_that_was_not_there_before_whatever_its_step
     assert state(tmp_path)["newest_id"] not in before
 
 
+def test_a_newest_tag_saved_before_its_evaluation_says_so(tmp_path, ckpt):
+    assert state(tmp_path)["newest_owes_evaluation"] == "0"
+    run_json = ckpt / "step_00000030" / "txl_state" / "run.json"
+    run_json.write_text(json.dumps({"version": 2, "step": 30, "evals_owed": True}))
+    owed = state(tmp_path, max_steps=30)
+    assert owed["newest_owes_evaluation"] == "1"
+    assert owed["plan"] == ("newest step_00000030: at step 30, at or past step 30 where this configuration stops: "
+                            "nothing to train; first the evaluation of its step, which a stop request left owed")
+
+
 def test_a_usr1_kept_for_the_ranks_stops_them_after_their_first_step(monkeypatch):
     from txl_dist import stop_request
 

@@ -13,11 +13,15 @@ lines that the batch script reads:
     newest=step_00000200              the newest complete checkpoint tag ('' when there is none)
     newest_step=200                   its step (0 when there is none)
     newest_id=step_00000200:123:456   the newest tag as one save made it (see tag_id; '' when there is none)
+    newest_owes_evaluation=0          1 when a stop request saved the newest tag before its step's evaluation
+                                      (evals_owed in its run.json: the next job runs it first), else 0
     tag_ids=step_00000100:... ...     every complete tag's id, space-separated
     plan=newest step_00000200: ...    what the training step will start from, for the job's header
 
 After the training step exited 0, the batch script compares newest_step with target_step: equal or past it,
-the run reached its end (or its planned exit_step). Short of it, the ranks were stopped by a signal, and the
+the run reached its end (or its planned exit_step), unless this step's own save at the last step owes its
+final evaluation (a stop request in that step): then the job requeues like any stopped one, and the
+restart, which saves nothing new, runs that evaluation and is done. Short of it, the ranks were stopped by a signal, and the
 job requeues itself if they saved: if the newest tag now is not one of the tags that were there before the
 step (newest_id not in the earlier tag_ids). Not a comparison of steps: a job that rolled back (--resume PATH)
 or fell back to an older tag (checkpoint.fallback) saves a tag older than the newest one it started with.
@@ -62,6 +66,16 @@ def tag_id(tag_dir: Path) -> str:
     return f"{tag_dir.name}:{folder.st_ino}:{run_file.st_mtime_ns}"
 
 
+def owes_evaluation(tag_dir: Path) -> bool:
+    """Whether a stop request saved the tag before its step's evaluation (txl_dist/trainer.py's evals_owed)."""
+    from txl_dist.checkpoint import CheckpointError, read_run_info
+
+    try:
+        return read_run_info(tag_dir).get("evals_owed") is True
+    except (CheckpointError, AttributeError):
+        return False
+
+
 def tag_step(tag_dir: Path) -> int | None:
     """The step a tag holds: from its name (saves name tags by step), else from its run.json; None when unreadable."""
     from txl_dist.checkpoint import CheckpointError, read_run_info, step_of
@@ -101,7 +115,8 @@ def auto_plan(ckpt_dir: Path, complete: list[str], target: int, fallback: bool) 
         return f"none yet: starting a new run to step {target}"
     newest = ckpt_dir / complete[-1]
     if readable(newest):
-        return f"newest {newest.name}: {to_step(tag_step(newest), target)}"
+        owed = "; first the evaluation of its step, which a stop request left owed" if owes_evaluation(newest) else ""
+        return f"newest {newest.name}: {to_step(tag_step(newest), target)}{owed}"
     damaged = f"newest {newest.name}: its run.json does not read"
     if not fallback:
         return f"{damaged}; training refuses it (checkpoint.fallback=true resumes from an older tag)"
@@ -161,6 +176,7 @@ def describe(argv: list[str]) -> dict[str, str]:
             "newest": newest,
             "newest_step": str(tag_step(ckpt_dir / newest) or 0) if newest else "0",
             "newest_id": tag_id(ckpt_dir / newest) if newest else "",
+            "newest_owes_evaluation": "1" if newest and owes_evaluation(ckpt_dir / newest) else "0",
             "tag_ids": " ".join(tag_id(ckpt_dir / t) for t in complete), "plan": plan}
 
 
