@@ -3,7 +3,9 @@ with the exported fp32 weights; every token of each eval stream but its first is
 from __future__ import annotations
 
 import json
+import logging
 import math
+import re
 
 import numpy as np
 import pytest
@@ -301,3 +303,73 @@ def test_eval_prints_a_table_and_the_json_and_writes_the_json_out_file(trained, 
     assert rows["split"].startswith(f"valid: {int(result['tokens']):,} tokens predicted over 2 streams on 1 rank")
     assert rows["memory"] == "tgt_len 8 | mem_len 12 | clamp_len -1 | same_length true | max_segments 3"
     assert rows["checkpoint"] == f"{result['checkpoint']} (step 3)"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Progress: a line every PROGRESS_INTERVAL_S on rank 0, none for a short evaluation; the numbers unchanged.
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """A corpus whose valid split gives 2 streams of 40 tokens (5 segments of tgt_len 8) and a random model."""
+    from txl_dist.config import ModelConfig
+    from txl_dist.model import TransformerXL
+
+    splits = {"train": learnable_stream(4 * 49, VOCAB, 0), "valid": learnable_stream(VALID_TOKENS, VOCAB, 1)}
+    corpus = write_corpus(tmp_path_factory.mktemp("progress") / "corpus", splits, vocab_size=VOCAB)
+    torch.manual_seed(0)
+    model = TransformerXL(ModelConfig(vocab_size=VOCAB, n_layer=2, d_model=32, n_head=2, d_head=16, d_inner=64,
+                                      cutoffs=[32], div_val=2, tgt_len=8, mem_len=8, attn_impl="matmul")).eval()
+    return corpus, model
+
+
+def _progress_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("evaluating ")]
+
+
+def _evaluate(corpus, model, *, rank=0, world_size=1, on_segment=None):
+    from txl_dist.evaluate import Evaluator
+
+    cfg = EvalConfig(tgt_len=8, mem_len=12, n_streams=2)
+    evaluator = Evaluator(corpus, cfg, rank=rank, world_size=world_size, n_streams=2)
+    try:
+        return evaluator.evaluate(model, "valid", on_segment=on_segment)
+    finally:
+        evaluator.close()
+
+
+def test_a_long_evaluation_logs_progress_at_the_interval_and_the_same_numbers(small, monkeypatch, caplog):
+    import txl_dist.evaluate as evaluate
+
+    corpus, model = small
+    with caplog.at_level(logging.INFO, logger="txl_dist"):
+        quick = _evaluate(corpus, model)
+    assert _progress_lines(caplog) == []  # it ends before the first interval
+
+    seconds = iter(range(0, 1000, 10))  # 10 s pass between two looks at the clock
+    monkeypatch.setattr(evaluate, "_clock", lambda: float(next(seconds)))
+    segments = []
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="txl_dist"):
+        timed = _evaluate(corpus, model, on_segment=segments.append)
+    assert timed == quick
+    assert segments == [0, 1, 2, 3, 4]  # the watchdog's hook still sees every segment
+    # Looks after segments 1..4 at 10, 20, 30, 40 s: one line at 30 s (48 tokens, 2 segments to go at 10 s
+    # each), the next would be due at 60 s; none after the last segment.
+    assert _progress_lines(caplog) == ["evaluating valid: 3/5 segments | 2 tok/s | ETA 0:00:20"]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_progress_is_logged_on_rank_zero_only(small, monkeypatch, caplog, rank):
+    import txl_dist.evaluate as evaluate
+
+    corpus, model = small
+    monkeypatch.setattr(evaluate, "PROGRESS_INTERVAL_S", 0.0)
+    with caplog.at_level(logging.INFO, logger="txl_dist"):
+        _evaluate(corpus, model, rank=rank, world_size=2)  # no process group: the all-reduce is skipped
+    lines = _progress_lines(caplog)
+    if rank:
+        assert lines == []
+    else:
+        assert [line.split(" | ")[0] for line in lines] == [f"evaluating valid: {i}/5 segments" for i in (1, 2, 3, 4)]
+        assert all(re.fullmatch(r".* \| \d+ tok/s \| ETA \d+:\d\d:\d\d", line) for line in lines), lines

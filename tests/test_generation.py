@@ -698,3 +698,29 @@ def test_the_samples_memory_check_counts_the_sessions_own_default_mem_len(monkey
         check_memory_for_samples(config, args)
     args.mem_len = 0  # an explicit --mem-len is what the session keeps
     check_memory_for_samples(config, args)
+
+
+def test_a_long_prompt_read_logs_progress_at_the_interval_on_stderr_only(model, monkeypatch, caplog, capsys):
+    """A line every PROGRESS_INTERVAL_S while the prompt is read (tokens read / total, rate, ETA), through the
+    logger (stderr), never stdout; none for a short read, none while sampling; the log-probs unchanged."""
+    import txl_dist.evaluate as evaluate
+
+    prompt = [random.Random(0).randrange(VOCAB) for _ in range(40)]  # 5 segments of chunk_len 8
+
+    def read_prompt() -> tuple[torch.Tensor, list[str]]:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="txl_dist"):
+            session = GenerationSession(model, mem_len=16, chunk_len=8, seed=0)
+            log_probs = session.feed(prompt)
+            session.sample(3)  # one-token reads: never a line
+        return log_probs, [r.getMessage() for r in caplog.records if r.getMessage().startswith("reading")]
+
+    quick, lines = read_prompt()
+    assert lines == []  # it ends before the first interval
+    seconds = iter(range(0, 1000, 10))  # 10 s pass between two looks at the clock
+    monkeypatch.setattr(evaluate, "_clock", lambda: float(next(seconds)))
+    timed, lines = read_prompt()
+    assert torch.equal(timed, quick)
+    # Looks after 8, 16, 24, 32 tokens at 10, 20, 30, 40 s: one line at 30 s, none after the last segment.
+    assert lines == ["reading the prompt: 24/40 tokens | 1 tok/s | ETA 0:00:20"]
+    assert capsys.readouterr().out == ""

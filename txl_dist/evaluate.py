@@ -15,8 +15,11 @@ ratios from the manifest (n_tokens / n_bytes): the cost of the whole text at the
 """
 from __future__ import annotations
 
+import datetime
+import logging
 import math
 import os
+import time
 from contextlib import contextmanager
 from typing import Callable, Iterable, Iterator
 
@@ -32,6 +35,12 @@ from .host_copy import to_device
 from .memory import MemoryBank
 from .model.softmax import TailPlan, tail_plan
 from .streams import streams_per_rank
+
+log = logging.getLogger(distributed.LOGGER_NAME)
+
+PROGRESS_INTERVAL_S = 30.0
+"""Seconds between the progress lines of a long evaluation (or prompt read): none for a shorter one."""
+_clock = time.monotonic  # tests put a fake clock here
 
 
 class Evaluator:
@@ -79,10 +88,17 @@ class Evaluator:
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # [nll sum, tokens]
         memory = self.cfg.memory()
         cutoffs = model.config.cutoffs
+        total = loader.steps_per_epoch  # one micro batch (all the rank's streams) per window
+        if self.cfg.max_segments is not None:
+            total = min(total, self.cfg.max_segments)
+        progress = Progress(f"evaluating {split}", total, "segments", quiet=self.rank != 0)
+        tokens_read = 0  # from the host shapes: counting from `sums` would sync with the device
         with eval_mode(model):
             for segment, mb in enumerate(loader):
                 if self.cfg.max_segments is not None and segment >= self.cfg.max_segments:
                     break
+                if segment:  # not after the last segment: the result follows at once
+                    progress.update(segment, tokens_read * self.world_size)  # every rank holds equal streams
                 if on_segment is not None:
                     on_segment(segment)
                 # Non-blocking copies, and the softmax's cluster counts from the host labels: no sync here.
@@ -92,6 +108,7 @@ class Evaluator:
                 bank.put(mb.stream_ids, out.mems)
                 sums[0] += out.nll.double().sum()
                 sums[1] += out.nll.numel()
+                tokens_read += mb.labels.size
         distributed.all_reduce_sum(sums)
         nll, tokens = sums.tolist()
         split_info = loader.manifest.splits[split]
@@ -103,6 +120,29 @@ class Evaluator:
         for loader, _ in self._loaders.values():
             loader.close()
         self._loaders.clear()
+
+
+class Progress:
+    """A progress line every PROGRESS_INTERVAL_S seconds of a long loop (through the project's logger, so on
+    stderr, never stdout): `what: done/total unit | tokens/s | ETA`, the ETA at the mean rate so far."""
+
+    def __init__(self, what: str, total: int, unit: str, *, quiet: bool = False):
+        self.what, self.total, self.unit, self.quiet = what, total, unit, quiet
+        self.start = self.last = _clock()
+
+    def update(self, done: int, tokens: int) -> None:
+        """`done` of `total` units (and `tokens` tokens) finished; logs if the interval has passed."""
+        if self.quiet:
+            return
+        now = _clock()
+        if now - self.last < PROGRESS_INTERVAL_S:
+            return
+        self.last = now
+        elapsed = max(now - self.start, 1e-9)
+        eta = elapsed / max(done, 1) * (self.total - done)
+        # timedelta prints H:MM:SS like the trainer's step line; importing its helper would load DeepSpeed.
+        log.info("%s: %d/%d %s | %.0f tok/s | ETA %s", self.what, done, self.total, self.unit, tokens / elapsed,
+                 datetime.timedelta(seconds=round(eta)))
 
 
 def summarize(nll_sum: float, tokens: int, *, n_tokens: int, n_bytes: int, n_chars: int) -> dict[str, float]:

@@ -51,6 +51,7 @@ import torch
 
 from txl_dist.config import MemorySettings
 from txl_dist.errors import Refused
+from txl_dist.evaluate import Progress
 from txl_dist.model.attention import resolve_attn_impl
 
 STATE_VERSION = 1
@@ -261,15 +262,19 @@ class GenerationSession:
         """Run the model over ids [B, n] against the mems; returns next_log_probs [B, V]."""
         weight = next(self.model.parameters())
         attn_impl = decoding_attn_impl(self.model.attn_impl, weight.device, weight.dtype)
+        n = ids.shape[1]
+        progress = Progress("reading the prompt", n, "tokens")  # a long prompt takes minutes on a CPU
         with torch.no_grad():
-            for start in range(0, ids.shape[1], self.chunk_len):
+            for start in range(0, n, self.chunk_len):
+                if start:  # not after the last segment: the read ends there
+                    progress.update(start, start)
                 segment = ids[:, start:start + self.chunk_len].to(self.device)     # [B, T]
                 out = self.model(segment, mems=self.mems, memory=self.memory, attn_impl=attn_impl)
                 # mem_len 0 leaves empty mems; keep None so the next forward has no memory at all.
                 self.mems = out.mems if self.memory.mem_len > 0 else None
             last = out.hidden[:, -1]                                               # [B, d_model]
             self.next_log_probs = self.model.log_probs(last).float().cpu()         # [B, V]
-        self.n_tokens += ids.shape[1]
+        self.n_tokens += n
         self.last_tokens = ids[:, -1].clone()                                      # [B]
         return self.next_log_probs
 
