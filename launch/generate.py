@@ -29,6 +29,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from txl_dist.cli_args import ArgumentParser
 from txl_dist.entry import exit_process, guarded
 
 EXAMPLES = """examples:
@@ -46,8 +47,8 @@ normalised ("  two  spaces\\nand" as "two spaces and"); --json's "prompt" is the
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line."""
-    p = argparse.ArgumentParser(prog="launch/generate.py", description=__doc__.split("\n\n")[0], epilog=EXAMPLES,
-                                formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    p = ArgumentParser(prog="launch/generate.py", description=__doc__.split("\n\n")[0], epilog=EXAMPLES,
+                       formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     src = p.add_argument_group("model (one of)")
     src.add_argument("--checkpoint", default=None, help="run folder, checkpoint folder or a step_* tag")
     src.add_argument("--model", default=None, metavar="DIR",
@@ -132,11 +133,16 @@ def _from_checkpoint(path: str):
 
 
 def _from_folder(path: str):
+    from txl_dist.errors import where_relative
     from txl_dist.generation import GenerationError
     from txl_dist.interop import from_hf, load_native, recorded_tokenizer_sha256
     from txl_dist.interop.native import MODEL_CONFIG_NAME
 
     folder = Path(path)
+    if not folder.is_dir():
+        what = "is not a folder" if folder.exists() else f"does not exist{where_relative(path)}"
+        raise GenerationError(f"--model {path} {what}; pass a folder written by launch/export.py --out or "
+                              "save_pretrained")
     if (folder / MODEL_CONFIG_NAME).is_file():
         model = load_native(folder)
     elif (folder / "config.json").is_file():
@@ -274,6 +280,11 @@ def main(argv: list[str] | None = None) -> int:
     """Generate and print the samples (text, or one JSON object with --json); nothing else goes to stdout."""
     args = parse_args(argv)
     log = logging.getLogger("txl_dist")
+    if not log.hasHandlers():  # a command line: the progress of a long prompt's reading (info) goes to stderr too
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
 
     def job() -> int:
         # stdout is for the samples (a program parses --json from it). What the libraries print meanwhile goes

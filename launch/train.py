@@ -31,6 +31,7 @@ import argparse  # noqa: E402
 import logging  # noqa: E402
 
 from txl_dist import distributed  # noqa: E402
+from txl_dist.cli_args import ArgumentParser  # noqa: E402
 from txl_dist.config import load_config  # noqa: E402
 from txl_dist.entry import exit_process, guarded  # noqa: E402
 
@@ -47,8 +48,8 @@ Every key of the configuration: docs/configuration.md. Where a run writes: run.d
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line (no option may be a prefix of a torchrun option: that breaks torchrun)."""
-    p = argparse.ArgumentParser(prog="launch/train.py", description=__doc__.split("\n\n")[0], allow_abbrev=False,
-                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="launch/train.py", description=__doc__.split("\n\n")[0], allow_abbrev=False,
+                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, metavar="FILE",
                    help="run configuration JSON, e.g. configs/tiny.json (every key: docs/configuration.md)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",

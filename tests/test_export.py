@@ -86,3 +86,45 @@ def test_foreign_files_lists_what_is_not_an_export(tmp_path):
     assert foreign_files(tmp_path, native=True) == ["config.json", "pytorch_model.bin"]
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "transfo-xl", "tokenizer_sha256": SHA}))
     assert foreign_files(tmp_path, native=False) == []
+
+
+@pytest.mark.parametrize("corpus_readable", [True, False])
+def test_export_records_the_eod_id_and_to_hf_of_its_folder_writes_eos_token_id(tmp_path, monkeypatch, caplog,
+                                                                               corpus_readable):
+    """The native folder records the corpus' end-of-document id (eod_id in model_config.json) beside the tokenizer's
+    digest, so that `python -m txl_dist.interop to-hf` of it writes the eos_token_id export --hf writes; where
+    export cannot read the corpus, neither folder has it (export warns, and so does a later to-hf).
+    The checkpoint is stood in for (its reading is tested in tests/test_generation.py)."""
+    import contextlib
+    import hashlib
+
+    import launch.export as export_module
+    import txl_dist.checkpoint
+    import txl_dist.startup
+    from txl_dist.config import ModelConfig
+    from txl_dist.interop.__main__ import main as interop
+
+    cfg = ModelConfig(vocab_size=53, n_layer=1, d_model=16, n_head=2, d_head=8, d_inner=24, tgt_len=5, mem_len=4)
+    sha = hashlib.sha256(b"tokenizer").hexdigest()
+    run_info = {"tokenizer_sha256": sha, "zero_stage": 0, "config": {"data": {"path": str(tmp_path / "corpus")}}}
+    monkeypatch.setattr(txl_dist.startup, "open_export",
+                        contextlib.contextmanager(lambda path: iter([(tmp_path / "tag", run_info, cfg)])))
+    monkeypatch.setattr(txl_dist.checkpoint, "load_fp32_weights", lambda model, tag_dir, zero_stage: None)
+    monkeypatch.setattr(export_module, "training_tokenizer",
+                        lambda corpus, sha, hf: (5, b"tokenizer") if corpus_readable else None)
+    native, hf = tmp_path / "native", tmp_path / "hf"
+    export_module.export("run", str(native), str(hf))
+    recorded = json.loads((native / "model_config.json").read_text())
+    assert recorded["tokenizer_sha256"] == sha
+    assert recorded.get("eod_id") == (5 if corpus_readable else None)
+    assert json.loads((hf / "config.json").read_text()).get("eos_token_id") == (5 if corpus_readable else None)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="txl_dist"):
+        assert interop(["to-hf", str(native), str(tmp_path / "hf2")]) == 0
+    assert json.loads((tmp_path / "hf2" / "config.json").read_text()) == json.loads((hf / "config.json").read_text())
+    assert (tmp_path / "hf2" / "tokenizer.model").exists() == corpus_readable
+    warnings = [r.getMessage() for r in caplog.records]
+    if corpus_readable:
+        assert warnings == []
+    else:
+        assert len(warnings) == 1 and warnings[0].startswith("to-hf: no eos_token_id"), warnings

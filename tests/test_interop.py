@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -323,6 +324,106 @@ def test_native_folder_records_the_tokenizer_digest_and_the_conversions_carry_it
         load_native(tmp_path / "native")
     err = _cli_error(capsys, ["to-hf", str(tmp_path / "native"), str(tmp_path / "hf3")])
     assert "tokenizer_sha256 must be a sha256" in err and not (tmp_path / "hf3").exists()
+
+
+def test_native_weights_of_another_shape_are_refused_in_one_line_like_the_hf_path(tmp_path, capsys):
+    """An edited model_config.json (d_inner 24 -> 12) no longer fits its weights in shape: torch's load_state_dict
+    raised a 40-line RuntimeError (exit 1) for launch/generate.py --model and to-hf; it is refused in one line
+    (exit 2) naming the tensor, as the HF path refuses the same edit of config.json."""
+    model = small_model(CONFIGS["plain"])
+    native, hf = save_native(model, tmp_path / "native"), to_hf(model, tmp_path / "hf")
+    for folder, name in ((native, "model_config.json"), (hf, "config.json")):
+        config = json.loads((folder / name).read_text())
+        (folder / name).write_text(json.dumps({**config, "d_inner": 12}))
+    with pytest.raises(ConfigError) as refused:
+        load_native(native)
+    message = str(refused.value)
+    assert message == (f"{native / 'model.safetensors'}: tensor layers.0.pos_ff.fc_in.weight has shape (24, 16) but "
+                       "model_config.json implies (12, 16); the weights do not belong to this config")
+    with pytest.raises(HFFormatError) as refused_hf:  # the HF path's refusal, from the same check
+        from_hf(hf)
+    assert str(refused_hf.value) == (f"{hf}: tensor transformer.layers.0.pos_ff.CoreNet.0.weight has shape (24, 16) "
+                                     "but config.json implies (12, 16); the weights do not belong to this config")
+    err = _cli_error(capsys, ["to-hf", str(native), str(tmp_path / "out")])
+    assert err == f"error: {message}"
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+    # Names still count: a tensor the config does not imply (a layer fewer in the config) is refused too.
+    (native / "model_config.json").write_text(json.dumps({**dataclasses.asdict(model.config), "n_layer": 1}))
+    with pytest.raises(ConfigError, match=r"does not fit model_config.json: missing \[\], unexpected \['layers.1"):
+        load_native(native)
+
+
+def test_native_folder_records_the_eod_id_and_to_hf_writes_it_as_eos_token_id(tmp_path, caplog):
+    """launch/export.py records the corpus' end-of-document id in model_config.json (eod_id); to-hf writes it into
+    config.json as eos_token_id (where HF generate() stops), as export --hf does, and from-hf carries it back. A
+    native folder that records none (an older export) gets no eos_token_id and one warning line, as export gives
+    when it cannot set it."""
+    from txl_dist.interop.native import read_eod_id, recorded_eod_id
+
+    model = small_model(CONFIGS["plain"])
+    native = save_native(model, tmp_path / "native", tokenizer_sha256="ab" * 32, eod_id=7)
+    assert json.loads((native / "model_config.json").read_text()) == {
+        **dataclasses.asdict(model.config), "tokenizer_sha256": "ab" * 32, "eod_id": 7}
+    assert read_eod_id(native) == 7
+    assert_same_model(model, load_native(native))
+    with caplog.at_level(logging.WARNING, logger="txl_dist"):
+        assert main(["to-hf", str(native), str(tmp_path / "hf")]) == 0
+        assert caplog.records == []
+        config = json.loads((tmp_path / "hf" / "config.json").read_text())
+        assert config["eos_token_id"] == 7 and config["tokenizer_sha256"] == "ab" * 32
+        assert main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "native2")]) == 0
+        assert read_eod_id(tmp_path / "native2") == 7 and caplog.records == []
+        # An older native folder (no eod_id): no eos_token_id, one warning naming the folder and what to do.
+        older = save_native(model, tmp_path / "older")
+        assert read_eod_id(older) is None
+        assert main(["to-hf", str(older), str(tmp_path / "older-hf")]) == 0
+    assert "eos_token_id" not in json.loads((tmp_path / "older-hf" / "config.json").read_text())
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "\n" not in lines[0], lines
+    assert lines[0].startswith("to-hf: no eos_token_id in the HuggingFace config.json (transformers then takes 0): "
+                               f"{older} records no end-of-document id")
+    # An HF folder of elsewhere: its own eos_token_id where it is a token id, else none (HF allows null, lists).
+    assert recorded_eod_id(tmp_path / "hf") == 7
+    for value in (None, [0, 1], 53, True):
+        (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "eos_token_id": value}))
+        assert recorded_eod_id(tmp_path / "hf") is None
+    # A damaged eod_id in model_config.json is refused in one line naming the file.
+    for value in (-1, 53, "7", 2.0):
+        (native / "model_config.json").write_text(json.dumps({**dataclasses.asdict(model.config), "eod_id": value}))
+        with pytest.raises(ConfigError, match=r"model_config.json: eod_id must be a token id in \[0, 53\), got "):
+            load_native(native)
+
+
+def test_the_conversions_carry_the_tokenizer_model_that_fits_the_recorded_digest(tmp_path, caplog):
+    """export writes tokenizer.model into both its folders (generate --model then needs no --tokenizer); to-hf and
+    from-hf copy the source's too. One that is not the recorded tokenizer is left out with a warning, and one that
+    OUT_DIR held before never stays beside the new weights."""
+    import hashlib
+
+    model = small_model(CONFIGS["plain"])
+    tokenizer = b"a SentencePiece model"
+    native = save_native(model, tmp_path / "native", tokenizer_sha256=hashlib.sha256(tokenizer).hexdigest(), eod_id=1)
+    (native / "tokenizer.model").write_bytes(tokenizer)
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "tokenizer.model").write_bytes(b"another model's tokenizer")
+    with caplog.at_level(logging.WARNING, logger="txl_dist"):
+        assert main(["to-hf", str(native), str(out)]) == 0
+        assert (out / "tokenizer.model").read_bytes() == tokenizer
+        assert main(["from-hf", str(out), str(tmp_path / "native2")]) == 0
+        assert (tmp_path / "native2" / "tokenizer.model").read_bytes() == tokenizer
+        assert caplog.records == []
+        (native / "tokenizer.model").write_bytes(b"another tokenizer")  # not the recorded one: left out
+        assert main(["to-hf", str(native), str(out)]) == 0
+    assert not (out / "tokenizer.model").exists()
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "not the tokenizer" in lines[0] and "left out" in lines[0], lines
+    (native / "tokenizer.model").unlink()  # none in the source: none in OUT_DIR either, no warning
+    (out / "tokenizer.model").write_bytes(b"stale")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="txl_dist"):
+        assert main(["to-hf", str(native), str(out)]) == 0
+    assert not (out / "tokenizer.model").exists() and caplog.records == []
 
 
 def test_cli_to_hf_and_back(tmp_path, capsys):

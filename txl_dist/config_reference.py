@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from . import config
+from .cli_args import ArgumentParser
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "docs" / "configuration.md"
@@ -151,7 +152,7 @@ def render() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Write the reference, or with --check say whether the file on disk is current (exit status 1 if not)."""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog=REGENERATE, description="Generate the configuration reference from the config dataclasses.",
         epilog=f"examples:\n  {REGENERATE}\n  {REGENERATE} --check\n",
         formatter_class=argparse.RawDescriptionHelpFormatter)

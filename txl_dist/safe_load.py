@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from .cli_args import ArgumentParser
 from .errors import EXIT_REFUSED, Refused, one_line
 
 # The only non-torch globals in the files DeepSpeed 0.19.8 writes for this project (ZeRO 0-3, fp32 and
@@ -237,7 +238,7 @@ _EXAMPLE = ("example (what txl_dist/checkpoint.py runs for an elastic resume):\n
 def build_parser() -> argparse.ArgumentParser:
     """The command line: DeepSpeed's own tools, with this module's restriction on every load."""
     raw = argparse.RawDescriptionHelpFormatter
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m txl_dist.safe_load", epilog=_EXAMPLE, formatter_class=raw,
         description="DeepSpeed's checkpoint tools with every torch.load restricted to weights-only unpickling.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help="the tool")

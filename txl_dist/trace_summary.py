@@ -30,10 +30,15 @@ import argparse
 import gzip
 import json
 import re
+import sys
+import zlib
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
+
+from .cli_args import ArgumentParser
+from .errors import EXIT_REFUSED, one_line
 
 STEP_SPAN = re.compile(r"ProfilerStep#(\d+)")
 DEVICE_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
@@ -323,7 +328,7 @@ def summary_line(summary: dict[str, Any] | None) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="python -m txl_dist.trace_summary", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n  python -m txl_dist.trace_summary "
@@ -335,7 +340,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--table", type=int, metavar="ROWS", default=0,
                    help="also print the operator table, ROWS rows per side (e.g. --table 30)")
     args = p.parse_args(argv)
-    times, summary = analyze(read_trace(args.trace))
+    try:
+        trace = read_trace(args.trace)
+        if not isinstance(trace, dict):
+            raise ValueError(f"a JSON {type(trace).__name__}, not an object with traceEvents")
+    except (OSError, ValueError, EOFError, zlib.error) as e:  # a refusal: one line, exit status 2
+        if isinstance(e, FileNotFoundError):
+            why = "does not exist"
+        elif isinstance(e, (gzip.BadGzipFile, EOFError, zlib.error)):  # BadGzipFile is an OSError: first
+            why = f"is not a whole gzip file: {one_line(e)}"
+        elif isinstance(e, OSError):
+            why = f"cannot be read: {e.strerror or one_line(e)}"
+        elif isinstance(e, json.JSONDecodeError):
+            why = f"is not JSON: {e.msg} at line {e.lineno} col {e.colno}"
+        elif isinstance(e, UnicodeDecodeError):
+            why = "is not UTF-8 text"
+        else:
+            why = f"is not a Chrome trace: {one_line(e)}"
+        print(f"error: trace file {args.trace} {why} (expected a Chrome trace written by torch.profiler, "
+              ".json or .json.gz)", file=sys.stderr)
+        return EXIT_REFUSED
+    times, summary = analyze(trace)
     if args.table:
         print(operator_table(times, args.table))
     if summary is None:

@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from txl_dist.cli_args import ArgumentParser
 from txl_dist.config import read_json_object
 from txl_dist.data import CorpusError, read_manifest, split_reader
 from txl_dist.entry import exit_process, guarded
@@ -67,10 +68,10 @@ def unigram_perplexity(corpus_dir: str | Path, split: str = "test", train_split:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line."""
-    p = argparse.ArgumentParser(prog="python -m txl_dist.unigram", description=__doc__.split("\n\n")[0],
-                                allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="example:\n  python -m txl_dist.unigram data/shakespeare --split test "
-                                       "--model-result runs/tiny/eval-test.json\n")
+    p = ArgumentParser(prog="python -m txl_dist.unigram", description=__doc__.split("\n\n")[0],
+                       allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog="example:\n  python -m txl_dist.unigram data/shakespeare --split test "
+                              "--model-result runs/tiny/eval-test.json\n")
     p.add_argument("corpus", help="prepared corpus folder (manifest.json)")
     p.add_argument("--split", default="test", help="split to evaluate (default test)")
     p.add_argument("--train-split", default="train", help="split the frequencies are counted on (default train)")

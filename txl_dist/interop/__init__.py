@@ -7,12 +7,13 @@ Formats:
 - Native folder (ours): model_config.json (our ModelConfig as JSON) + model.safetensors (our state_dict,
   tied tensors stored once). from-hf writes it, to-hf reads it. Training checkpoints are exported by
   launch/export.py, which calls to_hf with extra_config={"eos_token_id": the corpus' end-of-document id,
-  "tokenizer_sha256": the checkpoint's tokenizer digest} and records that digest in model_config.json too;
-  the conversions carry it from one folder to the other (recorded_tokenizer_sha256 reads it).
+  "tokenizer_sha256": the checkpoint's tokenizer digest} and records both in model_config.json too
+  (tokenizer_sha256, eod_id); the conversions carry them from one folder to the other
+  (recorded_tokenizer_sha256, native.recorded_eod_id read them), with the folder's tokenizer.model.
 
 Python:
     from_hf(src_dir) -> TransformerXL            to_hf(model, out_dir, extra_config=None) -> Path
-    load_native(src_dir) -> TransformerXL        save_native(model, out_dir) -> Path
+    load_native(src_dir) -> TransformerXL        save_native(model, out_dir, tokenizer_sha256=None, eod_id=None)
 CLI:
     python -m txl_dist.interop from-hf SRC_DIR OUT_DIR     HF folder -> native folder
     python -m txl_dist.interop to-hf SRC OUT_DIR           native folder -> HF folder

@@ -4,32 +4,45 @@
     python -m txl_dist.interop to-hf SRC OUT_DIR         native folder -> HF folder (from_pretrained loads it)
 
 OUT_DIR is checked before anything is read: it must be makeable and writable, and not the source folder.
-The digest of the tokenizer the weights were trained with (tokenizer_sha256, which launch/export.py records)
-goes along into OUT_DIR, so that launch/generate.py --model still checks the tokenizer it is given.
-Refused input (those, a source that is no such folder, truncated weights) is one `error:` line, exit status 2;
+What launch/export.py records beside the weights goes along into OUT_DIR, as export --hf writes it: the
+digest of the tokenizer the weights were trained with (tokenizer_sha256), so that launch/generate.py --model
+still checks the tokenizer it is given; the source's tokenizer.model (where it has one that fits that digest;
+OUT_DIR's own is removed otherwise, so that no other model's tokenizer stays beside the new weights); and the
+end-of-document id (eod_id in model_config.json, eos_token_id in config.json, where HF generate() stops).
+to-hf of a native folder that records no eod_id (an older export, one that could not read its corpus, or
+from-hf of a folder without one) writes no eos_token_id, with one warning line, as export does when it cannot.
+Refused input (those, a source that is no such folder, truncated weights, weights that do not fit the folder's
+config in a tensor's name or shape) is one `error:` line, exit status 2;
 a write that fails after the checks passed (a full disk, say) is one `error:` line, exit status 1, like a job's
 fault (txl_dist/entry.py).
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
+import logging
 import sys
+from pathlib import Path
 
+from txl_dist.atomic import atomic_write
+from txl_dist.cli_args import ArgumentParser
 from txl_dist.errors import EXIT_FAILED, EXIT_REFUSED, Refused, one_line
 from txl_dist.interop.convert import from_hf, to_hf
-from txl_dist.interop.native import TOKENIZER_SHA256_KEY, load_native, recorded_tokenizer_sha256, save_native
+from txl_dist.interop.native import (HF_EOS_KEY, TOKENIZER_SHA256_KEY, load_native, recorded_eod_id,
+                                     recorded_tokenizer_sha256, save_native)
 from txl_dist.output_paths import check_distinct_folders, check_output_folder
 
 
 _FROM_HF = "python -m txl_dist.interop from-hf path/to/hf_transfo_xl out/native"
 _TO_HF = "python -m txl_dist.interop to-hf exported/tiny exported/tiny-hf"
+TOKENIZER_NAME = "tokenizer.model"
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface."""
     raw = argparse.RawDescriptionHelpFormatter
-    parser = argparse.ArgumentParser(prog="python -m txl_dist.interop", description=__doc__.split("\n")[0],
-                                     epilog=f"examples:\n  {_FROM_HF}\n  {_TO_HF}\n", formatter_class=raw)
+    parser = ArgumentParser(prog="python -m txl_dist.interop", description=__doc__.split("\n")[0],
+                            epilog=f"examples:\n  {_FROM_HF}\n  {_TO_HF}\n", formatter_class=raw)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help="the conversion")
     what = "HF TransfoXLLMHeadModel folder -> native folder"
     p = sub.add_parser("from-hf", help=what, description=what + " (no `transformers` needed).",
@@ -57,18 +70,49 @@ def main(argv: list[str] | None = None) -> int:
         check_output_folder(args.out_dir, "OUT_DIR")
         model = from_hf(src) if args.command == "from-hf" else load_native(src)
         tokenizer_sha256 = recorded_tokenizer_sha256(src)  # carried over, for launch/generate.py --model's check
+        eod_id = recorded_eod_id(src)
+        tokenizer = source_tokenizer(src, tokenizer_sha256)
     except (Refused, ValueError, OSError) as e:  # the package's refusals are one-liners
         _exit(EXIT_REFUSED, one_line(e, limit=2000))
+    if args.command == "to-hf" and eod_id is None:
+        # HF generate() stops at config.json's eos_token_id; without one transformers takes 0 (not our end of document).
+        logging.getLogger("txl_dist").warning(
+            "to-hf: no eos_token_id in the HuggingFace config.json (transformers then takes 0): %s records no "
+            "end-of-document id (eod_id in %s: an export by an older txl-dist, or one that could not read the "
+            "training corpus): export the checkpoint again, or add eos_token_id (the corpus manifest's "
+            "tokenizer.eod_id) to %s by hand",
+            src, "model_config.json", Path(args.out_dir) / "config.json")
     try:
+        out_tokenizer = Path(args.out_dir) / TOKENIZER_NAME
+        out_tokenizer.unlink(missing_ok=True)  # never another model's tokenizer beside the new weights
         if args.command == "from-hf":
-            out = save_native(model, args.out_dir, tokenizer_sha256)
+            out = save_native(model, args.out_dir, tokenizer_sha256, eod_id)
         else:
-            extra = {TOKENIZER_SHA256_KEY: tokenizer_sha256} if tokenizer_sha256 else None
-            out = to_hf(model, args.out_dir, extra_config=extra)
+            extra = {**({TOKENIZER_SHA256_KEY: tokenizer_sha256} if tokenizer_sha256 else {}),
+                     **({HF_EOS_KEY: eod_id} if eod_id is not None else {})}
+            out = to_hf(model, args.out_dir, extra_config=extra or None)
+        if tokenizer is not None:  # OUT_DIR is then all launch/generate.py --model needs, as after export
+            atomic_write(out_tokenizer, tokenizer)
     except OSError as e:  # the input was fine: a fault of the machine, and each file is written whole or not at all
         _exit(EXIT_FAILED, f"writing {args.out_dir} failed: {one_line(e, limit=2000)}")
     print(f"wrote {out}")
     return 0
+
+
+def source_tokenizer(src: str | Path, tokenizer_sha256: str | None) -> bytes | None:
+    """The bytes of the source folder's tokenizer.model (launch/export.py writes it into both its folders) to
+    copy into OUT_DIR; None when it has none, or (with one warning) one that is not the tokenizer the folder
+    records the digest of (generate --model would refuse it)."""
+    path = Path(src) / TOKENIZER_NAME
+    if not path.is_file():
+        return None
+    data = path.read_bytes()
+    if tokenizer_sha256 is not None and hashlib.sha256(data).hexdigest() != tokenizer_sha256:
+        logging.getLogger("txl_dist").warning(
+            "%s: not the tokenizer %s records (tokenizer_sha256 differs): left out of the folder written "
+            "(launch/generate.py --model then needs --tokenizer)", path, src)
+        return None
+    return data
 
 
 def _exit(status: int, message: str) -> None:

@@ -101,6 +101,16 @@ def hf_state_dict(model: TransformerXL) -> dict[str, torch.Tensor]:
     return out
 
 
+def check_shape(source: str, name: str, shape, want, config_name: str = "config.json",
+                error: type[Exception] = HFFormatError) -> None:
+    """Refuse (one line, `error`) a stored tensor whose shape is not the one its config implies: the config was
+    edited, or the weights come from another model. Used for HF folders and for our native folders alike, so
+    that a mismatch is refused before torch's load_state_dict turns it into a traceback."""
+    if tuple(shape) != tuple(want):
+        raise error(f"{source}: tensor {name} has shape {tuple(shape)} but {config_name} implies {tuple(want)}; "
+                    "the weights do not belong to this config")
+
+
 def load_hf_state_dict(model: TransformerXL, tensors: dict[str, torch.Tensor], source: str) -> None:
     """Copy HF-named tensors into `model` (built from the matching config); strict about names and shapes.
 
@@ -122,10 +132,7 @@ def load_hf_state_dict(model: TransformerXL, tensors: dict[str, torch.Tensor], s
         stored = ours[group[0]].shape
         want = (rows[group[0]], *stored[1:]) if group[0] in rows else tuple(stored)
         for a in present:
-            if tuple(tensors[a].shape) != want:
-                raise HFFormatError(
-                    f"{source}: tensor {a} has shape {tuple(tensors[a].shape)} but config.json implies {want}; "
-                    "the weights do not belong to this config")
+            check_shape(source, a, tensors[a].shape, want)
             if not torch.equal(tensors[a], value):
                 raise HFFormatError(
                     f"{source}: tensor {a} differs from {present[0]} although config.json says they are tied "

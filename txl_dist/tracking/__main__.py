@@ -5,6 +5,7 @@ import argparse
 import logging
 import sys
 
+from txl_dist.cli_args import ArgumentParser
 from txl_dist.errors import EXIT_FAILED, EXIT_REFUSED, Refused, RunFailed, one_line
 
 from .replay import replay
@@ -16,9 +17,9 @@ def main(argv: list[str] | None = None) -> int:
     example = ("example:\n  python -m txl_dist.tracking replay runs/tiny\n"
                "  python -m txl_dist.tracking replay runs/tiny --uri http://mlflow.example.com:5000\n")
     raw = argparse.RawDescriptionHelpFormatter
-    parser = argparse.ArgumentParser(prog="python -m txl_dist.tracking",
-                                     description="MLflow tracking tools for a txl-dist run dir.", epilog=example,
-                                     formatter_class=raw)
+    parser = ArgumentParser(prog="python -m txl_dist.tracking",
+                            description="MLflow tracking tools for a txl-dist run dir.", epilog=example,
+                            formatter_class=raw)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help="the tool")
     replay_cmd = commands.add_parser(
         "replay", help="send to the run's MLflow run what its journal says the store lacks",
