@@ -15,7 +15,6 @@ ratios from the manifest (n_tokens / n_bytes): the cost of the whole text at the
 """
 from __future__ import annotations
 
-import datetime
 import logging
 import math
 import os
@@ -140,9 +139,14 @@ class Progress:
         self.last = now
         elapsed = max(now - self.start, 1e-9)
         eta = elapsed / max(done, 1) * (self.total - done)
-        # timedelta prints H:MM:SS like the trainer's step line; importing its helper would load DeepSpeed.
         log.info("%s: %d/%d %s | %.0f tok/s | ETA %s", self.what, done, self.total, self.unit, tokens / elapsed,
-                 datetime.timedelta(seconds=round(eta)))
+                 hms(eta))
+
+
+def hms(seconds: float) -> str:
+    """H:MM:SS (hours past 24 as hours: an ETA of days stays readable), for every progress line."""
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
 def summarize(nll_sum: float, tokens: int, *, n_tokens: int, n_bytes: int, n_chars: int) -> dict[str, float]:

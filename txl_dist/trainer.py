@@ -46,7 +46,7 @@ from .engine import build_engine, deepspeed_config, global_grad_norm, gradient_t
     skipped_unless_finite, zero_stage
 from .errors import RunFailed, one_line
 from .flops import flops_per_token, small_head_warning
-from .evaluate import Evaluator, batch_to_device
+from .evaluate import Evaluator, batch_to_device, hms
 from .memory import MemoryBank, merge_state_dicts
 from .profiling import StepProfiler
 from .startup import Resume, TrainStart, start_training
@@ -468,7 +468,7 @@ class Trainer:
         log.info("step %d/%d | loss %.4f | lr %.3e | grad norm %s | %.0f tok/s | %s%s | %.3f s/step | ETA %s%s",
                  self.step, last, stats["train/loss"], stats["train/lr"],
                  "n/a" if norm is None else f"{norm:.3f}", self.tokens_per_step / step_time,
-                 _flops_text(flops["train/model_flops_per_s"]), mfu, step_time, _hms(eta), note)
+                 _flops_text(flops["train/model_flops_per_s"]), mfu, step_time, hms(eta), note)
 
 
 class RateWindow:
@@ -552,11 +552,6 @@ def _flops_text(flops_per_s: float) -> str:
         if flops_per_s >= scale:
             return f"{flops_per_s / scale:.2f} {unit}"
     return f"{flops_per_s / 1e6:.2f} MFLOP/s"
-
-
-def _hms(seconds: float) -> str:
-    seconds = int(round(seconds))
-    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
 # ----------------------------------------------------------------------------------------------------
