@@ -339,7 +339,7 @@ def _evaluate(corpus, model, *, rank=0, world_size=1, on_segment=None):
 
 
 def test_a_long_evaluation_logs_progress_at_the_interval_and_the_same_numbers(small, monkeypatch, caplog):
-    import txl_dist.evaluate as evaluate
+    import txl_dist.progress as progress
 
     corpus, model = small
     with caplog.at_level(logging.INFO, logger="txl_dist"):
@@ -347,7 +347,7 @@ def test_a_long_evaluation_logs_progress_at_the_interval_and_the_same_numbers(sm
     assert _progress_lines(caplog) == []  # it ends before the first interval
 
     seconds = iter(range(0, 1000, 10))  # 10 s pass between two looks at the clock
-    monkeypatch.setattr(evaluate, "_clock", lambda: float(next(seconds)))
+    monkeypatch.setattr(progress, "_clock", lambda: float(next(seconds)))
     segments = []
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="txl_dist"):
@@ -361,10 +361,10 @@ def test_a_long_evaluation_logs_progress_at_the_interval_and_the_same_numbers(sm
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_progress_is_logged_on_rank_zero_only(small, monkeypatch, caplog, rank):
-    import txl_dist.evaluate as evaluate
+    import txl_dist.progress as progress
 
     corpus, model = small
-    monkeypatch.setattr(evaluate, "PROGRESS_INTERVAL_S", 0.0)
+    monkeypatch.setattr(progress, "PROGRESS_INTERVAL_S", 0.0)
     with caplog.at_level(logging.INFO, logger="txl_dist"):
         _evaluate(corpus, model, rank=rank, world_size=2)  # no process group: the all-reduce is skipped
     lines = _progress_lines(caplog)

@@ -703,7 +703,7 @@ def test_the_samples_memory_check_counts_the_sessions_own_default_mem_len(monkey
 def test_a_long_prompt_read_logs_progress_at_the_interval_on_stderr_only(model, monkeypatch, caplog, capsys):
     """A line every PROGRESS_INTERVAL_S while the prompt is read (tokens read / total, rate, ETA), through the
     logger (stderr), never stdout; none for a short read, none while sampling; the log-probs unchanged."""
-    import txl_dist.evaluate as evaluate
+    import txl_dist.progress as progress
 
     prompt = [random.Random(0).randrange(VOCAB) for _ in range(40)]  # 5 segments of chunk_len 8
 
@@ -718,7 +718,7 @@ def test_a_long_prompt_read_logs_progress_at_the_interval_on_stderr_only(model, 
     quick, lines = read_prompt()
     assert lines == []  # it ends before the first interval
     seconds = iter(range(0, 1000, 10))  # 10 s pass between two looks at the clock
-    monkeypatch.setattr(evaluate, "_clock", lambda: float(next(seconds)))
+    monkeypatch.setattr(progress, "_clock", lambda: float(next(seconds)))
     timed, lines = read_prompt()
     assert torch.equal(timed, quick)
     # Looks after 8, 16, 24, 32 tokens at 10, 20, 30, 40 s: one line at 30 s, none after the last segment.

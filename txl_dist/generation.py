@@ -51,7 +51,7 @@ import torch
 
 from txl_dist.config import MemorySettings
 from txl_dist.errors import Refused
-from txl_dist.evaluate import Progress
+from txl_dist.progress import Progress
 from txl_dist.model.attention import resolve_attn_impl
 
 STATE_VERSION = 1

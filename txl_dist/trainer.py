@@ -46,9 +46,10 @@ from .engine import build_engine, deepspeed_config, global_grad_norm, gradient_t
     skipped_unless_finite, zero_stage
 from .errors import RunFailed, one_line
 from .flops import flops_per_token, small_head_warning
-from .evaluate import Evaluator, batch_to_device, hms
+from .evaluate import Evaluator, batch_to_device
 from .memory import MemoryBank, merge_state_dicts
 from .profiling import StepProfiler
+from .progress import hms
 from .startup import Resume, TrainStart, start_training
 from .stop_request import StopRequest, describe_reasons
 from .watchdog import is_collective_failure, note_progress, note_start_up
