@@ -23,6 +23,7 @@ KIND (the fault happens on rank RANK only):
   hang-at-step   its read of the first micro batch of step STEP never returns (a stuck file system: the process
                  lives on and beats)
   hang-in-eval   in the evaluation after step STEP, its read of the second segment never returns
+  kill-in-test   SIGKILL itself in the evaluation of the test split after step STEP (the final test)
   nan-at-step    the loss of stream 0 of its first micro batch is NaN at step STEP
   nan-from-step  every loss on this rank is NaN from step STEP on
   sigterm-at-step  SIGTERM itself at the end of step STEP
@@ -126,6 +127,16 @@ def install(kind: str, rank: int, step: int) -> None:
         checkpoint.load_rank_states = refused
         return
 
+    if kind == "kill-in-test":
+        real_run_eval = trainer.Trainer.run_eval
+
+        def run_eval_that_dies(self, split, prefix):
+            if self.step == step and prefix == "test":
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real_run_eval(self, split, prefix)
+
+        trainer.Trainer.run_eval = run_eval_that_dies
+        return
     if kind == "hang-in-eval":
         real_run_eval = trainer.Trainer.run_eval
 

@@ -110,6 +110,22 @@ def test_a_rank_killed_mid_step_ends_its_peer_with_one_line_and_the_restart_is_e
     _assert_same_weights(_weights(run_dir, STEPS), straight)
 
 
+def test_a_job_killed_in_its_final_test_leaves_no_checkpoint_that_skips_it(corpus, tmp_path, straight):
+    # The final test runs before the final save: a kill during it leaves the newest periodic checkpoint, and
+    # the restart trains the last steps again and tests them (a save first made it find "nothing to do").
+    run_dir = tmp_path / "run"
+    config = _config(corpus, run_dir, eval={"at_end": True})
+    procs = _start(config, f"kill-in-test:0:{STEPS}")
+    assert procs[0].wait(120) == -signal.SIGKILL
+    assert procs[1].wait(TIMEOUT_S + 60) == 1
+    assert inventory(run_dir / "checkpoints").complete[-1] == f"step_{STEPS - 2:08d}"
+    restart = _start(config)
+    assert _finish(restart) == [0, 0], restart[0].output[-3000:]
+    assert "nothing to do" not in restart[0].output
+    assert f"test at step {STEPS}: loss" in restart[0].output
+    _assert_same_weights(_weights(run_dir, STEPS), straight)
+
+
 @pytest.mark.parametrize("fault, rank", [("kill-in-save", 1), ("enospc-in-save", 1), ("enospc-in-save", 0)])
 def test_a_fault_in_the_middle_of_a_save_keeps_the_previous_checkpoint(corpus, tmp_path, straight, fault, rank):
     run_dir = tmp_path / "run"

@@ -175,6 +175,7 @@ class Trainer:
                  "step(s) of %d streams per rank", self.step + 1, last, cfg.train.max_steps, self.env.world_size,
                  cfg.n_streams(), cfg.model.tgt_len, self.loader.accumulation_steps, cfg.micro_batch())
         window = RateWindow()
+        tested: dict[str, float] | None = None  # the final test's numbers, logged once their weights are saved
         while self.step < last:
             profiled = self.profiler.covers(self.step + 1)
             self.profiler.before_step(self.step + 1)
@@ -206,6 +207,9 @@ class Trainer:
                 return 0
             if self._validation_due():
                 self._validate()
+            # The final test before the final save: a job killed during it has no checkpoint at max_steps, so
+            # its restart trains the last steps again and tests them, instead of finding nothing to do.
+            tested = self._test() if self._final_test_due() else None
             if self.step == last:
                 self.save()
             elif cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0:
@@ -213,15 +217,15 @@ class Trainer:
                     log.warning("step %d: no periodic checkpoint during a run of non-finite steps", self.step)
                 else:
                     self.save()
-        if self._final_test_due():
-            self._final_test()
+        if tested is not None:
+            self._log_final_eval(tested)
         self.ended = (f"finished at step {self.step}" if self.step == cfg.train.max_steps else
                       f"stopped at train.exit_step {self.step}; the next job resumes from {self.last_checkpoint.name}")
         return 0
 
     def _validation_due(self) -> bool:
         """Whether the current step is one to validate after: every eval.interval steps, and train.max_steps
-        (whose final test comes after its save, so that a step owing any evaluation owes this one)."""
+        (so that a stop there, which saves before any evaluation, owes the final valid and test)."""
         interval = self.cfg.eval.interval
         return self.step == self.cfg.train.max_steps or bool(interval and self.step % interval == 0)
 
@@ -233,10 +237,12 @@ class Trainer:
         self.run_eval(self.cfg.data.valid_split, "valid")
         self.draw_curves()
 
-    def _final_test(self) -> None:
-        split = self.cfg.data.test_split
-        result = self.run_eval(split, "test")
-        self.tracker.log_dict(self.final_eval_record(split, result), "final_eval.json")
+    def _test(self) -> dict[str, float]:
+        return self.run_eval(self.cfg.data.test_split, "test")
+
+    def _log_final_eval(self, result: dict[str, float]) -> None:
+        """final_eval.json, once the weights it names are saved."""
+        self.tracker.log_dict(self.final_eval_record(self.cfg.data.test_split, result), "final_eval.json")
 
     def _run_owed_evaluations(self) -> None:
         """The evaluations of the checkpoint's step that a stop request saved before (all ranks, before any new
@@ -245,7 +251,7 @@ class Trainer:
         log.info("step %d: running the evaluation its checkpoint owes (a stop request saved it first)", self.step)
         self._validate()
         if self._final_test_due():
-            self._final_test()
+            self._log_final_eval(self._test())
 
     def final_eval_record(self, split: str, numbers: dict[str, float]) -> dict[str, Any]:
         """The final evaluation as the artifact final_eval.json holds it: the numbers with what they were computed
