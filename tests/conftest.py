@@ -2,6 +2,7 @@
 import glob
 import logging
 import os
+import signal
 import subprocess
 
 import pytest
@@ -32,6 +33,20 @@ def project_loggers_put_back():
         lg.handlers[:] = handlers
         lg.setLevel(level)
         lg.propagate = propagate
+
+
+@pytest.fixture(autouse=True)
+def stop_signals_put_back():
+    """An entry point run in this process (launch/train.py's main) catches the stop signals and, at its end,
+    ignores SIGTERM and SIGUSR1 for the rest of the process (stop_request.ignore_stop_signals). Put their
+    handlers back after every test: a process started later inherits an ignored signal (the forkserver of
+    dist_helpers.context, then its pool workers), and a pool that terminates its workers with SIGTERM would
+    wait on them for ever."""
+    signals = [signal.SIGTERM, signal.SIGUSR1, signal.SIGINT]
+    saved = [signal.getsignal(sig) for sig in signals]
+    yield
+    for sig, handler in zip(signals, saved):
+        signal.signal(sig, handler)
 
 
 @pytest.fixture
