@@ -32,7 +32,6 @@ from txl_dist.cli_args import ArgumentParser
 from txl_dist.entry import exit_process, guarded
 from txl_dist.errors import RunFailed
 
-TOKENIZER_NAME = "tokenizer.model"
 
 EPILOG = """examples:
   python launch/export.py --checkpoint runs/tiny --out exported/tiny
@@ -101,7 +100,7 @@ def foreign_files(folder: str | Path, *, native: bool) -> list[str]:
     ours (of the native or the HuggingFace kind): the export would replace them or leave them beside its
     weights. [] when the export may write there."""
     from txl_dist.interop.hf_files import CONFIG_NAME
-    from txl_dist.interop.native import MODEL_CONFIG_NAME, TOKENIZER_SHA256_KEY, WEIGHTS_NAME
+    from txl_dist.interop.native import MODEL_CONFIG_NAME, TOKENIZER_NAME, TOKENIZER_SHA256_KEY, WEIGHTS_NAME
     from txl_dist.output_paths import PROBE_PREFIX
 
     folder = Path(folder)
@@ -140,7 +139,7 @@ def export(checkpoint: str, out: str, hf: str | None = None, overwrite: bool = F
     """Build the checkpoint's model on the CPU with its fp32 weights, write the folder(s); returns the model."""
     from txl_dist import checkpoint as ckpt
     from txl_dist.interop import save_native, to_hf
-    from txl_dist.interop.native import TOKENIZER_SHA256_KEY
+    from txl_dist.interop.native import TOKENIZER_NAME, TOKENIZER_SHA256_KEY
     from txl_dist.model import TransformerXL
     from txl_dist.startup import open_export
 

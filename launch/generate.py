@@ -136,7 +136,7 @@ def _from_folder(path: str):
     from txl_dist.errors import where_relative
     from txl_dist.generation import GenerationError
     from txl_dist.interop import from_hf, load_native, recorded_tokenizer_sha256
-    from txl_dist.interop.native import MODEL_CONFIG_NAME
+    from txl_dist.interop.native import MODEL_CONFIG_NAME, TOKENIZER_NAME
 
     folder = Path(path)
     if not folder.is_dir():
@@ -153,7 +153,7 @@ def _from_folder(path: str):
     # The digest of the tokenizer it was trained with, where the folder records one (launch/export.py does): a
     # tokenizer.model left there by an earlier export, or a wrong --tokenizer, is then refused.
     expected_sha = recorded_tokenizer_sha256(folder)
-    default = folder / "tokenizer.model"
+    default = folder / TOKENIZER_NAME
     return model, str(folder), expected_sha, str(default) if default.is_file() else None
 
 

@@ -28,14 +28,13 @@ from txl_dist.atomic import atomic_write
 from txl_dist.cli_args import ArgumentParser
 from txl_dist.errors import EXIT_FAILED, EXIT_REFUSED, Refused, one_line
 from txl_dist.interop.convert import from_hf, to_hf
-from txl_dist.interop.native import (HF_EOS_KEY, TOKENIZER_SHA256_KEY, load_native, recorded_eod_id,
-                                     recorded_tokenizer_sha256, save_native)
+from txl_dist.interop.native import (HF_EOS_KEY, TOKENIZER_NAME, TOKENIZER_SHA256_KEY, load_native,
+                                     recorded_eod_id, recorded_tokenizer_sha256, save_native)
 from txl_dist.output_paths import check_distinct_folders, check_output_folder
 
 
 _FROM_HF = "python -m txl_dist.interop from-hf path/to/hf_transfo_xl out/native"
 _TO_HF = "python -m txl_dist.interop to-hf exported/tiny exported/tiny-hf"
-TOKENIZER_NAME = "tokenizer.model"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -31,6 +31,8 @@ from txl_dist.model import TransformerXL
 
 MODEL_CONFIG_NAME = "model_config.json"
 WEIGHTS_NAME = "model.safetensors"
+TOKENIZER_NAME = "tokenizer.model"
+"""The SentencePiece model an exported folder holds beside its weights (launch/generate.py --model reads it)."""
 TOKENIZER_SHA256_KEY = "tokenizer_sha256"
 """The key (in model_config.json, and in an exported HuggingFace config.json) of the tokenizer's sha256."""
 EOD_ID_KEY = "eod_id"
