@@ -10,7 +10,9 @@ it was trained on (data.path of its configuration, checked against the tokenizer
 --tokenizer. DIR is an exported native folder (launch/export.py --out) or a HuggingFace Transformer-XL folder
 (config.json + weights); its tokenizer is --tokenizer, else DIR/tokenizer.model (launch/export.py writes
 it), checked against the tokenizer's sha256 the folder records (tokenizer_sha256, which launch/export.py
-writes; an older folder without it is not checked). The prompt starts a new document (the end-of-document
+writes; an older folder without it is not checked). Sampling stops at the end-of-document id: the corpus
+manifest's when --tokenizer is a corpus folder, else the one DIR records (eod_id in model_config.json,
+eos_token_id in config.json), else the tokenizer's <eod> piece or its eos id. The prompt starts a new document (the end-of-document
 id goes first, as in the training stream) unless --continue-document; an empty --prompt '' generates a
 document from nothing. One process; CPU unless --device cuda. Exit status 0, or
 2 for refused input (one line says why). Only the samples go to stdout (whatever a library prints meanwhile
@@ -107,10 +109,12 @@ def load(checkpoint: str | None, model_dir: str | None, tokenizer: str | None, d
         raise GenerationError(f"--device {device}: CUDA is not available here; use --device cpu")
     if checkpoint is not None:
         model, source, expected_sha, default_tok = _from_checkpoint(checkpoint)
+        recorded_eod = None  # the checkpoint's corpus manifest, found by default, records it
     else:
         model, source, expected_sha, default_tok = _from_folder(model_dir)
+        recorded_eod = _recorded_eod(model_dir)
     tok = _tokenizer(tokenizer or default_tok, expected_sha, model.config.vocab_size, source,
-                     found_beside=model_dir is not None and tokenizer is None)
+                     found_beside=model_dir is not None and tokenizer is None, recorded_eod=recorded_eod)
     try:
         model = model.to(torch.device(device))
     except (RuntimeError, ValueError) as e:
@@ -157,9 +161,19 @@ def _from_folder(path: str):
     return model, str(folder), expected_sha, str(default) if default.is_file() else None
 
 
-def _tokenizer(path: str | None, expected_sha: str | None, vocab_size: int, source: str, found_beside: bool = False):
+def _recorded_eod(model_dir: str) -> int | None:
+    """The end-of-document id the exported folder records (launch/export.py writes its corpus'), None where none
+    is: a tokenizer loaded with --eod-piece may end documents with another piece than <eod>."""
+    from txl_dist.interop.native import recorded_eod_id
+
+    return recorded_eod_id(model_dir)
+
+
+def _tokenizer(path: str | None, expected_sha: str | None, vocab_size: int, source: str, found_beside: bool = False,
+               recorded_eod: int | None = None):
     """The SentencePiece model at `path` (a corpus folder or a .model file) as a generation Tokenizer, checked
-    against expected_sha where known; found_beside: `path` is the model folder's own tokenizer.model."""
+    against expected_sha where known; found_beside: `path` is the model folder's own tokenizer.model. The end of
+    document: a corpus manifest's, else `recorded_eod` (the model folder's), else the .model file's own guess."""
     from txl_dist.data import read_manifest
     from txl_dist.data.format import sha256_file
     from txl_dist.generation import GenerationError, Tokenizer
@@ -172,7 +186,7 @@ def _tokenizer(path: str | None, expected_sha: str | None, vocab_size: int, sour
         manifest = read_manifest(where)
         model_file, eod_id = where / manifest.tokenizer.file, manifest.tokenizer.eod_id
     elif where.is_file():
-        model_file, eod_id = where, None
+        model_file, eod_id = where, recorded_eod
     else:
         raise GenerationError(f"tokenizer {path} does not exist (the model's corpus moved?); pass --tokenizer "
                               "CORPUS_DIR or a SentencePiece .model file")

@@ -565,6 +565,27 @@ def test_prompt_file_dash_reads_standard_input_as_utf8(monkeypatch):
         read_prompt(None, "-")
 
 
+def test_model_folder_recorded_end_of_document_wins_over_the_tokenizer_files_guess(trained, tmp_path):
+    """A corpus laid out with a loaded tokenizer and --eod-piece ends documents with a piece other than <eod>: its
+    export records that id, and generate --model (whose tokenizer is a .model file, no manifest) must stop there."""
+    from launch.export import export
+    from launch.generate import load
+    from txl_dist.data import read_manifest
+    from txl_dist.interop.native import EOD_ID_KEY, MODEL_CONFIG_NAME
+
+    corpus, run = trained
+    export(str(run), str(tmp_path / "native"), str(tmp_path / "hf"))
+    eod_id = read_manifest(corpus).tokenizer.eod_id
+    other = eod_id + 1  # stands for the corpus' own end-of-document piece
+    for folder, name, key in (("native", MODEL_CONFIG_NAME, EOD_ID_KEY), ("hf", "config.json", "eos_token_id")):
+        assert load(None, str(tmp_path / folder), None).tokenizer.eod_id == eod_id
+        config = tmp_path / folder / name
+        config.write_text(json.dumps({**json.loads(config.read_text()), key: other}))
+        assert load(None, str(tmp_path / folder), None).tokenizer.eod_id == other
+        # A corpus folder passed as --tokenizer: its manifest says what ends a document.
+        assert load(None, str(tmp_path / folder), str(corpus)).tokenizer.eod_id == eod_id
+
+
 def test_export_without_the_training_corpus_leaves_tokenizer_and_eos_token_id_out_with_one_warning(trained, tmp_path,
                                                                                                  caplog):
     from launch.export import training_tokenizer
