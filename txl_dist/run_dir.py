@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -281,7 +282,48 @@ def _describe(holder: dict | None) -> str:
         return "holder unknown"
 
 
-_log_file: logging.FileHandler | None = None
+class RunLogFile(logging.FileHandler):
+    """The run's log file, which a full (or failing) disk must not turn into a flood: logging's own handleError
+    prints a traceback and the record for every line it cannot write (thousands on a full run folder). The
+    first failed write says so in one line on stderr, and the file takes no more records; close never raises."""
+
+    def __init__(self, path: Path):
+        super().__init__(path, mode="a", encoding="utf-8")
+        self.failed = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.failed:
+            super().emit(record)
+
+    def flush(self) -> None:
+        if self.failed:
+            return
+        try:
+            super().flush()
+        except (OSError, ValueError):
+            self.handleError(None)  # type: ignore[arg-type]
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        if self.failed:
+            return
+        self.failed = True
+        reason = sys.exc_info()[1]
+        try:
+            sys.stderr.write(f"warning: the run's log file {self.baseFilename} cannot be written "
+                             f"({one_line(reason) if reason else 'unknown error'}); this job's log goes to the "
+                             "console only from now on\n")
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
+
+    def close(self) -> None:
+        try:
+            super().close()
+        except (OSError, ValueError):  # the buffered tail could not be flushed: handleError has said so, or now
+            self.handleError(None)  # type: ignore[arg-type]
+
+
+_log_file: RunLogFile | None = None
 
 
 def attach_log_file(logger: logging.Logger, path: Path) -> None:
@@ -291,7 +333,7 @@ def attach_log_file(logger: logging.Logger, path: Path) -> None:
     global _log_file
     detach_log_file(logger)
     path.parent.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(path, mode="a", encoding="utf-8")
+    handler = RunLogFile(path)
     console = next((h for h in logger.handlers if h.formatter is not None), None)
     handler.setFormatter(console.formatter if console else logging.Formatter("%(asctime)s %(message)s"))
     logger.addHandler(handler)

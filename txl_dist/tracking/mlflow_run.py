@@ -54,7 +54,8 @@ from txl_dist.output_paths import OutputError, check_output_folder
 from .continuation import STAGING_DIR, Opening, ResumePoint, finish_switch, plan_opening, stage_switch
 from .errors import TrackingError
 from .journal import TrackingFolder, _Batch, _DeliveryLog, _Journal, _JournalSummary, _OutboxItem, _summarize
-from .secrets import _one_line, _remember_secrets, _scrub_library_logs, scrub_secrets, shown_uri
+from .secrets import _one_line, _quiet_store_tracebacks, _remember_secrets, _scrub_library_logs, scrub_secrets, \
+    shown_uri
 from .store import (ENDED_TAG, MAX_KEY_LENGTH, MAX_METRICS_PER_BATCH, MAX_PARAM_VALUE_LENGTH, _check_reopenable,
                     _chunks, RUNNING_HTTP_LIMITS, _deliver_item, _quick_http_failures, _send_metrics, _undelivered)
 from .tracker import Delivery, Tracker, _check_status
@@ -190,6 +191,7 @@ class MlflowTracker(Tracker):
             database = Path(self.uri[len("sqlite:///"):])
             database.parent.mkdir(parents=True, exist_ok=True)
             new_store = None if database.exists() else database
+        _quiet_store_tracebacks()
         try:
             self._client = MlflowClient(tracking_uri=self.uri)
         except Exception as e:  # noqa: BLE001 - MLflow's store registry raises several kinds for a URI it cannot use
@@ -588,11 +590,16 @@ class MlflowTracker(Tracker):
         d = self.delivery
         if d.ok:
             return
+        if self._journal.error is None:
+            kept = f"the journal keeps them: `python -m txl_dist.tracking replay {self.run_dir}` sends what is missing"
+        else:  # its warning said so when it happened; the summary must not promise a replay
+            why = self._journal.error.strerror or self._journal.error
+            kept = (f"the journal stopped at a failed write ({why}): what failed after it is lost to the store, what "
+                    f"failed before it is kept (`python -m txl_dist.tracking replay {self.run_dir}` sends it)")
         logger.warning(
             "tracking: run %s (closing as %s): %d metric values sent, %d dropped because the queue was full, "
-            "%d values or items failed%s; the journal keeps them: `python -m txl_dist.tracking replay %s` sends "
-            "what is missing", self._run_id, status, d.sent, d.dropped, d.failed,
-            f"; first error: {d.first_error}" if d.first_error else "", self.run_dir)
+            "%d values or items failed%s; %s", self._run_id, status, d.sent, d.dropped, d.failed,
+            f"; first error: {d.first_error}" if d.first_error else "", kept)
 
     # ---------------------------------------------------------------------------------------------
     # The writer thread and error policy

@@ -16,7 +16,7 @@ from pathlib import Path
 from .continuation import superseded_folders
 from .errors import ReplayError, TrackingError
 from .journal import TrackingFolder, _Batch, _DeliveryLog, _summarize
-from .secrets import _one_line, _remember_secrets, _scrub_library_logs, shown_uri
+from .secrets import _one_line, _quiet_store_tracebacks, _remember_secrets, _scrub_library_logs, shown_uri
 from .store import _check_reopenable, _chunks, _deliver_item, _quick_http_failures, _send_metrics, _undelivered
 
 
@@ -53,6 +53,7 @@ def replay(run_dir: str | os.PathLike, uri: str | None = None) -> ReplayReport:
     uri = _replay_uri(folder, uri)
     if _remember_secrets(uri):
         _scrub_library_logs()
+    _quiet_store_tracebacks()
     report = ReplayReport(run_id, shown_uri(uri))
     folder.lock("replay")
     try:

@@ -86,7 +86,53 @@ def _scrub_library_logs() -> None:
                 target.addFilter(_SCRUBBER)
 
 
+_SQLALCHEMY_PREAMBLE = "(raised as a result of Query-invoked autoflush"
+
+
 def _one_line(exc: BaseException) -> str:
     """MLflow errors can carry whole HTML pages and the request URL; a warning gets the first line,
     bounded, with secrets masked."""
-    return f"{type(exc).__name__}: {one_line(RuntimeError(scrub_secrets(str(exc))), limit=300)}"
+    return f"{type(exc).__name__}: {_first_line(str(exc))}"
+
+
+def _first_line(text: str) -> str:
+    """The first line of an error text, bounded, with secrets masked; SQLAlchemy's note on where a failed flush
+    was raised is passed over: the line after it says what failed ("(sqlite3.OperationalError) database or disk
+    is full")."""
+    lines = scrub_secrets(text).strip().splitlines()
+    while len(lines) > 1 and lines[0].startswith(_SQLALCHEMY_PREAMBLE):
+        lines = lines[1:]
+    return one_line(RuntimeError("\n".join(lines)), limit=300)
+
+
+class _StoreErrorTracebacks(logging.Filter):
+    """MLflow's log records of a failed store write, made short. The SQL store logs a traceback of ~80 lines per
+    database error (on a full disk, one per metrics batch) and raises the same error to the caller, which
+    reports it in one line: that record is dropped. The system metrics sampler logs the error's whole text
+    (the SQL statement and its parameters): its record keeps one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if str(record.msg).startswith("SQLAlchemy database error"):
+            return False
+        try:
+            message = record.getMessage()
+        except Exception:  # a malformed record is the logging module's business, not ours
+            return True
+        if "\n" in message:
+            head, _, rest = message.partition(": ")
+            record.msg, record.args = f"{head}: {_first_line(rest)}", None
+            record.exc_info = record.exc_text = None
+        return True
+
+
+_STORE_FILTER = _StoreErrorTracebacks()
+_STORE_LOGGERS = ("mlflow.store.db.utils", "mlflow.system_metrics.system_metrics_monitor")
+
+
+def _quiet_store_tracebacks() -> None:
+    """Attach _StoreErrorTracebacks to the loggers of MLflow's SQL-store sessions and of its system metrics
+    sampler (idempotent)."""
+    for name in _STORE_LOGGERS:
+        store_logger = logging.getLogger(name)
+        if _STORE_FILTER not in store_logger.filters:
+            store_logger.addFilter(_STORE_FILTER)
