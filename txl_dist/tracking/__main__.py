@@ -28,8 +28,8 @@ def main(argv: list[str] | None = None) -> int:
                     "RUN_DIR/tracking/run_id. Safe to repeat: a second replay sends nothing.",
         epilog=example, formatter_class=raw)
     replay_cmd.add_argument("run_dir", metavar="RUN_DIR", help="the run.dir of the training job, e.g. runs/tiny")
-    replay_cmd.add_argument("--uri", help="tracking URI (default: the one the run was logged to, else MLFLOW_TRACKING_URI), "
-                                          "e.g. http://mlflow.example.com:5000")
+    replay_cmd.add_argument("--uri", help="tracking URI (default: the one the run was logged to, else "
+                                          "MLFLOW_TRACKING_URI), e.g. http://mlflow.example.com:5000")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
