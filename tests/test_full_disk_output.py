@@ -92,3 +92,37 @@ def test_the_closing_summary_does_not_promise_a_replay_the_failed_journal_cannot
     assert "first error: MlflowException: (sqlite3.OperationalError) no such table: metrics" in summary[0]
     assert "the journal keeps them" not in summary[0]
     assert "the journal stopped at a failed write (No space left on device)" in summary[0]
+
+
+def test_next_save_step_is_the_next_interval_multiple_or_the_jobs_last_step():
+    from txl_dist.space_watch import next_save_step
+
+    assert [next_save_step(s, 100, 300) for s in (1, 99, 100, 250, 299)] == [100, 100, 200, 300, 300]
+    assert next_save_step(20, 0, 300) == 300  # checkpoint.interval 0: only the last step saves
+    assert next_save_step(20, 1000, 300) == 300
+
+
+def test_rank_zero_warns_once_per_shortage_before_the_save_that_would_fail(tmp_path, monkeypatch, caplog):
+    import shutil
+
+    from txl_dist import space_watch
+
+    free = {"bytes": 50 << 20}
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(space_watch.shutil, "disk_usage", lambda path: usage._replace(free=free["bytes"]))
+    watch = space_watch.SpaceWatch(tmp_path / "checkpoints")  # not made yet: its run folder's file system counts
+    need = 10 << 20
+    with caplog.at_level(logging.WARNING, logger="txl_dist"):
+        watch.check(need, 10, 100, "every step of this job")
+        free["bytes"] = need  # under the save's 5% margin
+        for step in (20, 30):
+            watch.check(need, step, 100, "every step of this job")
+        free["bytes"] = 20 << 20  # freed
+        watch.check(need, 40, 100, "every step of this job")
+        free["bytes"] = 1 << 20  # and full again
+        watch.check(need, 150, 200, "the steps since step_00000100")
+    assert [r.getMessage() for r in caplog.records] == [
+        f"step 20: {tmp_path / 'checkpoints'} has 10.0 MiB free, the next checkpoint (step 100) needs about 10.5 MiB: "
+        "free space before then, or that save fails and the job ends, losing every step of this job",
+        f"step 150: {tmp_path / 'checkpoints'} has 1.0 MiB free, the next checkpoint (step 200) needs about "
+        "10.5 MiB: free space before then, or that save fails and the job ends, losing the steps since step_00000100"]

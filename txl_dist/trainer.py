@@ -50,6 +50,7 @@ from .evaluate import Evaluator, batch_to_device
 from .memory import MemoryBank, merge_state_dicts
 from .profiling import StepProfiler
 from .progress import hms
+from .space_watch import SAVE_MARGIN, SpaceWatch, next_save_step
 from .startup import Resume, TrainStart, start_training
 from .stop_request import StopRequest, describe_reasons
 from .watchdog import is_collective_failure, note_progress, note_start_up
@@ -95,6 +96,8 @@ class Trainer:
         """How this job ended, in one line: the MLflow run's tag txl.ended."""
         self.checkpoint_bytes = start.checkpoint_bytes
         """The expected size of a checkpoint (rank 0 checks the free space for it before each save)."""
+        self.space_watch = SpaceWatch(cfg.checkpoint_dir()) if env.is_main else None
+        """Rank 0's early warning, at each progress line, that the next checkpoint will not fit."""
         self.tokens_per_step = cfg.n_streams() * cfg.model.tgt_len
         self.flops_per_token = flops_per_token(cfg.model, micro_batch=cfg.micro_batch(),
                                                cluster_shares=start.cluster_shares,
@@ -193,6 +196,7 @@ class Trainer:
             if self.step % cfg.train.log_interval == 0 or self.step == last:
                 self._progress(stats, *window.report(), last)
                 window = RateWindow()
+                self._watch_space(last)
             if stop:  # every rank sees it at this step (reduced with the loss): the gather is collective
                 reasons = describe_reasons(distributed.gather_objects(self.stop.reason()))
                 # Save first (the window before a preemption's kill is short): this step's evaluations, if
@@ -222,6 +226,14 @@ class Trainer:
         self.ended = (f"finished at step {self.step}" if self.step == cfg.train.max_steps else
                       f"stopped at train.exit_step {self.step}; the next job resumes from {self.last_checkpoint.name}")
         return 0
+
+    def _watch_space(self, last: int) -> None:
+        if self.space_watch is None:
+            return
+        newest = self.last_checkpoint or self.resumed_from
+        since = f"the steps since {newest.name}" if newest else "every step of this job"
+        self.space_watch.check(self.checkpoint_bytes, self.step,
+                               next_save_step(self.step, self.cfg.checkpoint.interval, last), since)
 
     def _validation_due(self) -> bool:
         """Whether the current step is one to validate after: every eval.interval steps, and train.max_steps
@@ -398,7 +410,7 @@ class Trainer:
                     mlflow_run_id=self.tracker.run_id)
         tag_dir = checkpoint.save(self.engine, self.cfg.checkpoint_dir(), self.step, rank=self.env.rank,
                                   world_size=self.env.world_size, rank_state=rank_state, run_info=info,
-                                  keep=self.cfg.checkpoint.keep, min_free_bytes=int(self.checkpoint_bytes * 1.05),
+                                  keep=self.cfg.checkpoint.keep, min_free_bytes=int(self.checkpoint_bytes * SAVE_MARGIN),
                                   on_phase=lambda what: self._note_between_steps(
                                       f"saving step {self.step}: {what}", patience_s=self.cfg.checkpoint.timeout_s))
         if self.env.is_main:
