@@ -410,7 +410,8 @@ class Trainer:
                     mlflow_run_id=self.tracker.run_id)
         tag_dir = checkpoint.save(self.engine, self.cfg.checkpoint_dir(), self.step, rank=self.env.rank,
                                   world_size=self.env.world_size, rank_state=rank_state, run_info=info,
-                                  keep=self.cfg.checkpoint.keep, min_free_bytes=int(self.checkpoint_bytes * SAVE_MARGIN),
+                                  keep=self.cfg.checkpoint.keep,
+                                  min_free_bytes=int(self.checkpoint_bytes * SAVE_MARGIN),
                                   on_phase=lambda what: self._note_between_steps(
                                       f"saving step {self.step}: {what}", patience_s=self.cfg.checkpoint.timeout_s))
         if self.env.is_main:
