@@ -38,7 +38,8 @@ from txl_dist.entry import exit_process, guarded  # noqa: E402
 
 EPILOG = """examples:
   deepspeed launch/train.py --config configs/tiny.json --set train.max_steps=50
-  deepspeed --num_gpus 8 launch/train.py --config configs/large.json --set data.path=/data/wt103
+  deepspeed --num_gpus 8 launch/train.py --config configs/large.json --set data.path=/data/wt103 \\
+      --set model.vocab_size=null
   torchrun --nproc_per_node 2 launch/train.py --config configs/tiny.json --resume none
   python launch/train.py --config configs/tiny.json --resume runs/tiny/checkpoints/step_00000050
 

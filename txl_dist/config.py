@@ -203,7 +203,9 @@ class TrainConfig:
     device that supports it, else fp32; on a CPU bf16 only where the model's forward+backward at the run's
     shapes measures clearly faster than in fp32, see docs/performance.md), or null: what the deepspeed section's
     bf16/fp16 `enabled` say. Not null: leave deepspeed.bf16.enabled and deepspeed.fp16.enabled out (or
-    agree with them). "auto" is decided once per run and kept on resume (the checkpoint records it). An
+    agree with them; the GPU presets set deepspeed.bf16.enabled true, so on their command line fp32 is
+    `--set train.precision=fp32 --set deepspeed.bf16.enabled=false`, and "auto" needs a copy of the preset
+    without that key). "auto" is decided once per run and kept on resume (the checkpoint records it). An
     explicit "bf16" on a CPU where it measures slower than fp32 trains as configured, with a warning."""
     peak_flops: float | None = None
     """Peak FLOP/s of ONE device for the MFU metric (train/mfu); null: the peak the checkpoint recorded when
@@ -766,10 +768,18 @@ def check_precision(precision: str | None, deepspeed: dict[str, Any]) -> None:
         enabled = deepspeed.get(section, {}).get("enabled")
         if enabled is None:
             continue
-        if precision == "auto" or enabled != (precision == section):
+        if precision == "auto":
             raise ConfigError(
                 f"train.precision: {json.dumps(precision)} conflicts with deepspeed.{section}.enabled "
                 f"{json.dumps(enabled)}; leave deepspeed.{section}.enabled out (train.precision decides) or set "
+                "train.precision to null")
+        if enabled != (precision == section):
+            # The GPU presets name deepspeed.bf16.enabled: a key --set cannot take out, but can make agree.
+            agree = json.dumps(precision == section)
+            raise ConfigError(
+                f"train.precision: {json.dumps(precision)} conflicts with deepspeed.{section}.enabled "
+                f"{json.dumps(enabled)}; set deepspeed.{section}.enabled {agree} as well (--set "
+                f"deepspeed.{section}.enabled={agree}), leave it out (train.precision decides) or set "
                 "train.precision to null")
 
 
@@ -857,6 +867,11 @@ def validate_deepspeed(ds: dict[str, Any], max_steps: int) -> None:
         # DeepSpeed reads no params without a type: the unread-key check would blame params instead.
         raise ConfigError(f"deepspeed.optimizer.type: must name an optimizer, e.g. \"AdamW\", got "
                           f"{json.dumps(ds['optimizer'].get('type'))}")
+    if "optimizer" in ds and not isinstance(ds["optimizer"].get("params", {}), dict):
+        # Here, not only in deepspeed_schema: DeepSpeed's own reading of the section fails on it first, with
+        # a line that names neither the key nor what is wrong ("'int' object has no attribute 'keys'").
+        raise ConfigError(f"deepspeed.optimizer.params: must be a JSON object, got "
+                          f"{json.dumps(ds['optimizer']['params'])}")
     s, m = ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"]
     if s % m:
         raise ConfigError(
@@ -911,6 +926,8 @@ def validate_deepspeed(ds: dict[str, Any], max_steps: int) -> None:
         params = sched.get("params", {})
         if not isinstance(params, dict):
             raise ConfigError(f"deepspeed.scheduler.params: must be a JSON object, got {json.dumps(params)}")
+        for key, value in params.items():
+            check_scheduler_number(key, value)
         for key, value in params.items():  # DeepSpeed's schedules check none of these: a negative lr trains
             if ("lr" in key or "ratio" in key) and _is_number(value) and value < 0:
                 raise ConfigError(f"deepspeed.scheduler.params.{key}: must be >= 0, got {value} (a learning rate "
@@ -928,6 +945,36 @@ def validate_deepspeed(ds: dict[str, Any], max_steps: int) -> None:
                 f"deepspeed.scheduler.params.total_num_steps: {json.dumps(total)} differs from train.max_steps "
                 f"{max_steps}; "
                 "leave it out and it follows train.max_steps")
+
+
+SCHEDULER_NUMBERS = frozenset({
+    "warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "total_num_steps", "warmup_min_ratio", "cos_min_ratio",
+    "last_batch_iteration", "lr_range_test_min_lr", "lr_range_test_step_size", "lr_range_test_step_rate",
+    "cycle_min_lr", "cycle_max_lr", "decay_lr_rate", "cycle_first_step_size", "cycle_second_step_size",
+    "cycle_first_stair_count", "cycle_second_stair_count", "decay_step_size", "cycle_min_mom", "cycle_max_mom",
+    "decay_mom_rate"})
+"""The arguments of DeepSpeed's LR schedules (deepspeed/runtime/lr_schedules.py) that they compute with. Another
+value (a string, null, a list) passes the scheduler's construction, which the start-up check builds, and fails
+with a TypeError inside a training step when the schedule first reaches it: cos_min_ratio after the warmup
+(configs/large.json: at step 16,001)."""
+SCHEDULER_PER_GROUP = frozenset({"warmup_min_lr", "warmup_max_lr", "cycle_min_lr", "cycle_max_lr", "cycle_min_mom",
+                                 "cycle_max_mom", "lr_range_test_min_lr"})
+"""Of those, the ones that also take a list: one value per optimizer param group."""
+SCHEDULER_NULLABLE = frozenset({"warmup_max_lr", "cycle_second_step_size", "cycle_second_stair_count"})
+"""Of those, the ones whose null means something (warmup_max_lr: the optimizer's lr; the other two: the first
+step size, the first stair count)."""
+
+
+def check_scheduler_number(key: str, value: Any) -> None:
+    """deepspeed.scheduler.params.<key> is a number where DeepSpeed's schedules compute with one."""
+    if key not in SCHEDULER_NUMBERS or _is_number(value) or (value is None and key in SCHEDULER_NULLABLE):
+        return
+    if key in SCHEDULER_PER_GROUP and isinstance(value, list) and value and all(_is_number(v) for v in value):
+        return
+    wanted = "a number" + (" or a list of numbers (one per param group)" if key in SCHEDULER_PER_GROUP else "") + (
+        " or null" if key in SCHEDULER_NULLABLE else "")
+    raise ConfigError(f"deepspeed.scheduler.params.{key}: must be {wanted}, got {json.dumps(value)} (DeepSpeed's "
+                      "schedule would fail on it in the middle of training, when it first computes with it)")
 
 
 def _is_number(value: Any) -> bool:

@@ -73,7 +73,12 @@ project adds (txl_dist/config.py, `validate_deepspeed`):
 | `deepspeed.zero_optimization.overlap_comm` | at ZeRO 1-2 on one rank: false whatever the config says (on a GPU it waits for the device after every micro step's backward, and one rank has no reduction to overlap it with); on more ranks as configured |
 | `deepspeed.activation_checkpointing` | present: every layer is recomputed in the backward pass |
 | `deepspeed.scheduler.params.total_num_steps` | leave it out: it follows `train.max_steps` |
-| `deepspeed.scheduler` (WarmupLR, WarmupDecayLR, WarmupCosineLR) | its params are checked by building the scheduler at start-up (DeepSpeed refuses e.g. `warmup_num_steps: 0`; it warms up over max(2, n) steps); optimizer step k (from 0) trains at the schedule's iteration k (DeepSpeed alone would train the first step at lr 0) |
+| `deepspeed.scheduler` (WarmupLR, WarmupDecayLR, WarmupCosineLR) | its params are checked by building the scheduler at start-up (DeepSpeed refuses e.g. `warmup_num_steps: 0`; it warms up over max(2, n) steps); optimizer step k (from 0) trains at the schedule's iteration k (DeepSpeed alone would train the first step at lr 0). \
+A value a schedule computes with must be a number (or a list of them, one per param group, for its lr and \
+momentum bounds; null only where DeepSpeed's default is null): another passes the building and would fail \
+mid-run, when the schedule first reaches it |
+| `deepspeed.optimizer.params` | a JSON object, the optimizer's keyword arguments; checked at start-up by \
+building the optimizer DeepSpeed would build for `optimizer.type` |
 | `deepspeed.bf16.check_grad_overflow`, `deepspeed.zero_optimization.compute_grad_norm` | must stay true (the non-finite guard, `train.max_nonfinite`, needs them) |
 """
 
