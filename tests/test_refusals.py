@@ -453,6 +453,16 @@ case("deepspeed.scheduler-ratio-above-one")(
 case("deepspeed.scheduler-warmup-type")(train_with(deepspeed={"scheduler": {"params": {"warmup_type": "exp"}}}))
 
 
+@case("deepspeed.scheduler-param-not-a-number")
+def _(s):
+    s.train(None, "--set", "deepspeed.scheduler.params.cos_min_ratio=x")
+
+
+@case("deepspeed.optimizer-params-not-an-object")
+def _(s):
+    s.train(None, "--set", "deepspeed.optimizer.params=3")
+
+
 @case("deepspeed.optimizer-type-null")
 def _(s):
     s.train(None, "--set", "deepspeed.optimizer.type=null")
