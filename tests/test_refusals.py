@@ -430,6 +430,7 @@ def _(s):
 case("config.range.max-steps")(train_with(train={"max_steps": 0}))
 case("config.range.exit-step")(train_with(train={"exit_step": 5}))
 case("config.same-length-without-memory")(train_with(eval={"mem_len": 0, "same_length": True}))
+case("config.empty-experiment")(train_with(tracking={"experiment": ""}))
 case("config.precision-conflict")(train_with(train={"precision": "auto"}, deepspeed={"bf16": {"enabled": True}}))
 
 

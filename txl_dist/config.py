@@ -715,6 +715,9 @@ def _suggest(word: str, choices: list[str]) -> str:
 def validate(cfg: RunConfig) -> None:
     if not cfg.run.dir.strip():
         raise ConfigError("run.dir: must name a folder (e.g. runs/my-run)")
+    if cfg.tracking.experiment is not None and not cfg.tracking.experiment.strip():
+        raise ConfigError("tracking.experiment: must name an experiment, or be null (MLFLOW_EXPERIMENT_NAME, else "
+                          f"'txl-dist'), got {json.dumps(cfg.tracking.experiment)}")
     validate_model(cfg.model)
     t, e, c, d = cfg.train, cfg.eval, cfg.checkpoint, cfg.data
     _positive("train.max_steps", t.max_steps)
