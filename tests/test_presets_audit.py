@@ -201,9 +201,14 @@ def test_fp32_on_a_gpu_preset_is_refused_with_the_override_that_agrees(name):
         load_config(path, ["train.precision=fp32"])
     assert "(--set deepspeed.bf16.enabled=false)" in str(info.value)
     assert load_config(path, ["train.precision=fp32", "deepspeed.bf16.enabled=false"]).precision() == "fp32"
-    # "auto" keeps docs/refusals.md's message (config.precision-conflict): no --set can take the key out.
-    with pytest.raises(ConfigError, match="leave deepspeed.bf16.enabled out"):
+    # "auto": null takes the key out (docs/refusals.md's config.precision-conflict says so).
+    with pytest.raises(ConfigError, match=r"out or null \(--set deepspeed.bf16.enabled=null: train.precision"):
         load_config(path, ["train.precision=auto"])
+    auto = load_config(path, ["train.precision=auto", "deepspeed.bf16.enabled=null"])
+    assert auto.precision() is None and "enabled" not in auto.deepspeed["bf16"]  # start-up decides
+    assert auto.deepspeed_config(1)["bf16"] == {}
+    assert load_config(path, ["train.precision=fp32", "deepspeed.bf16.enabled=null"]).deepspeed_config(1)["bf16"] == {
+        "enabled": False}
 
 
 @pytest.mark.parametrize("item,message", [

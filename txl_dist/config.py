@@ -203,10 +203,11 @@ class TrainConfig:
     device that supports it, else fp32; on a CPU bf16 only where the model's forward+backward at the run's
     shapes measures clearly faster than in fp32, see docs/performance.md), or null: what the deepspeed section's
     bf16/fp16 `enabled` say. Not null: leave deepspeed.bf16.enabled and deepspeed.fp16.enabled out (or
-    agree with them; the GPU presets set deepspeed.bf16.enabled true, so on their command line fp32 is
-    `--set train.precision=fp32 --set deepspeed.bf16.enabled=false`, and "auto" needs a copy of the preset
-    without that key). "auto" is decided once per run and kept on resume (the checkpoint records it). An
-    explicit "bf16" on a CPU where it measures slower than fp32 trains as configured, with a warning."""
+    agree with them; null counts as left out: the GPU presets set deepspeed.bf16.enabled true, so on their
+    command line fp32 is `--set train.precision=fp32 --set deepspeed.bf16.enabled=false` (or =null), "auto"
+    `--set train.precision=auto --set deepspeed.bf16.enabled=null`). "auto" is decided once per run and kept
+    on resume (the checkpoint records it). An explicit "bf16" on a CPU where it measures slower than fp32
+    trains as configured, with a warning."""
     peak_flops: float | None = None
     """Peak FLOP/s of ONE device for the MFU metric (train/mfu); null: the peak the checkpoint recorded when
     this job runs on the same kind of device, else the documented table entry for the device and precision,
@@ -551,7 +552,13 @@ def config_from_dict(raw: dict[str, Any]) -> RunConfig:
     if not isinstance(deepspeed, dict):
         raise ConfigError("deepspeed: must be a JSON object (DeepSpeed's own config)")
     _check_numbers(deepspeed, "deepspeed")
-    cfg = RunConfig(deepspeed=copy.deepcopy(deepspeed), **sections)
+    deepspeed = copy.deepcopy(deepspeed)
+    for section in ("bf16", "fp16"):
+        # null: as if left out (train.precision decides). The one way to take a preset's key out with --set.
+        if isinstance(deepspeed.get(section), dict) and "enabled" in deepspeed[section] \
+                and deepspeed[section]["enabled"] is None:
+            del deepspeed[section]["enabled"]
+    cfg = RunConfig(deepspeed=deepspeed, **sections)
     validate(cfg)
     return cfg
 
@@ -774,8 +781,8 @@ def check_precision(precision: str | None, deepspeed: dict[str, Any]) -> None:
         if precision == "auto":
             raise ConfigError(
                 f"train.precision: {json.dumps(precision)} conflicts with deepspeed.{section}.enabled "
-                f"{json.dumps(enabled)}; leave deepspeed.{section}.enabled out (train.precision decides) or set "
-                "train.precision to null")
+                f"{json.dumps(enabled)}; leave deepspeed.{section}.enabled out or null (--set "
+                f"deepspeed.{section}.enabled=null: train.precision decides) or set train.precision to null")
         if enabled != (precision == section):
             # The GPU presets name deepspeed.bf16.enabled: a key --set cannot take out, but can make agree.
             agree = json.dumps(precision == section)
