@@ -22,13 +22,14 @@ from data_prep.paths import cannot_read, check_not_current_dir, check_writable_p
 from txl_dist import scratch
 from txl_dist.scratch import OWNER_LOCK, remove_scratch
 
-__all__ = ["OWNER_LOCK", "OUTPUT", "atomic_dir", "check_output", "exchange", "owned_scratch", "remove_abandoned",
-           "remove_scratch", "replace_dir"]
+__all__ = ["OWNER_LOCK", "OUTPUT", "atomic_dir", "check_output", "exchange", "owned_scratch", "owned_work_folder",
+           "remove_abandoned", "remove_scratch", "replace_dir"]
 
 OUTPUT = "output"
 """atomic_dir's output inside its scratch folder (beside the lock file, which never becomes part of it)."""
-SCRATCH_KINDS = ("tmp", "scan", "sources")
-"""atomic_dir's output, mix's document ends, `prepare --source`'s per-source corpora."""
+SCRATCH_KINDS = ("tmp", "scan", "sources", "work")
+"""atomic_dir's output, mix's document ends, `prepare --source`'s per-source corpora, `prepare --work-dir`'s
+token streams (in the work folder: `owned_work_folder`)."""
 
 
 def _say_removed(out: Path, folder: Path) -> None:
@@ -47,6 +48,13 @@ def owned_scratch(out: Path, kind: str):
     """A new owned scratch folder of `out` (txl_dist.scratch.owned_scratch); abandoned ones of every kind of
     data_prep are removed first, each said on stderr."""
     return scratch.owned_scratch(out, kind, kinds=SCRATCH_KINDS, on_removed=lambda folder: _say_removed(out, folder))
+
+
+def owned_work_folder(work_dir: Path, out: Path):
+    """A new owned scratch folder in `work_dir` for the job writing `out` (`.<out name>.work-*`): a killed job's
+    token stream there (as large as the corpus) is removed by the next job for `out` with that work folder,
+    as its hidden folder beside `out` is."""
+    return owned_scratch(work_dir / out.name, "work")
 
 
 REPLACEABLE = {"manifest.json": "corpus", "shard.json": "shard folder", "README.txt": "fetched corpus"}

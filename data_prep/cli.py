@@ -6,6 +6,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -190,6 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = _command(sub, "verify", "re-check every checksum, count and token id of a corpus",
                  "python -m data_prep verify data/shakespeare")
     p.add_argument("corpus", help="a corpus folder (holds manifest.json), e.g. data/shakespeare")
+    p.add_argument("--quiet", action="store_true",
+                   help="no elapsed time on stderr while a long check runs (shown after 5 s)")
 
     p = _command(sub, "inspect", "statistics, per-rank blocks and decoded samples",
                  "python -m data_prep inspect data/shakespeare --world-size 4 --n-streams 8")
@@ -318,6 +321,7 @@ def _training_options(args: argparse.Namespace) -> dict:
 
 
 def _run(args: argparse.Namespace, command: list[str], recorded: dict, training: dict) -> int:
+    started = time.monotonic()
     # Imported per command: `verify` and `inspect` should not pay for datasets and tqdm.
     if args.command == "fetch-corpus":
         from data_prep.fetch import fetch_corpus
@@ -374,14 +378,19 @@ def _run(args: argparse.Namespace, command: list[str], recorded: dict, training:
                       work_dir=args.work_dir, command=command, args=recorded, progress=not args.quiet,
                       space_check=not args.no_space_check)
         from data_prep.plan_file import PLAN_FILE
-        planned = " (following its plan.json)" if args.shard and (Path(args.out) / PLAN_FILE).exists() else ""
-        print(f"wrote {'shard ' if args.shard else 'corpus '}{out}{planned}")
+        if args.shard:
+            planned = " (following its plan.json)" if (Path(args.out) / PLAN_FILE).exists() else ""
+            print(f"wrote shard {out}{planned}")
+        else:
+            from data_prep.report import written_summary
+            print(written_summary(out, time.monotonic() - started))
     elif args.command == "finalize":
         from data_prep.prepare import finalize
         out = finalize(args.parts, args.out, world_size=args.world_size, n_streams=args.n_streams,
                        eval_streams=args.eval_streams, overwrite=args.overwrite, command=command, args=recorded,
                        progress=not args.quiet, space_check=not args.no_space_check)
-        print(f"wrote corpus {out}")
+        from data_prep.report import written_summary
+        print(written_summary(out, time.monotonic() - started))
     elif args.command == "mix":
         from data_prep.mix import mix, parse_source
         manifest = mix([parse_source(s) for s in args.source], args.out, train_tokens=args.train_tokens,
@@ -392,7 +401,7 @@ def _run(args: argparse.Namespace, command: list[str], recorded: dict, training:
         print(f"wrote mixture {args.out}: {manifest.splits['train'].n_tokens:,} train tokens; {shares}")
     elif args.command == "verify":
         from data_prep.report import verify_report
-        print(verify_report(args.corpus))
+        print(verify_report(args.corpus, progress=not args.quiet))
     elif args.command == "inspect":
         from data_prep.report import inspect_report
         print(inspect_report(args.corpus, world_size=args.world_size, n_streams=args.n_streams,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import array
 import multiprocessing
 import os
+import signal
 import sys
 import threading
 import time
@@ -66,6 +67,10 @@ class Encoded:
 
 def _init_worker(model_path: str, eod_id: int, dtype: str, parent_pid: int | None = None) -> None:
     if parent_pid is not None:
+        # Ctrl-C in a terminal signals the whole foreground process group: each worker would print a traceback
+        # of its KeyboardInterrupt above the job's one-line message. The job answers it: it cancels the tasks
+        # and shuts the pool down, which ends the workers.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         _exit_with_parent(parent_pid)
     sp = spm.SentencePieceProcessor()
     sp.load(model_path)

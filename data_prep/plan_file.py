@@ -30,6 +30,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -66,12 +67,30 @@ def scan_inputs(sources: dict[str, list[Source]], opts: ReadOptions, progress=No
     threads: sha256 and pyarrow's JSON parser release the GIL, so they read and hash in parallel, as a parallel
     file system wants); `progress(n_bytes)` as bytes are read. The records do not depend on `workers`."""
     pairs = [(split, s) for split, ss in sources.items() for s in ss]
+    stop = threading.Event()
+
+    def read(n_bytes: int) -> None:
+        # A thread cannot be interrupted: a Ctrl-C or SIGTERM of the main thread would wait for the inputs
+        # being read to be read to their ends (minutes for an input of 100 GB); each stops at its next chunk.
+        if stop.is_set():
+            raise _Stopped()
+        if progress is not None:
+            progress(n_bytes)
+
     with ThreadPoolExecutor(max(1, min(workers, len(pairs)))) as pool:
-        records = list(pool.map(lambda pair: scan_input(pair[1], opts, progress), pairs))  # in input order
+        try:
+            records = list(pool.map(lambda pair: scan_input(pair[1], opts, read), pairs))  # in input order
+        except BaseException:
+            stop.set()  # before the pool's exit waits for its threads
+            raise
     out: dict[str, list[InputRecord]] = {split: [] for split in sources}
     for (split, _), record in zip(pairs, records):
         out[split].append(record)
     return out
+
+
+class _Stopped(Exception):
+    """Ends the reading of an input whose planning pass was stopped (its error is never seen)."""
 
 
 def write_plan(path: Path, options: dict[str, Any], inputs: dict[str, list[InputRecord]],

@@ -16,14 +16,15 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
-from data_prep.atomic import atomic_dir, owned_scratch
+from data_prep.atomic import atomic_dir, owned_scratch, owned_work_folder
 from data_prep.paths import check_output_apart, check_writable_parent, nearest_existing, not_a_folder
 from data_prep.encode import Encoded, Encoder, document_texts
 from data_prep.errors import PrepError
@@ -40,7 +41,7 @@ from data_prep.plan_file import (
     total_bytes,
     write_plan,
 )
-from data_prep.progress import Heartbeat
+from data_prep.progress import Heartbeat, finish
 from data_prep.space import check_free_space, estimate_note, files_bytes, input_text_bytes, size_text, \
     token_bytes
 from data_prep.shards import ShardInfo, SplitPart, find_shards, shard_name, write_shard_info
@@ -192,19 +193,32 @@ def prepare(spec: InputSpec, out: str | os.PathLike, *, tokenizer_model: str | o
         _check_prepare_space(sources, spec.read.text_field, vocab_size, target, work_dir, shard)
     if work_dir is not None:
         Path(work_dir).mkdir(parents=True, exist_ok=True)
-    with atomic_dir(target, overwrite, marker="shard.json" if shard is not None else "manifest.json") as tmp:
-        work = Path(tempfile.mkdtemp(prefix=".work-", dir=work_dir or tmp))
-        try:
-            job = _Job(spec, _read_options(spec.read, work), sources, work, progress, planned=planned)
-            shard_dir = tmp if shard is not None else work / shard_name(0, 1)
-            shard_dir.mkdir(exist_ok=True)
-            info = _tokenize_shard(job, shard_dir, shard or (0, 1), tokenizer_model, eod_piece, trainer, num_proc,
-                                   command, args)
-            if shard is None:
-                build_corpus([(shard_dir, info)], tmp, layouts, info.provenance, progress)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
+    with atomic_dir(target, overwrite, marker="shard.json" if shard is not None else "manifest.json") as tmp, \
+            _work_folder(work_dir, target, tmp) as work:
+        job = _Job(spec, _read_options(spec.read, work), sources, work, progress, planned=planned)
+        shard_dir = tmp if shard is not None else work / shard_name(0, 1)
+        shard_dir.mkdir(exist_ok=True)
+        info = _tokenize_shard(job, shard_dir, shard or (0, 1), tokenizer_model, eod_piece, trainer, num_proc,
+                               command, args)
+        if shard is None:
+            build_corpus([(shard_dir, info)], tmp, layouts, info.provenance, progress)
     return target
+
+
+@contextmanager
+def _work_folder(work_dir: str | os.PathLike | None, target: Path, tmp: Path) -> Iterator[Path]:
+    """The job's scratch (its token stream, datasets' cache): in the temporary output, or an owned folder of
+    --work-dir, which the next job for `target` removes if this one is killed (a plain folder there stayed for
+    good: a whole corpus's tokens, per killed job)."""
+    if work_dir is not None:
+        with owned_work_folder(Path(work_dir), target) as work:
+            yield work
+        return
+    work = Path(tempfile.mkdtemp(prefix=".work-", dir=tmp))
+    try:
+        yield work
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def _check_work_dir(work_dir: Path, target: Path) -> None:
@@ -348,6 +362,7 @@ def _train(job: _Job, plan: Plan, model_path: Path, trainer: TrainerOptions, ver
     def documents():
         for _, _, docs in routed_documents(plan, job.opts, splits=["train"]):
             yield from document_texts(docs, progress=lambda n: update_keeping_total(bar, n))
+        finish(bar)
         bar.close()
         training.start()  # SentencePiece has read every sentence: it trains from here until it returns
 
@@ -401,6 +416,7 @@ def _tokenize_shard(job: _Job, shard_dir: Path, shard: tuple[int, int], tokenize
     try:
         with Encoder(str(model_path), tok.eod_id, dtype, num_proc) as encoder:
             encoder.run(routed_documents(plan, job.opts), sink)
+        finish(bar)
         results = {s: w.close() for s, w in writers.items()}
     except BaseException:
         for w in writers.values():

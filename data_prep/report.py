@@ -7,6 +7,8 @@ from pathlib import Path
 from data_prep.layout import split_layouts
 from data_prep.errors import PrepError
 from data_prep.paths import read_corpus_manifest
+from data_prep.progress import Heartbeat
+from data_prep.space import size_text
 from data_prep.tokenizer import load_processor, model_type_of, sp_model_proto
 from txl_dist.data.format import (
     Manifest,
@@ -19,10 +21,24 @@ from txl_dist.data.format import (
 from txl_dist.data.mixture import source_tokens_at
 
 
-def verify_report(corpus_dir: str | os.PathLike) -> str:
-    """Re-check every checksum, count and token id (format.verify_corpus); a summary when all is well."""
-    read_corpus_manifest(corpus_dir)  # a file, or an unreadable manifest: one line naming it
-    stats = verify_corpus(corpus_dir, check_tokens=True)
+VERIFY_QUIET_S = 5.0
+"""verify says that it is at work only when it runs longer than this (a small corpus prints its report alone)."""
+
+
+def verify_report(corpus_dir: str | os.PathLike, progress: bool = True) -> str:
+    """Re-check every checksum, count and token id (format.verify_corpus); a summary when all is well.
+
+    verify_corpus reports nothing until it is done, and it reads every token file twice (its sha256, then its
+    tokens): minutes for a corpus of tens of GB. With `progress` an elapsed time ticks on stderr meanwhile,
+    naming what is read, so that a long check is not taken for a hung one."""
+    manifest = read_corpus_manifest(corpus_dir)  # a file, or an unreadable manifest: one line naming it
+    ticking = Heartbeat(f"verify: checking {_token_files_text(Path(corpus_dir), manifest)}", enabled=progress,
+                        delay=VERIFY_QUIET_S)
+    ticking.start()
+    try:
+        stats = verify_corpus(corpus_dir, check_tokens=True)
+    finally:
+        ticking.stop()
     check_tokenizer_entry(corpus_dir)
     lines = [f"OK {corpus_dir}: digest {stats['digest']}, vocab {stats['vocab_size']}, dtype {stats['dtype']}"]
     manifest = read_manifest(corpus_dir)
@@ -36,6 +52,48 @@ def verify_report(corpus_dir: str | os.PathLike) -> str:
         lines.append("  mixture (checked against its documents file): " + "; ".join(
             f"{m.name} share {m.share:.4f} of weight {m.weight:.4f}, {m.epochs:.3f} epochs" for m in mixture.sources))
     return "\n".join(lines)
+
+
+def written_summary(corpus_dir: str | os.PathLike, seconds: float) -> str:
+    """What `prepare` and `finalize` say at the end: the corpus, how long it took and, per split, what the
+    manifest records (a job of hours should not end on the folder's name alone)."""
+    m = read_manifest(corpus_dir)
+    tok = m.tokenizer
+    lines = [f"wrote corpus {corpus_dir} in {duration_text(seconds)}: {tok.model_type} tokenizer of "
+             f"{tok.vocab_size:,} pieces, {m.dtype}"]
+    for name, split in m.splits.items():
+        per_byte = f" ({split.n_tokens / split.n_bytes:.3f} tokens per byte)" if split.n_bytes else ""
+        lines.append(f"  {name}: {split.n_tokens:,} tokens, {split.n_documents:,} documents, "
+                     f"{split.n_bytes:,} bytes of text{per_byte}, {len(split.files)} files")
+    return "\n".join(lines)
+
+
+def duration_text(seconds: float) -> str:
+    """e.g. 0.4 s, 42 s, 3 min 05 s, 2 h 07 min."""
+    if seconds < 10:
+        return f"{seconds:.1f} s"
+    s = round(seconds)
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60:02d} s"
+    return f"{s // 3600} h {s % 3600 // 60:02d} min"
+
+
+def _token_files_text(corpus_dir: Path, manifest: Manifest) -> str:
+    """What verify reads, e.g. "12 token files, 176.4 GiB" (files that cannot be looked up are verify's to
+    report)."""
+    paths = [corpus_dir / f.path for split in manifest.splits.values() for f in split.files]
+    sizes = []
+    for path in paths:
+        try:
+            sizes.append(path.stat().st_size)
+        except OSError:
+            pass
+    text = f"{len(paths)} token files, {size_text(sum(sizes))}"
+    if any(split.index is not None for split in manifest.splits.values()):
+        text += ", and the sources of its index split"
+    return text
 
 
 def check_tokenizer_entry(corpus_dir: str | os.PathLike) -> None:

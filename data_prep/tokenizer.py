@@ -2,8 +2,9 @@
 
 A trained model has unk_id 0 and an end-of-document control piece "<eod>" (SentencePiece's eos slot, id 1);
 no bos or pad. A control piece is never produced by encoding text, so an eod id in the stream always marks
-a document end. Training reads a random sample of sentences (lines of the training documents), so its
-memory depends on --tokenizer-sample, not on the corpus size. Its other pieces are then numbered by their
+a document end. Training keeps a random sample of sentences (lines of the training documents), so its
+memory depends on --tokenizer-sample (about 20 bytes per byte of the sample), not on the corpus size; every
+line is read to draw it, so its time does. Its other pieces are then numbered by their
 frequency in a sample of those sentences (`_renumber_by_frequency`), as the adaptive input and softmax
 expect; a model given with --tokenizer-model is used as it is.
 
@@ -26,6 +27,8 @@ import itertools
 import os
 import random
 import re
+import threading
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -143,8 +146,8 @@ def train_tokenizer(sentences: Iterable[str], out: str | os.PathLike, opts: Trai
     model = io.BytesIO()
     feed = _RecordingFeed(sentences, min(opts.sample_sentences, RENUMBER_SAMPLE_SENTENCES), opts.seed)
     try:
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(feed), model_writer=model,
+        _train_off_main_thread(
+            feed, model_writer=model,
             vocab_size=opts.vocab_size, model_type=opts.model_type,
             input_sentence_size=opts.sample_sentences, shuffle_input_sentence=True,
             max_sentence_length=4 * _MAX_SENTENCE_CHARS,
@@ -164,6 +167,54 @@ def train_tokenizer(sentences: Iterable[str], out: str | os.PathLike, opts: Trai
     out = Path(out)
     out.write_bytes(_renumber_by_frequency(model.getvalue(), feed.sample))
     return out
+
+
+TRAINING_WAIT_S = 0.2
+"""How often the main thread wakes while SentencePiece trains, to run a signal handler that is due."""
+CANCEL_WAIT_S = 10.0
+"""How long an interrupted job waits for SentencePiece to stop reading sentences (it stops at the next one)."""
+
+
+def _train_off_main_thread(feed: _RecordingFeed, **options) -> None:
+    """spm.SentencePieceTrainer.train(sentence_iterator=feed, **options), run in a thread while the main thread
+    waits for it, so that Ctrl-C and SIGTERM stop the job at once.
+
+    After reading its sentences SentencePiece trains in C++ for minutes (a million sentences) without returning
+    to Python, and Python runs signal handlers only in the main thread, between bytecodes: trained in the main
+    thread, a Ctrl-C or SIGTERM waited for the training to end, and Slurm's SIGKILL, 30 s after its SIGTERM,
+    came first and left the job's scratch folder behind. Waiting in short waits lets the handler run within
+    TRAINING_WAIT_S wherever the kernel delivered the signal. The interrupted training is abandoned (a daemon
+    thread: the process exits without it); its reading stops at the next sentence."""
+    failure: list[BaseException] = []
+    # Waited for with an event, not Thread.join: a join interrupted by a signal marks a live thread as ended
+    # (CPython 3.11, bpo-45274's fix), and the wait below would then not wait.
+    ended = threading.Event()
+
+    def train() -> None:
+        try:
+            spm.SentencePieceTrainer.train(sentence_iterator=iter(feed), **options)
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread, which raises it
+            failure.append(e)
+        finally:
+            ended.set()
+
+    threading.Thread(target=train, name="sentencepiece-training", daemon=True).start()
+    try:
+        while not ended.wait(TRAINING_WAIT_S):
+            pass
+    except BaseException:
+        reading = not feed.finished
+        feed.cancel()
+        # A thread that runs Python code at the interpreter's exit is ended inside SentencePiece's C++ frames,
+        # which aborts the process ("terminate called without an active exception"). One still reading stops at
+        # its next sentence and returns: wait for that. One training in C++ touches Python again only when the
+        # training ends, long after this process has exited: do not wait for it.
+        deadline = time.monotonic() + CANCEL_WAIT_S
+        while reading and not ended.wait(TRAINING_WAIT_S) and time.monotonic() < deadline:
+            pass
+        raise
+    if failure:
+        raise failure[0]
 
 
 def _renumber_by_frequency(model: bytes, sample: list[str]) -> bytes:
@@ -212,6 +263,10 @@ def _text_keeping_options(opts: TrainerOptions) -> dict:
     return {name: value for name, value in options.items() if value != defaults[name]}
 
 
+class _Cancelled(Exception):
+    """Raised to SentencePiece by a cancelled feed."""
+
+
 class _RecordingFeed:
     """The sentences for SentencePiece, keeping what their reading raised: SentencePiece aborts on it but turns
     it into a RuntimeError of several lines (an input's one-line refusal inside its own C++ message). It also
@@ -226,10 +281,19 @@ class _RecordingFeed:
         self.keep = keep
         self.sample: list[str] = []
         self._rng = random.Random(seed)
+        self._cancelled = threading.Event()
+        self.finished = False
+        """Whether the feed has ended (all read, failed or cancelled)."""
+
+    def cancel(self) -> None:
+        """Stop feeding: the job was interrupted, nobody waits for the training any more."""
+        self._cancelled.set()
 
     def __iter__(self) -> Iterator[str]:
         try:
             for sentence in self.sentences:
+                if self._cancelled.is_set():
+                    raise _Cancelled()  # SentencePiece stops reading, and trains nothing
                 if self.count < self.keep:
                     self.sample.append(sentence)
                 else:
@@ -241,6 +305,8 @@ class _RecordingFeed:
         except BaseException as e:  # noqa: BLE001 - also Ctrl-C and SIGTERM, re-raised as they were
             self.error = e
             raise
+        finally:
+            self.finished = True
 
 
 def _sp_message(e: Exception) -> str:

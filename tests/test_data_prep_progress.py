@@ -94,3 +94,22 @@ def test_the_heartbeat_ticks_while_a_blocking_call_runs_and_stops_after(monkeypa
     quiet.start()
     quiet.stop()
     assert quiet.thread is None and "not shown" not in capsys.readouterr().err
+
+
+def test_bars_of_json_lines_end_complete(model, tmp_path, bars):
+    """Their totals are the files' sizes and the text counted is less (quotes, keys, escapes): the bars of a
+    finished tokenizing and tokenizer sampling stayed at 80-99%, as if the stage had stopped early."""
+    import json
+
+    raw = tmp_path / "raw.jsonl"
+    with open(raw, "w", encoding="utf-8") as f:
+        for k in range(60):
+            f.write(json.dumps({"text": tricky_text(40, seed=k), "id": k}) + "\n")
+    common = ["--train", str(raw), "--num-proc", "1"]
+    assert main(["prepare", "--out", str(tmp_path / "corpus"), "--tokenizer-model", str(model), *common]) == 0
+    assert main(["train-tokenizer", "--out", str(tmp_path / "tok.model"), "--vocab-size", "400",
+                 "--model-type", "bpe", *common]) == 0
+    finished = {b.desc: b for b in bars if getattr(b, "desc", None) in ("tokenize", "tokenizer: read training text")}
+    assert len(finished) == 2
+    for bar in finished.values():
+        assert bar.n == bar.total < raw.stat().st_size, bar.desc

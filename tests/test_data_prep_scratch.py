@@ -224,3 +224,39 @@ def test_a_killed_prepare_sources_job_leaves_its_corpora_to_the_next_job(tmp_pat
     assert not work.exists()
     assert f"removed {work}: left by a job for mixture that was killed" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "mixture", "tok.model"]
+
+
+TOKENIZING_JOB = """
+import sys, time
+import data_prep.encode as encode
+def stop_while_tokenizing(self, batches, sink):
+    print("tokenizing", flush=True)  # the work folder holds the token stream being written: wait to be killed
+    time.sleep(600)
+encode.Encoder.run = stop_while_tokenizing
+from data_prep.cli import main
+main(sys.argv[1:])
+"""
+
+
+def test_a_killed_prepare_leaves_its_work_dir_folder_to_the_next_job(tmp_path, capsys):
+    """With --work-dir the token stream (as large as the corpus) is written there: a killed job's folder stayed
+    for good, a rerun making a new one beside it. Now the next job for the same output removes it."""
+    from corpus_helpers import small_bpe_tokenizer, tricky_text
+    from data_prep.cli import main
+
+    model = small_bpe_tokenizer(tmp_path)
+    raw = tmp_path / "raw.txt"
+    raw.write_text(tricky_text(300, seed=1).replace("\r", ""), encoding="utf-8")
+    work_dir, out = tmp_path / "work", tmp_path / "corpus"
+    argv = ["prepare", "--out", str(out), "--train", str(raw), "--tokenizer-model", str(model), "--num-proc", "1",
+            "--work-dir", str(work_dir), "--quiet"]
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    proc = subprocess.Popen([sys.executable, "-c", TOKENIZING_JOB, *argv], stdout=subprocess.PIPE, text=True,
+                            env=env)
+    assert proc.stdout.readline().strip() == "tokenizing"
+    kill(proc)
+    (left,) = list(work_dir.iterdir())
+    assert (left / "shard-00000-of-00001").is_dir()
+    assert main(argv) == 0
+    assert list(work_dir.iterdir()) == []
+    assert f"removed {left}: left by a job for corpus that was killed" in capsys.readouterr().err
