@@ -9,6 +9,7 @@ atomically (built in a temporary folder, renamed at the end).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import hashlib
@@ -287,15 +288,22 @@ def plan_job(spec: InputSpec, out: str | os.PathLike, *, overwrite: bool = False
         if why:
             raise PrepError(f"{path} already exists, {why}; pass --overwrite to replace it")
         return path, False
+    made_folder = not path.parent.exists()
     path.parent.mkdir(parents=True, exist_ok=True)
-    with owned_scratch(path, "tmp") as tmp:
-        opts = _read_options(spec.read, Path(tmp))
-        with tqdm(total=total_bytes(sources), unit="B", unit_scale=True, desc="plan: read inputs",
-                  disable=not progress, file=sys.stderr) as bar:
-            records = scan_inputs(sources, opts, progress=bar.update, workers=num_proc)
-        # refuses bad fractions (or a hold-out that leaves no training document) now, not in every task
-        make_plan(sources, spec.fractions(), opts, seed=spec.seed, records=records)
-        write_plan(path, spec.plan_key(), records, provenance(command, args))
+    try:
+        with owned_scratch(path, "tmp") as tmp:
+            opts = _read_options(spec.read, Path(tmp))
+            with tqdm(total=total_bytes(sources), unit="B", unit_scale=True, desc="plan: read inputs",
+                      disable=not progress, file=sys.stderr) as bar:
+                records = scan_inputs(sources, opts, progress=bar.update, workers=num_proc)
+            # refuses bad fractions (or a hold-out that leaves no training document) now, not in every task
+            make_plan(sources, spec.fractions(), opts, seed=spec.seed, records=records)
+            write_plan(path, spec.plan_key(), records, provenance(command, args))
+    except BaseException:
+        if made_folder:  # an interrupted or refused plan leaves no empty --out behind (one made by the user stays)
+            with contextlib.suppress(OSError):
+                path.parent.rmdir()
+        raise
     return path, True
 
 

@@ -27,6 +27,7 @@ import data_prep.seek as seek
 import data_prep.sources
 from data_prep.encode import Encoder
 from data_prep.plan_scan import scan_input
+from data_prep.cli import main
 from test_data_prep_errors import fail, run
 from txl_dist.data.format import read_manifest, sha256_file
 
@@ -325,3 +326,22 @@ def test_a_damaged_plan_file_is_refused(planned, capsys, damage):
     assert f"{path}: damaged plan file" in msg and "prepare --plan --overwrite" in msg
     if damage == "edited":
         assert "does not match its sha256" in msg
+
+
+def test_a_refused_or_interrupted_plan_leaves_no_empty_out_folder(model, tmp_path, monkeypatch, capsys):
+    write_mixed(tmp_path)
+    args = ["prepare", "--plan", "--out", tmp_path / "parts", "--text-field", "body", "--train",
+            tmp_path / "a.jsonl", "--tokenizer-model", model, "--num-proc", 1, "--quiet"]
+    # A hold-out that leaves no training document is refused after the inputs were read.
+    msg = fail(capsys, *args, "--valid-fraction", "0.9", "--test-fraction", "0.1")
+    assert "fraction" in msg and not (tmp_path / "parts").exists()
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(data_prep.prepare, "scan_inputs", interrupted)  # Ctrl-C while the inputs are read
+    assert main([str(a) for a in args]) == 130
+    assert not (tmp_path / "parts").exists()
+    (tmp_path / "parts").mkdir()  # a folder the user made stays
+    assert main([str(a) for a in args]) == 130
+    assert (tmp_path / "parts").is_dir() and not any((tmp_path / "parts").iterdir())
