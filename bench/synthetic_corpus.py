@@ -2,7 +2,8 @@
 
 Zipf-distributed ids (as in real text: most tokens fall in the adaptive softmax head), documents of ~200
 tokens, every split ending with the end-of-document id. No tokenizer is needed: the format treats
-tokenizer.model as bytes (only its sha256 is checked).
+tokenizer.model as bytes (only its sha256 is checked), so the loader and the trainer read such a corpus;
+`python -m data_prep verify` and `inspect` load the tokenizer and refuse it (not a SentencePiece model).
 """
 from __future__ import annotations
 
