@@ -142,13 +142,19 @@ def test_an_interrupted_plan_stops_reading_its_inputs(monkeypatch, tmp_path, ctr
     assert sum(chunks_read) < path.stat().st_size // 2, "the input was read on after the interrupt"
 
 
-def test_a_long_verify_says_it_is_at_work(model, tmp_path, monkeypatch, capsys):
-    """verify printed nothing until it was done: minutes of silence for a corpus of tens of GB."""
+def small_corpus(model, tmp_path, n_words: int, seed: int):
+    """A corpus prepared from one file of tricky text with the module's tokenizer."""
     raw = tmp_path / "a.txt"
-    raw.write_text(tricky_text(2000, seed=5).replace("\r", ""), encoding="utf-8")
+    raw.write_text(tricky_text(n_words, seed=seed).replace("\r", ""), encoding="utf-8")
     corpus = tmp_path / "corpus"
     assert main(["prepare", "--out", str(corpus), "--train", str(raw), "--tokenizer-model", str(model),
                  "--num-proc", "1", "--quiet"]) == 0
+    return corpus
+
+
+def test_a_long_verify_says_it_is_at_work(model, tmp_path, monkeypatch, capsys):
+    """verify printed nothing until it was done: minutes of silence for a corpus of tens of GB."""
+    corpus = small_corpus(model, tmp_path, n_words=2000, seed=5)
     capsys.readouterr()
     ticked = threading.Semaphore(0)
     refresh = tqdm.refresh
@@ -177,11 +183,7 @@ def test_a_long_verify_says_it_is_at_work(model, tmp_path, monkeypatch, capsys):
 
 
 def test_a_quick_verify_prints_its_report_alone(model, tmp_path, capsys):
-    raw = tmp_path / "a.txt"
-    raw.write_text(tricky_text(500, seed=6).replace("\r", ""), encoding="utf-8")
-    corpus = tmp_path / "corpus"
-    assert main(["prepare", "--out", str(corpus), "--train", str(raw), "--tokenizer-model", str(model),
-                 "--num-proc", "1", "--quiet"]) == 0
+    corpus = small_corpus(model, tmp_path, n_words=500, seed=6)
     capsys.readouterr()
     assert main(["verify", str(corpus)]) == 0
     assert capsys.readouterr().err == ""  # far below VERIFY_QUIET_S
