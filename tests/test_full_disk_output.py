@@ -126,3 +126,17 @@ def test_rank_zero_warns_once_per_shortage_before_the_save_that_would_fail(tmp_p
         "free space before then, or that save fails and the job ends, losing every step of this job",
         f"step 150: {tmp_path / 'checkpoints'} has 1.0 MiB free, the next checkpoint (step 200) needs about "
         "10.5 MiB: free space before then, or that save fails and the job ends, losing the steps since step_00000100"]
+
+
+def test_a_record_that_cannot_be_formatted_is_shown_and_the_log_file_goes_on(tmp_path, capfd):
+    log = logging.getLogger("txl_dist.test_bad_record")
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    attach_log_file(log, tmp_path / "train.log")
+    try:
+        log.info("step %d of %d", 1)  # a bug in a message, not a full disk
+        log.info("step 2")
+    finally:
+        detach_log_file(log)
+    assert "--- Logging error ---" in capfd.readouterr().err
+    assert (tmp_path / "train.log").read_text().endswith("step 2\n")

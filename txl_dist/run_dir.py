@@ -304,10 +304,13 @@ class RunLogFile(logging.FileHandler):
             self.handleError(None)  # type: ignore[arg-type]
 
     def handleError(self, record: logging.LogRecord) -> None:
+        reason = sys.exc_info()[1]
+        if record is not None and not isinstance(reason, OSError):
+            super().handleError(record)  # a record that cannot be formatted: a bug to show, not the disk
+            return
         if self.failed:
             return
         self.failed = True
-        reason = sys.exc_info()[1]
         try:
             sys.stderr.write(f"warning: the run's log file {self.baseFilename} cannot be written "
                              f"({one_line(reason) if reason else 'unknown error'}); this job's log goes to the "
