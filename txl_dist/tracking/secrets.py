@@ -119,9 +119,9 @@ class _StoreErrorTracebacks(logging.Filter):
         except Exception:  # a malformed record is the logging module's business, not ours
             return True
         if "\n" in message:
-            head, _, rest = message.partition(": ")
-            record.msg, record.args = f"{head}: {_first_line(rest)}", None
-            record.exc_info = record.exc_text = None
+            head, sep, rest = message.partition(": ")
+            record.msg = f"{head}: {_first_line(rest)}" if sep and "\n" not in head else _first_line(message)
+            record.args = record.exc_info = record.exc_text = None
         return True
 
 
