@@ -837,3 +837,47 @@ def test_a_rank_publishes_the_addresses_other_hosts_reach_it_by():
             assert server.addresses("192.0.2.1")[0] == via_route
     finally:
         server.close()
+
+
+def test_the_store_host_leaves_at_once_when_every_rank_left_or_read_the_abort_but_the_lost(monkeypatch):
+    """Rank 0 hosts the store and lingers after its own exit until the others left or read why the job ends.
+    A lost rank never does either: rank 0 waited out two beats (20 s at the presets' beat) after explaining a
+    killed rank to nobody. Counted: the abort's readers leave the lost out, and a rank that finds the abort
+    published when its own collective fails counts as a reader."""
+    from txl_dist import watchdog
+    from txl_dist.watchdog import Watchdog, _Keys
+
+    def make(rank: int, world_size: int, store) -> Watchdog:
+        watch = Watchdog.__new__(Watchdog)  # its store calls only: no threads
+        watch.rank, watch.world_size, watch.keys = rank, world_size, _Keys(f"test-{world_size}")
+        watch.timeout_s, watch.period, watch.address = 600.0, 10.0, None
+        return watch
+
+    def no_wait(seconds):
+        raise AssertionError("lingered")
+
+    store = torch.distributed.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    # 2 ranks, rank 1 killed: rank 0 explains it to no reader and leaves.
+    host = make(0, 2, store)
+    host._publish_abort(store, "rank 1 (host h, pid 7) was lost during a collective (its process ended)", readers=0)
+    store.add(host.keys.left_count, 1)
+    monkeypatch.setattr(watchdog.time, "sleep", no_wait)
+    host._linger(store)
+
+    # 4 ranks, rank 3 killed, rank 0 explains it: ranks 1 and 2 find it published when their collectives fail.
+    host, others = make(0, 4, store), [make(r, 4, store) for r in (1, 2)]
+    host._publish_abort(store, "rank 3 (host h, pid 9) was lost during a collective (its process ended)", readers=2)
+    store.add(host.keys.left_count, 1)
+    monkeypatch.setattr(watchdog, "_connect", lambda address, timeout_s: store)
+    for other in others:
+        assert other._explain_through_store(RuntimeError("Connection closed by peer")).startswith("rank 3 ")
+    host._linger(store)
+
+    # A reader that has not read it yet keeps the store up (for two beats at most).
+    store = torch.distributed.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    host = make(0, 4, store)
+    host._publish_abort(store, "rank 3 (host h, pid 9) was lost during a collective (its process ended)", readers=2)
+    store.add(host.keys.left_count, 1)
+    store.add(host.keys.abort_read, 1)
+    with pytest.raises(AssertionError, match="lingered"):
+        host._linger(store)

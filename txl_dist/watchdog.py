@@ -630,9 +630,7 @@ class Watchdog:
     def _await_readers(self, store: dist.TCPStore) -> None:
         deadline = time.monotonic() + READERS_WAIT_BEATS * self.period
         while time.monotonic() < deadline:
-            expected = (int(store.get(self.keys.abort_readers)) if store.check([self.keys.abort_readers])
-                        else self.world_size - 1)
-            if store.add(self.keys.abort_read, 0) >= expected:
+            if self._abort_read_by_all(store):
                 return
             time.sleep(min(0.05, self.period / 10))
 
@@ -675,6 +673,7 @@ class Watchdog:
         store = _connect(self.address, STORE_CALL_S)
         published = self._published_abort(store)
         if published:
+            store.add(self.keys.abort_read, 1)  # a reader of it: the store's host need not wait for this rank
             return published
         line, lost = self._diagnose(store, exc)
         self._publish_abort(store, line, readers=self.world_size - 1 - lost)
@@ -810,14 +809,24 @@ class Watchdog:
 
     def _linger(self, store: dist.TCPStore) -> None:
         """The store lives in this process: keep it up until every rank has left (bounded by the timeout),
-        or, after an abort, a couple of beats so every rank can read why."""
+        or, after an abort, until every rank that will read why has read it (a lost rank never leaves nor reads:
+        the abort's reader count leaves it out), for a couple of beats at most."""
         deadline = time.monotonic() + self.timeout_s
         while time.monotonic() < deadline:
             if store.add(self.keys.left_count, 0) >= self.world_size:
                 return
             if store.check([self.keys.abort]):
+                if self._abort_read_by_all(store):
+                    return
                 deadline = min(deadline, time.monotonic() + 2 * self.period)
             time.sleep(min(0.2, self.period))
+
+    def _abort_read_by_all(self, store: dist.TCPStore) -> bool:
+        """Every reader the abort's writer counted (the ranks not lost, but itself) has read it; every other
+        rank while the writer has not counted them yet."""
+        expected = (int(store.get(self.keys.abort_readers)) if store.check([self.keys.abort_readers])
+                    else self.world_size - 1)
+        return store.add(self.keys.abort_read, 0) >= expected
 
 
 def _abort_line(entry: bytes) -> str:
