@@ -12,9 +12,9 @@ it was trained on (data.path of its configuration, checked against the tokenizer
 it), checked against the tokenizer's sha256 the folder records (tokenizer_sha256, which launch/export.py
 writes; an older folder without it is not checked). Sampling stops at the end-of-document id: the corpus
 manifest's when --tokenizer is a corpus folder, else the one DIR records (eod_id in model_config.json,
-eos_token_id in config.json), else the tokenizer's <eod> piece or its eos id. The prompt starts a new document (the end-of-document
-id goes first, as in the training stream) unless --continue-document; an empty --prompt '' generates a
-document from nothing. One process; CPU unless --device cuda. Exit status 0, or
+eos_token_id in config.json), else the tokenizer's <eod> piece or its eos id. The prompt starts a new
+document (the end-of-document id goes first, as in the training stream) unless --continue-document; an empty
+--prompt '' generates a document from nothing. One process; CPU unless --device cuda. Exit status 0, or
 2 for refused input (one line says why). Only the samples go to stdout (whatever a library prints meanwhile
 goes to stderr), so --json output can be parsed as it is.
 """
