@@ -32,7 +32,7 @@ if __name__ == "__main__":  # before torch: a lost rank is reported in one line,
 from txl_dist import distributed  # noqa: E402
 from txl_dist.atomic import atomic_write  # noqa: E402
 from txl_dist.cli_args import ArgumentParser  # noqa: E402
-from txl_dist.entry import exit_process, guarded  # noqa: E402
+from txl_dist.entry import exit_process, guarded, print_result  # noqa: E402
 from txl_dist.errors import RunFailed  # noqa: E402
 
 
@@ -124,6 +124,18 @@ def result_table(result: dict) -> str:
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 
 
+def write_json_out(path: str | None, text: str, printed: bool) -> None:
+    """Write the result to --json-out (where given); RunFailed in one line when it cannot be written."""
+    if path is None:
+        return
+    try:
+        atomic_write(path, text + "\n")
+    except OSError as e:  # the path was checked at the start: a full disk, a read-only remount, a folder removed
+        where = "the result is printed above" if printed else "nor can the standard output take the result"
+        raise RunFailed(f"--json-out {path}: cannot write it ({e.strerror or e}); {where}; free space there or "
+                        "choose another path, and evaluate again") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Evaluate on this rank; rank 0 prints the table and the JSON result."""
     args = parse_args(argv)
@@ -146,13 +158,12 @@ def main(argv: list[str] | None = None) -> int:
             result = evaluate_checkpoint(choice, args.split, env, check)
         if env.is_main:
             text = json.dumps(result, indent=2)
-            print(result_table(result), text, sep="\n\n", flush=True)
-            if args.json_out is not None:
-                try:
-                    atomic_write(args.json_out, text + "\n")
-                except OSError as e:  # the path was checked at the start: a full disk, a folder removed since
-                    raise RunFailed(f"--json-out {args.json_out}: cannot write it ({e.strerror or e}); the result "
-                                    "is printed above") from None
+            try:
+                print_result(result_table(result), text, sep="\n\n")
+            except RunFailed:  # stdout on a full disk: the result still goes to --json-out, where it has room
+                write_json_out(args.json_out, text, printed=False)
+                raise
+            write_json_out(args.json_out, text, printed=True)
         return 0
 
     return guarded(job, log)

@@ -17,7 +17,9 @@ record the digest of the checkpoint's tokenizer (tokenizer_sha256 in model_confi
 launch/generate.py --model checks its tokenizer against, and the corpus' end-of-document id (eod_id in
 model_config.json, eos_token_id in config.json; `python -m txl_dist.interop to-hf DIR HF_DIR` carries it over
 as export --hf writes it). Exit status 0, 2 for a refused checkpoint or output
-(one line says why), 1 when writing fails midway (a full disk).
+(one line says why), 1 when writing fails midway (a full disk, a read-only remount: one line naming the file and
+its file system). Each folder gets its config last, so one whose export failed holds none: it loads as nothing,
+and the next export writes into it without --overwrite.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from pathlib import Path
 
 from txl_dist.atomic import atomic_write
 from txl_dist.cli_args import ArgumentParser
-from txl_dist.entry import exit_process, guarded
+from txl_dist.entry import exit_process, guarded, print_result
 from txl_dist.errors import RunFailed
 
 
@@ -138,8 +140,11 @@ def check_former_export(folder: str, flag: str, *, native: bool) -> None:
 def export(checkpoint: str, out: str, hf: str | None = None, overwrite: bool = False):
     """Build the checkpoint's model on the CPU with its fp32 weights, write the folder(s); returns the model."""
     from txl_dist import checkpoint as ckpt
+    from txl_dist.errors import one_line
     from txl_dist.interop import save_native, to_hf
-    from txl_dist.interop.native import TOKENIZER_NAME, TOKENIZER_SHA256_KEY
+    from txl_dist.interop.hf_files import CONFIG_NAME
+    from txl_dist.interop.native import MODEL_CONFIG_NAME, TOKENIZER_NAME, TOKENIZER_SHA256_KEY
+    from txl_dist.write_faults import write_fault_line
     from txl_dist.model import TransformerXL
     from txl_dist.startup import open_export
 
@@ -153,20 +158,45 @@ def export(checkpoint: str, out: str, hf: str | None = None, overwrite: bool = F
     # HF generate() stops at config.json's eos_token_id; without one transformers takes 0 (not our end of document).
     hf_extra = {TOKENIZER_SHA256_KEY: tokenizer_sha256, **({"eos_token_id": tokenizer[0]} if tokenizer else {})}
     folders = [Path(out)] + ([Path(hf)] if hf is not None else [])
+    configs = list(zip(folders, (MODEL_CONFIG_NAME, CONFIG_NAME)))  # the file that makes each folder an export
+    finished: list[Path] = []
     try:
-        for folder in folders:  # a former export's tokenizer goes first: never beside the new weights
+        # What a former export left goes first: its tokenizer (never beside the new weights), and its config. The
+        # config is what makes a folder an export; written after the weights, it is the last file of a folder
+        # but its tokenizer, which a failure removes again (unfinish_exports). So a folder whose export failed
+        # midway holds no config: it loads as nothing, not as the new weights under the old config, and the
+        # next export writes into it without --overwrite (foreign_files: weights alone are a stopped export).
+        for folder, config_name in configs:
             (folder / TOKENIZER_NAME).unlink(missing_ok=True)
+            (folder / config_name).unlink(missing_ok=True)
         # eod_id in model_config.json: to-hf of this folder then writes eos_token_id as --hf does.
         save_native(model, out, tokenizer_sha256, eod_id=tokenizer[0] if tokenizer else None)
+        if tokenizer:  # the folders are then all launch/generate.py --model needs
+            atomic_write(Path(out) / TOKENIZER_NAME, tokenizer[1])
+        finished.append(Path(out))
         if hf is not None:
             to_hf(model, hf, extra_config=hf_extra)
-        if tokenizer:  # the folders are then all launch/generate.py --model needs
-            for folder in folders:
-                atomic_write(folder / TOKENIZER_NAME, tokenizer[1])
-    except OSError as e:  # the folders were checked at the start: a full disk, a folder removed since
-        raise RunFailed(f"export to {e.filename or out}: {e.strerror or e}; the files already there are whole "
-                        "(each is written atomically), run the export again") from None
+            if tokenizer:
+                atomic_write(Path(hf) / TOKENIZER_NAME, tokenizer[1])
+            finished.append(Path(hf))
+    except OSError as e:  # the folders were checked at the start: a full disk, a read-only remount, a folder removed
+        unfinished = [folder for folder in folders if folder not in finished]
+        unfinish_exports([(folder, name) for folder, name in configs if folder in unfinished])
+        line = write_fault_line(e, unfinished[0], "export to a folder elsewhere") or one_line(e, limit=500)
+        left = " and ".join(str(folder) for folder in unfinished)
+        raise RunFailed(f"export failed: {line}; {left} hold(s) no complete export (no config), run the export "
+                        "again") from None
     return model
+
+
+def unfinish_exports(configs: list[tuple[Path, str]]) -> None:
+    """Remove the config of each (folder, config name) whose export failed (best effort: the disk is failing):
+    a folder whose weights and config were written before its tokenizer failed would otherwise look finished."""
+    for folder, name in configs:
+        try:
+            (folder / name).unlink(missing_ok=True)
+        except OSError:  # a read-only file system: then nothing of this export was written there either
+            pass
 
 
 def training_tokenizer(corpus: str, tokenizer_sha256: str, hf: bool) -> tuple[int, bytes] | None:
@@ -199,7 +229,11 @@ def main(argv: list[str] | None = None) -> int:
 
     def job() -> int:
         export(args.checkpoint, args.out, args.hf, args.overwrite)
-        print(f"exported {args.checkpoint} -> {args.out}" + (f" and {args.hf} (HuggingFace)" if args.hf else ""))
+        done = f"exported {args.checkpoint} -> {args.out}" + (f" and {args.hf} (HuggingFace)" if args.hf else "")
+        try:
+            print_result(done)
+        except RunFailed:  # stdout on a full disk: the folders are complete all the same, so not a failure
+            log.warning("%s (said here: the standard output cannot be written, its disk is full or read-only)", done)
         return 0
 
     return guarded(job, log)

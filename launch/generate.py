@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from txl_dist.cli_args import ArgumentParser
-from txl_dist.entry import exit_process, guarded
+from txl_dist.entry import exit_process, guarded, print_result
 
 EXAMPLES = """examples:
   python launch/generate.py --checkpoint runs/tiny --prompt 'ROMEO:' --max-new-tokens 60 --seed 0
@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         # when DS_ACCELERATOR is unset), through a handler bound to the sys.stdout it finds at import.
         with contextlib.redirect_stdout(sys.stderr):
             output = samples_output(args)
-        print(output, flush=True)
+        print_result(output)
         return 0
 
     return guarded(job, log)

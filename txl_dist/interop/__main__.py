@@ -19,6 +19,7 @@ fault (txl_dist/entry.py).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import logging
 import sys
@@ -28,9 +29,11 @@ from txl_dist.atomic import atomic_write
 from txl_dist.cli_args import ArgumentParser
 from txl_dist.errors import EXIT_FAILED, EXIT_REFUSED, Refused, one_line
 from txl_dist.interop.convert import from_hf, to_hf
-from txl_dist.interop.native import (HF_EOS_KEY, TOKENIZER_NAME, TOKENIZER_SHA256_KEY, load_native,
+from txl_dist.interop.hf_files import CONFIG_NAME
+from txl_dist.interop.native import (HF_EOS_KEY, MODEL_CONFIG_NAME, TOKENIZER_NAME, TOKENIZER_SHA256_KEY, load_native,
                                      recorded_eod_id, recorded_tokenizer_sha256, save_native)
 from txl_dist.output_paths import check_distinct_folders, check_output_folder
+from txl_dist.write_faults import write_fault_line
 
 
 _FROM_HF = "python -m txl_dist.interop from-hf path/to/hf_transfo_xl out/native"
@@ -81,9 +84,14 @@ def main(argv: list[str] | None = None) -> int:
             "training corpus): export the checkpoint again, or add eos_token_id (the corpus manifest's "
             "tokenizer.eod_id) to %s by hand",
             src, "model_config.json", Path(args.out_dir) / "config.json")
+    # The config is what makes OUT_DIR a model folder: a former one goes first with the tokenizer, and the new one
+    # is removed again when the tokenizer after it cannot be written. A conversion that fails midway (a full
+    # disk) then leaves no config beside new weights: the folder loads as nothing, not as a finished model.
+    out_config = Path(args.out_dir) / (MODEL_CONFIG_NAME if args.command == "from-hf" else CONFIG_NAME)
     try:
         out_tokenizer = Path(args.out_dir) / TOKENIZER_NAME
         out_tokenizer.unlink(missing_ok=True)  # never another model's tokenizer beside the new weights
+        out_config.unlink(missing_ok=True)
         if args.command == "from-hf":
             out = save_native(model, args.out_dir, tokenizer_sha256, eod_id)
         else:
@@ -93,7 +101,11 @@ def main(argv: list[str] | None = None) -> int:
         if tokenizer is not None:  # OUT_DIR is then all launch/generate.py --model needs, as after export
             atomic_write(out_tokenizer, tokenizer)
     except OSError as e:  # the input was fine: a fault of the machine, and each file is written whole or not at all
-        _exit(EXIT_FAILED, f"writing {args.out_dir} failed: {one_line(e, limit=2000)}")
+        with contextlib.suppress(OSError):  # best effort: the disk is failing
+            out_config.unlink(missing_ok=True)
+        # Where the error names its file, the line names the file system to free space on, as data_prep's do.
+        named = write_fault_line(e, args.out_dir, "choose another OUT_DIR") if e.filename is not None else None
+        _exit(EXIT_FAILED, f"writing {args.out_dir} failed: {named or one_line(e, limit=2000)}")
     print(f"wrote {out}")
     return 0
 

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from txl_dist.atomic import atomic_path, atomic_write
 from txl_dist.config import read_json_object
 from txl_dist.errors import Refused, one_line
+from txl_dist.write_faults import safetensors_write
 
 CONFIG_NAME = "config.json"
 SAFE_WEIGHTS = "model.safetensors"
@@ -98,7 +99,7 @@ def write_hf_folder(out_dir: str | Path, config: dict[str, Any], tensors: dict[s
     # safetensors refuses tensors that share storage (tied weights): each name gets its own copy here, and
     # the caller leaves tied copies out as save_pretrained does.
     plain = {k: v.detach().to("cpu", torch.float32).contiguous().clone() for k, v in tensors.items()}
-    with atomic_path(out / SAFE_WEIGHTS) as tmp:
+    with atomic_path(out / SAFE_WEIGHTS) as tmp, safetensors_write(out / SAFE_WEIGHTS):  # a full disk: OSError
         save_file(plain, tmp, metadata={"format": "pt"})
     atomic_write(out / CONFIG_NAME, json.dumps(config, indent=2, sort_keys=True) + "\n")
     return out

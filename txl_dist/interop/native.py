@@ -25,6 +25,7 @@ from safetensors.torch import load_model, save_model
 from txl_dist.atomic import atomic_path, atomic_write
 from txl_dist.config import ConfigError, ModelConfig, model_config_from_dict, read_json_object
 from txl_dist.errors import one_line
+from txl_dist.write_faults import safetensors_write
 from txl_dist.interop.hf_files import CONFIG_NAME, read_hf_config
 from txl_dist.interop.weights import check_shape
 from txl_dist.model import TransformerXL
@@ -131,7 +132,7 @@ def save_native(model: TransformerXL, out_dir: str | Path, tokenizer_sha256: str
     if eod_id is not None:
         config[EOD_ID_KEY] = check_eod_id(eod_id, "eod_id", model.config.vocab_size)
     out.mkdir(parents=True, exist_ok=True)
-    with atomic_path(out / WEIGHTS_NAME) as tmp:
+    with atomic_path(out / WEIGHTS_NAME) as tmp, safetensors_write(out / WEIGHTS_NAME):  # a full disk: OSError
         save_model(model, str(tmp), metadata={"format": "pt"})
     atomic_write(out / MODEL_CONFIG_NAME, json.dumps(config, indent=2) + "\n")
     return out

@@ -363,6 +363,7 @@ class _DeliveryLog:
     """delivered.jsonl: one unbuffered append per accepted chunk, so a crash loses at most the one in flight."""
 
     def __init__(self, path: Path) -> None:
+        self.path = path
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
 
     def record(self, seqs: Iterable[int]) -> None:

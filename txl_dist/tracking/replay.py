@@ -17,6 +17,8 @@ from .continuation import superseded_folders
 from .errors import ReplayError, TrackingError
 from .journal import TrackingFolder, _Batch, _DeliveryLog, _summarize
 from .secrets import _one_line, _quiet_store_tracebacks, _remember_secrets, _scrub_library_logs, shown_uri
+from txl_dist.write_faults import is_write_fault, write_fault_line
+
 from .store import _check_reopenable, _chunks, _deliver_item, _quick_http_failures, _send_metrics, _undelivered
 
 
@@ -43,8 +45,6 @@ def replay(run_dir: str | os.PathLike, uri: str | None = None) -> ReplayReport:
     TrackingError for a refusal (nothing recorded, a redacted URI, a job holding the run dir, an unknown
     run); ReplayError when the store fails midway (what was sent stays recorded; run it again).
     """
-    from mlflow import MlflowClient
-
     folder = TrackingFolder(run_dir)
     run_id = folder.recorded_run_id()
     if run_id is None:
@@ -55,6 +55,24 @@ def replay(run_dir: str | os.PathLike, uri: str | None = None) -> ReplayReport:
         _scrub_library_logs()
     _quiet_store_tracebacks()
     report = ReplayReport(run_id, shown_uri(uri))
+    try:
+        _replay_locked(folder, run_id, uri, report)
+    except OSError as e:
+        # The run dir's disk is full or read-only: the lock, delivered.jsonl or the outbox cannot be written. One
+        # line, a fault (exit 1), as for a store that fails, instead of a traceback.
+        if not is_write_fault(e):
+            raise
+        line = write_fault_line(e, folder.dir, "move the run dir to another file system")
+        raise ReplayError(f"replay stopped after {report.values} metric values: {line}; what was sent is recorded "
+                          "(a chunk the store took but this could not record is sent again), run replay again "
+                          "then") from None
+    return report
+
+
+def _replay_locked(folder: TrackingFolder, run_id: str, uri: str, report: ReplayReport) -> None:
+    """replay's sending, under the run dir's tracking lock."""
+    from mlflow import MlflowClient
+
     folder.lock("replay")
     try:
         client = MlflowClient(tracking_uri=uri)
@@ -70,7 +88,6 @@ def replay(run_dir: str | os.PathLike, uri: str | None = None) -> ReplayReport:
             _replay_outbox(client, each, report, each.recorded_run_id())
     finally:
         folder.unlock()
-    return report
 
 
 def _check_replay_target(client, folder: TrackingFolder, run_id: str, shown: str) -> None:
@@ -129,7 +146,11 @@ def _replay_chunks(client, batches: list[_Batch], log: _DeliveryLog, report: Rep
         except Exception as e:
             raise ReplayError(f"replay stopped after {report.values} metric values: {_one_line(e)}; what was sent "
                               "is recorded, run replay again when the store answers") from None
-        log.record(b.seq for b in chunk)
+        try:
+            log.record(b.seq for b in chunk)
+        except OSError as e:  # os.write names no file: name it for the one line replay ends with
+            e.filename = e.filename or str(log.path)
+            raise
         report.values += n
         report.batches += len(chunk)
 
