@@ -335,3 +335,25 @@ def without_cuda_toolkit(monkeypatch, torch_cuda: str = "13.0") -> None:
     monkeypatch.setattr(engine, "_op_builder", lambda name: CudaFusedAdam() if name == "FusedAdamBuilder" else None)
     monkeypatch.setattr("torch.utils.cpp_extension.CUDA_HOME", None)
     monkeypatch.setattr("torch.version.cuda", torch_cuda)
+
+
+def sentencepiece_corpus(root: Path, words: list[str], n_docs: tuple[int, int, int], seed: int = 0) -> Path:
+    """A corpus made by data_prep from random sentences of `words` (30 lines per document; n_docs: train, valid,
+    test documents), with a real 64-piece SentencePiece model; root/corpus."""
+    import random
+
+    from data_prep.cli import main as prep
+
+    rng = random.Random(seed)
+    for split, count in zip(("train", "valid", "test"), n_docs):
+        (root / "raw" / split).mkdir(parents=True)
+        for d in range(count):
+            lines = [" ".join(rng.choice(words) for _ in range(rng.randint(4, 10))).capitalize() + "."
+                     for _ in range(30)]
+            (root / "raw" / split / f"{d:02d}.txt").write_text("\n".join(lines) + "\n")
+    corpus = root / "corpus"
+    assert prep(["prepare", "--out", str(corpus), *(f"--{s}={root / 'raw' / s / '*.txt'}" for s in
+                                                    ("train", "valid", "test")),
+                 "--vocab-size", "64", "--no-byte-fallback", "--world-size", "1", "--n-streams", "4",
+                 "--num-proc", "1", "--quiet"]) == 0
+    return corpus

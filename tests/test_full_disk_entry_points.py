@@ -13,14 +13,13 @@ import contextlib
 import errno
 import json
 import os
-import random
 import shutil
 import sys
 from pathlib import Path
 
 import pytest
 
-from dist_helpers import run_ranks, tiny_config
+from dist_helpers import run_ranks, sentencepiece_corpus, tiny_config
 from txl_dist.errors import EXIT_FAILED
 from txl_dist.write_faults import mount_point, write_fault_line
 
@@ -39,21 +38,8 @@ def _train_main(argv):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A corpus with a real SentencePiece model and a run trained on it for 2 steps, with a local MLflow store."""
-    from data_prep.cli import main as prep
-
     root = tmp_path_factory.mktemp("full-disk")
-    rng = random.Random(0)
-    for split, n_docs in (("train", 6), ("valid", 1), ("test", 1)):
-        (root / "raw" / split).mkdir(parents=True)
-        for d in range(n_docs):
-            lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 10))).capitalize() + "."
-                     for _ in range(30)]
-            (root / "raw" / split / f"{d:02d}.txt").write_text("\n".join(lines) + "\n")
-    corpus = root / "corpus"
-    assert prep(["prepare", "--out", str(corpus), *(f"--{s}={root / 'raw' / s / '*.txt'}" for s in
-                                                    ("train", "valid", "test")),
-                 "--vocab-size", "64", "--no-byte-fallback", "--world-size", "1", "--n-streams", "4",
-                 "--num-proc", "1", "--quiet"]) == 0
+    corpus = sentencepiece_corpus(root, WORDS, (6, 1, 1))
     config = root / "config.json"
     config.write_text(json.dumps(tiny_config(corpus, root / "run", train={"max_steps": 2}, eval={"at_end": False},
                                              tracking={"enabled": True})))

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import flex_attention
 
-from dist_helpers import REPO, run_ranks, tiny_config
+from dist_helpers import REPO, run_ranks, sentencepiece_corpus, tiny_config
 import txl_dist.model.attention as attention
 from txl_dist.config import MemorySettings, ModelConfig
 from txl_dist.errors import EXIT_REFUSED
@@ -323,21 +323,8 @@ WORDS = ("the king queen crown sword night day love war peace lord lady speak he
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A corpus with a real SentencePiece model (made by data_prep) and a ZeRO-1 run trained on it for 3 steps."""
-    from data_prep.cli import main as prep
-
     root = tmp_path_factory.mktemp("generation")
-    rng = random.Random(0)
-    for split, n_docs in (("train", 12), ("valid", 2), ("test", 2)):
-        (root / "raw" / split).mkdir(parents=True)
-        for d in range(n_docs):
-            lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 10))).capitalize() + "."
-                     for _ in range(30)]
-            (root / "raw" / split / f"{d:02d}.txt").write_text("\n".join(lines) + "\n")
-    corpus = root / "corpus"
-    assert prep(["prepare", "--out", str(corpus), *(f"--{s}={root / 'raw' / s / '*.txt'}" for s in
-                                                    ("train", "valid", "test")),
-                 "--vocab-size", "64", "--no-byte-fallback", "--world-size", "1", "--n-streams", "4",
-                 "--quiet"]) == 0
+    corpus = sentencepiece_corpus(root, WORDS, (12, 2, 2))
     config = root / "config.json"
     # ZeRO 1: the weights go through DeepSpeed's consolidation, which prints (and must not reach --json).
     config.write_text(json.dumps(tiny_config(corpus, root / "run", train={"max_steps": 3},
