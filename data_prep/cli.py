@@ -12,10 +12,11 @@ from pathlib import Path
 
 from data_prep.tokenizer import MODEL_TYPES, TRAINING_OPTIONS, TRAINING_THREADS, TrainerOptions, \
     check_trained_with
-from data_prep.errors import PrepError, access_fault_line, write_fault_line
+from data_prep.errors import PrepError, access_fault_line
 from txl_dist.cli_args import ArgumentParser
 from txl_dist.errors import EXIT_FAILED, EXIT_REFUSED, Refused
 from txl_dist.host import raise_open_file_limit, usable_cpus
+from txl_dist.write_faults import write_fault_line  # the one line of a failed write, shared
 
 _EXAMPLE = """example (the quickstart):
   python -m data_prep fetch-corpus shakespeare data/raw/shakespeare

@@ -5,8 +5,6 @@ import errno
 import os
 
 from txl_dist.errors import Refused
-# The one line of a failed write is shared with the other entry points (export, interop, tracking replay).
-from txl_dist.write_faults import WRITE_FAULTS, mount_point, write_fault_line  # noqa: F401
 
 
 class PrepError(Refused):

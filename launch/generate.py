@@ -101,6 +101,7 @@ def load(checkpoint: str | None, model_dir: str | None, tokenizer: str | None, d
     import torch
 
     from txl_dist.generation import GenerationError
+    from txl_dist.interop.native import recorded_eod_id
 
     if (checkpoint is None) == (model_dir is None):
         raise GenerationError("pass exactly one of --checkpoint PATH (a run, checkpoints/ folder or step_* tag) "
@@ -112,7 +113,7 @@ def load(checkpoint: str | None, model_dir: str | None, tokenizer: str | None, d
         recorded_eod = None  # the checkpoint's corpus manifest, found by default, records it
     else:
         model, source, expected_sha, default_tok = _from_folder(model_dir)
-        recorded_eod = _recorded_eod(model_dir)
+        recorded_eod = recorded_eod_id(model_dir)  # a tokenizer loaded with --eod-piece ends documents otherwise
     tok = _tokenizer(tokenizer or default_tok, expected_sha, model.config.vocab_size, source,
                      found_beside=model_dir is not None and tokenizer is None, recorded_eod=recorded_eod)
     try:
@@ -159,14 +160,6 @@ def _from_folder(path: str):
     expected_sha = recorded_tokenizer_sha256(folder)
     default = folder / TOKENIZER_NAME
     return model, str(folder), expected_sha, str(default) if default.is_file() else None
-
-
-def _recorded_eod(model_dir: str) -> int | None:
-    """The end-of-document id the exported folder records (launch/export.py writes its corpus'), None where none
-    is: a tokenizer loaded with --eod-piece may end documents with another piece than <eod>."""
-    from txl_dist.interop.native import recorded_eod_id
-
-    return recorded_eod_id(model_dir)
 
 
 def _tokenizer(path: str | None, expected_sha: str | None, vocab_size: int, source: str, found_beside: bool = False,

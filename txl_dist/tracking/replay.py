@@ -17,9 +17,8 @@ from .continuation import superseded_folders
 from .errors import ReplayError, TrackingError
 from .journal import TrackingFolder, _Batch, _DeliveryLog, _summarize
 from .secrets import _one_line, _quiet_store_tracebacks, _remember_secrets, _scrub_library_logs, shown_uri
-from txl_dist.write_faults import is_write_fault, write_fault_line
-
 from .store import _check_reopenable, _chunks, _deliver_item, _quick_http_failures, _send_metrics, _undelivered
+from ..write_faults import is_write_fault, write_fault_line
 
 
 @dataclasses.dataclass
