@@ -27,6 +27,7 @@ from txl_dist.tracking import (
     create_tracker,
     flatten_params,
 )
+from txl_dist.tracking.journal import TrackingFolder
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -281,6 +282,38 @@ def test_default_local_store_needs_no_server(tmp_path, monkeypatch):
     # Artifacts lie beside the database.
     files = [p.relative_to(run_dir).parts for p in run_dir.rglob("final.txt")]
     assert len(files) == 1 and files[0][0] == "mlartifacts"
+
+
+def test_a_copied_run_dir_keeps_its_artifacts_in_its_own_store(tmp_path, monkeypatch):
+    """The local store names its artifact folder by absolute path: a run dir copied (or moved) elsewhere would
+    upload its artifacts into the original's folder (or a path that no longer exists). Its next job points
+    them at the copy's own mlartifacts/; the original is untouched."""
+    import shutil
+
+    from mlflow import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    original, copy = tmp_path / "a" / "run", tmp_path / "b" / "run"
+    with create_tracker(TrackingConfig(system_metrics=False), 0, original) as t:
+        t.log_text("first", "eval/final.txt")
+        run_id = t.run_id
+    shutil.copytree(original, copy)
+    # The next job, a process of its own as every job is (MLflow caches a run's artifact folder per process).
+    code = ("from txl_dist.config import TrackingConfig\n"
+            "from txl_dist.tracking import create_tracker\n"
+            f"with create_tracker(TrackingConfig(system_metrics=False), 0, {str(copy)!r}) as t:\n"
+            f"    assert t.run_id == {run_id!r}\n"
+            "    t.log_text('second', 'eval/final.txt')\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert [p.read_text() for p in original.rglob("final.txt")] == ["first"]
+    assert [p.read_text() for p in copy.rglob("final.txt")] == ["second"]
+    local = MlflowClient(f"sqlite:///{copy / 'mlflow.db'}")
+    assert local.get_run(run_id).info.artifact_uri.startswith((copy / "mlartifacts").resolve().as_uri() + "/")
+    assert MlflowClient(f"sqlite:///{original / 'mlflow.db'}").get_run(run_id).info.artifact_uri.startswith(
+        (original / "mlartifacts").resolve().as_uri() + "/")
+    # A later job has nothing to move: the recorded URI is the copy's now.
+    assert TrackingFolder(copy).recorded_uri() == f"sqlite:///{(copy / 'mlflow.db').resolve()}"
 
 
 def test_env_vars_choose_store_and_experiment(mlflow_server, client, experiment, tmp_path, monkeypatch):  # noqa: F811

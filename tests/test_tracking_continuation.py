@@ -159,6 +159,26 @@ def test_a_rollback_logs_to_a_continuation_that_holds_the_history_once(
     assert sorted(p.name for p in (folder.dir / "superseded").iterdir()) == sorted([r1, r2])
 
 
+def test_a_rollback_ends_a_left_run_that_a_killed_job_left_running(
+        mlflow_server, client, experiment, tmp_path):  # noqa: F811
+    """The job before the rollback was SIGKILLed (no status set: the run stays RUNNING); nothing re-opens that
+    run again, so the rollback marks it KILLED. A fork leaves its source's status alone (it may be training)."""
+    cfg = cfg_for(mlflow_server.uri, experiment)
+    r1 = first_job(cfg, tmp_path / "a")
+    client.update_run(r1, status="RUNNING")  # as a job killed outright leaves it
+    fork = create_tracker(cfg, 0, tmp_path / "b", resume=ResumePoint(r1, 6, source_dir=tmp_path / "a"))
+    assert fork.close().ok
+    assert client.get_run(r1).info.status == "RUNNING"
+    rollback = create_tracker(cfg, 0, tmp_path / "a", resume=ResumePoint(r1, 4, frozenset({r1})))
+    assert rollback.close().ok
+    assert client.get_run(r1).info.status == "KILLED"
+    assert client.get_run(r1).data.tags["txl.continued_by"] == rollback.run_id
+    # A rollback after a job that ended with a status keeps it.
+    r3 = create_tracker(cfg, 0, tmp_path / "a", resume=ResumePoint(r1, 2, frozenset({r1, rollback.run_id})))
+    assert r3.close().ok
+    assert client.get_run(rollback.run_id).info.status == "FINISHED"
+
+
 def test_a_fork_continues_the_source_run_in_a_new_run_and_leaves_the_source_alone(
         mlflow_server, client, experiment, tmp_path):  # noqa: F811
     cfg = cfg_for(mlflow_server.uri, experiment)

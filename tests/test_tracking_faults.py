@@ -18,6 +18,7 @@ import pytest
 
 from mlflow_server import (LoopbackProxy, cfg_for, client, experiment, free_port, mlflow_server,  # noqa: F401
                            no_mlflow_env, start_mlflow_server)  # (fixtures are found by name)
+from txl_dist.config import TrackingConfig
 from txl_dist.tracking import MlflowTracker, ResumePoint, TrackingError, create_tracker
 from txl_dist.tracking.journal import TrackingFolder
 
@@ -177,6 +178,64 @@ def test_a_resumed_job_does_not_log_the_journaled_steps_again(
     assert history(client, run_id, "valid/loss") == [(5, 50.0), (10, 60.0)]
 
 
+def test_each_opening_reads_only_the_journal_lines_since_the_last_opening(
+        mlflow_server, client, experiment, tmp_path, monkeypatch):  # noqa: F811
+    """A long run's journal is ~430 MB per million steps: a job's opening reads what the jobs since the last
+    opening wrote, and from the first line the store lacks (tracking/summary.json), not the whole journal."""
+    import types
+
+    from txl_dist.tracking import journal, mlflow_run
+
+    parsed = []
+
+    def loads(text, *args, **kw):
+        if '"metrics"' in (text.decode() if isinstance(text, bytes) else text):
+            parsed.append(json.loads(text)["step"])
+        return json.loads(text, *args, **kw)
+
+    monkeypatch.setattr(journal, "json", types.SimpleNamespace(loads=loads, dumps=json.dumps))
+    cfg = cfg_for(mlflow_server.uri, experiment)
+
+    def job(steps, store_fails_from=None):
+        real = mlflow_run._send_metrics
+
+        def send(client_, run_id, batches):
+            if store_fails_from is not None and any(b.step >= store_fails_from for b in batches):
+                raise ConnectionError("store away")
+            return real(client_, run_id, batches)
+
+        monkeypatch.setattr(mlflow_run, "_send_metrics", send)
+        parsed.clear()
+        tracker = create_tracker(cfg, 0, tmp_path)
+        tracker.flush(timeout=60)  # what earlier jobs left is sent first
+        opening = sorted(parsed)
+        for step in steps:
+            tracker.log_metrics({"train/loss": float(step)}, step=step)
+            tracker.flush(timeout=60)
+        delivery = tracker.close("KILLED")
+        monkeypatch.setattr(mlflow_run, "_send_metrics", real)
+        return opening, delivery, tracker.run_id
+
+    assert job(range(1, 11))[0] == []
+    opening, delivery, run_id = job(range(11, 21), store_fails_from=16)
+    assert opening == list(range(1, 11)) and delivery.failed == 5  # no summary yet (an older version's folder)
+    # The lines since the last opening, and the missing steps 16-20 again to send them; nothing before.
+    opening, delivery, _ = job([21, 22])
+    assert opening == sorted([*range(11, 21), *range(16, 21)]) and delivery.sent == 5 + 2 and delivery.ok
+    assert job([23])[0] == list(range(16, 23))  # the last opening's summary ends where the store lacked 16
+    assert job([24])[0] == [23]
+    assert history(client, run_id, "train/loss") == [(s, float(s)) for s in range(1, 25)]
+    # A journal changed under the summary (here: its first line gone) is read whole again.
+    lines = (tmp_path / "tracking" / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "tracking" / "metrics.jsonl").write_text("".join(lines[1:]))
+    opening, delivery, _ = job([24, 25])
+    assert opening == list(range(2, 25)) and delivery.sent == 1 and delivery.skipped == 1
+    # Delivery records removed (to have everything sent again): the whole journal is read and sent.
+    (tmp_path / "tracking" / "delivered.jsonl").unlink()
+    opening, delivery, _ = job([])
+    assert opening == sorted(2 * [*range(2, 26)]) and delivery.sent == 24
+
+
 def test_a_crash_before_the_first_checkpoint_reopens_the_recorded_run(
         mlflow_server, client, experiment, tmp_path):  # noqa: F811
     run_dir = tmp_path / "run"
@@ -227,6 +286,22 @@ def test_a_recorded_run_that_is_deleted_or_differs_is_refused(
                                             "to start a new run"):
         create_tracker(cfg, 0, tmp_path)
     assert runs_of(client, experiment) == []  # no second run was created instead
+
+
+def test_a_tracking_uri_changed_between_jobs_names_the_store_the_run_is_in(
+        mlflow_server, experiment, tmp_path):  # noqa: F811
+    """A relaunch with another tracking.uri: the run is in the store it was logged to, and the job resumes from a
+    checkpoint of that run, so removing the tracking folder would only lead to the checkpoint's run refusal."""
+    with create_tracker(cfg_for(mlflow_server.uri, experiment), 0, tmp_path / "run") as t:
+        run_id = t.run_id
+    other = TrackingConfig(uri=f"sqlite:///{tmp_path / 'other.db'}", experiment=experiment, system_metrics=False)
+    with pytest.raises(TrackingError) as refused:
+        create_tracker(other, 0, tmp_path / "run", resume=ResumePoint(run_id, 5))
+    assert str(refused.value) == (
+        f"tracking: the MLflow run {run_id} recorded in {tmp_path / 'run' / 'tracking' / 'run_id'} (logged to "
+        f"{mlflow_server.uri}) is not in {other.uri}; point tracking.uri at the store that holds it, or set "
+        "tracking.enabled=false")
+    assert not (tmp_path / "other.db").exists()
 
 
 def test_reopening_in_the_default_local_store_a_run_it_lacks_leaves_no_store_behind(

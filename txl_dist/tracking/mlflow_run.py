@@ -26,8 +26,9 @@ run from a checkpoint at step k < j (a crash after the checkpoint) re-runs steps
 log_metrics drops values at steps <= j of that key (counted in Delivery.skipped), because MLflow cannot
 delete a value once logged. What the journal holds and the store lacks (an earlier job's values while the
 store was down, a continuation's copied history) the writer sends first, before this job's own items.
-The journal is read once at open (~5 s for a million steps of 9 keys, a 370 MB file); the store's metric
-history is never downloaded.
+The journal is read once at open, from where the last opening's summary.json leaves off (journal.py's
+_summarize: a million-step journal is ~430 MB, ~5-15 s to read whole); the store's metric history is never
+downloaded.
 """
 from __future__ import annotations
 
@@ -56,8 +57,9 @@ from .errors import TrackingError
 from .journal import TrackingFolder, _Batch, _DeliveryLog, _Journal, _JournalSummary, _OutboxItem, _summarize
 from .secrets import _one_line, _quiet_store_tracebacks, _remember_secrets, _scrub_library_logs, scrub_secrets, \
     shown_uri
-from .store import (ENDED_TAG, MAX_KEY_LENGTH, MAX_METRICS_PER_BATCH, MAX_PARAM_VALUE_LENGTH, _check_reopenable,
-                    _chunks, RUNNING_HTTP_LIMITS, _deliver_item, _quick_http_failures, _send_metrics, _undelivered)
+from .store import (ENDED_TAG, LOCAL_ARTIFACTS, MAX_KEY_LENGTH, MAX_METRICS_PER_BATCH, MAX_PARAM_VALUE_LENGTH,
+                    RUNNING_HTTP_LIMITS, _check_reopenable, _chunks, _deliver_item, _mark_terminated,
+                    _quick_http_failures, _relocate_local_artifacts, _send_metrics, _undelivered)
 from .tracker import Delivery, Tracker, _check_status
 
 STORE_PAUSE_S = 30.0
@@ -70,8 +72,6 @@ DEFAULT_EXPERIMENT = "txl-dist"
 """Experiment used when neither tracking.experiment nor MLFLOW_EXPERIMENT_NAME is set."""
 LOCAL_DB = "mlflow.db"
 """File name of the default local store, inside the run dir."""
-LOCAL_ARTIFACTS = "mlartifacts"
-"""Artifact folder of an experiment created in a local sqlite store, beside the database file."""
 TRUNCATED = "...[truncated]"
 
 
@@ -150,8 +150,10 @@ class _Backfill:
     """A marker in the queue (the first item): send what the journal and outbox hold up to this seq and the
     store lacks."""
 
-    def __init__(self, through_seq: int) -> None:
+    def __init__(self, through_seq: int, start: int) -> None:
         self.through_seq = through_seq
+        self.start = start
+        """The journal's byte offset of the first line the store lacks (_JournalSummary.first_missing_offset)."""
 
 
 _STOP = object()
@@ -200,9 +202,11 @@ class MlflowTracker(Tracker):
                                 "(sqlite in run.dir)") from None
         if holds_secret:
             _scrub_library_logs()
+        if new_store is None:
+            self._follow_moved_run_dir()
         try:
             with _quick_http_failures():
-                run = self._open_run(cfg, opening)
+                run = self._open_run(cfg, opening, resume.run_id if resume is not None else None)
                 self._run_id: str = run.info.run_id
                 self.experiment_id: str = run.info.experiment_id
                 try:
@@ -237,7 +241,7 @@ class MlflowTracker(Tracker):
         self._writer = threading.Thread(target=self._send_loop, name="txl-mlflow-writer", daemon=True)
         self._backfill_left = summary.missing_values
         if summary.missing_values or summary.missing_items:
-            self._queue.put_nowait(_Backfill(summary.next_seq - 1))
+            self._queue.put_nowait(_Backfill(summary.next_seq - 1, summary.first_missing_offset))
         self._writer.start()
         logger.info("MLflow run %s (%s) at %s", self._run_id, {"reopen": "re-opened", "new": "new"}.get(
             opening.kind, "continuation"), self.shown_uri)
@@ -246,12 +250,18 @@ class MlflowTracker(Tracker):
     # ---------------------------------------------------------------------------------------------
     # Opening
 
-    def _open_run(self, cfg: TrackingConfig, opening: Opening):
+    def _open_run(self, cfg: TrackingConfig, opening: Opening, checkpoint_run: str | None):
         try:
             if opening.kind == "reopen":
                 if opening.run_id == self.folder.recorded_run_id():
+                    # A changed tracking.uri (the run is in the store it was logged to), and a checkpoint of
+                    # the run (removing the folder would only lead to its run's refusal): both said.
+                    was = self.folder.recorded_uri()
+                    was = f" (logged to {was})" if was and was != self.shown_uri else ""
+                    fix = ("set tracking.enabled=false" if checkpoint_run is not None else
+                           f"remove {self.folder.dir} to start a new run")
                     return self._reopen(opening.run_id, f"the MLflow run {opening.run_id} recorded in "
-                                        f"{self.folder.run_id_file}", f"remove {self.folder.dir} to start a new run")
+                                        f"{self.folder.run_id_file}{was}", fix)
                 return self._reopen(opening.run_id, f"the checkpoint's MLflow run {opening.run_id}",
                                     "set tracking.enabled=false")
             if opening.kind == "continue":
@@ -304,6 +314,26 @@ class MlflowTracker(Tracker):
             return (db.parent / LOCAL_ARTIFACTS).resolve().as_uri()
         return None
 
+    def _follow_moved_run_dir(self) -> None:
+        """The run dir's own sqlite store, recorded at another path (the run dir was moved or copied): its
+        artifact locations follow it (store.py's _relocate_local_artifacts)."""
+        recorded = self.folder.recorded_uri()
+        if not (recorded and recorded.startswith("sqlite:///") and self.uri.startswith("sqlite:///")):
+            return
+        database = Path(self.uri[len("sqlite:///"):]).resolve()
+        old = Path(recorded[len("sqlite:///"):])
+        if recorded == self.uri or not old.is_absolute() or database.parent != self.run_dir.resolve():
+            return
+        try:
+            moved = _relocate_local_artifacts(database, old, self._artifact_location())
+        except Exception as e:  # noqa: BLE001 - sqlite3's errors, an older schema: uploads go where they went
+            logger.warning("tracking: the run dir was at %s; its store %s still names the artifact folder there "
+                           "(%s)", old.parent, database, _one_line(e))
+            return
+        if moved:
+            logger.info("tracking: the run dir was at %s: %d artifact location(s) of its store now point at %s",
+                        old.parent, moved, self._artifact_location())
+
     def _reopen(self, run_id: str, described: str, other_fix: str):
         """Set a known, active run RUNNING again; described and other_fix word the refusal when it is not."""
         run = _check_reopenable(
@@ -344,7 +374,7 @@ class MlflowTracker(Tracker):
         for item in self.folder.outbox_items():
             if item.meta["kind"] == "status":  # an earlier job's final status: this job sets its own
                 self.folder.remove(item)
-        return _summarize(self.folder)
+        return _summarize(self.folder, keep=True)
 
     def _switch_folder(self, opening: Opening) -> None:
         continues = opening.continues
@@ -359,6 +389,16 @@ class MlflowTracker(Tracker):
         if continues.run_id is not None:
             with contextlib.suppress(Exception):  # a tag on the earlier run: a convenience, maybe in another store
                 self._client.set_tag(continues.run_id, "txl.continued_by", self._run_id)
+            if continues.because == "rollback":
+                self._end_left_run(continues.run_id)
+
+    def _end_left_run(self, run_id: str) -> None:
+        """A rollback leaves the run for good: one still RUNNING (its last job was killed outright, a SIGKILL or
+        a lost node, and set no status) becomes KILLED, else it would show as running for ever. Only this run
+        dir's run (a rollback), whose journal this job holds: a fork's source run may be training elsewhere."""
+        with contextlib.suppress(Exception):  # the status of a run this job no longer logs to: a convenience
+            if self._client.get_run(run_id).info.status == "RUNNING":
+                _mark_terminated(self._client, run_id, "KILLED", int(time.time() * 1000))
 
     def _report_opening(self, opening: Opening, summary: _JournalSummary) -> None:
         if opening.kind == "continue":
@@ -617,7 +657,7 @@ class MlflowTracker(Tracker):
                 elif isinstance(item, _OutboxItem):
                     self._deliver(item)
                 elif isinstance(item, _Backfill):
-                    self._backfill(item.through_seq)
+                    self._backfill(item.through_seq, item.start)
                 elif isinstance(item, _Flush):
                     item.done.set()
                 elif item is _STOP:
@@ -625,10 +665,10 @@ class MlflowTracker(Tracker):
             except Exception as e:  # a writer that died would leave every later flush() waiting forever
                 self._failed("the delivery records", 0, e)
 
-    def _backfill(self, through_seq: int) -> None:
+    def _backfill(self, through_seq: int, start: int = 0) -> None:
         """Send, as replay would, what the journal (seqs <= through_seq) and the outbox hold and the store
         lacks; at the first failure stop (counting the rest as failed: it stays for replay)."""
-        for batches in _undelivered(self.folder, through_seq):
+        for batches in _undelivered(self.folder, through_seq, start):
             values = sum(len(b.metrics) for b in batches)
             sent = self.delivery.sent
             self._deliver_metrics(batches)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 from .errors import TrackingError
 from .journal import TrackingFolder, _Batch, _OutboxItem
@@ -16,6 +17,9 @@ MAX_METRICS_PER_BATCH = 1000
 MAX_PARAMS_PER_BATCH = 100
 MAX_PARAM_VALUE_LENGTH = 6000
 MAX_KEY_LENGTH = 250
+
+LOCAL_ARTIFACTS = "mlartifacts"
+"""Artifact folder of an experiment created in a local sqlite store, beside the database file."""
 
 OPENING_HTTP_LIMITS = {
     "MLFLOW_HTTP_REQUEST_MAX_RETRIES": 1,
@@ -34,13 +38,14 @@ noticed in seconds (a refused port ~3 s, a silent host ~1 min), not after minute
 would also hold the job's exit; what fails stays in the journal for replay."""
 
 
-def _undelivered(folder: TrackingFolder, through_seq: float = float("inf")) -> Iterator[list[_Batch]]:
+def _undelivered(folder: TrackingFolder, through_seq: float = float("inf"), start: int = 0) -> Iterator[list[_Batch]]:
     """The journal's batches the store lacks (seqs <= through_seq), streamed in runs of about one log_batch
-    of values (replay, and a job sending what earlier jobs could not)."""
+    of values (replay, and a job sending what earlier jobs could not); start: a byte offset of the journal
+    before which every line is delivered."""
     delivered = folder.delivered_seqs()
     pending: list[_Batch] = []
     size = 0
-    for batch in folder.journal_batches():
+    for batch in folder.journal_batches(start):
         if batch.seq > through_seq:
             break
         if batch.seq in delivered:
@@ -158,3 +163,24 @@ def _check_reopenable(client, run_id: str, shown: str, described: str, unknown_f
         raise TrackingError(f"tracking: {described} is deleted in {shown}; restore it "
                             f"(mlflow runs restore --run-id {run_id}) or {deleted_fix}")
     return run
+
+
+def _relocate_local_artifacts(database: Path, old_database: Path, new_location: str) -> int:
+    """A run dir moved or copied (another machine, another path) with its local sqlite store: the store's
+    experiment and runs still name the old run dir's artifact folder (an absolute file:// URI, fixed when the
+    experiment was made), so uploads would go there: outside this run dir, into the original's folder where it
+    still exists (a copy's curves.png over the original's), or fail. Point the rows that name the old folder,
+    <old_database's folder>/mlartifacts, at new_location; returns how many. MLflow has no call that moves
+    artifact locations: two UPDATEs of its tables (experiments.artifact_location, runs.artifact_uri)."""
+    import sqlite3
+
+    old_location = (old_database.parent / LOCAL_ARTIFACTS).as_uri()
+    if old_location == new_location:
+        return 0
+    with contextlib.closing(sqlite3.connect(database, timeout=30)) as db, db:
+        moved = db.execute("UPDATE experiments SET artifact_location = ? WHERE artifact_location = ?",
+                           (new_location, old_location)).rowcount
+        moved += db.execute("UPDATE runs SET artifact_uri = ? || substr(artifact_uri, ?) WHERE artifact_uri = ? OR "
+                            "substr(artifact_uri, 1, ?) = ?", (new_location, len(old_location) + 1, old_location,
+                                                                len(old_location) + 1, old_location + "/")).rowcount
+    return moved
