@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from data_prep.tokenizer import MODEL_TYPES, TRAINING_OPTIONS, TRAINING_THREADS, TrainerOptions, \
     check_trained_with
@@ -17,6 +18,9 @@ from txl_dist.cli_args import ArgumentParser
 from txl_dist.errors import EXIT_FAILED, EXIT_REFUSED, Refused
 from txl_dist.host import raise_open_file_limit, usable_cpus
 from txl_dist.write_faults import write_fault_line  # the one line of a failed write, shared
+
+if TYPE_CHECKING:  # for an annotation only: each command imports what it uses when it runs
+    from txl_dist.data.format import Manifest
 
 _EXAMPLE = """example (the quickstart):
   python -m data_prep fetch-corpus shakespeare data/raw/shakespeare
@@ -356,13 +360,14 @@ def _run(args: argparse.Namespace, command: list[str], recorded: dict, training:
             if args.shard or args.plan:
                 raise PrepError(f"--{'shard' if args.shard else 'plan'} cannot make a mixture: prepare each source, "
                                 "then run `mix`")
-            prepare_mixture([parse_source(s) for s in args.source], spec, args.out,
-                            tokenizer_model=args.tokenizer_model, eod_piece=args.eod_piece, trainer=trainer,
-                            num_proc=args.num_proc, world_size=args.world_size, n_streams=args.n_streams,
-                            eval_streams=args.eval_streams, train_tokens=args.train_tokens, overwrite=args.overwrite,
-                            command=command, args=recorded, progress=not args.quiet,
-                            space_check=not args.no_space_check)
-            print(f"wrote mixture {args.out}")
+            manifest = prepare_mixture([parse_source(s) for s in args.source], spec, args.out,
+                                       tokenizer_model=args.tokenizer_model, eod_piece=args.eod_piece,
+                                       trainer=trainer, num_proc=args.num_proc, world_size=args.world_size,
+                                       n_streams=args.n_streams, eval_streams=args.eval_streams,
+                                       train_tokens=args.train_tokens, overwrite=args.overwrite, command=command,
+                                       args=recorded, progress=not args.quiet,
+                                       space_check=not args.no_space_check)
+            print(_wrote_mixture(args.out, manifest))
             return 0
         if args.plan:
             from data_prep.prepare import plan_job
@@ -398,8 +403,7 @@ def _run(args: argparse.Namespace, command: list[str], recorded: dict, training:
                        seed=args.seed, world_size=args.world_size, n_streams=args.n_streams,
                        eval_streams=args.eval_streams, overwrite=args.overwrite, index=args.index, command=command,
                        args=recorded, progress=not args.quiet, space_check=not args.no_space_check)
-        shares = ", ".join(f"{s.name} {s.share:.4f} ({s.epochs:.2f} epochs)" for s in manifest.mixture.sources)
-        print(f"wrote mixture {args.out}: {manifest.splits['train'].n_tokens:,} train tokens; {shares}")
+        print(_wrote_mixture(args.out, manifest))
     elif args.command == "verify":
         from data_prep.report import verify_report
         print(verify_report(args.corpus, progress=not args.quiet))
@@ -413,3 +417,10 @@ def _run(args: argparse.Namespace, command: list[str], recorded: dict, training:
                  command=command, args=recorded, progress=not args.quiet, space_check=not args.no_space_check)
         print(f"relaid {args.corpus} for world size {args.world_size}, {args.n_streams} streams")
     return 0
+
+
+def _wrote_mixture(out: str, manifest: Manifest) -> str:
+    """The line `mix` and `prepare --source` end with: the length and each source's realized share and epochs
+    (a source far smaller than its share repeats: its epochs say how often)."""
+    shares = ", ".join(f"{s.name} {s.share:.4f} ({s.epochs:.2f} epochs)" for s in manifest.mixture.sources)
+    return f"wrote mixture {out}: {manifest.splits['train'].n_tokens:,} train tokens; {shares}"

@@ -251,9 +251,17 @@ def _check_prepare_space(sources: dict[str, list[Source]], text_field: str, voca
 
 
 def train_tokenizer_job(spec: InputSpec, out: str | os.PathLike, trainer: TrainerOptions, *,
-                        overwrite: bool = False, progress: bool = True, verbose: bool = False) -> Path:
-    """Train a tokenizer on the training documents of `spec` (held-out documents excluded) into file `out`."""
+                        overwrite: bool = False, progress: bool = True, verbose: bool = False,
+                        parts: dict[str, Sequence[str]] | None = None) -> Path:
+    """Train a tokenizer on the training documents of `spec` (held-out documents excluded) into file `out`.
+
+    `parts`: the --train inputs in groups that each hold out their own documents, as preparing each group on
+    its own does (`prepare --source`: a mixture's sources), by the name a refusal of the group starts with;
+    default: one group, spec.train.
+    """
     out = Path(out)
+    if parts is not None:
+        spec = dataclasses.replace(spec, train=[path for part in parts.values() for path in part])
     sources = spec.resolve_apart_from(out)
     check_trainer_options(trainer)
     if out.is_dir():
@@ -266,7 +274,18 @@ def train_tokenizer_job(spec: InputSpec, out: str | os.PathLike, trainer: Traine
         counting = bool(spec.fractions())  # only held-out fractions need the documents counted
         with tqdm(desc="count documents", unit=" docs", disable=not (progress and counting), file=sys.stderr,
                   leave=False) as bar:
-            plan = make_plan(sources, spec.fractions(), job.opts, seed=spec.seed, count=False, progress=bar.update)
+            plans = []
+            for name, part in ({None: spec.train} if parts is None else parts).items():
+                part_sources = sources if name is None else dataclasses.replace(spec, train=list(part)).resolve()
+                try:
+                    plans.append(make_plan(part_sources, spec.fractions(), job.opts, seed=spec.seed, count=False,
+                                           progress=bar.update))
+                except PrepError as e:
+                    raise (e if name is None else PrepError(f"{name}: {e}")) from None
+        # Each group's held-out documents are picked among its own (a pick over all of them would hold out
+        # others, and train the tokenizer on documents that its group's prepare holds out).
+        plan = Plan([g for p in plans for g in p.groups],
+                    {split: sum(p.n_documents.get(split, 0) for p in plans) for split in plans[0].n_documents})
         model = _train(job, plan, Path(tmp) / TOKENIZER_FILE, trainer, verbose)
         os.replace(model, out)
     return out

@@ -141,6 +141,9 @@ class IndexReader(StreamReader):
             folder = source_folder(self.corpus_dir, ref)
             fix = ("put that corpus back there (or move the mixture and its sources together), or re-run "
                    "`python -m data_prep mix --index`")
+            if not os.path.lexists(folder):  # read_manifest's fix (prepare a corpus there) would not be this one
+                raise CorpusError(f"{where}: index source '{recorded.name}' (splits.train.index.sources[{i}] "
+                                  f"'{ref}') is not at {folder} (nothing there); {fix}")
             try:
                 source_manifest = read_manifest(folder)
             except CorpusError as e:
