@@ -12,6 +12,7 @@ import pandas as pd
 import pytest
 
 from dist_helpers import learnable_stream, run_ranks, tiny_config, write_corpus
+from txl_dist import curves
 from txl_dist.curves import CURVES_FILE, LossHistory, draw, ema_debiased, smoothing_span
 from txl_dist.tracking.mlflow_run import ui_hint
 from txl_dist.tracking.secrets import shown_uri
@@ -32,7 +33,10 @@ def _line(seq, step, metrics):
     return json.dumps({"seq": seq, "step": step, "time": 0, "metrics": metrics}) + "\n"
 
 
-def test_history_reads_the_journal_as_it_grows_and_skips_what_it_cannot_draw(tmp_path):
+@pytest.mark.parametrize("block", [128, None])  # blocks shorter than the journal, and the default
+def test_history_reads_the_journal_as_it_grows_and_skips_what_it_cannot_draw(tmp_path, monkeypatch, block):
+    if block:
+        monkeypatch.setattr(curves, "READ_BLOCK_BYTES", block)
     journal = tmp_path / "metrics.jsonl"
     journal.write_text(_line(1, 1, {"train/loss": 4.0, "train/tokens_seen": 32.0})
                        + _line(2, 2, {"train/loss": float("nan"), "train/tokens_seen": 64.0})  # a skipped step
@@ -51,6 +55,34 @@ def test_history_reads_the_journal_as_it_grows_and_skips_what_it_cannot_draw(tmp
     assert points.test_loss == []
     out = draw(points, tmp_path / "c.png")
     assert out.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_a_line_longer_than_a_read_block_is_skipped_and_the_lines_after_it_are_read(tmp_path, monkeypatch):
+    monkeypatch.setattr(curves, "READ_BLOCK_BYTES", 128)
+    journal = tmp_path / "metrics.jsonl"
+    journal.write_text(_line(1, 1, {"train/loss": 4.0, "train/tokens_seen": 32.0})
+                       + "x" * 300 + "\n"
+                       + _line(2, 2, {"train/loss": 3.0, "train/tokens_seen": 64.0}))
+    history = LossHistory(journal)
+    history.update()
+    assert history.points().train_loss == [4.0, 3.0]
+
+
+@pytest.mark.parametrize("steps", [1, 2, 60])
+def test_every_series_of_the_picture_shows_however_few_steps_were_logged(steps):
+    # A line through one point draws nothing: the picture of a one-step run was empty axes and a legend.
+    from txl_dist.curves import CurvePoints
+
+    tokens = [32.0 * s for s in range(1, steps + 1)]
+    loss = [4.0 - 0.01 * s for s in range(steps)]
+    points = CurvePoints(tokens, loss, ema_debiased(loss, smoothing_span(steps)), [], [], tokens[-1:], [3.9])
+    lines = curves.figure(points).axes[0].get_lines()
+    for line in lines:
+        as_line = len(line.get_xdata()) >= 2 and line.get_linestyle() not in ("None", "none", "")
+        assert as_line or line.get_marker() not in ("None", "none", "", None), line.get_label()
+    # Under 50 steps the smoothing span is 1: the one train line is not drawn twice under two names.
+    assert [line.get_label() for line in lines] == (
+        ["train", "test"] if steps < 50 else ["train (raw)", "train (EMA, span 2 steps)", "test"])
 
 
 def test_a_failure_to_draw_is_warned_once_and_never_raised(tmp_path, caplog):

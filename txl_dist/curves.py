@@ -11,7 +11,8 @@ drawing), so redrawing after each evaluation stays cheap on long runs. Without t
 (tracking.enabled=false) there is no journal and no picture.
 
 Smoothing: an exponential moving average, debiased as TensorBoard's (the first values are not pulled
-towards zero), with a span of about 4% of the steps drawn (1 to 1000 steps).
+towards zero), with a span of about 4% of the steps drawn (1 to 1000 steps). Under 50 steps the span is 1
+(nothing to smooth): one train line, with markers under 3 steps (a line through one point draws nothing).
 
 matplotlib (a Figure without pyplot: the Agg renderer, no display) is imported on first drawing. A failure
 to draw never stops training: RunCurves warns once and goes on.
@@ -34,6 +35,8 @@ CURVES_FILE = "curves.png"
 """File name of the picture, in the run folder (beside checkpoints/)."""
 MAX_SPAN = 1000
 """The smoothing span never exceeds this many steps."""
+READ_BLOCK_BYTES = 8 << 20
+"""The journal is read in blocks of this size (a journal line is ~400 bytes)."""
 MAX_PLOTTED_POINTS = 5000
 """Longer training curves are thinned to about this many points (after smoothing over all of them)."""
 
@@ -97,16 +100,24 @@ class LossHistory:
             self._reset()
         with open(self.journal, "rb") as f:
             f.seek(self._offset)
-            data = f.read(size - self._offset)
-        end = data.rfind(b"\n") + 1
-        self._offset += end
-        for line in data[:end].splitlines():
-            try:
-                record = json.loads(line)
-                step, metrics = int(record["step"]), record["metrics"]
-            except (ValueError, KeyError, TypeError):
-                continue  # a torn line left by a crash
-            self._add(step, metrics)
+            # In blocks: a long run's journal is ~430 MB per million steps, and one read of it all (as bytes,
+            # then as lines) peaked at ~1 GiB on rank 0.
+            while self._offset < size:
+                data = f.read(min(READ_BLOCK_BYTES, size - self._offset))
+                end = data.rfind(b"\n") + 1
+                if end == 0:
+                    if len(data) < READ_BLOCK_BYTES:
+                        return  # the writer's incomplete last line
+                    end = len(data)  # a line longer than a block is no journal line: skip it
+                self._offset += end
+                f.seek(self._offset)
+                for line in data[:end].splitlines():
+                    try:
+                        record = json.loads(line)
+                        step, metrics = int(record["step"]), record["metrics"]
+                    except (ValueError, KeyError, TypeError):
+                        continue  # a torn line left by a crash
+                    self._add(step, metrics)
 
     def _add(self, step: int, metrics: dict) -> None:
         tokens = metrics.get("train/tokens_seen")
@@ -133,8 +144,8 @@ class LossHistory:
         return CurvePoints(train_tokens, train_loss, smoothed, valid_tokens, valid_loss, test_tokens, test_loss)
 
 
-def draw(points: CurvePoints, out: str | os.PathLike, title: str = "") -> Path:
-    """Write the picture of `points` to `out` (PNG, atomically); returns the path."""
+def figure(points: CurvePoints, title: str = ""):
+    """The picture of `points` as a matplotlib Figure (not drawn yet)."""
     from matplotlib.figure import Figure
     from matplotlib.ticker import EngFormatter
 
@@ -142,11 +153,15 @@ def draw(points: CurvePoints, out: str | os.PathLike, title: str = "") -> Path:
     # A Figure without pyplot renders with Agg: no display, no global figure registry, the host's backend untouched.
     fig = Figure(figsize=(8, 4.5), dpi=100)
     ax = fig.add_subplot()
-    ax.plot(points.train_tokens[::stride], points.train_loss[::stride], color="tab:blue", alpha=0.25, linewidth=0.8,
-            label="train (raw)")
+    # A line through one point draws nothing: a run's first steps (or a one-step run) get markers.
+    few = {"marker": "o", "markersize": 4} if len(points.train_loss) < 3 else {}
     span = smoothing_span(len(points.train_loss))
+    if span > 1:
+        ax.plot(points.train_tokens[::stride], points.train_loss[::stride], color="tab:blue", alpha=0.25,
+                linewidth=0.8, label="train (raw)")
+    # Span 1 (under 50 steps) smooths nothing: one line, not the same one twice.
     ax.plot(points.train_tokens[::stride], points.train_smoothed[::stride], color="tab:blue", linewidth=1.6,
-            label=f"train (EMA, span {span} step{'s' if span > 1 else ''})")
+            label=f"train (EMA, span {span} steps)" if span > 1 else "train", **few)
     if points.valid_loss:
         ax.plot(points.valid_tokens, points.valid_loss, color="tab:orange", marker="o", markersize=4, linewidth=1.2,
                 label="valid")
@@ -161,6 +176,12 @@ def draw(points: CurvePoints, out: str | os.PathLike, title: str = "") -> Path:
     if title:
         ax.set_title(title, fontsize=10)
     fig.tight_layout()
+    return fig
+
+
+def draw(points: CurvePoints, out: str | os.PathLike, title: str = "") -> Path:
+    """Write the picture of `points` to `out` (PNG, atomically); returns the path."""
+    fig = figure(points, title)
     out = Path(out)
     with atomic_path(out) as tmp:
         fig.savefig(tmp, format="png")
