@@ -6,15 +6,15 @@
 PATH is a run folder, its checkpoints/ folder (the newest complete tag is used) or a step_* tag; the tag's
 files are verified against their checksums first. The tag is held for reading from its choice to the end of
 the load, so a run still training there does not remove it meanwhile (its retention keeps it until its next
-save). The configuration is the checkpoint's own (saved in
-run.json) unless --config names another; --set overrides either (e.g. the eval section). Runs on any world
-size that divides eval.n_streams (ZeRO 1-3 checkpoints of another world size go through the universal
-conversion, as for training). The split (--split) is checked with the corpus, before anything is built or
-written. Rank 0 prints a short table (loss, perplexity, bits per token/byte/char, the tokens predicted, the
-precision and attention path the numbers were computed with, the memory settings), then the result as JSON;
---json-out also writes the JSON to a file (atomically; its folder must exist, and the path is checked before
-the evaluation). Exit status 0; 2 for refused input (one line says why); 1 for a fault during the evaluation
-(a lost rank).
+save). The configuration is the checkpoint's own (saved in run.json) unless --config names another; --set
+overrides either (e.g. the eval section). Runs on any world size that divides eval.n_streams (null: the
+streams the checkpoint's run evaluated, one per rank it was saved on; ZeRO 1-3 checkpoints of another world
+size go through the universal conversion, as for training). The split (--split) is checked with the corpus,
+before anything is built or written. Rank 0 prints a short table (loss, perplexity, bits per token/byte/char,
+the tokens predicted, the precision and attention path the numbers were computed with, the memory settings),
+then the result as JSON; --json-out also writes the JSON to a file (atomically; its folder must exist, and the
+path is checked before the evaluation). Exit status 0; 2 for refused input (one line says why); 1 for a fault
+during the evaluation (a lost rank).
 """
 from __future__ import annotations
 
@@ -66,6 +66,31 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
+
+
+def with_checkpoints_streams(choice, world_size: int):
+    """choice with eval.n_streams set to the world size its checkpoint was saved on where the configuration
+    leaves it null (the GPU presets do): the streams that run's own evaluations used (null there too).
+
+    Why: null means one stream per rank, and the numbers depend on the streams (each starts with an empty
+    memory), so the same checkpoint gave other numbers on another world size, and not the test result its run
+    logged. Refused (the hold released) where this world size cannot split them; the user then names a count."""
+    import dataclasses
+
+    from txl_dist.config import ConfigError
+
+    cfg = choice.cfg
+    if cfg.eval.n_streams is not None:
+        return choice
+    saved = choice.run_info["world_size"]
+    if saved % world_size:
+        choice.hold.release()
+        raise ConfigError(f"eval.n_streams is null: the evaluation uses the checkpoint's {saved} stream(s) (its run "
+                          f"evaluated one per rank, on the {saved} it was saved on), which {world_size} ranks cannot "
+                          f"split; pass --set eval.n_streams=N, N a multiple of {world_size} (the numbers depend on "
+                          f"N), or evaluate on a world size that divides {saved}")
+    streams = dataclasses.replace(cfg.eval, n_streams=saved)
+    return dataclasses.replace(choice, cfg=dataclasses.replace(cfg, eval=streams))
 
 
 def evaluate_checkpoint(choice, split: str | None, env: distributed.DistEnv, check_outputs=None) -> dict:
@@ -151,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
 
             env = distributed.discover()
             distributed.setup_logging(env, args.log_all_ranks)
-            choice = eval_config(args.checkpoint, args.config, args.overrides)
+            choice = with_checkpoints_streams(eval_config(args.checkpoint, args.config, args.overrides),
+                                              env.world_size)
             distributed.configure_threads(env)
             # Only rank 0 writes it, so only rank 0 can judge the path; every rank refuses with it.
             check = (lambda: check_output_file(args.json_out, "--json-out")) if args.json_out is not None else None

@@ -43,7 +43,9 @@ EXAMPLES = """examples:
 
 The printed text is the prompt and the samples as the tokenizer decodes them: a tokenizer that normalises
 text (the Shakespeare corpus' removes extra whitespace and has no newline piece) prints the prompt
-normalised ("  two  spaces\\nand" as "two spaces and"); --json's "prompt" is the text as given.
+normalised ("  two  spaces\\nand" as "two spaces and"); --json's "prompt" is the text as given. Prompt text a
+tokenizer without byte fallback has no piece for is read as its unknown id and printed as ⁇ (one warning line on
+stderr counts them).
 """
 
 
@@ -268,6 +270,11 @@ def samples_output(args: argparse.Namespace) -> str:
     prompt_ids = tok.encode(prompt, start_of_document=not args.continue_document)
     if not prompt_ids:
         raise GenerationError("--continue-document needs a prompt with at least one token")
+    unknown = prompt_ids.count(tok.unk_id)
+    if unknown:  # otherwise silent: the model reads <unk> and the printed prompt shows each as " ⁇ "
+        logging.getLogger("txl_dist").warning(
+            "warning: %d piece(s) of the prompt are not in the tokenizer's vocabulary: the model reads each as its "
+            "unknown id (printed as ⁇); text of the training corpus' characters and words avoids it", unknown)
     seed = args.seed if args.seed is not None else int(torch.seed() % 2**31)
     samples = generate(loaded.model, prompt_ids, args.max_new_tokens, sampling, num_samples=args.num_samples,
                        stop_id=None if args.ignore_eod else tok.eod_id, seed=seed, mem_len=args.mem_len,

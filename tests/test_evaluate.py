@@ -95,6 +95,24 @@ def test_any_world_size_dividing_the_eval_streams_evaluates(trained, tmp_path):
     np.testing.assert_allclose(one["loss"], three["loss"], rtol=1e-6)
 
 
+def test_null_eval_streams_are_the_checkpoints_world_size_on_any_world_size(trained, tmp_path):
+    # eval.n_streams null (the GPU presets) means one stream per rank. The 2-rank checkpoint's run evaluated 2
+    # streams: 1 rank evaluated 1 stream, another number than 2 ranks (and than the run's own test result).
+    _, ckpt = trained
+    out1, out2 = tmp_path / "w1.json", tmp_path / "w2.json"
+
+    def argv(out):
+        return ["--checkpoint", str(ckpt), "--split", "valid", "--output", str(out),
+                "--set", "eval.max_segments=null", "--set", "eval.n_streams=null"]
+
+    assert run_ranks(_eval_main, 1, argv(out1)) == [0]
+    assert run_ranks(_eval_main, 2, argv(out2)) == [0, 0]
+    one, two = json.loads(out1.read_text()), json.loads(out2.read_text())
+    assert (one["world_size"], two["world_size"], one["eval_streams"], two["eval_streams"]) == (1, 2, 2, 2)
+    assert one["tokens"] == two["tokens"] == 2 * (VALID_TOKENS // 2 - 1)
+    np.testing.assert_allclose(one["loss"], two["loss"], rtol=1e-6)
+
+
 def _eval_main_of_this_rank(argvs):
     import os
 

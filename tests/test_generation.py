@@ -426,6 +426,22 @@ def test_cli_refuses_bad_arguments_with_one_line(trained, tmp_path, monkeypatch,
     assert list(tmp_path.iterdir()) == []  # nothing written
 
 
+def test_cli_warns_once_about_prompt_text_the_tokenizer_has_no_piece_for(trained, capsys, caplog):
+    # The fixture's tokenizer has no byte fallback: characters it never saw become its unknown id, which the
+    # model reads as such, silently (the printed prompt only showed " ⁇ ").
+    _, run = trained
+    argv = ["--checkpoint", str(run), "--max-new-tokens", "2", "--seed", "0", "--json"]
+    with caplog.at_level(logging.WARNING, logger="txl_dist"):
+        assert _generate_main(argv + ["--prompt", "Ω the king ∑"]) == 0
+        unknown = json.loads(capsys.readouterr().out)["prompt_ids"].count(0)
+        assert _generate_main(argv + ["--prompt", "the king"]) == 0
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert unknown == 2
+    assert warnings == ["warning: 2 piece(s) of the prompt are not in the tokenizer's vocabulary: the model reads "
+                        "each as its unknown id (printed as ⁇); text of the training corpus' characters and words "
+                        "avoids it"]
+
+
 def test_cli_stdout_is_only_the_json_whatever_the_environment(trained, tmp_path):
     """DeepSpeed logs to stdout when it is imported (without DS_ACCELERATOR: "Setting accelerator to CPU"):
     that goes to stderr, so that a program can parse stdout. A fresh process, as the README runs it."""

@@ -552,6 +552,14 @@ case("launch.micro-batch-per-rank")(
     train_with_launcher({"RANK": "0", "WORLD_SIZE": "2"}, deepspeed={"train_micro_batch_size_per_gpu": 4}))
 case("launch.eval-streams-not-a-multiple")(
     train_with_launcher({"RANK": "0", "WORLD_SIZE": "2"}, eval={"n_streams": 3}))
+
+
+@case("launch.eval-null-streams-not-a-multiple")
+def _(s):
+    s.launcher(RANK="0", WORLD_SIZE="2")
+    s.eval("--checkpoint", s.trained_run(), "--set", "eval.n_streams=null")
+
+
 case("launch.rank-outside-world")(train_with_launcher({"RANK": "2", "WORLD_SIZE": "2"}))
 case("launch.rank-not-a-number")(train_with_launcher({"RANK": "first", "WORLD_SIZE": "2"}))
 case("launch.master-port-out-of-range")(train_with_launcher({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "99999"}))

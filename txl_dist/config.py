@@ -245,8 +245,9 @@ class EvalConfig:
     same_length: bool = True
     """Evaluation same_length."""
     n_streams: int | None = None
-    """Parallel evaluation streams; null: the world size (one stream per rank). Must be a multiple of the
-    world size. Results depend on n_streams, not on the world size."""
+    """Parallel evaluation streams; null: the world size (one stream per rank; launch/eval.py: the world size
+    its checkpoint was saved on). Must be a multiple of the world size. Results depend on n_streams, not on the
+    world size."""
     max_segments: int | None = None
     """Stop each evaluation after this many segments per stream (null: the whole split)."""
     at_end: bool = True

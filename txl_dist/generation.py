@@ -475,6 +475,8 @@ class Tokenizer:
             raise GenerationError(f"{model_file} has no end-of-document piece ({self.EOD_PIECE} or eos); use the "
                                   "corpus folder, whose manifest names it")
         self.eod_id = eod_id
+        self.unk_id = self.processor.unk_id()
+        """The id of text the model has no piece for (without byte fallback: a character or word never seen)."""
 
     def encode(self, text: str, start_of_document: bool = True) -> list[int]:
         """The ids of text; start_of_document puts the end-of-document id first, as in the training stream,
