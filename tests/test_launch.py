@@ -122,6 +122,26 @@ def test_config_errors_exit_2_with_one_line(corpus, tmp_path):
     assert main(["--config", str(config), "--set", "train.max_stepz=3"]) == 2
 
 
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_a_refusal_before_the_ranks_connect_is_one_line_per_node(corpus, tmp_path, nodes):
+    # Every rank reads the configuration before the ranks connect; the ranks of a node read the same files and
+    # arguments, so their node's first rank speaks for them (2 ranks on 1 node: 1 line; on 2 nodes: 2 lines).
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps(tiny_config(corpus, tmp_path / "ckpt")))
+    per_node = 2 // nodes
+    ranks = []
+    for rank in range(2):
+        env = launcher_env() | {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank % per_node),
+                                "LOCAL_WORLD_SIZE": str(per_node), "MASTER_ADDR": "127.0.0.1",
+                                "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+        ranks.append(Launch([sys.executable, "launch/train.py", "--config", str(config), "--set",
+                             "train.max_steps=-1"], env))
+    for launch in ranks:
+        assert launch.wait(timeout=120) == 2, launch.output
+    lines = [line for launch in ranks for line in launch.output.splitlines() if "error:" in line]
+    assert len(lines) == nodes and all("train.max_steps: must be > 0, got -1" in line for line in lines), lines
+
+
 def test_a_stop_signal_after_the_job_does_not_end_the_process(corpus, tmp_path):
     # Slurm's --signal warning after a user's scancel --signal=USR1: the rank has saved and returns 0, but a
     # USR1 during the interpreter's shutdown (which puts back the default action of the signals Python

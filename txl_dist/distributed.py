@@ -437,6 +437,19 @@ def _active() -> bool:
     return dist.is_initialized() and dist.get_world_size() > 1
 
 
+def refused_alike_by_this_nodes_first_rank() -> bool:
+    """True on a rank that is not its node's first while the ranks are not connected yet (no process group):
+    what it refuses then (the configuration, the corpus' manifest, a checkpoint's files, DeepSpeed's ops) the
+    node's first rank reads from the same files, arguments and environment and refuses alike, so the job prints
+    one line per node instead of one per rank (64 of them on 8 nodes of 8 GPUs)."""
+    if dist.is_initialized():
+        return False
+    try:
+        return discover().local_rank != 0
+    except Exception:  # noqa: BLE001 - a launch environment it cannot read: this rank speaks for itself
+        return False
+
+
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     """Sum over ranks, in place; returns the tensor."""
     if _active():

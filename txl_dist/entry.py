@@ -29,8 +29,9 @@ def guarded(job: Callable[[], int], log: logging.Logger) -> int:
     alone: BaseException | None = None  # a failure the other ranks do not know of
     try:
         return job()
-    except Refused as e:  # raised on every rank together (startup agrees)
-        _report(log, e)
+    except Refused as e:  # raised on every rank together (startup agrees), or before the ranks connect
+        if not distributed.refused_alike_by_this_nodes_first_rank():
+            _report(log, e)
         return EXIT_REFUSED
     except RunFailed as e:  # raised on every rank together (the save and the non-finite guard agree)
         _report(log, e)
