@@ -573,6 +573,13 @@ def _(s):
     s.train(s.config(data={"path": s.values["absent"]}))
 
 
+@case("data.corpus-missing-at-eval")
+def _(s):
+    run = s.trained_run()
+    s.values["absent"] = str(s.root / "absent")
+    s.eval("--checkpoint", run, "--set", f"data.path={s.values['absent']}")
+
+
 @case("data.corpus-is-a-file")
 def _(s):
     text_file = s.root / "train.txt"

@@ -182,9 +182,20 @@ def join(cfg: RunConfig, env: DistEnv) -> None:
                                    control_timeout_s=cfg.checkpoint.timeout_s)
 
 
+def read_data_path(cfg: RunConfig) -> Manifest:
+    """The manifest of the corpus at data.path. A folder that is not there is refused naming the key: the
+    usual cause is a corpus moved, or a checkpoint (its data.path) evaluated on another machine, where a new
+    `prepare` is not the fix."""
+    if not os.path.lexists(cfg.data.path):
+        raise CorpusError(f"data.path: {cfg.data.path} does not exist; point it at the folder the corpus was "
+                          f"prepared in (--set data.path=DIR), or prepare it there (`python -m data_prep prepare "
+                          f"--out {cfg.data.path}`)")
+    return read_manifest(cfg.data.path)
+
+
 def open_corpus(cfg: RunConfig) -> tuple[RunConfig, Manifest]:
     """The corpus' manifest, and cfg with model.vocab_size taken from its tokenizer."""
-    manifest = read_manifest(cfg.data.path)
+    manifest = read_data_path(cfg)
     return with_vocab(cfg, manifest.tokenizer.vocab_size, cfg.data.path), manifest
 
 
@@ -818,7 +829,7 @@ def _eval_local_checks(cfg: RunConfig, run_info: dict[str, Any], tag_dir: Path, 
     user must hear about; the config's own checks against the corpus (model.vocab_size, model.cutoffs) come
     after, and a config that fits the checkpoint passes them (its vocabulary and cutoffs are the checkpoint's)."""
     check_attn_impl_runs_here(cfg, distributed.device_for(env), training=False)
-    manifest = read_manifest(cfg.data.path)
+    manifest = read_data_path(cfg)
     check_checkpoint_fits(with_vocab_if_unset(cfg, manifest.tokenizer.vocab_size), manifest, run_info, tag_dir,
                           purpose="evaluate")
     resolved = with_vocab(cfg, manifest.tokenizer.vocab_size, cfg.data.path)
