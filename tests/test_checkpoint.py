@@ -531,7 +531,7 @@ def _train_and_gather(raw):
         distributed.destroy_process_group()
 
 
-@pytest.mark.parametrize("stage, bf16", [(3, False), (0, True)])
+@pytest.mark.parametrize("stage, bf16", [(3, False), (1, False), (0, True)])
 def test_export_writes_the_fp32_weights(tmp_path, stage, bf16):
     from launch.export import main
     from txl_dist.interop import load_native
@@ -757,3 +757,135 @@ def test_a_universal_copy_that_cannot_be_written_is_one_line_naming_the_way_out(
         f"{ckpt / 'step_00000004'}: cannot write the universal copy that a load at another world size reads beside "
         f"it (Read-only file system); make {ckpt} writable (or copy the run folder to where it can be), or load it "
         "with the world size it was saved with")
+
+
+def test_a_zero3_export_gathers_one_tensor_at_a_time(tmp_path):
+    """Found exporting a 114M-parameter ZeRO-3 tag: load_state_dict of zero_to_fp32's whole consolidated dict
+    held it beside the model and the memory-mapped partitions (1.55 GiB peak for 435 MiB of weights, three
+    copies). load_fp32_weights gathers each tensor just before its copy into the model and drops it after: no
+    gathered tensor is alive when the next one is gathered. The weights are those of load_state_dict."""
+    import gc
+    import weakref
+
+    from deepspeed.utils import zero_to_fp32
+
+    from dist_helpers import train_jobs
+    from txl_dist.config import config_from_dict
+    from txl_dist.model import TransformerXL
+    from txl_dist.safe_load import fp32_state_dict_from_zero
+
+    splits = {"train": learnable_stream(4 * 49, 64, 0), "valid": learnable_stream(80, 64, 1),
+              "test": learnable_stream(80, 64, 2)}
+    corpus = write_corpus(tmp_path / "corpus", splits, vocab_size=64)
+    raw = tiny_config(corpus, tmp_path / "run", train={"max_steps": 1}, eval={"at_end": False},
+                      deepspeed={"zero_optimization": {"stage": 3}})
+    run_ranks(train_jobs, 2, [(raw, "none")])
+    tag = tmp_path / "run" / "checkpoints" / "step_00000001"
+    model_cfg = config_from_dict(raw).model
+    model_cfg.vocab_size = 64
+
+    gathered, most_alive = [], 0
+    contiguous = zero_to_fp32.GatheredTensor.contiguous
+
+    def counted(self):
+        nonlocal most_alive
+        gc.collect()
+        most_alive = max(most_alive, sum(ref() is not None for ref in gathered))
+        out = contiguous(self)
+        gathered.append(weakref.ref(out))
+        return out
+
+    zero_to_fp32.GatheredTensor.contiguous = counted
+    try:
+        model = TransformerXL(model_cfg)
+        checkpoint.load_fp32_weights(model, tag, zero_stage=3)
+    finally:
+        zero_to_fp32.GatheredTensor.contiguous = contiguous
+    assert len(gathered) >= len(list(model.parameters())) and most_alive == 0
+    whole = TransformerXL(model_cfg)
+    whole.load_state_dict(fp32_state_dict_from_zero(tag), strict=True)
+    for (name, a), b in zip(model.state_dict().items(), whole.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+# ----------------------------------------------------------------------------------------------------
+# A universal conversion onto a file system without room for the copy
+
+
+@pytest.fixture(scope="module")
+def real_zero1_tag(tmp_path_factory):
+    """A real ZeRO-1 tag of a tiny model, saved by 1 rank (a load on 2 ranks converts it)."""
+    from dist_helpers import train_jobs
+
+    root = tmp_path_factory.mktemp("zero1")
+    splits = {"train": learnable_stream(4 * 49, 64, 0), "valid": learnable_stream(80, 64, 1),
+              "test": learnable_stream(80, 64, 2)}
+    corpus = write_corpus(root / "corpus", splits, vocab_size=64)
+    raw = tiny_config(corpus, root / "run", train={"max_steps": 1}, eval={"at_end": False},
+                      deepspeed={"zero_optimization": {"stage": 1}})
+    run_ranks(train_jobs, 1, [(raw, "none")])
+    return root / "run" / "checkpoints" / "step_00000001"
+
+
+def _tmpfs(where: Path, size_bytes: int) -> Path:
+    where.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(where)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN): {mounted.stderr.strip()}")
+    return where
+
+
+@pytest.mark.parametrize("room", ["fits-the-optimizer-files", "less-than-the-optimizer-files"])
+def test_a_conversion_onto_a_full_file_system_is_one_line_naming_enospc_and_leaves_nothing(
+        real_zero1_tag, tmp_path, room):
+    """Found converting a 114M-parameter tag on a tmpfs with 774 MiB free: the real converter stops with torch's
+    `unexpected pos ...` and the job said `conversion failed (RuntimeError: ...)` and exited 2 (a refusal). A
+    full disk is a fault (exit 1: ConversionFailed, a RunFailed) that says ENOSPC and the room the copy needs,
+    found before converting when the file system cannot even hold the copy's own files; nothing of the
+    conversion is left, the tag is untouched and still verifies."""
+    from txl_dist.errors import RunFailed
+
+    files = checkpoint.read_run_info(real_zero1_tag)["files"]
+    need = sum(entry["bytes"] for name, entry in files.items() if name.endswith("optim_states.pt"))
+    assert need > 0
+    tag_bytes = checkpoint.tag_bytes(real_zero1_tag)
+    free = need + need // 4 if room == "fits-the-optimizer-files" else need // 2
+    small = _tmpfs(tmp_path / "small", tag_bytes + free + (64 << 10))  # tmpfs's own blocks and folders
+    try:
+        ckpt = small / "checkpoints"
+        subprocess.run(["cp", "-a", str(real_zero1_tag.parent), str(ckpt)], check=True)
+        tag = ckpt / real_zero1_tag.name
+        with pytest.raises(RunFailed) as failed:  # before: CheckpointError, a refusal
+            checkpoint.convert_to_universal(tag, ckpt / (tag.name + "_universal"), zero_stage=1)
+        line = str(failed.value)
+        assert "\n" not in line
+        assert line.startswith(f"{tag}: [Errno 28] No space left on device: the universal copy that a load at "
+                               "another world size reads beside the tag does not fit on the file system of "
+                               f"{ckpt} ("), line
+        assert ("before converting; it stopped with RuntimeError: " if room == "fits-the-optimizer-files"
+                else "free before converting); it takes more than") in line
+        assert sorted(p.name for p in ckpt.iterdir() if "universal" in p.name) == []  # no half copy, no scratch
+        assert checkpoint.verify(tag) is None
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=False)
+
+
+def test_a_conversion_that_refuses_a_file_stays_a_refusal(real_zero1_tag, tmp_path):
+    """The converter's exit 2 (a file weights-only unpickling refuses) stays a refusal naming the file and the
+    global, while any other failure of the conversion is a fault (above)."""
+    import argparse
+    import shutil
+
+    ckpt = tmp_path / "checkpoints"
+    shutil.copytree(real_zero1_tag.parent, ckpt)
+    tag = ckpt / real_zero1_tag.name
+    optim = next(tag.glob("*optim_states.pt"))
+    torch.save({"optimizer_state_dict": argparse.Namespace(x=1)}, optim)
+    with pytest.raises(CheckpointError) as refused:
+        checkpoint.convert_to_universal(tag, ckpt / (tag.name + "_universal"), zero_stage=1)
+    line = str(refused.value)
+    assert line.startswith(f"{tag}: universal checkpoint conversion refused it ({optim}: refused: unpickling it "
+                           "needs global argparse.Namespace"), line
+    assert "error:" not in line and "\n" not in line
+    assert sorted(p.name for p in ckpt.iterdir() if "universal" in p.name) == []

@@ -63,7 +63,7 @@ import torch
 
 from . import distributed, watchdog
 from .atomic import atomic_path, atomic_write, fsync_dir, fsync_file
-from .errors import Refused, RunFailed, one_line, where_relative
+from .errors import EXIT_REFUSED, Refused, RunFailed, one_line, where_relative
 from .host import usable_cpus
 from .scratch import owned_scratch, owner_lock, remove_abandoned
 from .streams import ranks_holding
@@ -984,13 +984,42 @@ CONVERSION_MAX_WORKERS = 8
 the cores this process may use)."""
 
 
+class ConversionFailed(RunFailed):
+    """The universal conversion of a verified tag stopped midway (a full disk, a killed worker): a fault, not
+    a refusal; nothing of it is left (its scratch folder goes with it), the tag is untouched."""
+
+
+def universal_copy_bytes(tag_dir: str | os.PathLike) -> int:
+    """About the bytes of a tag's universal copy: its ZeRO optimizer files (fp32 weights and both Adam moments
+    of every parameter, which the copy holds once more). A lower bound: the conversion also writes its
+    extracted shards beside it while it runs."""
+    try:
+        files = read_run_info(tag_dir).get("files") or {}
+        return sum(int(entry["bytes"]) for name, entry in files.items() if name.endswith("optim_states.pt"))
+    except (CheckpointError, KeyError, TypeError, ValueError, AttributeError):
+        return 0
+
+
+def _no_room_for_copy(tag_dir: Path, folder: Path, free: int, detail: str) -> ConversionFailed:
+    # Measured (114M parameters, ZeRO 1 and 3): the copy takes 1.2-1.5x its optimizer files, the conversion
+    # 2-2.3x while it runs (DeepSpeed's extracted shards beside the merged copy).
+    need = universal_copy_bytes(tag_dir)
+    return ConversionFailed(
+        f"{tag_dir}: [Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)}: the universal copy that a load at another "
+        f"world size reads beside the tag does not fit on the file system of {folder} ({size_text(free)} free "
+        f"{detail}); it takes more than {size_text(need)}, about twice that while it is made; free space (or lower "
+        "checkpoint.keep), or load it with the world size it was saved with")
+
+
 def convert_to_universal(tag_dir: Path, out: Path, *, zero_stage: int) -> bool:
     """DeepSpeed's universal checkpoint conversion of one (verified) tag, atomically (temporary folder, its
     record, rename), with its loads restricted to weights (txl_dist.safe_load). Whatever `out` holds (a copy
     that did not verify) is moved into the scratch folder first and removed with it.
 
     True when this conversion's copy is in place (its record was made from the files just written); False
-    when another job's, converted meanwhile, was kept: not verified here, the caller must verify it."""
+    when another job's, converted meanwhile, was kept: not verified here, the caller must verify it.
+    ConversionFailed (one line, ENOSPC named as such) when the file system cannot hold the copy, before the
+    conversion when it has less room than the copy's files alone, or when the conversion stopped midway."""
     # The other ranks wait (control timeout) while this one converts: the node's idle cores do the work, a few
     # shards at a time (each worker holds one optimizer shard or one parameter's pieces).
     try:
@@ -1009,6 +1038,10 @@ def _convert_to_universal(tag_dir: Path, out: Path, zero_stage: int) -> bool:
     # also writes a `latest_universal` beside its output: inside the scratch folder, it goes with it.
     with owned_scratch(out, UNIVERSAL_SCRATCH) as scratch:
         _discard(out, scratch)
+        shutil.rmtree(scratch / "discarded", ignore_errors=True)  # its room counts for the new copy
+        free = shutil.disk_usage(out.parent).free
+        if free < universal_copy_bytes(tag_dir):  # found now, not after minutes of converting a large model
+            raise _no_room_for_copy(tag_dir, out.parent, free, "before converting")
         tmp = scratch / "output"
         cmd = [sys.executable, "-m", "txl_dist.safe_load", "ds_to_universal", "--input_folder", str(tag_dir),
                "--output_folder", str(tmp), "--num_extract_workers", workers, "--num_merge_workers", workers]
@@ -1018,8 +1051,17 @@ def _convert_to_universal(tag_dir: Path, out: Path, zero_stage: int) -> bool:
         proc = subprocess.run(cmd, capture_output=True, text=True, pass_fds=(owner_lock(scratch),))
         if proc.returncode != 0:
             last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-            raise CheckpointError(f"{tag_dir}: universal checkpoint conversion failed ({last}); "
-                                  f"resume with the world size it was saved with ({zero_stage=})")
+            if proc.returncode == EXIT_REFUSED:  # a file weights-only unpickling refuses (its line names it)
+                last = last.removeprefix("error: ")
+                raise CheckpointError(f"{tag_dir}: universal checkpoint conversion refused it ({last}); "
+                                      f"resume with the world size it was saved with ({zero_stage=})")
+            # torch's zip writer reports a full disk only as "unexpected pos ...": the partial files are still in
+            # the scratch folder here, so a file system without room left is what stopped it.
+            if _lacks_room(out.parent, 0):
+                raise _no_room_for_copy(tag_dir, out.parent, free, f"before converting; it stopped with {last}")
+            raise ConversionFailed(f"{tag_dir}: universal checkpoint conversion failed ({last}); nothing of it "
+                                   f"is left: start again, or resume with the world size it was saved with "
+                                   f"({zero_stage=})")
         _record_universal(tmp, tag_dir, int(workers))
         try:
             os.replace(tmp, out)
@@ -1147,7 +1189,8 @@ def load_holders_of(tag_dir: str | os.PathLike, stream_ids: Iterable[int], *, n_
 def load_fp32_weights(model: torch.nn.Module, tag_dir: str | os.PathLike, zero_stage: int) -> None:
     """Load a checkpoint's consolidated fp32 weights into a plain model (one process, no engine).
 
-    ZeRO 1-3: DeepSpeed's zero_to_fp32 merges the fp32 master partitions of all ranks. Stage 0: the
+    ZeRO 1-3: DeepSpeed's zero_to_fp32 merges the fp32 master partitions of all ranks (at ZeRO 3 one tensor
+    at a time, copied into the model: copy_in_one_at_a_time). Stage 0: the
     module's weights, overwritten by the fp32 masters that DeepSpeed's bf16/fp16 optimizer keeps in the
     same file (one flat list in model.parameters() order), so a bf16 run exports its fp32 masters too.
     Both read the files with weights-only unpickling.
@@ -1156,7 +1199,7 @@ def load_fp32_weights(model: torch.nn.Module, tag_dir: str | os.PathLike, zero_s
 
     tag_dir = Path(tag_dir)
     if zero_stage > 0:
-        model.load_state_dict(fp32_state_dict_from_zero(tag_dir), strict=True)
+        copy_in_one_at_a_time(model, fp32_state_dict_from_zero(tag_dir, lazy=True), tag_dir)
         return
     path = tag_dir / "mp_rank_00_model_states.pt"
     if not path.is_file():
@@ -1172,3 +1215,26 @@ def load_fp32_weights(model: torch.nn.Module, tag_dir: str | os.PathLike, zero_s
         with torch.no_grad():
             for p, t in zip(params, masters):
                 p.copy_(t)
+
+
+def copy_in_one_at_a_time(model: torch.nn.Module, weights: dict[str, Any], tag_dir: Path) -> None:
+    """Copy consolidated weights (values gathered by .contiguous(): DeepSpeed's lazy zero_to_fp32) into the
+    model's own tensors one at a time, each dropped after its copy, with load_state_dict's strict checks.
+
+    load_state_dict of the whole consolidated dict holds all of it beside the model: at ZeRO 3 (114M
+    parameters, 435 MiB of fp32 weights) the export peaked at 1.55 GiB, three copies with the memory-mapped
+    partitions; one tensor at a time, at about two."""
+    targets = model.state_dict()  # detached, sharing the parameters' storage
+    missing, unexpected = sorted(targets.keys() - weights.keys()), sorted(weights.keys() - targets.keys())
+    if missing or unexpected:
+        raise CheckpointError(f"{tag_dir}: its weights do not match its model (missing: "
+                              f"{', '.join(missing[:3]) or '-'}; unexpected: {', '.join(unexpected[:3]) or '-'}); "
+                              "export a tag of this project's model")
+    with torch.no_grad():
+        for name, target in targets.items():
+            value = weights.pop(name).contiguous()
+            if tuple(value.shape) != tuple(target.shape):
+                raise CheckpointError(f"{tag_dir}: {name} has shape {tuple(value.shape)}, its model's "
+                                      f"{tuple(target.shape)}; export a tag of this project's model")
+            target.copy_(value)
+            del value

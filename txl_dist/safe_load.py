@@ -188,14 +188,18 @@ def restrict_this_process() -> None:
 # Export
 
 
-def fp32_state_dict_from_zero(tag_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """The consolidated fp32 weights of a ZeRO 1-3 tag folder (DeepSpeed's zero_to_fp32), loads restricted."""
+def fp32_state_dict_from_zero(tag_dir: str | os.PathLike, *, lazy: bool = False) -> dict[str, Any]:
+    """The consolidated fp32 weights of a ZeRO 1-3 tag folder (DeepSpeed's zero_to_fp32), loads restricted.
+
+    lazy: DeepSpeed's lazy form, each value gathered by its .contiguous() (at ZeRO 3 a pseudo tensor over the
+    ranks' memory-mapped fp32 partitions; at ZeRO 1/2 a view of the merged weights), so that a caller can
+    gather one tensor at a time instead of holding all of them beside the model."""
     from .deepspeed_import import deepspeed  # noqa: F401  (first: no MLflow)
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     tag_dir = Path(tag_dir)
-    with restricted_torch_loads():
-        return get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+    with restricted_torch_loads():  # every file is read here; gathering a lazy value reads none
+        return get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name, lazy_mode=lazy)
 
 
 # ----------------------------------------------------------------------------------------------------
