@@ -871,6 +871,27 @@ def test_a_conversion_onto_a_full_file_system_is_one_line_naming_enospc_and_leav
         subprocess.run(["umount", "-l", str(small)], check=False)
 
 
+def test_a_conversion_without_room_for_the_copy_stops_before_converting(real_zero1_tag, tmp_path, monkeypatch):
+    """The check before converting, where no tmpfs can be mounted (above): a file system reporting less free
+    space than the tag's optimizer files is a fault naming ENOSPC, and the converter never starts."""
+    import collections
+    import shutil
+
+    from txl_dist.errors import RunFailed
+
+    ckpt = tmp_path / "checkpoints"
+    shutil.copytree(real_zero1_tag.parent, ckpt)
+    tag = ckpt / real_zero1_tag.name
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1 << 40, 1 << 40, 0))
+    monkeypatch.setattr(checkpoint.subprocess, "run", lambda *a, **k: pytest.fail("the converter started"))
+    with pytest.raises(RunFailed) as failed:
+        checkpoint.convert_to_universal(tag, ckpt / (tag.name + "_universal"), zero_stage=1)
+    assert str(failed.value).startswith(f"{tag}: [Errno 28] No space left on device: "), failed.value
+    assert " free before converting); it takes more than" in str(failed.value)
+    assert sorted(p.name for p in ckpt.iterdir() if "universal" in p.name) == []
+
+
 def test_a_conversion_that_refuses_a_file_stays_a_refusal(real_zero1_tag, tmp_path):
     """The converter's exit 2 (a file weights-only unpickling refuses) stays a refusal naming the file and the
     global, while any other failure of the conversion is a fault (above)."""
