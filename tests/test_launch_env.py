@@ -279,32 +279,42 @@ def test_a_run_dir_that_is_not_one_folder_for_all_ranks_is_refused_on_every_rank
     assert not list(shared.iterdir()) and not list(node0.iterdir())  # rank 0 removed its file both times
 
 
-def _start_up_fails_on_rank_1():
+def _start_up_fails_on_rank_1(kind):
+    from txl_dist.config import ConfigError
+    from txl_dist.errors import EXIT_FAILED, EXIT_REFUSED, Refused, RunFailed
+
     env = distributed.discover()
     distributed.init_process_group(env)
+    errors = {"bug": ValueError("rank 1's data file is corrupt"), "fault": RunFailed("rank 1's disk is full"),
+              "refusal": ConfigError("rank 1's config is wrong")}
     try:
         def check():
             if env.rank == 1:
-                raise ValueError("rank 1's data file is corrupt")
+                raise errors[kind]
             return "ok"
 
         distributed.together(check, "the data checked")
         return "went on"
-    except LaunchError as e:
-        return f"LaunchError: {e}"
-    except ValueError as e:
-        return f"ValueError: {e}"
+    except Exception as e:
+        status = EXIT_REFUSED if isinstance(e, Refused) else EXIT_FAILED if isinstance(e, RunFailed) else "bug"
+        return f"{type(e).__name__} ({status}): {e}"
     finally:
         distributed.destroy_process_group()
 
 
-def test_a_start_up_failure_on_one_rank_stops_all_ranks():
+@pytest.mark.parametrize("kind, told", [("bug", "StartFailed (1)"), ("fault", "StartFailed (1)"),
+                                        ("refusal", "LaunchError (2)")])
+def test_a_start_up_failure_on_one_rank_stops_all_ranks_with_its_kind(kind, told):
     from dist_helpers import run_ranks
 
-    rank0, rank1 = run_ranks(_start_up_fails_on_rank_1, 2)
+    rank0, rank1 = run_ranks(_start_up_fails_on_rank_1, 2, kind)
     # Rank 0 names the rank, its host and the message (it prints the job's one line); rank 1 raises its own.
-    assert re.fullmatch(r"LaunchError: rank 1 \(\S+\) failed while starting: rank 1's data file is corrupt", rank0)
-    assert rank1 == "ValueError: rank 1's data file is corrupt"
+    # Rank 0's exit status is the failed rank's kind: a fault (or a bug) is not a refusal.
+    own = {"bug": "ValueError (bug): rank 1's data file is corrupt", "fault": "RunFailed (1): rank 1's disk is full",
+           "refusal": "ConfigError (2): rank 1's config is wrong"}[kind]
+    assert re.fullmatch(rf"{re.escape(told)}: rank 1 \(\S+\) failed while starting: {re.escape(own.split(': ', 1)[1])}",
+                        rank0), rank0
+    assert rank1 == own
 
 
 def test_a_world_of_one_joins_without_a_watchdog_and_leaves_cleanly(monkeypatch):

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from . import rendezvous, watchdog
-from .errors import EXIT_FAILED, LOGGER_NAME, Refused, one_line
+from .errors import EXIT_FAILED, LOGGER_NAME, Refused, RunFailed, one_line
 from .host import cpus_per_rank, raise_open_file_limit
 
 DEFAULT_MASTER_PORT = 29500
@@ -53,6 +53,11 @@ E = TypeVar("E", bound=BaseException)
 
 class LaunchError(Refused, RuntimeError):
     """The environment does not describe a usable job; the message names the variable and the fix."""
+
+
+class StartFailed(RunFailed):
+    """Another rank's fault during the job's start (a full disk, a failed conversion, a bug), raised on the ranks
+    that had none: the job ends as a fault on every rank (exit 1), as a refusal only when it was one."""
 
 
 @dataclass(frozen=True)
@@ -491,11 +496,12 @@ def together(fn: Callable[[], T], done: str) -> T:
     before the control group times out.
 
     So no rank goes on into a collective that a failed rank will never join (and waits there until the
-    timeout). Rank 0 reports: it raises its own error, or, when only other ranks failed, a LaunchError with
-    the first failed rank's message, its rank and host. The other ranks raise their own error (or a
-    LaunchError) marked as reported (`reported_on_rank_zero`; the entry points then print nothing), unless
-    their message is not the one rank 0 prints: one line per failure, not one per rank, and the line is in
-    rank 0's log file too.
+    timeout). Rank 0 reports: it raises its own error, or, when only other ranks failed, one with the first
+    failed rank's message, its rank and host. The other ranks raise their own error (or that one) marked as
+    reported (`reported_on_rank_zero`; the entry points then print nothing), unless their message is not the
+    one rank 0 prints: one line per failure, not one per rank, and the line is in rank 0's log file too. The
+    ranks without an error of their own raise a LaunchError (a refusal, exit 2) when every failure was a
+    refusal, else a StartFailed (a fault, exit 1): the job's exit status is the failed rank's.
     """
     error: Exception | None = None
     try:
@@ -506,14 +512,16 @@ def together(fn: Callable[[], T], done: str) -> T:
     if not any_rank(error is not None):
         return result
     mine = None if error is None else one_line(error)
-    failures = gather_objects(None if mine is None else (mine, socket.gethostname()))
-    first = next(rank for rank, failure in enumerate(failures) if failure is not None)
+    failures = gather_objects(None if mine is None else (mine, socket.gethostname(), isinstance(error, Refused)))
+    refused = all(failure[2] for failure in failures if failure is not None)
+    told = LaunchError if refused else StartFailed
+    first = next(rank for rank, failure in enumerate(failures) if failure is not None and failure[2] == refused)
     reported = failures[0][0] if failures[0] is not None else failures[first][0]
     if (dist.get_rank() if _active() else 0) == 0 and error is None:
-        message, host = failures[first]
-        raise LaunchError(f"rank {first} ({host}) failed while starting: {message}")
+        message, host, _ = failures[first]
+        raise told(f"rank {first} ({host}) failed while starting: {message}")
     if error is None:
-        error = LaunchError("another rank failed while starting (rank 0 says why); stopping this one too")
+        error = told("another rank failed while starting (rank 0 says why); stopping this one too")
         mine = None
     raise agreed(error) if mine in (None, reported) else error
 
