@@ -8,6 +8,8 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -290,3 +292,120 @@ def test_a_token_id_outside_the_vocabulary_is_a_corpus_fault_naming_its_position
     with pytest.raises(CorpusFault, match=rf"token {bad_at} of the split's stream is id 1000, outside \[0, 1000\)"):
         take(streams, 8)
     take(loader(make_corpus(tmp_path / "ok", {"train": synthetic_stream(N_TOKENS, seed=4)}, layout=Layout(2, 8))), 8)
+
+
+def _mapped_rss(folder) -> int:
+    """Bytes of this process's resident set that are pages of files under `folder` (from /proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if head and not head[0].endswith(":"):  # a mapping's header line: address range, perms, ..., path
+                inside = len(head) >= 6 and head[5].startswith(str(folder))
+            elif inside and head[0] == "Rss:":
+                total += int(head[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads the resident set from /proc/self/smaps")
+def test_resident_memory_stays_flat_while_streaming_through_the_block(tmp_path):
+    # A mapped page stays resident until its file is closed: without unmapping what the streams have passed,
+    # a rank's resident set grew by 2 bytes per token read, to its whole block (tens of GB) by an epoch's end.
+    tokens = np.random.default_rng(0).integers(0, 1000, 24 << 20, dtype=np.uint16)  # 48 MiB of uint16
+    root = make_corpus(tmp_path / "c", {"train": tokens}, layout=Layout(1, 4), batch_tokens=4 << 20)
+    ref = reference_streams(tokens, 4)  # [4, L]
+    streams = loader(root, n_streams=4, micro_batch=4, tgt_len=8192, verify=False, epochs=2)
+    peak = 0
+    for mb in streams:  # two epochs: the second reads the unmapped pages again, and must read the same tokens
+        p = mb.position
+        np.testing.assert_array_equal(mb.input_ids, ref[:, p:p + 8192])
+        np.testing.assert_array_equal(mb.labels, ref[:, p + 1:p + 8193])
+        if mb.step % 64 == 0:
+            peak = max(peak, _mapped_rss(root))
+    streams.close()
+    assert 0 < peak < 16 << 20, f"{peak / 2**20:.1f} MiB of the corpus resident while streaming 48 MiB"
+
+
+def _start_and_measure_mapped(raw: dict, corpus: str) -> int:
+    """One training start on this rank: bytes of the corpus resident in it once the start is done."""
+    from txl_dist import distributed
+    from txl_dist.config import config_from_dict
+    from txl_dist.startup import start_training
+
+    env = distributed.discover()
+    distributed.init_process_group(env)
+    try:
+        start = start_training(config_from_dict(raw), env, "auto")
+        mapped = _mapped_rss(corpus)
+        start.tracker.close()
+        start.close()
+        return mapped
+    finally:
+        distributed.destroy_process_group()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads the resident set from /proc/self/smaps")
+def test_the_start_up_sample_of_the_training_tokens_leaves_no_pages_resident(tmp_path):
+    # Rank 0 samples 4 M tokens in 64 windows spread over its block (the softmax clusters' shares); their pages
+    # stayed mapped for the whole run (130 MiB on a 3.2 GB block), though no step reads them soon.
+    from dist_helpers import run_ranks, tiny_config
+
+    tokens = np.random.default_rng(0).integers(4, 64, 16 << 20, dtype=np.uint16)  # a 32 MiB block
+    corpus = make_corpus(tmp_path / "c", {"train": tokens, "valid": tokens[:4096]}, Layout(1, 4), vocab_size=64,
+                         batch_tokens=4 << 20)
+    raw = tiny_config(corpus, tmp_path / "run", eval={"at_end": False})
+    [mapped] = run_ranks(_start_and_measure_mapped, 1, raw, str(corpus))
+    assert mapped < 4 << 20, f"{mapped / 2**20:.1f} MiB of the corpus resident after the start (8 MiB sampled)"
+
+
+def _read_on_after_truncating(root: str, victim: str) -> str:
+    """A loader that has read one batch; `victim` cut to 4 KiB in place; what reading on raises."""
+    from txl_dist.data.manifest import CorpusFault
+
+    streams = loader(root, n_streams=4, micro_batch=4, tgt_len=64, verify=False)
+    take(streams, 1)
+    os.truncate(victim, 4096)
+    try:
+        take(streams, 2000)  # past the first read-ahead piece of each stream
+    except CorpusFault as e:
+        return str(e)
+    return "read on"
+
+
+def test_a_file_cut_shorter_during_the_run_is_one_line_not_a_bus_error(tmp_path):
+    # The pages past a file's new end give SIGBUS when read: the rank died with "Bus error", no line said
+    # which file (a child process: without the check, the test's own process would die).
+    from dist_helpers import run_ranks
+
+    tokens = np.random.default_rng(0).integers(0, 1000, 1 << 20, dtype=np.uint16)
+    root = make_corpus(tmp_path / "c", {"train": tokens}, layout=Layout(1, 4), batch_tokens=1 << 16)
+    victim = root / "train" / "00000.arrow"
+    [said] = run_ranks(_read_on_after_truncating, 1, str(root), str(victim))
+    assert re.match(rf"{re.escape(str(victim))}: the file shrank from \d+ to 4096 bytes while this run read it", said)
+    assert "put the prepared file back" in said and "\n" not in said, said
+
+
+def test_a_corpus_folder_this_user_may_not_search_is_one_line(tmp_path):
+    # Path.is_file() raises for EACCES (not for a missing file): the loader let a bare PermissionError out, and a
+    # training start said only "error: <file>: Permission denied".
+    import subprocess
+    import sys
+
+    unprivileged = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--inh-caps",
+                    "-dac_override,-dac_read_search"] if os.geteuid() == 0 else []  # root ignores permission bits
+    if unprivileged and subprocess.run([*unprivileged, "true"], capture_output=True).returncode != 0:
+        pytest.skip("running as root and setpriv cannot drop CAP_DAC_OVERRIDE here")
+    root = make_corpus(tmp_path / "c", {"train": synthetic_stream(N_TOKENS, seed=3)}, layout=Layout(2, 8))
+    code = ("import sys; from txl_dist.data import CorpusError, StreamLoader\n"
+            "try:\n"
+            "    StreamLoader(sys.argv[1], 'train', rank=0, world_size=1, n_streams=8, micro_batch=8, tgt_len=10)\n"
+            "except CorpusError as e:\n"
+            "    print('refused:', e)\n")
+    (root / "train").chmod(0)
+    try:
+        done = subprocess.run([*unprivileged, sys.executable, "-c", code, str(root)], capture_output=True, text=True,
+                              timeout=120, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    finally:
+        (root / "train").chmod(0o755)
+    assert done.stdout.startswith(f"refused: {root / 'train' / '00000.arrow'}: cannot be read ("), done.stderr[-2000:]
+    assert "Permission denied" in done.stdout and "folders above it" in done.stdout

@@ -476,8 +476,8 @@ def start_training(cfg: RunConfig, env: DistEnv, resume: str = "auto", *, log_fi
         if start.choices is None:  # a new run: nothing recorded to reuse
             _agree_choices(start, env, None)
         loader, model = start.loader, start.cfg.model
-        start.cluster_shares = _on_main(env, lambda: sample_cluster_shares(
-            loader.reader, *loader.block, model.cutoffs, model.vocab_size), "the softmax clusters' shares sampled")
+        start.cluster_shares = _on_main(env, lambda: _sample_and_release(loader, model), "the softmax clusters' "
+                                        "shares sampled")
         # Last, with the MLflow run: a rollback's move of the newer tags is undone if the run is refused.
         set_aside = _on_main(env, lambda: _set_aside_newer(start), "newer checkpoints set aside")
         try:
@@ -492,6 +492,15 @@ def start_training(cfg: RunConfig, env: DistEnv, resume: str = "auto", *, log_fi
         raise
     hashes.save()  # only once nothing can refuse the start: a refused start writes nothing
     return start
+
+
+def _sample_and_release(loader: StreamLoader, model) -> list[float]:
+    """sample_cluster_shares over the rank's block, then its pages unmapped: the sample's windows, spread over
+    the block, would otherwise stay in the rank's resident memory for the whole run (130 MiB measured on a
+    block of 3.2 GB: large page-cache folios map more than the 8 MB read)."""
+    shares = sample_cluster_shares(loader.reader, *loader.block, model.cutoffs, model.vocab_size)
+    loader.reader.release(*loader.block)
+    return shares
 
 
 def share_corpus_hashing(cfg: RunConfig, env: DistEnv, hashes: HashRecord) -> None:

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import ctypes
+import ctypes.util
 import hashlib
 import io
+import mmap
 import os
 from pathlib import Path
 from typing import Any, Iterator
@@ -18,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import one_line
-from .manifest import DTYPES, CorpusError, FileEntry, Manifest, sha256_file
+from .manifest import DTYPES, CorpusError, CorpusFault, FileEntry, Manifest, sha256_file
 
 COLUMN = "tokens"
 SLICE_COPY_TOKENS = 64
@@ -154,21 +157,69 @@ class _OpenFile:
 
     def __init__(self, entry: FileEntry, path: Path, dtype: str, verify: bool):
         _check_file(entry, path, verify)
+        self.path = path
         self._mmap = _map(path)
         try:
             self.arrays = _token_arrays(self._mmap, path, dtype)
             self.starts = _batch_starts(self.arrays, entry, path)
+            st = os.stat(path)
         except BaseException:
             self._mmap.close()
             raise
+        self._identity = (st.st_ino, self._mmap.size())
+
+    def check_not_truncated(self) -> None:
+        """CorpusFault when the file was cut shorter in place since it was mapped: a read of the pages past its
+        new end would kill the process with SIGBUS, no line said. A file replaced under its name (another
+        inode) is not this one: the mapping still reads the file as it was."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return  # removed or unreachable by name: the mapping holds the file as it was
+        ino, size = self._identity
+        if st.st_ino == ino and st.st_size < size:
+            raise CorpusFault(f"{self.path}: the file shrank from {size} to {st.st_size} bytes while this run read "
+                              "it (truncated, or rewritten in place); put the prepared file back (`python -m "
+                              "data_prep verify` checks the corpus) and resume from the last checkpoint")
 
     def close(self) -> None:
         self.arrays = []
         self._mmap.close()
 
 
+def _madvise() -> Any:
+    """libc's madvise, or None where it cannot be had (then nothing is unmapped early)."""
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_MADVISE = _madvise() if hasattr(mmap, "MADV_DONTNEED") else None
+
+
+def _drop_pages(view: np.ndarray) -> None:
+    """MADV_DONTNEED on the whole pages of a view into a read-only file mapping: they leave the resident set and
+    fault back in from the page cache (or the file) if read again, so the view's contents never change."""
+    if _MADVISE is None or not view.size:
+        return
+    first = view.ctypes.data
+    lo = first - first % mmap.PAGESIZE  # the partial first page too: a page still in use only faults in again
+    hi = (first + view.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE  # not the partial last page: it is still read
+    if hi > lo:
+        _MADVISE(lo, hi - lo, mmap.MADV_DONTNEED)
+
+
 def _check_file(entry: FileEntry, path: Path, verify: bool) -> None:
-    if not path.is_file():
+    try:
+        is_file = path.is_file()  # raises for a folder on the way that this user may not search
+    except OSError as e:
+        raise CorpusError(f"{path}: cannot be read ({one_line(e)}); check the permissions of the file and of the "
+                          "folders above it") from None
+    if not is_file:
         if path.is_dir():
             raise CorpusError(f"{path}: is a folder, not a file (the manifest lists an Arrow file there); re-run "
                               "prepare")
@@ -246,6 +297,14 @@ class StreamReader:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def release(self, start: int, stop: int) -> None:
+        """Tokens [start, stop) will not be read again soon: drop what this process holds of them (a reader
+        whose reads are copies holds nothing; TokenReader unmaps their pages)."""
+
+    def check_unchanged(self, start: int, stop: int) -> None:
+        """CorpusFault (one line) when a file holding tokens [start, stop) changed since it was opened in a way
+        that reading it would crash the process (TokenReader: cut shorter in place)."""
 
     def _check_range(self, start: int, stop: int) -> None:
         if not 0 <= start <= stop <= self.n_tokens:
@@ -355,6 +414,32 @@ class TokenReader(StreamReader):
             n = lengths[group]  # [g]
             offset = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)  # [tokens]: position inside its range
             out[np.repeat(out_at[group], n) + offset] = array[np.repeat(starts[group] - base, n) + offset]
+
+    def release(self, start: int, stop: int) -> None:
+        """Unmap this process's pages of tokens [start, stop) (in files already open; the page cache keeps them,
+        and a later read maps them again). Why: a mapped page stays in the process's resident set until the
+        file is closed, so a loader streaming through its block would show the bytes it has read as resident
+        memory (2 bytes per uint16 token: a rank's whole block by the end of an epoch, tens of GB on a large
+        corpus), which memory limits and monitors that count RSS take for a leak. Best effort: a failed madvise
+        is ignored."""
+        for i in self.file_indices(start, stop):
+            f = self._open.get(i)
+            if f is None:
+                continue
+            b = max(0, bisect.bisect_right(f.starts, start) - 1)
+            while b < len(f.arrays) and f.starts[b] < stop:  # record batch b holds tokens [starts[b], starts[b+1])
+                lo, hi = max(start, f.starts[b]), min(stop, f.starts[b + 1])
+                if lo < hi:
+                    _drop_pages(f.arrays[b][lo - f.starts[b]:hi - f.starts[b]])
+                b += 1
+
+    def check_unchanged(self, start: int, stop: int) -> None:
+        """CorpusFault when an open file holding tokens [start, stop) was cut shorter in place since it was
+        mapped (see _OpenFile.check_not_truncated); files not open yet are checked when they are opened."""
+        for i in self.file_indices(start, stop):
+            f = self._open.get(i)
+            if f is not None:
+                f.check_not_truncated()
 
     def close(self) -> None:
         """Unmap every open file (views returned by read() must not be used afterwards)."""
