@@ -162,28 +162,37 @@ class _OpenFile:
         try:
             self.arrays = _token_arrays(self._mmap, path, dtype)
             self.starts = _batch_starts(self.arrays, entry, path)
-            st = os.stat(path)
+            identity = file_identity(path, self._mmap.size())
+            self._mmap.seek(0)
+            whole = self._mmap.read_buffer()  # zero-copy: the mapping itself, whose bounds drop_pages keeps to
+            self._region = (whole.address, whole.address + whole.size)
+            del whole
         except BaseException:
             self._mmap.close()
             raise
-        self._identity = (st.st_ino, self._mmap.size())
+        self._identity = identity
 
     def check_not_truncated(self) -> None:
-        """CorpusFault when the file was cut shorter in place since it was mapped: a read of the pages past its
-        new end would kill the process with SIGBUS, no line said. A file replaced under its name (another
-        inode) is not this one: the mapping still reads the file as it was."""
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            return  # removed or unreachable by name: the mapping holds the file as it was
-        ino, size = self._identity
-        if st.st_ino == ino and st.st_size < size:
-            raise CorpusFault(f"{self.path}: the file shrank from {size} to {st.st_size} bytes while this run read "
-                              "it (truncated, or rewritten in place); put the prepared file back (`python -m "
-                              "data_prep verify` checks the corpus) and resume from the last checkpoint")
+        """CorpusFault when the file was cut shorter in place since it was mapped (check_not_shrunk)."""
+        check_not_shrunk(self._identity)
+
+    def release(self, start: int, stop: int) -> None:
+        """Unmap this process's pages of the file's tokens [start, stop) (global stream positions): one madvise
+        for the whole file when the range covers it (an index split's reader drops whole source files)."""
+        if start <= self.starts[0] and stop >= self.starts[-1]:
+            if self.arrays:
+                drop_pages(*mapped_span(self.arrays), self._region)
+            return
+        b = max(0, bisect.bisect_right(self.starts, start) - 1)
+        while b < len(self.arrays) and self.starts[b] < stop:  # record batch b: tokens [starts[b], starts[b+1])
+            lo, hi = max(start, self.starts[b]), min(stop, self.starts[b + 1])
+            if lo < hi:
+                drop_pages(*mapped_span([self.arrays[b][lo - self.starts[b]:hi - self.starts[b]]]), self._region)
+            b += 1
 
     def close(self) -> None:
         self.arrays = []
+        self._region = (0, 0)  # the addresses may be mapped again, to anything
         self._mmap.close()
 
 
@@ -201,14 +210,58 @@ def _madvise() -> Any:
 _MADVISE = _madvise() if hasattr(mmap, "MADV_DONTNEED") else None
 
 
-def _drop_pages(view: np.ndarray) -> None:
-    """MADV_DONTNEED on the whole pages of a view into a read-only file mapping: they leave the resident set and
-    fault back in from the page cache (or the file) if read again, so the view's contents never change."""
-    if _MADVISE is None or not view.size:
+def file_identity(path: Path, mapped_size: int) -> tuple[Path, int, int]:
+    """What check_not_shrunk compares: the path, its inode now and the size of the mapping made of it."""
+    return path, os.stat(path).st_ino, mapped_size
+
+
+def check_not_shrunk(identity: tuple[Path, int, int]) -> None:
+    """CorpusFault when the file (file_identity at mapping time) was cut shorter in place since: a read of the
+    pages past its new end would kill the process with SIGBUS, no line said. A file replaced under its name
+    (another inode) is not this one: the mapping still reads the file as it was."""
+    path, ino, size = identity
+    try:
+        st = os.stat(path)
+    except OSError:
+        return  # removed or unreachable by name: the mapping holds the file as it was
+    if st.st_ino == ino and st.st_size < size:
+        raise CorpusFault(f"{path}: the file shrank from {size} to {st.st_size} bytes while this run read "
+                          "it (truncated, or rewritten in place); put the prepared file back (`python -m "
+                          "data_prep verify` checks the corpus) and resume from the last checkpoint")
+
+
+def mapped_span(views: list[np.ndarray]) -> tuple[int, int]:
+    """The addresses [lo, hi) from the first byte of the lowest of `views` to the end of the highest."""
+    return (min(v.ctypes.data for v in views), max(v.ctypes.data + v.nbytes for v in views))
+
+
+def mapped_region(path: Path, address: int) -> tuple[int, int]:
+    """The addresses [lo, hi) of this process's mapping of the file `path` that holds `address` (from
+    /proc/self/maps: the line whose range holds it and whose inode is the file's), or (0, 0) when none is
+    found (then drop_pages drops nothing)."""
+    try:
+        ino = os.stat(path).st_ino
+        with open("/proc/self/maps") as f:
+            for line in f:
+                fields = line.split(maxsplit=5)
+                lo, hi = (int(a, 16) for a in fields[0].split("-"))
+                if lo <= address < hi and len(fields) >= 5 and int(fields[4]) == ino:
+                    return lo, hi
+    except (OSError, ValueError):
+        pass
+    return 0, 0
+
+
+def drop_pages(lo: int, hi: int, region: tuple[int, int]) -> None:
+    """MADV_DONTNEED on the whole pages of the addresses [lo, hi) inside `region`, a read-only mapping of a
+    file (its bounds: [lo, hi) is clipped to them, as a view that pyarrow copied out of the mapping lies
+    elsewhere, and an anonymous page dropped would read back as zeros). The pages leave the resident set and
+    fault back in from the page cache (or the file) if read again, so what the mapping reads never changes."""
+    lo, hi = max(lo, region[0]), min(hi, region[1])
+    if _MADVISE is None or hi <= lo:
         return
-    first = view.ctypes.data
-    lo = first - first % mmap.PAGESIZE  # the partial first page too: a page still in use only faults in again
-    hi = (first + view.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE  # not the partial last page: it is still read
+    lo -= lo % mmap.PAGESIZE  # the partial first page too (the mapping starts at a page): it only faults in again
+    hi -= hi % mmap.PAGESIZE  # not the partial last page: it is still read
     if hi > lo:
         _MADVISE(lo, hi - lo, mmap.MADV_DONTNEED)
 
@@ -424,14 +477,8 @@ class TokenReader(StreamReader):
         is ignored."""
         for i in self.file_indices(start, stop):
             f = self._open.get(i)
-            if f is None:
-                continue
-            b = max(0, bisect.bisect_right(f.starts, start) - 1)
-            while b < len(f.arrays) and f.starts[b] < stop:  # record batch b holds tokens [starts[b], starts[b+1])
-                lo, hi = max(start, f.starts[b]), min(stop, f.starts[b + 1])
-                if lo < hi:
-                    _drop_pages(f.arrays[b][lo - f.starts[b]:hi - f.starts[b]])
-                b += 1
+            if f is not None:
+                f.release(start, stop)
 
     def check_unchanged(self, start: int, stop: int) -> None:
         """CorpusFault when an open file holding tokens [start, stop) was cut shorter in place since it was

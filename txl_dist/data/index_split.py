@@ -6,9 +6,11 @@ factory that picks a split's reader.
 mixture's stream (`stop`), its source and where it starts in that source's train stream (`source_start`);
 the manifest's `splits.train.index.sources` names each source's corpus folder and the mixture record its
 manifest digest. IndexReader gives that stream the interface of TokenReader (read, chunks, open_range,
-files_opened, close, n_tokens, dtype), so the loader, verify, inspect and the unigram baseline read an
-index split as they read files. Everything stays memory-mapped: the documents file (a rank's reads touch
-the pages of the documents in its block and a binary search's few others) and the sources' token files.
+files_opened, release, check_unchanged, close, n_tokens, dtype), so the loader, verify, inspect and the
+unigram baseline read an index split as they read files. Everything stays memory-mapped: the documents file
+(a rank's reads touch the pages of the documents in its block and a binary search's few others) and the
+sources' token files; release() unmaps what the reads since the last one mapped, so that a rank's resident
+set does not fill up with the sources.
 
 Why the documents file is the index: it is already written (its stops and sources are what verify and
 inspect check), and one more column is all it needs; the stop column answers "which documents does the
@@ -22,7 +24,8 @@ from typing import Iterator
 
 import numpy as np
 
-from .arrow_io import StreamReader, TokenReader
+from .arrow_io import (StreamReader, TokenReader, check_not_shrunk, drop_pages, file_identity, mapped_region,
+                       mapped_span)
 from .manifest import CorpusError, Manifest, read_manifest
 from .mixture import document_batches
 
@@ -87,11 +90,29 @@ class DocumentIndex:
     def __init__(self, corpus_dir: Path, manifest: Manifest, verify: bool):
         self.path = corpus_dir / manifest.mixture.documents_file
         self.stops, self.sources, self.source_starts = [], [], []  # [n_batches][docs of the batch] each
+        self._region = (0, 0)  # the file's mapping (document_batches made it): what drop_pages may drop
         for stops, sources, source_starts in document_batches(corpus_dir, manifest, verify=verify):
             self.stops.append(stops)
             self.sources.append(sources)
             self.source_starts.append(source_starts)
+            if self._region == (0, 0):
+                self._region = mapped_region(self.path, stops.ctypes.data)
+            # Checked (every stop read): unmapped, or opening would hold the whole file resident (17 bytes
+            # per document: GBs at 100B tokens of short documents) until the first read-ahead piece.
+            drop_pages(*mapped_span([v for v in (stops, sources, source_starts) if v is not None]), self._region)
         self.batch_ends = np.array([s[-1] for s in self.stops], dtype=np.int64)  # [n_batches]
+        self._identity = file_identity(self.path, os.path.getsize(self.path))
+        self.release()  # what the sha256 (with `verify`) read, and the framing between the batches
+
+    def release(self) -> None:
+        """Unmap this process's pages of the whole file (drop_pages; a lookup faults in the few it reads
+        again): one call however many documents were read, and no page left mapped around them."""
+        drop_pages(*self._region, self._region)
+
+    def check_unchanged(self) -> None:
+        """CorpusFault when the file was cut shorter in place since it was opened (a lookup past its new end
+        would be SIGBUS)."""
+        check_not_shrunk(self._identity)
 
     def documents(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The documents overlapping stream tokens [start, stop) (start < stop), in order: where each starts
@@ -115,6 +136,7 @@ class DocumentIndex:
     def close(self) -> None:
         """Drop the views: the mapping goes with the last of them."""
         self.stops = self.sources = self.source_starts = []
+        self._region = (0, 0)  # the addresses may be mapped again, to anything
 
 
 class IndexReader(StreamReader):
@@ -158,6 +180,7 @@ class IndexReader(StreamReader):
         self._owns_documents = documents is None
         self.documents = DocumentIndex(self.corpus_dir, manifest, verify) if documents is None else documents
         self._documents_file = mixture.documents_file
+        self._read_since_release: set[int] = set()  # sources read() returned a view of since release()
 
     def read(self, start: int, stop: int) -> np.ndarray:
         """Tokens [start, stop) of the split's stream, in the file dtype (a view when possible)."""
@@ -168,12 +191,17 @@ class IndexReader(StreamReader):
         try:
             if len(doc_starts) == 1:
                 k = int(sources[0])
+                self._read_since_release.add(k)
                 out = self.sources[k].read(int(from_[0]), int(to[0]))
             else:
                 out = np.empty(stop - start, dtype=self.dtype)  # [stop - start]
-                for k in np.unique(sources):
+                gathered = np.unique(sources).tolist()
+                for k in gathered:
                     sel = np.flatnonzero(sources == k)
                     self.sources[k].gather(from_[sel], to[sel], out=out, out_at=at[sel])
+                # `out` is a copy: what the gathers mapped (pages around hundreds of documents) goes now, not
+                # at release(), which a caller of many reads may call once after them (the start-up sample).
+                self._unmap_sources(gathered)
         except IndexError:
             raise CorpusError(f"{self.documents.path}: a document of tokens [{start}, {stop}) lies outside its "
                               "source's train stream: the index does not fit its sources; re-run "
@@ -201,6 +229,7 @@ class IndexReader(StreamReader):
                 # a document's files are first..last: mark the interval (+1 at first, -1 after last)
                 np.add.at(touched[k], first, 1)
                 np.add.at(touched[k], last + 1, -1)
+            self.documents.release()  # the walk reads the block's documents: not held after it
         opened = []
         for k, reader in enumerate(self.sources):
             for i in np.flatnonzero(np.cumsum(touched[k][:-1]) > 0):
@@ -208,6 +237,30 @@ class IndexReader(StreamReader):
                 reader.open_range(f.first_token, f.first_token + 1)
                 opened.append(f"{self.source_refs[k]}/{f.path}")
         return opened
+
+    def release(self, start: int, stop: int) -> None:
+        """Unmap this process's pages of the documents file and of every source file read since the last
+        release, whole (see TokenReader.release for why): more than the pages of tokens [start, stop), which
+        are among them. Whole files: a source's documents are shuffled across it, so a piece of the stream
+        reads a few tokens at hundreds of places of each source, and a fault maps the pages around each
+        (fault-around: one piece of 3,000 11-token documents mapped 285 MiB of 385 MB of sources); unmapping
+        the documents' own pages left most of that, at one call per document. A page that another stream
+        reads next only faults in again. read() unmaps what a gathered read mapped as soon as it is copied."""
+        self._check_range(start, stop)
+        self.documents.release()
+        self._unmap_sources(sorted(self._read_since_release))  # a gathered read unmapped its own
+        self._read_since_release.clear()
+
+    def _unmap_sources(self, sources: list[int]) -> None:
+        for k in sources:
+            self.sources[k].release(0, self.sources[k].n_tokens)  # one call per open file
+
+    def check_unchanged(self, start: int, stop: int) -> None:
+        """CorpusFault (one line) when the documents file, or a source file that the documents of [start, stop)
+        lie in, was cut shorter in place since it was opened (TokenReader.check_unchanged)."""
+        self.documents.check_unchanged()  # first: the lookup below reads it
+        for k, lo, hi in self._source_files(start, stop):
+            self.sources[k].check_unchanged(lo, hi)
 
     @property
     def files_opened(self) -> list[str]:
@@ -221,6 +274,25 @@ class IndexReader(StreamReader):
             r.close()
         if self._owns_documents:
             self.documents.close()
+
+    def _source_files(self, start: int, stop: int) -> list[tuple[int, int, int]]:
+        """(source, lo, hi) per source that the documents of [start, stop) read from: [lo, hi) its tokens from
+        the start of the first of its files they lie in to the end of the last. A range past the source's end
+        (an index that does not fit) is clipped: read() names that fault."""
+        self._check_range(start, stop)
+        if start == stop:
+            return []
+        _, _, sources, from_, to, _ = self._ranges(start, stop)
+        out = []
+        for k in np.unique(sources).tolist():
+            sel = sources == k
+            reader = self.sources[k]
+            lo, hi = int(from_[sel].min()), min(int(to[sel].max()), reader.n_tokens)
+            if lo < hi:
+                files = reader.file_indices(lo, hi)
+                first, last = reader.entry.files[files[0]], reader.entry.files[files[-1]]
+                out.append((k, first.first_token, last.first_token + last.n_tokens))
+        return out
 
     def _ranges(self, start: int, stop: int):
         """The documents of [start, stop) clipped to it: (doc starts, doc stops, sources, from, to, at), where
