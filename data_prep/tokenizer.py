@@ -198,8 +198,10 @@ def _train_off_main_thread(feed: _RecordingFeed, **options) -> None:
         finally:
             ended.set()
 
-    threading.Thread(target=train, name="sentencepiece-training", daemon=True).start()
     try:
+        # Started inside the try: a signal that the new thread's first sentences meet may interrupt start()
+        # itself (its wait for the thread to run), and the reading must be cancelled and waited for then too.
+        threading.Thread(target=train, name="sentencepiece-training", daemon=True).start()
         while not ended.wait(TRAINING_WAIT_S):
             pass
     except BaseException:
