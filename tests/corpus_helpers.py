@@ -147,3 +147,22 @@ def small_bpe_tokenizer(folder: Path) -> Path:
 
     sentences = training_sentences([tricky_text(2000, seed) for seed in range(2)])
     return train_tokenizer(sentences, folder / "tok.model", TrainerOptions(vocab_size=400, model_type="bpe"))
+
+
+def mapped_rss(folder) -> int:
+    """Bytes of this process's resident set that are pages of files under `folder` (from /proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if head and not head[0].endswith(":"):  # a mapping's header line: address range, perms, ..., path
+                inside = len(head) >= 6 and head[5].startswith(str(folder))
+            elif inside and head[0] == "Rss:":
+                total += int(head[1]) * 1024
+    return total
+
+
+def peak_rss_since_reset() -> int:
+    """VmHWM in bytes (reset to the current RSS by writing 5 to /proc/self/clear_refs)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))

@@ -769,18 +769,11 @@ def test_a_zero3_export_gathers_one_tensor_at_a_time(tmp_path):
 
     from deepspeed.utils import zero_to_fp32
 
-    from dist_helpers import train_jobs
     from txl_dist.config import config_from_dict
     from txl_dist.model import TransformerXL
     from txl_dist.safe_load import fp32_state_dict_from_zero
 
-    splits = {"train": learnable_stream(4 * 49, 64, 0), "valid": learnable_stream(80, 64, 1),
-              "test": learnable_stream(80, 64, 2)}
-    corpus = write_corpus(tmp_path / "corpus", splits, vocab_size=64)
-    raw = tiny_config(corpus, tmp_path / "run", train={"max_steps": 1}, eval={"at_end": False},
-                      deepspeed={"zero_optimization": {"stage": 3}})
-    run_ranks(train_jobs, 2, [(raw, "none")])
-    tag = tmp_path / "run" / "checkpoints" / "step_00000001"
+    raw, tag = _one_step_tag(tmp_path, zero_stage=3, ranks=2)
     model_cfg = config_from_dict(raw).model
     model_cfg.vocab_size = 64
 
@@ -812,19 +805,23 @@ def test_a_zero3_export_gathers_one_tensor_at_a_time(tmp_path):
 # A universal conversion onto a file system without room for the copy
 
 
-@pytest.fixture(scope="module")
-def real_zero1_tag(tmp_path_factory):
-    """A real ZeRO-1 tag of a tiny model, saved by 1 rank (a load on 2 ranks converts it)."""
+def _one_step_tag(root: Path, *, zero_stage: int, ranks: int) -> tuple[dict, Path]:
+    """(the config, the tag) of a tiny model trained one step at `zero_stage` on `ranks` ranks under root."""
     from dist_helpers import train_jobs
 
-    root = tmp_path_factory.mktemp("zero1")
     splits = {"train": learnable_stream(4 * 49, 64, 0), "valid": learnable_stream(80, 64, 1),
               "test": learnable_stream(80, 64, 2)}
     corpus = write_corpus(root / "corpus", splits, vocab_size=64)
     raw = tiny_config(corpus, root / "run", train={"max_steps": 1}, eval={"at_end": False},
-                      deepspeed={"zero_optimization": {"stage": 1}})
-    run_ranks(train_jobs, 1, [(raw, "none")])
-    return root / "run" / "checkpoints" / "step_00000001"
+                      deepspeed={"zero_optimization": {"stage": zero_stage}})
+    run_ranks(train_jobs, ranks, [(raw, "none")])
+    return raw, root / "run" / "checkpoints" / "step_00000001"
+
+
+@pytest.fixture(scope="module")
+def real_zero1_tag(tmp_path_factory):
+    """A real ZeRO-1 tag of a tiny model, saved by 1 rank (a load on 2 ranks converts it)."""
+    return _one_step_tag(tmp_path_factory.mktemp("zero1"), zero_stage=1, ranks=1)[1]
 
 
 def _tmpfs(where: Path, size_bytes: int) -> Path:

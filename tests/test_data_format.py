@@ -29,7 +29,8 @@ from txl_dist.data.format import (
     write_manifest,
 )
 
-from corpus_helpers import EOD, edit_manifest, flip_bytes, make_corpus, synthetic_stream, tokens_sha256
+from corpus_helpers import (EOD, edit_manifest, flip_bytes, make_corpus, peak_rss_since_reset, synthetic_stream,
+                            tokens_sha256)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -295,12 +296,6 @@ def test_verify_corpus_stats(tmp_path):
     assert stats["splits"]["test"]["n_files"] == 2
 
 
-def _peak_rss_since_reset() -> int:
-    """VmHWM in bytes (reset to the current RSS by resetting it: /proc/self/clear_refs)."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
-
-
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="resets the peak RSS through /proc")
 def test_verify_does_not_keep_the_split_it_read_resident(tmp_path):
     # The files are memory-mapped and stayed open until the split was done: verifying a 100 GB train split
@@ -310,9 +305,9 @@ def test_verify_does_not_keep_the_split_it_read_resident(tmp_path):
     root = make_corpus(tmp_path / "c", {"train": tokens}, layout=Layout(1, 1), batch_tokens=1 << 20)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # the peak (VmHWM) restarts from the current RSS
-    before = _peak_rss_since_reset()
+    before = peak_rss_since_reset()
     verify_corpus(root)
-    grew = _peak_rss_since_reset() - before
+    grew = peak_rss_since_reset() - before
     assert grew < 32 << 20, f"verify's peak RSS grew by {grew / 2**20:.0f} MiB reading 64 MiB of tokens"
 
 

@@ -204,18 +204,12 @@ def test_relayout_keeps_every_token(corpus, expected, tmp_path):
     assert no_leftovers(tmp_path)
 
 
-def _peak_rss_since_reset() -> int:
-    """VmHWM in bytes (reset to the current RSS by writing 5 to /proc/self/clear_refs)."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
-
-
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="resets the peak RSS through /proc")
 def test_relayout_does_not_keep_the_split_it_copies_resident(tmp_path):
     # relayout reads each file record batch by record batch into memory of its own (iter_token_file), which
     # it lets go: its peak RSS does not grow with the split (measured 2026-12-06: 122 MiB on a 306 MB corpus,
     # 122 MiB on 4 MB). Read through a mapping, as verify did, the split would stay resident until its end.
-    from corpus_helpers import EOD, make_corpus
+    from corpus_helpers import EOD, make_corpus, peak_rss_since_reset
     from txl_dist.data.format import Layout
 
     tokens = np.random.default_rng(0).integers(4, 1000, 32 << 20, dtype=np.uint16)  # 64 MiB
@@ -224,9 +218,9 @@ def test_relayout_does_not_keep_the_split_it_copies_resident(tmp_path):
     del tokens
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # the peak (VmHWM) restarts from the current RSS
-    before = _peak_rss_since_reset()
+    before = peak_rss_since_reset()
     run("relayout", root, "--world-size", 2, "--n-streams", 4, "--quiet")
-    grew = _peak_rss_since_reset() - before
+    grew = peak_rss_since_reset() - before
     assert grew < 32 << 20, f"relayout's peak RSS grew by {grew / 2**20:.0f} MiB copying 64 MiB of tokens"
     assert len(read_manifest(root).splits["train"].files) == 2
 

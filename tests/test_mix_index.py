@@ -22,7 +22,7 @@ import pyarrow as pa
 import pytest
 
 import data_prep.mix
-from corpus_helpers import edit_manifest, make_corpus, synthetic_stream
+from corpus_helpers import edit_manifest, make_corpus, mapped_rss, synthetic_stream
 from data_prep.cli import main
 from dist_helpers import run_ranks, tiny_config, train_jobs
 from test_mix import split_tokens
@@ -424,19 +424,6 @@ def make_large_index(root: Path, source_tokens: int, train_tokens: int) -> Path:
     return root / "index"
 
 
-def _mapped_rss(folder) -> int:
-    """Bytes of this process's resident set that are pages of files under `folder` (from /proc/self/smaps)."""
-    total, inside = 0, False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()
-            if head and not head[0].endswith(":"):  # a mapping's header line: address range, perms, ..., path
-                inside = len(head) >= 6 and head[5].startswith(str(folder))
-            elif inside and head[0] == "Rss:":
-                total += int(head[1]) * 1024
-    return total
-
-
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads the resident set from /proc/self/smaps")
 def test_resident_memory_stays_flat_while_streaming_an_index_split(tmp_path):
     # The loader's read-ahead pieces gather documents shuffled across the sources: a mapped page stays resident
@@ -449,7 +436,7 @@ def test_resident_memory_stays_flat_while_streaming_an_index_split(tmp_path):
         peak = n = 0
         for n, _ in enumerate(streams, 1):  # two epochs: the second reads the unmapped pages again
             if n % 32 == 0:
-                peak = max(peak, _mapped_rss(tmp_path))
+                peak = max(peak, mapped_rss(tmp_path))
     assert n >= 2 * (8 << 20) // (4 * 2048) - 2  # the whole block, twice
     assert peak < 4 << 20, f"{peak / 2**20:.1f} MiB of the sources and index resident while streaming 32 MiB"
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from corpus_helpers import edit_manifest, flip_bytes, make_corpus, synthetic_stream
+from corpus_helpers import edit_manifest, flip_bytes, make_corpus, mapped_rss, synthetic_stream
 
 from txl_dist.data import CorpusError, Layout, StreamLoader
 
@@ -294,19 +294,6 @@ def test_a_token_id_outside_the_vocabulary_is_a_corpus_fault_naming_its_position
     take(loader(make_corpus(tmp_path / "ok", {"train": synthetic_stream(N_TOKENS, seed=4)}, layout=Layout(2, 8))), 8)
 
 
-def _mapped_rss(folder) -> int:
-    """Bytes of this process's resident set that are pages of files under `folder` (from /proc/self/smaps)."""
-    total, inside = 0, False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()
-            if head and not head[0].endswith(":"):  # a mapping's header line: address range, perms, ..., path
-                inside = len(head) >= 6 and head[5].startswith(str(folder))
-            elif inside and head[0] == "Rss:":
-                total += int(head[1]) * 1024
-    return total
-
-
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads the resident set from /proc/self/smaps")
 def test_resident_memory_stays_flat_while_streaming_through_the_block(tmp_path):
     # A mapped page stays resident until its file is closed: without unmapping what the streams have passed,
@@ -321,7 +308,7 @@ def test_resident_memory_stays_flat_while_streaming_through_the_block(tmp_path):
         np.testing.assert_array_equal(mb.input_ids, ref[:, p:p + 8192])
         np.testing.assert_array_equal(mb.labels, ref[:, p + 1:p + 8193])
         if mb.step % 64 == 0:
-            peak = max(peak, _mapped_rss(root))
+            peak = max(peak, mapped_rss(root))
     streams.close()
     assert 0 < peak < 16 << 20, f"{peak / 2**20:.1f} MiB of the corpus resident while streaming 48 MiB"
 
@@ -336,7 +323,7 @@ def _start_and_measure_mapped(raw: dict, corpus: str) -> int:
     distributed.init_process_group(env)
     try:
         start = start_training(config_from_dict(raw), env, "auto")
-        mapped = _mapped_rss(corpus)
+        mapped = mapped_rss(corpus)
         start.tracker.close()
         start.close()
         return mapped
