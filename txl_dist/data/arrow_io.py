@@ -475,18 +475,21 @@ class TokenReader(StreamReader):
         memory (2 bytes per uint16 token: a rank's whole block by the end of an epoch, tens of GB on a large
         corpus), which memory limits and monitors that count RSS take for a leak. Best effort: a failed madvise
         is ignored."""
-        for i in self.file_indices(start, stop):
-            f = self._open.get(i)
-            if f is not None:
-                f.release(start, stop)
+        for f in self._opened(start, stop):
+            f.release(start, stop)
 
     def check_unchanged(self, start: int, stop: int) -> None:
         """CorpusFault when an open file holding tokens [start, stop) was cut shorter in place since it was
         mapped (see _OpenFile.check_not_truncated); files not open yet are checked when they are opened."""
+        for f in self._opened(start, stop):
+            f.check_not_truncated()
+
+    def _opened(self, start: int, stop: int) -> Iterator[_OpenFile]:
+        """The files holding tokens [start, stop) that are open (mapped) in this process."""
         for i in self.file_indices(start, stop):
             f = self._open.get(i)
             if f is not None:
-                f.check_not_truncated()
+                yield f
 
     def close(self) -> None:
         """Unmap every open file (views returned by read() must not be used afterwards)."""

@@ -256,11 +256,15 @@ class IndexReader(StreamReader):
             self.sources[k].release(0, self.sources[k].n_tokens)  # one call per open file
 
     def check_unchanged(self, start: int, stop: int) -> None:
-        """CorpusFault (one line) when the documents file, or a source file that the documents of [start, stop)
-        lie in, was cut shorter in place since it was opened (TokenReader.check_unchanged)."""
-        self.documents.check_unchanged()  # first: the lookup below reads it
-        for k, lo, hi in self._source_files(start, stop):
-            self.sources[k].check_unchanged(lo, hi)
+        """CorpusFault (one line) when the documents file, or a source file open in this process, was cut
+        shorter in place since it was opened (TokenReader.check_unchanged; a file opened later is checked then).
+        Every open source file, not only those the documents of [start, stop) lie in: a piece's documents are
+        shuffled across each source (it reads most of its files), and finding them would look the documents up
+        a second time per piece, beside read()'s own lookup."""
+        self._check_range(start, stop)
+        self.documents.check_unchanged()
+        for reader in self.sources:
+            reader.check_unchanged(0, reader.n_tokens)
 
     @property
     def files_opened(self) -> list[str]:
@@ -274,25 +278,6 @@ class IndexReader(StreamReader):
             r.close()
         if self._owns_documents:
             self.documents.close()
-
-    def _source_files(self, start: int, stop: int) -> list[tuple[int, int, int]]:
-        """(source, lo, hi) per source that the documents of [start, stop) read from: [lo, hi) its tokens from
-        the start of the first of its files they lie in to the end of the last. A range past the source's end
-        (an index that does not fit) is clipped: read() names that fault."""
-        self._check_range(start, stop)
-        if start == stop:
-            return []
-        _, _, sources, from_, to, _ = self._ranges(start, stop)
-        out = []
-        for k in np.unique(sources).tolist():
-            sel = sources == k
-            reader = self.sources[k]
-            lo, hi = int(from_[sel].min()), min(int(to[sel].max()), reader.n_tokens)
-            if lo < hi:
-                files = reader.file_indices(lo, hi)
-                first, last = reader.entry.files[files[0]], reader.entry.files[files[-1]]
-                out.append((k, first.first_token, last.first_token + last.n_tokens))
-        return out
 
     def _ranges(self, start: int, stop: int):
         """The documents of [start, stop) clipped to it: (doc starts, doc stops, sources, from, to, at), where
