@@ -10,6 +10,8 @@ rank.
 - then a rollback (--resume to that tag) stopped by a USR1 to the batch shell before its step started: the
   ranks save after their first step, the job requeues (its save is older than the newest tag it started
   with, and new), and a USR1 after the restart's step ended does not end the job;
+- a plain scancel mid-run (SIGTERM, as the time limit without a warning): the ranks save, the job ends CANCELLED,
+  not requeued, and the same command continues bitwise in the same MLflow run;
 - a job stopped at train.exit_step is not requeued, and its 2-node checkpoint continues on 1 node;
 - eval.sbatch evaluates a checkpoint on 2 nodes; refused input fails the job with exit status 2, and a killed
   rank fails it (the other rank names it) well within train.collective_timeout_s; neither is requeued;
@@ -22,8 +24,8 @@ rank.
   jobs submitted before it (exit 1).
 
 Skipped, with the script's one-line reason, only where the cluster cannot be had (not root, or Slurm missing
-and no apt-get to install it). About 4 minutes, 20-30 s of which is the requeue delay (AuthInfo cred_expire,
-shortened to 10 s in the test cluster's slurm.conf; two requeues).
+and no apt-get to install it). About 7.5 minutes on a busy 2-core machine, 20-30 s of which is the requeue
+delay (AuthInfo cred_expire, shortened to 10 s in the test cluster's slurm.conf; two requeues).
 """
 from __future__ import annotations
 
@@ -339,6 +341,38 @@ def test_usr1_in_the_last_step_requeues_and_the_restart_runs_the_final_evaluatio
     client, run = mlflow_run(run_dir)
     assert run.info.status == "FINISHED"
     assert [m.step for m in client.get_metric_history(run.info.run_id, "test/loss")] == [last]
+
+
+def test_scancel_mid_run_saves_and_the_same_command_resumes_bitwise_in_the_same_mlflow_run(cluster, corpus, straight,
+                                                                                           tmp_path):
+    """A plain scancel (what the time limit without a warning does too: SIGTERM to the ranks, srun and the batch
+    shell, SIGKILL KillWait later): the ranks save at the next step boundary (srun's `forcing job termination`
+    does not reach them), the job ends CANCELLED, not requeued, and the same command continues from that save."""
+    run_dir = tmp_path / "run"
+    submit = ("--nodes=2", "--ntasks-per-node=1", *train_args(corpus, run_dir))
+    job = cluster.sbatch(*submit)
+    cluster.wait_for_text(job, f"step {SIGNAL_AT}/{MAX_STEPS} | loss")
+    cluster.run("scancel", str(job))
+    info = cluster.wait(job)
+    out = cluster.output(job)
+    assert (info["JobState"], info["Restarts"]) == ("CANCELLED", "0"), out[-5000:]
+    stopped = {int(m) for m in re.findall(r"stopping after step (\d+) \(SIGTERM\): saving a checkpoint", out)}
+    assert len(stopped) == 1, out[-5000:]
+    (step,) = stopped
+    assert SIGNAL_AT <= step < MAX_STEPS
+    tag = f"step_{step:08d}"
+    assert f"txl-slurm: stopped at step {step} of {MAX_STEPS} by SIGTERM (scancel, the time limit or preemption); " \
+           f"newest checkpoint {tag}; not requeueing: submit the same command to continue" in out, out[-5000:]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == tag
+    assert mlflow_run(run_dir)[1].info.status == "KILLED"
+    again = cluster.sbatch(*submit)
+    info = cluster.wait(again)
+    out = cluster.output(again)
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "0"), out[-5000:]
+    assert f"resumed from {run_dir / 'checkpoints' / tag} at step {step} (same world size)" in out
+    client, run = mlflow_run(run_dir)
+    assert run.info.status == "FINISHED"
+    assert bits(losses(client, run)) == bits(straight["losses"])  # every step once, as if never stopped
 
 
 def test_exit_step_ends_without_requeue_and_the_two_node_checkpoint_continues_on_one_node(cluster, corpus, straight,

@@ -10,7 +10,8 @@
 - common.sh's layout of a GPU job (txl_layout, with Slurm's variables faked): a per-task GPU binding and CPUs
   per task that the allocation cannot give every rank are refused before srun; the rendezvous port stays
   below the kernel's ephemeral ports and is the one txl_dist.distributed derives;
-- a job with GPUs whose Python has a CPU build of torch is refused before srun.
+- a job with GPUs whose Python has a CPU build of torch is refused before srun;
+- TXL_MAX_RESTARTS and TXL_END_WAIT_S that are no whole number are refused before srun.
 """
 from __future__ import annotations
 
@@ -201,6 +202,32 @@ def test_the_rendezvous_port_is_below_the_ephemeral_ports_and_the_same_as_the_ra
     for job in (123, 12000 + 11999, 15000, 31999):
         port = int(layout(tmp_path, **EIGHT_GPU_NODES, SLURM_JOB_ID=str(job)).stdout.split()[-1])
         assert port == slurm_port(job) and 20000 <= port < 32768  # Linux's default ephemeral range: 32768-60999
+
+
+@pytest.mark.parametrize("script, variable, value", [("train.sbatch", "TXL_MAX_RESTARTS", "two"),
+                                                      ("train.sbatch", "TXL_END_WAIT_S", "1.5"),
+                                                      ("eval.sbatch", "TXL_END_WAIT_S", "-5")])
+def test_a_count_in_the_environment_that_is_no_whole_number_is_refused_before_srun(tmp_path, script, variable, value):
+    """TXL_MAX_RESTARTS=two was only read after the training step (a bash error, and the job requeued regardless
+    of the cap); srun refuses a --wait=TXL_END_WAIT_S that is no whole number, which failed the job as a fault."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\n[ \"$2\" = hostnames ] && printf 'n1\\nn2\\n'\nexit 0\n")
+    (bin_dir / "srun").write_text(f"#!/bin/sh\ntouch {tmp_path / 'srun-ran'}\nexit 0\n")
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "123", "SLURM_JOB_NODELIST": "n[1-2]",
+           "SLURM_JOB_NUM_NODES": "2", "SLURM_SUBMIT_DIR": str(REPO), "DS_ACCELERATOR": "cpu", variable: value}
+    args = {"train.sbatch": ["--config", "configs/tiny.json", "--set", f"run.dir={tmp_path / 'run'}"],
+            "eval.sbatch": ["--checkpoint", str(tmp_path / "run")]}[script]
+    done = subprocess.run(["bash", str(REPO / "launch" / "slurm" / script), *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert (done.returncode, done.stderr.splitlines()) == (2, [
+        f"txl-slurm: error: {variable}={value} is not a whole number ("
+        + {"TXL_MAX_RESTARTS": "the restarts after which the job is not requeued",
+           "TXL_END_WAIT_S": "seconds srun waits for the other ranks after the first one ended"}[variable]
+        + "); correct or unset it"]), (done.stdout, done.stderr)
+    assert not (tmp_path / "srun-ran").exists()
 
 
 def test_a_job_with_gpus_and_a_cpu_build_of_torch_is_refused_before_srun(tmp_path, monkeypatch):

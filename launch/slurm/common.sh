@@ -35,6 +35,16 @@ txl_python() {
     [ -z "$missing" ] || txl_die "python $PY has no $missing (not a txl-dist environment); $fix"
 }
 
+# A count from the environment (TXL_MAX_RESTARTS, TXL_END_WAIT_S), checked when the job starts: anything but a
+# whole number is refused in one line, where train.sbatch's `[ -ge ]` would print a bash error at the end of the
+# run and requeue regardless of the cap, and srun would refuse --wait=VALUE as if the step had failed.
+# Arguments: the variable's name, what it counts.
+txl_whole_number() {
+    case "${!1:-}" in
+        *[!0-9]*) txl_die "$1=${!1} is not a whole number ($2); correct or unset it" ;;
+    esac
+}
+
 # A positive integer from a Slurm count such as "4", "gpu:4", "a100:4" or "4(x2)" (the first node's).
 txl_count() {
     local v="${1%%(*}"
