@@ -81,6 +81,10 @@ from txl_dist.data.index_split import source_reference
 from txl_dist.data.mixture import DOCUMENTS_FILE, DOCUMENTS_SCHEMA, INDEX_SCHEMA, DeviationSpread, DocumentsWriter
 
 HELD_OUT = ("valid", "test")
+MIN_STREAM_TOKENS = 2
+"""The fewest tokens a stream of a run can train on: one segment of model.tgt_len 1 and its last label (the
+loader needs tgt_len + 1 per stream). mix cannot know the run's tgt_len, so --train-tokens below this many per
+--n-streams stream is refused as a length no run of the streams the mixture is cut for can train on."""
 
 
 @dataclass(frozen=True)
@@ -360,8 +364,7 @@ def mix(specs: Sequence[SourceSpec], out: str | os.PathLike, *, train_tokens: in
         raise PrepError(f"--source: {len(specs)} sources; at most 255 are supported")
     if seed < 0:
         raise PrepError(f"--seed must be >= 0, got {seed}")
-    if train_tokens is not None and train_tokens < 1:
-        raise PrepError(f"--train-tokens must be >= 1, got {train_tokens}")
+    check_train_tokens(train_tokens, n_streams)
     for s in specs:
         if same_place(s.corpus, out):
             raise PrepError(f"--out {out} is the corpus of source {s.name}; write the mixture elsewhere")
@@ -377,6 +380,17 @@ def mix(specs: Sequence[SourceSpec], out: str | os.PathLike, *, train_tokens: in
         return _mix(specs, out, Path(scratch), train_tokens=train_tokens, seed=seed, world_size=world_size,
                     n_streams=n_streams, eval_streams=eval_streams, overwrite=overwrite, index=index,
                     command=command, args=args, progress=progress)
+
+
+def check_train_tokens(train_tokens: int | None, n_streams: int) -> None:
+    """--train-tokens that no run of the mixture's --n-streams streams could train on is refused before any work
+    (before, `--train-tokens 5` gave a mixture of one document that training refused as too short)."""
+    need = MIN_STREAM_TOKENS * n_streams
+    if train_tokens is not None and train_tokens < need:
+        raise PrepError(f"--train-tokens {train_tokens} is below {need}, the least any run of the mixture's "
+                        f"--n-streams {n_streams} streams trains on ({MIN_STREAM_TOKENS} per stream, model.tgt_len 1); "
+                        "a run needs deepspeed.train_batch_size x (model.tgt_len + 1) tokens, e.g. 8 x 65 = 520 for "
+                        "configs/tiny.json")
 
 
 def _check_distinct_corpora(specs: Sequence[SourceSpec]) -> None:
@@ -609,6 +623,7 @@ def prepare_mixture(sources: Sequence[SourceSpec], spec: InputSpec, out: str | o
     if spec.train or spec.valid or spec.test:
         raise PrepError("--source gives each source's files: drop --train/--valid/--test (hold out documents "
                         "of every source with --valid-fraction/--test-fraction)")
+    check_train_tokens(train_tokens, n_streams)  # before hours of preparing the sources, not in mix() after them
     check_output(out, overwrite, marker="manifest.json")
     _check_source_files(sources, spec, out, tokenizer_model)
     if space_check:

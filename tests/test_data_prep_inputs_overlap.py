@@ -320,8 +320,8 @@ def test_ties_go_to_the_largest_weight(tmp_path):
     for seed in range(4):
         out = tmp_path / f"m{seed}"
         run("mix", "--out", out, "--source", f"tiny={tiny}:1e-320", "--source", f"big={big}:1",
-            "--train-tokens", 1, "--seed", seed, "--world-size", 1, "--n-streams", 1, "--quiet")
+            "--train-tokens", 2, "--seed", seed, "--world-size", 1, "--n-streams", 1, "--quiet")
         m = read_manifest(out)
         _, sources = read_documents(out, m)
-        assert sources.tolist() == [1], (seed, sources)  # the first document, which reaches the 1 token asked
+        assert sources.tolist() == [1], (seed, sources)  # the first document, which reaches the 2 tokens asked
         assert {s.name: s.tokens for s in m.mixture.sources}["tiny"] == 0

@@ -176,6 +176,30 @@ def test_weights_whose_sum_overflows_mix_by_their_ratio(corpora, mixture, tmp_pa
     assert ours.splits["train"].tokens_sha256 == same_ratio.splits["train"].tokens_sha256
 
 
+def test_prepare_source_refuses_too_few_train_tokens_before_preparing_anything(tmp_path, capsys, monkeypatch):
+    """The floor of tests/test_refusals.py's data.prep-mix case, for prepare --source: before, the sources were
+    tokenized first (hours on a real corpus) and mix then accepted it anyway."""
+    import data_prep.mix
+
+    def no_preparing(*args, **kwargs):
+        raise AssertionError("prepared a source before refusing --train-tokens")
+
+    monkeypatch.setattr(data_prep.mix, "prepare", no_preparing)
+    text = tmp_path / "a.txt"
+    text.write_text("one line of text\n" * 50)
+    out = tmp_path / "m"
+    assert run("prepare", "--out", out, "--line-docs", "--source", f"a={text}:1", "--vocab-size", 300,
+               "--valid-fraction", 0.1, "--world-size", 1, "--n-streams", 4, "--train-tokens", 7, "--quiet") == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: --train-tokens 7 is below 8, the least any run of the mixture's --n-streams 4 streams trains on (2 per "
+        "stream, model.tgt_len 1); a run needs deepspeed.train_batch_size x (model.tgt_len + 1) tokens, e.g. 8 x 65 = "
+        "520 for configs/tiny.json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt"]
+    assert run(*["mix", "--out", out, "--source", f"a={tmp_path}:1", "--world-size", 1, "--n-streams", 4,
+                 "--train-tokens", 8, "--quiet"]) == 2  # the floor itself passes this check (tmp_path is no corpus)
+    assert "--train-tokens" not in capsys.readouterr().err
+
+
 def test_train_tokens_sets_the_length(corpora, tmp_path):
     assert run(*mix_args(corpora, tmp_path / "short", "--train-tokens", 100_000)) == 0
     m = read_manifest(tmp_path / "short")

@@ -441,6 +441,47 @@ def test_resident_memory_stays_flat_while_streaming_an_index_split(tmp_path):
     assert peak < 4 << 20, f"{peak / 2**20:.1f} MiB of the sources and index resident while streaming 32 MiB"
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="reads the peak resident set from /proc")
+def test_verify_holds_neither_the_documents_file_nor_the_sources_resident(tmp_path, monkeypatch):
+    # verify's checks before its token scan: the documents file was hashed from its mapping and every page of it
+    # stayed resident (then check_mixture and the document-start check read it all again, unreleased), and the
+    # check that each document starts after an eod read a token before every document, which mapped every page
+    # of the sources (a 400 MB mixture of 11-token documents: 810 MiB peak RSS, 295 MiB of documents file and
+    # 382 MiB of sources; 525 MiB after, what is left being the token scan's gathered reads).
+    import gc
+
+    from corpus_helpers import peak_rss_since_reset
+    from txl_dist.data.index_split import DocumentIndex
+    from txl_dist.data.verify import _check_index_documents, check_mixture
+
+    monkeypatch.setattr(data_prep.mix, "ROUND_TOKENS", 1 << 18)  # batches far smaller than the file, as at scale
+    argv = ["mix", "--out", tmp_path / "index", "--seed", 1, "--world-size", 1, "--n-streams", 4, "--quiet", "--index"]
+    for i, name in enumerate(("a", "b")):
+        make_corpus(tmp_path / name, {"train": synthetic_stream(8 << 20, seed=i, mean_doc=11)}, layout=Layout(1, 4),
+                    batch_tokens=1 << 19)
+        argv += ["--source", f"{name}={tmp_path / name}:1"]
+    assert run(*argv) == 0
+    index = tmp_path / "index"
+    manifest = read_manifest(index)
+    files = (index / DOCUMENTS_FILE).stat().st_size + sum(p.stat().st_size for p in tmp_path.glob("[ab]/train/*"))
+
+    def checks() -> None:
+        documents = DocumentIndex(index, manifest, verify=True)  # hashed
+        check_mixture(index, manifest, documents)
+        with split_reader(index, manifest, "train", verify=True, documents=documents) as reader:
+            _check_index_documents(reader, manifest.tokenizer.eod_id)
+        documents.close()
+        gc.collect()
+
+    checks()  # once first: the libraries' pages and the allocator's pools are then resident already
+    with open("/proc/self/status") as f:
+        before = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
+    Path("/proc/self/clear_refs").write_text("5")
+    checks()
+    grown = peak_rss_since_reset() - before
+    assert grown < files / 4, f"{grown / 2**20:.1f} MiB resident at the peak for {files / 2**20:.1f} MiB of files"
+
+
 def _read_on_after_truncating(index: str, victim: str) -> str:
     """A loader on the index split that has read one batch; `victim` cut to 4 KiB in place; what reading on
     raises."""

@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
@@ -299,14 +300,22 @@ def token_dtype(vocab_size: int) -> str:
     return "uint16" if vocab_size <= UINT16_VOCAB else "int32"
 
 
-def sha256_file(path: str | os.PathLike, chunk_bytes: int = 1 << 22, mapped: Any = None) -> str:
+def sha256_file(path: str | os.PathLike, chunk_bytes: int = 1 << 22, mapped: Any = None,
+                release: Callable[[int, int], None] | None = None) -> str:
     """Hex sha256 of a file's bytes, read in chunks (constant memory); from the HashRecord in use, if any, when
     the file is unchanged since it was hashed (txl_dist/data/hash_record.py). `mapped`: the file's bytes as a
-    caller already memory-mapped them (any buffer), hashed from there so that the file is not read twice."""
+    caller already memory-mapped them (any buffer), hashed from there so that the file is not read twice;
+    `release(start, stop)`: called with each chunk's byte offsets once it is hashed, for the caller to unmap its
+    pages (arrow_io.drop_pages), which would otherwise stay resident: the whole file at once."""
     def compute() -> str:
         h = hashlib.sha256()
         if mapped is not None:
-            h.update(memoryview(mapped))  # page by page from the mapping: no copy, no second read
+            view = memoryview(mapped)  # page by page from the mapping: no copy, no second read
+            for start in range(0, len(view), chunk_bytes):
+                stop = min(len(view), start + chunk_bytes)
+                h.update(view[start:stop])
+                if release is not None:
+                    release(start, stop)
             return h.hexdigest()
         with open(path, "rb") as f:
             while chunk := f.read(chunk_bytes):
