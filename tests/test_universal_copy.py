@@ -104,3 +104,81 @@ def test_a_zero3_optimizers_steps_move_though_its_groups_name_no_parameter():
     [(moved, named, dtypes)] = run_ranks(_zero3_steps_after_a_load, 1, timeout=240)
     assert named == 0  # what made the old walk over the groups' params find nothing
     assert moved >= 1 and dtypes == ["torch.float32"] * moved
+
+
+def test_a_tied_aliass_weights_in_a_universal_copy_are_its_own_not_the_whole_model(tmp_path, caplog):
+    """DeepSpeed's conversion writes the fp32 weights of a parameter without optimizer fragments (a tied alias:
+    crit.out_layers.0.weight is the embedding's weight) from the tag's model states, whose tensors in an fp32
+    ZeRO 1/2 run are views of one flat buffer of the whole model: each such file held all the model's weights
+    (measured at 21M parameters, 3 aliases: a copy of 594 MB, 340 MB without them; configs/large.json has 7).
+    Each file holds its own tensor's bytes now, with the same values. The conversion says when it starts and
+    how long it took (at scale, minutes in which the job prints nothing else)."""
+    import logging
+
+    import torch
+
+    tag = _one_step_zero1_tag(tmp_path)
+    copy = tag.parent / (tag.name + checkpoint.UNIVERSAL_SUFFIX)
+    with caplog.at_level(logging.INFO, logger="txl_dist"):
+        assert checkpoint.convert_to_universal(tag, copy, zero_stage=1)
+    said = [r.getMessage() for r in caplog.records]
+    assert said[0].startswith("checkpoint: converting step_00000001 (") and said[0].endswith(
+        f" of optimizer files) to DeepSpeed's universal form for a load at another world size: {copy}"), said
+    assert said[1].startswith(f"checkpoint: {copy.name} converted in ") and len(said) == 2, said
+    module = torch.load(tag / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    alias = copy / "zero" / "crit.out_layers.0.weight" / "fp32.pt"
+    assert alias.is_file() and not (alias.parent / "exp_avg.pt").exists()  # written from the model states
+    assert torch.equal(torch.load(alias, weights_only=True)["param"], module["word_emb.emb_layers.0.weight"])
+    for path in (copy / "zero").glob("*/fp32.pt"):
+        weights = torch.load(path, weights_only=True)["param"]
+        assert path.stat().st_size < weights.nbytes + 4096, f"{path}: {path.stat().st_size} bytes for {weights.nbytes}"
+
+
+def _one_step_zero1_tag(root):
+    """The tag of one fp32 ZeRO-1 step of the tiny model on 1 rank (a load on another world size converts it)."""
+    corpus = write_corpus(root / "corpus", {"train": learnable_stream(4 * 49, VOCAB, 0),
+                                            "valid": learnable_stream(80, VOCAB, 1),
+                                            "test": learnable_stream(80, VOCAB, 2)}, vocab_size=VOCAB)
+    raw = tiny_config(corpus, root / "run", train={"max_steps": 1}, eval={"at_end": False},
+                      deepspeed={"zero_optimization": {"stage": 1}})
+    run_ranks(train_jobs, 1, [(raw, "none")])
+    return root / "run" / "checkpoints" / "step_00000001"
+
+
+def test_a_converter_killed_by_a_signal_is_said_so_not_by_its_last_line(tmp_path):
+    """A converter the kernel's OOM killer ends (each worker holds a ZeRO shard) was reported by its last line on
+    stderr: `conversion failed (no output)`, or a warning it had printed. The signal is named, nothing is left."""
+    import threading
+    import time
+
+    import psutil
+    import pytest
+
+    tag = _one_step_zero1_tag(tmp_path)
+    copy = tag.parent / (tag.name + checkpoint.UNIVERSAL_SUFFIX)
+
+    def kill_the_converter():  # as soon as it runs: it is still importing torch, seconds from its end
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            for p in psutil.Process().children(recursive=True):
+                try:
+                    if "ds_to_universal" in " ".join(p.cmdline()):
+                        p.kill()
+                        return
+                except psutil.Error:
+                    continue
+            time.sleep(0.01)
+
+    killer = threading.Thread(target=kill_the_converter)
+    killer.start()
+    try:
+        with pytest.raises(checkpoint.ConversionFailed) as failed:
+            checkpoint.convert_to_universal(tag, copy, zero_stage=1)
+    finally:
+        killer.join()
+    assert str(failed.value) == (
+        f"{tag}: universal checkpoint conversion failed (the converter was killed by SIGKILL: the kernel's OOM "
+        "killer, if the node ran out of memory); nothing of it is left: start again, or resume with the world size "
+        "it was saved with (zero_stage=1)")
+    assert sorted(p.name for p in tag.parent.iterdir() if "universal" in p.name) == []
+    assert checkpoint.verify(tag) is None
