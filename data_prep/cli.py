@@ -5,7 +5,6 @@ import argparse
 import os
 import signal
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,8 +14,9 @@ from data_prep.tokenizer import MODEL_TYPES, TRAINING_OPTIONS, TRAINING_THREADS,
     check_trained_with
 from data_prep.errors import PrepError, access_fault_line
 from txl_dist.cli_args import ArgumentParser
-from txl_dist.errors import EXIT_FAILED, EXIT_REFUSED, Refused
+from txl_dist.errors import EXIT_FAILED, EXIT_REFUSED, EXIT_TERMINATED, Refused
 from txl_dist.host import raise_open_file_limit, usable_cpus
+from txl_dist.stop_request import Terminated, terminate_on_sigterm
 from txl_dist.write_faults import write_fault_line  # the one line of a failed write, shared
 
 if TYPE_CHECKING:  # for an annotation only: each command imports what it uses when it runs
@@ -229,15 +229,6 @@ def _command(sub, name: str, what: str, example: str) -> argparse.ArgumentParser
                           formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (Slurm's time limit, `kill`, scancel) raised in the main thread, so that every job unwinds as
-    on Ctrl-C: the temporary output and scratch folders are removed on the way out."""
-
-
-def _raise_terminated(signum: int, frame) -> None:
-    raise Terminated()
-
-
 _WRITES_TO = {"fetch-corpus": "out", "prepare": "out", "train-tokenizer": "out", "finalize": "out", "mix": "out",
               "relayout": "corpus"}
 """The argument naming what each writing command writes (verify and inspect write nothing)."""
@@ -265,11 +256,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     reused = getattr(args, "tokenizer_model", None) is not None
     recorded = {k: v for k, v in vars(args).items()
                 if k not in ("quiet", "verbose") and not (reused and k in _TRAINING and k not in training)}
-    in_main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _raise_terminated) if in_main_thread else None
     raise_open_file_limit()  # readers keep a descriptor per Arrow file touched: mixtures touch many
     try:
-        return _run(args, command, recorded, training)
+        # SIGTERM unwinds as Ctrl-C does: the temporary output and scratch folders are removed on the way out.
+        with terminate_on_sigterm():
+            return _run(args, command, recorded, training)
     except Refused as e:  # PrepError and CorpusError
         print(f"error: {e}", file=sys.stderr)
         return EXIT_REFUSED
@@ -287,13 +278,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_FAILED if args.command in _WRITES_TO else EXIT_REFUSED
     except Terminated:
         print("error: terminated (SIGTERM); nothing was written", file=sys.stderr)
-        return 128 + signal.SIGTERM
+        return EXIT_TERMINATED
     except KeyboardInterrupt:
         print("error: interrupted; nothing was written", file=sys.stderr)
         return 130
-    finally:
-        if in_main_thread:
-            signal.signal(signal.SIGTERM, previous)
 
 
 def _write_fault(args: argparse.Namespace, error: OSError) -> str | None:

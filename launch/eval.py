@@ -8,13 +8,16 @@ files are verified against their checksums first. The tag is held for reading fr
 the load, so a run still training there does not remove it meanwhile (its retention keeps it until its next
 save). The configuration is the checkpoint's own (saved in run.json) unless --config names another; --set
 overrides either (e.g. the eval section). Runs on any world size that divides eval.n_streams (null: the
-streams the checkpoint's run evaluated, one per rank it was saved on; ZeRO 1-3 checkpoints of another world
-size go through the universal conversion, as for training). The split (--split) is checked with the corpus,
+streams the checkpoint's run evaluated, recorded in its run.json; ZeRO 1-3 checkpoints of another world size
+go through the universal conversion, as for training). The split (--split) is checked with the corpus,
 before anything is built or written. Rank 0 prints a short table (loss, perplexity, bits per token/byte/char,
 the tokens predicted, the precision and attention path the numbers were computed with, the memory settings),
 then the result as JSON; --json-out also writes the JSON to a file (atomically; its folder must exist, and the
 path is checked before the evaluation). Exit status 0; 2 for refused input (one line says why); 1 for a fault
-during the evaluation (a lost rank).
+during the evaluation (a lost rank); 143 for SIGTERM (scancel, a time limit, kill), which stops it at once: each
+rank it reached says where (`error: evaluation stopped by SIGTERM at segment 2 of 40 of split test; no result
+written`), the others stop naming it, and no --json-out is written (one that comes once the numbers exist waits
+for them to be printed and written).
 """
 from __future__ import annotations
 
@@ -23,11 +26,15 @@ import contextlib
 import json
 import logging
 import sys
+from collections.abc import Callable
 
 from txl_dist.host import quiet_torch_cpp_warnings  # standard library only
+from txl_dist.stop_request import (Terminated, catch_sigterm_early, finish_despite_sigterm,  # standard library only
+                                   terminate_on_sigterm)
 
 if __name__ == "__main__":  # before torch: a lost rank is reported in one line, without C++ stack dumps
     quiet_torch_cpp_warnings()
+    catch_sigterm_early()  # scancel during the imports: the job's line too, not a silent death
 
 from txl_dist import distributed  # noqa: E402
 from txl_dist.atomic import atomic_write  # noqa: E402
@@ -69,34 +76,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def with_checkpoints_streams(choice, world_size: int):
-    """choice with eval.n_streams set to the world size its checkpoint was saved on where the configuration
-    leaves it null (the GPU presets do): the streams that run's own evaluations used (null there too).
-
-    Why: null means one stream per rank, and the numbers depend on the streams (each starts with an empty
-    memory), so the same checkpoint gave other numbers on another world size, and not the test result its run
-    logged. Refused (the hold released) where this world size cannot split them; the user then names a count."""
+    """choice with eval.n_streams resolved by RunConfig.eval_streams for this world size and the checkpoint's
+    record: where the configuration leaves it null (the GPU presets do), the streams its run evaluated
+    (checkpoint.recorded_eval_streams), not one per rank here, so that any world size gives the numbers that run
+    logged (each stream starts with an empty memory). Refused, the hold released, where this world size cannot
+    split them."""
     import dataclasses
 
-    from txl_dist.config import ConfigError
+    from txl_dist.checkpoint import recorded_eval_streams
 
     cfg = choice.cfg
-    if cfg.eval.n_streams is not None:
-        return choice
-    saved = choice.run_info["world_size"]
-    if saved % world_size:
+    try:
+        streams = cfg.eval_streams(world_size, recorded_eval_streams(choice.run_info))
+    except BaseException:
         choice.hold.release()
-        raise ConfigError(f"eval.n_streams is null: the evaluation uses the checkpoint's {saved} stream(s) (its run "
-                          f"evaluated one per rank, on the {saved} it was saved on), which {world_size} ranks cannot "
-                          f"split; pass --set eval.n_streams=N, N a multiple of {world_size} (the numbers depend on "
-                          f"N), or evaluate on a world size that divides {saved}")
-    streams = dataclasses.replace(cfg.eval, n_streams=saved)
-    return dataclasses.replace(choice, cfg=dataclasses.replace(cfg, eval=streams))
+        raise
+    resolved = dataclasses.replace(cfg.eval, n_streams=streams)
+    return dataclasses.replace(choice, cfg=dataclasses.replace(cfg, eval=resolved))
 
 
-def evaluate_checkpoint(choice, split: str | None, env: distributed.DistEnv, check_outputs=None) -> dict:
+def evaluate_checkpoint(choice, split: str | None, env: distributed.DistEnv, check_outputs=None,
+                        at: Callable[[str], None] | None = None) -> dict:
     """Load the checkpoint's weights into an engine of this world size and evaluate one split (collective);
     choice: what startup.eval_config read (the tag is held for reading until its weights are loaded);
-    check_outputs: rank 0's check of what it will write, before any work (startup.start_evaluation)."""
+    check_outputs: rank 0's check of what it will write, before any work (startup.start_evaluation);
+    at: told where the evaluation is as each segment begins ('at segment 2 of 40 of split test')."""
     from txl_dist import checkpoint as ckpt
     from txl_dist.data import read_manifest
     from txl_dist.engine import build_engine, deepspeed_config
@@ -113,9 +117,14 @@ def evaluate_checkpoint(choice, split: str | None, env: distributed.DistEnv, che
         note_start_up("the engine built")  # a rank stuck loading is named as past this
         ckpt.load_engine(engine, start.resume.source)
         start.release_checkpoint()  # loaded: the run's retention may remove the tag now
-        result = start.evaluator.evaluate(
-            engine.module, start.split,  # a rank stuck between segments is named by the watchdog, not waited for
-            on_segment=lambda i: note_progress((0, i + 1), f"evaluation of {start.split}, segment {i + 1}"))
+        segments = start.evaluator.segments(start.split)
+
+        def on_segment(i: int) -> None:  # a rank stuck between segments is named by the watchdog, not waited for
+            note_progress((0, i + 1), f"evaluation of {start.split}, segment {i + 1}")
+            if at is not None:
+                at(f"at segment {i + 1} of {segments} of split {start.split}")
+
+        result = start.evaluator.evaluate(engine.module, start.split, on_segment=on_segment)
     finally:
         start.close()
     memory = {key: getattr(cfg.eval, key) for key in ("tgt_len", "mem_len", "clamp_len", "same_length", "max_segments")}
@@ -166,7 +175,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     log = logging.getLogger(distributed.LOGGER_NAME)
 
+    where = ["during start-up"]  # then the segment begun last: what a SIGTERM's line says
+
+    def at(text: str) -> None:
+        where[0] = text
+
     def job() -> int:
+        try:
+            with terminate_on_sigterm():
+                return evaluation()
+        except Terminated:  # scancel, a time limit, kill: no result exists, so none was written
+            raise Terminated(f"evaluation stopped by SIGTERM {where[0]}; no result written") from None
+
+    def evaluation() -> int:
         # stdout is for the table and the JSON (a program may parse them). DeepSpeed's logger prints to the
         # stdout it finds when first imported (its accelerator warning, with DS_ACCELERATOR unset): until the
         # result exists, stdout is stderr.
@@ -181,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
             distributed.configure_threads(env)
             # Only rank 0 writes it, so only rank 0 can judge the path; every rank refuses with it.
             check = (lambda: check_output_file(args.json_out, "--json-out")) if args.json_out is not None else None
-            result = evaluate_checkpoint(choice, args.split, env, check)
+            result = evaluate_checkpoint(choice, args.split, env, check, at=at)
+        finish_despite_sigterm()  # the numbers exist: printing and writing them take milliseconds
         if env.is_main:
             text = json.dumps(result, indent=2)
             try:

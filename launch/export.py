@@ -18,8 +18,9 @@ launch/generate.py --model checks its tokenizer against, and the corpus' end-of-
 model_config.json, eos_token_id in config.json; `python -m txl_dist.interop to-hf DIR HF_DIR` carries it over
 as export --hf writes it). Exit status 0, 2 for a refused checkpoint or output
 (one line says why), 1 when writing fails midway (a full disk, a read-only remount: one line naming the file and
-its file system). Each folder gets its config last, so one whose export failed holds none: it loads as nothing,
-and the next export writes into it without --overwrite.
+its file system), 143 for SIGTERM (scancel, a time limit, kill: it stops at once, in one line). Each folder gets
+its config last, so one whose export failed or was stopped holds none (nor the file it was writing): it loads as
+nothing, and the next export writes into it without --overwrite.
 """
 from __future__ import annotations
 
@@ -29,10 +30,16 @@ import json
 import logging
 from pathlib import Path
 
-from txl_dist.atomic import atomic_write
-from txl_dist.cli_args import ArgumentParser
-from txl_dist.entry import exit_process, guarded, print_result
-from txl_dist.errors import RunFailed
+from txl_dist.stop_request import (Terminated, catch_sigterm_early, finish_despite_sigterm,  # standard library only
+                                   terminate_on_sigterm)
+
+if __name__ == "__main__":
+    catch_sigterm_early()  # scancel during the imports: the job's line too, not a silent death
+
+from txl_dist.atomic import atomic_write  # noqa: E402
+from txl_dist.cli_args import ArgumentParser  # noqa: E402
+from txl_dist.entry import exit_process, guarded, print_result  # noqa: E402
+from txl_dist.errors import RunFailed  # noqa: E402
 
 
 EPILOG = """examples:
@@ -179,11 +186,17 @@ def export(checkpoint: str, out: str, hf: str | None = None, overwrite: bool = F
             if tokenizer:
                 atomic_write(Path(hf) / TOKENIZER_NAME, tokenizer[1])
             finished.append(Path(hf))
-    except OSError as e:  # the folders were checked at the start: a full disk, a read-only remount, a folder removed
+    except (OSError, KeyboardInterrupt) as e:  # the folders were checked at the start: a full disk, a read-only
+        # remount, a folder removed; or SIGTERM, Ctrl-C (the file being written is removed: atomic.atomic_path)
         unfinished = [folder for folder in folders if folder not in finished]
         unfinish_exports([(folder, name) for folder, name in configs if folder in unfinished])
-        line = write_fault_line(e, unfinished[0], "export to a folder elsewhere") or one_line(e, limit=500)
         left = " and ".join(str(folder) for folder in unfinished)
+        if isinstance(e, Terminated):
+            raise Terminated(f"export stopped by SIGTERM while writing {unfinished[0]}; {left} hold(s) no complete "
+                             "export (no config), run the export again") from None
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        line = write_fault_line(e, unfinished[0], "export to a folder elsewhere") or one_line(e, limit=500)
         raise RunFailed(f"export failed: {line}; {left} hold(s) no complete export (no config), run the export "
                         "again") from None
     return model
@@ -228,7 +241,14 @@ def main(argv: list[str] | None = None) -> int:
     log = logging.getLogger("txl_dist")
 
     def job() -> int:
-        export(args.checkpoint, args.out, args.hf, args.overwrite)
+        try:
+            with terminate_on_sigterm():
+                export(args.checkpoint, args.out, args.hf, args.overwrite)
+        except Terminated as e:
+            if e.args:  # export's own line: it stopped while writing
+                raise
+            raise Terminated("export stopped by SIGTERM before writing; nothing written") from None
+        finish_despite_sigterm()  # the folders are complete
         done = f"exported {args.checkpoint} -> {args.out}" + (f" and {args.hf} (HuggingFace)" if args.hf else "")
         try:
             print_result(done)

@@ -14,9 +14,10 @@ writes; an older folder without it is not checked). Sampling stops at the end-of
 manifest's when --tokenizer is a corpus folder, else the one DIR records (eod_id in model_config.json,
 eos_token_id in config.json), else the tokenizer's <eod> piece or its eos id. The prompt starts a new
 document (the end-of-document id goes first, as in the training stream) unless --continue-document; an empty
---prompt '' generates a document from nothing. One process; CPU unless --device cuda. Exit status 0, or
-2 for refused input (one line says why). Only the samples go to stdout (whatever a library prints meanwhile
-goes to stderr), so --json output can be parsed as it is.
+--prompt '' generates a document from nothing. One process; CPU unless --device cuda. Exit status 0,
+2 for refused input (one line says why), 143 for SIGTERM before the samples are printed (one line says so).
+Only the samples go to stdout (whatever a library prints meanwhile goes to stderr), so --json output can be
+parsed as it is.
 """
 from __future__ import annotations
 
@@ -31,8 +32,14 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from txl_dist.cli_args import ArgumentParser
-from txl_dist.entry import exit_process, guarded, print_result
+from txl_dist.stop_request import (Terminated, catch_sigterm_early, finish_despite_sigterm,  # standard library only
+                                   terminate_on_sigterm)
+
+if __name__ == "__main__":
+    catch_sigterm_early()  # a SIGTERM during the imports: the job's line too, not a silent death
+
+from txl_dist.cli_args import ArgumentParser  # noqa: E402
+from txl_dist.entry import exit_process, guarded, print_result  # noqa: E402
 
 EXAMPLES = """examples:
   python launch/generate.py --checkpoint runs/tiny --prompt 'ROMEO:' --max-new-tokens 60 --seed 0
@@ -304,8 +311,12 @@ def main(argv: list[str] | None = None) -> int:
         # stdout is for the samples (a program parses --json from it). What the libraries print meanwhile goes
         # to stderr: DeepSpeed, imported with the checkpoint readers, logs to stdout (its accelerator warning
         # when DS_ACCELERATOR is unset), through a handler bound to the sys.stdout it finds at import.
-        with contextlib.redirect_stdout(sys.stderr):
-            output = samples_output(args)
+        try:
+            with terminate_on_sigterm(), contextlib.redirect_stdout(sys.stderr):
+                output = samples_output(args)
+        except Terminated:  # a time limit, kill: the samples are printed only once all are made
+            raise Terminated("generation stopped by SIGTERM; no sample printed") from None
+        finish_despite_sigterm()  # the samples exist: printing them takes milliseconds
         print_result(output)
         return 0
 

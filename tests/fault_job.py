@@ -2,6 +2,7 @@
 
     python tests/fault_job.py --fault KIND:RANK:STEP [--fault ...] -- <launch/train.py arguments>
     python tests/fault_job.py --entry eval --fault KIND:RANK:STEP -- <launch/eval.py arguments>
+    python tests/fault_job.py --entry export --fault KIND:0:0 -- <launch/export.py arguments>
 
 KIND (the fault happens on rank RANK only):
   kill-in-save   SIGKILL itself while writing its DeepSpeed file of the checkpoint of step STEP
@@ -27,6 +28,8 @@ KIND (the fault happens on rank RANK only):
   nan-at-step    the loss of stream 0 of its first micro batch is NaN at step STEP
   nan-from-step  every loss on this rank is NaN from step STEP on
   sigterm-at-step  SIGTERM itself at the end of step STEP
+  sigterm-in-eval  launch/eval.py: SIGTERM itself as segment STEP (from 1) of its evaluation begins
+  sigterm-in-export  launch/export.py: SIGTERM itself half-way through writing the --out folder's weights
 The faults wrap functions of this process only (torch.save, the trainer's step, the model's forward): the
 code under test runs unchanged.
 """
@@ -57,6 +60,30 @@ def install(kind: str, rank: int, step: int) -> None:
     from txl_dist import trainer
 
     staging = f".saving-step_{step:08d}"
+    if kind == "sigterm-in-eval":
+        from txl_dist import evaluate
+
+        real_evaluate = evaluate.Evaluator.evaluate
+
+        def evaluate_and_stop(self, model, split, on_segment=None):
+            def next_segment(i):
+                if on_segment is not None:
+                    on_segment(i)
+                if i + 1 == step:  # in the segment, as its forward begins
+                    os.kill(os.getpid(), signal.SIGTERM)  # the handler runs before the next bytecode
+            return real_evaluate(self, model, split, on_segment=next_segment)
+
+        evaluate.Evaluator.evaluate = evaluate_and_stop
+        return
+    if kind == "sigterm-in-export":
+        from txl_dist.interop import native
+
+        def half_written(model, filename, metadata=None):
+            Path(filename).write_bytes(b"half a file")
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        native.save_model = half_written
+        return
     if kind in ("kill-in-save", "enospc-in-save", "slow-save", "hang-in-save"):
         real_save = torch.save
 
@@ -255,6 +282,10 @@ def main(argv: list[str]) -> int:
         from launch.eval import main as eval_main
 
         return eval_main(entry_args)
+    if entry == "export":
+        from launch.export import main as export_main
+
+        return export_main(entry_args)
     from launch.train import main as train_main
 
     return train_main(entry_args)

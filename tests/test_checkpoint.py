@@ -105,11 +105,40 @@ def test_retention_keeps_a_tag_another_process_reads_until_the_next_save_after_i
             assert checkpoint.prune(ckpt, keep=1) == ["step_00000010"]
         assert _names(ckpt) == ["step_00000020", "step_00000020_universal", "step_00000030"]
         assert "checkpoint: keeping step_00000020 for now: another job (an evaluation or export) is reading it; " \
-               "the next save's retention removes it" in [r.getMessage() for r in caplog.records]
+               "the first save's retention after that job lets it go removes it" in [r.getMessage() for r in
+                                                                                    caplog.records]
     finally:
         reader.communicate("", timeout=30)
     assert checkpoint.prune(ckpt, keep=1) == ["step_00000020"]  # read no more: the next save's retention
     assert _names(ckpt) == ["step_00000030"]
+
+
+def test_a_tag_held_across_saves_is_said_kept_once_and_said_removed_when_it_goes(tmp_path, caplog):
+    """Before, every save's retention repeated the 'keeping ... for now' line while an evaluation held the tag."""
+    import logging
+
+    ckpt = tmp_path / "ckpt"
+    for step in (10, 20):
+        _tag(ckpt, step)
+    reader = _reader(ckpt)
+    with caplog.at_level(logging.INFO, logger="txl_dist"):
+        try:
+            assert reader.stdout.readline().strip() == "step_00000020"
+            for step in (30, 40, 50):  # three saves while the reader holds step 20
+                _tag(ckpt, step)
+                checkpoint.prune(ckpt, keep=1)
+            assert _names(ckpt) == ["step_00000020", "step_00000050"]
+        finally:
+            reader.communicate("", timeout=30)
+        _tag(ckpt, 60)
+        assert checkpoint.prune(ckpt, keep=1) == ["step_00000020", "step_00000050"]
+        _tag(ckpt, 70)
+        assert checkpoint.prune(ckpt, keep=1) == ["step_00000060"]
+    lines = [r.getMessage() for r in caplog.records if "step_00000020" in r.getMessage()]
+    assert lines == [
+        "checkpoint: keeping step_00000020 for now: another job (an evaluation or export) is reading it; the first "
+        "save's retention after that job lets it go removes it",
+        "checkpoint: removed step_00000020, kept since an earlier save while another job read it"]
 
 
 def test_a_reader_whose_tag_retention_removed_meanwhile_takes_the_newest_or_refuses_a_named_tag(tmp_path,

@@ -82,7 +82,7 @@ def test_every_series_of_the_picture_shows_however_few_steps_were_logged(steps):
         assert as_line or line.get_marker() not in ("None", "none", "", None), line.get_label()
     # Under 50 steps the smoothing span is 1: the one train line is not drawn twice under two names.
     assert [line.get_label() for line in lines] == (
-        ["train", "test"] if steps < 50 else ["train (raw)", "train (EMA, span 2 steps)", "test"])
+        ["train", "test"] if steps < 50 else ["train (raw)", "train (EMA, span 2 logged steps)", "test"])
 
 
 def test_a_failure_to_draw_is_warned_once_and_never_raised(tmp_path, caplog):

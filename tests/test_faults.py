@@ -719,3 +719,88 @@ def test_a_task_started_with_another_world_size_stops_every_rank_at_once(corpus,
                      r"or SLURM_NTASKS under srun: one launcher command for all nodes\); stopping$", lines[0]), lines
     for proc in procs:
         assert len(_errors(proc)) == 1 and "Traceback" not in proc.output and "frame #" not in proc.output
+
+
+# ----------------------------------------------------------------------------------------------------
+# SIGTERM to a job with nothing to save (an evaluation, an export): one line on each rank it reached, exit
+# status 143 (128 + SIGTERM, as data_prep and a shell report it), and no partial output left behind.
+
+
+@pytest.fixture(scope="module")
+def saved_run(corpus, tmp_path_factory):
+    """A run folder with a 2-rank ZeRO-1 checkpoint of step 2."""
+    run_dir = tmp_path_factory.mktemp("saved") / "run"
+    config = _config(corpus, run_dir, train={"exit_step": 2}, checkpoint={"interval": 2})
+    assert _finish(_start(config)) == [0, 0]
+    return run_dir
+
+
+@pytest.mark.parametrize("world, signalled", [(1, [0]), (2, [0, 1]), (2, [1])],
+                         ids=["one_rank", "every_rank_scancel", "one_of_two_ranks"])
+def test_sigterm_to_an_evaluation_says_where_on_each_rank_it_reached_and_writes_nothing(saved_run, tmp_path, world,
+                                                                                          signalled):
+    """Before, the evaluation died of the signal (status 143 from a shell, -15 here) without a word."""
+    out = tmp_path / "out"
+    out.mkdir()
+    faults = [f"sigterm-in-eval:{rank}:2" for rank in signalled]
+    procs = _launch("eval", ["--checkpoint", str(saved_run), "--split", "valid", "--json-out", str(out / "r.json")],
+                    faults, world)
+    codes = _finish(procs)
+    for rank, (proc, code) in enumerate(zip(procs, codes)):
+        if rank in signalled:
+            assert code == 128 + signal.SIGTERM, proc.output[-3000:]
+            assert [line.split("error: ", 1)[1].strip() for line in _errors(proc)] == [
+                "evaluation stopped by SIGTERM at segment 2 of 3 of split valid; no result written"
+            ], proc.output[-3000:]
+        else:  # its peer, stopped: told at once, in one line naming the rank
+            assert code == 1, proc.output[-3000:]
+            (line,) = _errors(proc)
+            assert re.search(r"error: rank 1 \(host [^)]+\) stopped after an error: evaluation stopped by SIGTERM at "
+                             r"segment 2 of 3 of split valid; no result written$", line.strip()), line
+        assert "Traceback" not in proc.output, proc.output[-3000:]
+    assert list(out.iterdir()) == []  # no result, no temporary file
+
+
+def test_sigterm_to_an_export_leaves_no_partial_file_and_no_config(saved_run, tmp_path):
+    """Before, the export died of the signal without a word, leaving its half-written weights beside the folder's
+    (.model.safetensors.*.tmp, as large as the model)."""
+    out = tmp_path / "exported"
+    argv = ["--checkpoint", str(saved_run), "--out", str(out)]
+    (first,) = _launch("export", argv, [], 1)
+    assert first.wait(300) == 0, first.output[-3000:]
+    (stopped,) = _launch("export", argv, ["sigterm-in-export:0:0"], 1)
+    assert stopped.wait(300) == 128 + signal.SIGTERM, stopped.output[-3000:]
+    assert [line.split("error: ", 1)[1].strip() for line in _errors(stopped)] == [
+        f"export stopped by SIGTERM while writing {out}; {out} hold(s) no complete export (no config), run the "
+        "export again"], stopped.output[-3000:]
+    assert "Traceback" not in stopped.output
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]  # the former weights, without a config
+    (again,) = _launch("export", argv, [], 1)  # no --overwrite needed for its own unfinished folder
+    assert again.wait(300) == 0, again.output[-3000:]
+    assert "model_config.json" in {p.name for p in out.iterdir()}
+
+
+GENERATE_STOPPED = """
+import os, signal, sys
+sys.path.insert(0, os.getcwd())
+from txl_dist import generation
+
+def generate_and_stop(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGTERM)  # the handler runs before the next bytecode
+    raise AssertionError("not stopped")
+
+generation.generate = generate_and_stop
+from launch.generate import main
+from txl_dist.entry import exit_process
+exit_process(main(sys.argv[1:]))
+"""
+
+
+def test_sigterm_to_generation_says_so_in_one_line(saved_run):
+    """Before, launch/generate.py died of the signal without a word."""
+    proc = Launch([sys.executable, "-c", GENERATE_STOPPED, "--checkpoint", str(saved_run), "--prompt", "",
+                   "--max-new-tokens", "4"], launcher_env())
+    assert proc.wait(300) == 128 + signal.SIGTERM, proc.output[-3000:]
+    assert [line.split("error: ", 1)[1].strip() for line in _errors(proc)] == [
+        "generation stopped by SIGTERM; no sample printed"], proc.output[-3000:]
+    assert "Traceback" not in proc.output

@@ -429,6 +429,7 @@ def _(s):
 
 case("config.range.max-steps")(train_with(train={"max_steps": 0}))
 case("config.range.exit-step")(train_with(train={"exit_step": 5}))
+case("config.range.metrics-interval")(train_with(tracking={"metrics_interval": 0}))
 case("config.same-length-without-memory")(train_with(eval={"mem_len": 0, "same_length": True}))
 case("config.empty-experiment")(train_with(tracking={"experiment": ""}))
 case("config.precision-conflict")(train_with(train={"precision": "auto"}, deepspeed={"bf16": {"enabled": True}}))
@@ -556,7 +557,7 @@ case("launch.eval-streams-not-a-multiple")(
 
 @case("launch.eval-null-streams-not-a-multiple")
 def _(s):
-    s.launcher(RANK="0", WORLD_SIZE="2")
+    s.launcher(RANK="0", WORLD_SIZE="3")  # the trained run evaluated 2 streams (recorded in its run.json)
     s.eval("--checkpoint", s.trained_run(), "--set", "eval.n_streams=null")
 
 
@@ -668,6 +669,12 @@ def _(s):
     replace_tokenizer(s)
     s.values["file-sha"] = sha256_of(s.corpus / "tokenizer.model")[:12]
     s.data_prep("verify", s.corpus)
+
+
+@case("data.prep-mix.train-tokens-below-the-floor")
+def _(s):
+    s.data_prep("mix", "--out", s.root / "mix", "--source", f"a={s.corpus}:1", "--world-size", 2, "--n-streams", 8,
+                "--train-tokens", 5, "--quiet")
 
 
 def damage_arrow_file(s: Scene, damage: Callable[[Path], None]) -> None:

@@ -48,6 +48,7 @@ import logging
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -334,11 +335,13 @@ def prune(ckpt_dir: str | os.PathLike, keep: int) -> list[str]:
     """Remove all but the newest `keep` complete tags (0 keeps all), with their universal copies; the newest
     good tag (saved outside a run of non-finite steps) is always kept, so a run that then diverges can
     restart from it. A tag another job is reading (hold_for_reading: an evaluation, an export) is kept for
-    now, with one info line: the next save's retention removes it. Returns the tags removed.
+    now, said in one info line once (not at every save it stays held), and its removal by the first save
+    after that job lets it go is said too. Returns the tags removed.
 
     Called only after a save has completed, so the tag just saved is among the kept ones.
     """
     ckpt_dir = Path(ckpt_dir)
+    log = logging.getLogger(distributed.LOGGER_NAME)
     complete = inventory(ckpt_dir).complete
     doomed = complete[:-keep] if keep > 0 else []
     good = next((t for t in reversed(complete) if _is_good(ckpt_dir / t)), None)
@@ -346,9 +349,10 @@ def prune(ckpt_dir: str | os.PathLike, keep: int) -> list[str]:
     for tag in (t for t in doomed if t != good):
         with _held_for_removal(ckpt_dir / tag) as free:
             if not free:
-                logging.getLogger(distributed.LOGGER_NAME).info(
-                    "checkpoint: keeping %s for now: another job (an evaluation or export) is reading it; the next "
-                    "save's retention removes it", tag)
+                if ckpt_dir / tag not in _said_kept:
+                    _said_kept.add(ckpt_dir / tag)
+                    log.info("checkpoint: keeping %s for now: another job (an evaluation or export) is reading it; "
+                             "the first save's retention after that job lets it go removes it", tag)
                 continue
             # Rename first: a crash while deleting must not leave a step_* folder that looks complete.
             trash = ckpt_dir / f"{REPLACED_PREFIX}{tag}{PRUNED_SUFFIX}"
@@ -356,7 +360,15 @@ def prune(ckpt_dir: str | os.PathLike, keep: int) -> list[str]:
             shutil.rmtree(trash, ignore_errors=True)
             shutil.rmtree(ckpt_dir / (tag + UNIVERSAL_SUFFIX), ignore_errors=True)
         removed.append(tag)
+        if ckpt_dir / tag in _said_kept:
+            _said_kept.discard(ckpt_dir / tag)
+            log.info("checkpoint: removed %s, kept since an earlier save while another job read it", tag)
     return removed
+
+
+_said_kept: set[Path] = set()
+"""The tags prune has said it keeps for a reader (in this process), until it removes them: a long evaluation
+spans many saves, and the line at each of them said nothing new."""
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -925,6 +937,15 @@ class EngineSource:
     universal: bool
 
 
+def recorded_eval_streams(run_info: dict[str, Any]) -> int:
+    """The evaluation streams the checkpoint's run evaluated up to its step (run.json "eval_streams", what
+    RunConfig.eval_streams resolved for the job that saved it); for a tag saved before it was recorded, its
+    configuration's eval.n_streams, else its world size (null then meant one stream per rank)."""
+    if run_info.get("eval_streams") is not None:
+        return int(run_info["eval_streams"])
+    return int(run_info.get("config", {}).get("eval", {}).get("n_streams") or run_info["world_size"])
+
+
 def needs_universal(run_info: dict[str, Any], world_size: int) -> bool:
     """A ZeRO 1-3 checkpoint is partitioned for its world size; another world size reads the universal form.
 
@@ -1047,10 +1068,17 @@ def _convert_to_universal(tag_dir: Path, out: Path, zero_stage: int) -> bool:
                "--output_folder", str(tmp), "--num_extract_workers", workers, "--num_merge_workers", workers]
         if zero_stage in (1, 2):
             cmd.append("--inject_missing_state")
+        # Said before and after: at scale the conversion takes minutes, during which the job prints nothing else.
+        log = logging.getLogger(distributed.LOGGER_NAME)
+        log.info("checkpoint: converting %s (%s of optimizer files) to DeepSpeed's universal form for a load at "
+                 "another world size: %s", tag_dir.name, size_text(universal_copy_bytes(tag_dir)), out)
+        started = time.monotonic()
         # The converter holds the folder's lock too: a start after this job is killed leaves it to finish.
         proc = subprocess.run(cmd, capture_output=True, text=True, pass_fds=(owner_lock(scratch),))
         if proc.returncode != 0:
             last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            if proc.returncode < 0:  # killed: its last line (a warning, "no output") is not why it stopped
+                last = _killed_by(-proc.returncode)
             if proc.returncode == EXIT_REFUSED:  # a file weights-only unpickling refuses (its line names it)
                 last = last.removeprefix("error: ")
                 raise CheckpointError(f"{tag_dir}: universal checkpoint conversion refused it ({last}); "
@@ -1063,14 +1091,28 @@ def _convert_to_universal(tag_dir: Path, out: Path, zero_stage: int) -> bool:
                                    f"is left: start again, or resume with the world size it was saved with "
                                    f"({zero_stage=})")
         _record_universal(tmp, tag_dir, int(workers))
+        copy_bytes = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())
         try:
             os.replace(tmp, out)
+            log.info("checkpoint: %s converted in %.1f s (%s)", out.name, time.monotonic() - started,
+                     size_text(copy_bytes))
             return True
         except OSError:
             if not out.is_dir():
                 raise
             # Another job converted the same tag meanwhile (a second evaluation): the same files; keep theirs.
             return False
+
+
+def _killed_by(signum: int) -> str:
+    """Why a converter that a signal ended stopped: a SIGKILL nobody sent by hand is the kernel's OOM killer
+    (each worker holds a ZeRO shard or a parameter's pieces)."""
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = f"signal {signum}"
+    oom = ": the kernel's OOM killer, if the node ran out of memory" if signum == signal.SIGKILL else ""
+    return f"the converter was killed by {name}{oom}"
 
 
 def _discard(copy_dir: Path, scratch: Path) -> None:

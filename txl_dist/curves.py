@@ -11,8 +11,9 @@ drawing), so redrawing after each evaluation stays cheap on long runs. Without t
 (tracking.enabled=false) there is no journal and no picture.
 
 Smoothing: an exponential moving average, debiased as TensorBoard's (the first values are not pulled
-towards zero), with a span of about 4% of the steps drawn (1 to 1000 steps). Under 50 steps the span is 1
-(nothing to smooth): one train line, with markers under 3 steps (a line through one point draws nothing).
+towards zero), with a span of about 4% of the logged steps drawn (1 to 1000; every tracking.metrics_interval-th step is
+logged, each value the mean over the steps since the one before). Under 50 logged steps the span is 1
+(nothing to smooth): one train line, with markers under 3 of them (a line through one point draws nothing).
 
 matplotlib (a Figure without pyplot: the Agg renderer, no display) is imported on first drawing. A failure
 to draw never stops training: RunCurves warns once and goes on.
@@ -34,7 +35,7 @@ log = logging.getLogger("txl_dist")
 CURVES_FILE = "curves.png"
 """File name of the picture, in the run folder (beside checkpoints/)."""
 MAX_SPAN = 1000
-"""The smoothing span never exceeds this many steps."""
+"""The smoothing span never exceeds this many logged steps."""
 READ_BLOCK_BYTES = 8 << 20
 """The journal is read in blocks of this size (a journal line is ~400 bytes)."""
 MAX_PLOTTED_POINTS = 5000
@@ -47,7 +48,7 @@ class CurvePoints:
 
     train_tokens: list[float]
     train_loss: list[float]
-    """train/loss at every step with a finite value, in step order."""
+    """train/loss at every logged step with a finite value, in step order."""
     train_smoothed: list[float]
     """The same, smoothed (ema_debiased with smoothing_span(len(train_loss)))."""
     valid_tokens: list[float]
@@ -59,7 +60,7 @@ class CurvePoints:
 
 
 def smoothing_span(n_points: int) -> int:
-    """The EMA span for a curve of n_points steps: about 4% of them, 1 .. MAX_SPAN."""
+    """The EMA span for a curve of n_points logged steps: about 4% of them, 1 .. MAX_SPAN."""
     return max(1, min(MAX_SPAN, n_points // 25))
 
 
@@ -159,9 +160,9 @@ def figure(points: CurvePoints, title: str = ""):
     if span > 1:
         ax.plot(points.train_tokens[::stride], points.train_loss[::stride], color="tab:blue", alpha=0.25,
                 linewidth=0.8, label="train (raw)")
-    # Span 1 (under 50 steps) smooths nothing: one line, not the same one twice.
+    # Span 1 (under 50 logged steps) smooths nothing: one line, not the same one twice.
     ax.plot(points.train_tokens[::stride], points.train_smoothed[::stride], color="tab:blue", linewidth=1.6,
-            label=f"train (EMA, span {span} steps)" if span > 1 else "train", **few)
+            label=f"train (EMA, span {span} logged steps)" if span > 1 else "train", **few)
     if points.valid_loss:
         ax.plot(points.valid_tokens, points.valid_loss, color="tab:orange", marker="o", markersize=4, linewidth=1.2,
                 label="valid")

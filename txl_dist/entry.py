@@ -4,6 +4,7 @@
     failed  (errors.RunFailed): a fault while the job ran           -> "error: ..." and exit status 1
     a collective that broke because a peer was lost                 -> "error: rank N ... was lost" and 1
     Ctrl-C that stops at once (training's second): nothing saved    -> "error: interrupted ..." and 130
+    SIGTERM to a job with nothing to save (stop_request.Terminated) -> "error: ... stopped by SIGTERM ..." and 143
 Anything else is a bug: its traceback is printed, the exit status is 1, and the other ranks are told at
 once (distributed.destroy_process_group) instead of waiting for this one in a collective.
 """
@@ -18,8 +19,10 @@ from collections.abc import Callable
 from typing import NoReturn
 
 from . import distributed
-from .errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_REFUSED, RankFault, Refused, RunFailed, one_line
+from .errors import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_REFUSED, EXIT_TERMINATED, RankFault, Refused, RunFailed,
+                     one_line)
 from .run_dir import detach_log_file
+from .stop_request import Terminated
 from .write_faults import is_write_fault
 
 
@@ -38,6 +41,11 @@ def guarded(job: Callable[[], int], log: logging.Logger) -> int:
         if isinstance(e, RankFault):  # found by this rank alone: the others are told (destroy_process_group)
             alone = e
         return EXIT_FAILED
+    except Terminated as e:  # stop_request.terminate_on_sigterm: each rank it reached (scancel: all) says where it
+        # stopped; the others are told (destroy_process_group)
+        alone = e
+        log.error("error: %s", one_line(e, limit=2000) if e.args else "stopped by SIGTERM")
+        return EXIT_TERMINATED
     except KeyboardInterrupt as e:  # training's second Ctrl-C (txl_dist/stop_request.py), other jobs' first
         alone = e
         if os.environ.get("RANK", "0") == "0":  # every rank of a terminal's job has it: one line

@@ -20,6 +20,8 @@ EXIT_REFUSED = 2
 EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130
 """A second Ctrl-C: stopped at once, without saving (128 + SIGINT, as a shell reports it)."""
+EXIT_TERMINATED = 143
+"""SIGTERM to a job with nothing to save (evaluation, export, generation): stopped at once (128 + SIGTERM)."""
 LOGGER_NAME = "txl_dist"
 """The project's logger, through which those lines (and warnings) are printed."""
 

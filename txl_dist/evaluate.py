@@ -70,6 +70,11 @@ class Evaluator:
         loader.load_state_dict(start)  # every evaluation reads the split from its beginning
         return loader
 
+    def segments(self, split: str) -> int:
+        """How many segments an evaluation of `split` runs (the same on every rank; eval.max_segments caps it)."""
+        total = self._loader(split).steps_per_epoch  # one micro batch (all the rank's streams) per window
+        return total if self.cfg.max_segments is None else min(total, self.cfg.max_segments)
+
     @torch.no_grad()
     def evaluate(self, model: nn.Module, split: str,
                  on_segment: Callable[[int], None] | None = None) -> dict[str, float]:
@@ -80,9 +85,7 @@ class Evaluator:
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # [nll sum, tokens]
         memory = self.cfg.memory()
         cutoffs = model.config.cutoffs
-        total = loader.steps_per_epoch  # one micro batch (all the rank's streams) per window
-        if self.cfg.max_segments is not None:
-            total = min(total, self.cfg.max_segments)
+        total = self.segments(split)
         progress = Progress(f"evaluating {split}", total, "segments", quiet=self.rank != 0)
         tokens_read = 0  # from the host shapes: counting from `sums` would sync with the device
         with eval_mode(model):

@@ -21,6 +21,8 @@ to a run folder another job might own. The phases:
 Before the fit check of phase 3 (for a new run: after phase 2) rank 0 decides what "auto" means for
 train.precision and model.attn_impl (measured, or the choices the checkpoint recorded) and every rank takes
 its answer (txl_dist/runtime_choices.py); the configuration start-up returns names the decided values.
+After the resume is chosen, the evaluation keeps the streams the run evaluated so far (eval.n_streams null:
+the count its checkpoint recorded, not one per rank of this world size; _keep_eval_streams).
 
 Evaluation and export read a tag of a run that may still be training: they hold it for reading from its
 choice to the end of the load (checkpoint.resolve_and_hold; that run's retention keeps it meanwhile). An
@@ -140,7 +142,8 @@ class EvalStart:
 
 
 def check_run_config(cfg: RunConfig, world_size: int) -> None:
-    """The configuration on this world size: batch layout, eval streams, DeepSpeed's schema."""
+    """The configuration on this world size: batch layout, eval streams (a count eval.n_streams names; null is
+    settled with the checkpoint's record: _keep_eval_streams, launch/eval.py), DeepSpeed's schema."""
     cfg.gradient_accumulation_steps(world_size)
     cfg.eval_streams(world_size)
     ds_config = deepspeed_config(cfg, world_size)
@@ -445,11 +448,7 @@ def start_training(cfg: RunConfig, env: DistEnv, resume: str = "auto", *, log_fi
         except SplitTooShort as e:  # the loader cannot know which settings made its streams: name them
             raise SplitTooShort(f"{e} (training: deepspeed.train_batch_size {resolved.n_streams()}, "
                               f"model.tgt_len {resolved.model.tgt_len})") from None
-        eval_splits = [resolved.data.valid_split] + ([resolved.data.test_split] if resolved.eval.at_end else [])
-        evaluator = Evaluator(resolved.data.path, resolved.eval, rank=env.rank, world_size=env.world_size,
-                              n_streams=resolved.eval_streams(env.world_size), device=distributed.device_for(env),
-                              splits=eval_splits)
-        return resolved, manifest, loader, evaluator
+        return resolved, manifest, loader, _training_evaluator(resolved, env, resolved.eval_streams(env.world_size))
 
     # Files hashed by an earlier start of this run and unchanged since are not read again (hash_record.py);
     # the others are hashed once, by one rank each.
@@ -475,6 +474,8 @@ def start_training(cfg: RunConfig, env: DistEnv, resume: str = "auto", *, log_fi
         start.resume = _choose_resume(start, env, resume)
         if start.choices is None:  # a new run: nothing recorded to reuse
             _agree_choices(start, env, None)
+        with hashes.in_use():  # an evaluator opened again verifies its files from the record
+            _keep_eval_streams(start, env)
         loader, model = start.loader, start.cfg.model
         start.cluster_shares = _on_main(env, lambda: _sample_and_release(loader, model), "the softmax clusters' "
                                         "shares sampled")
@@ -492,6 +493,38 @@ def start_training(cfg: RunConfig, env: DistEnv, resume: str = "auto", *, log_fi
         raise
     hashes.save()  # only once nothing can refuse the start: a refused start writes nothing
     return start
+
+
+def _training_evaluator(cfg: RunConfig, env: DistEnv, n_streams: int) -> Evaluator:
+    """The run's evaluator over n_streams streams: its valid split, and its test split with eval.at_end, opened
+    and verified now."""
+    splits = [cfg.data.valid_split] + ([cfg.data.test_split] if cfg.eval.at_end else [])
+    return Evaluator(cfg.data.path, cfg.eval, rank=env.rank, world_size=env.world_size, n_streams=n_streams,
+                     device=distributed.device_for(env), splits=splits)
+
+
+def _keep_eval_streams(start: TrainStart, env: DistEnv) -> None:
+    """A resume evaluates the streams its run evaluated so far (RunConfig.eval_streams with the checkpoint's
+    record), not one per rank of this world size: the valid and test numbers of one run keep one definition
+    across elastic resumes, and launch/eval.py reproduces them. The evaluator phase 1 opened (for a new run's
+    count) is opened again when they differ. A world size that cannot split the recorded count is not refused
+    (a requeue on more nodes must go on): one warning, and this world size's count from here on, recorded in
+    the checkpoints that follow."""
+    if start.resume is None:
+        return
+    cfg, run_info = start.cfg, start.resume.run_info
+    recorded = checkpoint.recorded_eval_streams(run_info)
+    streams = cfg.eval_streams(env.world_size, recorded, resize=True)
+    if cfg.eval.n_streams is None and streams != recorded:
+        log.warning("eval.n_streams is null: this run evaluated %d stream(s) up to step %d, which these %d ranks "
+                    "cannot split; it evaluates %d from now on, so its valid and test numbers are not comparable "
+                    "across step %d; set eval.n_streams to choose the count", recorded, run_info["step"],
+                    env.world_size, streams, run_info["step"], extra=distributed.RANK_ZERO_ONLY)
+    if streams == start.evaluator.n_streams:
+        return
+    start.evaluator.close()
+    start.evaluator = _together(lambda: _training_evaluator(cfg, env, streams),
+                                f"the evaluation's {streams} streams opened")
 
 
 def _sample_and_release(loader: StreamLoader, model) -> list[float]:

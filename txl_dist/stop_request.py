@@ -14,12 +14,19 @@ started with `--signals-to-handle` naming it. So each worker also watches its la
 ancestors whose command line is torchrun's, the deepspeed runner's or its launch module's): when one of
 them has gone, the worker stops as if it had been signalled, saves, and exits 0, and no orphan stays.
 Linux only (/proc); elsewhere only the signals are watched.
+
+The jobs that have nothing to save (an evaluation, an export, generation) stop at once on SIGTERM instead
+(terminate_on_sigterm): Terminated unwinds the job as Ctrl-C does, so that what it was writing is removed, and
+the entry point says where it stopped, in one line, with exit status 143 (entry.guarded).
 """
 from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
@@ -84,6 +91,58 @@ def ignore_stop_signals() -> None:
     for sig in STOP_SIGNALS:
         if sig != signal.SIGINT:  # Ctrl-C during the exit still ends the process, as the user asks
             signal.signal(sig, signal.SIG_IGN)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (scancel, Slurm's time limit, `kill`) to a job with nothing to save, raised in its main thread. A
+    KeyboardInterrupt, so that what unwinds on Ctrl-C unwinds on it too (atomic.atomic_path removes its temporary
+    file). The handler raises it bare; the job raises it again with its line: where it stopped, what it leaves."""
+
+
+_sigterm_kept = False
+
+
+def _keep_sigterm(signum, frame) -> None:
+    global _sigterm_kept
+    _sigterm_kept = True
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated()
+
+
+def catch_sigterm_early() -> None:
+    """The first line of a job with nothing to save (before its slow imports): a SIGTERM from now on is kept, not
+    fatal; terminate_on_sigterm raises it as the job starts."""
+    signal.signal(signal.SIGTERM, _keep_sigterm)
+
+
+@contextmanager
+def terminate_on_sigterm() -> Iterator[None]:
+    """Inside, SIGTERM raises Terminated in the main thread (at once for one kept since catch_sigterm_early);
+    after, the handler the process had is back. Elsewhere than in the main thread, nothing changes (Python
+    runs handlers only there)."""
+    global _sigterm_kept
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        if _sigterm_kept:
+            _sigterm_kept = False
+            raise Terminated()
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def finish_despite_sigterm() -> None:
+    """The job's result is complete (an evaluation's numbers, an export's folders): a SIGTERM from now on is
+    ignored, until terminate_on_sigterm puts the process's handler back. Printing and writing the result take
+    milliseconds; stopping then would lose a finished job, or leave its file written under a line that says
+    nothing was."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 class StopRequest:

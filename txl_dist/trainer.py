@@ -53,6 +53,7 @@ from .progress import hms
 from .space_watch import SAVE_MARGIN, SpaceWatch, next_save_step
 from .startup import Resume, TrainStart, start_training
 from .stop_request import StopRequest, describe_reasons
+from .tracking.thinning import MetricsWindow
 from .watchdog import is_collective_failure, note_progress, note_start_up
 
 log = logging.getLogger(distributed.LOGGER_NAME)
@@ -113,6 +114,9 @@ class Trainer:
         self.profiler = StepProfiler(cfg.train.profile_steps, cfg.train.profile_ranks, rank=env.rank,
                                      is_main=env.is_main, world_size=env.world_size, run_dir=cfg.run.dir,
                                      device=self.device, shapes=cfg.train.profile_shapes)
+        self.metrics_window = MetricsWindow(cfg.tracking.metrics_interval, cfg.train.max_steps)
+        """The training metrics of the steps since the last logged one (tracking.metrics_interval); saved with
+        each checkpoint, so a resumed run logs what an uninterrupted run logs."""
         self._batches = iter(loader)
         self._notes_between_steps = 0  # evaluation segments and save phases noted for the watchdog
 
@@ -190,8 +194,12 @@ class Trainer:
             if profiled:
                 stats["train/profiled"] = 1.0
             window.add(stats["train/step_time_s"], profiled)
-            self.tracker.log_metrics(stats, step=self.step)
+            logged = self.metrics_window.add(self.step, stats)
+            if logged is not None:
+                self.tracker.log_metrics(logged, step=self.step)
             if diverged:
+                # The steps since the last logged one, up to the failure: the run's last values.
+                self._log_window_rest()
                 raise distributed.agreed(diverged)
             if self.step % cfg.train.log_interval == 0 or self.step == last:
                 self._progress(stats, *window.report(), last)
@@ -226,6 +234,13 @@ class Trainer:
         self.ended = (f"finished at step {self.step}" if self.step == cfg.train.max_steps else
                       f"stopped at train.exit_step {self.step}; the next job resumes from {self.last_checkpoint.name}")
         return 0
+
+    def _log_window_rest(self) -> None:
+        """Log the training metrics the window holds at the current step, off the interval: a job that fails
+        with Diverged logs the steps that led to it."""
+        rest = self.metrics_window.take()
+        if rest is not None:
+            self.tracker.log_metrics(rest, step=self.step)
 
     def _watch_space(self, last: int) -> None:
         if self.space_watch is None:
@@ -274,7 +289,7 @@ class Trainer:
                                                           "max_segments")}
         saved = self.last_checkpoint or self.resumed_from  # the weights evaluated: this job's save, else its resume
         return {"checkpoint": str(saved) if saved is not None else None, "step": self.step, "split": split,
-                "eval_streams": cfg.eval_streams(self.env.world_size),
+                "eval_streams": self.evaluator.n_streams,
                 "world_size": self.env.world_size, "eval": memory, "precision": cfg.train.precision,
                 "attn_impl": cfg.model.attn_impl, **numbers, "tokens": int(numbers["tokens"])}
 
@@ -405,6 +420,7 @@ class Trainer:
         rank_state = {
             "trainer": self.state_dict(), "loader": self.loader.state_dict(), "mems": self.bank.state_dict(),
             "rng": checkpoint.rng_state(), "rank": self.env.rank, "world_size": self.env.world_size,
+            "metrics_window": self.metrics_window.state_dict(),
         }
         info = dict(self.run_info, **self.state_dict(), world_size=self.env.world_size,
                     mlflow_run_id=self.tracker.run_id)
@@ -441,6 +457,7 @@ class Trainer:
             state = states[0]  # the trainer's and loader's entries are the same in every rank file
             mems = merge_state_dicts(s["mems"] for s in states)
         self.load_state_dict(state["trainer"])
+        self.metrics_window.load_state_dict(state.get("metrics_window"))
         self.loader.load_state_dict(state["loader"])
         self._batches = iter(self.loader)
         self.bank.load_state_dict(mems, stream_ids=self.loader.stream_ids, device=self.device,
@@ -606,6 +623,8 @@ def _build_from(start: TrainStart, env: DistEnv) -> Trainer:
         "config_digest": cfg.digest(), "config": cfg.public_dict(), "manifest_digest": manifest.digest(),
         "tokenizer_sha256": manifest.tokenizer.sha256, "vocab_size": manifest.tokenizer.vocab_size,
         "run_choices": start.choices.record() if start.choices else None,
+        # What eval.n_streams null resolved to for this run (its resumes keep it: startup._keep_eval_streams).
+        "eval_streams": start.evaluator.n_streams,
     }
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
     trainer = Trainer(cfg, env, engine=engine, loader=start.loader, bank=MemoryBank(), evaluator=start.evaluator,

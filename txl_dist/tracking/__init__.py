@@ -13,6 +13,7 @@ The modules, each importing only those above it:
     store        the MLflow calls shared by the writer thread and replay; MLflow's batch limits
     tracker      the interface: ``Tracker`` (doing nothing) and ``Delivery`` (what close() reports)
     continuation which run a resuming job logs to; a rollback's or fork's continuation run (no mlflow)
+    thinning     tracking.metrics_interval: the training metrics of the steps between two logged ones (no mlflow)
     mlflow_run   ``MlflowTracker`` (opening the run, the writer thread, the resume rule) and ``create_tracker``
     replay       sending what the store missed, from the journal and the outbox
     __main__     ``python -m txl_dist.tracking replay RUN_DIR [--uri URI]``
@@ -21,7 +22,8 @@ Metric names used by the trainer (step = global optimizer step): ``train/loss``,
 ``train/grad_norm``, ``train/tokens_per_s``, ``train/model_flops_per_s``, ``train/mfu`` (docs/performance.md),
 ``train/tokens_seen``, ``train/step_time_s``,
 ``train/nonfinite_steps``, ``train/memory_*``, and ``valid/*`` / ``test/*`` from evaluation; any other key
-passes through unchanged.
+passes through unchanged. The train/* values come every tracking.metrics_interval steps, each summarizing the
+steps since the previous one (thinning.py).
 """
 from __future__ import annotations
 

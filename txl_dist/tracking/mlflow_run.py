@@ -24,8 +24,11 @@ Params go in batches of 100, values over 6000 characters truncated. MLflow's sys
 Resume rule: at open, the journal gives each metric key's highest logged step j. A job re-opening the
 run from a checkpoint at step k < j (a crash after the checkpoint) re-runs steps k+1..j bitwise equal;
 log_metrics drops values at steps <= j of that key (counted in Delivery.skipped), because MLflow cannot
-delete a value once logged. What the journal holds and the store lacks (an earlier job's values while the
-store was down, a continuation's copied history) the writer sends first, before this job's own items.
+delete a value once logged. Only the highest step counts, never a sequence: a key's steps need not follow
+each other (tracking.metrics_interval logs every n-th; the window of steps a resumed job logs next is saved
+with its checkpoint, so the values it repeats are the same too). What the journal holds and the store lacks
+(an earlier job's values while the store was down, a continuation's copied history) the writer sends first,
+before this job's own items.
 The journal is read once at open, from where the last opening's summary.json leaves off (journal.py's
 _summarize: a million-step journal is ~430 MB, ~5-15 s to read whole); the store's metric history is never
 downloaded.
