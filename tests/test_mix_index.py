@@ -125,7 +125,12 @@ def dataclass_without(obj, key: str) -> dict:
     return d
 
 
-def test_read_equals_the_copy_at_random_ranges(tree):
+@pytest.mark.parametrize("gather_mapped_bytes", [None, 64])
+def test_read_equals_the_copy_at_random_ranges(tree, gather_mapped_bytes, monkeypatch):
+    if gather_mapped_bytes is not None:  # a gather in groups of a document or two, each unmapped before the next
+        import txl_dist.data.index_split as index_split
+
+        monkeypatch.setattr(index_split, "GATHER_MAPPED_BYTES", gather_mapped_bytes)
     want = split_tokens(tree / "copy", "train")  # [n]: the copy, read with plain pyarrow
     n = len(want)
     manifest = read_manifest(tree / "index")
@@ -450,20 +455,11 @@ def test_verify_holds_neither_the_documents_file_nor_the_sources_resident(tmp_pa
     # 382 MiB of sources; 525 MiB after, what is left being the token scan's gathered reads).
     import gc
 
-    from corpus_helpers import peak_rss_since_reset
     from txl_dist.data.index_split import DocumentIndex
     from txl_dist.data.verify import _check_index_documents, check_mixture
 
-    monkeypatch.setattr(data_prep.mix, "ROUND_TOKENS", 1 << 18)  # batches far smaller than the file, as at scale
-    argv = ["mix", "--out", tmp_path / "index", "--seed", 1, "--world-size", 1, "--n-streams", 4, "--quiet", "--index"]
-    for i, name in enumerate(("a", "b")):
-        make_corpus(tmp_path / name, {"train": synthetic_stream(8 << 20, seed=i, mean_doc=11)}, layout=Layout(1, 4),
-                    batch_tokens=1 << 19)
-        argv += ["--source", f"{name}={tmp_path / name}:1"]
-    assert run(*argv) == 0
-    index = tmp_path / "index"
+    index, files = make_short_document_index(tmp_path, monkeypatch)
     manifest = read_manifest(index)
-    files = (index / DOCUMENTS_FILE).stat().st_size + sum(p.stat().st_size for p in tmp_path.glob("[ab]/train/*"))
 
     def checks() -> None:
         documents = DocumentIndex(index, manifest, verify=True)  # hashed
@@ -473,13 +469,62 @@ def test_verify_holds_neither_the_documents_file_nor_the_sources_resident(tmp_pa
         documents.close()
         gc.collect()
 
-    checks()  # once first: the libraries' pages and the allocator's pools are then resident already
+    grown = peak_growth(checks)
+    assert grown < files / 4, f"{grown / 2**20:.1f} MiB resident at the peak for {files / 2**20:.1f} MiB of files"
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="reads the peak resident set from /proc")
+def test_reading_an_index_split_holds_a_bounded_part_of_its_sources_resident(tmp_path, monkeypatch):
+    # A read gathers documents shuffled across the sources, and a fault maps up to 2 MiB around each: one read
+    # mapped most of both sources before it unmapped them (a 400 MB mixture of 11-token documents: verify's
+    # 1 M-token chunks peaked at 376 MiB RSS, 266 MiB above its start; the loader's 32 K-token pieces 201 MiB).
+    # Reads now unmap every GATHER_MAPPED_BYTES of a source as they go (scaled down with these sources).
+    from txl_dist.data.loader import READ_AHEAD_TOKENS
+
+    index, files = make_short_document_index(tmp_path, monkeypatch)
+    with split_reader(index, read_manifest(index), "train", verify=False) as reader:
+
+        def reads() -> None:  # verify's token scan (chunks of 1 M tokens), then a loader's pieces
+            pieces = [(a, min(reader.n_tokens, a + (1 << 20))) for a in range(0, reader.n_tokens, 1 << 20)]
+            pieces += [(a, a + READ_AHEAD_TOKENS) for a in range(0, 8 * READ_AHEAD_TOKENS, READ_AHEAD_TOKENS)]
+            for a, b in pieces:
+                reader.read(a, b)  # a copy, dropped before the next read
+                reader.release(a, b)  # as both callers do: the documents file's pages the lookup read
+
+        grown = peak_growth(reads)
+    assert grown < files / 6, f"{grown / 2**20:.1f} MiB resident at the peak for {files / 2**20:.1f} MiB of files"
+
+
+def make_short_document_index(tmp_path: Path, monkeypatch) -> tuple[Path, int]:
+    """tmp_path/{a,b} (16 MiB sources of 11-token documents) and tmp_path/index, their index mixture, whose
+    documents file has record batches far smaller than the file, as at scale; the index and the bytes of its
+    files (documents file and sources). Gathers from them unmap every 2 MiB of a source (GATHER_MAPPED_BYTES:
+    32 MiB, as large as these sources, would bound nothing here)."""
+    import txl_dist.data.index_split as index_split
+
+    monkeypatch.setattr(data_prep.mix, "ROUND_TOKENS", 1 << 18)
+    monkeypatch.setattr(index_split, "GATHER_MAPPED_BYTES", 1 << 21)
+    argv = ["mix", "--out", tmp_path / "index", "--seed", 1, "--world-size", 1, "--n-streams", 4, "--quiet", "--index"]
+    for i, name in enumerate(("a", "b")):
+        make_corpus(tmp_path / name, {"train": synthetic_stream(8 << 20, seed=i, mean_doc=11)}, layout=Layout(1, 4),
+                    batch_tokens=1 << 19)
+        argv += ["--source", f"{name}={tmp_path / name}:1"]
+    assert run(*argv) == 0
+    index = tmp_path / "index"
+    return index, (index / DOCUMENTS_FILE).stat().st_size + sum(p.stat().st_size for p in tmp_path.glob("[ab]/train/*"))
+
+
+def peak_growth(work) -> int:
+    """Bytes the resident set grew by at its peak during work(), run once before (the libraries' pages and the
+    allocator's pools are then resident already)."""
+    from corpus_helpers import peak_rss_since_reset
+
+    work()
     with open("/proc/self/status") as f:
         before = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
     Path("/proc/self/clear_refs").write_text("5")
-    checks()
-    grown = peak_rss_since_reset() - before
-    assert grown < files / 4, f"{grown / 2**20:.1f} MiB resident at the peak for {files / 2**20:.1f} MiB of files"
+    work()
+    return peak_rss_since_reset() - before
 
 
 def _read_on_after_truncating(index: str, victim: str) -> str:

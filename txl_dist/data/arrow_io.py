@@ -177,18 +177,17 @@ class _OpenFile:
         check_not_shrunk(self._identity)
 
     def release(self, start: int, stop: int) -> None:
-        """Unmap this process's pages of the file's tokens [start, stop) (global stream positions): one madvise
-        for the whole file when the range covers it (an index split's reader drops whole source files)."""
-        if start <= self.starts[0] and stop >= self.starts[-1]:
-            if self.arrays:
-                drop_pages(*mapped_span(self.arrays), self._region)
+        """Unmap this process's pages of the file's tokens [start, stop) (global stream positions): one madvise,
+        as the record batches lie in file order in the one mapping (the framing between them goes too, and
+        faults in again if read), however many batches the range crosses (an index split's reader drops the
+        span of hundreds of documents shuffled across a source, or whole source files)."""
+        start, stop = max(start, self.starts[0]), min(stop, self.starts[-1])
+        if start >= stop or not self.arrays:
             return
-        b = max(0, bisect.bisect_right(self.starts, start) - 1)
-        while b < len(self.arrays) and self.starts[b] < stop:  # record batch b: tokens [starts[b], starts[b+1])
-            lo, hi = max(start, self.starts[b]), min(stop, self.starts[b + 1])
-            if lo < hi:
-                drop_pages(*mapped_span([self.arrays[b][lo - self.starts[b]:hi - self.starts[b]]]), self._region)
-            b += 1
+        first = bisect.bisect_right(self.starts, start) - 1
+        last = bisect.bisect_right(self.starts, stop - 1) - 1
+        drop_pages(*mapped_span([self.arrays[first][start - self.starts[first]:],
+                                 self.arrays[last][:stop - self.starts[last]]]), self._region)
 
     def close(self) -> None:
         self.arrays = []

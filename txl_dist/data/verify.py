@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from .arrow_io import update_tokens_sha256
-from .index_split import DocumentIndex, IndexReader, split_reader
+from .index_split import DocumentIndex, IndexReader, gather_unmapped, split_reader
 from .manifest import CorpusError, Manifest, read_manifest, sha256_file
 from .mixture import DeviationSpread
 
@@ -105,15 +105,6 @@ def verify_corpus(corpus_dir: str | os.PathLike, check_tokens: bool = True) -> d
     return stats
 
 
-GATHER_DOCS = 1 << 8
-"""Documents _check_index_documents reads the token before at once, in the order of their starts: what the reads
-map lies within MAPPED_AROUND_BYTES of the first and last of them, unmapped before the next GATHER_DOCS."""
-MAPPED_AROUND_BYTES = 1 << 21
-"""How far from a token it reads a page fault may map the file's pages: fault-around maps 64 KiB, and a large
-folio of the page cache (ext4 and XFS on recent kernels) up to its 2 MiB (measured on Linux 6.18, ext4: 64 KiB
-left 57 MiB of a 191 MB source mapped, 2 MiB none)."""
-
-
 class _DocumentEnds:
     """A mixture's document stops handed out in stream order, batch by batch: until(end) gives the stops
     <= end not handed out yet. Views of the documents file's mapping, checked when it was opened."""
@@ -140,10 +131,9 @@ class _DocumentEnds:
 def _check_index_documents(reader: IndexReader, eod_id: int) -> None:
     """Every document of an index split starts where a document of its source starts (at 0 or right after
     an eod of the source); with the scan's check that it ends with eod_id, each is a whole source document.
-    Vectorized gathers of one token per document, GATHER_DOCS documents of a source at a time in the order of
-    their starts, whose pages are unmapped after each: a token before every document reads every page of the
-    sources, and all of them stayed resident (382 MiB of a 400 MB mixture's sources), with the documents file's
-    (unmapped after each of its batches)."""
+    Vectorized gathers of one token per document that unmap what they map as they go (gather_unmapped): a token
+    before every document reads every page of the sources, and all of them stayed resident (382 MiB of a 400 MB
+    mixture's sources), with the documents file's (unmapped after each of its batches)."""
     for sources, source_starts in zip(reader.documents.sources, reader.documents.source_starts):
         for k, source in enumerate(reader.sources):
             starts = np.sort(source_starts[(sources == k) & (source_starts > 0)])  # [d_k]
@@ -152,15 +142,11 @@ def _check_index_documents(reader: IndexReader, eod_id: int) -> None:
             if starts[-1] > source.n_tokens:
                 raise CorpusError(f"{reader.documents.path}: a document of source {k} starts past its source's "
                                   f"{source.n_tokens} tokens; re-run `python -m data_prep mix --index`")
-            around = MAPPED_AROUND_BYTES // np.dtype(source.dtype).itemsize  # tokens a read may map on either side
-            for i in range(0, len(starts), GATHER_DOCS):
-                some = starts[i:i + GATHER_DOCS]  # [<= GATHER_DOCS], ascending
-                before = source.gather(some - 1, some)  # the source token before each document
-                source.release(max(0, int(some[0]) - 1 - around), min(source.n_tokens, int(some[-1]) + around))
-                if np.any(before != eod_id):
-                    at = int(some[np.argmax(before != eod_id)])
-                    raise CorpusError(f"{reader.documents.path}: a document starts at token {at} of source "
-                                      f"'{reader.source_refs[k]}', which is not the start of one of its documents")
+            before = gather_unmapped(source, starts - 1, starts)  # [d_k]: the source token before each document
+            if np.any(before != eod_id):
+                at = int(starts[np.argmax(before != eod_id)])
+                raise CorpusError(f"{reader.documents.path}: a document starts at token {at} of source "
+                                  f"'{reader.source_refs[k]}', which is not the start of one of its documents")
         reader.documents.release()  # the batch's own pages (17 bytes per document), read
 
 
