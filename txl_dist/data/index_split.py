@@ -25,17 +25,13 @@ from typing import Iterator
 
 import numpy as np
 
-from .arrow_io import (StreamReader, TokenReader, check_not_shrunk, drop_pages, file_identity, mapped_region,
+from .arrow_io import (MAPPED_AROUND_BYTES, StreamReader, TokenReader, check_not_shrunk, drop_pages, file_identity, mapped_region,
                        mapped_span)
 from .manifest import CorpusError, Manifest, read_manifest
 from .mixture import document_batches
 
 READ_CHUNK_TOKENS = 1 << 20
 """Tokens per piece of chunks() (and of open_range's walk over the documents): bounded memory."""
-MAPPED_AROUND_BYTES = 1 << 21
-"""How far from a token it reads a page fault may map the file's pages: fault-around maps 64 KiB, and a large
-folio of the page cache (ext4 and XFS on recent kernels) up to its 2 MiB (measured on Linux 6.18, ext4: 64 KiB
-left 57 MiB of a 191 MB source mapped, 2 MiB none)."""
 GATHER_MAPPED_BYTES = 1 << 25
 """How much of a source gather_unmapped lets one group of its ranges map (MAPPED_AROUND_BYTES either side of
 each range, or the gap to the range before) before it unmaps the group's span: a process's resident set holds

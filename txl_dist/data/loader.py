@@ -23,6 +23,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from .arrow_io import MAPPED_AROUND_BYTES
 from .index_split import split_reader
 from ..streams import micro_steps_per_rank, streams_of_rank
 from .manifest import CorpusError, CorpusFault, read_manifest, sha256_file
@@ -35,11 +36,6 @@ the rank: 64 KiB of uint16 each, a copy: its pages are unmapped once it is read)
 documents' lookup, one gather per source) is paid once per piece instead of once per window: 0.5 -> 18 M
 tokens per CPU second with 11-token documents (bench/results/mix.txt)."""
 
-RELEASE_BEHIND_BYTES = 1 << 21
-"""How far before a new read-ahead piece its stream's pages are unmapped too: a page fault may map the pages
-around the faulting one (fault-around, large folios of the page cache), also pages the stream has already
-passed. Measured (Linux 6.18, ext4): unmapping from 64 KiB back left 4% of the bytes read resident, in runs
-of 0.2-0.7 MiB; from 2 MiB (the largest folio a page table entry maps whole) none."""
 
 
 class SplitTooShort(CorpusError):
@@ -206,9 +202,9 @@ class StreamLoader:
             piece = self.reader.read(first, end)
             if not piece.flags.owndata:
                 piece = piece.copy()
-            # From RELEASE_BEHIND_BYTES back: a fault maps pages around the faulting one (fault-around, a whole
+            # From MAPPED_AROUND_BYTES back: a fault maps pages around the faulting one (fault-around, a whole
             # large folio of the page cache), also pages the stream has passed.
-            behind = RELEASE_BEHIND_BYTES // np.dtype(self.manifest.dtype).itemsize
+            behind = MAPPED_AROUND_BYTES // np.dtype(self.manifest.dtype).itemsize
             self.reader.release(max(self._stream_starts[local_stream], first - behind), end)
             self._check_ids(piece, first)
             self._read_ahead[local_stream] = (first, piece)
