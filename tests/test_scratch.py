@@ -1,5 +1,6 @@
 """An owned scratch folder stays owned while a subprocess it was handed to runs, even after its job is killed
-(txl_dist/scratch.py: owner_lock); the universal conversion's converter is such a subprocess."""
+(txl_dist/scratch.py: owner_lock). The universal conversion's converter is such a subprocess; on Linux it ends
+with its rank (tests/test_universal_copy.py), elsewhere it may finish its conversion first."""
 from __future__ import annotations
 
 import os

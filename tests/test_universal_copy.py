@@ -3,7 +3,9 @@ fp32 fragment, a file gone) is converted again from the verified tag, and the nu
 (The checks themselves, an older version's copy and the record: tests/test_checkpoint.py.)"""
 from __future__ import annotations
 
+import contextlib
 import json
+from pathlib import Path
 
 from corpus_helpers import flip_bytes
 from dist_helpers import learnable_stream, run_ranks, tiny_config, train_jobs, write_corpus
@@ -182,3 +184,153 @@ def test_a_converter_killed_by_a_signal_is_said_so_not_by_its_last_line(tmp_path
         "it was saved with (zero_stage=1)")
     assert sorted(p.name for p in tag.parent.iterdir() if "universal" in p.name) == []
     assert checkpoint.verify(tag) is None
+
+
+CONVERTING_RANK = """
+import sys
+from pathlib import Path
+from txl_dist import checkpoint
+try:
+    checkpoint.convert_to_universal(Path(sys.argv[1]), Path(sys.argv[2]), zero_stage=1)
+except checkpoint.ConversionFailed as e:
+    print(e)
+    sys.exit(1)
+"""
+
+
+def _converting_rank(tag, copy):
+    """A process that converts `tag` as rank 0 does (a stand-in for it), its stdout piped: a failure's line."""
+    import subprocess
+    import sys
+
+    project = Path(checkpoint.__file__).resolve().parents[1]  # the txl_dist under test
+    return subprocess.Popen([sys.executable, "-c", CONVERTING_RANK, str(tag), str(copy)], cwd=project,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+
+def _frozen_conversion(rank):
+    """The converter of `rank` (a process converting a tag), once it has live worker processes, stopped
+    (SIGSTOP) where it is, and those workers: a stand-in for minutes of converting a large model. The workers
+    go on (each one to its task's end, then waits for the next): stopped, one caught before its own set-up
+    would never end by its parent's death, which no real process does."""
+    import signal
+    import time
+
+    import psutil
+
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and rank.poll() is None:
+        try:
+            for converter in psutil.Process(rank.pid).children():
+                converter.send_signal(signal.SIGSTOP)  # first: it then neither starts nor reaps workers
+                workers = [w for w in converter.children() if w.status() != psutil.STATUS_ZOMBIE]
+                if workers:
+                    return [converter, *workers]
+                converter.send_signal(signal.SIGCONT)  # before or between its two pools: let it go on
+        except psutil.Error:
+            pass
+        time.sleep(0.01)
+    raise AssertionError(f"no conversion with worker processes seen (the converting process: {rank.poll()=})")
+
+
+def _ended(processes, wait_s):
+    """Whether every process ended (a zombie holds no memory and no lock) within wait_s; polls."""
+    import time
+
+    import psutil
+
+    def gone(p):
+        try:
+            return p.status() == psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return True
+
+    deadline = time.monotonic() + wait_s
+    while not all(gone(p) for p in processes):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_a_killed_ranks_converter_and_its_workers_end_with_it_and_the_next_start_converts(tmp_path):
+    """Rank 0 killed outright while it converts (the OOM killer, torchrun restarting its workers) left its
+    converter and worker processes converting on (and holding memory and its scratch folder's lock) while the
+    restarted start converted again beside them. They end with it now (Linux: the kernel's parent-death signal,
+    txl_dist/safe_load.py), the kernel drops the folder's lock, and the next conversion of the tag removes the
+    killed one's folder and makes the same copy."""
+    import json
+    import sys
+
+    import pytest
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("the parent-death signal is Linux's; elsewhere the converter runs to its end (documented)")
+    tag = _one_step_zero1_tag(tmp_path)
+    copy = tag.parent / (tag.name + checkpoint.UNIVERSAL_SUFFIX)
+    record = copy / checkpoint.STATE_DIR / checkpoint.UNIVERSAL_RECORD
+    assert checkpoint.convert_to_universal(tag, copy, zero_stage=1)
+    clean = json.loads(record.read_text())["files"]
+    copy.rename(tmp_path / "clean_copy")
+
+    rank = _converting_rank(tag, copy)
+    frozen = []
+    try:
+        frozen = _frozen_conversion(rank)
+        rank.kill()  # SIGKILL: no handler, no `finally` of its own runs
+        rank.wait()
+        assert _ended(frozen, wait_s=60), [(p.pid, p.status(), p.cmdline()[-4:]) for p in frozen
+                                           if p.is_running()]
+    finally:
+        for p in frozen:  # only ever when the assertion failed (a stopped converter ends only on SIGKILL)
+            with contextlib.suppress(Exception):
+                p.kill()
+        if rank.poll() is None:
+            rank.kill()
+            rank.wait()
+    killed = [p.name for p in tag.parent.iterdir() if p.name.startswith(f".{copy.name}.")]
+    assert len(killed) == 1 and not copy.exists(), killed  # its folder, left to the next start
+    assert checkpoint.remove_leftovers(tag.parent) == killed  # a training start's: its lock is free
+
+    assert checkpoint.convert_to_universal(tag, copy, zero_stage=1)
+    assert json.loads(record.read_text())["files"] == clean
+    assert checkpoint.verify_universal(copy, tag) is None
+    assert sorted(p.name for p in tag.parent.iterdir() if "universal" in p.name) == [copy.name]
+
+
+def test_a_converter_killed_amid_its_workers_fails_the_conversion_and_takes_them_along(tmp_path):
+    """The OOM killer's choice is the converter itself, amid its worker processes: they went on (each to its
+    task's end, then waiting for the next, forever) holding the converter's output pipes, so rank 0 never saw
+    it end and hung in the conversion (measured: 10 minutes, until the workers were killed by hand), instead of
+    the one line that says what happened. They end with the converter now (Linux: the parent-death signal)."""
+    import subprocess
+    import sys
+
+    import pytest
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("the parent-death signal is Linux's")
+    tag = _one_step_zero1_tag(tmp_path)
+    copy = tag.parent / (tag.name + checkpoint.UNIVERSAL_SUFFIX)
+    rank = _converting_rank(tag, copy)
+    frozen = []
+    try:
+        frozen = _frozen_conversion(rank)
+        frozen[0].kill()  # the converter, as the OOM killer would
+        try:
+            said, _ = rank.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the converting process still waits; its converter's workers: {frozen[1:]}")
+        assert _ended(frozen, wait_s=60), [(p.pid, p.status()) for p in frozen if p.is_running()]
+    finally:
+        for p in frozen:  # only ever when an assertion failed
+            with contextlib.suppress(Exception):
+                p.kill()
+        if rank.poll() is None:
+            rank.kill()
+            rank.wait()
+    assert rank.returncode == 1 and said.strip() == (
+        f"{tag}: universal checkpoint conversion failed (the converter was killed by SIGKILL: the kernel's OOM "
+        "killer, if the node ran out of memory); nothing of it is left: start again, or resume with the world size "
+        "it was saved with (zero_stage=1)"), said
+    assert sorted(p.name for p in tag.parent.iterdir() if "universal" in p.name) == []

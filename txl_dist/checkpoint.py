@@ -1064,8 +1064,11 @@ def _convert_to_universal(tag_dir: Path, out: Path, zero_stage: int) -> bool:
         if free < universal_copy_bytes(tag_dir):  # found now, not after minutes of converting a large model
             raise _no_room_for_copy(tag_dir, out.parent, free, "before converting")
         tmp = scratch / "output"
+        # --parent_pid: the converter and its workers end with this process, however it ends (Linux), so a
+        # restarted start never converts beside them with a killed rank's conversion still holding memory.
         cmd = [sys.executable, "-m", "txl_dist.safe_load", "ds_to_universal", "--input_folder", str(tag_dir),
-               "--output_folder", str(tmp), "--num_extract_workers", workers, "--num_merge_workers", workers]
+               "--output_folder", str(tmp), "--num_extract_workers", workers, "--num_merge_workers", workers,
+               "--parent_pid", str(os.getpid())]
         if zero_stage in (1, 2):
             cmd.append("--inject_missing_state")
         # Said before and after: at scale the conversion takes minutes, during which the job prints nothing else.
@@ -1073,7 +1076,9 @@ def _convert_to_universal(tag_dir: Path, out: Path, zero_stage: int) -> bool:
         log.info("checkpoint: converting %s (%s of optimizer files) to DeepSpeed's universal form for a load at "
                  "another world size: %s", tag_dir.name, size_text(universal_copy_bytes(tag_dir)), out)
         started = time.monotonic()
-        # The converter holds the folder's lock too: a start after this job is killed leaves it to finish.
+        # The converter holds the folder's lock too (its workers inherit it): while any of them runs, no start
+        # removes the folder under it; once they ended with this job, the kernel drops the lock and the next
+        # start removes the folder.
         proc = subprocess.run(cmd, capture_output=True, text=True, pass_fds=(owner_lock(scratch),))
         if proc.returncode != 0:
             last = (proc.stderr.strip().splitlines() or ["no output"])[-1]

@@ -12,16 +12,22 @@ Entry points: `restricted_torch_loads()` around engine.load_checkpoint; `python 
 ds_to_universal ARGS` for DeepSpeed's universal conversion; `fp32_state_dict_from_zero` and
 `load_weights_only` for export. deepspeed is imported inside functions only (engine.py and checkpoint.py
 are the modules that import it at load time).
+
+The converter ends with the process that started it (`--parent_pid`, what checkpoint.py passes: the rank that
+converts), and its worker processes with it, however either ends, SIGKILL and the OOM killer included (Linux:
+the kernel's parent-death signal, `end_with_parent`); elsewhere they run to their end as before.
 """
 from __future__ import annotations
 
 import argparse
-
+import ctypes
 import functools
 import importlib
+import multiprocessing
 import os
 import pickle
 import re
+import signal
 import sys
 import threading
 from collections.abc import Iterator
@@ -30,7 +36,45 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import torch
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def end_with_parent(parent: int | None) -> bool:
+    """Have the kernel SIGKILL this process when its parent ends, however that ends (Linux: prctl's
+    PR_SET_PDEATHSIG); and end it now when its parent is no longer `parent` (the process that started it ended
+    before the call, and this one was handed to another). False where the platform has no parent-death signal
+    (nothing set: this process outlives its parent, as before).
+
+    The signal comes when the parent's thread that started this process ends: the converter is started by a
+    thread that waits for it (subprocess.run), its pool workers by the converter's main thread."""
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        return False
+    if parent is not None and os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return True
+
+
+def _parent_pid_in(argv: list[str]) -> int | None:
+    """--parent_pid's value, read before argparse (which runs after the imports); None without one."""
+    for arg, following in zip(argv, [*argv[1:], ""]):
+        if arg.startswith("--parent_pid="):
+            following = arg.partition("=")[2]
+        elif arg != "--parent_pid":
+            continue
+        return int(following) if following.isdigit() else None
+    return None
+
+
+if __name__ == "__main__" and _parent_pid_in(sys.argv) is not None:
+    # The converter, bound to the rank that started it before anything slow (importing torch and DeepSpeed
+    # takes seconds): a rank killed meanwhile (the OOM killer, torchrun restarting its workers) takes it along,
+    # where it went on converting beside the restarted start's own conversion, with its memory.
+    end_with_parent(_parent_pid_in(sys.argv))
+
+import torch  # noqa: E402  (after the converter's binding to its parent)
 
 from .cli_args import ArgumentParser
 from .errors import EXIT_REFUSED, Refused, one_line
@@ -207,11 +251,23 @@ def fp32_state_dict_from_zero(tag_dir: str | os.PathLike, *, lazy: bool = False)
 
 
 def restricted_process_pool(*args: Any, **kwargs: Any) -> ProcessPoolExecutor:
-    """A ProcessPoolExecutor whose workers restrict their own torch.load, whatever their start method.
+    """A ProcessPoolExecutor whose workers restrict their own torch.load, whatever their start method, and end
+    with the converter (end_with_parent), however it ends.
 
-    A forked worker inherits the restriction, but a spawned or forkserver one imports torch afresh.
+    A forked worker inherits the restriction, but a spawned or forkserver one imports torch afresh. A forked
+    worker outliving a killed converter (the OOM killer's choice) finished its task and waited for the next
+    forever, holding the converter's output pipes (so rank 0 waited for the converter's end forever), its
+    scratch folder's lock and its memory. A forkserver worker's parent is the forkserver, which ends when the
+    converter does (it reads a pipe only the converter holds open).
     """
-    return ProcessPoolExecutor(*args, initializer=restrict_this_process, **kwargs)
+    context = kwargs.get("mp_context") or multiprocessing.get_context()
+    parent = None if context.get_start_method() == "forkserver" else os.getpid()
+    return ProcessPoolExecutor(*args, initializer=_conversion_worker_start, initargs=(parent,), **kwargs)
+
+
+def _conversion_worker_start(parent: int | None) -> None:
+    end_with_parent(parent)
+    restrict_this_process()
 
 
 def ds_to_universal(args: list[str]) -> None:
@@ -272,6 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the checkpoint tag, e.g. runs/tiny/checkpoints/step_00000100")
     p.add_argument("--output_folder", required=True, metavar="OUT_DIR",
                    help="the universal copy to write, e.g. runs/tiny/checkpoints/step_00000100_universal")
+    p.add_argument("--parent_pid", type=int, metavar="PID",
+                   help="end (SIGKILL, workers included) when this process's parent ends, which must be PID "
+                        "(Linux; what txl_dist/checkpoint.py passes: the rank that converts)")
     return parser
 
 
