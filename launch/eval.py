@@ -14,10 +14,10 @@ before anything is built or written. Rank 0 prints a short table (loss, perplexi
 the tokens predicted, the precision and attention path the numbers were computed with, the memory settings),
 then the result as JSON; --json-out also writes the JSON to a file (atomically; its folder must exist, and the
 path is checked before the evaluation). Exit status 0; 2 for refused input (one line says why); 1 for a fault
-during the evaluation (a lost rank); 143 for SIGTERM (scancel, a time limit, kill), which stops it at once: each
-rank it reached says where (`error: evaluation stopped by SIGTERM at segment 2 of 40 of split test; no result
-written`), the others stop naming it, and no --json-out is written (one that comes once the numbers exist waits
-for them to be printed and written).
+during the evaluation (a lost rank); 143 for SIGTERM (scancel, a time limit, kill), SIGUSR1 or the end of its
+launcher (torchrun, deepspeed), which stop it at once: each rank it reached says where (`error: evaluation
+stopped by SIGTERM at segment 2 of 40 of split test; no result written`), the others stop naming it, and no
+--json-out is written (one that comes once the numbers exist waits for them to be printed and written).
 """
 from __future__ import annotations
 
@@ -30,11 +30,11 @@ from collections.abc import Callable
 
 from txl_dist.host import quiet_torch_cpp_warnings  # standard library only
 from txl_dist.stop_request import (Terminated, catch_sigterm_early, finish_despite_sigterm,  # standard library only
-                                   terminate_on_sigterm)
+                                   stop_at_once)
 
 if __name__ == "__main__":  # before torch: a lost rank is reported in one line, without C++ stack dumps
     quiet_torch_cpp_warnings()
-    catch_sigterm_early()  # scancel during the imports: the job's line too, not a silent death
+    catch_sigterm_early()  # scancel (or --signal=USR1) during the imports: the job's line too, not a silent death
 
 from txl_dist import distributed  # noqa: E402
 from txl_dist.atomic import atomic_write  # noqa: E402
@@ -182,10 +182,10 @@ def main(argv: list[str] | None = None) -> int:
 
     def job() -> int:
         try:
-            with terminate_on_sigterm():
+            with stop_at_once():
                 return evaluation()
-        except Terminated:  # scancel, a time limit, kill: no result exists, so none was written
-            raise Terminated(f"evaluation stopped by SIGTERM {where[0]}; no result written") from None
+        except Terminated as e:  # scancel, a time limit, kill, its launcher gone: no result exists, none was written
+            raise Terminated(f"evaluation stopped {e.by} {where[0]}; no result written") from None
 
     def evaluation() -> int:
         # stdout is for the table and the JSON (a program may parse them). DeepSpeed's logger prints to the

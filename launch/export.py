@@ -18,7 +18,8 @@ launch/generate.py --model checks its tokenizer against, and the corpus' end-of-
 model_config.json, eos_token_id in config.json; `python -m txl_dist.interop to-hf DIR HF_DIR` carries it over
 as export --hf writes it). Exit status 0, 2 for a refused checkpoint or output
 (one line says why), 1 when writing fails midway (a full disk, a read-only remount: one line naming the file and
-its file system), 143 for SIGTERM (scancel, a time limit, kill: it stops at once, in one line). Each folder gets
+its file system), 143 for SIGTERM (scancel, a time limit, kill), SIGUSR1 or the end of its launcher: it stops
+at once, in one line. Each folder gets
 its config last, so one whose export failed or was stopped holds none (nor the file it was writing): it loads as
 nothing, and the next export writes into it without --overwrite.
 """
@@ -31,7 +32,7 @@ import logging
 from pathlib import Path
 
 from txl_dist.stop_request import (Terminated, catch_sigterm_early, finish_despite_sigterm,  # standard library only
-                                   terminate_on_sigterm)
+                                   stop_at_once)
 
 if __name__ == "__main__":
     catch_sigterm_early()  # scancel during the imports: the job's line too, not a silent death
@@ -192,8 +193,8 @@ def export(checkpoint: str, out: str, hf: str | None = None, overwrite: bool = F
         unfinish_exports([(folder, name) for folder, name in configs if folder in unfinished])
         left = " and ".join(str(folder) for folder in unfinished)
         if isinstance(e, Terminated):
-            raise Terminated(f"export stopped by SIGTERM while writing {unfinished[0]}; {left} hold(s) no complete "
-                             "export (no config), run the export again") from None
+            raise Terminated(f"export stopped {e.by} while writing {unfinished[0]}; {left} hold(s) no complete "
+                             "export (no config), run the export again", by=e.by) from None
         if isinstance(e, KeyboardInterrupt):
             raise
         line = write_fault_line(e, unfinished[0], "export to a folder elsewhere") or one_line(e, limit=500)
@@ -242,12 +243,12 @@ def main(argv: list[str] | None = None) -> int:
 
     def job() -> int:
         try:
-            with terminate_on_sigterm():
+            with stop_at_once():
                 export(args.checkpoint, args.out, args.hf, args.overwrite)
         except Terminated as e:
             if e.args:  # export's own line: it stopped while writing
                 raise
-            raise Terminated("export stopped by SIGTERM before writing; nothing written") from None
+            raise Terminated(f"export stopped {e.by} before writing; nothing written") from None
         finish_despite_sigterm()  # the folders are complete
         done = f"exported {args.checkpoint} -> {args.out}" + (f" and {args.hf} (HuggingFace)" if args.hf else "")
         try:

@@ -15,7 +15,8 @@ manifest's when --tokenizer is a corpus folder, else the one DIR records (eod_id
 eos_token_id in config.json), else the tokenizer's <eod> piece or its eos id. The prompt starts a new
 document (the end-of-document id goes first, as in the training stream) unless --continue-document; an empty
 --prompt '' generates a document from nothing. One process; CPU unless --device cuda. Exit status 0,
-2 for refused input (one line says why), 143 for SIGTERM before the samples are printed (one line says so).
+2 for refused input (one line says why), 143 for SIGTERM or SIGUSR1 before the samples are printed (one line
+says so).
 Only the samples go to stdout (whatever a library prints meanwhile goes to stderr), so --json output can be
 parsed as it is.
 """
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from txl_dist.stop_request import (Terminated, catch_sigterm_early, finish_despite_sigterm,  # standard library only
-                                   terminate_on_sigterm)
+                                   stop_at_once)
 
 if __name__ == "__main__":
     catch_sigterm_early()  # a SIGTERM during the imports: the job's line too, not a silent death
@@ -312,10 +313,10 @@ def main(argv: list[str] | None = None) -> int:
         # to stderr: DeepSpeed, imported with the checkpoint readers, logs to stdout (its accelerator warning
         # when DS_ACCELERATOR is unset), through a handler bound to the sys.stdout it finds at import.
         try:
-            with terminate_on_sigterm(), contextlib.redirect_stdout(sys.stderr):
+            with stop_at_once(), contextlib.redirect_stdout(sys.stderr):
                 output = samples_output(args)
-        except Terminated:  # a time limit, kill: the samples are printed only once all are made
-            raise Terminated("generation stopped by SIGTERM; no sample printed") from None
+        except Terminated as e:  # a time limit, kill, its launcher gone: the samples are printed once all are made
+            raise Terminated(f"generation stopped {e.by}; no sample printed") from None
         finish_despite_sigterm()  # the samples exist: printing them takes milliseconds
         print_result(output)
         return 0

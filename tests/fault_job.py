@@ -29,6 +29,9 @@ KIND (the fault happens on rank RANK only):
   nan-from-step  every loss on this rank is NaN from step STEP on
   sigterm-at-step  SIGTERM itself at the end of step STEP
   sigterm-in-eval  launch/eval.py: SIGTERM itself as segment STEP (from 1) of its evaluation begins
+  sigusr1-in-eval  launch/eval.py: SIGUSR1 itself as segment STEP (from 1) of its evaluation begins
+  slow-eval      launch/eval.py: from segment STEP (from 1) of its evaluation on, each segment takes SLOW_EVAL_S
+                 longer (an evaluation of hours), printing `slow-eval: segment N` as it begins
   sigterm-in-export  launch/export.py: SIGTERM itself half-way through writing the --out folder's weights
 The faults wrap functions of this process only (torch.save, the trainer's step, the model's forward): the
 code under test runs unchanged.
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import signal
 import sys
 import threading
@@ -46,13 +50,20 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SLOW_SAVE_S = 10.0
+SLOW_EVAL_S = 20.0
 
 
 def _rank() -> int:
     return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
 
 
+KINDS = frozenset(re.findall(r"^  ([a-z0-9]+(?:-[a-z0-9]+)+) ", __doc__, flags=re.MULTILINE))
+"""The kinds the docstring lists: a misspelt one must fail its test's job, not leave it without its fault."""
+
+
 def install(kind: str, rank: int, step: int) -> None:
+    if kind not in KINDS:
+        raise SystemExit(f"fault_job: unknown fault kind {kind!r}; known: {', '.join(sorted(KINDS))}")
     if rank != _rank():
         return
     import torch
@@ -60,17 +71,21 @@ def install(kind: str, rank: int, step: int) -> None:
     from txl_dist import trainer
 
     staging = f".saving-step_{step:08d}"
-    if kind == "sigterm-in-eval":
+    if kind in ("sigterm-in-eval", "sigusr1-in-eval", "slow-eval"):
         from txl_dist import evaluate
 
         real_evaluate = evaluate.Evaluator.evaluate
+        sig = signal.SIGUSR1 if kind == "sigusr1-in-eval" else signal.SIGTERM
 
         def evaluate_and_stop(self, model, split, on_segment=None):
             def next_segment(i):
                 if on_segment is not None:
                     on_segment(i)
-                if i + 1 == step:  # in the segment, as its forward begins
-                    os.kill(os.getpid(), signal.SIGTERM)  # the handler runs before the next bytecode
+                if kind == "slow-eval" and i + 1 >= step:
+                    print(f"slow-eval: segment {i + 1}", flush=True)
+                    time.sleep(SLOW_EVAL_S)
+                elif kind != "slow-eval" and i + 1 == step:  # in the segment, as its forward begins
+                    os.kill(os.getpid(), sig)  # the handler runs before the next bytecode
             return real_evaluate(self, model, split, on_segment=next_segment)
 
         evaluate.Evaluator.evaluate = evaluate_and_stop
@@ -269,8 +284,14 @@ def _poison_next_forward(t, whole: bool) -> None:
 
 def main(argv: list[str]) -> int:
     split = argv.index("--")
-    options, entry_args = argv[:split], argv[split + 1:]
+    # deepspeed's launcher puts --local_rank=N first: it is the entry point's (which reads it from LOCAL_RANK)
+    options = [a for a in argv[:split] if not a.startswith("--local_rank")]
+    entry_args = argv[split + 1:]
     entry = "train"
+    if "eval" in options or "export" in options:  # as launch/eval.py and launch/export.py start
+        from txl_dist.stop_request import catch_sigterm_early
+
+        catch_sigterm_early()
     for i in range(0, len(options), 2):
         if options[i] == "--entry":
             entry = options[i + 1]

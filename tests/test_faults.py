@@ -4,6 +4,7 @@ the partial one reported and removed at the next start, and a restart that ends 
 the fault ends. The faults themselves live in tests/fault_job.py."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -735,14 +736,16 @@ def saved_run(corpus, tmp_path_factory):
     return run_dir
 
 
-@pytest.mark.parametrize("world, signalled", [(1, [0]), (2, [0, 1]), (2, [1])],
-                         ids=["one_rank", "every_rank_scancel", "one_of_two_ranks"])
+@pytest.mark.parametrize("world, signalled, sig", [(1, [0], "SIGTERM"), (2, [0, 1], "SIGTERM"), (2, [1], "SIGTERM"),
+                                                  (1, [0], "SIGUSR1")],
+                         ids=["one_rank", "every_rank_scancel", "one_of_two_ranks", "sigusr1"])
 def test_sigterm_to_an_evaluation_says_where_on_each_rank_it_reached_and_writes_nothing(saved_run, tmp_path, world,
-                                                                                          signalled):
-    """Before, the evaluation died of the signal (status 143 from a shell, -15 here) without a word."""
+                                                                                          signalled, sig):
+    """Before, the evaluation died of the signal (status 143 from a shell, -15 here) without a word; of SIGUSR1
+    (Slurm's --signal=USR1@..., scancel --signal=USR1), silently with status 138, until it was taken as SIGTERM."""
     out = tmp_path / "out"
     out.mkdir()
-    faults = [f"sigterm-in-eval:{rank}:2" for rank in signalled]
+    faults = [f"{sig.lower()}-in-eval:{rank}:2" for rank in signalled]
     procs = _launch("eval", ["--checkpoint", str(saved_run), "--split", "valid", "--json-out", str(out / "r.json")],
                     faults, world)
     codes = _finish(procs)
@@ -750,7 +753,7 @@ def test_sigterm_to_an_evaluation_says_where_on_each_rank_it_reached_and_writes_
         if rank in signalled:
             assert code == 128 + signal.SIGTERM, proc.output[-3000:]
             assert [line.split("error: ", 1)[1].strip() for line in _errors(proc)] == [
-                "evaluation stopped by SIGTERM at segment 2 of 3 of split valid; no result written"
+                f"evaluation stopped by {sig} at segment 2 of 3 of split valid; no result written"
             ], proc.output[-3000:]
         else:  # its peer, stopped: told at once, in one line naming the rank
             assert code == 1, proc.output[-3000:]
@@ -759,6 +762,71 @@ def test_sigterm_to_an_evaluation_says_where_on_each_rank_it_reached_and_writes_
                              r"segment 2 of 3 of split valid; no result written$", line.strip()), line
         assert "Traceback" not in proc.output, proc.output[-3000:]
     assert list(out.iterdir()) == []  # no result, no temporary file
+
+
+@pytest.mark.parametrize("launcher, sig", [("torchrun", signal.SIGUSR1), ("deepspeed", signal.SIGTERM)])
+def test_an_evaluation_whose_launcher_is_gone_stops_with_one_line_and_leaves_no_orphan(saved_run, tmp_path, launcher,
+                                                                                      sig):
+    """torchrun dies of SIGUSR1, the deepspeed runner of SIGTERM (docs/reliability.md). Before, their evaluation's
+    workers went on as orphans to the end of the evaluation (hours on a GPU) and printed a result nobody asked
+    for any more; now they watch their launcher as training's do, and stop at once as on SIGTERM."""
+    result = tmp_path / "r.json"
+    count = "--nproc_per_node" if launcher == "torchrun" else "--num_gpus"
+    proc = Launch([venv_bin(launcher), count, "2", "--master_port", str(free_port()),
+                   str(REPO / "tests" / "fault_job.py"), "--entry", "eval", "--fault", "slow-eval:0:2", "--fault",
+                   "slow-eval:1:2", "--", "--checkpoint", str(saved_run), "--split", "valid",
+                   "--json-out", str(result)])
+    try:
+        proc.wait_for("slow-eval: segment 2")
+        while proc.output.count("slow-eval: segment 2") < 2:  # both ranks in segment 2, SLOW_EVAL_S long
+            assert proc.proc.poll() is None, proc.output[-3000:]
+            time.sleep(0.05)
+        proc.proc.send_signal(sig)
+        proc.wait(120)
+        deadline = time.monotonic() + 60
+        while not _no_worker_left(str(result)):
+            assert time.monotonic() < deadline, "a worker outlived its launcher"
+            time.sleep(0.5)
+        proc._reader.join(10)  # the workers' last lines
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # the launcher's group: orphans included
+            os.killpg(proc.proc.pid, signal.SIGKILL)
+    # One line a rank: each that saw the launcher gone says so. A rank that had not seen it yet when the first one
+    # ended (a loaded machine) may be told by its peer, or under deepspeed by the launch process (alive: only the
+    # runner died), which sends SIGTERM to the others once one rank has ended.
+    lines = [line.split("error: ", 1)[1].strip() for line in _errors(proc)]
+    gone = rf"the end of its launcher \({launcher}, pid \d+\)"
+    said = (rf"(rank \d \(host [^)]+\) stopped after an error: )?evaluation stopped by ({gone}|SIGTERM) at segment 2 "
+            r"of 3 of split valid; no result written")
+    assert len(lines) == 2 and all(re.fullmatch(said, line) for line in lines), proc.output[-3000:]
+    assert any(line.startswith("evaluation stopped by the end of its launcher") for line in lines), proc.output[-3000:]
+    assert '"perplexity"' not in proc.output and not result.exists()
+    assert "Traceback" not in proc.output, proc.output[-3000:]
+
+
+EVAL_SIGNALLED_EARLY = """
+import os, signal, sys
+sys.path.insert(0, os.getcwd())
+from txl_dist.stop_request import catch_sigterm_early
+catch_sigterm_early()  # as launch/eval.py starts
+os.kill(os.getpid(), getattr(signal, sys.argv.pop(1)))  # during the slow imports that follow
+from launch.eval import main
+from txl_dist.entry import exit_process
+exit_process(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("sig, status, said", [
+    ("SIGINT", 130, "interrupted (Ctrl-C): stopped at once, without saving"),
+    ("SIGUSR1", 143, "evaluation stopped by SIGUSR1 during start-up; no result written")])
+def test_a_signal_during_the_imports_of_an_evaluation_is_its_one_line(saved_run, sig, status, said):
+    """Before, Ctrl-C in the first seconds (torch's import) printed a KeyboardInterrupt traceback on every rank, and
+    SIGUSR1 ended the evaluation without a word."""
+    proc = Launch([sys.executable, "-c", EVAL_SIGNALLED_EARLY, sig, "--checkpoint", str(saved_run), "--split",
+                   "valid"], launcher_env())
+    assert proc.wait(300) == status, proc.output[-3000:]
+    assert [line.split("error: ", 1)[1].strip() for line in _errors(proc)] == [said], proc.output[-3000:]
+    assert "Traceback" not in proc.output and '"perplexity"' not in proc.output
 
 
 def test_sigterm_to_an_export_leaves_no_partial_file_and_no_config(saved_run, tmp_path):
@@ -784,9 +852,10 @@ GENERATE_STOPPED = """
 import os, signal, sys
 sys.path.insert(0, os.getcwd())
 from txl_dist import generation
+sig = getattr(signal, sys.argv.pop(1))
 
 def generate_and_stop(*args, **kwargs):
-    os.kill(os.getpid(), signal.SIGTERM)  # the handler runs before the next bytecode
+    os.kill(os.getpid(), sig)  # the handler runs before the next bytecode
     raise AssertionError("not stopped")
 
 generation.generate = generate_and_stop
@@ -796,11 +865,12 @@ exit_process(main(sys.argv[1:]))
 """
 
 
-def test_sigterm_to_generation_says_so_in_one_line(saved_run):
-    """Before, launch/generate.py died of the signal without a word."""
-    proc = Launch([sys.executable, "-c", GENERATE_STOPPED, "--checkpoint", str(saved_run), "--prompt", "",
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGUSR1"])
+def test_sigterm_to_generation_says_so_in_one_line(saved_run, sig):
+    """Before, launch/generate.py died of the signal without a word (of SIGUSR1 until it was taken as SIGTERM)."""
+    proc = Launch([sys.executable, "-c", GENERATE_STOPPED, sig, "--checkpoint", str(saved_run), "--prompt", "",
                    "--max-new-tokens", "4"], launcher_env())
     assert proc.wait(300) == 128 + signal.SIGTERM, proc.output[-3000:]
     assert [line.split("error: ", 1)[1].strip() for line in _errors(proc)] == [
-        "generation stopped by SIGTERM; no sample printed"], proc.output[-3000:]
+        f"generation stopped by {sig}; no sample printed"], proc.output[-3000:]
     assert "Traceback" not in proc.output

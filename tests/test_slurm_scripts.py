@@ -11,7 +11,8 @@
   per task that the allocation cannot give every rank are refused before srun; the rendezvous port stays
   below the kernel's ephemeral ports and is the one txl_dist.distributed derives;
 - a job with GPUs whose Python has a CPU build of torch is refused before srun;
-- TXL_MAX_RESTARTS and TXL_END_WAIT_S that are no whole number are refused before srun.
+- TXL_MAX_RESTARTS and TXL_END_WAIT_S that are no whole number are refused before srun;
+- what eval.sbatch says of a step that ended with a signal's status (143: the ranks' own stop on SIGTERM or SIGUSR1).
 """
 from __future__ import annotations
 
@@ -245,3 +246,26 @@ def test_a_job_with_gpus_and_a_cpu_build_of_torch_is_refused_before_srun(tmp_pat
         describe(["--world-size", "1", *args])
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # the CPU on purpose
     assert describe(["--world-size", "1", *args])["newest"] == ""
+
+
+@pytest.mark.parametrize("status, said", [
+    (143, "evaluation exited with status 143: stopped by SIGTERM or SIGUSR1 (the time limit, scancel or preemption) "
+          "before its result existed; the ranks' error lines above say where; evaluation keeps no partial result: "
+          "submit it again"),
+    (137, "evaluation exited with status 137: a rank was ended by signal 9 (KILL); evaluation keeps no partial "
+          "result: submit it again")])
+def test_eval_sbatch_says_what_a_signal_status_of_its_step_means(tmp_path, status, said):
+    """143 is launch/eval.py's own status for SIGTERM and SIGUSR1, after each rank said where it stopped: eval.sbatch
+    said `a rank was ended by signal 15 (TERM)`, as if the ranks had died without a word."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\n[ \"$2\" = hostnames ] && printf 'n1\\n'\nexit 0\n")
+    (bin_dir / "srun").write_text(f"#!/bin/sh\nexit {status}\n")
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "123", "SLURM_JOB_NODELIST": "n1",
+           "SLURM_JOB_NUM_NODES": "1", "SLURM_SUBMIT_DIR": str(REPO), "DS_ACCELERATOR": "cpu"}
+    done = subprocess.run(["bash", str(REPO / "launch" / "slurm" / "eval.sbatch"), "--checkpoint",
+                           str(tmp_path / "run")], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == status, (done.stdout, done.stderr)
+    assert done.stdout.splitlines()[-1] == f"txl-slurm: {said}", (done.stdout, done.stderr)

@@ -4,7 +4,8 @@
     failed  (errors.RunFailed): a fault while the job ran           -> "error: ..." and exit status 1
     a collective that broke because a peer was lost                 -> "error: rank N ... was lost" and 1
     Ctrl-C that stops at once (training's second): nothing saved    -> "error: interrupted ..." and 130
-    SIGTERM to a job with nothing to save (stop_request.Terminated) -> "error: ... stopped by SIGTERM ..." and 143
+    SIGTERM, SIGUSR1, its launcher's end, to a job with nothing to save (stop_request.Terminated)
+                                                                    -> "error: ... stopped by SIGTERM ..." and 143
 Anything else is a bug: its traceback is printed, the exit status is 1, and the other ranks are told at
 once (distributed.destroy_process_group) instead of waiting for this one in a collective.
 """
@@ -41,10 +42,10 @@ def guarded(job: Callable[[], int], log: logging.Logger) -> int:
         if isinstance(e, RankFault):  # found by this rank alone: the others are told (destroy_process_group)
             alone = e
         return EXIT_FAILED
-    except Terminated as e:  # stop_request.terminate_on_sigterm: each rank it reached (scancel: all) says where it
+    except Terminated as e:  # stop_request.stop_at_once: each rank it reached (scancel: all) says where it
         # stopped; the others are told (destroy_process_group)
         alone = e
-        log.error("error: %s", one_line(e, limit=2000) if e.args else "stopped by SIGTERM")
+        log.error("error: %s", one_line(e, limit=2000) if e.args else f"stopped {e.by}")
         return EXIT_TERMINATED
     except KeyboardInterrupt as e:  # training's second Ctrl-C (txl_dist/stop_request.py), other jobs' first
         alone = e

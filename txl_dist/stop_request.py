@@ -15,9 +15,12 @@ ancestors whose command line is torchrun's, the deepspeed runner's or its launch
 them has gone, the worker stops as if it had been signalled, saves, and exits 0, and no orphan stays.
 Linux only (/proc); elsewhere only the signals are watched.
 
-The jobs that have nothing to save (an evaluation, an export, generation) stop at once on SIGTERM instead
-(terminate_on_sigterm): Terminated unwinds the job as Ctrl-C does, so that what it was writing is removed, and
-the entry point says where it stopped, in one line, with exit status 143 (entry.guarded).
+The jobs that have nothing to save (an evaluation, an export, generation) stop at once instead
+(stop_at_once), on SIGTERM, on SIGUSR1 (a warning before a time limit is no use to a job that cannot
+keep partial work) and when their launcher has gone (the same LauncherWatch, asked by a thread of its own:
+the job has no step boundary to ask at): Terminated unwinds the job as Ctrl-C does, so that what it was
+writing is removed, and the entry point says where it stopped and why, in one line, with exit status 143
+(entry.guarded). Ctrl-C stays KeyboardInterrupt there (exit status 130).
 """
 from __future__ import annotations
 
@@ -94,55 +97,132 @@ def ignore_stop_signals() -> None:
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM (scancel, Slurm's time limit, `kill`) to a job with nothing to save, raised in its main thread. A
-    KeyboardInterrupt, so that what unwinds on Ctrl-C unwinds on it too (atomic.atomic_path removes its temporary
-    file). The handler raises it bare; the job raises it again with its line: where it stopped, what it leaves."""
+    """SIGTERM (scancel, Slurm's time limit, `kill`), SIGUSR1 or the end of its launcher, to a job with nothing to
+    save, raised in its main thread. A KeyboardInterrupt, so that what unwinds on Ctrl-C unwinds on it too
+    (atomic.atomic_path removes its temporary file). The handler raises it bare, with `by` saying what stopped
+    the job ('by SIGTERM', 'by the end of its launcher (torchrun, pid 812)'); the job raises it again with its
+    line: where it stopped, what it leaves."""
+
+    def __init__(self, *args: object, by: str = "by SIGTERM") -> None:
+        super().__init__(*args)
+        self.by = by
 
 
-_sigterm_kept = False
+AT_ONCE_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+"""What stops a job with nothing to save at once (stop_at_once); SIGINT stays Ctrl-C's KeyboardInterrupt."""
+
+_kept_signal: int | None = None
+_early_watch: LauncherWatch | None = None
 
 
-def _keep_sigterm(signum, frame) -> None:
-    global _sigterm_kept
-    _sigterm_kept = True
-
-
-def _raise_terminated(signum, frame) -> None:
-    raise Terminated()
+def _keep_signal(signum, frame) -> None:
+    global _kept_signal
+    _kept_signal = signum
 
 
 def catch_sigterm_early() -> None:
-    """The first line of a job with nothing to save (before its slow imports): a SIGTERM from now on is kept, not
-    fatal; terminate_on_sigterm raises it as the job starts."""
-    signal.signal(signal.SIGTERM, _keep_sigterm)
+    """The first line of a job with nothing to save (before its slow imports): a SIGTERM, SIGUSR1 or Ctrl-C from
+    now on is kept, not fatal (nor a traceback from the imports' depths); stop_at_once raises it as the job
+    starts. Its launchers are noted now, so that one that ends during the imports is noticed too."""
+    global _early_watch
+    for sig in AT_ONCE_SIGNALS:
+        signal.signal(sig, _keep_signal)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where ignored (`job &` in a script)
+        signal.signal(signal.SIGINT, _keep_signal)
+    _early_watch = LauncherWatch()
+
+
+class _AtOnce:
+    """stop_at_once's handlers, and the thread that tells the main thread its launcher has gone."""
+
+    def __init__(self, watch: LauncherWatch | None) -> None:
+        self.watch = watch
+        self.gone: str | None = None
+        self.lock = threading.Lock()
+        self.active = True
+        self.stopped = threading.Event()
+        self.thread: threading.Thread | None = None
+        if watch is not None and watch.launchers:
+            self.thread = threading.Thread(target=self._watch, name="launcher-watch", daemon=True)
+
+    def handle(self, signum, frame) -> None:
+        by = f"by the end of {self.gone}" if signum == signal.SIGTERM and self.gone else \
+            f"by {signal.Signals(signum).name}"
+        raise Terminated(by=by)
+
+    def _watch(self) -> None:
+        while not self.stopped.wait(CHECK_EVERY_S):
+            gone = self.watch.check()
+            if gone is None:
+                continue
+            with self.lock:  # not once the job left stop_at_once: its handler may be the default (death)
+                if self.active:
+                    self.gone = gone
+                    # A signal, not a flag: it wakes the main thread from a wait (sleep, a socket's read) too.
+                    signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
+            return
+
+    def close(self) -> None:
+        with self.lock:
+            self.active = False
+        self.stopped.set()
+
+
+@contextmanager
+def stop_at_once() -> Iterator[None]:
+    """What an evaluation, an export and generation run in: SIGTERM and SIGUSR1 raise Terminated in the main
+    thread (at once for one kept since catch_sigterm_early), and so does the end of a launcher of this process
+    (see the module's docstring); after, the handlers the process had are back. Ctrl-C is Python's
+    KeyboardInterrupt (one kept since catch_sigterm_early is raised at once)."""
+    global _early_watch, _kept_signal
+    watch = _early_watch or LauncherWatch()
+    _early_watch = None
+    if signal.getsignal(signal.SIGINT) is _keep_signal:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if _kept_signal == signal.SIGINT:
+        _kept_signal = None
+        raise KeyboardInterrupt
+    with _terminate_on(AT_ONCE_SIGNALS, watch):
+        yield
 
 
 @contextmanager
 def terminate_on_sigterm() -> Iterator[None]:
-    """Inside, SIGTERM raises Terminated in the main thread (at once for one kept since catch_sigterm_early);
-    after, the handler the process had is back. Elsewhere than in the main thread, nothing changes (Python
-    runs handlers only there)."""
-    global _sigterm_kept
+    """SIGTERM alone raises Terminated in the main thread (python -m data_prep, which no launcher starts)."""
+    with _terminate_on((signal.SIGTERM,), None):
+        yield
+
+
+@contextmanager
+def _terminate_on(signals: tuple[int, ...], watch: LauncherWatch | None) -> Iterator[None]:
+    """Elsewhere than in the main thread, nothing changes (Python runs handlers only there)."""
+    global _kept_signal
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    at_once = _AtOnce(watch)
+    previous = {sig: signal.signal(sig, at_once.handle) for sig in signals}
     try:
-        if _sigterm_kept:
-            _sigterm_kept = False
-            raise Terminated()
+        if _kept_signal in signals:
+            kept, _kept_signal = _kept_signal, None
+            at_once.handle(kept, None)
+        if at_once.thread is not None:
+            at_once.thread.start()
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        at_once.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def finish_despite_sigterm() -> None:
-    """The job's result is complete (an evaluation's numbers, an export's folders): a SIGTERM from now on is
-    ignored, until terminate_on_sigterm puts the process's handler back. Printing and writing the result take
-    milliseconds; stopping then would lose a finished job, or leave its file written under a line that says
-    nothing was."""
+    """The job's result is complete (an evaluation's numbers, an export's folders): a SIGTERM or SIGUSR1 from now
+    on, or the end of its launcher, is ignored, until stop_at_once puts the process's handlers back.
+    Printing and writing the result take milliseconds; stopping then would lose a finished job, or leave its
+    file written under a line that says nothing was."""
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for sig in AT_ONCE_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
 
 
 class StopRequest:
@@ -152,9 +232,7 @@ class StopRequest:
         global _early_signal
         self.signal: int | None = _early_signal
         _early_signal = None
-        self._launchers = launcher_ancestors()
-        self._gone: str | None = None
-        self._next_check = 0.0
+        self._launchers = LauncherWatch()
         self._previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._handle)
@@ -167,19 +245,40 @@ class StopRequest:
         """'SIGTERM', 'the launcher ... is gone', or None; cheap enough to ask every step."""
         if self.signal is not None:
             return signal.Signals(self.signal).name
-        now = time.monotonic()
-        if self._gone is None and self._launchers and now >= self._next_check:
-            self._next_check = now + CHECK_EVERY_S
-            for pid, start, name in self._launchers:
-                if _start_time(pid) != start:
-                    self._gone = f"its launcher ({name}, pid {pid}) is gone"
-                    break
-        return self._gone
+        gone = self._launchers.gone()
+        return None if gone is None else f"{gone} is gone"
 
     def restore(self) -> None:
         """Put the previous signal handlers back (the job is over)."""
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+class LauncherWatch:
+    """The launcher processes this one descends from (noted as it is made), and whether one of them has ended:
+    training's StopRequest asks at each step boundary, a job with nothing to save from a thread (_AtOnce)."""
+
+    def __init__(self) -> None:
+        self.launchers = launcher_ancestors()
+        self._gone: str | None = None
+        self._next_check = 0.0
+
+    def check(self) -> str | None:
+        """'its launcher (torchrun, pid 812)' once one of them has ended, else None (reads /proc)."""
+        if self._gone is None:
+            for pid, start, name in self.launchers:
+                if _start_time(pid) != start:
+                    self._gone = f"its launcher ({name}, pid {pid})"
+                    break
+        return self._gone
+
+    def gone(self) -> str | None:
+        """check(), at most every CHECK_EVERY_S: cheap enough to ask every step."""
+        now = time.monotonic()
+        if self._gone is None and self.launchers and now >= self._next_check:
+            self._next_check = now + CHECK_EVERY_S
+            return self.check()
+        return self._gone
 
 
 def launcher_ancestors(pid: int | None = None) -> list[tuple[int, str, str]]:
