@@ -29,11 +29,12 @@ def main(argv: list[str] | None = None) -> int:
         epilog=example, formatter_class=raw)
     replay_cmd.add_argument("run_dir", metavar="RUN_DIR", help="the run.dir of the training job, e.g. runs/tiny")
     replay_cmd.add_argument("--uri", help="tracking URI (default: the one the run was logged to, else "
-                                          "MLFLOW_TRACKING_URI), e.g. http://mlflow.example.com:5000")
+                                          "MLFLOW_TRACKING_URI; a run dir moved or copied with its own "
+                                          "RUN/mlflow.db: that one), e.g. http://mlflow.example.com:5000")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        report = replay(args.run_dir, args.uri)
+        report = replay(args.run_dir, args.uri, announce=_say)
     except Refused as e:
         print(f"error: {scrub_secrets(one_line(e, limit=2000))}", file=sys.stderr)
         return EXIT_REFUSED
@@ -42,6 +43,15 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FAILED
     print(report.summary())
     return 0
+
+
+def _say(line: str) -> None:
+    """Print a line before the sending, which a standard output that cannot be written must not stop (the
+    error would be taken for the run dir's)."""
+    try:
+        print(line, flush=True)
+    except OSError:
+        pass
 
 
 if __name__ == "__main__":

@@ -4,20 +4,27 @@ Replay: ``python -m txl_dist.tracking replay RUN_DIR [--uri URI]`` sends what is
 run, and to the runs the run dir's continuations left (tracking/superseded/, continuation.py), and records
 it, so a second replay sends nothing (the next training job in the run dir sends its own run's gaps too).
 The URI is --uri, else the recorded one, else MLFLOW_TRACKING_URI (a recorded URI whose secret was redacted
-needs one of them). It refuses (exit 2) while a job
-holds the lock.
+needs one of them). A run dir moved or copied with its default local store (RUN/mlflow.db) sends to that
+store, not to the recorded one at the old path, and points its artifact locations at RUN/mlartifacts, as a
+job there does (store.py's _relocate_local_artifacts); an explicit tracking.uri stays. It refuses (exit 2)
+while a job holds the lock.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from .continuation import superseded_folders
 from .errors import ReplayError, TrackingError
 from .journal import TrackingFolder, _Batch, _DeliveryLog, _summarize
+from .mlflow_run import LOCAL_DB
 from .secrets import _one_line, _quiet_store_tracebacks, _remember_secrets, _scrub_library_logs, shown_uri
-from .store import _check_reopenable, _chunks, _deliver_item, _quick_http_failures, _send_metrics, _undelivered
+from .store import (LOCAL_ARTIFACTS, _check_reopenable, _chunks, _deliver_item, _quick_http_failures,
+                    _relocate_local_artifacts, _send_metrics, _undelivered)
+from ..run_dir import RESOLVED_CONFIG
 from ..write_faults import is_write_fault, write_fault_line
 
 
@@ -37,10 +44,25 @@ class ReplayReport:
                 f"params/artifact/status items to run {self.run_id} at {self.uri}")
 
 
-def replay(run_dir: str | os.PathLike, uri: str | None = None) -> ReplayReport:
+@dataclasses.dataclass
+class _Store:
+    """The store replay sends to, and why."""
+
+    uri: str
+    why: str
+    """How it was chosen, for the line that names it."""
+    moved_from: Path | None = None
+    """The database the run dir's own store was recorded at (the run dir was moved or copied): its artifact
+    locations are pointed at RUN/mlartifacts before anything is sent."""
+
+
+def replay(run_dir: str | os.PathLike, uri: str | None = None,
+           announce: Callable[[str], None] | None = None) -> ReplayReport:
     """Send to the recorded run what its journal and outbox say the store lacks, and record it as sent.
 
     uri: --uri, else the recorded one, else MLFLOW_TRACKING_URI (a recorded one whose secret was redacted needs one).
+    A run dir moved or copied with its default local store sends to RUN/mlflow.db (_choose_store).
+    announce: called with one line naming the store and why, before anything is sent.
     TrackingError for a refusal (nothing recorded, a redacted URI, a job holding the run dir, an unknown
     run); ReplayError when the store fails midway (what was sent stays recorded; run it again).
     """
@@ -49,13 +71,13 @@ def replay(run_dir: str | os.PathLike, uri: str | None = None) -> ReplayReport:
     if run_id is None:
         raise TrackingError(f"replay: {folder.run_id_file} not found; this run dir has no MLflow run (tracking "
                             "was off, or it is not a run dir)")
-    uri = _replay_uri(folder, uri)
-    if _remember_secrets(uri):
+    store = _choose_store(Path(run_dir), folder, run_id, uri)
+    if _remember_secrets(store.uri):
         _scrub_library_logs()
     _quiet_store_tracebacks()
-    report = ReplayReport(run_id, shown_uri(uri))
+    report = ReplayReport(run_id, shown_uri(store.uri))
     try:
-        _replay_locked(folder, run_id, uri, report)
+        _replay_locked(folder, run_id, store, report, announce)
     except OSError as e:
         # The run dir's disk is full or read-only: the lock, delivered.jsonl or the outbox cannot be written. One
         # line, a fault (exit 1), as for a store that fails, instead of a traceback.
@@ -68,14 +90,26 @@ def replay(run_dir: str | os.PathLike, uri: str | None = None) -> ReplayReport:
     return report
 
 
-def _replay_locked(folder: TrackingFolder, run_id: str, uri: str, report: ReplayReport) -> None:
+def _replay_locked(folder: TrackingFolder, run_id: str, store: _Store, report: ReplayReport,
+                   announce: Callable[[str], None] | None) -> None:
     """replay's sending, under the run dir's tracking lock."""
     from mlflow import MlflowClient
 
     folder.lock("replay")
     try:
-        client = MlflowClient(tracking_uri=uri)
+        why = store.why
+        if store.moved_from is not None:
+            why += _follow_moved_store(store)
+        if announce is not None:
+            announce(f"replay: sending to run {run_id} at {report.uri} ({why})")
+        try:
+            client = MlflowClient(tracking_uri=store.uri)
+        except Exception as e:  # noqa: BLE001 - a file that is no sqlite database, a URI MLflow has no store for
+            raise TrackingError(f"replay: MLflow cannot use {report.uri} ({_one_line(e)}); pass the --uri of the "
+                                "store that holds the run") from None
         _check_replay_target(client, folder, run_id, report.uri)
+        if store.moved_from is not None:
+            folder.record(run_id, store.uri)  # the next job or replay finds the store where the run dir is
         for each in [folder, *superseded_folders(folder)]:
             each.repair()
             if each is not folder:
@@ -87,6 +121,18 @@ def _replay_locked(folder: TrackingFolder, run_id: str, uri: str, report: Replay
             _replay_outbox(client, each, report, each.recorded_run_id())
     finally:
         folder.unlock()
+
+
+def _follow_moved_store(store: _Store) -> str:
+    """Point the moved store's artifact locations at the run dir's own mlartifacts/ (before any client caches
+    them); what was done, worded to end the announced line."""
+    database = Path(store.uri[len("sqlite:///"):]).resolve()
+    location = (database.parent / LOCAL_ARTIFACTS).as_uri()
+    try:
+        moved = _relocate_local_artifacts(database, store.moved_from, location)
+    except Exception as e:  # noqa: BLE001 - sqlite3's errors, an older schema: uploads go where they went
+        return f"; its artifact locations still name {store.moved_from.parent}: {_one_line(e)}"
+    return f"; {moved} artifact location(s) now point at {database.parent / LOCAL_ARTIFACTS}" if moved else ""
 
 
 def _check_replay_target(client, folder: TrackingFolder, run_id: str, shown: str) -> None:
@@ -103,29 +149,82 @@ def _check_replay_target(client, folder: TrackingFolder, run_id: str, shown: str
                                 "right --uri") from None
 
 
-def _replay_uri(folder: TrackingFolder, uri: str | None) -> str:
+def _choose_store(run_dir: Path, folder: TrackingFolder, run_id: str, uri: str | None) -> _Store:
     """--uri, else the URI the run was logged to (recorded; the job's tracking.uri may differ from the
     environment's MLFLOW_TRACKING_URI), else MLFLOW_TRACKING_URI where the recorded one is missing or hides
-    its secret. A sqlite file that does not exist is refused: opening it would create an empty store."""
+    its secret. A sqlite file that does not exist is refused: opening it would create an empty store.
+
+    The run dir moved or copied with its default local store: the recorded URI names the database at the old
+    path (the original's store, or none after a move), as a job's would if it took it; the job takes
+    RUN/mlflow.db, and so does replay. That is the case when the recorded URI is an absolute sqlite:///P/mlflow.db
+    with P not this run dir, RUN/config.resolved.json names no tracking.uri (a store the user chose stays chosen;
+    without the file, the store in the run dir decides), and RUN/mlflow.db exists, or P holds the same run (a
+    copy made without its store: refused, as a job there would be, rather than sent to P's)."""
     recorded = folder.recorded_uri()
     env = os.environ.get("MLFLOW_TRACKING_URI")
+    own = run_dir.resolve() / LOCAL_DB
+    moved_from = _moved_from(recorded, own)
     if uri:
-        chosen = uri
+        chosen = _Store(uri, "--uri")
+        if moved_from is not None and (database := _database(uri)) is not None and database.resolve() == own:
+            chosen.moved_from = moved_from
+    elif moved_from is not None and not _chose_a_uri(run_dir) and (own.is_file() or _copied_from(moved_from, run_id)):
+        if not own.is_file():
+            raise TrackingError(f"replay: {own} does not exist: the run dir was copied from {moved_from.parent} "
+                                f"without its store; copy {moved_from} here, or replay there")
+        chosen = _Store(f"sqlite:///{own}", f"the run dir's own store; {folder.uri_file} names {moved_from}, "
+                                            "from before the run dir was moved or copied", moved_from)
     elif recorded is not None and "***" not in recorded:
-        chosen = recorded
+        chosen = _Store(recorded, f"the store the run was logged to, {folder.uri_file}")
     elif env:
-        chosen = env
+        chosen = _Store(env, "MLFLOW_TRACKING_URI; " + (f"{folder.uri_file} not found" if recorded is None else
+                                                        f"{folder.uri_file} hides its password or token"))
     elif recorded is None:
         raise TrackingError(f"replay: {folder.uri_file} not found; pass the tracking URI with --uri")
     else:
         raise TrackingError(f"replay: the recorded tracking URI {recorded} hides its password or token; pass the "
                             "full URI with --uri (or MLFLOW_TRACKING_URI)")
-    if chosen.startswith("sqlite:///") and not chosen.endswith(":memory:"):
-        database = Path(chosen[len("sqlite:///"):])
-        if not database.is_file():
-            raise TrackingError(f"replay: {database} does not exist (tracking URI {shown_uri(chosen)}); pass the "
-                                "--uri of the store that holds the run")
+    database = _database(chosen.uri)
+    if database is not None and not database.is_file():
+        raise TrackingError(f"replay: {database} does not exist (tracking URI {shown_uri(chosen.uri)}); pass the "
+                            "--uri of the store that holds the run")
     return chosen
+
+
+def _database(uri: str) -> Path | None:
+    """The file of a sqlite URI, else None."""
+    if uri.startswith("sqlite:///") and not uri.endswith(":memory:"):
+        return Path(uri[len("sqlite:///"):])
+    return None
+
+
+def _moved_from(recorded: str | None, own: Path) -> Path | None:
+    """The recorded database, where it is an absolute sqlite path to a default store (LOCAL_DB) other than
+    this run dir's own `own`; else None."""
+    if recorded is None or not recorded.startswith("sqlite:///"):
+        return None
+    old = Path(recorded[len("sqlite:///"):])
+    if not old.is_absolute() or old.name != LOCAL_DB or old == own or old.resolve() == own:
+        return None
+    return old
+
+
+def _copied_from(old: Path, run_id: str) -> bool:
+    """Whether the run dir of the recorded database `old` still holds the run: this one is a copy of it."""
+    try:
+        return TrackingFolder(old.parent).recorded_run_id() == run_id
+    except TrackingError:
+        return False
+
+
+def _chose_a_uri(run_dir: Path) -> bool:
+    """Whether the last job's resolved config (RUN/config.resolved.json) names a tracking.uri; False where
+    the file is missing or unreadable."""
+    try:
+        resolved = json.loads((run_dir / RESOLVED_CONFIG).read_text(encoding="utf-8"))
+        return bool(resolved["tracking"]["uri"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 def _replay_metrics(client, folder: TrackingFolder, report: ReplayReport, run_id: str) -> None:
