@@ -130,6 +130,22 @@ def launcher_env() -> dict[str, str]:
             | {"DS_ACCELERATOR": accelerator(), "PYTHONUNBUFFERED": "1"})
 
 
+def launch_ranks(entry: str, args: list[str], faults=(), world: int = 2) -> list[Launch]:
+    """`world` plain processes of launch/<entry>.py, each told its rank as srun would; through tests/fault_job.py
+    with the faults (KIND:RANK:STEP) given."""
+    port = str(free_port())
+    procs = []
+    for rank in range(world):
+        env = launcher_env() | {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                                "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+                                "OMP_NUM_THREADS": "1"}
+        # The entry point itself where there is no fault to inject.
+        script = ["tests/fault_job.py", "--entry", entry, *[a for f in faults for a in ("--fault", f)], "--"] \
+            if faults else [f"launch/{entry}.py"]
+        procs.append(Launch([sys.executable, *script, *args], env))
+    return procs
+
+
 class Launch:
     """A launcher command in its own process group; its output collected line by line."""
 

@@ -16,7 +16,8 @@ import psutil
 import pytest
 import torch
 
-from dist_helpers import Launch, REPO, free_port, launcher_env, learnable_corpus, tiny_config, venv_bin
+from dist_helpers import (Launch, REPO, free_port, launch_ranks as _launch, launcher_env, learnable_corpus,
+                          tiny_config, venv_bin)
 from txl_dist.checkpoint import inventory, read_latest
 
 VOCAB = 64
@@ -46,20 +47,6 @@ def _config(corpus, run_dir, **sections) -> str:
 def _start(config: str, *faults: str, resume: str = "auto", world: int = 2, extra=()) -> list[Launch]:
     """`world` plain processes of launch/train.py (through tests/fault_job.py), each told its rank as srun would."""
     return _launch("train", ["--config", config, "--resume", resume, *extra], faults, world)
-
-
-def _launch(entry: str, args: list[str], faults, world: int) -> list[Launch]:
-    port = str(free_port())
-    procs = []
-    for rank in range(world):
-        env = launcher_env() | {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                                "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-                                "OMP_NUM_THREADS": "1"}
-        # The entry point itself where there is no fault to inject.
-        script = ["tests/fault_job.py", "--entry", entry, *[a for f in faults for a in ("--fault", f)], "--"] \
-            if faults else [f"launch/{entry}.py"]
-        procs.append(Launch([sys.executable, *script, *args], env))
-    return procs
 
 
 def _finish(procs: list[Launch], timeout: float = 300) -> list[int]:

@@ -211,12 +211,7 @@ def test_the_rendezvous_port_is_below_the_ephemeral_ports_and_the_same_as_the_ra
 def test_a_count_in_the_environment_that_is_no_whole_number_is_refused_before_srun(tmp_path, script, variable, value):
     """TXL_MAX_RESTARTS=two was only read after the training step (a bash error, and the job requeued regardless
     of the cap); srun refuses a --wait=TXL_END_WAIT_S that is no whole number, which failed the job as a fault."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "scontrol").write_text("#!/bin/sh\n[ \"$2\" = hostnames ] && printf 'n1\\nn2\\n'\nexit 0\n")
-    (bin_dir / "srun").write_text(f"#!/bin/sh\ntouch {tmp_path / 'srun-ran'}\nexit 0\n")
-    for tool in bin_dir.iterdir():
-        tool.chmod(0o755)
+    bin_dir = _fake_slurm_tools(tmp_path, ["n1", "n2"], f"touch {tmp_path / 'srun-ran'}\nexit 0")
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "123", "SLURM_JOB_NODELIST": "n[1-2]",
            "SLURM_JOB_NUM_NODES": "2", "SLURM_SUBMIT_DIR": str(REPO), "DS_ACCELERATOR": "cpu", variable: value}
     args = {"train.sbatch": ["--config", "configs/tiny.json", "--set", f"run.dir={tmp_path / 'run'}"],
@@ -257,15 +252,22 @@ def test_a_job_with_gpus_and_a_cpu_build_of_torch_is_refused_before_srun(tmp_pat
 def test_eval_sbatch_says_what_a_signal_status_of_its_step_means(tmp_path, status, said):
     """143 is launch/eval.py's own status for SIGTERM and SIGUSR1, after each rank said where it stopped: eval.sbatch
     said `a rank was ended by signal 15 (TERM)`, as if the ranks had died without a word."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "scontrol").write_text("#!/bin/sh\n[ \"$2\" = hostnames ] && printf 'n1\\n'\nexit 0\n")
-    (bin_dir / "srun").write_text(f"#!/bin/sh\nexit {status}\n")
-    for tool in bin_dir.iterdir():
-        tool.chmod(0o755)
+    bin_dir = _fake_slurm_tools(tmp_path, ["n1"], f"exit {status}")
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "123", "SLURM_JOB_NODELIST": "n1",
            "SLURM_JOB_NUM_NODES": "1", "SLURM_SUBMIT_DIR": str(REPO), "DS_ACCELERATOR": "cpu"}
     done = subprocess.run(["bash", str(REPO / "launch" / "slurm" / "eval.sbatch"), "--checkpoint",
                            str(tmp_path / "run")], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == status, (done.stdout, done.stderr)
     assert done.stdout.splitlines()[-1] == f"txl-slurm: {said}", (done.stdout, done.stderr)
+
+
+def _fake_slurm_tools(tmp_path, nodes: list[str], srun_body: str):
+    """tmp_path/bin with an scontrol that expands the node list to `nodes` and an srun running srun_body."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    hostnames = "\\n".join(nodes)
+    (bin_dir / "scontrol").write_text(f"#!/bin/sh\n[ \"$2\" = hostnames ] && printf '{hostnames}\\n'\nexit 0\n")
+    (bin_dir / "srun").write_text(f"#!/bin/sh\n{srun_body}\n")
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    return bin_dir

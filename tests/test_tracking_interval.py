@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 
 import pytest
 
-from dist_helpers import Launch, free_port, launcher_env, learnable_corpus, tiny_config
+from dist_helpers import Launch, launch_ranks, learnable_corpus, tiny_config
 from txl_dist.tracking.thinning import MetricsWindow, how_summarized
 
 VOCAB = 64
@@ -38,16 +37,7 @@ def _config(corpus, run_dir, interval: int, **sections) -> str:
 
 
 def _train(config: str, *faults: str, resume: str = "auto", world: int = 2) -> list[Launch]:
-    port = str(free_port())
-    procs = []
-    for rank in range(world):
-        env = launcher_env() | {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                                "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-                                "OMP_NUM_THREADS": "1"}
-        script = ["tests/fault_job.py", *[a for f in faults for a in ("--fault", f)], "--"] if faults else \
-            ["launch/train.py"]
-        procs.append(Launch([sys.executable, *script, "--config", config, "--resume", resume], env))
-    return procs
+    return launch_ranks("train", ["--config", config, "--resume", resume], faults, world)
 
 
 def _codes(procs: list[Launch]) -> list[int]:

@@ -21,14 +21,9 @@ def _eval_main(argv):
 
 
 def test_a_damaged_universal_copy_is_converted_again_before_two_ranks_read_it(tmp_path):
-    corpus = write_corpus(tmp_path / "corpus", {"train": learnable_stream(4 * 49, VOCAB, 0),
-                                                "valid": learnable_stream(80, VOCAB, 1),
-                                                "test": learnable_stream(80, VOCAB, 2)}, vocab_size=VOCAB)
-    raw = tiny_config(corpus, tmp_path / "run", train={"max_steps": 2}, eval={"at_end": False},
-                      deepspeed={"zero_optimization": {"stage": 1}})
-    run_ranks(train_jobs, 1, [(raw, "none")])  # saved by 1 rank: 2 ranks read its universal copy
-    ckpt = tmp_path / "run" / "checkpoints"
-    tag, copy = ckpt / "step_00000002", ckpt / "step_00000002_universal"
+    tag = _zero1_tag(tmp_path, steps=2)  # saved by 1 rank: 2 ranks read its universal copy
+    ckpt = tag.parent
+    copy = ckpt / "step_00000002_universal"
 
     def evaluate(name):
         out = tmp_path / f"{name}.json"
@@ -119,7 +114,7 @@ def test_a_tied_aliass_weights_in_a_universal_copy_are_its_own_not_the_whole_mod
 
     import torch
 
-    tag = _one_step_zero1_tag(tmp_path)
+    tag = _zero1_tag(tmp_path)
     copy = tag.parent / (tag.name + checkpoint.UNIVERSAL_SUFFIX)
     with caplog.at_level(logging.INFO, logger="txl_dist"):
         assert checkpoint.convert_to_universal(tag, copy, zero_stage=1)
@@ -136,15 +131,15 @@ def test_a_tied_aliass_weights_in_a_universal_copy_are_its_own_not_the_whole_mod
         assert path.stat().st_size < weights.nbytes + 4096, f"{path}: {path.stat().st_size} bytes for {weights.nbytes}"
 
 
-def _one_step_zero1_tag(root):
-    """The tag of one fp32 ZeRO-1 step of the tiny model on 1 rank (a load on another world size converts it)."""
+def _zero1_tag(root, steps: int = 1):
+    """The tag of `steps` fp32 ZeRO-1 steps of the tiny model on 1 rank (a load on another world size converts it)."""
     corpus = write_corpus(root / "corpus", {"train": learnable_stream(4 * 49, VOCAB, 0),
                                             "valid": learnable_stream(80, VOCAB, 1),
                                             "test": learnable_stream(80, VOCAB, 2)}, vocab_size=VOCAB)
-    raw = tiny_config(corpus, root / "run", train={"max_steps": 1}, eval={"at_end": False},
+    raw = tiny_config(corpus, root / "run", train={"max_steps": steps}, eval={"at_end": False},
                       deepspeed={"zero_optimization": {"stage": 1}})
     run_ranks(train_jobs, 1, [(raw, "none")])
-    return root / "run" / "checkpoints" / "step_00000001"
+    return root / "run" / "checkpoints" / f"step_{steps:08d}"
 
 
 def test_a_converter_killed_by_a_signal_is_said_so_not_by_its_last_line(tmp_path):
@@ -156,7 +151,7 @@ def test_a_converter_killed_by_a_signal_is_said_so_not_by_its_last_line(tmp_path
     import psutil
     import pytest
 
-    tag = _one_step_zero1_tag(tmp_path)
+    tag = _zero1_tag(tmp_path)
     copy = tag.parent / (tag.name + checkpoint.UNIVERSAL_SUFFIX)
 
     def kill_the_converter():  # as soon as it runs: it is still importing torch, seconds from its end
@@ -266,7 +261,7 @@ def test_a_killed_ranks_converter_and_its_workers_end_with_it_and_the_next_start
 
     if not sys.platform.startswith("linux"):
         pytest.skip("the parent-death signal is Linux's; elsewhere the converter runs to its end (documented)")
-    tag = _one_step_zero1_tag(tmp_path)
+    tag = _zero1_tag(tmp_path)
     copy = tag.parent / (tag.name + checkpoint.UNIVERSAL_SUFFIX)
     record = copy / checkpoint.STATE_DIR / checkpoint.UNIVERSAL_RECORD
     assert checkpoint.convert_to_universal(tag, copy, zero_stage=1)
@@ -310,7 +305,7 @@ def test_a_converter_killed_amid_its_workers_fails_the_conversion_and_takes_them
 
     if not sys.platform.startswith("linux"):
         pytest.skip("the parent-death signal is Linux's")
-    tag = _one_step_zero1_tag(tmp_path)
+    tag = _zero1_tag(tmp_path)
     copy = tag.parent / (tag.name + checkpoint.UNIVERSAL_SUFFIX)
     rank = _converting_rank(tag, copy)
     frozen = []
