@@ -354,6 +354,13 @@ class RunConfig:
                          fix=f"use a multiple of {world_size} (or a world size that divides {n})")
         return n
 
+    def kept_eval_streams(self, recorded: int) -> int:
+        """The evaluation streams this configuration asks of a run that has evaluated `recorded` so far: the count
+        eval.n_streams names, else (null) the recorded one. A resume's changed-settings check compares it with
+        the record, so null and the recorded count named are one setting (eval_streams gives it on any world
+        size that splits it)."""
+        return recorded if self.eval.n_streams is None else self.eval.n_streams
+
     def checkpoint_dir(self) -> Path:
         """<run.dir>/checkpoints: the tags and `latest`."""
         return self.run.checkpoint_dir()

@@ -303,10 +303,22 @@ def check_checkpoint_fits(cfg: RunConfig, manifest: Manifest, run_info: dict[str
     if problems:
         raise CheckpointError(f"cannot {purpose} from {tag_dir}: {problems[0]}")
     if purpose == "resume":
-        changed = changed_settings(run_info["config"], cfg.to_dict())
+        changed = changed_settings(*_eval_streams_resolved(cfg, run_info))
         if changed:
             log.warning("resuming %s with changed settings: %s", tag_dir, ", ".join(changed),
                         extra=distributed.RANK_ZERO_ONLY)
+
+
+def _eval_streams_resolved(cfg: RunConfig, run_info: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The checkpoint's configuration and this one, eval.n_streams in each replaced by the count it stands for:
+    the checkpoint's recorded count, and what this one keeps of it (RunConfig.kept_eval_streams). On a resume
+    null means the recorded count, so null and that count named evaluate the same streams and are not a change;
+    a world size that cannot split it has its own warning (_keep_eval_streams)."""
+    recorded = checkpoint.recorded_eval_streams(run_info)
+    saved, now = copy.deepcopy(run_info["config"]), cfg.to_dict()
+    saved.setdefault("eval", {})["n_streams"] = recorded
+    now["eval"]["n_streams"] = cfg.kept_eval_streams(recorded)
+    return saved, now
 
 
 STREAM_POSITION_KEYS = (("model", "tgt_len"), ("data", "train_split"), ("data", "roll"))

@@ -269,7 +269,19 @@ class Trainer:
 
     def _log_final_eval(self, result: dict[str, float]) -> None:
         """final_eval.json, once the weights it names are saved."""
-        self.tracker.log_dict(self.final_eval_record(self.cfg.data.test_split, result), "final_eval.json")
+        record = self.final_eval_record(self.cfg.data.test_split, result)
+        self.tracker.log_dict(record, "final_eval.json")
+        # A job that saved nothing (it ran the test its checkpoint owed) names the resumed tag, whose run.json keeps
+        # the count of the job that saved it: after a switch (startup._keep_eval_streams) not this one's.
+        resumed = self.start.resume
+        if self.last_checkpoint is None and resumed is not None:
+            recorded = checkpoint.recorded_eval_streams(resumed.run_info)
+            if recorded != record["eval_streams"]:
+                log.warning("final_eval.json: step %d was evaluated over %d streams, its checkpoint %s records %d "
+                            "(what launch/eval.py evaluates by default); reproduce it with launch/eval.py "
+                            "--checkpoint %s --set eval.n_streams=%d", self.step, record["eval_streams"],
+                            resumed.tag_dir.name, recorded, record["checkpoint"], record["eval_streams"],
+                            extra=distributed.RANK_ZERO_ONLY)
 
     def _run_owed_evaluations(self) -> None:
         """The evaluations of the checkpoint's step that a stop request saved before (all ranks, before any new
