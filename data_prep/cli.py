@@ -16,7 +16,7 @@ from data_prep.errors import PrepError, access_fault_line
 from txl_dist.cli_args import ArgumentParser
 from txl_dist.errors import EXIT_FAILED, EXIT_REFUSED, EXIT_TERMINATED, Refused
 from txl_dist.host import raise_open_file_limit, usable_cpus
-from txl_dist.stop_request import Terminated, terminate_on_sigterm
+from txl_dist.stop_request import Terminated, stop_at_once
 from txl_dist.write_faults import write_fault_line  # the one line of a failed write, shared
 
 if TYPE_CHECKING:  # for an annotation only: each command imports what it uses when it runs
@@ -247,8 +247,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     A fault while writing the output (a full disk, a quota, an I/O error, a read-only file system) prints one
     `error:` line naming the file and returns 1, as a fault does; so does a file met during the work that this
     user may not read or write (errors.ACCESS_FAULTS), except in `verify` and `inspect`, which only read:
-    there a corpus that cannot be read is refused (2). Any other OSError keeps its traceback (a bug). Ctrl-C and SIGTERM return 130 / 143. Each removes what the job
-    had started to write."""
+    there a corpus that cannot be read is refused (2). Any other OSError keeps its traceback (a bug). Ctrl-C
+    returns 130; SIGTERM and SIGUSR1 (Slurm's warning before a time limit: no use to a job that cannot keep
+    partial work) return 143, as they do for the other jobs with nothing to save (stop_request.stop_at_once).
+    Each removes what the job had started to write."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     command = ["python", "-m", "data_prep", *argv]
@@ -258,8 +260,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if k not in ("quiet", "verbose") and not (reused and k in _TRAINING and k not in training)}
     raise_open_file_limit()  # readers keep a descriptor per Arrow file touched: mixtures touch many
     try:
-        # SIGTERM unwinds as Ctrl-C does: the temporary output and scratch folders are removed on the way out.
-        with terminate_on_sigterm():
+        # SIGTERM and SIGUSR1 unwind as Ctrl-C does: the temporary output and scratch folders are removed on
+        # the way out.
+        with stop_at_once():
+            if getattr(args, "num_proc", 1) > 1:
+                _start_resource_tracker()
             return _run(args, command, recorded, training)
     except Refused as e:  # PrepError and CorpusError
         print(f"error: {e}", file=sys.stderr)
@@ -276,12 +281,28 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"error: {line}", file=sys.stderr)
         return EXIT_FAILED if args.command in _WRITES_TO else EXIT_REFUSED
-    except Terminated:
-        print("error: terminated (SIGTERM); nothing was written", file=sys.stderr)
+    except Terminated as e:  # e.by: 'by SIGUSR1'
+        print(f"error: terminated ({e.by.removeprefix('by ')}); nothing was written", file=sys.stderr)
         return EXIT_TERMINATED
     except KeyboardInterrupt:
         print("error: interrupted; nothing was written", file=sys.stderr)
         return 130
+
+
+def _start_resource_tracker() -> None:
+    """Start multiprocessing's resource tracker (the tokenizer pool's semaphores need one) with SIGUSR1 blocked.
+    It ignores SIGINT and SIGTERM, which the job answers, but died of SIGUSR1, which Slurm sends to every process
+    of the step (`scancel --signal=USR1`, `--signal=USR1@...`): the job started another, which printed a KeyError
+    traceback per semaphore and "Some resources might leak" under the job's one line. A blocked signal stays
+    blocked across the tracker's exec (Python never unblocks it); here it is blocked for the start only, and a
+    SIGUSR1 to the job meanwhile waits for the unblocking (then stop_at_once's handler raises it)."""
+    from multiprocessing import resource_tracker
+
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 def _write_fault(args: argparse.Namespace, error: OSError) -> str | None:

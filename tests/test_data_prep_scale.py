@@ -58,6 +58,36 @@ def _sentences(n: int = 500) -> list[str]:
     return [line for line in tricky_text(3000, seed=3).splitlines() if line.strip()][:n]
 
 
+def test_sigusr1_to_the_whole_job_is_its_one_line_only(model, tmp_path):
+    """Slurm sends `scancel --signal=USR1` (and `--signal=USR1@...`) to every process of the step. The job
+    stops with its one line and 143, but multiprocessing's resource tracker (which ignores only SIGINT and
+    SIGTERM) died of it too: the job started another, which printed a KeyError traceback per semaphore and
+    "Some resources might leak" below that line. The signal comes here once the tokenizer pool exists."""
+    import subprocess
+    import sys
+
+    raw = tmp_path / "a.txt"
+    raw.write_text(tricky_text(3000, seed=4).replace("\r", ""), encoding="utf-8")
+    out = tmp_path / "corpus"
+    job = ("import os, signal, sys\n"
+           "import data_prep.encode as encode\n"
+           "from data_prep.cli import main\n"
+           "enter = encode.Encoder.__enter__\n"
+           "def enter_then_signal(self):\n"
+           "    entered = enter(self)\n"
+           "    os.killpg(os.getpgid(0), signal.SIGUSR1)  # the whole job: its pool's processes too\n"
+           "    return entered\n"
+           "encode.Encoder.__enter__ = enter_then_signal\n"
+           "sys.exit(main(sys.argv[1:]))\n")
+    done = subprocess.run([sys.executable, "-c", job, "prepare", "--out", str(out), "--train", str(raw),
+                           "--tokenizer-model", str(model), "--num-proc", "2", "--quiet"],
+                          cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=300,
+                          start_new_session=True, env=os.environ | {"USE_TORCH": "0"})
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr
+    assert done.stderr.splitlines() == ["error: terminated (SIGUSR1); nothing was written"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt"]
+
+
 def test_an_interrupt_while_sentencepiece_trains_stops_the_job_at_once(monkeypatch, tmp_path, ctrl_c_raises):
     """Trained in the main thread, a Ctrl-C or SIGTERM waited until the training returned (minutes for a
     million sentences; Slurm's SIGKILL comes 30 s after its SIGTERM). The job now stops while it trains."""

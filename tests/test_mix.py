@@ -454,26 +454,29 @@ def test_a_write_that_fails_in_the_writer_thread_ends_the_mix_and_leaves_nothing
     assert read_manifest(out).digest() == read_manifest(mixture).digest()
 
 
-def test_sigterm_mid_mix_leaves_no_output_and_no_scratch(corpora, tmp_path, monkeypatch, capsys):
-    # Slurm's time limit sends SIGTERM: the job must unwind as on Ctrl-C, removing its temporary output and
-    # the scan's scratch folder, and say so in one line.
+@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGUSR1"])
+def test_sigterm_mid_mix_leaves_no_output_and_no_scratch(corpora, tmp_path, monkeypatch, capsys, signal_name):
+    # Slurm's time limit sends SIGTERM, `--signal=USR1@lead` or `scancel --signal=USR1` SIGUSR1 (which killed
+    # the job with status 138, leaving its folders): the job must unwind as on Ctrl-C, removing its temporary
+    # output and the scan's scratch folder, and say so in one line, exit status 143 for both.
     import signal
 
     import data_prep.mix
 
     real = data_prep.mix._write_held_out
+    signum = signal.Signals[signal_name]
 
     def terminated_while_copying_held_out(*args, **kwargs):
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signum)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(data_prep.mix, "_write_held_out", terminated_while_copying_held_out)
-    before = signal.getsignal(signal.SIGTERM)
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     out = tmp_path / "m"
     assert run(*mix_args(corpora, out)) == 128 + signal.SIGTERM
-    assert capsys.readouterr().err.strip().splitlines() == ["error: terminated (SIGTERM); nothing was written"]
+    assert capsys.readouterr().err.strip().splitlines() == [f"error: terminated ({signal_name}); nothing was written"]
     assert list(tmp_path.iterdir()) == []  # neither the output, nor .m.tmp-*, nor .m.scan-*
-    assert signal.getsignal(signal.SIGTERM) == before
+    assert {sig: signal.getsignal(sig) for sig in before} == before
 
 
 def test_index_mixture_of_real_corpora_reads_verifies_and_inspects(mixture, corpora, tmp_path, capsys):

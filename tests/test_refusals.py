@@ -926,6 +926,18 @@ def _(s):
                                "system_metrics": False}))
 
 
+@case("tracking.empty-store")
+def _(s):
+    from txl_dist.tracking.journal import TrackingFolder
+
+    database = s.run_dir / "mlflow.db"  # a copy of the run folder cut short: its store of 0 bytes
+    folder = TrackingFolder(s.run_dir)
+    folder.dir.mkdir(parents=True)
+    folder.record("0123456789abcdef0123456789abcdef", f"sqlite:///{database}")
+    database.write_bytes(b"")
+    s.train(s.config(tracking={"enabled": True, "system_metrics": False}))
+
+
 # ----------------------------------------------------------------------------------------------------
 # The tests
 

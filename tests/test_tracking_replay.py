@@ -13,6 +13,7 @@ import pytest
 
 from txl_dist.config import TrackingConfig
 from txl_dist.tracking import create_tracker, mlflow_run
+from txl_dist.tracking.errors import TrackingError
 from txl_dist.tracking.journal import TrackingFolder
 
 REPO = Path(__file__).resolve().parents[1]
@@ -195,3 +196,59 @@ def test_replay_on_a_store_that_is_no_database_is_one_line_exit_2(tmp_path):
     assert out.stderr.splitlines() == [
         f"error: replay: MLflow cannot use sqlite:///{database} (DatabaseError: (sqlite3.DatabaseError) file is not a "
         "database); pass the --uri of the store that holds the run"]
+
+
+def test_replay_with_stdout_on_a_full_disk_is_one_line_exit_1_without_importing_torch(tmp_path, monkeypatch):
+    """`replay RUN > log` on a full disk ended in an OSError traceback at its summary. It is the one line of the
+    other entry points now (write_faults.print_result), and replay still does not import torch (~1.6 s)."""
+    run_dir = tmp_path / "run"
+    run_the_store_partly_missed(run_dir, monkeypatch)
+    probe = ("import runpy, sys\n"
+             f"sys.argv = ['txl_dist.tracking', 'replay', {str(run_dir)!r}]\n"
+             "try:\n"
+             "    runpy.run_module('txl_dist.tracking', run_name='__main__')\n"
+             "finally:\n"
+             "    print('torch imported:', 'torch' in sys.modules, file=sys.stderr)\n")
+    with open("/dev/full", "w") as full:
+        out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, stdout=full, stderr=subprocess.PIPE,
+                             text=True, timeout=300)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.splitlines() == [
+        "error: the standard output cannot be written ([Errno 28] No space left on device): the file it is "
+        "redirected to is on a full or read-only file system; free space there, or redirect it elsewhere, and run "
+        "again", "torch imported: False"]
+    # The values were sent before the summary failed: they are in the store, and recorded as sent.
+    out = replay_cli(run_dir)
+    assert out.returncode == 0 and "sent 0 metric values" in out.stdout, out.stdout + out.stderr
+
+
+def test_a_0_byte_store_is_refused_in_one_line_by_replay_and_training_and_left_as_it_is(tmp_path, monkeypatch):
+    """RUN/mlflow.db of 0 bytes (a copy cut short, a disk that filled): replay and a training job's tracker let
+    MLflow make it an empty store (~1 MB of tables) before refusing "the run is not in" it. Both refuse in one
+    line naming the file now, and leave it empty; the same replay sends the missing steps once it is back."""
+    run_dir = tmp_path / "run"
+    run_id = run_the_store_partly_missed(run_dir, monkeypatch)
+    database = run_dir / "mlflow.db"
+    kept = tmp_path / "kept.db"
+    shutil.move(database, kept)
+    database.write_bytes(b"")
+    delivered = (run_dir / "tracking" / "delivered.jsonl").read_text()
+    out = replay_cli(run_dir)
+    assert out.returncode == 2 and out.stdout == "", out.stdout + out.stderr
+    assert out.stderr.splitlines() == [
+        f"error: replay: {database} is empty (0 bytes: a copy cut short, or a disk that filled), so it does not "
+        f"hold the MLflow run {run_id} recorded in {run_dir / 'tracking' / 'run_id'}; put the store back (copy the "
+        "whole mlflow.db), or pass the --uri of the store that holds the run"]
+    assert database.stat().st_size == 0
+    with pytest.raises(TrackingError) as refused:
+        create_tracker(TrackingConfig(system_metrics=False), 0, run_dir)  # the next training job's start
+    assert str(refused.value) == (
+        f"tracking: {database.resolve()} is empty (0 bytes: a copy cut short, or a disk that filled), so it does "
+        f"not hold the MLflow run {run_id}; put the store back (copy the whole mlflow.db), or point tracking.uri at "
+        "the store that holds it")
+    assert database.stat().st_size == 0
+    assert (run_dir / "tracking" / "delivered.jsonl").read_text() == delivered
+    shutil.copy(kept, database)
+    out = replay_cli(run_dir)
+    assert out.returncode == 0 and "sent 4 metric values" in out.stdout, out.stdout + out.stderr
+    assert steps_in(database, run_id) == [1, 2, 3, 4, 5]

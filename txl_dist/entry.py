@@ -24,7 +24,7 @@ from .errors import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_REFUSED, EXIT_TERMINATE
                      one_line)
 from .run_dir import detach_log_file
 from .stop_request import Terminated
-from .write_faults import is_write_fault
+from .write_faults import print_result  # noqa: F401  (torch-free; the entry points import it from here)
 
 
 def guarded(job: Callable[[], int], log: logging.Logger) -> int:
@@ -62,19 +62,6 @@ def guarded(job: Callable[[], int], log: logging.Logger) -> int:
     finally:
         detach_log_file(log)
         distributed.destroy_process_group(alone)
-
-
-def print_result(*parts: str, sep: str = "\n") -> None:
-    """Print an entry point's result on stdout. Redirected to a file on a full or read-only disk (`generate
-    --json > out.json`), stdout fails: that is a fault of one line (exit status 1, guarded), not a traceback."""
-    try:
-        print(*parts, sep=sep, flush=True)
-    except OSError as e:
-        if not is_write_fault(e):  # a reader gone (EPIPE) and others keep Python's own handling
-            raise
-        raise RunFailed(f"the standard output cannot be written ([Errno {e.errno}] {e.strerror}): the file it is "
-                        "redirected to is on a full or read-only file system; free space there, or redirect it "
-                        "elsewhere, and run again") from None
 
 
 def _report(log: logging.Logger, e: BaseException) -> None:

@@ -15,7 +15,7 @@ ancestors whose command line is torchrun's, the deepspeed runner's or its launch
 them has gone, the worker stops as if it had been signalled, saves, and exits 0, and no orphan stays.
 Linux only (/proc); elsewhere only the signals are watched.
 
-The jobs that have nothing to save (an evaluation, an export, generation) stop at once instead
+The jobs that have nothing to save (an evaluation, an export, generation, python -m data_prep) stop at once instead
 (stop_at_once), on SIGTERM, on SIGUSR1 (a warning before a time limit is no use to a job that cannot
 keep partial work) and when their launcher has gone (the same LauncherWatch, asked by a thread of its own:
 the job has no step boundary to ask at): Terminated unwinds the job as Ctrl-C does, so that what it was
@@ -183,13 +183,6 @@ def stop_at_once() -> Iterator[None]:
         _kept_signal = None
         raise KeyboardInterrupt
     with _terminate_on(AT_ONCE_SIGNALS, watch):
-        yield
-
-
-@contextmanager
-def terminate_on_sigterm() -> Iterator[None]:
-    """SIGTERM alone raises Terminated in the main thread (python -m data_prep, which no launcher starts)."""
-    with _terminate_on((signal.SIGTERM,), None):
         yield
 
 

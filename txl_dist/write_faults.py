@@ -4,7 +4,8 @@ a read-only file system, an I/O error. Every entry point that writes files ends 
 instead of a traceback; any other OSError is a bug and keeps its traceback.
 
 Standard library only at import (safetensors_write imports safetensors when used): data_prep, the interop CLI,
-launch/export.py and the tracking replay share it.
+launch/export.py and the tracking replay share it. print_result (a standard output that cannot be written is
+one line too) is here, not in entry.py, which imports torch: the tracking replay, which does not, shares it.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from .errors import RunFailed
 
 WRITE_FAULTS = {
     errno.ENOSPC: "free space on {mount} or {elsewhere}",
@@ -45,6 +48,19 @@ def write_fault_line(error: OSError, output: str | os.PathLike, elsewhere: str) 
     path = Path(os.fsdecode(named)) if named is not None else Path(output)
     reason = f"[Errno {error.errno}] {error.strerror or os.strerror(error.errno)}"
     return f"{path}: {reason}; {fix.format(mount=mount_point(path), elsewhere=elsewhere)}"
+
+
+def print_result(*parts: str, sep: str = "\n") -> None:
+    """Print an entry point's result on stdout. Redirected to a file on a full or read-only disk (`generate
+    --json > out.json`), stdout fails: that is a fault of one line (exit status 1, guarded), not a traceback."""
+    try:
+        print(*parts, sep=sep, flush=True)
+    except OSError as e:
+        if not is_write_fault(e):  # a reader gone (EPIPE) and others keep Python's own handling
+            raise
+        raise RunFailed(f"the standard output cannot be written ([Errno {e.errno}] {e.strerror}): the file it is "
+                        "redirected to is on a full or read-only file system; free space there, or redirect it "
+                        "elsewhere, and run again") from None
 
 
 def mount_point(path: Path) -> Path:

@@ -7,6 +7,7 @@ import sys
 
 from txl_dist.cli_args import ArgumentParser
 from txl_dist.errors import EXIT_FAILED, EXIT_REFUSED, Refused, RunFailed, one_line
+from txl_dist.write_faults import print_result
 
 from .replay import replay
 from .secrets import scrub_secrets
@@ -35,13 +36,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         report = replay(args.run_dir, args.uri, announce=_say)
+        print_result(report.summary())  # stdout on a full disk (`replay RUN > log`): one line, not a traceback
     except Refused as e:
         print(f"error: {scrub_secrets(one_line(e, limit=2000))}", file=sys.stderr)
         return EXIT_REFUSED
     except RunFailed as e:
         print(f"error: {scrub_secrets(one_line(e, limit=2000))}", file=sys.stderr)
         return EXIT_FAILED
-    print(report.summary())
     return 0
 
 

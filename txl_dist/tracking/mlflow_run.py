@@ -62,7 +62,8 @@ from .secrets import _one_line, _quiet_store_tracebacks, _remember_secrets, _scr
     shown_uri
 from .store import (ENDED_TAG, LOCAL_ARTIFACTS, MAX_KEY_LENGTH, MAX_METRICS_PER_BATCH, MAX_PARAM_VALUE_LENGTH,
                     RUNNING_HTTP_LIMITS, _check_reopenable, _chunks, _deliver_item, _mark_terminated,
-                    _quick_http_failures, _relocate_local_artifacts, _send_metrics, _undelivered)
+                    _quick_http_failures, _refuse_empty_store, _relocate_local_artifacts, _send_metrics,
+                    _undelivered)
 from .tracker import Delivery, Tracker, _check_status
 
 STORE_PAUSE_S = 30.0
@@ -196,6 +197,9 @@ class MlflowTracker(Tracker):
             database = Path(self.uri[len("sqlite:///"):])
             database.parent.mkdir(parents=True, exist_ok=True)
             new_store = None if database.exists() else database
+            if opening.kind == "reopen":  # the run must be in the store: a 0-byte file cannot hold it
+                _refuse_empty_store(database, "tracking", f"the MLflow run {opening.run_id}",
+                                    "point tracking.uri at the store that holds it")
         _quiet_store_tracebacks()
         try:
             self._client = MlflowClient(tracking_uri=self.uri)

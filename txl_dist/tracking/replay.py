@@ -23,7 +23,7 @@ from .journal import TrackingFolder, _Batch, _DeliveryLog, _summarize
 from .mlflow_run import LOCAL_DB
 from .secrets import _one_line, _quiet_store_tracebacks, _remember_secrets, _scrub_library_logs, shown_uri
 from .store import (LOCAL_ARTIFACTS, _check_reopenable, _chunks, _deliver_item, _quick_http_failures,
-                    _relocate_local_artifacts, _send_metrics, _undelivered)
+                    _refuse_empty_store, _relocate_local_artifacts, _send_metrics, _undelivered)
 from ..run_dir import RESOLVED_CONFIG
 from ..write_faults import is_write_fault, write_fault_line
 
@@ -152,7 +152,7 @@ def _check_replay_target(client, folder: TrackingFolder, run_id: str, shown: str
 def _choose_store(run_dir: Path, folder: TrackingFolder, run_id: str, uri: str | None) -> _Store:
     """--uri, else the URI the run was logged to (recorded; the job's tracking.uri may differ from the
     environment's MLFLOW_TRACKING_URI), else MLFLOW_TRACKING_URI where the recorded one is missing or hides
-    its secret. A sqlite file that does not exist is refused: opening it would create an empty store.
+    its secret. A sqlite file that does not exist, or is empty, is refused: opening it would create an empty store.
 
     The run dir moved or copied with its default local store: the recorded URI names the database at the old
     path (the original's store, or none after a move), as a job's would if it took it; the job takes
@@ -188,6 +188,9 @@ def _choose_store(run_dir: Path, folder: TrackingFolder, run_id: str, uri: str |
     if database is not None and not database.is_file():
         raise TrackingError(f"replay: {database} does not exist (tracking URI {shown_uri(chosen.uri)}); pass the "
                             "--uri of the store that holds the run")
+    if database is not None:
+        _refuse_empty_store(database, "replay", f"the MLflow run {run_id} recorded in {folder.run_id_file}",
+                            "pass the --uri of the store that holds the run")
     return chosen
 
 

@@ -165,6 +165,19 @@ def _check_reopenable(client, run_id: str, shown: str, described: str, unknown_f
     return run
 
 
+def _refuse_empty_store(database: Path, refused: str, described: str, fix: str) -> None:
+    """TrackingError (one line: `<refused>: <database> is empty ...`) where the sqlite file of a store that must
+    hold `described` has 0 bytes (a copy cut short, a disk that filled). Opened, MLflow would make it an empty
+    store, and the refusal that follows would blame the run; the file is left as it is."""
+    try:
+        empty = database.stat().st_size == 0
+    except OSError:  # missing: the callers say so in their own words
+        return
+    if empty:
+        raise TrackingError(f"{refused}: {database} is empty (0 bytes: a copy cut short, or a disk that filled), so "
+                            f"it does not hold {described}; put the store back (copy the whole mlflow.db), or {fix}")
+
+
 def _relocate_local_artifacts(database: Path, old_database: Path, new_location: str) -> int:
     """A run dir moved or copied (another machine, another path) with its local sqlite store: the store's
     experiment and runs still name the old run dir's artifact folder (an absolute file:// URI, fixed when the
