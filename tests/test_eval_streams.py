@@ -38,14 +38,7 @@ def _jobs_and_printed_lines(jobs: list[tuple[dict, str]]) -> dict:
     """Training jobs in a row on this rank (dist_helpers.train_job), and the lines this rank's log printed."""
     from txl_dist import distributed
 
-    env = distributed.discover()
-    logger = distributed.setup_logging(env)
-    lines: list[str] = []
-    for handler in logger.handlers:  # the handler setup_logging made: emit runs past its rank-0-only filter
-        def printed(record, emit=handler.emit):
-            lines.append(record.getMessage())
-            emit(record)
-        handler.emit = printed
+    env, lines = _logging_captured()
     distributed.init_process_group(env)
     try:
         return {"results": [train_job(raw, resume) for raw, resume in jobs], "lines": lines}
@@ -164,14 +157,7 @@ def _job_stopped_in_its_last_step_or_resumed(raw: dict, resume: str) -> dict:
     saves that step and owes its evaluations). Its final_eval.json and the lines its log printed."""
     from txl_dist import distributed, trainer
 
-    env = distributed.discover()
-    logger = distributed.setup_logging(env)
-    lines: list[str] = []
-    for handler in logger.handlers:
-        def printed(record, emit=handler.emit):
-            lines.append(record.getMessage())
-            emit(record)
-        handler.emit = printed
+    env, lines = _logging_captured()
     distributed.init_process_group(env)
     try:
         t = trainer.build(config_from_dict(raw), env, resume=resume)
@@ -260,3 +246,17 @@ def test_the_recorded_count_of_a_checkpoint_and_of_one_saved_before_it_was_recor
     assert recorded_eval_streams(info()) == 2  # older: null meant one stream per rank of its world size
     assert recorded_eval_streams(info(config={"eval": {"n_streams": 6}})) == 6  # older, a count named
 
+
+def _logging_captured():
+    """This rank's environment, its logging set up, and the list every line it prints is added to (captured in
+    the handler setup_logging made: emit runs past its rank-0-only filter)."""
+    from txl_dist import distributed
+
+    env = distributed.discover()
+    lines: list[str] = []
+    for handler in distributed.setup_logging(env).handlers:
+        def printed(record, emit=handler.emit):
+            lines.append(record.getMessage())
+            emit(record)
+        handler.emit = printed
+    return env, lines
