@@ -109,9 +109,9 @@ def test_a_resume_on_ranks_that_cannot_split_the_streams_warns_once_and_switches
 
     rank0, rank1 = run_ranks(_jobs_and_printed_lines, 2, [(_config(corpus, run), "auto")])
     assert _switch_lines(rank0["lines"]) == [
-        "eval.n_streams is null: this run evaluated 1 stream(s) up to step 2, which these 2 ranks cannot split; it "
-        "evaluates 2 from now on, so its valid and test numbers are not comparable across step 2; set "
-        "eval.n_streams to choose the count"]
+        "eval.n_streams is null: this run has evaluated 1 stream(s) so far (its checkpoint of step 2 records them), "
+        "which these 2 ranks cannot split; it evaluates 2 from now on, so its valid and test numbers from here on "
+        "are not comparable with the earlier ones; set eval.n_streams to choose the count"]
     assert _switch_lines(rank1["lines"]) == []  # printed once, by rank 0
     job = rank0["results"][0]
     assert job["code"] == 0 and sorted(job["losses"]) == [3, 4]

@@ -528,10 +528,12 @@ def _keep_eval_streams(start: TrainStart, env: DistEnv) -> None:
     recorded = checkpoint.recorded_eval_streams(run_info)
     streams = cfg.eval_streams(env.world_size, recorded, resize=True)
     if cfg.eval.n_streams is None and streams != recorded:
-        log.warning("eval.n_streams is null: this run evaluated %d stream(s) up to step %d, which these %d ranks "
-                    "cannot split; it evaluates %d from now on, so its valid and test numbers are not comparable "
-                    "across step %d; set eval.n_streams to choose the count", recorded, run_info["step"],
-                    env.world_size, streams, run_info["step"], extra=distributed.RANK_ZERO_ONLY)
+        # "From now on" includes the evaluations the checkpoint still owes (a stop in its last step).
+        log.warning("eval.n_streams is null: this run has evaluated %d stream(s) so far (its checkpoint of step %d "
+                    "records them), which these %d ranks cannot split; it evaluates %d from now on, so its valid "
+                    "and test numbers from here on are not comparable with the earlier ones; set eval.n_streams to "
+                    "choose the count", recorded, run_info["step"], env.world_size, streams,
+                    extra=distributed.RANK_ZERO_ONLY)
     if streams == start.evaluator.n_streams:
         return
     start.evaluator.close()
