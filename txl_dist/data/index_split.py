@@ -25,8 +25,8 @@ from typing import Iterator
 
 import numpy as np
 
-from .arrow_io import (MAPPED_AROUND_BYTES, StreamReader, TokenReader, check_not_shrunk, drop_pages, file_identity, mapped_region,
-                       mapped_span)
+from .arrow_io import (MAPPED_AROUND_BYTES, StreamReader, TokenReader, check_not_shrunk, drop_pages, file_identity,
+                       mapped_region, mapped_span)
 from .manifest import CorpusError, Manifest, read_manifest
 from .mixture import document_batches
 
@@ -288,12 +288,9 @@ class IndexReader(StreamReader):
         reads next only faults in again. read() unmaps what a gathered read maps as it copies (gather_unmapped)."""
         self._check_range(start, stop)
         self.documents.release()
-        self._unmap_sources(sorted(self._read_since_release))  # a gathered read unmapped its own
-        self._read_since_release.clear()
-
-    def _unmap_sources(self, sources: list[int]) -> None:
-        for k in sources:
+        for k in self._read_since_release:  # the sources of one-document reads: a gathered read unmapped its own
             self.sources[k].release(0, self.sources[k].n_tokens)  # one call per open file
+        self._read_since_release.clear()
 
     def check_unchanged(self, start: int, stop: int) -> None:
         """CorpusFault (one line) when the documents file, or a source file open in this process, was cut

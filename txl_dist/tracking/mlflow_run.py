@@ -63,7 +63,7 @@ from .secrets import _one_line, _quiet_store_tracebacks, _remember_secrets, _scr
 from .store import (ENDED_TAG, LOCAL_ARTIFACTS, MAX_KEY_LENGTH, MAX_METRICS_PER_BATCH, MAX_PARAM_VALUE_LENGTH,
                     RUNNING_HTTP_LIMITS, _check_reopenable, _chunks, _deliver_item, _mark_terminated,
                     _quick_http_failures, _refuse_empty_store, _relocate_local_artifacts, _send_metrics,
-                    _undelivered)
+                    _undelivered, sqlite_database)
 from .tracker import Delivery, Tracker, _check_status
 
 STORE_PAUSE_S = 30.0
@@ -316,10 +316,8 @@ class MlflowTracker(Tracker):
 
     def _artifact_location(self) -> str | None:
         """Beside a sqlite database file; elsewhere (a server) the store picks the place."""
-        if self.uri.startswith("sqlite:///") and not self.uri.endswith(":memory:"):
-            db = Path(self.uri[len("sqlite:///"):])
-            return (db.parent / LOCAL_ARTIFACTS).resolve().as_uri()
-        return None
+        db = sqlite_database(self.uri)
+        return None if db is None else (db.parent / LOCAL_ARTIFACTS).resolve().as_uri()
 
     def _follow_moved_run_dir(self) -> None:
         """The run dir's own sqlite store, recorded at another path (the run dir was moved or copied): its

@@ -23,7 +23,7 @@ from .journal import TrackingFolder, _Batch, _DeliveryLog, _summarize
 from .mlflow_run import LOCAL_DB
 from .secrets import _one_line, _quiet_store_tracebacks, _remember_secrets, _scrub_library_logs, shown_uri
 from .store import (LOCAL_ARTIFACTS, _check_reopenable, _chunks, _deliver_item, _quick_http_failures,
-                    _refuse_empty_store, _relocate_local_artifacts, _send_metrics, _undelivered)
+                    _refuse_empty_store, _relocate_local_artifacts, _send_metrics, _undelivered, sqlite_database)
 from ..run_dir import RESOLVED_CONFIG
 from ..write_faults import is_write_fault, write_fault_line
 
@@ -126,7 +126,7 @@ def _replay_locked(folder: TrackingFolder, run_id: str, store: _Store, report: R
 def _follow_moved_store(store: _Store) -> str:
     """Point the moved store's artifact locations at the run dir's own mlartifacts/ (before any client caches
     them); what was done, worded to end the announced line."""
-    database = Path(store.uri[len("sqlite:///"):]).resolve()
+    database = sqlite_database(store.uri).resolve()
     location = (database.parent / LOCAL_ARTIFACTS).as_uri()
     try:
         moved = _relocate_local_artifacts(database, store.moved_from, location)
@@ -166,7 +166,7 @@ def _choose_store(run_dir: Path, folder: TrackingFolder, run_id: str, uri: str |
     moved_from = _moved_from(recorded, own)
     if uri:
         chosen = _Store(uri, "--uri")
-        if moved_from is not None and (database := _database(uri)) is not None and database.resolve() == own:
+        if moved_from is not None and (database := sqlite_database(uri)) is not None and database.resolve() == own:
             chosen.moved_from = moved_from
     elif moved_from is not None and not _chose_a_uri(run_dir) and (own.is_file() or _copied_from(moved_from, run_id)):
         if not own.is_file():
@@ -184,7 +184,7 @@ def _choose_store(run_dir: Path, folder: TrackingFolder, run_id: str, uri: str |
     else:
         raise TrackingError(f"replay: the recorded tracking URI {recorded} hides its password or token; pass the "
                             "full URI with --uri (or MLFLOW_TRACKING_URI)")
-    database = _database(chosen.uri)
+    database = sqlite_database(chosen.uri)
     if database is not None and not database.is_file():
         raise TrackingError(f"replay: {database} does not exist (tracking URI {shown_uri(chosen.uri)}); pass the "
                             "--uri of the store that holds the run")
@@ -194,20 +194,11 @@ def _choose_store(run_dir: Path, folder: TrackingFolder, run_id: str, uri: str |
     return chosen
 
 
-def _database(uri: str) -> Path | None:
-    """The file of a sqlite URI, else None."""
-    if uri.startswith("sqlite:///") and not uri.endswith(":memory:"):
-        return Path(uri[len("sqlite:///"):])
-    return None
-
-
 def _moved_from(recorded: str | None, own: Path) -> Path | None:
     """The recorded database, where it is an absolute sqlite path to a default store (LOCAL_DB) other than
     this run dir's own `own`; else None."""
-    if recorded is None or not recorded.startswith("sqlite:///"):
-        return None
-    old = Path(recorded[len("sqlite:///"):])
-    if not old.is_absolute() or old.name != LOCAL_DB or old == own or old.resolve() == own:
+    old = None if recorded is None else sqlite_database(recorded)
+    if old is None or not old.is_absolute() or old.name != LOCAL_DB or old == own or old.resolve() == own:
         return None
     return old
 

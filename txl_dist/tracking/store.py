@@ -165,6 +165,13 @@ def _check_reopenable(client, run_id: str, shown: str, described: str, unknown_f
     return run
 
 
+def sqlite_database(uri: str) -> Path | None:
+    """The database file of a sqlite URI (sqlite:///path), else None (a server, sqlite's :memory:)."""
+    if uri.startswith("sqlite:///") and not uri.endswith(":memory:"):
+        return Path(uri[len("sqlite:///"):])
+    return None
+
+
 def _refuse_empty_store(database: Path, refused: str, described: str, fix: str) -> None:
     """TrackingError (one line: `<refused>: <database> is empty ...`) where the sqlite file of a store that must
     hold `described` has 0 bytes (a copy cut short, a disk that filled). Opened, MLflow would make it an empty
