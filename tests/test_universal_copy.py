@@ -229,7 +229,7 @@ def _frozen_conversion(rank):
 
 
 def _ended(processes, wait_s):
-    """Whether every process ended (a zombie holds no memory and no lock) within wait_s; polls."""
+    """Whether every process ended (a zombie holds no memory) within wait_s; polls."""
     import time
 
     import psutil
@@ -256,6 +256,7 @@ def test_a_killed_ranks_converter_and_its_workers_end_with_it_and_the_next_start
     killed one's folder and makes the same copy."""
     import json
     import sys
+    import time
 
     import pytest
 
@@ -285,7 +286,13 @@ def test_a_killed_ranks_converter_and_its_workers_end_with_it_and_the_next_start
             rank.wait()
     killed = [p.name for p in tag.parent.iterdir() if p.name.startswith(f".{copy.name}.")]
     assert len(killed) == 1 and not copy.exists(), killed  # its folder, left to the next start
-    assert checkpoint.remove_leftovers(tag.parent) == killed  # a training start's: its lock is free
+    # A training start's removal: the lock is free, though not at once. The kernel closes a killed process's
+    # files after its first thread shows it ended (the zombie psutil sees), for torch's many threads often
+    # (a CI run's failure; measured with 30 threads: held in 196 of 200 kills, at most 0.3 ms after).
+    deadline = time.monotonic() + 10
+    while (removed := checkpoint.remove_leftovers(tag.parent)) != killed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert removed == killed
 
     assert checkpoint.convert_to_universal(tag, copy, zero_stage=1)
     assert json.loads(record.read_text())["files"] == clean
