@@ -139,7 +139,8 @@ def eval_windows(s: Settings) -> dict[str, torch.Tensor]:
     """The windows our Evaluator reads from the test split, in order (the same loader settings)."""
     evaluator = Evaluator(s.cfg.data.path, s.cfg.eval, rank=0, world_size=1, n_streams=s.eval_streams)
     # The Evaluator's own loader (not a second one built alike): the reference reads the very windows ours does.
-    loader = evaluator._loader(s.cfg.data.test_split)
+    # All of the streams in one group (no micro_batch): the reference's batch.
+    [loader] = evaluator._group_loaders(s.cfg.data.test_split)
     windows: dict[str, torch.Tensor] = {}
     for i, mb in enumerate(loader):
         if s.cfg.eval.max_segments is not None and i >= s.cfg.eval.max_segments:

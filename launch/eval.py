@@ -134,7 +134,8 @@ def evaluate_checkpoint(choice, split: str | None, env: distributed.DistEnv, che
     tokens_sha256 = read_manifest(cfg.data.path).splits[start.split].tokens_sha256
     return {"checkpoint": str(tag_dir), "step": run_info["step"], "split": start.split,
             "split_tokens_sha256": tokens_sha256, "eval_streams": cfg.eval_streams(env.world_size),
-            "world_size": env.world_size, "eval": memory, **runtime, **result}
+            "world_size": env.world_size, "streams_per_forward": start.evaluator.group, "eval": memory, **runtime,
+            **result}
 
 
 def result_table(result: dict) -> str:
@@ -143,7 +144,7 @@ def result_table(result: dict) -> str:
     rows = [
         ("checkpoint", f"{result['checkpoint']} (step {result['step']})"),
         ("split", f"{result['split']}: {int(result['tokens']):,} tokens predicted over {result['eval_streams']} "
-                  f"streams on {result['world_size']} rank(s)"),
+                  f"streams on {result['world_size']} rank(s), {result['streams_per_forward']} at a time"),
         ("precision", f"{result['precision']} | attention {result['attn_impl']}"),
         ("memory", f"tgt_len {memory['tgt_len']} | mem_len {memory['mem_len']} | clamp_len {memory['clamp_len']} | "
                    f"same_length {str(memory['same_length']).lower()}"

@@ -231,6 +231,11 @@ def test_max_segments_stops_each_stream_early(trained, tmp_path):
     assert first["tokens"] == count == 2 * 3 * 8
     _assert_numbers(first, nll, count)
     assert again == first
+    grouped = Evaluator(corpus, cfg, rank=0, world_size=1, n_streams=2, micro_batch=1)  # each stream stops early
+    one_at_a_time = grouped.evaluate(model, "valid")
+    grouped.close()
+    assert one_at_a_time["tokens"] == count
+    _assert_numbers(one_at_a_time, nll, count)
 
 
 def _assert_numbers(result: dict, nll: float, count: int) -> None:
@@ -391,3 +396,74 @@ def test_progress_is_logged_on_rank_zero_only(small, monkeypatch, caplog, rank):
     else:
         assert [line.split(" | ")[0] for line in lines] == [f"evaluating valid: {i}/5 segments" for i in (1, 2, 3, 4)]
         assert all(re.fullmatch(r".* \| \d+ tok/s \| ETA \d+:\d\d:\d\d", line) for line in lines), lines
+
+
+class _BatchSpy(torch.nn.Module):
+    """The model, recording each forward pass's streams and the streams its memory holds."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.config, self.calls = model, model.config, []
+        self.train(model.training)  # the evaluation restores the spy's mode, and with it the model's
+
+    def forward(self, input_ids, **kwargs):
+        mems = kwargs["mems"]
+        self.calls.append((input_ids.shape[0], None if mems is None else mems[0].shape[0]))
+        return self.model(input_ids, **kwargs)
+
+
+@pytest.mark.parametrize("micro_batch, group", [(None, 4), (3, 2), (2, 2), (1, 1)])
+def test_a_rank_evaluates_its_streams_in_groups_each_through_the_split(small, micro_batch, group):
+    """One rank evaluating many streams (a run trained on many GPUs, evaluated on one) ran them all in one
+    batch: memory grew with the stream count. It runs them in equal groups of at most eval.micro_batch, each
+    through the whole split before the next, with the numbers of the one batch and of a stream at a time."""
+    from txl_dist.evaluate import Evaluator
+
+    corpus, model = small
+    cfg = EvalConfig(tgt_len=8, mem_len=12, n_streams=4)  # 4 streams of 20 tokens: 2 windows of 8, one of 3
+    spy = _BatchSpy(model)
+    segments = []
+    evaluator = Evaluator(corpus, cfg, rank=0, world_size=1, n_streams=4, micro_batch=micro_batch)
+    try:
+        assert (evaluator.group, evaluator.segments("valid")) == (group, 3 * (4 // group))
+        result = evaluator.evaluate(spy, "valid", on_segment=segments.append)
+    finally:
+        evaluator.close()
+    assert segments == list(range(3 * (4 // group)))
+    assert spy.calls == [(group, None), (group, group), (group, group)] * (4 // group)  # one group's mems at a time
+    nll, count = _reference(model, _valid_tokens(corpus), 4, cfg)
+    assert result["tokens"] == count == 4 * (VALID_TOKENS // 4 - 1)
+    np.testing.assert_allclose(result["loss"], nll / count, rtol=1e-6)
+
+
+def test_each_rank_groups_its_own_streams(small):
+    """Rank 1 of 2 (no process group: the all-reduce is skipped) evaluates streams 2 and 3, one at a time."""
+    from txl_dist.evaluate import Evaluator
+
+    corpus, model = small
+    cfg = EvalConfig(tgt_len=8, mem_len=12, n_streams=4)
+    evaluator = Evaluator(corpus, cfg, rank=1, world_size=2, n_streams=4, micro_batch=1)
+    try:
+        result = evaluator.evaluate(model, "valid")
+    finally:
+        evaluator.close()
+    tokens = _valid_tokens(corpus)
+    nll, count = _reference(model, tokens[2 * len(tokens) // 4:], 2, cfg)
+    assert result["tokens"] == count
+    np.testing.assert_allclose(result["loss"], nll / count, rtol=1e-6)
+
+
+def test_the_evaluations_group_bound_is_the_training_micro_batch_unless_set():
+    from txl_dist.config import ConfigError, config_from_dict
+    from txl_dist.streams import group_size
+
+    raw = tiny_config("corpus", "run")
+    cfg = config_from_dict(raw)
+    assert cfg.eval_micro_batch() == cfg.micro_batch()
+    raw["eval"]["micro_batch"] = 3
+    assert config_from_dict(raw).eval_micro_batch() == 3
+    raw["eval"]["micro_batch"] = 0
+    with pytest.raises(ConfigError, match="eval.micro_batch"):
+        config_from_dict(raw)
+    assert [group_size(12, k) for k in (1, 5, 6, 12, 100)] == [1, 4, 6, 12, 12]
+    assert group_size(7, 4) == 1  # a prime count: one stream at a time, never an unequal group

@@ -181,8 +181,8 @@ class TrainConfig:
     seed: int = 1234
     """Seed of weight initialization and dropout (0 .. 2**63-1)."""
     log_interval: int = 1
-    """Print a progress line every this many steps (the training metrics go to MLflow every
-    tracking.metrics_interval steps)."""
+    """Print a progress line every this many steps; its loss and grad norm are the means over those steps (the
+    training metrics go to MLflow every tracking.metrics_interval steps)."""
     max_nonfinite: int = 25
     """A step whose loss or gradient norm is not finite is skipped (no weight update) and the mems of the
     streams it poisoned are reset; this many such steps in a row stop the job (exit status 1) without
@@ -251,6 +251,12 @@ class EvalConfig:
     per rank, kept by its resumes on other world sizes (recorded in each checkpoint's run.json); a resume on a
     world size that cannot split it warns and evaluates one stream per rank from then on; launch/eval.py
     evaluates the count its checkpoint recorded (refused on a world size that cannot split it)."""
+    micro_batch: int | None = None
+    """At most this many streams per forward pass on a rank. A rank evaluates its streams in equal groups, the
+    largest not above this, each group through the whole split before the next: its memory holds one group's
+    mems and activations, however many streams it evaluates (launch/eval.py on fewer GPUs than the run trained
+    on). The numbers do not depend on it, up to rounding. null: the training micro batch
+    (deepspeed.train_micro_batch_size_per_gpu)."""
     max_segments: int | None = None
     """Stop each evaluation after this many segments per stream (null: the whole split)."""
     at_end: bool = True
@@ -354,6 +360,11 @@ class RunConfig:
                          fix=f"use a multiple of {world_size} (or a world size that divides {n})")
         return n
 
+    def eval_micro_batch(self) -> int:
+        """The most streams an evaluation runs through the model at once on a rank (eval.micro_batch, else the
+        training micro batch): the Evaluator's bound."""
+        return self.micro_batch() if self.eval.micro_batch is None else self.eval.micro_batch
+
     def kept_eval_streams(self, recorded: int) -> int:
         """The evaluation streams this configuration asks of a run that has evaluated `recorded` so far: the count
         eval.n_streams names, else (null) the recorded one. A resume's changed-settings check compares it with
@@ -406,7 +417,7 @@ class RunConfig:
 VOLATILE_SECTIONS = ("run", "checkpoint", "tracking")
 VOLATILE_KEYS = ("train.exit_step", "train.log_interval", "train.collective_timeout_s", "train.max_nonfinite",
                  "train.compile", "train.peak_flops", "train.profile_steps", "train.profile_ranks",
-                 "train.profile_shapes", "model.attn_impl")
+                 "train.profile_shapes", "model.attn_impl", "eval.micro_batch")
 
 
 def precision_of(train_precision: str | None, deepspeed: dict[str, Any]) -> str | None:
@@ -786,6 +797,8 @@ def validate(cfg: RunConfig) -> None:
         _positive("eval.n_streams", e.n_streams)
     if e.max_segments is not None:
         _positive("eval.max_segments", e.max_segments)
+    if e.micro_batch is not None:
+        _positive("eval.micro_batch", e.micro_batch)
     check_same_length("eval", e.same_length, e.mem_len)
     _non_negative("checkpoint.interval", c.interval)
     _non_negative("checkpoint.keep", c.keep)

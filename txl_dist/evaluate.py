@@ -2,8 +2,11 @@
 
 Evaluation has its own tgt_len, mem_len, clamp_len and same_length; the memory settings go to every forward
 (the model's own stay the training ones). The split is cut into eval.n_streams streams (default: one per rank); each
-rank evaluates its contiguous block of them, all its streams in one batch, carrying their mems from segment
-to segment, and predicts every token of each stream except the first exactly once (partial last window).
+rank evaluates its contiguous block of them, carrying their mems from segment to segment, and predicts every
+token of each stream except the first exactly once (partial last window). A rank runs its streams in equal
+groups of at most eval.micro_batch, each group through the whole split before the next (a group's streams
+are the block of a rank of a world eval.micro_batch times larger: the same streams, read by the same loader):
+memory holds one group's mems and activations, so one GPU can evaluate the streams of a run trained on many.
 Sums of NLL and token counts are all-reduced in float64, so the numbers depend on the number of streams,
 not on the world size.
 
@@ -15,6 +18,7 @@ ratios from the manifest (n_tokens / n_bytes): the cost of the whole text at the
 """
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from contextlib import contextmanager
@@ -32,88 +36,105 @@ from .host_copy import to_device
 from .memory import MemoryBank
 from .model.softmax import TailPlan, tail_plan
 from .progress import Progress
-from .streams import streams_per_rank
+from .streams import group_size, streams_per_rank
 
 
 class Evaluator:
     """Evaluates a model on any split of one corpus; builds (and verifies) each split's loader once."""
 
     def __init__(self, corpus_dir: str | os.PathLike, eval_cfg: EvalConfig, *, rank: int, world_size: int,
-                 n_streams: int, device: torch.device | str = "cpu", splits: Iterable[str] = ()):
-        """`splits` (and their per-source parts) are opened (and verified) now, so that a split too short for
-        the evaluation's streams fails the start of a run, not its first evaluation hours later; others open
-        on first use."""
-        streams_per_rank(n_streams, world_size, streams="eval.n_streams")
+                 n_streams: int, micro_batch: int | None = None, device: torch.device | str = "cpu",
+                 splits: Iterable[str] = ()):
+        """micro_batch: at most this many streams per forward pass (None: all of the rank's at once; the run's
+        is RunConfig.eval_micro_batch). `splits` (and their per-source parts) are opened (and verified) now, so
+        that a split too short for the evaluation's streams fails the start of a run, not its first evaluation
+        hours later; others open on first use."""
+        per_rank = streams_per_rank(n_streams, world_size, streams="eval.n_streams")
         self.corpus_dir, self.cfg = corpus_dir, eval_cfg
         self.rank, self.world_size, self.n_streams = rank, world_size, n_streams
+        self.group = group_size(per_rank, per_rank if micro_batch is None else micro_batch)
+        """Streams per forward pass: the groups' size."""
+        self.groups = per_rank // self.group
         self.device = torch.device(device)
-        self._loaders: dict[str, tuple[StreamLoader, dict]] = {}
+        self._loaders: dict[str, list[tuple[StreamLoader, dict]]] = {}
         for split in splits:
             for name in [split, *self.parts(split)]:
-                self._loader(name)
+                self._group_loaders(name)
 
     def parts(self, split: str) -> list[str]:
         """The per-source parts `<split>/<name>` of a mixture's split (none for other corpora)."""
-        return split_parts(self._loader(split).manifest.splits, split)
+        return split_parts(self._group_loaders(split)[0].manifest.splits, split)
 
-    def _loader(self, split: str) -> StreamLoader:
+    def _group_loaders(self, split: str) -> list[StreamLoader]:
+        """One loader per group of the rank's streams, each at the split's beginning."""
         if split not in self._loaders:
-            try:
-                loader = StreamLoader(self.corpus_dir, split, rank=self.rank, world_size=self.world_size,
-                                      n_streams=self.n_streams, micro_batch=self.n_streams // self.world_size,
-                                      tgt_len=self.cfg.tgt_len, epochs=1, partial_last=True)
-            except SplitTooShort as e:  # the loader cannot know which settings made its streams: name them
-                raise SplitTooShort(f"{e} (evaluation: eval.n_streams {self.n_streams}, "
-                                  f"eval.tgt_len {self.cfg.tgt_len})") from None
-            self._loaders[split] = (loader, loader.state_dict())
-        loader, start = self._loaders[split]
-        loader.load_state_dict(start)  # every evaluation reads the split from its beginning
-        return loader
+            self._loaders[split] = []
+            for group in range(self.groups):
+                try:
+                    loader = StreamLoader(self.corpus_dir, split, rank=self.rank * self.groups + group,
+                                          world_size=self.world_size * self.groups, n_streams=self.n_streams,
+                                          micro_batch=self.group, tgt_len=self.cfg.tgt_len, epochs=1,
+                                          partial_last=True)
+                except SplitTooShort as e:  # the loader cannot know which settings made its streams: name them
+                    raise SplitTooShort(f"{e} (evaluation: eval.n_streams {self.n_streams}, "
+                                        f"eval.tgt_len {self.cfg.tgt_len})") from None
+                self._loaders[split].append((loader, loader.state_dict()))
+        for loader, start in self._loaders[split]:
+            loader.load_state_dict(start)  # every evaluation reads the split from its beginning
+        return [loader for loader, _ in self._loaders[split]]
+
+    def _windows(self, split: str) -> int:
+        """Segments per stream of an evaluation of `split` (eval.max_segments caps them)."""
+        total = self._group_loaders(split)[0].steps_per_epoch  # one micro batch (a group's streams) per window
+        return total if self.cfg.max_segments is None else min(total, self.cfg.max_segments)
 
     def segments(self, split: str) -> int:
-        """How many segments an evaluation of `split` runs (the same on every rank; eval.max_segments caps it)."""
-        total = self._loader(split).steps_per_epoch  # one micro batch (all the rank's streams) per window
-        return total if self.cfg.max_segments is None else min(total, self.cfg.max_segments)
+        """How many segments (forward passes) an evaluation of `split` runs: the same on every rank."""
+        return self._windows(split) * self.groups
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, split: str,
                  on_segment: Callable[[int], None] | None = None) -> dict[str, float]:
         """loss, perplexity, bits per token/byte/char and the token count, the same on every rank (collective).
         on_segment(i): called as segment i (from 0) begins, its input in hand; every rank has as many."""
-        loader = self._loader(split)
-        bank = MemoryBank()
+        loaders = self._group_loaders(split)
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # [nll sum, tokens]
         memory = self.cfg.memory()
         cutoffs = model.config.cutoffs
-        total = self.segments(split)
-        progress = Progress(f"evaluating {split}", total, "segments", quiet=self.rank != 0)
+        windows = self._windows(split)
+        label = f"evaluating {split}" + (f" ({self.groups} groups of {self.group} streams)" if self.groups > 1 else "")
+        progress = Progress(label, windows * self.groups, "segments", quiet=self.rank != 0)
         tokens_read = 0  # from the host shapes: counting from `sums` would sync with the device
+        segment = 0
         with eval_mode(model):
-            for segment, mb in enumerate(loader):
-                if self.cfg.max_segments is not None and segment >= self.cfg.max_segments:
-                    break
-                if segment:  # not after the last segment: the result follows at once
-                    progress.update(segment, tokens_read * self.world_size)  # every rank holds equal streams
-                if on_segment is not None:
-                    on_segment(segment)
-                # Non-blocking copies, and the softmax's cluster counts from the host labels: no sync here.
-                input_ids, labels, plan = batch_to_device(mb.input_ids, mb.labels, self.device, cutoffs)  # [n, T] x2
-                out = model(input_ids, labels=labels, mems=bank.get(mb.stream_ids, mb.reset), memory=memory,
-                            tail_plan=plan)
-                bank.put(mb.stream_ids, out.mems)
-                sums[0] += out.nll.double().sum()
-                sums[1] += out.nll.numel()
-                tokens_read += mb.labels.size
+            for loader in loaders:
+                bank = MemoryBank()  # a new one per group: the last group's mems are freed
+                for mb in itertools.islice(loader, windows):
+                    if segment:  # not after the last segment: the result follows at once
+                        progress.update(segment, tokens_read * self.world_size)  # every rank holds equal streams
+                    if on_segment is not None:
+                        on_segment(segment)
+                    segment += 1
+                    # Non-blocking copies, and the softmax's cluster counts from the host labels: no sync here.
+                    input_ids, labels, plan = batch_to_device(mb.input_ids, mb.labels, self.device, cutoffs)  # [n, T]
+                    out = model(input_ids, labels=labels, mems=bank.get(mb.stream_ids, mb.reset), memory=memory,
+                                tail_plan=plan)
+                    bank.put(mb.stream_ids, out.mems)
+                    sums[0] += out.nll.double().sum()
+                    sums[1] += out.nll.numel()
+                    tokens_read += mb.labels.size
+                del bank
         distributed.all_reduce_sum(sums)
         nll, tokens = sums.tolist()
-        split_info = loader.manifest.splits[split]
+        split_info = loaders[0].manifest.splits[split]
         return summarize(nll, int(tokens), n_tokens=split_info.n_tokens, n_bytes=split_info.n_bytes,
                          n_chars=split_info.n_chars)
 
     def close(self) -> None:
         """Unmap the splits' files."""
-        for loader, _ in self._loaders.values():
-            loader.close()
+        for group_loaders in self._loaders.values():
+            for loader, _ in group_loaders:
+                loader.close()
         self._loaders.clear()
 
 

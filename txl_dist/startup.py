@@ -512,7 +512,7 @@ def _training_evaluator(cfg: RunConfig, env: DistEnv, n_streams: int) -> Evaluat
     and verified now."""
     splits = [cfg.data.valid_split] + ([cfg.data.test_split] if cfg.eval.at_end else [])
     return Evaluator(cfg.data.path, cfg.eval, rank=env.rank, world_size=env.world_size, n_streams=n_streams,
-                     device=distributed.device_for(env), splits=splits)
+                     micro_batch=cfg.eval_micro_batch(), device=distributed.device_for(env), splits=splits)
 
 
 def _keep_eval_streams(start: TrainStart, env: DistEnv) -> None:
@@ -891,8 +891,8 @@ def _eval_local_checks(cfg: RunConfig, run_info: dict[str, Any], tag_dir: Path, 
     resolved = with_vocab(cfg, manifest.tokenizer.vocab_size, cfg.data.path)
     split = resolved.data.test_split if split is None else split
     evaluator = Evaluator(resolved.data.path, resolved.eval, rank=env.rank, world_size=env.world_size,
-                          n_streams=resolved.eval_streams(env.world_size), device=distributed.device_for(env),
-                          splits=[split])
+                          n_streams=resolved.eval_streams(env.world_size), micro_batch=resolved.eval_micro_batch(),
+                          device=distributed.device_for(env), splits=[split])
     return resolved, evaluator, split
 
 

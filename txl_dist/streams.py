@@ -36,6 +36,14 @@ def micro_steps_per_rank(n_streams: int, micro_batch: int, world_size: int, *, s
     return steps
 
 
+def group_size(per_rank: int, at_most: int) -> int:
+    """The most streams per group, at most `at_most`, that split a rank's `per_rank` streams into equal groups:
+    the largest divisor of per_rank not above it (1 at worst)."""
+    if per_rank < 1 or at_most < 1:
+        raise ValueError(f"group_size: per_rank and at_most must be >= 1, got {per_rank} and {at_most}")
+    return max(d for d in range(1, min(per_rank, at_most) + 1) if per_rank % d == 0)
+
+
 def streams_of_rank(rank: int, n_streams: int, world_size: int) -> range:
     """The global ids of rank `rank`'s streams: the contiguous block [rank * S/W, (rank + 1) * S/W)."""
     per_rank = streams_per_rank(n_streams, world_size)
