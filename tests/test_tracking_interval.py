@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 
@@ -85,12 +86,17 @@ def _assert_logs(histories, per_step, windows) -> None:
 
 def test_an_uninterrupted_run_logs_each_window_once_at_its_end(corpus, tmp_path, per_step):
     run_dir = tmp_path / "run"
-    procs = _train(_config(corpus, run_dir, 3))
+    procs = _train(_config(corpus, run_dir, 3, train={"log_interval": 3}))
     assert _codes(procs) == [0, 0], procs[0].output[-3000:]
     # Multiples of 3, and train.max_steps (its window: steps 7 and 8).
     _assert_logs(_histories(run_dir), per_step, [(1, 3), (4, 6), (7, 8)])
     # A mean, not a sample of the step: the two differ here.
     assert per_step["train/loss"][3] != sum(per_step["train/loss"][s] for s in (1, 2, 3)) / 3
+    # The progress line's loss and grad norm are the same means (it showed the step's own values).
+    lines = re.findall(r"step (\d+)/8 \| loss (\S+) \| lr \S+ \| grad norm (\S+) \|", procs[0].output)
+    expected = _expected(per_step, [(1, 3), (4, 6), (7, 8)])
+    assert lines == [(str(step), f"{loss:.4f}", f"{norm:.3f}") for (step, loss), (_, norm)
+                     in zip(expected["train/loss"], expected["train/grad_norm"])]
 
 
 def test_a_run_stopped_and_crashed_off_the_interval_logs_what_an_uninterrupted_run_logs(corpus, tmp_path, per_step):

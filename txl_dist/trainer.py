@@ -182,6 +182,9 @@ class Trainer:
                  "step(s) of %d streams per rank", self.step + 1, last, cfg.train.max_steps, self.env.world_size,
                  cfg.n_streams(), cfg.model.tgt_len, self.loader.accumulation_steps, cfg.micro_batch())
         window = RateWindow()
+        # The progress line's loss and grad norm: means over the steps since the previous line, by the rule of
+        # MLflow's windows (the paper's code printed the log interval's mean loss too).
+        shown = MetricsWindow(cfg.train.log_interval, cfg.train.max_steps)
         tested: dict[str, float] | None = None  # the final test's numbers, logged once their weights are saved
         while self.step < last:
             profiled = self.profiler.covers(self.step + 1)
@@ -194,6 +197,7 @@ class Trainer:
             if profiled:
                 stats["train/profiled"] = 1.0
             window.add(stats["train/step_time_s"], profiled)
+            line = shown.add(self.step, stats)
             logged = self.metrics_window.add(self.step, stats)
             if logged is not None:
                 self.tracker.log_metrics(logged, step=self.step)
@@ -202,7 +206,7 @@ class Trainer:
                 self._log_window_rest()
                 raise distributed.agreed(diverged)
             if self.step % cfg.train.log_interval == 0 or self.step == last:
-                self._progress(stats, *window.report(), last)
+                self._progress(line or shown.take(), *window.report(), last)  # take: a last step off the interval
                 window = RateWindow()
                 self._watch_space(last)
             if stop:  # every rank sees it at this step (reduced with the loss): the gather is collective
@@ -509,9 +513,10 @@ class Trainer:
         return metrics
 
     def _progress(self, stats: dict[str, float], step_time: float, note: str, last: int) -> None:
-        """The progress line; step_time and note: RateWindow.report()'s."""
+        """The progress line; stats: the steps' summary since the last line (MetricsWindow), step_time and note:
+        RateWindow.report()'s."""
         eta = step_time * (last - self.step)
-        norm = stats["train/grad_norm"]
+        norm = stats.get("train/grad_norm")
         flops = self._flops_metrics(step_time)
         mfu = f" | MFU {flops['train/mfu'] * 100:.3g}%" if "train/mfu" in flops else ""
         log.info("step %d/%d | loss %.4f | lr %.3e | grad norm %s | %.0f tok/s | %s%s | %.3f s/step | ETA %s%s",
