@@ -261,6 +261,33 @@ def test_eval_sbatch_says_what_a_signal_status_of_its_step_means(tmp_path, statu
     assert done.stdout.splitlines()[-1] == f"txl-slurm: {said}", (done.stdout, done.stderr)
 
 
+def test_eval_sbatch_stopped_by_usr1_before_its_step_says_so(tmp_path):
+    """A USR1 to the batch shell while it set the job up (a time limit's warning, scancel --batch --signal=USR1)
+    killed it without a word (bash's default: the job FAILED, status 0:10); now it ends as the ranks would have,
+    143 and one line, and no step starts."""
+    import signal
+    import time
+
+    bin_dir = _fake_slurm_tools(tmp_path, ["n1"], f"touch {tmp_path / 'started'}")
+    scontrol = bin_dir / "scontrol"  # slow while it expands the node list: the signal comes meanwhile
+    slow = f"#!/bin/sh\ntouch {tmp_path / 'setup'}; sleep 2\n"
+    scontrol.write_text(scontrol.read_text().replace("#!/bin/sh\n", slow, 1))
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "123", "SLURM_JOB_NODELIST": "n1",
+           "SLURM_JOB_NUM_NODES": "1", "SLURM_SUBMIT_DIR": str(REPO), "DS_ACCELERATOR": "cpu"}
+    shell = subprocess.Popen(["bash", str(REPO / "launch" / "slurm" / "eval.sbatch"), "--checkpoint",
+                              str(tmp_path / "run")], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "setup").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    shell.send_signal(signal.SIGUSR1)
+    out, err = shell.communicate(timeout=120)
+    assert shell.returncode == 143, (out, err)
+    assert out.splitlines()[-1] == ("txl-slurm: the batch shell got SIGUSR1 before the evaluation started: not "
+                                    "starting it; evaluation keeps no partial result: submit it again"), (out, err)
+    assert not (tmp_path / "started").exists()
+
+
 def _fake_slurm_tools(tmp_path, nodes: list[str], srun_body: str):
     """tmp_path/bin with an scontrol that expands the node list to `nodes` and an srun running srun_body."""
     bin_dir = tmp_path / "bin"
