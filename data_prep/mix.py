@@ -395,12 +395,24 @@ def check_train_tokens(train_tokens: int | None, n_streams: int) -> None:
 
 def _check_distinct_corpora(specs: Sequence[SourceSpec]) -> None:
     """One corpus under two names (`a=A:1 b=A:1`, `A` and `A/`, a link to it) would be mixed twice, its weight
-    doubled and its valid documents listed twice: refused like an input given twice to prepare."""
+    doubled and its valid documents listed twice: refused like an input given twice to prepare. So is a copy of
+    one (`cp -r A B`, then `a=A b=B`): the same train tokens (the manifests' tokens_sha256), found before the
+    sources are scanned."""
     for i, s in enumerate(specs):
         for first in specs[:i]:
             if same_place(s.corpus, first.corpus):
                 raise PrepError(f"--source {s.name}: {s.corpus} is the corpus of source {first.name} "
                                 f"({first.corpus}); give each corpus once (its weight says how much of it to mix)")
+    seen: dict[str, SourceSpec] = {}
+    for s in specs:
+        train = read_corpus_manifest(s.corpus).splits.get("train")
+        if train is None or train.index is not None:  # refused with their own lines when opened
+            continue
+        first = seen.setdefault(train.tokens_sha256, s)
+        if first is not s:
+            raise PrepError(f"--source {s.name}: {s.corpus} holds the train tokens of source {first.name} "
+                            f"({first.corpus}; tokens_sha256 {train.tokens_sha256[:12]}...): a copy of one corpus; "
+                            "give each corpus once (its weight says how much of it to mix)")
 
 
 def _mix(specs: Sequence[SourceSpec], out: Path, scratch: Path, *, train_tokens: int | None, seed: int,

@@ -306,6 +306,11 @@ def test_mix_refuses_one_corpus_under_two_names(tmp_path, capsys):
     assert f"--source b: {a} is the corpus of source a" in msg
     msg = fail(capsys, "mix", "--out", tmp_path / "m", "--source", f"a={a}:1", "--source", f"b={a}/:1", *layout)
     assert "is the corpus of source a" in msg
+    copy = tmp_path / "B"  # a copy of A: accepted before, and mixed twice
+    shutil.copytree(a, copy)
+    msg = fail(capsys, "mix", "--out", tmp_path / "m", "--source", f"a={a}:1", "--source", f"b={copy}:1", *layout)
+    assert f"--source b: {copy} holds the train tokens of source a ({a}; tokens_sha256 " in msg
+    assert not (tmp_path / "m").exists()
 
 
 def test_ties_go_to_the_largest_weight(tmp_path):
