@@ -467,3 +467,25 @@ def test_the_evaluations_group_bound_is_the_training_micro_batch_unless_set():
         config_from_dict(raw)
     assert [group_size(12, k) for k in (1, 5, 6, 12, 100)] == [1, 4, 6, 12, 12]
     assert group_size(7, 4) == 1  # a prime count: one stream at a time, never an unequal group
+
+
+def test_groups_hash_each_corpus_file_once(small, monkeypatch):
+    """Each group's loader verified the files of its block: a split in one file, evaluated in 4 groups, was
+    hashed 4 times (launch/eval.py has no record of earlier starts' digests to answer from)."""
+    import hashlib
+
+    from txl_dist.evaluate import Evaluator
+
+    corpus, _ = small
+    cfg = EvalConfig(tgt_len=8, mem_len=12, n_streams=4)
+    real = hashlib.sha256
+
+    def hashings(micro_batch):
+        calls = []
+        # A file's hashing starts with an empty sha256 (manifest.sha256_file); naming a record entry does not.
+        monkeypatch.setattr(hashlib, "sha256", lambda *a, **k: (calls.append(1) if not a else None) or real(*a, **k))
+        Evaluator(corpus, cfg, rank=0, world_size=1, n_streams=4, micro_batch=micro_batch, splits=["valid"]).close()
+        monkeypatch.setattr(hashlib, "sha256", real)
+        return len(calls)
+
+    assert hashings(1) == hashings(None) > 0

@@ -30,7 +30,8 @@ from torch import nn
 
 from . import distributed
 from .config import EvalConfig
-from .data import SplitTooShort, StreamLoader
+from .data import SplitTooShort, StreamLoader, hash_record
+from .data.hash_record import HashRecord
 from .data.format import split_parts
 from .host_copy import to_device
 from .memory import MemoryBank
@@ -68,20 +69,32 @@ class Evaluator:
     def _group_loaders(self, split: str) -> list[StreamLoader]:
         """One loader per group of the rank's streams, each at the split's beginning."""
         if split not in self._loaders:
-            self._loaders[split] = []
-            for group in range(self.groups):
-                try:
-                    loader = StreamLoader(self.corpus_dir, split, rank=self.rank * self.groups + group,
-                                          world_size=self.world_size * self.groups, n_streams=self.n_streams,
-                                          micro_batch=self.group, tgt_len=self.cfg.tgt_len, epochs=1,
-                                          partial_last=True)
-                except SplitTooShort as e:  # the loader cannot know which settings made its streams: name them
-                    raise SplitTooShort(f"{e} (evaluation: eval.n_streams {self.n_streams}, "
-                                        f"eval.tgt_len {self.cfg.tgt_len})") from None
-                self._loaders[split].append((loader, loader.state_dict()))
+            # The groups' blocks share files (and the tokenizer): each is hashed once, by a record of this
+            # start's digests (training's own, else one never saved: its folder is no folder).
+            record = hash_record.active() or HashRecord(os.devnull)
+            with record.in_use():
+                self._loaders[split] = self._open_groups(split)
         for loader, start in self._loaders[split]:
             loader.load_state_dict(start)  # every evaluation reads the split from its beginning
         return [loader for loader, _ in self._loaders[split]]
+
+    def _open_groups(self, split: str) -> list[tuple[StreamLoader, dict]]:
+        """Each group's loader and its starting state; none left open when one cannot be made."""
+        opened: list[tuple[StreamLoader, dict]] = []
+        try:
+            for group in range(self.groups):
+                loader = StreamLoader(self.corpus_dir, split, rank=self.rank * self.groups + group,
+                                      world_size=self.world_size * self.groups, n_streams=self.n_streams,
+                                      micro_batch=self.group, tgt_len=self.cfg.tgt_len, epochs=1, partial_last=True)
+                opened.append((loader, loader.state_dict()))
+        except BaseException as e:
+            for loader, _ in opened:
+                loader.close()
+            if isinstance(e, SplitTooShort):  # the loader cannot know which settings made its streams: name them
+                raise SplitTooShort(f"{e} (evaluation: eval.n_streams {self.n_streams}, "
+                                    f"eval.tgt_len {self.cfg.tgt_len})") from None
+            raise
+        return opened
 
     def _windows(self, split: str) -> int:
         """Segments per stream of an evaluation of `split` (eval.max_segments caps them)."""
