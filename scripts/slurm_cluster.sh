@@ -128,7 +128,12 @@ KillWait=30
 InactiveLimit=0
 Waittime=0
 NodeName=node[1-2] NodeHostname=$host NodeAddr=127.0.0.1 Port=$((PORT + 1))-$((PORT + 2)) CPUs=1 State=UNKNOWN
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+# Preemption: a job of partition urgent (same nodes, higher PriorityTier) requeues the debug jobs it needs the
+# nodes of. Jobs in one partition never preempt each other: nothing else submits to urgent.
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=1
+PartitionName=urgent Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF
 EOF
 }
 
@@ -150,7 +155,8 @@ wait_idle() {
     local deadline=$((SECONDS + ${1:-60})) state
     while [ $SECONDS -lt $deadline ]; do
         state="$(cluster_answers || true)"
-        if [ "$(grep -c -E '^node[12] (idle|alloc|mix)' <<<"$state")" -eq 2 ]; then
+        # One line per node and partition (debug, urgent): each node counted once.
+        if [ "$(grep -E '^node[12] (idle|alloc|mix)' <<<"$state" | sort -u | wc -l)" -eq 2 ]; then
             return 0
         fi
         sleep 0.5

@@ -12,6 +12,9 @@ rank.
   with, and new), and a USR1 after the restart's step ended does not end the job;
 - a plain scancel mid-run (SIGTERM, as the time limit without a warning): the ranks save, the job ends CANCELLED,
   not requeued, and the same command continues bitwise in the same MLflow run;
+- preemption mid-run by a job of the higher-tier partition `urgent` (PreemptMode=REQUEUE): Slurm requeues the
+  job and then SIGTERMs it, the ranks save, the script requeues nothing itself and says Slurm did, and the
+  restart resumes bitwise in the same MLflow run;
 - a job stopped at train.exit_step is not requeued, and its 2-node checkpoint continues on 1 node;
 - eval.sbatch evaluates a checkpoint on 2 nodes; refused input fails the job with exit status 2, and a killed
   rank fails it (the other rank names it) well within train.collective_timeout_s; neither is requeued;
@@ -24,8 +27,8 @@ rank.
   jobs submitted before it (exit 1).
 
 Skipped, with the script's one-line reason, only where the cluster cannot be had (not root, or Slurm missing
-and no apt-get to install it). About 7.5 minutes on a busy 2-core machine, 20-30 s of which is the requeue
-delay (AuthInfo cred_expire, shortened to 10 s in the test cluster's slurm.conf; two requeues).
+and no apt-get to install it). About 8 minutes on a busy 2-core machine (5 on an idle one), about 45 s of which
+is the requeue delay (AuthInfo cred_expire, shortened to 10 s in the test cluster's slurm.conf; four requeues).
 """
 from __future__ import annotations
 
@@ -373,6 +376,43 @@ def test_scancel_mid_run_saves_and_the_same_command_resumes_bitwise_in_the_same_
     client, run = mlflow_run(run_dir)
     assert run.info.status == "FINISHED"
     assert bits(losses(client, run)) == bits(straight["losses"])  # every step once, as if never stopped
+
+
+def test_preemption_requeues_once_and_the_restart_resumes_bitwise_in_the_same_mlflow_run(cluster, corpus, straight,
+                                                                                          tmp_path):
+    """A job of the higher-tier partition `urgent` preempts a training job (PreemptMode=REQUEUE, no GraceTime):
+    Slurm requeues it first and then signals it as scancel does (SIGTERM to the ranks, srun and the batch shell);
+    the ranks save, the script says Slurm has requeued the job and does not requeue it again, and the restart
+    resumes from that save, bitwise, in the same MLflow run."""
+    run_dir = tmp_path / "run"
+    job = cluster.sbatch("--nodes=2", "--ntasks-per-node=1", *train_args(corpus, run_dir))
+    # The ranks catch SIGTERM from their first line on, the batch shell from its step's start: preempt as soon
+    # as training runs (step 10 may already be close to the last step by the time Slurm preempts).
+    cluster.wait_for_text(job, f"training steps 1..{MAX_STEPS} of {MAX_STEPS}")
+    urgent = cluster.sbatch("--partition=urgent", "--nodes=2", "--job-name=urgent", "--wrap=true")
+    info = cluster.wait(job, timeout=400)
+    out = cluster.output(job)
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), out[-5000:]
+    ctld = (cluster.folder / "log" / "slurmctld.log").read_text(errors="replace")
+    assert f"preempted JobId={job} has been requeued to reclaim resources for JobId={urgent}" in ctld
+    high = cluster.wait(urgent, name="urgent")
+    assert high["JobState"] == "COMPLETED" and high["StartTime"] <= info["StartTime"], (high, info)
+    stopped = {int(m) for m in re.findall(r"stopping after step (\d+) \(SIGTERM\): saving a checkpoint", out)}
+    assert len(stopped) == 1, out[-5000:]
+    (step,) = stopped
+    assert 1 <= step < MAX_STEPS
+    tag = f"step_{step:08d}"
+    assert "txl-slurm: the batch shell got SIGTERM (time limit, scancel or preemption): waiting for the ranks" in out
+    assert f"txl-slurm: stopped at step {step} of {MAX_STEPS} by SIGTERM; Slurm has requeued this job itself " \
+           f"(preemption, or scontrol requeue): restart 1 resumes from {tag} once it starts again; nothing to " \
+           "submit" in out, out[-5000:]
+    assert "requeueing job" not in out and "not requeueing" not in out  # the script requeued nothing itself
+    assert f"job {job} (txl-train) restart 1 on 2 node(s)" in out
+    assert f"resumed from {run_dir / 'checkpoints' / tag} at step {step} (same world size)" in out
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{MAX_STEPS:08d}"
+    client, run = mlflow_run(run_dir)
+    assert run.info.status == "FINISHED"
+    assert bits(losses(client, run)) == bits(straight["losses"])
 
 
 def test_exit_step_ends_without_requeue_and_the_two_node_checkpoint_continues_on_one_node(cluster, corpus, straight,
