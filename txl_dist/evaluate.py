@@ -31,7 +31,6 @@ from torch import nn
 from . import distributed
 from .config import EvalConfig
 from .data import SplitTooShort, StreamLoader, hash_record
-from .data.hash_record import HashRecord
 from .data.format import split_parts
 from .host_copy import to_device
 from .memory import MemoryBank
@@ -71,7 +70,7 @@ class Evaluator:
         if split not in self._loaders:
             # The groups' blocks share files (and the tokenizer): each is hashed once, by a record of this
             # start's digests (training's own, else one never saved: its folder is no folder).
-            record = hash_record.active() or HashRecord(os.devnull)
+            record = hash_record.active() or hash_record.HashRecord(os.devnull)
             with record.in_use():
                 self._loaders[split] = self._open_groups(split)
         for loader, start in self._loaders[split]:
