@@ -44,7 +44,7 @@ def test_an_agents_store_serves_one_join_after_another():
     agent = _agent_store()
     for _ in range(2):
         assert join("127.0.0.1", agent.port, 0, 1, timedelta(seconds=5), AGENT) is not None
-    assert agent.add("txl_join/r/0/arrivals", 0) == 2
+    assert agent.add("txl_join/r/agent/generation", 0) == 1
 
 
 def test_a_rank_that_finds_no_store_says_where_it_looked():

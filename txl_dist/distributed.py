@@ -339,7 +339,8 @@ def init_process_group(env: DistEnv, *, collective_timeout_s: float = DEFAULT_CO
     # As env:// would: keys of other users of a shared store (torchrun's agent) stay apart.
     dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=env.rank,
                             world_size=env.world_size, timeout=timeout)
-    _start_control_group_and_watchdog(env, collective_timeout_s, control_timeout_s)
+    _start_control_group_and_watchdog(env, collective_timeout_s, control_timeout_s,
+                                      rendezvous.last_round() if env.world_size > 1 else None)
 
 
 def _join_existing(env: DistEnv, collective_timeout_s: float, control_timeout_s: float) -> None:
@@ -352,7 +353,8 @@ def _join_existing(env: DistEnv, collective_timeout_s: float, control_timeout_s:
     _start_control_group_and_watchdog(env, collective_timeout_s, control_timeout_s)
 
 
-def _start_control_group_and_watchdog(env: DistEnv, collective_timeout_s: float, control_timeout_s: float) -> None:
+def _start_control_group_and_watchdog(env: DistEnv, collective_timeout_s: float, control_timeout_s: float,
+                                      round_keys: str | None = None) -> None:
     global _control_group, _control_timeout_s
     # As the default group: a rank stuck while the others wait in a save or a start-up phase (whose notes allow
     # control_timeout_s, checkpoint.timeout_s) is named by the watchdog before the control group times out.
@@ -360,7 +362,7 @@ def _start_control_group_and_watchdog(env: DistEnv, collective_timeout_s: float,
     _control_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=control_timeout_s + margin))
     _control_timeout_s = control_timeout_s
     watchdog.start(env.rank, env.world_size, watchdog.store_address(env.master_addr, env.master_port),
-                   collective_timeout_s, logging.getLogger(LOGGER_NAME))
+                   collective_timeout_s, logging.getLogger(LOGGER_NAME), round_keys)
 
 
 def _port_taken(error: BaseException) -> bool:

@@ -15,9 +15,11 @@ Here, within the process group's timeout:
   the world size; half-way, rank 0 names those it still waits for in a warning, and at the timeout the ranks
   that joined name those that did not.
 The store is then what env:// would make: hosted by rank 0 at MASTER_ADDR:MASTER_PORT, or torchrun's agent's
-when TORCHELASTIC_USE_AGENT_STORE=True (every rank is a client then). Keys live under
-txl_join/<torchelastic run id>/<restart count>/<generation>: an agent's store outlives a process group (a
-store rank 0 hosts serves one: its generation is always 0, so that a task too many meets a taken slot).
+when TORCHELASTIC_USE_AGENT_STORE=True (every rank is a client then). A store rank 0 hosts serves one process
+group: keys under txl_join/<torchelastic run id>/<restart count>/0, so that a task too many meets a taken slot.
+An agent's store outlives its workers (torchrun restarts them against it): keys under
+txl_join/<torchelastic run id>/agent/<generation>, one generation per round of ranks (_join_agent_round), and
+the process group's own keys and the watchdog's live under that round's too (group_store, last_round).
 
 Uses only torch.distributed and the standard library.
 """
@@ -40,6 +42,9 @@ LOOPBACK = "127.0.0.1"
 CONNECT_RETRY_S = 0.2
 """How often a rank retries the store's port while it refuses (its host has not started listening yet)."""
 MAX_NAMED = 8
+ROUND_QUIET_S = 2.5
+"""A generation of an agent's store where ranks joined and none has beaten for this long (a waiting rank beats
+at least once a second) is an earlier round's: its processes are gone."""
 
 
 class JoinFailed(RunFailed):
@@ -47,10 +52,10 @@ class JoinFailed(RunFailed):
 
 
 def join(master_addr: str, master_port: int, rank: int, world_size: int, timeout: timedelta,
-         environ: Mapping[str, str] | None = None) -> dist.TCPStore:
+         environ: Mapping[str, str] | None = None) -> dist.Store:
     """The job's store once all `world_size` ranks have joined it (this rank hosts it when it is rank 0 and no
     agent does); JoinFailed when they have not within `timeout`. A store that cannot listen (its port taken)
-    raises the store's own error."""
+    raises the store's own error. An agent's store comes back under this group's keys (group_store)."""
     environ = os.environ if environ is None else environ
     agent = environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
     hosts = rank == 0 and not agent
@@ -68,15 +73,40 @@ def join(master_addr: str, master_port: int, rank: int, world_size: int, timeout
     store = dist.TCPStore(LOOPBACK if hosts else master_addr, master_port, world_size, is_master=hosts,
                           timeout=timeout, wait_for_workers=False, multi_tenant=True)
     try:
-        base = _base(environ)
-        _agree_on_world_size(store, base, rank, world_size, host)
-        keys = _namespace(store, base, world_size, agent)
-        _take_slot(store, keys, rank, host)
-        _await_everyone(store, keys, rank, world_size, deadline, timeout, where, refusal=f"{base}/refused")
+        if agent:
+            keys = _join_agent_round(store, environ, rank, world_size, host, deadline, timeout, where)
+        else:
+            base = _base(environ)
+            _agree_on_world_size(store, base, rank, world_size, host)
+            keys = f"{base}/0"
+            _take_slot(store, keys, rank, host)
+            _await_everyone(store, keys, rank, world_size, deadline, timeout, where, refusal=f"{base}/refused")
     except dist.DistError as e:  # the store's host went away meanwhile
         raise JoinFailed(f"rank {rank} lost {where}, while the ranks joined ({type(e).__name__}: {one_line(e)}); "
                          "stopping") from None
-    return store
+    global _last_round
+    _last_round = keys if agent else None
+    return group_store(store, keys) if agent else store
+
+
+_last_round: str | None = None
+
+
+def last_round() -> str | None:
+    """The keys of the round the last join in an agent's store joined (None after a store rank 0 hosts): the
+    watchdog's keys go under them, the same on every rank of the round."""
+    return _last_round
+
+
+def group_store(store: dist.Store, keys: str) -> dist.Store:
+    """`store` with the keys of one process group apart (`keys`: its round, _join_agent_round).
+
+    torchrun keeps one store for every round of its rendezvous (--max-restarts: the workers restarted after a
+    lost rank meet at the same MASTER_ADDR:MASTER_PORT), and the process group's keys there (gloo's address of
+    each rank) would be the first attempt's, of processes that are gone: measured with torch 2.13 and gloo, the
+    restarted ranks failed in `Gloo connectFullMesh ... Connection refused` or waited there until the group's
+    timeout (plain torch.distributed with env:// does the same)."""
+    return dist.PrefixStore(f"{keys}/group", store)
 
 
 def _agree_on_world_size(store: dist.TCPStore, base: str, rank: int, world_size: int, host: str) -> None:
@@ -105,16 +135,61 @@ def _take_slot(store: dist.TCPStore, keys: str, rank: int, host: str) -> None:
     store.add(f"{keys}/count", 1)
 
 
+def _join_agent_round(store: dist.TCPStore, environ: Mapping[str, str], rank: int, world_size: int, host: str,
+                      deadline: float, timeout: timedelta, where: str) -> str:
+    """Join this round of torchrun's rendezvous in its store; the round's keys once every rank has.
+
+    The store outlives the workers: torchrun restarts them against it (--max-restarts, a node that joins or
+    leaves), and TORCHELASTIC_RESTART_COUNT is each node's own count (a node whose workers were well when
+    another's failed restarts them without counting), so it cannot name the round: measured, the ranks of two
+    nodes joined under restart counts 0 and 1 and waited for each other until the timeout. The round is a
+    generation in the store instead, the newest one: where ranks joined before, they are of this round while
+    they beat (each beats as it waits for the others). A generation whose ranks no longer beat is an earlier
+    round's (torchrun stops its processes before it starts the next round, which then takes seconds to import),
+    so the rank opens the next generation, and any that joined the old one move on to it. In this round's
+    generation, a rank taken twice or another world size is refused as under a store rank 0 hosts."""
+    base = f"txl_join/{environ.get('TORCHELASTIC_RUN_ID', '')}/agent"
+    while True:
+        generation = store.add(f"{base}/generation", 0)
+        keys = f"{base}/{generation}"
+        if (store.add(f"{keys}/count", 0) or store.check([f"{keys}/world_size"])) and \
+                not _beats(store, f"{keys}/alive"):
+            store.compare_set(f"{base}/generation", str(generation), str(generation + 1))  # the first to see it
+            continue
+        _agree_on_world_size(store, keys, rank, world_size, host)
+        _take_slot(store, keys, rank, host)
+        if _await_everyone(store, keys, rank, world_size, deadline, timeout, where, refusal=f"{keys}/refused",
+                           beat=f"{keys}/alive", moved=lambda: store.add(f"{base}/generation", 0) != generation):
+            return keys
+
+
+def _beats(store: dist.TCPStore, key: str) -> bool:
+    """Whether some rank beats at `key` within ROUND_QUIET_S (a rank that waits beats each poll)."""
+    start = store.add(key, 0)
+    until = time.monotonic() + ROUND_QUIET_S
+    while time.monotonic() < until:
+        time.sleep(CONNECT_RETRY_S)
+        if store.add(key, 0) != start:
+            return True
+    return False
+
+
 def _await_everyone(store: dist.TCPStore, keys: str, rank: int, world_size: int, deadline: float,
-                    timeout: timedelta, where: str, refusal: str) -> None:
-    """Return once `world_size` ranks have joined; JoinFailed naming the others at the deadline, or at once
+                    timeout: timedelta, where: str, refusal: str, beat: str | None = None,
+                    moved: Callable[[], bool] | None = None) -> bool:
+    """True once `world_size` ranks have joined; JoinFailed naming the others at the deadline, or at once
     with the line a refused rank left at `refusal`. Rank 0 names them in a warning half-way too, while someone
-    can still start them."""
+    can still start them. Adds to `beat` at each poll; False when `moved()` says the ranks have moved on to a
+    newer generation."""
     poll_s = min(1.0, 0.05 + world_size / 2000)  # 4096 ranks: each asks once a second
     warn_at = None if rank else deadline - timeout.total_seconds() * WARNING_SHARE
     while (joined := store.add(f"{keys}/count", 0)) < world_size:
+        if beat is not None:
+            store.add(beat, 1)
         if store.check([refusal]):
             raise JoinFailed(store.get(refusal).decode())
+        if moved is not None and moved():
+            return False
         now = time.monotonic()
         if now >= deadline:
             raise JoinFailed(_missing_line(store.get(f"{keys}/roster").decode(), world_size, joined, timeout, where))
@@ -126,6 +201,7 @@ def _await_everyone(store: dist.TCPStore, keys: str, rank: int, world_size: int,
                 "joined within %.0f s", _ranks_text(missing), joined, world_size,
                 timeout.total_seconds() - (deadline - now), timeout.total_seconds())
         time.sleep(poll_s)
+    return True
 
 
 def _host_of(store: dist.TCPStore, keys: str, rank: int) -> str:
@@ -151,19 +227,8 @@ def _await_port(host: str, port: int, deadline: float, failure: Callable[[str], 
 
 
 def _base(environ: Mapping[str, str]) -> str:
-    """Keys of this launch: an agent's store outlives its workers' restarts."""
+    """Keys of this launch, in a store rank 0 hosts: it serves one process group."""
     return f"txl_join/{environ.get('TORCHELASTIC_RUN_ID', '')}/{environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-
-
-def _namespace(store: dist.TCPStore, base: str, world_size: int, agent: bool) -> str:
-    """Keys of this process group: a process may join several times against an agent's store, one group after
-    another. A store rank 0 hosts serves one group: there a process beyond the world size (a task too many,
-    with a rank already taken) meets the others' slots and is refused at once, instead of waiting out the
-    timeout for a next group that never comes while the job runs without it."""
-    if not agent:
-        return f"{base}/0"
-    generation = (store.add(f"{base}/arrivals", 1) - 1) // world_size
-    return f"{base}/{generation}"
 
 
 def _missing(roster: str, world_size: int) -> list[int]:

@@ -34,7 +34,9 @@ MASTER_ADDR/MASTER_PORT at it). Each thread opens its own client (torch.distribu
 is_master=False): a client runs one request at a time, so the process group's client (reachable only
 through the private distributed_c10d._get_default_store) would queue a heartbeat behind a long wait of the
 main thread; and torch.distributed.rendezvous("env://") would, on rank 0, start a second server once the
-first is gone. Keys live under txl_watchdog/<torchelastic run id>/<restart count>/<generation>/.
+first is gone. Keys live under txl_watchdog/<the round's keys>/ where the ranks joined torchrun's store
+(txl_dist/rendezvous.py: the same on every node), else txl_watchdog/<torchelastic run id>/<restart count>/
+<generation>/.
 
 Uses only torch.distributed, the standard library and txl_dist/rank_probe.py.
 """
@@ -319,7 +321,7 @@ class Watchdog:
     """One rank's heartbeat and watch (see the module docstring); start() and stop() drive it."""
 
     def __init__(self, rank: int, world_size: int, address: StoreAddress, collective_timeout_s: float,
-                 log: logging.Logger, callbacks: list[Callable[[], None]]):
+                 log: logging.Logger, callbacks: list[Callable[[], None]], round_keys: str | None = None):
         self.rank, self.world_size, self.address = rank, world_size, address
         self.timeout_s = collective_timeout_s
         self.period = beat_period(collective_timeout_s)
@@ -348,7 +350,7 @@ class Watchdog:
         self._threads["probe"].start()  # answers from the moment this rank's address is published
         try:
             store = _connect(address, STORE_CALL_S)
-            self.keys = _Keys(self._namespace(store))
+            self.keys = _Keys(f"txl_watchdog/{round_keys}" if round_keys else self._namespace(store))
             self._publish(store)
             self._await_infos(store, INFO_START_WAIT_S)
         except BaseException:
@@ -362,7 +364,8 @@ class Watchdog:
     # Start
 
     def _namespace(self, store: dist.TCPStore) -> str:
-        """Keys of this job: a process may init and destroy several times against one store (the agent's)."""
+        """Keys of this job, without the round of an agent's store that its ranks joined (round_keys; a group
+        made elsewhere): a process may init and destroy several times against one store (the agent's)."""
         base = (f"txl_watchdog/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
                 f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
         # Every rank joins once per process group, so the W joins of one group share one quotient.
@@ -849,13 +852,15 @@ _callbacks: list[Callable[[], None]] = []
 
 
 def start(rank: int, world_size: int, address: StoreAddress, collective_timeout_s: float,
-          log: logging.Logger | None = None) -> None:
-    """Publish this rank and start beating and watching; a no-op for a world of one or when running."""
+          log: logging.Logger | None = None, round_keys: str | None = None) -> None:
+    """Publish this rank and start beating and watching; a no-op for a world of one or when running.
+    `round_keys`: the round of torchrun's store that the ranks joined (rendezvous.last_round), whose keys are
+    the same on every rank (each node's TORCHELASTIC_RESTART_COUNT is its own)."""
     global _current
     if world_size < 2 or _current is not None:
         return
     _current = Watchdog(rank, world_size, address, collective_timeout_s, log or logging.getLogger(LOGGER_NAME),
-                        _callbacks)
+                        _callbacks, round_keys)
 
 
 def stop(error: str | None = None) -> None:
