@@ -204,9 +204,9 @@ def test_a_killed_prepare_sources_job_leaves_its_corpora_to_the_next_job(tmp_pat
     from data_prep.cli import main
     from data_prep.tokenizer import TrainerOptions, train_tokenizer, training_sentences
 
-    for name in ("a", "b"):
+    for name, seeds in (("a", range(10)), ("b", range(100, 110))):  # two texts: one text twice is refused by mix
         (tmp_path / name).mkdir()
-        for k in range(10):
+        for k in seeds:
             (tmp_path / name / f"{k}.txt").write_text(tricky_text(100, seed=k), encoding="utf-8")
     model = train_tokenizer(training_sentences(tricky_text(100, seed=k) for k in range(10)), tmp_path / "tok.model",
                             TrainerOptions(vocab_size=400, model_type="bpe"))

@@ -736,11 +736,14 @@ def test_sigterm_to_an_evaluation_says_where_on_each_rank_it_reached_and_writes_
     procs = _launch("eval", ["--checkpoint", str(saved_run), "--split", "valid", "--json-out", str(out / "r.json")],
                     faults, world)
     codes = _finish(procs)
+    # The checkpoint's run evaluated 2 streams of 3 segments; one rank runs them one after the other (eval
+    # groups of at most the training micro batch, 1): 6 segments.
+    segments = 3 * 2 // world
     for rank, (proc, code) in enumerate(zip(procs, codes)):
         if rank in signalled:
             assert code == 128 + signal.SIGTERM, proc.output[-3000:]
             assert [line.split("error: ", 1)[1].strip() for line in _errors(proc)] == [
-                f"evaluation stopped by {sig} at segment 2 of 3 of split valid; no result written"
+                f"evaluation stopped by {sig} at segment 2 of {segments} of split valid; no result written"
             ], proc.output[-3000:]
         else:  # its peer, stopped: told at once, in one line naming the rank
             assert code == 1, proc.output[-3000:]
