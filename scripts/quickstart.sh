@@ -36,7 +36,8 @@ echo "a sample (60 tokens, seed 0, temperature 0.8, top-k 40):"
 "$ROOT/.venv/bin/python" launch/generate.py --checkpoint "$RUN_DIR" --prompt "ROMEO." --max-new-tokens 60 \
     --seed 0 --temperature 0.8 --top-k 40
 
+case "$RUN_DIR" in /*) RUN_PATH="$RUN_DIR" ;; *) RUN_PATH="$ROOT/$RUN_DIR" ;; esac  # an absolute run.dir as given
 echo
-echo "checkpoints: $ROOT/$RUN_DIR/checkpoints"
-echo "curves:      $ROOT/$RUN_DIR/curves.png"
-echo "MLflow:      .venv/bin/mlflow ui --backend-store-uri sqlite:///$ROOT/$RUN_DIR/mlflow.db"
+echo "checkpoints: $RUN_PATH/checkpoints"
+echo "curves:      $RUN_PATH/curves.png"
+echo "MLflow:      .venv/bin/mlflow ui --backend-store-uri sqlite:///$RUN_PATH/mlflow.db"
