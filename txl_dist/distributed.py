@@ -326,9 +326,10 @@ def init_process_group(env: DistEnv, *, collective_timeout_s: float = DEFAULT_CO
     if uses_cuda():
         torch.cuda.set_device(env.local_rank)
     _collective_timeout = timeout
+    round_keys = None  # the round of torchrun's store the ranks joined, for the watchdog's keys
     if store is None:
         try:
-            store = rendezvous.join(env.master_addr, env.master_port, env.rank, env.world_size, timeout)
+            store, round_keys = rendezvous.join(env.master_addr, env.master_port, env.rank, env.world_size, timeout)
         except RuntimeError as e:  # DistNetworkError among them
             if env.rank == 0 and _port_taken(e):
                 raise LaunchError(
@@ -339,8 +340,7 @@ def init_process_group(env: DistEnv, *, collective_timeout_s: float = DEFAULT_CO
     # As env:// would: keys of other users of a shared store (torchrun's agent) stay apart.
     dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=env.rank,
                             world_size=env.world_size, timeout=timeout)
-    _start_control_group_and_watchdog(env, collective_timeout_s, control_timeout_s,
-                                      rendezvous.last_round() if env.world_size > 1 else None)
+    _start_control_group_and_watchdog(env, collective_timeout_s, control_timeout_s, round_keys)
 
 
 def _join_existing(env: DistEnv, collective_timeout_s: float, control_timeout_s: float) -> None:

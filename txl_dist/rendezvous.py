@@ -19,7 +19,7 @@ when TORCHELASTIC_USE_AGENT_STORE=True (every rank is a client then). A store ra
 group: keys under txl_join/<torchelastic run id>/<restart count>/0, so that a task too many meets a taken slot.
 An agent's store outlives its workers (torchrun restarts them against it): keys under
 txl_join/<torchelastic run id>/agent/<generation>, one generation per round of ranks (_join_agent_round), and
-the process group's own keys and the watchdog's live under that round's too (group_store, last_round).
+the process group's own keys and the watchdog's live under that round's too (group_store, Joined).
 
 Uses only torch.distributed and the standard library.
 """
@@ -31,6 +31,7 @@ import socket
 import time
 from collections.abc import Callable, Mapping
 from datetime import timedelta
+from typing import NamedTuple
 
 import torch.distributed as dist
 
@@ -51,8 +52,16 @@ class JoinFailed(RunFailed):
     """Not every rank of the job joined its store within the timeout."""
 
 
+class Joined(NamedTuple):
+    """What join gives: the store for the process group, and the keys of the round of an agent's store the ranks
+    joined (None in a store rank 0 hosts): the watchdog's keys go under them, the same on every rank."""
+
+    store: dist.Store
+    round_keys: str | None
+
+
 def join(master_addr: str, master_port: int, rank: int, world_size: int, timeout: timedelta,
-         environ: Mapping[str, str] | None = None) -> dist.Store:
+         environ: Mapping[str, str] | None = None) -> Joined:
     """The job's store once all `world_size` ranks have joined it (this rank hosts it when it is rank 0 and no
     agent does); JoinFailed when they have not within `timeout`. A store that cannot listen (its port taken)
     raises the store's own error. An agent's store comes back under this group's keys (group_store)."""
@@ -84,18 +93,7 @@ def join(master_addr: str, master_port: int, rank: int, world_size: int, timeout
     except dist.DistError as e:  # the store's host went away meanwhile
         raise JoinFailed(f"rank {rank} lost {where}, while the ranks joined ({type(e).__name__}: {one_line(e)}); "
                          "stopping") from None
-    global _last_round
-    _last_round = keys if agent else None
-    return group_store(store, keys) if agent else store
-
-
-_last_round: str | None = None
-
-
-def last_round() -> str | None:
-    """The keys of the round the last join in an agent's store joined (None after a store rank 0 hosts): the
-    watchdog's keys go under them, the same on every rank of the round."""
-    return _last_round
+    return Joined(group_store(store, keys), keys) if agent else Joined(store, None)
 
 
 def group_store(store: dist.Store, keys: str) -> dist.Store:

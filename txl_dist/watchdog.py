@@ -854,7 +854,7 @@ _callbacks: list[Callable[[], None]] = []
 def start(rank: int, world_size: int, address: StoreAddress, collective_timeout_s: float,
           log: logging.Logger | None = None, round_keys: str | None = None) -> None:
     """Publish this rank and start beating and watching; a no-op for a world of one or when running.
-    `round_keys`: the round of torchrun's store that the ranks joined (rendezvous.last_round), whose keys are
+    `round_keys`: the round of torchrun's store that the ranks joined (rendezvous.Joined), whose keys are
     the same on every rank (each node's TORCHELASTIC_RESTART_COUNT is its own)."""
     global _current
     if world_size < 2 or _current is not None:
