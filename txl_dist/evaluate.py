@@ -95,14 +95,14 @@ class Evaluator:
             raise
         return opened
 
-    def _windows(self, split: str) -> int:
-        """Segments per stream of an evaluation of `split` (eval.max_segments caps them)."""
-        total = self._group_loaders(split)[0].steps_per_epoch  # one micro batch (a group's streams) per window
+    def _windows(self, loader: StreamLoader) -> int:
+        """Segments per stream of an evaluation with one of its group loaders (eval.max_segments caps them)."""
+        total = loader.steps_per_epoch  # one micro batch (a group's streams) per window
         return total if self.cfg.max_segments is None else min(total, self.cfg.max_segments)
 
     def segments(self, split: str) -> int:
         """How many segments (forward passes) an evaluation of `split` runs: the same on every rank."""
-        return self._windows(split) * self.groups
+        return self._windows(self._group_loaders(split)[0]) * self.groups
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, split: str,
@@ -113,7 +113,7 @@ class Evaluator:
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # [nll sum, tokens]
         memory = self.cfg.memory()
         cutoffs = model.config.cutoffs
-        windows = self._windows(split)
+        windows = self._windows(loaders[0])
         label = f"evaluating {split}" + (f" ({self.groups} groups of {self.group} streams)" if self.groups > 1 else "")
         progress = Progress(label, windows * self.groups, "segments", quiet=self.rank != 0)
         tokens_read = 0  # from the host shapes: counting from `sums` would sync with the device
