@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import socket
 import sys
 import time
 
@@ -785,7 +786,7 @@ def test_an_evaluation_whose_launcher_is_gone_stops_with_one_line_and_leaves_no_
     # ended (a loaded machine) may be told by its peer, or under deepspeed by the launch process (alive: only the
     # runner died), which sends SIGTERM to the others once one rank has ended.
     lines = [line.split("error: ", 1)[1].strip() for line in _errors(proc)]
-    gone = rf"the end of its launcher \({launcher}, pid \d+\)"
+    gone = rf"the end of its launcher \({launcher}, host {re.escape(socket.gethostname())}, pid \d+\)"
     said = (rf"(rank \d \(host [^)]+\) stopped after an error: )?evaluation stopped by ({gone}|SIGTERM) at segment 2 "
             r"of 3 of split valid; no result written")
     assert len(lines) == 2 and all(re.fullmatch(said, line) for line in lines), proc.output[-3000:]

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -100,7 +101,7 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM (scancel, Slurm's time limit, `kill`), SIGUSR1 or the end of its launcher, to a job with nothing to
     save, raised in its main thread. A KeyboardInterrupt, so that what unwinds on Ctrl-C unwinds on it too
     (atomic.atomic_path removes its temporary file). The handler raises it bare, with `by` saying what stopped
-    the job ('by SIGTERM', 'by the end of its launcher (torchrun, pid 812)'); the job raises it again with its
+    the job ('by SIGTERM', 'by the end of its launcher (torchrun, host h, pid 812)'); the job raises it again with its
     line: where it stopped, what it leaves."""
 
     def __init__(self, *args: object, by: str = "by SIGTERM") -> None:
@@ -257,11 +258,12 @@ class LauncherWatch:
         self._next_check = 0.0
 
     def check(self) -> str | None:
-        """'its launcher (torchrun, pid 812)' once one of them has ended, else None (reads /proc)."""
+        """'its launcher (torchrun, host h, pid 812)' once one of them has ended, else None (reads /proc). The host:
+        on a job of several nodes, a pid alone does not say whose launcher it was."""
         if self._gone is None:
             for pid, start, name in self.launchers:
                 if _start_time(pid) != start:
-                    self._gone = f"its launcher ({name}, pid {pid})"
+                    self._gone = f"its launcher ({name}, host {socket.gethostname()}, pid {pid})"
                     break
         return self._gone
 
