@@ -197,7 +197,7 @@ def count_units_of_work() -> None:
       creeping  moves on in parts of unit 3 for ever: its position never stays put long enough for the watch."""
     from txl_dist import watchdog
 
-    env = _join(TIMEOUT_S)
+    env = _join(float(os.environ.get("COLLECTIVE_TIMEOUT_S", TIMEOUT_S)))
     distributed.barrier()
     _say(ready=env.rank, pid=os.getpid())
     try:
@@ -553,14 +553,22 @@ def test_a_stuck_rank_is_named_when_the_others_collective_times_out_first(job):
 
 
 def test_a_slow_rank_is_warned_about_but_not_called_stuck(job):
-    ranks = job("count_units_of_work", WAIT_IN="all_reduce", ODD_ONE="slow", SLOW_S=str(TIMEOUT_S - 2))
+    """Rank 1 sleeps 3/4 of the timeout P (beats every p = P/6). Rank 0 sees rank 1's note of unit 2 at one of its
+    beats, up to 2p after the note (one beat to publish it, one to read it), and warns at the first beat from
+    which it has not moved for 2 beats and rank 0 has waited P/2: by 4p = 2P/3 at the latest. Rank 1 must still be
+    asleep then, and awake well before P, when rank 0 would call it stuck: a sleep of 4p (the test's first
+    version) left the warning no time on a loaded machine, so the margin is p/2 on the one side and 3p/2 on the
+    other, at a timeout of 12 s (p = 2 s) rather than the scenarios' 6 s."""
+    timeout_s = 2 * TIMEOUT_S
+    ranks = job("count_units_of_work", WAIT_IN="all_reduce", ODD_ONE="slow", COLLECTIVE_TIMEOUT_S=str(timeout_s),
+                SLOW_S=str(0.75 * timeout_s))
     for r in ranks:
         assert r.exit_status(timeout=60) == 0, r.stderr()
         assert r.wait_for("done")
         assert "stuck" not in r.stderr() and "error" not in r.stderr(), r.stderr()
-    # Rank 0 waited 4 of its 6 s: past half, so it said so once.
+    # Rank 0 waited 9 of its 12 s: past half, so it said so once.
     (warning,) = ranks[0].lines_naming(1)
-    assert "has not gone past unit 2 for " in warning and "the job stops when this rank has waited 6 s" in warning
+    assert "has not gone past unit 2 for " in warning and "the job stops when this rank has waited 12 s" in warning
 
 
 @pytest.mark.parametrize("made_by", ["us", "caller"])
