@@ -18,6 +18,7 @@ from txl_dist.model.attention import (ATTN_IMPLS, attn_bias_from_mask, attn_mask
                                       flex_block_mask, rel_attention_flex, rel_attention_matmul,
                                       rel_attention_reference, rel_attention_sdpa, rel_shift, resolve_attn_impl,
                                       sdpa_backends, time_attn_impls)
+from triton_helpers import why_the_interpreter_cannot_run_the_kernels
 
 FAST = {"matmul": rel_attention_matmul, "sdpa": rel_attention_sdpa}
 
@@ -139,7 +140,7 @@ def test_dropatt_only_in_training():
     x = _inputs(2, 4, 3, 2, 8)
     bias = attn_bias_from_mask(build_attn_mask(4, 3, 3, False), torch.float32)
     for name, fn in ATTN_IMPLS.items():
-        if name == "flex" or (name == "triton" and not triton_attention.triton_available()):
+        if name == "flex" or (name == "triton" and why_the_interpreter_cannot_run_the_kernels()):
             continue  # flex has no dropout (see below); triton's own file tests its kernels' dropout
         mask = attn_mask_for(name, 4, 3, 3, False, torch.device("cpu"), torch.float32)  # triton: interpreted
         a = fn(**x, attn_bias=mask, dropatt=0.5, training=False)

@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from triton_helpers import why_the_interpreter_cannot_run_the_kernels
+
 triton = pytest.importorskip("triton", reason="scripts/test.sh installs triton (its interpreter runs these kernels "
                                                 "on a CPU)")
 
@@ -30,15 +32,11 @@ from txl_dist.model.attention import (KeyPattern, attn_mask_for, build_attn_mask
 
 REPO = Path(__file__).resolve().parents[1]
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-pytestmark = [
-    pytest.mark.skipif(DEVICE.type == "cpu" and not triton_attention.interpreting(),
-                       reason="no CUDA device and TRITON_INTERPRET is not 1 (tests/conftest.py sets it)"),
-    # A CUDA build of torch on a machine without a GPU brings its own, older triton (3.6 with torch 2.11).
-    pytest.mark.skipif(DEVICE.type == "cpu" and tuple(map(int, triton.__version__.split(".")[:2])) < (3, 9),
-                       reason=f"triton {triton.__version__}'s interpreter cannot run loops bounded by program-id "
-                              "values under numpy 2.4 or later (fixed in 3.9; scripts/test.sh installs 3.9 or later "
-                              "where torch brings no triton)"),
-]
+CANNOT_INTERPRET = why_the_interpreter_cannot_run_the_kernels() if DEVICE.type == "cpu" else None
+runs_the_kernels = pytest.mark.skipif(CANNOT_INTERPRET is not None, reason=str(CANNOT_INTERPRET))
+"""On tests that run the kernels: compiled on CUDA, interpreted on a CPU where the interpreter can. The tests that
+compile them for sm_90 (Triton's compiler and ptxas, no GPU) and those of the tile and device choices run with
+any triton, so a suite run with the GPU machine's triton checks that it compiles them."""
 
 
 @pytest.fixture(autouse=True)
@@ -89,6 +87,7 @@ CASES = [  # bh, qlen, mlen, d_head, position-row padding, same_length's window 
 ]
 
 
+@runs_the_kernels
 @pytest.mark.parametrize("bh,qlen,mlen,d_head,pad,window", CASES)
 def test_forward_and_every_gradient_equal_the_reference(bh, qlen, mlen, d_head, pad, window):
     q, k, v, pos = inputs(bh, qlen, mlen, d_head, pad)
@@ -135,6 +134,7 @@ class OneCandidate:
         return Tuned
 
 
+@runs_the_kernels
 @pytest.mark.parametrize("index", range(max(map(len, triton_attention.TILE_CANDIDATES.values()))))
 def test_every_tile_the_tuner_may_pick_gives_the_same_results(index, monkeypatch):
     monkeypatch.setattr(triton_attention, "tunes", lambda device: True)
@@ -158,6 +158,7 @@ def test_every_tile_the_tuner_may_pick_gives_the_same_results(index, monkeypatch
         assert rel_err(g_got, g_want) < 1e-5, (name, rel_err(g_got, g_want))
 
 
+@runs_the_kernels
 def test_half_precision_error_is_its_rounding():
     q, k, v, pos = inputs(4, 48, 40, 32, 1, HALF)
     out = triton_attention.fused_rel_attention(q, k, v, pos, 40, None, 0.0)
@@ -178,6 +179,7 @@ def one_hot_values(bh, klen, d_head):
     return v.requires_grad_()
 
 
+@runs_the_kernels
 @pytest.mark.parametrize("p_drop, bits", [(0.3, 16), (0.001, 32)])
 def test_dropout_mask_rate_backward_and_repeatability(monkeypatch, p_drop, bits):
     """16-bit draws where they hold p within 0.1%, 32-bit ones below (triton_attention.dropout_words)."""
@@ -224,6 +226,7 @@ def test_dropout_mask_rate_backward_and_repeatability(monkeypatch, p_drop, bits)
     assert torch.equal((retiled[..., :klen].detach() > 0) & visible, keep)
 
 
+@runs_the_kernels
 def test_no_dropout_outside_training():
     x = dict(q=torch.randn(2, 16, 64, device=DEVICE), kv=torch.randn(2, 40, 128, device=DEVICE),
              r_head_k=torch.randn(40, 64, device=DEVICE), r_w_bias=torch.randn(4, 16, device=DEVICE),
@@ -234,6 +237,7 @@ def test_no_dropout_outside_training():
     assert not torch.equal(plain, rel_attention_triton(**x, attn_bias=pattern, dropatt=0.5, training=True))
 
 
+@runs_the_kernels
 @pytest.mark.parametrize("same_length", [False, True])
 def test_the_model_with_triton_attention_equals_matmul(same_length):
     """Two segments with mems through a whole (small) model, every parameter's gradient, fp32."""
@@ -256,6 +260,7 @@ def test_the_model_with_triton_attention_equals_matmul(same_length):
         torch.testing.assert_close(results["triton"][1][name], grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
+@runs_the_kernels
 def test_the_custom_ops_registrations_hold():
     """torch.library.opcheck: the schema, the fake (meta) implementation torch.compile traces with, and the
     autograd registration, on a small case with dropout."""
@@ -264,6 +269,7 @@ def test_the_custom_ops_registrations_hold():
     torch.library.opcheck(triton_attention.rel_attn_fwd, (q, k, v, pos, seed, 16, 32, 0.2))
 
 
+@runs_the_kernels
 def test_traced_by_torch_compile_with_its_backward():
     """The layer code around the kernels under dynamo + AOT autograd (the fake implementations, the backward
     op), as train.compile runs it; aot_eager keeps the rest eager, so this stays quick on a CPU."""
