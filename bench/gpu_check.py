@@ -1309,7 +1309,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu-smoke", action="store_true", help="every phase at toy size on the CPU (< 2 minutes)")
     ap.add_argument("--budget-s", type=float, default=float(sum(PHASE_BUDGET.values())),
                     help="total seconds for all phases (each gets its share)")
-    ap.add_argument("--phases", nargs="+", default=list(PHASE_BUDGET), choices=list(PHASE_BUDGET))
+    ap.add_argument("--phases", nargs="+", default=list(PHASE_BUDGET), choices=list(PHASE_BUDGET),
+                    help="the phases to run, in this order; env always runs, first (its record names the device "
+                         "and versions in the table, and the train phase reads the device's data-sheet peak from it)")
     ap.add_argument("--end-epoch", type=float, default=None,
                     help="wall-clock time (seconds since the epoch) the phases must end by; gpu_check.sh passes its "
                          "own start + time box - margin, so that Python's imports count too")
@@ -1345,8 +1347,9 @@ def main(argv: list[str] | None = None) -> int:
     rec.write({"phase": "start", "kind": "start", "argv": sys.argv[1:], "smoke": args.cpu_smoke,
                "budget_s": args.budget_s, "scratch": str(scratch)})
     budgets = SMOKE_BUDGET if args.cpu_smoke else PHASE_BUDGET
+    phases = ["env", *dict.fromkeys(name for name in args.phases if name != "env")]
     # The phases run share the whole budget (a focused call with --phases gets all of it).
-    scale = args.budget_s / sum(budgets[name] for name in set(args.phases))
+    scale = args.budget_s / sum(budgets[name] for name in phases)
     signal.signal(signal.SIGTERM, _terminate)
     shared: dict[str, Any] = {}
     fns: dict[str, Callable[[Phase], None]] = {
@@ -1358,10 +1361,10 @@ def main(argv: list[str] | None = None) -> int:
     carry = 0.0  # the schedule's time minus what the phases so far took: an overrun makes it negative
     code = 0
     try:
-        for index, name in enumerate(args.phases):
+        for index, name in enumerate(phases):
             start = time.monotonic()
             share = budgets[name] * scale
-            budget = phase_budget(name, share, carry, index == len(args.phases) - 1, deadline - start)
+            budget = phase_budget(name, share, carry, index == len(phases) - 1, deadline - start)
             if budget < 1:
                 reason = ("overall deadline reached" if deadline - start < 1 else
                           f"earlier phases overran their shares by more than this one's ({share:.0f} s)")

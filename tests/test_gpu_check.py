@@ -350,6 +350,12 @@ def test_a_focused_call_shares_the_whole_budget_among_its_phases_in_its_order(tm
     assert env == pytest.approx(2 * weights["env"], abs=0.5)
     assert train == pytest.approx(2 * (weights["train"] + weights["env"]), abs=1.0)  # env used none of its share
     assert deepspeed == pytest.approx(2 * total, abs=1.0)  # the last: all that is left (none was used)
+    # env runs first whatever --phases says: its record names the device and versions in the table (a second
+    # call of the CUDA tests alone printed "device None | torch None"), and train reads the device's name from it.
+    ran.clear()
+    assert gpu_check.main(["--cpu-smoke", "--out", str(tmp_path), "--budget-s", str(2 * total),
+                           "--phases", "deepspeed", "train", "env"]) == 0
+    assert [name for name, _ in ran] == ["env", "deepspeed", "train"]
 
 
 def test_the_trainer_profile_window_leaves_unprofiled_steady_steps_and_the_reading_uses_them(tmp_path):
