@@ -644,6 +644,7 @@ def prepare_mixture(sources: Sequence[SourceSpec], spec: InputSpec, out: str | o
         if tokenizer_model is None:  # on what each source's prepare below keeps for training
             tokenizer_model = train_tokenizer_job(spec, work / "tokenizer.model", trainer, progress=progress,
                                                   parts={f"--source {s.name}": [str(s.corpus)] for s in sources})
+        trained_by: dict[str, SourceSpec] = {}  # train tokens_sha256 -> the first source that gave them
         for s in sources:
             try:
                 prepare(dataclasses.replace(spec, train=[str(s.corpus)]), work / s.name,
@@ -652,6 +653,13 @@ def prepare_mixture(sources: Sequence[SourceSpec], spec: InputSpec, out: str | o
                         args=args, progress=progress, space_check=False)  # checked for the whole job above
             except PrepError as e:  # which source it was (e.g. one too small for the held-out fractions)
                 raise PrepError(f"--source {s.name}: {e}") from None
+            # Two sources of the same text (a copied file) would be mixed twice, as mix refuses for a copied
+            # corpus; said here, as soon as the second is prepared, in the user's files, not the scratch folders.
+            first = trained_by.setdefault(read_corpus_manifest(work / s.name).splits["train"].tokens_sha256, s)
+            if first is not s:
+                raise PrepError(f"--source {s.name}: its files ({s.corpus}) give the same training tokens as those "
+                                f"of source {first.name} ({first.corpus}): one text under two names; give it once "
+                                "(its weight says how much of it to mix)")
         return mix([SourceSpec(s.name, work / s.name, s.weight) for s in sources], out, train_tokens=train_tokens,
                    seed=spec.seed, world_size=world_size, n_streams=n_streams, eval_streams=eval_streams,
                    overwrite=overwrite, command=command, args=args, progress=progress,

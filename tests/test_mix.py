@@ -547,6 +547,22 @@ def test_prepare_makes_a_mixture_from_raw_text_in_one_step(raw, corpora, tmp_pat
     assert [p.name for p in tmp_path.iterdir() if ".sources-" in p.name] == []  # the work folder is gone
 
 
+def test_prepare_source_refuses_one_text_under_two_names_in_the_users_files(raw, corpora, tmp_path, capsys):
+    """A copied file given as a second source was refused only by mix, after every source was prepared, in a line
+    that named the job's scratch folders (`.OUT.sources-*/b`); now as soon as the copy is prepared, naming the
+    files as given."""
+    copy = tmp_path / "copy.txt"
+    shutil.copyfile(raw["sh"]["valid"][0], copy)
+    assert run("prepare", "--out", tmp_path / "out", "--source", f"a={raw['sh']['valid'][0]}:1", "--source",
+               f"b={copy}:1", "--line-docs", "--valid-fraction", 0.1, "--tokenizer-model",
+               corpora["sh"] / "tokenizer.model", "--world-size", 1, "--n-streams", 4, "--num-proc", 1,
+               "--quiet") == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert f"--source b: its files ({copy}) give the same training tokens as those of source a " \
+           f"({raw['sh']['valid'][0]})" in line and ".sources-" not in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["copy.txt"]  # no output, no scratch folder
+
+
 def test_prepare_source_trains_the_tokenizer_on_each_sources_training_documents(tmp_path, monkeypatch):
     """The tokenizer `prepare --source` trains sees exactly the documents that each source's prepare keeps for
     training: none that a source holds out as valid (was: held-out documents were picked over all sources'
