@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from bench.suite import (DTYPES, MFU_PRESETS, flops_per_token, matmul_call, our_training, preset_layer_config,
+from bench.suite import (DTYPES, MFU_PRESETS, flops_per_token, matmul_peak_call, our_training, preset_layer_config,
                          speed_config)
 from bench.timing import interleaved
 
@@ -110,11 +110,11 @@ def ablate(shape: str, dtype: torch.dtype, reps: int, quick: bool) -> dict[str, 
                 steps(k)
         return call
 
-    mm, mm_flops = matmul_call(dtype, 512 if quick else 1024)
+    mm, best_peak = matmul_peak_call(dtype)
     fns = {name: timed(*run) for name, run in runs.items()}
     times = interleaved({**fns, "matmul peak": mm}, reps, warmup=1)
     step = {name: times[name][0] / k for name in runs}
-    peak = mm_flops / times["matmul peak"][0]
+    peak = best_peak()
     fpt, _ = flops_per_token(cfg, batch, labels)
     ideal = fpt * batch * cfg.tgt_len / peak
     base = step["unchanged"]

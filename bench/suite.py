@@ -123,15 +123,23 @@ def flops_per_token(cfg: ModelConfig, batch: int, labels: torch.Tensor) -> tuple
     return model_flops_per_token(cfg, micro_batch=batch, cluster_shares=shares), "txl_dist.flops.flops_per_token"
 
 
-def matmul_call(dtype: torch.dtype, n: int) -> tuple[Callable[[], None], float]:
-    """One timing call of an n x n matmul (3 products) and its FLOPs."""
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+def matmul_peak_call(dtype: torch.dtype) -> tuple[Callable[[], None], Callable[[], float]]:
+    """(one timing call, the peak so far in FLOP/s): each call measures the product's own CPU peak
+    (txl_dist.flops.measure_matmul_peak: one thread's best square product times the threads, the peak the
+    progress line's MFU uses), so that it takes turns with the steps; the peak is the best call's.
+
+    Not an n x n product on all threads: torch 2.13 runs square bf16 products up to ~1024 on ONE thread
+    whatever the thread count (a 1024 x 1024 bf16 product on 2 threads used 1.00 CPU and ran at its
+    one-thread rate on an Intel with AMX, while the model's [1024, 256] x [256, 768] ran on both, 2.7 TFLOP/s),
+    so such a "peak" was about half the machine's and the bf16 MFU twice the truth (BENCHMARKS.md)."""
+    from txl_dist.flops import measure_matmul_peak
+
+    rates: list[float] = []
 
     def run() -> None:
-        for _ in range(3):
-            torch.mm(a, b)
+        rates.append(measure_matmul_peak("cpu", dtype, seconds=0.1)[0])
 
-    return run, 3 * 2.0 * n ** 3
+    return run, lambda: max(rates)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -212,7 +220,7 @@ def bench_reference(args: argparse.Namespace) -> dict[str, Any]:
         worker = ReferenceWorker(cfg, dname, batch, args.threads)
         try:
             ours, labels = our_training(cfg, dtype, batch)
-            mm, mm_flops = matmul_call(dtype, 512 if args.quick else 1024)
+            mm, best_peak = matmul_peak_call(dtype)
             ref_times: list[float] = []  # the worker's own clock: no pipe latency in the figure
 
             def reference() -> None:
@@ -226,7 +234,7 @@ def bench_reference(args: argparse.Namespace) -> dict[str, Any]:
             times = interleaved(fns, reps, warmup=1, settle_s=0.3)
             ref_best = min(ref_times[1:])  # [0] was the warm-up
             ours_best = times["ours"][0]
-            peak = mm_flops / times["matmul"][0]
+            peak = best_peak()
             fpt, counter = flops_per_token(cfg, batch, labels)
             ours_tok_s, ref_tok_s = tokens / ours_best, tokens / ref_best
             results[dname] = {
@@ -264,14 +272,14 @@ def bench_mfu(args: argparse.Namespace) -> dict[str, Any]:
     dtype = DTYPES[dname]
     batch = 4 if args.quick else 8
     reps, k = (2, 1) if args.quick else (4, 2)
-    mm, mm_flops = matmul_call(dtype, 512 if args.quick else 1024)
+    mm, best_peak = matmul_peak_call(dtype)
     results: dict[str, Any] = {"dtype": dname, "batch": batch, "threads": args.threads, "shapes": {}}
     for name, n_layer in MFU_PRESETS:
         cfg = preset_layer_config(name, n_layer, args.quick)
         ours, labels = our_training(cfg, dtype, batch)
         ours(len(labels))  # every segment once, as in the reference section: the steady state
         times = interleaved({"ours": lambda: ours(k), "matmul": mm}, reps, warmup=0, settle_s=0.3)
-        peak = mm_flops / times["matmul"][0]
+        peak = best_peak()  # over this shape's turns and the ones before: a peak is the best the machine showed
         fpt, counter = flops_per_token(cfg, batch, labels)
         tok_s = batch * cfg.tgt_len * k / times["ours"][0]
         results["shapes"][name] = {
