@@ -135,6 +135,30 @@ def test_position_rows_probe_times_both_row_widths(capsys):
         assert min(r["unpadded_ms"]) > 0 and min(r["padded_ms"]) > 0
 
 
+def test_the_suites_mfu_divides_by_the_products_own_peak(monkeypatch):
+    """The mfu section's peak is txl_dist.flops.measure_matmul_peak's, the one the progress line's MFU uses:
+    the suite's own 1024 x 1024 product on all threads, which torch ran on one thread in bf16, gave an Intel
+    with AMX half its peak and the benchmark twice its bf16 MFU (BENCHMARKS.md)."""
+    import argparse
+
+    import txl_dist.flops as flops
+    from bench.suite import bench_mfu
+
+    calls = []
+
+    def product_peak(device, dtype=torch.bfloat16, *, seconds=0.3, sizes=None):
+        calls.append((str(device), dtype))
+        return 3.0e12 + 1e9 * len(calls), 512  # rising: the section keeps the best call's
+
+    monkeypatch.setattr(flops, "measure_matmul_peak", product_peak)
+    res = bench_mfu(argparse.Namespace(quick=True, threads=1))
+    assert calls and all(device == "cpu" for device, _ in calls)
+    for r in res["shapes"].values():
+        assert 3.0 < r["matmul_peak_tflops"] <= 3.0 + 1e-3 * len(calls)
+        assert r["mfu"] == pytest.approx(r["flops_per_token"] * r["tokens_per_s"] / (r["matmul_peak_tflops"] * 1e12),
+                                         rel=1e-3)
+
+
 def test_step_ablation_times_every_variant_beside_the_unchanged_step():
     """bench/step_ablation.py (where a CPU step's time goes) trains every variant at toy size, and each of its
     replaced names still exists in the code it patches (a renamed one fails instead of measuring nothing)."""
