@@ -689,6 +689,9 @@ def test_a_rank_that_never_joins_is_named_in_one_line(corpus, tmp_path, started,
             assert re.search(rf"error: rank 1 \(host [^)]+\) could not reach {store}, within 8 s: rank 0 has not "
                              r"started it, or this host cannot reach that address \(a wrong MASTER_ADDR, a firewall; "
                              r"last try: [^)]+\); stopping$", line.strip()), line
+            # Half-way, while rank 0 can still be started: the job's one warning (the lowest client rank's).
+            assert len(re.findall(rf"warning: rank 1 \(host [^)]+\) has not reached {store}, for \d+ s: rank 0 has "
+                                  r"not started it", proc.output)) == 1, proc.output[-3000:]
         assert "frame #" not in proc.output and "c10d" not in proc.output and "Traceback" not in proc.output
 
 

@@ -47,15 +47,36 @@ def test_an_agents_store_serves_one_join_after_another():
     assert agent.add("txl_join/r/agent/generation", 0) == 1
 
 
-def test_a_rank_that_finds_no_store_says_where_it_looked():
+def test_a_rank_that_finds_no_store_says_where_it_looked(caplog):
     port = free_port()
     with pytest.raises(JoinFailed) as failed:
         join("127.0.0.1", port, 1, 2, timedelta(seconds=1), {})
+    # Half-way, once, from rank 1 (the lowest client rank): the job's one line while rank 0 can still start.
+    (warning,) = [r.getMessage() for r in caplog.records if "has not reached" in r.getMessage()]
+    assert re.fullmatch(rf"warning: rank 1 \(host [^)]+\) has not reached the rendezvous store at 127\.0\.0\.1:{port} "
+                        r"\(MASTER_ADDR:MASTER_PORT\), hosted by rank 0, for [01] s: rank 0 has not started it, or "
+                        r"this host cannot reach that address \(a wrong MASTER_ADDR, a firewall; last try: "
+                        r"\[Errno 111\] Connection refused\); the job stops if it cannot within 1 s", warning), warning
     assert re.fullmatch(rf"rank 1 \(host [^)]+\) could not reach the rendezvous store at 127\.0\.0\.1:{port} "
                         r"\(MASTER_ADDR:MASTER_PORT\), hosted by rank 0, within 1 s: rank 0 has not started it, or "
                         r"this host cannot reach that address \(a wrong MASTER_ADDR, a firewall; last try: "
                         r"\[Errno 111\] Connection refused\); stopping",
                         str(failed.value)), failed.value
+
+
+def test_only_the_lowest_client_rank_warns_of_a_store_it_cannot_reach(caplog):
+    """Every other rank waits quietly (a job of 4096 ranks would print 4095 lines); under torchrun's agent every
+    rank is a client, rank 0 included, and rank 0 warns."""
+    port = free_port()
+    for rank, environ in ((2, {}), (1, AGENT)):
+        with pytest.raises(JoinFailed):
+            join("127.0.0.1", port, rank, 3, timedelta(seconds=1), environ)
+    assert not [r for r in caplog.records if "has not reached" in r.getMessage()]
+    with pytest.raises(JoinFailed):
+        join("127.0.0.1", port, 0, 3, timedelta(seconds=1), AGENT)
+    (warning,) = [r.getMessage() for r in caplog.records if "has not reached" in r.getMessage()]
+    assert re.match(r"warning: rank 0 \(host [^)]+\) has not reached the rendezvous store at .*, hosted by "
+                    r"torchrun, for [01] s: torchrun has not started it", warning), warning
 
 
 def test_a_store_that_goes_away_while_the_ranks_join_ends_the_join():

@@ -6,8 +6,10 @@ failed try of its store client before "The client socket has timed out". Both ar
 that did not start its task, a wrong MASTER_ADDR, a firewall between nodes.
 
 Here, within the process group's timeout:
-- a rank that does not host the store first tries its port with a plain socket (quiet; retried while the
-  port refuses, as when rank 0 starts later), and fails with one line naming the address and what to check;
+- a rank that does not host the store first tries its port with a plain socket (retried while the port
+  refuses, as when rank 0 starts later), and fails with one line naming the address and what to check; quietly
+  but for one warning half-way, from the lowest rank that is a client (rank 1, or rank 0 when torchrun's agent
+  hosts the store): one line for the job while its rank 0 can still be started;
 - the first rank to join sets the job's world size; a rank started with another one stops at once, and so
   do the others, with its line (instead of waiting for ranks that do not exist);
 - every rank then takes its rank's slot (a second process with the same rank fails at once, saying so),
@@ -26,6 +28,7 @@ Uses only torch.distributed and the standard library.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import time
@@ -73,10 +76,18 @@ def join(master_addr: str, master_port: int, rank: int, world_size: int, timeout
     where = f"the rendezvous store at {master_addr}:{master_port} (MASTER_ADDR:MASTER_PORT), hosted by " \
             f"{'torchrun' if agent else 'rank 0'}"
     if not hosts:
+        starter = "torchrun" if agent else "rank 0"
+        why = f"{starter} has not started it, or this host cannot reach that address"
+        # One line for the job half-way, from the lowest rank that is a client (rank 0 hosts the store unless
+        # torchrun's agent does): the others wait as quietly as it does.
+        warn = None if rank != (0 if agent else 1) else lambda waited, last: logging.getLogger(LOGGER_NAME).warning(
+            "warning: rank %d (host %s) has not reached %s, for %.0f s: %s (a wrong MASTER_ADDR, a firewall; last "
+            "try: %s); the job stops if it cannot within %.0f s", rank, host, where, waited, why, last,
+            timeout.total_seconds())
         _await_port(master_addr, master_port, deadline, lambda last: JoinFailed(
-            f"rank {rank} (host {host}) could not reach {where}, within "
-            f"{timeout.total_seconds():.0f} s: {'torchrun' if agent else 'rank 0'} has not started it, or this "
-            f"host cannot reach that address (a wrong MASTER_ADDR, a firewall; last try: {last}); stopping"))
+            f"rank {rank} (host {host}) could not reach {where}, within {timeout.total_seconds():.0f} s: {why} (a "
+            f"wrong MASTER_ADDR, a firewall; last try: {last}); stopping"),
+            warn_at=deadline - timeout.total_seconds() * WARNING_SHARE, warn=warn)
     # The host's own client goes over loopback (its server listens on every interface): a MASTER_ADDR that
     # does not lead back to it (a name it cannot resolve) is then told by the ranks that cannot reach it.
     store = dist.TCPStore(LOOPBACK if hosts else master_addr, master_port, world_size, is_master=hosts,
@@ -211,16 +222,23 @@ def _host_of(store: dist.TCPStore, keys: str, rank: int) -> str:
     return "unknown"
 
 
-def _await_port(host: str, port: int, deadline: float, failure: Callable[[str], Exception]) -> None:
-    """Return once `host:port` accepts a connection; raise failure(the last try's error) at the deadline."""
+def _await_port(host: str, port: int, deadline: float, failure: Callable[[str], Exception], *,
+                warn_at: float = math.inf, warn: Callable[[float, str], None] | None = None) -> None:
+    """Return once `host:port` accepts a connection; raise failure(the last try's error) at the deadline.
+    warn(seconds waited, the last try's error) is called once, at the first failed try after `warn_at`."""
+    start = time.monotonic()
     while True:
         left = deadline - time.monotonic()
         try:
             with socket.create_connection((host, port), timeout=max(0.1, min(left, 5.0))):
                 return
         except OSError as e:
-            if time.monotonic() + CONNECT_RETRY_S >= deadline:
+            now = time.monotonic()
+            if now + CONNECT_RETRY_S >= deadline:
                 raise failure(one_line(e)) from None
+            if warn is not None and now >= warn_at:
+                warn(now - start, one_line(e))
+                warn = None
             time.sleep(CONNECT_RETRY_S)
 
 
