@@ -129,10 +129,12 @@ InactiveLimit=0
 Waittime=0
 NodeName=node[1-2] NodeHostname=$host NodeAddr=127.0.0.1 Port=$((PORT + 1))-$((PORT + 2)) CPUs=1 State=UNKNOWN
 # Preemption: a job of partition urgent (same nodes, higher PriorityTier) requeues the debug jobs it needs the
-# nodes of. Jobs in one partition never preempt each other: nothing else submits to urgent.
+# nodes of, and cancels the graceful jobs after a grace time (their ranks get SIGTERM at its start). Jobs in one
+# partition never preempt each other: nothing else submits to urgent.
 PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=1
+PartitionName=graceful Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=CANCEL GraceTime=60
 PartitionName=urgent Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF
 EOF
 }
@@ -155,7 +157,7 @@ wait_idle() {
     local deadline=$((SECONDS + ${1:-60})) state
     while [ $SECONDS -lt $deadline ]; do
         state="$(cluster_answers || true)"
-        # One line per node and partition (debug, urgent): each node counted once.
+        # One line per node and partition (debug, graceful, urgent): each node counted once.
         if [ "$(grep -E '^node[12] (idle|alloc|mix)' <<<"$state" | sort -u | wc -l)" -eq 2 ]; then
             return 0
         fi

@@ -15,6 +15,8 @@ rank.
 - preemption mid-run by a job of the higher-tier partition `urgent` (PreemptMode=REQUEUE): Slurm requeues the
   job and then SIGTERMs it, the ranks save, the script requeues nothing itself and says Slurm did, and the
   restart resumes bitwise in the same MLflow run;
+- the same preemption of a job in partition `graceful` (PreemptMode=CANCEL, GraceTime): the ranks save at the
+  grace time's SIGTERM and the script requeues the job itself; the restart resumes bitwise;
 - a job stopped at train.exit_step is not requeued, and its 2-node checkpoint continues on 1 node;
 - eval.sbatch evaluates a checkpoint on 2 nodes; refused input fails the job with exit status 2, and a killed
   rank fails it (the other rank names it) well within train.collective_timeout_s; neither is requeued;
@@ -28,7 +30,7 @@ rank.
 
 Skipped, with the script's one-line reason, only where the cluster cannot be had (not root, or Slurm missing
 and no apt-get to install it). About 8 minutes on a busy 2-core machine (5 on an idle one), about 45 s of which
-is the requeue delay (AuthInfo cred_expire, shortened to 10 s in the test cluster's slurm.conf; four requeues).
+is the requeue delay (AuthInfo cred_expire, shortened to 10 s in the test cluster's slurm.conf; five requeues).
 """
 from __future__ import annotations
 
@@ -410,6 +412,31 @@ def test_preemption_requeues_once_and_the_restart_resumes_bitwise_in_the_same_ml
     assert f"job {job} (txl-train) restart 1 on 2 node(s)" in out
     assert f"resumed from {run_dir / 'checkpoints' / tag} at step {step} (same world size)" in out
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{MAX_STEPS:08d}"
+    client, run = mlflow_run(run_dir)
+    assert run.info.status == "FINISHED"
+    assert bits(losses(client, run)) == bits(straight["losses"])
+
+
+def test_preemption_that_cancels_after_a_grace_time_becomes_a_requeue(cluster, corpus, straight, tmp_path):
+    """A job of partition `graceful` (PreemptMode=CANCEL, GraceTime=60) preempted by `urgent`: Slurm signals the
+    ranks at the start of the grace time and would cancel the job at its end. The ranks save, the script sees
+    the save and requeues the job itself, and the restart resumes from it, bitwise, in the same MLflow run;
+    nothing is lost and nothing needs resubmitting."""
+    run_dir = tmp_path / "run"
+    job = cluster.sbatch("--partition=graceful", "--nodes=2", "--ntasks-per-node=1", *train_args(corpus, run_dir))
+    cluster.wait_for_text(job, f"training steps 1..{MAX_STEPS} of {MAX_STEPS}")
+    cluster.sbatch("--partition=urgent", "--nodes=2", "--job-name=urgent", "--wrap=true")
+    info = cluster.wait(job, timeout=400)
+    out = cluster.output(job)
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), out[-5000:]
+    stopped = {int(m) for m in re.findall(r"stopping after step (\d+) \(SIGTERM\): saving a checkpoint", out)}
+    assert len(stopped) == 1, out[-5000:]
+    (step,) = stopped
+    tag = f"step_{step:08d}"
+    assert f"txl-slurm: stopped at step {step} of {MAX_STEPS} after a save; requeueing job {job} (restart 1)" in out, \
+        out[-5000:]
+    assert "batch shell got SIGTERM" not in out  # a grace time signals the ranks only
+    assert f"resumed from {run_dir / 'checkpoints' / tag} at step {step} (same world size)" in out
     client, run = mlflow_run(run_dir)
     assert run.info.status == "FINISHED"
     assert bits(losses(client, run)) == bits(straight["losses"])
