@@ -13,7 +13,7 @@ own (a removed layer norm or softmax changes the values the rest computes, not i
 A saving is the component's own time plus what it does to its neighbours' cache and memory traffic, so the
 savings need not add up to the step. The `ideal` line is the step at 100% MFU: the model's FLOPs per step
 (txl_dist.flops) over the matmul peak measured between the steps as the progress line measures it
-(txl_dist.flops.measure_matmul_peak: one thread's best square product times the threads).
+(txl_dist.flops.measure_matmul_peak).
 """
 from __future__ import annotations
 

@@ -142,25 +142,6 @@ def matmul_peak_call(dtype: torch.dtype) -> tuple[Callable[[], None], Callable[[
     return run, lambda: max(rates)
 
 
-def all_threads_matmul_call(dtype: torch.dtype, n: int = 512) -> tuple[Callable[[], None], Callable[[], float]]:
-    """(one timing call, the best rate so far in FLOP/s) of one n x n product per thread at once (a `bmm` of
-    torch.get_num_threads() products): the check on the peak's "one thread's rate times the threads", which
-    holds only where every core has matmul units of its own and keeps its clock with all of them busy."""
-    threads = torch.get_num_threads()
-    a, b = torch.randn(threads, n, n).to(dtype), torch.randn(threads, n, n).to(dtype)
-    rates: list[float] = []
-
-    def run() -> None:  # the best of many products, as measure_matmul_peak takes (the first wakes the threads)
-        end, count = time.perf_counter() + 0.1, 0
-        while count < 10 or time.perf_counter() < end:
-            start = time.perf_counter()
-            torch.bmm(a, b)
-            rates.append(threads * 2.0 * n ** 3 / (time.perf_counter() - start))
-            count += 1
-
-    return run, lambda: max(rates)
-
-
 # ----------------------------------------------------------------------------------------------------
 # reference: training tokens/s against HF TransfoXL, MFU against the matmul peak
 
@@ -240,7 +221,6 @@ def bench_reference(args: argparse.Namespace) -> dict[str, Any]:
         try:
             ours, labels = our_training(cfg, dtype, batch)
             mm, best_peak = matmul_peak_call(dtype)
-            together, best_together = all_threads_matmul_call(dtype)
             ref_times: list[float] = []  # the worker's own clock: no pipe latency in the figure
 
             def reference() -> None:
@@ -250,7 +230,7 @@ def bench_reference(args: argparse.Namespace) -> dict[str, Any]:
             # builds per new shape (the adaptive softmax's per-cluster token counts) exist on both sides.
             ours(len(labels))
             worker.steps(len(labels))
-            fns = {"reference": reference, "ours": lambda: ours(k), "matmul": mm, "all threads": together}
+            fns = {"reference": reference, "ours": lambda: ours(k), "matmul": mm}
             times = interleaved(fns, reps, warmup=1, settle_s=0.3)
             ref_best = min(ref_times[1:])  # [0] was the warm-up
             ours_best = times["ours"][0]
@@ -260,8 +240,7 @@ def bench_reference(args: argparse.Namespace) -> dict[str, Any]:
             results[dname] = {
                 "ours_tokens_per_s": round(ours_tok_s, 1), "reference_tokens_per_s": round(ref_tok_s, 1),
                 "speedup_vs_reference": round(ref_best / ours_best, 3),
-                "matmul_peak_tflops": round(peak / 1e12, 4),
-                "all_threads_matmul_tflops": round(best_together() / 1e12, 4), "flops_per_token": round(fpt),
+                "matmul_peak_tflops": round(peak / 1e12, 4), "flops_per_token": round(fpt),
                 "flop_counter": counter, "mfu": round(fpt * ours_tok_s / peak, 4),
                 "reference_mfu": round(fpt * ref_tok_s / peak, 4),
                 "reference_versions": {k_: worker.info.get(k_) for k_ in ("transformers", "torch")},
@@ -550,16 +529,6 @@ def machine() -> dict[str, Any]:
     return info
 
 
-def _all_threads_text(r: dict[str, Any]) -> str:
-    """The peak's check beside it: one product per thread at once, as a share of the peak (absent from results
-    measured before it existed)."""
-    together = r.get("all_threads_matmul_tflops")
-    if not together:
-        return ""
-    return (f" (one thread's best x the threads; one product per thread at once: {together * 1e3:.0f}, "
-            f"{together / r['matmul_peak_tflops']:.2f}x)")
-
-
 def verdict(value: float | None, target: float) -> str:
     if value is None:
         return "n/a"
@@ -618,7 +587,7 @@ def table(res: dict[str, Any], args: argparse.Namespace) -> list[str]:
             target = verdict(r["mfu"], TARGET_BF16_MFU) if dname == "bf16" else ""
             lines.append(f"| MFU, {dname} training step | {r['mfu'] * 100:.1f}% ({r['flops_per_token'] / 1e6:.1f} MFLOP/token"
                          f", {r['flop_counter']}) | {dname} matmul peak measured between the steps "
-                         f"{r['matmul_peak_tflops'] * 1e3:.0f} GFLOP/s{_all_threads_text(r)} (the reference: "
+                         f"{r['matmul_peak_tflops'] * 1e3:.0f} GFLOP/s (the reference: "
                          f"{r['reference_mfu'] * 100:.1f}%) | {r['mfu']:.3f} | {target} |")
     elif ref is not None:
         lines.append(f"| training tokens/s | failed: {ref.get('error')} | | | |")

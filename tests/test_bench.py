@@ -213,15 +213,3 @@ def test_comm_volume_probe_sees_zero_2_all_reduce_every_micro_step():
         assert (gradient_traffic_note(stage, 2, k) is None) == (sent < 1.5), (stage, k)
     assert gradient_traffic_note(2, 1, 8) is None  # one rank: nothing is sent
 
-
-def test_the_peaks_check_is_printed_beside_it_when_measured():
-    """The reference section times one product per thread at once beside the peak (one thread's rate times the
-    threads): the MFU row shows both and their ratio; results from before the check print the peak alone."""
-    from bench.suite import _all_threads_text, all_threads_matmul_call
-
-    run, best = all_threads_matmul_call(torch.float32, n=64)
-    run()
-    assert best() > 0
-    assert _all_threads_text({"matmul_peak_tflops": 2.0}) == ""
-    assert _all_threads_text({"matmul_peak_tflops": 2.0, "all_threads_matmul_tflops": 1.9}) == \
-        " (one thread's best x the threads; one product per thread at once: 1900, 0.95x)"
