@@ -131,7 +131,7 @@ def matmul_peak_call(dtype: torch.dtype) -> tuple[Callable[[], None], Callable[[
     Not an n x n product on all threads: torch 2.13 runs square bf16 products up to ~1024 on ONE thread
     whatever the thread count (a 1024 x 1024 bf16 product on 2 threads used 1.00 CPU and ran at its
     one-thread rate on an Intel with AMX, while the model's [1024, 256] x [256, 768] ran on both, 2.7 TFLOP/s),
-    so such a "peak" was about half the machine's and the bf16 MFU twice the truth (BENCHMARKS.md)."""
+    so such a "peak" was under half the machine's and the bf16 MFU over twice the truth (BENCHMARKS.md)."""
     from txl_dist.flops import measure_matmul_peak
 
     rates: list[float] = []
