@@ -214,4 +214,3 @@ def test_comm_volume_probe_sees_zero_2_all_reduce_every_micro_step():
         assert sent == pytest.approx(expected, abs=0.01), (stage, k, sent)
         assert (gradient_traffic_note(stage, 2, k) is None) == (sent < 1.5), (stage, k)
     assert gradient_traffic_note(2, 1, 8) is None  # one rank: nothing is sent
-
