@@ -560,8 +560,14 @@ def _train_and_gather(raw):
         distributed.destroy_process_group()
 
 
-@pytest.mark.parametrize("stage, bf16", [(3, False), (1, False), (0, True)])
-def test_export_writes_the_fp32_weights(tmp_path, stage, bf16):
+# One projection under three names: with div_val 1 and d_embed != d_model, the default tie_projs ties both tail
+# clusters' output projections to the embedding's (crit.out_projs.1 and .2, word_emb.emb_projs.0).
+THREE_NAMES_ONE_PROJECTION = {"d_embed": 16, "div_val": 1, "cutoffs": [20, 40]}
+
+
+@pytest.mark.parametrize("stage, bf16, model", [(3, False, {}), (1, False, {}), (0, True, {}),
+                                                (2, False, THREE_NAMES_ONE_PROJECTION)])
+def test_export_writes_the_fp32_weights(tmp_path, stage, bf16, model):
     from launch.export import main
     from txl_dist.interop import load_native
 
@@ -569,7 +575,8 @@ def test_export_writes_the_fp32_weights(tmp_path, stage, bf16):
                                                 "valid": learnable_stream(80, 64, 1),
                                                 "test": learnable_stream(80, 64, 2)})
     ds = {"zero_optimization": {"stage": stage}} | ({"bf16": {"enabled": True}} if bf16 else {})
-    raw = tiny_config(corpus, tmp_path / "ckpt", train={"max_steps": 3}, eval={"at_end": False}, deepspeed=ds)
+    raw = tiny_config(corpus, tmp_path / "ckpt", train={"max_steps": 3}, eval={"at_end": False}, deepspeed=ds,
+                      model=model)
     engine_weights = run_ranks(_train_and_gather, 2, raw)[0]
     assert main(["--checkpoint", str(tmp_path / "ckpt" / "checkpoints"), "--out", str(tmp_path / "native"),
                  "--hf", str(tmp_path / "hf")]) == 0

@@ -1270,16 +1270,30 @@ def copy_in_one_at_a_time(model: torch.nn.Module, weights: dict[str, Any], tag_d
 
     load_state_dict of the whole consolidated dict holds all of it beside the model: at ZeRO 3 (114M
     parameters, 435 MiB of fp32 weights) the export peaked at 1.55 GiB, three copies with the memory-mapped
-    partitions; one tensor at a time, at about two."""
+    partitions; one tensor at a time, at about two.
+
+    A tied tensor is copied once, under any one of its names the weights hold: DeepSpeed 0.19.8 restores the
+    other names of a tied Parameter from the checkpoint's shared_params, which keeps one name per module
+    (named_parameters drops a module's second name for one Parameter). So with div_val 1, d_embed != d_model
+    and two cutoffs, crit.out_projs.2 (one projection with crit.out_projs.1 and word_emb.emb_projs.0) came back
+    missing."""
+    from .model import tied_groups
+
     targets = model.state_dict()  # detached, sharing the parameters' storage
-    missing, unexpected = sorted(targets.keys() - weights.keys()), sorted(weights.keys() - targets.keys())
+    groups = tied_groups(model)
+    missing = [group[0] for group in groups if not any(name in weights for name in group)]
+    unexpected = sorted(weights.keys() - targets.keys())
     if missing or unexpected:
         raise CheckpointError(f"{tag_dir}: its weights do not match its model (missing: "
                               f"{', '.join(missing[:3]) or '-'}; unexpected: {', '.join(unexpected[:3]) or '-'}); "
                               "export a tag of this project's model")
     with torch.no_grad():
-        for name, target in targets.items():
+        for group in groups:
+            name = next(name for name in group if name in weights)
             value = weights.pop(name).contiguous()
+            for alias in group:
+                weights.pop(alias, None)
+            target = targets[name]
             if tuple(value.shape) != tuple(target.shape):
                 raise CheckpointError(f"{tag_dir}: {name} has shape {tuple(value.shape)}, its model's "
                                       f"{tuple(target.shape)}; export a tag of this project's model")

@@ -28,7 +28,7 @@ import re
 import torch
 
 from txl_dist.interop.hf_files import HFFormatError
-from txl_dist.model import TransformerXL
+from txl_dist.model import TransformerXL, tied_groups
 
 INV_FREQ = "transformer.pos_emb.inv_freq"
 
@@ -56,21 +56,6 @@ def hf_name(ours: str) -> str:
 def inv_freq(d_model: int) -> torch.Tensor:
     """HF's PositionalEmbedding buffer (saved with the weights): 1 / 10000 ** (arange(0, d, 2) / d), [d/2]."""
     return 1 / (10000 ** (torch.arange(0.0, d_model, 2.0) / d_model))
-
-
-def tied_groups(model: TransformerXL) -> list[list[str]]:
-    """Our state-dict names grouped by the tensor they hold (a tied Parameter has several names)."""
-    by_param: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        by_param.setdefault(id(p), []).append(name)
-    group_of = {name: names for names in by_param.values() for name in names}
-    groups, seen = [], set()
-    for name in model.state_dict():
-        group = group_of.get(name, [name])  # buffers are their own group
-        if group[0] not in seen:
-            seen.add(group[0])
-            groups.append(group)
-    return groups
 
 
 def _hf_aliases(model: TransformerXL, group: list[str]) -> list[str]:

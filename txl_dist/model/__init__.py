@@ -50,8 +50,9 @@ Tying shares the Parameter object, so a tied tensor appears in state_dict() unde
 tie_weight: crit.out_layers.{i}.weight IS word_emb.emb_layers.{i}.weight (biases are never tied);
 tie_projs[i] (default [False] + [True] * C): crit.out_projs.{i} IS word_emb.emb_projs.0 (div_val 1,
 E != d_model) or word_emb.emb_projs.{i} (div_val > 1); otherwise no effect. model.parameters() lists each
-tensor once. There is no position-embedding buffer (HF's pos_emb.inv_freq): it is recomputed in float32.
+tensor once; tied_groups(model) lists each tensor's names. There is no position-embedding buffer (HF's
+pos_emb.inv_freq): it is recomputed in float32.
 """
-from txl_dist.model.transformer import TransformerXL, TransformerXLOutput
+from txl_dist.model.transformer import TransformerXL, TransformerXLOutput, tied_groups
 
-__all__ = ["TransformerXL", "TransformerXLOutput"]
+__all__ = ["TransformerXL", "TransformerXLOutput", "tied_groups"]

@@ -18,6 +18,23 @@ from txl_dist.model.softmax import ProjectedAdaptiveLogSoftmax, TailPlan
 CheckpointFn = Callable[..., torch.Tensor]
 
 
+def tied_groups(module: nn.Module) -> list[list[str]]:
+    """The module's state-dict names grouped by the tensor they hold, in state-dict order: a tied Parameter
+    has several names (crit.out_layers.0.weight is word_emb.emb_layers.0.weight under tie_weight), a buffer is
+    a group of its own."""
+    by_param: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        by_param.setdefault(id(p), []).append(name)
+    group_of = {name: names for names in by_param.values() for name in names}
+    groups, seen = [], set()
+    for name in module.state_dict():
+        group = group_of.get(name, [name])
+        if group[0] not in seen:
+            seen.add(group[0])
+            groups.append(group)
+    return groups
+
+
 class TransformerXLOutput(NamedTuple):
     """What one forward returns (all batch-first).
 
