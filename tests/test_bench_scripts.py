@@ -228,3 +228,53 @@ def test_soak_report_samples_a_process_and_reports_what_is_missing(tmp_path):
     for section in ("\ncrash and resume\n", "\nmemory and open files per rank", "\nresult: FAIL\n"):
         assert section in out
     assert "  - train.log holds 0 job(s), not 2\n" in out and "  - no disk samples" in out
+
+
+def test_config_sweep_runs_a_case_through_train_resume_eval_generate_and_export(tmp_path):
+    """One drawn case (seed 1 on 1 rank: ZeRO 0, fp32) through every step the sweep takes; a tool that failed
+    or a resumed loss that differed from the straight run's would make it FAIL and exit 1."""
+    from corpus_helpers import make_corpus, synthetic_stream
+
+    corpus = make_corpus(tmp_path / "corpus", {split: synthetic_stream(20_000, 1000, seed=i)
+                                               for i, split in enumerate(("train", "valid", "test"))})
+    out = run_bench("config_sweep", "--cases", 1, "--seed", 1, "--world", 1, "--corpus", corpus,
+                    "--out", tmp_path / "out", timeout=600)
+    assert "1 passed, 0 refused, 0 failed" in out, out
+    record = json.loads((tmp_path / "out" / "results.jsonl").read_text())
+    assert record["verdict"] == "pass" and record["case"]["world"] == 1 and record["failed"] == []
+    assert not (tmp_path / "out" / "seed1_case000").exists()  # a passing case's folder goes (no --keep)
+
+
+def test_config_sweep_refuses_a_folder_that_is_no_corpus(tmp_path):
+    err = subprocess.run([sys.executable, "-m", "bench.config_sweep", "--corpus", str(tmp_path)], cwd=REPO,
+                         env=bench_env(), capture_output=True, text=True, timeout=60)
+    assert err.returncode == 2 and "no prepared corpus with its tokenizer" in err.stderr
+    assert "scripts/shakespeare_corpus.sh" in err.stderr
+
+
+def test_config_sweep_fails_a_case_whose_resumed_losses_differ(tmp_path, monkeypatch):
+    """The verdict's own logic, with the processes replaced: each "train" writes a metrics journal, and the
+    resumed run's step 5 differs from the straight run's in the last bit."""
+    import random
+
+    from bench import config_sweep
+
+    def fake_run(cmd, log):
+        log.write_text("")
+        run_dir = next((Path(a.split("=", 1)[1]) for a in cmd if a.startswith("run.dir=")), None)
+        if run_dir is not None:
+            journal = run_dir / "tracking" / "metrics.jsonl"
+            journal.parent.mkdir(parents=True, exist_ok=True)
+            stopped = any(a.startswith("train.exit_step=") for a in cmd)
+            steps = range(1, 4) if stopped else range(4 if journal.exists() else 1, 7)
+            with open(journal, "a") as f:
+                for s in steps:
+                    loss = 8.0 - s / 10 + (1e-15 if s == 5 and run_dir.name == "resumed" else 0.0)
+                    f.write(json.dumps({"step": s, "metrics": {"train/loss": loss}}) + "\n")
+        return 0
+
+    monkeypatch.setattr(config_sweep, "run", fake_run)
+    case = config_sweep.draw(random.Random(1), 1000, 1)
+    record = config_sweep.run_case(case, tmp_path, tmp_path / "corpus", port=29999)
+    assert record["verdict"] == "fail"
+    assert [f.split(":")[0] for f in record["failed"]] == ["resumed losses differ"]

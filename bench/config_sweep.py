@@ -1,0 +1,248 @@
+"""A random sweep over model and engine options, each case through the product's whole path on the CPU.
+
+Each case draws a model (layers, widths, heads, d_embed, div_val, cutoffs, tying, pre-LN, untie_r,
+same_length, clamp_len, dropout, dropatt, attention path, vocabulary padding, tgt_len, mem_len), a world
+size (1 or 2 ranks), a ZeRO stage (0-3), a precision (fp32, bf16), a micro batch, activation checkpointing on
+or off and evaluation memory settings, then runs launch/train.py for 6 steps three times:
+
+- straight, with a checkpoint at step 3;
+- stopped at step 3 (`train.exit_step`), then resumed: its per-step losses must equal the straight run's bit
+  for bit (the attention path is pinned per case: "auto" times the paths at each fresh start);
+- at 2 ranks, the step 3 checkpoint also resumed on 1 rank (elastic: through DeepSpeed's universal
+  checkpoint; it must finish with finite losses);
+
+then launch/eval.py, launch/generate.py and launch/export.py on the resumed run. A case whose config the
+product refuses with one `error:` line (exit status 2) counts as refused, not failed. Each case's logs stay in
+its folder under --out when it fails (or always with --keep).
+
+    python -m bench.config_sweep [--cases 40] [--seed 0] [--minutes 45] [--corpus data/shakespeare]
+        [--world 1|2] [--out DIR] [--keep]
+
+The corpus needs its tokenizer (generate.py encodes a prompt): `bash scripts/shakespeare_corpus.sh` builds
+data/shakespeare. A case takes ~30-60 s on 2 cores. Exit status 0 when no case failed, 1 when one did (the
+failures listed), 2 on bad arguments. docs/reliability.md, "Random configurations", has what sweeps found.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+STEPS, EXIT_STEP = 6, 3
+CASE_TIMEOUT_S = 600
+"""One process of a case (a train, an eval, ...) is killed after this long: a hang is a failure too."""
+
+
+@dataclass
+class Case:
+    model: dict[str, Any]
+    world: int
+    stage: int
+    precision: str
+    micro_batch: int
+    activation_checkpointing: bool
+    eval: dict[str, Any]
+    generate: list[str] = field(default_factory=list)
+
+    def sets(self, run_dir: Path, *extra: str) -> list[str]:
+        """launch/train.py's --set arguments for this case (configs/tiny.json underneath)."""
+        values = [f"run.dir={run_dir}", f"train.max_steps={STEPS}", "train.log_interval=1", "eval.interval=1000",
+                  f"checkpoint.interval={EXIT_STEP}", "eval.max_segments=4", "deepspeed.train_batch_size=4",
+                  f"deepspeed.train_micro_batch_size_per_gpu={self.micro_batch}",
+                  f"deepspeed.zero_optimization.stage={self.stage}", f"train.precision={self.precision}"]
+        values += [f"model.{k}={json.dumps(v)}" for k, v in self.model.items()]
+        values += [f"eval.{k}={json.dumps(v)}" for k, v in self.eval.items()]
+        if self.activation_checkpointing:
+            values.append('deepspeed.activation_checkpointing={"partition_activations": false}')
+        return [arg for value in (*values, *extra) for arg in ("--set", value)]
+
+    def text(self) -> str:
+        m = self.model
+        return (f"{self.world} rank(s), ZeRO {self.stage}, {self.precision}, micro batch {self.micro_batch}"
+                f"{', activation checkpointing' if self.activation_checkpointing else ''}; {m['n_layer']} layer(s) "
+                f"d_model {m['d_model']} d_embed {m['d_embed']} div_val {m['div_val']} cutoffs {m['cutoffs']} "
+                f"{m['attn_impl']}")
+
+
+def draw(rng: random.Random, vocab: int, world: int | None) -> Case:
+    """One random case; the choices are the config's own ranges at toy sizes (a few refusals are part of it)."""
+    cutoffs = rng.choice([[], [vocab // 4], [vocab // 8, vocab // 2]])
+    mem_len = rng.choice([0, 8, 16])
+    model = {"n_layer": rng.choice([1, 2, 3]), "d_model": rng.choice([32, 48, 64]), "n_head": rng.choice([1, 2, 4]),
+             "d_head": rng.choice([8, 16]), "d_inner": rng.choice([64, 96]),
+             "d_embed": rng.choice([None, None, 16, 48]), "div_val": rng.choice([1, 2, 4]), "cutoffs": cutoffs,
+             "tie_weight": rng.random() < 0.7, "pre_lnorm": rng.random() < 0.5, "untie_r": rng.random() < 0.5,
+             "same_length": mem_len > 0 and rng.random() < 0.3, "clamp_len": rng.choice([-1, -1, 8]),
+             "dropout": rng.choice([0.0, 0.1]), "dropatt": rng.choice([0.0, 0.0, 0.1]),
+             "attn_impl": rng.choice(["matmul", "sdpa"]), "pad_vocab_multiple": rng.choice([1, 8, 64]),
+             "tgt_len": rng.choice([8, 16]), "mem_len": mem_len}
+    if cutoffs and rng.random() < 0.3:
+        model["tie_projs"] = [False] + [rng.random() < 0.5 for _ in cutoffs]
+    world = world or rng.choice([1, 1, 2])
+    eval_mem = rng.choice([0, 8, 32])
+    evaluation = {"mem_len": eval_mem, "clamp_len": rng.choice([-1, 4]),
+                  "same_length": eval_mem > 0 and rng.random() < 0.5}
+    generate = ["--max-new-tokens", str(rng.choice([1, 8])), "--num-samples", str(rng.choice([1, 2])),
+                *rng.choice([[], ["--greedy"], ["--top-k", "5"], ["--top-p", "0.9"]]),
+                *rng.choice([[], ["--mem-len", "4"], ["--chunk-len", "3"]])]
+    return Case(model=model, world=world, stage=rng.choice([0, 1, 2, 3]), precision=rng.choice(["fp32", "bf16"]),
+                micro_batch=rng.choice([1, 2]) if world == 2 else rng.choice([2, 4]),
+                activation_checkpointing=rng.random() < 0.3, eval=evaluation, generate=generate)
+
+
+def run(cmd: list[str], log: Path) -> int | str:
+    """Exit status of `cmd` (run in the repository, output into `log`), or "timeout"."""
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1")
+    with open(log, "w") as out:
+        try:
+            return subprocess.run(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                  timeout=CASE_TIMEOUT_S).returncode
+        except subprocess.TimeoutExpired:
+            return "timeout"
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """train/loss per step from the run's metrics journal (the float the trainer computed, not a rounding)."""
+    journal = run_dir / "tracking" / "metrics.jsonl"
+    out = {}
+    for line in journal.read_text().splitlines() if journal.is_file() else []:
+        record = json.loads(line)
+        if "train/loss" in record.get("metrics", {}):
+            out[record["step"]] = record["metrics"]["train/loss"]
+    return out
+
+
+def refusal(log: Path) -> str:
+    lines = [line for line in log.read_text(errors="replace").splitlines() if "error: " in line]
+    return lines[-1].strip() if len(lines) >= 1 else ""
+
+
+def train_command(case: Case, world: int, port: int) -> list[str]:
+    if world == 1:
+        return [sys.executable, "launch/train.py", "--config", "configs/tiny.json"]
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    return [torchrun, "--nproc_per_node", str(world), "--master_port", str(port), "launch/train.py",
+            "--config", "configs/tiny.json"]
+
+
+def run_case(case: Case, folder: Path, corpus: Path, port: int) -> dict[str, Any]:
+    """The case's runs and checks -> its record: "verdict" pass / refused / fail, "failed" what failed."""
+    record: dict[str, Any] = {"case": asdict(case), "failed": []}
+    data = ["--set", f"data.path={corpus}"]
+    straight, resumed, elastic = folder / "straight", folder / "resumed", folder / "elastic"
+    status = run(train_command(case, case.world, port) + data + case.sets(straight), folder / "straight.log")
+    if status == 2 and refusal(folder / "straight.log"):
+        return record | {"verdict": "refused", "refusal": refusal(folder / "straight.log")}
+    if status != 0:
+        return record | {"verdict": "fail", "failed": [f"straight run: exit status {status}"]}
+    stopped = run(train_command(case, case.world, port) + data + case.sets(resumed, f"train.exit_step={EXIT_STEP}"),
+                  folder / "stopped.log")
+    if case.world > 1 and stopped == 0:
+        shutil.copytree(resumed, elastic)
+        shutil.rmtree(elastic / "tracking", ignore_errors=True)  # the elastic run's journal starts empty
+    finished = run(train_command(case, case.world, port) + data + case.sets(resumed), folder / "resumed.log")
+    if stopped != 0 or finished != 0:
+        record["failed"].append(f"stop and resume: exit status {stopped}, {finished}")
+    expected, got = losses(straight), losses(resumed)
+    if sorted(expected) != list(range(1, STEPS + 1)) or any(got.get(s) != expected[s] for s in expected):
+        record["failed"].append(f"resumed losses differ: straight {[expected.get(s) for s in range(1, STEPS + 1)]}, "
+                                f"resumed {[got.get(s) for s in range(1, STEPS + 1)]}")
+    if case.world > 1 and elastic.is_dir():
+        status = run(train_command(case, 1, port) + data + case.sets(elastic), folder / "elastic.log")
+        after = losses(elastic)
+        if status != 0 or not after or not all(math.isfinite(v) for v in after.values()):
+            record["failed"].append(f"elastic resume on 1 rank: exit status {status}, losses {after}")
+    tools = {
+        "eval": [sys.executable, "launch/eval.py", "--checkpoint", str(resumed), "--split", "test"],
+        "generate": [sys.executable, "launch/generate.py", "--checkpoint", str(resumed), "--prompt", "The king",
+                     "--seed", "1", *case.generate],
+        "export": [sys.executable, "launch/export.py", "--checkpoint", str(resumed), "--out", str(folder / "export")],
+    }
+    for name, cmd in tools.items():
+        status = run(cmd, folder / f"{name}.log")
+        if status != 0:
+            record["failed"].append(f"{name}: exit status {status}")
+    return record | {"verdict": "fail" if record["failed"] else "pass"}
+
+
+def corpus_vocab(corpus: Path) -> int | None:
+    """The corpus's vocabulary size, or None where the folder is no prepared corpus with its tokenizer."""
+    manifest = corpus / "manifest.json"
+    if not manifest.is_file() or not (corpus / "tokenizer.model").is_file():
+        return None
+    return int(json.loads(manifest.read_text())["tokenizer"]["vocab_size"])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m bench.config_sweep", description=__doc__.split("\n\n")[0],
+                                 epilog="example: python -m bench.config_sweep --cases 40 --seed 3 --minutes 45")
+    ap.add_argument("--cases", type=int, default=40, help="cases to draw (default 40)")
+    ap.add_argument("--seed", type=int, default=0, help="the draw's seed: the same seed draws the same cases")
+    ap.add_argument("--minutes", type=float, default=45.0, help="start no case after this long (default 45)")
+    ap.add_argument("--corpus", type=Path, default=REPO / "data" / "shakespeare",
+                    help="a prepared corpus with its tokenizer (default data/shakespeare)")
+    ap.add_argument("--world", type=int, choices=(1, 2), help="every case on this many ranks (default: drawn)")
+    ap.add_argument("--out", type=Path, help="where the cases' folders go (default: a new temporary folder)")
+    ap.add_argument("--keep", action="store_true", help="keep the folders of passing cases too")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.cases < 1 or args.minutes <= 0:
+        parser.error("--cases and --minutes must be positive, e.g. --cases 40 --minutes 45")
+    corpus = args.corpus.resolve()
+    vocab = corpus_vocab(corpus)
+    if vocab is None:
+        parser.error(f"--corpus {corpus}: no prepared corpus with its tokenizer there; build one with `bash "
+                     "scripts/shakespeare_corpus.sh` (data/shakespeare) or pass a folder `python -m data_prep "
+                     "prepare` wrote")
+    out = args.out or Path(tempfile.mkdtemp(prefix="txl-sweep."))
+    out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(args.seed)
+    deadline = time.monotonic() + args.minutes * 60
+    counts = {"pass": 0, "refused": 0, "fail": 0}
+    failures = []
+    with open(out / "results.jsonl", "a") as results:
+        for i in range(args.cases):
+            if time.monotonic() > deadline:
+                print(f"--minutes {args.minutes:g} reached after {i} case(s)")
+                break
+            case = draw(rng, vocab, args.world)
+            folder = out / f"seed{args.seed}_case{i:03d}"
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            start = time.monotonic()
+            record = run_case(case, folder, corpus, port=29700 + (args.seed * 131 + i) % 250)
+            record |= {"seed": args.seed, "index": i, "seconds": round(time.monotonic() - start, 1)}
+            results.write(json.dumps(record) + "\n")
+            results.flush()
+            counts[record["verdict"]] += 1
+            detail = record.get("refusal") or "; ".join(record["failed"])
+            print(f"case {i}: {record['verdict'].upper()} in {record['seconds']:.0f} s ({case.text()})"
+                  + (f": {detail}" if detail else ""), flush=True)
+            if record["verdict"] == "fail":
+                failures.append(folder)
+            elif not args.keep:
+                shutil.rmtree(folder, ignore_errors=True)
+    print(f"{counts['pass']} passed, {counts['refused']} refused, {counts['fail']} failed; results: "
+          f"{out / 'results.jsonl'}")
+    for folder in failures:
+        print(f"failed: {folder} (its logs and run folders)")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
