@@ -287,6 +287,20 @@ def test_auto_attention_takes_the_fastest_measured_candidate(tmp_path, monkeypat
     assert explicit.attn_impl == "reference" and explicit.origin["attn_impl"] == "config" and len(calls) == 1
 
 
+@pytest.mark.parametrize("sdpa_s, chosen", [(0.95, "matmul"), (1.0 / runtime_choices.ATTN_MIN_SPEEDUP + 1e-6,
+                                                                  "matmul"), (0.85, "sdpa")])
+def test_auto_attention_leaves_the_usual_path_only_for_a_clearly_faster_one(tmp_path, monkeypatch, sdpa_s, chosen):
+    """In a near tie the measured order flips from start to start, and two fresh runs of one config would train
+    with paths that round differently: "auto" keeps the device's usual path (matmul on a CPU) unless another
+    runs at least ATTN_MIN_SPEEDUP times faster."""
+    from txl_dist.model import attention
+
+    monkeypatch.setattr(attention, "time_attn_impls", lambda names, **_: {"matmul": 1.0, "sdpa": sdpa_s})
+    choices = runtime_choices.decide(_cfg(tmp_path, precision="fp32"), torch.device("cpu"))
+    assert (choices.attn_impl, choices.origin["attn_impl"]) == (chosen, "measured")
+    assert choices.record()["measured"]["attn_s"] == {"matmul": 1.0, "sdpa": sdpa_s}
+
+
 def test_precision_in_the_config(tmp_path):
     raw = tiny_config(tmp_path, tmp_path, train={"precision": "auto"}, deepspeed={"bf16": {"enabled": False}})
     with pytest.raises(ConfigError, match=r"train.precision: \"auto\" conflicts with deepspeed.bf16.enabled"):

@@ -15,8 +15,9 @@ precision "auto": bf16 on a CUDA device that supports it, else fp32; on a CPU bf
 forward+backward at the run's shapes (one layer's when the vocabulary is not known yet) runs at least
 BF16_MIN_SPEEDUP times faster than in fp32 (AMX or AVX512-BF16 machines; on CPUs without bf16 units bf16 is
 several times slower). fp16 is never chosen (it needs loss scaling and, on a CPU, kernels few have).
-attn_impl "auto": the fastest of `candidate_attn_impls` timed at the run's shapes by `time_attn_impls`
-(txl_dist/model/attention.py), or the static rule `resolve_attn_impl` where those are not available.
+attn_impl "auto": of `candidate_attn_impls` timed at the run's shapes by `time_attn_impls`
+(txl_dist/model/attention.py), the device's usual path (the static rule `resolve_attn_impl`) unless another is
+ATTN_MIN_SPEEDUP times faster (then the fastest); the static rule alone where those are not available.
 
 The peak FLOP/s of the MFU metric is found here too, once per RUN: train.peak_flops when set, else the
 peak the checkpoint recorded when this job runs on the same kind of device (`device_kind`: device type and
@@ -48,6 +49,12 @@ BF16_MIN_SPEEDUP = 1.5
 than in fp32: DeepSpeed's bf16 step (fp32 master weights, casts) costs time the measurement does not see.
 Measured (docs/performance.md): configs/tiny.json's model ran 1.2x faster in bf16 on an AMX machine, its
 whole training steps were not faster."""
+ATTN_MIN_SPEEDUP = 1.1
+"""attn_impl "auto" leaves the device's usual path (resolve_attn_impl's: matmul on a CPU) only for a candidate
+at least this many times faster. In a near tie the measured order flips from start to start (toy shapes on a
+shared CPU: matmul 0.50-0.54 ms against sdpa 0.50-0.53), and two fresh runs of one config trained with paths
+that round differently, so their losses parted in the 7th digit at step 1 (bench/config_sweep.py). Within
+the margin the choice costs at most 10% of the attention's time."""
 MEASURE_SECONDS = 0.4
 """Time budget of each timed measurement (a few of them at start-up: well under 2 s in all)."""
 MIN_TURNS = 3
@@ -277,7 +284,8 @@ def _unfit_attn_impl(cfg: RunConfig, device: torch.device, dtype: torch.dtype, n
 
 def choose_attn_impl(cfg: RunConfig, device: torch.device, dtype: torch.dtype,
                      measured: dict[str, Any]) -> tuple[str, str]:
-    """(implementation name, origin) for attn_impl "auto": the fastest candidate at the run's shapes."""
+    """(implementation name, origin) for attn_impl "auto": the device's usual path, unless a candidate measured
+    at the run's shapes runs at least ATTN_MIN_SPEEDUP times faster (then the fastest)."""
     from .model import attention
 
     time_impls = getattr(attention, "time_attn_impls", None)
@@ -291,7 +299,11 @@ def choose_attn_impl(cfg: RunConfig, device: torch.device, dtype: torch.dtype,
     seconds = time_impls(candidates, batch=cfg.micro_batch(), n_head=m.n_head, d_head=m.d_head, qlen=m.tgt_len,
                          klen=m.tgt_len + m.mem_len, device=device, dtype=dtype, training=True)
     measured["attn_s"] = {name: float(s) for name, s in seconds.items()}
-    return min(seconds, key=seconds.get), "measured"
+    fastest = min(seconds, key=seconds.get)
+    usual = attention.resolve_attn_impl("auto", device, dtype)
+    if usual in seconds and seconds[usual] <= seconds[fastest] * ATTN_MIN_SPEEDUP:
+        return usual, "measured"
+    return fastest, "measured"
 
 
 def clearly_decided(ratio: float, threshold: float) -> bool:
