@@ -387,6 +387,10 @@ def _read_group(group: Sequence[Source], opts: ReadOptions, batch_rows: int, lab
             yield label, column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
     except PrepError:
         raise
+    except StopIteration:
+        # datasets 5.2's JSON reader, on a file without one line of JSON (0 bytes): raised out of this generator
+        # it would become "RuntimeError: generator raised StopIteration".
+        raise PrepError(f"input {label}: holds no documents; remove it or give it text") from None
     except UnicodeDecodeError as e:
         raise PrepError(f"input {label}: invalid UTF-8 ({e.reason}); pass --errors replace") from None
     except (ValueError, OSError, pa.ArrowException, datasets.exceptions.DatasetsError) as e:

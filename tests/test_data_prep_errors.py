@@ -416,6 +416,21 @@ def test_save_to_disk_without_documents_and_dataset_dicts(model, tmp_path, capsy
     assert untouched(tmp_path, {"empty", "dd"})
 
 
+@pytest.mark.parametrize("content", ["", "\n\n"])
+def test_a_json_lines_input_without_documents_is_refused_in_one_line(tmp_path, capsys, content):
+    """datasets 5.2's JSON reader raises StopIteration on a file with no line of JSON: inside our reading
+    generator that became "RuntimeError: generator raised StopIteration", a traceback, with the empty file
+    among other inputs too (found by a random sweep of inputs and options). `prepare` refuses a 0-byte input
+    before reading it (test_empty_input); `train-tokenizer` reads its inputs only once."""
+    (tmp_path / "empty.jsonl").write_text(content)
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": f"the king {i}"}) + "\n" for i in range(5)))
+    for inputs in (["empty.jsonl"], ["docs.jsonl", "empty.jsonl"]):
+        msg = fail(capsys, "train-tokenizer", "--out", tmp_path / "tok.model", "--vocab-size", 300, "--quiet",
+                   "--train", *(tmp_path / name for name in inputs))
+        assert f"input {tmp_path / 'empty.jsonl'}: holds no documents; remove it or give it text" in msg
+    assert untouched(tmp_path, {"empty.jsonl", "docs.jsonl"})
+
+
 # ----------------------------------------------------------------------------------------------------
 # Tokenizer options and errors found while the tokenizer trains
 
