@@ -137,7 +137,7 @@ def check_disjoint_splits(sources: dict[str, list[Source]]) -> None:
 
 def check_no_copies_across_splits(sources: dict[str, list[Source]], scanned: dict[str, list[dict]]) -> None:
     """Two files of the same bytes (a copy) in two splits put evaluation text into training as surely as one
-    file would: refused by the sha256 the scan took. (save_to_disk folders are left out: the metadata files of
+    file would (or one text into both evaluation splits): refused by the sha256 the scan took. (save_to_disk folders are left out: the metadata files of
     two splits of one dataset can be byte-identical while their data differ.)"""
     files = {str(s.path) for split_sources in sources.values() for s in split_sources if s.kind != ARROW}
     owner: dict[str, tuple[str, str]] = {}
@@ -147,8 +147,10 @@ def check_no_copies_across_splits(sources: dict[str, list[Source]], scanned: dic
                 continue
             first = owner.setdefault(entry["sha256"], (split, entry["path"]))
             if first[0] != split:
+                harm = ("evaluation text would be trained on" if "train" in (split, first[0])
+                        else f"{first[0]} and {split} would measure the same text")
                 raise PrepError(f"--{split}: {entry['path']} has the same bytes as {first[1]} (--{first[0]}); "
-                                "evaluation text would be trained on: give each text to one split")
+                                f"{harm}: give each text to one split")
 
 
 _SAVED_MARKERS = ("state.json", "dataset_info.json", "dataset_dict.json")

@@ -146,6 +146,12 @@ def test_a_hard_link_or_a_copy_of_an_evaluation_file_is_refused(model, tmp_path,
     msg = fail(capsys, *prepare_args(tmp_path / "out", model, train, tmp_path / "copy.txt",
                                      extra=["--valid", valid]))
     assert f"has the same bytes as {tmp_path / 'copy.txt'} (--train)" in msg and str(valid) in msg
+    assert "evaluation text would be trained on" in msg
+    # A copy across the two evaluation splits trains on neither: the message says what it does do.
+    msg = fail(capsys, *prepare_args(tmp_path / "out", model, train, extra=["--valid", valid, "--test",
+                                                                           tmp_path / "copy.txt"]))
+    assert f"--test: {tmp_path / 'copy.txt'} has the same bytes as {valid} (--valid)" in msg
+    assert "valid and test would measure the same text" in msg and "trained on" not in msg
     assert not (tmp_path / "out").exists()
 
 
