@@ -36,7 +36,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS, EXIT_STEP = 6, 3
@@ -187,15 +187,59 @@ def corpus_vocab(corpus: Path) -> int | None:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m bench.config_sweep", description=__doc__.split("\n\n")[0],
                                  epilog="example: python -m bench.config_sweep --cases 40 --seed 3 --minutes 45")
-    ap.add_argument("--cases", type=int, default=40, help="cases to draw (default 40)")
-    ap.add_argument("--seed", type=int, default=0, help="the draw's seed: the same seed draws the same cases")
-    ap.add_argument("--minutes", type=float, default=45.0, help="start no case after this long (default 45)")
+    sweep_arguments(ap)
     ap.add_argument("--corpus", type=Path, default=REPO / "data" / "shakespeare",
                     help="a prepared corpus with its tokenizer (default data/shakespeare)")
     ap.add_argument("--world", type=int, choices=(1, 2), help="every case on this many ranks (default: drawn)")
+    return ap
+
+
+def sweep(args: argparse.Namespace, run_one: Callable[[random.Random, int, Path], tuple[dict[str, Any], str]]
+          ) -> int:
+    """The sweep's loop, shared with bench/data_sweep.py: `run_one(rng, i, folder)` draws case i and runs it in
+    `folder`, returning its record ("verdict": pass / refused / fail, "failed": what failed, "refusal") and a
+    line describing the case. Prints a line per case and the counts; failed cases keep their folders."""
+    out = args.out or Path(tempfile.mkdtemp(prefix="txl-sweep."))
+    out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(args.seed)
+    deadline = time.monotonic() + args.minutes * 60
+    counts = {"pass": 0, "refused": 0, "fail": 0}
+    failures = []
+    with open(out / "results.jsonl", "a") as results:
+        for i in range(args.cases):
+            if time.monotonic() > deadline:
+                print(f"--minutes {args.minutes:g} reached after {i} case(s)")
+                break
+            folder = out / f"seed{args.seed}_case{i:03d}"
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            start = time.monotonic()
+            record, text = run_one(rng, i, folder)
+            record |= {"seed": args.seed, "index": i, "seconds": round(time.monotonic() - start, 1)}
+            results.write(json.dumps(record, default=str) + "\n")
+            results.flush()
+            counts[record["verdict"]] += 1
+            detail = record.get("refusal") or "; ".join(record["failed"])
+            print(f"case {i}: {record['verdict'].upper()} in {record['seconds']:.0f} s ({text})"
+                  + (f": {detail}" if detail else ""), flush=True)
+            if record["verdict"] == "fail":
+                failures.append(folder)
+            elif not args.keep:
+                shutil.rmtree(folder, ignore_errors=True)
+    print(f"{counts['pass']} passed, {counts['refused']} refused, {counts['fail']} failed; results: "
+          f"{out / 'results.jsonl'}")
+    for folder in failures:
+        print(f"failed: {folder} (its logs and outputs)")
+    return 1 if failures else 0
+
+
+def sweep_arguments(ap: argparse.ArgumentParser) -> None:
+    """The options every sweep takes."""
+    ap.add_argument("--cases", type=int, default=40, help="cases to draw (default 40)")
+    ap.add_argument("--seed", type=int, default=0, help="the draw's seed: the same seed draws the same cases")
+    ap.add_argument("--minutes", type=float, default=45.0, help="start no case after this long (default 45)")
     ap.add_argument("--out", type=Path, help="where the cases' folders go (default: a new temporary folder)")
     ap.add_argument("--keep", action="store_true", help="keep the folders of passing cases too")
-    return ap
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -209,39 +253,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--corpus {corpus}: no prepared corpus with its tokenizer there; build one with `bash "
                      "scripts/shakespeare_corpus.sh` (data/shakespeare) or pass a folder `python -m data_prep "
                      "prepare` wrote")
-    out = args.out or Path(tempfile.mkdtemp(prefix="txl-sweep."))
-    out.mkdir(parents=True, exist_ok=True)
-    rng = random.Random(args.seed)
-    deadline = time.monotonic() + args.minutes * 60
-    counts = {"pass": 0, "refused": 0, "fail": 0}
-    failures = []
-    with open(out / "results.jsonl", "a") as results:
-        for i in range(args.cases):
-            if time.monotonic() > deadline:
-                print(f"--minutes {args.minutes:g} reached after {i} case(s)")
-                break
-            case = draw(rng, vocab, args.world)
-            folder = out / f"seed{args.seed}_case{i:03d}"
-            shutil.rmtree(folder, ignore_errors=True)
-            folder.mkdir()
-            start = time.monotonic()
-            record = run_case(case, folder, corpus, port=29700 + (args.seed * 131 + i) % 250)
-            record |= {"seed": args.seed, "index": i, "seconds": round(time.monotonic() - start, 1)}
-            results.write(json.dumps(record) + "\n")
-            results.flush()
-            counts[record["verdict"]] += 1
-            detail = record.get("refusal") or "; ".join(record["failed"])
-            print(f"case {i}: {record['verdict'].upper()} in {record['seconds']:.0f} s ({case.text()})"
-                  + (f": {detail}" if detail else ""), flush=True)
-            if record["verdict"] == "fail":
-                failures.append(folder)
-            elif not args.keep:
-                shutil.rmtree(folder, ignore_errors=True)
-    print(f"{counts['pass']} passed, {counts['refused']} refused, {counts['fail']} failed; results: "
-          f"{out / 'results.jsonl'}")
-    for folder in failures:
-        print(f"failed: {folder} (its logs and run folders)")
-    return 1 if failures else 0
+
+    def run_one(rng: random.Random, i: int, folder: Path) -> tuple[dict[str, Any], str]:
+        case = draw(rng, vocab, args.world)
+        return run_case(case, folder, corpus, port=29700 + (args.seed * 131 + i) % 250), case.text()
+
+    return sweep(args, run_one)
 
 
 if __name__ == "__main__":

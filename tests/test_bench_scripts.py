@@ -278,3 +278,36 @@ def test_config_sweep_fails_a_case_whose_resumed_losses_differ(tmp_path, monkeyp
     record = config_sweep.run_case(case, tmp_path, tmp_path / "corpus", port=29999)
     assert record["verdict"] == "fail"
     assert [f.split(":")[0] for f in record["failed"]] == ["resumed losses differ"]
+
+
+def test_data_sweep_runs_a_case_through_every_data_prep_command(tmp_path):
+    """One drawn case (seed 6: JSON Lines, a char model, 4 ranks, 7 shards) through train-tokenizer, prepare,
+    plan + shards + finalize (the same tokens), verify, inspect and relayout + verify."""
+    out = run_bench("data_sweep", "--cases", 1, "--seed", 6, "--out", tmp_path / "out", timeout=600)
+    assert "1 passed, 0 refused, 0 failed" in out, out
+    record = json.loads((tmp_path / "out" / "results.jsonl").read_text())
+    assert record["verdict"] == "pass" and record["shards"] > 1 and record["failed"] == []
+
+
+def test_data_sweep_fails_a_case_whose_sharded_corpus_differs(tmp_path, monkeypatch):
+    """The verdict's own logic, with the processes replaced: every command succeeds and writes what its output
+    would hold, but finalize's corpus has other tokens than the one-shot prepare's."""
+    import random
+
+    from bench import data_sweep
+
+    def fake_run(cmd, log):
+        log.write_text("")
+        command = cmd[3]
+        out = Path(cmd[cmd.index("--out") + 1]) if "--out" in cmd else None
+        if command in ("prepare", "finalize") and "--plan" not in cmd and "--shard" not in cmd:
+            out.mkdir(parents=True)
+            sha = "a" * 64 if command == "prepare" else "b" * 64
+            (out / "manifest.json").write_text(json.dumps(
+                {"splits": {"train": {"n_tokens": 10, "n_documents": 2, "tokens_sha256": sha}}}))
+        return 0
+
+    monkeypatch.setattr(data_sweep, "run", fake_run)
+    record, _ = data_sweep.run_case(random.Random(6), tmp_path)
+    assert record["verdict"] == "fail"
+    assert [f.split(":")[0] for f in record["failed"]] == ["sharded corpus differs from the one-shot one"]
