@@ -137,8 +137,9 @@ def check_disjoint_splits(sources: dict[str, list[Source]]) -> None:
 
 def check_no_copies_across_splits(sources: dict[str, list[Source]], scanned: dict[str, list[dict]]) -> None:
     """Two files of the same bytes (a copy) in two splits put evaluation text into training as surely as one
-    file would (or one text into both evaluation splits): refused by the sha256 the scan took. (save_to_disk folders are left out: the metadata files of
-    two splits of one dataset can be byte-identical while their data differ.)"""
+    file would (or one text into both evaluation splits): refused by the sha256 the scan took. (save_to_disk
+    folders are left out: the metadata files of two splits of one dataset can be byte-identical while their
+    data differ.)"""
     files = {str(s.path) for split_sources in sources.values() for s in split_sources if s.kind != ARROW}
     owner: dict[str, tuple[str, str]] = {}
     for split, entries in scanned.items():
