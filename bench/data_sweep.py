@@ -10,6 +10,8 @@ piece, whitespace), then runs:
 - `prepare --plan`, N `prepare --shard i/N` tasks and `finalize`: the corpus must hold the same token streams
   as the one-shot `prepare` (every split's token count, document count and sha256);
 - `verify` and `inspect` of the corpus;
+- a second corpus of other drawn inputs with the same tokenizer, `mix` of the two (drawn weights, `--index`
+  or a copy, `--train-tokens`), then `verify` of the mixture;
 - `relayout` of a copy to another world size and stream count, then `verify`: the tokens must not change.
 
 A case refused with one `error:` line (exit status 2) counts as refused, not failed: a refusal is an answer.
@@ -141,6 +143,18 @@ def run_case(rng: random.Random, folder: Path) -> tuple[dict[str, Any], str]:
                                         f"{digests(folder / 'sharded')} against {digests(folder / 'corpus')}")
     step("verify", "verify", folder / "corpus")
     step("inspect", "inspect", folder / "corpus")
+    (folder / "inputs2").mkdir()
+    other_inputs, _ = write_inputs(rng, folder / "inputs2")
+    if step("prepare-other", "prepare", "--out", folder / "other", *other_inputs, "--tokenizer-model", model, *lay,
+            *quiet, refusable=True):
+        weights = rng.choice([(1, 1), (3, 1), (1, 9)])
+        mixed = ["--source", f"a={folder / 'corpus'}:{weights[0]}", "--source", f"b={folder / 'other'}:{weights[1]}"]
+        options = [*rng.choice([[], ["--index"]]), *rng.choice([[], ["--train-tokens", str(rng.choice([50, 2000]))]]),
+                   "--seed", str(rng.randint(0, 9))]
+        record["mix"] = [*mixed[1::2], *options]
+        if step("mix", "mix", "--out", folder / "mixed", *mixed, *options, *lay, *quiet, refusable=True):
+            step("verify-mixed", "verify", folder / "mixed")
+    record.pop("refusal", None)  # another corpus the sweep drew, or its mixture: the case itself was prepared
     shutil.copytree(folder / "corpus", folder / "relaid")
     world = rng.choice([1, 2, 4])
     if step("relayout", "relayout", folder / "relaid", "--world-size", world, "--n-streams",

@@ -282,11 +282,13 @@ def test_config_sweep_fails_a_case_whose_resumed_losses_differ(tmp_path, monkeyp
 
 def test_data_sweep_runs_a_case_through_every_data_prep_command(tmp_path):
     """One drawn case (seed 6: JSON Lines, a char model, 4 ranks, 7 shards) through train-tokenizer, prepare,
-    plan + shards + finalize (the same tokens), verify, inspect and relayout + verify."""
+    plan + shards + finalize (the same tokens), verify, inspect, a mixture with a second corpus, and
+    relayout + verify."""
     out = run_bench("data_sweep", "--cases", 1, "--seed", 6, "--out", tmp_path / "out", timeout=600)
     assert "1 passed, 0 refused, 0 failed" in out, out
     record = json.loads((tmp_path / "out" / "results.jsonl").read_text())
     assert record["verdict"] == "pass" and record["shards"] > 1 and record["failed"] == []
+    assert record["mix"] and "relayout_refusal" not in record
 
 
 def test_data_sweep_fails_a_case_whose_sharded_corpus_differs(tmp_path, monkeypatch):
