@@ -154,7 +154,8 @@ def run_case(rng: random.Random, folder: Path) -> tuple[dict[str, Any], str]:
         record["mix"] = [*mixed[1::2], *options]
         if step("mix", "mix", "--out", folder / "mixed", *mixed, *options, *lay, *quiet, refusable=True):
             step("verify-mixed", "verify", folder / "mixed")
-    record.pop("refusal", None)  # another corpus the sweep drew, or its mixture: the case itself was prepared
+    if "refusal" in record:  # of the second corpus or of the mixture: the case itself was prepared
+        record["mix_refusal"] = record.pop("refusal")
     shutil.copytree(folder / "corpus", folder / "relaid")
     world = rng.choice([1, 2, 4])
     if step("relayout", "relayout", folder / "relaid", "--world-size", world, "--n-streams",
