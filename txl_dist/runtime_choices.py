@@ -53,7 +53,8 @@ ATTN_MIN_SPEEDUP = 1.1
 """attn_impl "auto" leaves the device's usual path (resolve_attn_impl's: matmul on a CPU) only for a candidate
 at least this many times faster. In a near tie the measured order flips from start to start (toy shapes on a
 shared CPU: matmul 0.50-0.54 ms against sdpa 0.50-0.53), and two fresh runs of one config trained with paths
-that round differently, so their losses parted in the 7th digit at step 1 (bench/config_sweep.py). Within
+that round differently, so their losses parted at step 1 (the 8th significant digit; the 3rd with dropatt 0.1,
+whose dropout the two paths draw differently; bench/config_sweep.py). Within
 the margin the choice costs at most 10% of the attention's time."""
 MEASURE_SECONDS = 0.4
 """Time budget of each timed measurement (a few of them at start-up: well under 2 s in all)."""
