@@ -29,6 +29,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -37,6 +38,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
+
+from bench.soak_report import journal_losses
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS, EXIT_STEP = 6, 3
@@ -112,20 +115,14 @@ def run(cmd: list[str], log: Path) -> int | str:
             return "timeout"
 
 
-def losses(run_dir: Path) -> dict[int, float]:
-    """train/loss per step from the run's metrics journal (the float the trainer computed, not a rounding)."""
-    journal = run_dir / "tracking" / "metrics.jsonl"
-    out = {}
-    for line in journal.read_text().splitlines() if journal.is_file() else []:
-        record = json.loads(line)
-        if "train/loss" in record.get("metrics", {}):
-            out[record["step"]] = record["metrics"]["train/loss"]
-    return out
+REFUSAL_LINE = re.compile(r"(\d\d:\d\d:\d\d )?error: ")
+"""A refusal's line: data_prep's start with `error: `, the trainer's with the time of day before it."""
 
 
 def refusal(log: Path) -> str:
-    lines = [line for line in log.read_text(errors="replace").splitlines() if "error: " in line]
-    return lines[-1].strip() if len(lines) >= 1 else ""
+    """The last refusal line of a command's output, or "" where there is none."""
+    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if REFUSAL_LINE.match(line)]
+    return lines[-1] if lines else ""
 
 
 def train_command(case: Case, world: int, port: int) -> list[str]:
@@ -154,13 +151,13 @@ def run_case(case: Case, folder: Path, corpus: Path, port: int) -> dict[str, Any
     finished = run(train_command(case, case.world, port) + data + case.sets(resumed), folder / "resumed.log")
     if stopped != 0 or finished != 0:
         record["failed"].append(f"stop and resume: exit status {stopped}, {finished}")
-    expected, got = losses(straight), losses(resumed)
+    expected, got = (journal_losses(run_dir / "tracking" / "metrics.jsonl") for run_dir in (straight, resumed))
     if sorted(expected) != list(range(1, STEPS + 1)) or any(got.get(s) != expected[s] for s in expected):
         record["failed"].append(f"resumed losses differ: straight {[expected.get(s) for s in range(1, STEPS + 1)]}, "
                                 f"resumed {[got.get(s) for s in range(1, STEPS + 1)]}")
     if case.world > 1 and elastic.is_dir():
         status = run(train_command(case, 1, port) + data + case.sets(elastic), folder / "elastic.log")
-        after = losses(elastic)
+        after = journal_losses(elastic / "tracking" / "metrics.jsonl")
         if status != 0 or not after or not all(math.isfinite(v) for v in after.values()):
             record["failed"].append(f"elastic resume on 1 rank: exit status {status}, losses {after}")
     tools = {

@@ -33,7 +33,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.config_sweep import run, sweep, sweep_arguments
+from bench.config_sweep import refusal, run, sweep, sweep_arguments
 
 _WORD_RNG = random.Random(0)
 WORDS = ["the", "king", "queen", "\u03a9", "na\u00efve", "\u65e5\u672c", "\U0001f642", "x" * 30, "co-op", "\t",
@@ -99,11 +99,6 @@ def digests(corpus: Path) -> dict[str, list]:
     """Per split: token count, document count and the tokens' sha256, from the manifest."""
     manifest = json.loads((corpus / "manifest.json").read_text())
     return {name: [s["n_tokens"], s["n_documents"], s["tokens_sha256"]] for name, s in manifest["splits"].items()}
-
-
-def refusal(log: Path) -> str:
-    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.startswith("error: ")]
-    return lines[-1] if lines else ""
 
 
 def run_case(rng: random.Random, folder: Path) -> tuple[dict[str, Any], str]:
