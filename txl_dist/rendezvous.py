@@ -76,19 +76,21 @@ def join(master_addr: str, master_port: int, rank: int, world_size: int, timeout
     starter = "torchrun" if agent else "rank 0"
     where = f"the rendezvous store at {master_addr}:{master_port} (MASTER_ADDR:MASTER_PORT), hosted by {starter}"
     if not hosts:
-        why = f"{starter} has not started it, or this host cannot reach that address (a wrong MASTER_ADDR, a firewall"
+        def why(last: str) -> str:
+            return (f"{starter} has not started it, or this host cannot reach that address (a wrong MASTER_ADDR, "
+                    f"a firewall; last try: {last})")
 
         def warn(waited: float, last: str) -> None:
             logging.getLogger(LOGGER_NAME).warning(
-                "warning: rank %d (host %s) has not reached %s, for %.0f s: %s; last try: %s); the job stops if it "
-                "cannot within %.0f s", rank, host, where, waited, why, last, timeout.total_seconds())
+                "warning: rank %d (host %s) has not reached %s, for %.0f s: %s; the job stops if it cannot within "
+                "%.0f s", rank, host, where, waited, why(last), timeout.total_seconds())
 
         # One line for the job half-way, from the lowest rank that is a client (rank 0 hosts the store unless
         # torchrun's agent does): the others wait as quietly as it does.
         lowest_client = 0 if agent else 1
         _await_port(master_addr, master_port, deadline, lambda last: JoinFailed(
-            f"rank {rank} (host {host}) could not reach {where}, within {timeout.total_seconds():.0f} s: {why}; "
-            f"last try: {last}); stopping"),
+            f"rank {rank} (host {host}) could not reach {where}, within {timeout.total_seconds():.0f} s: "
+            f"{why(last)}; stopping"),
             warn_at=deadline - timeout.total_seconds() * WARNING_SHARE, warn=warn if rank == lowest_client else None)
     # The host's own client goes over loopback (its server listens on every interface): a MASTER_ADDR that
     # does not lead back to it (a name it cannot resolve) is then told by the ranks that cannot reach it.
