@@ -59,12 +59,19 @@ the margin the choice costs at most 10% of the attention's time."""
 MEASURE_SECONDS = 0.4
 """Time budget of each timed measurement (a few of them at start-up: well under 2 s in all)."""
 MIN_TURNS = 3
-"""Timed turns per precision, at the least, when the first turn leaves the choice open."""
+"""Timed turns per precision, at the least, when the first EARLY_TURNS leave the choice open."""
 CLEAR_FACTOR = 2.0
-"""A first turn whose fp32 / bf16 ratio lies this many times beyond the threshold (either side) decides alone:
-on a shared machine the thread-time ratio varied by about +-15% from start to start (docs/performance.md), and
-on a CPU without bf16 units (AMD Zen 3) tiny.json's bf16 ran 8.5-9.7x slower in every turn, and the choice
-took 1.03-1.09 s instead of 2.02-2.16 s."""
+"""Best times after EARLY_TURNS turns whose fp32 / bf16 ratio lies this many times beyond the threshold (either
+side) decide: on a shared machine the thread-time ratio varied by about +-15% from start to start
+(docs/performance.md), and on a CPU without bf16 units (AMD Zen 3) tiny.json's bf16 ran 8.5-9.7x slower in
+every turn, and the choice took 1.03-1.09 s instead of 2.02-2.16 s (then after one turn)."""
+EARLY_TURNS = 2
+"""Turns each precision takes before the choice may end early: never one. A single turn can be an outlier of
+several times: inside the trainer, the first timed fp32 forward+backward of configs/tiny.json sometimes
+faulted in ~5,000-6,000 fresh pages (the allocator had returned the warm-up's memory to the system) and took
+82-118 ms of CPU time against 31-34 ms in every later turn, 3.2-4.4x the bf16 turn, so that one turn alone
+chose bf16 for a model 1.3x faster in it (the threshold is 1.5x) in 3 of 4 starts (2026-12-06, Intel with
+AMX). Each keeps its best time, so a second turn outvotes such a first."""
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -258,8 +265,8 @@ def warn_if_slower_than_fp32(cfg: RunConfig, device: torch.device, precision: st
 def _timed_precisions(cfg: RunConfig, device: torch.device, precision: str, measured: dict[str, Any], *,
                       threshold: float) -> dict[str, float]:
     """time_precisions of fp32 and `precision`, the numbers also written into `measured` (run.json keeps them);
-    the question is whether fp32's time over `precision`'s reaches `threshold`, so a first turn far from it
-    ends the measurement (clearly_decided)."""
+    the question is whether fp32's time over `precision`'s reaches `threshold`, so early turns far from it
+    end the measurement (clearly_decided)."""
     measured["timed"] = "model" if cfg.model.vocab_size is not None else "one layer"
     seconds = time_precisions(cfg, device, ("fp32", precision),
                               decided=lambda best: clearly_decided(best["fp32"] / best[precision], threshold))
@@ -321,8 +328,8 @@ def time_precisions(cfg: RunConfig, device: torch.device, dtypes: tuple[str, ...
 
     The precisions take turns, repeat after repeat, for about `seconds` (at least MIN_TURNS each), and each
     keeps its best time: a burst of load from other processes then hits both alike instead of the one measured
-    while it lasted. `decided`, given the best times after the first turn, may end it there: the caller's question
-    is already answered (clearly_decided). On a CPU the steps run on ONE thread and are timed in that thread's CPU
+    while it lasted. `decided`, given the best times after EARLY_TURNS turns, may end it there: the caller's
+    question is already answered (clearly_decided). On a CPU the steps run on ONE thread and are timed in that thread's CPU
     seconds (time.thread_time; a CPU's autograd runs on the calling thread): the time the process spends preempted
     is not counted, and no thread waits at a barrier for a preempted one. On a shared 2-core machine at load average
     10-15, configs/tiny.json's fp32 / bf16 ratio timed by the wall clock on 2 threads ranged 0.40-2.38 (8 starts),
@@ -343,7 +350,7 @@ def time_precisions(cfg: RunConfig, device: torch.device, dtypes: tuple[str, ...
                 step()
                 best[name] = min(best[name], clock() - start)
             rounds += 1
-            if rounds == 1 and decided is not None and decided(best):
+            if rounds == EARLY_TURNS and decided is not None and decided(best):
                 break
     return best
 
