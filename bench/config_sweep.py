@@ -2,12 +2,14 @@
 
 Each case draws a model (layers, widths, heads, d_embed, div_val, cutoffs, tying, pre-LN, untie_r,
 same_length, clamp_len, dropout, dropatt, attention path, vocabulary padding, tgt_len, mem_len), a world
-size (1 or 2 ranks), a ZeRO stage (0-3), a precision (fp32, bf16), a micro batch, activation checkpointing on
-or off and evaluation memory settings, then runs launch/train.py for 6 steps three times:
+size (1 or 2 ranks), a ZeRO stage (0-3), a precision (fp32, bf16, fp16, "auto"), a micro batch, activation
+checkpointing on or off, evaluation memory settings, and the engine's schedule, optimizer, clipping and
+gradient sums' dtype (`draw_engine`), then runs launch/train.py for 6 steps three times:
 
 - straight, with a checkpoint at step 3;
 - stopped at step 3 (`train.exit_step`), then resumed: its per-step losses must equal the straight run's bit
-  for bit (the attention path is pinned per case: "auto" times the paths at each fresh start);
+  for bit (where the precision or the attention path is "auto", the two fresh starts must also choose alike:
+  each times the candidates anew);
 - at 2 ranks, the step 3 checkpoint also resumed on 1 rank (elastic: through DeepSpeed's universal
   checkpoint; it must finish with finite losses);
 
@@ -57,6 +59,8 @@ class Case:
     activation_checkpointing: bool
     eval: dict[str, Any]
     generate: list[str] = field(default_factory=list)
+    engine: dict[str, Any] = field(default_factory=dict)
+    """More --set values (dotted key -> JSON value): the optimizer, schedule, clipping, gradient sums' dtype."""
 
     def sets(self, run_dir: Path, *extra: str) -> list[str]:
         """launch/train.py's --set arguments for this case (configs/tiny.json underneath)."""
@@ -66,6 +70,7 @@ class Case:
                   f"deepspeed.zero_optimization.stage={self.stage}", f"train.precision={self.precision}"]
         values += [f"model.{k}={json.dumps(v)}" for k, v in self.model.items()]
         values += [f"eval.{k}={json.dumps(v)}" for k, v in self.eval.items()]
+        values += [f"{k}={json.dumps(v)}" for k, v in self.engine.items()]
         if self.activation_checkpointing:
             values.append('deepspeed.activation_checkpointing={"partition_activations": false}')
         return [arg for value in (*values, *extra) for arg in ("--set", value)]
@@ -75,7 +80,8 @@ class Case:
         return (f"{self.world} rank(s), ZeRO {self.stage}, {self.precision}, micro batch {self.micro_batch}"
                 f"{', activation checkpointing' if self.activation_checkpointing else ''}; {m['n_layer']} layer(s) "
                 f"d_model {m['d_model']} d_embed {m['d_embed']} div_val {m['div_val']} cutoffs {m['cutoffs']} "
-                f"{m['attn_impl']}")
+                f"{m['attn_impl']}" + "".join(f"; {k.removeprefix('deepspeed.')} {json.dumps(v)}"
+                                              for k, v in self.engine.items()))
 
 
 def draw(rng: random.Random, vocab: int, world: int | None) -> Case:
@@ -99,9 +105,44 @@ def draw(rng: random.Random, vocab: int, world: int | None) -> Case:
     generate = ["--max-new-tokens", str(rng.choice([1, 8])), "--num-samples", str(rng.choice([1, 2])),
                 *rng.choice([[], ["--greedy"], ["--top-k", "5"], ["--top-p", "0.9"]]),
                 *rng.choice([[], ["--mem-len", "4"], ["--chunk-len", "3"]])]
-    return Case(model=model, world=world, stage=rng.choice([0, 1, 2, 3]), precision=rng.choice(["fp32", "bf16"]),
+    case = Case(model=model, world=world, stage=rng.choice([0, 1, 2, 3]), precision=rng.choice(["fp32", "bf16"]),
                 micro_batch=rng.choice([1, 2]) if world == 2 else rng.choice([2, 4]),
                 activation_checkpointing=rng.random() < 0.3, eval=evaluation, generate=generate)
+    case.engine = draw_engine(rng, case)
+    return case
+
+
+SCHEDULES = (
+    None,  # configs/tiny.json's WarmupCosineLR
+    {"type": "WarmupLR", "params": {"warmup_num_steps": 2, "warmup_max_lr": 0.001}},
+    {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 2, "warmup_max_lr": 0.001}},
+    {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 3, "warmup_type": "log"}},
+)
+OPTIMIZERS = (
+    None,  # configs/tiny.json's AdamW: torch's, fused
+    {"type": "AdamW", "params": {"lr": 0.001, "weight_decay": 0.01, "torch_adam": True}},
+    {"type": "Adam", "params": {"lr": 0.001, "torch_adam": True}},
+)
+
+
+def draw_engine(rng: random.Random, case: Case) -> dict[str, Any]:
+    """The engine's further options, drawn after the rest (a seed's earlier draws keep their values): fp16 and
+    "auto" precision and attention beside the explicit ones, the schedule, the optimizer, clipping, and the
+    gradient sums' dtype at ZeRO 2-3."""
+    engine: dict[str, Any] = {}
+    if rng.random() < 0.25:
+        case.precision = rng.choice(["fp16", "auto"])
+    if rng.random() < 0.2:
+        case.model["attn_impl"] = "auto"
+    if (schedule := rng.choice(SCHEDULES)) is not None:
+        engine["deepspeed.scheduler"] = schedule
+    if (optimizer := rng.choice(OPTIMIZERS)) is not None:
+        engine["deepspeed.optimizer"] = optimizer
+    if (clip := rng.choice([None, 0.0, 1.0])) is not None:
+        engine["deepspeed.gradient_clipping"] = clip
+    if case.precision in ("bf16", "fp16") and case.stage >= 2 and rng.random() < 0.5:
+        engine["deepspeed.data_types"] = {"grad_accum_dtype": rng.choice(["fp32", case.precision])}
+    return engine
 
 
 def run(cmd: list[str], log: Path) -> int | str:
