@@ -359,6 +359,15 @@ def test_time_attn_impls_times_each_named_path(training):
     assert all(isinstance(t, float) and 0 < t < math.inf for t in times.values())
 
 
+def test_time_attn_impls_reads_the_clock_it_is_given():
+    """A CPU's caller times in the thread's CPU seconds (runtime_choices): every call is read on that clock."""
+    ticks = iter(range(1000))
+    times = time_attn_impls(["matmul", "sdpa"], batch=2, n_head=2, d_head=8, qlen=4, klen=8,
+                            device=torch.device("cpu"), dtype=torch.float32, training=True, reps=3, warmup=1,
+                            clock=lambda: float(next(ticks)))
+    assert times == {"matmul": 1.0, "sdpa": 1.0} and next(ticks) == 2 * 2 * 3  # a start and an end per call
+
+
 def test_time_attn_impls_gives_inf_to_a_path_that_cannot_run():
     # flex has no backward on a CPU: timed for training it fails, and auto must simply never pick it.
     times = time_attn_impls(["matmul", "flex"], batch=2, n_head=2, d_head=8, qlen=4, klen=8,

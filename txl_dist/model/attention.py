@@ -456,13 +456,14 @@ def candidate_attn_impls(device: torch.device, dtype: torch.dtype, *, training: 
 
 def time_attn_impls(names: list[str], *, batch: int, n_head: int, d_head: int, qlen: int, klen: int,
                     device: torch.device, dtype: torch.dtype, training: bool, reps: int = 5,
-                    warmup: int = 2) -> dict[str, float]:
+                    warmup: int = 2, clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
     """Seconds per call of each named implementation on these shapes: forward + backward when training,
     a no-grad forward otherwise. The median of `reps` calls, interleaved so that load changes hit all alike,
-    after `warmup` calls (which absorb flex's and triton's compiles). Memory is full (mlen = klen - qlen =
-    mem_len), the steady state of training; inputs are seeded random numbers. A path that fails on these
-    shapes (a kernel limit, out of memory, a kernel that does not compile) gets math.inf: it can never be the
-    fastest.
+    after `warmup` calls (which absorb flex's and triton's compiles), timed by `clock` (the wall clock; a
+    CPU's caller may pass time.thread_time, whose seconds leave out the time the thread spent preempted).
+    Memory is full (mlen = klen - qlen = mem_len), the steady state of training; inputs are seeded random
+    numbers. A path that fails on these shapes (a kernel limit, out of memory, a kernel that does not
+    compile) gets math.inf: it can never be the fastest.
     """
     device = torch.device(device)
     mlen = klen - qlen
@@ -506,10 +507,10 @@ def time_attn_impls(names: list[str], *, batch: int, n_head: int, d_head: int, q
     for _ in range(reps):
         for name in (n for n in names if n not in failed):
             sync()
-            start = time.perf_counter()
+            start = clock()
             call(name)
             sync()
-            times[name].append(time.perf_counter() - start)
+            times[name].append(clock() - start)
     return {name: statistics.median(times[name]) for name in names}
 
 
