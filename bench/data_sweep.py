@@ -12,7 +12,9 @@ piece, whitespace), then runs:
 - `verify` and `inspect` of the corpus;
 - a second corpus of other drawn inputs with the same tokenizer, `mix` of the two (drawn weights, `--index`
   or a copy, `--train-tokens`), then `verify` of the mixture;
-- `relayout` of a copy to another world size and stream count, then `verify`: the tokens must not change.
+- `relayout` of a copy to another world size and stream count, then `verify`: the tokens must not change;
+- two training steps of a toy model on the corpus or the mixture (`launch/train.py` on 1 rank, drawn streams
+  and segment length), with the final validation and test: it must train, or refuse in one line.
 
 A case refused with one `error:` line (exit status 2) counts as refused, not failed: a refusal is an answer.
 
@@ -160,7 +162,31 @@ def run_case(rng: random.Random, folder: Path) -> tuple[dict[str, Any], str]:
             record["failed"].append("relayout changed the tokens")
     if "refusal" in record:  # the relayout's: the case itself was prepared
         record["relayout_refusal"] = record.pop("refusal")
+    trained = folder / "mixed" if (folder / "mixed" / "manifest.json").is_file() and rng.random() < 0.5 \
+        else folder / "corpus"
+    train(rng, trained, folder, record)
     return record | {"verdict": "fail" if record["failed"] else "pass"}, text
+
+
+def train(rng: random.Random, corpus: Path, folder: Path, record: dict[str, Any]) -> None:
+    """Two steps of a toy model on `corpus` (launch/train.py, 1 rank, drawn streams and segment length), with
+    the final validation and test: the trainer must read whatever data_prep wrote, or refuse it in one line
+    (a split too short for the streams, say: recorded as "train_refusal", not a failure)."""
+    streams = rng.choice([1, 2, 4])
+    sets = [f"data.path={corpus}", f"run.dir={folder / 'run'}", "train.max_steps=2", "train.log_interval=1",
+            "model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.d_head=16", "model.d_inner=64",
+            "model.cutoffs=[]", f"model.tgt_len={rng.choice([4, 16])}", f"model.mem_len={rng.choice([0, 8])}",
+            f"eval.tgt_len={rng.choice([4, 16])}", "eval.mem_len=8", f"eval.n_streams={rng.choice([1, 2])}",
+            f"deepspeed.train_batch_size={streams}", f"deepspeed.train_micro_batch_size_per_gpu={streams}",
+            "train.precision=fp32", "model.attn_impl=matmul", "tracking.enabled=false"]
+    record["train"] = [corpus.name, *sets[2:]]
+    log = folder / "train.log"
+    status = run([sys.executable, "launch/train.py", "--config", "configs/tiny.json",
+                  *(arg for value in sets for arg in ("--set", value))], log)
+    if status == 2 and refusal(log):
+        record["train_refusal"] = refusal(log)
+    elif status != 0:
+        record["failed"].append(f"train on {corpus.name}: exit status {status}")
 
 
 def main(argv: list[str] | None = None) -> int:
