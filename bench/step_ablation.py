@@ -7,7 +7,7 @@ place). This script instead trains the same model with one component removed and
 that saves, every variant timed interleaved with the unchanged step (min of reps), each on a model of its
 own (a removed layer norm or softmax changes the values the rest computes, not its shapes or its work):
 
-    .venv/bin/python -m bench.step_ablation [--shape comparison|large|wt103_base_aligned|wt103_base]
+    .venv/bin/python -m bench.step_ablation [--shape comparison|tiny|large|wt103_base_aligned|wt103_base]
         [--dtype bf16|fp32] [--threads 2] [--reps 4] [--quick]
 
 A saving is the component's own time plus what it does to its neighbours' cache and memory traffic, so the
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import json
 import platform
@@ -27,11 +28,14 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from bench.suite import (DTYPES, MFU_PRESETS, flops_per_token, matmul_peak_call, our_training, preset_layer_config,
-                         speed_config)
+from bench.suite import (DTYPES, MFU_PRESETS, REPO, flops_per_token, matmul_peak_call, our_training,
+                         preset_layer_config, speed_config)
+from txl_dist.config import load_config
 from bench.timing import interleaved
 
-SHAPES = ("comparison", *(name for name, _ in MFU_PRESETS))
+SHAPES = ("comparison", "tiny", *(name for name, _ in MFU_PRESETS))
+TINY_VOCAB = 4096
+"""The tiny shape's vocabulary: data/shakespeare's (configs/tiny.json reads it from the corpus)."""
 
 Patch = tuple[Any, str, Any]
 
@@ -90,6 +94,9 @@ def patched(patches: list[Patch]) -> Iterator[None]:
 def shape_config(shape: str, quick: bool):
     if shape == "comparison":
         return speed_config(quick)
+    if shape == "tiny":  # configs/tiny.json's whole model, as the learning-per-second rows train it
+        return dataclasses.replace(load_config(REPO / "configs" / "tiny.json").model, vocab_size=TINY_VOCAB,
+                                   **({"n_layer": 1} if quick else {}))
     return preset_layer_config(shape, dict(MFU_PRESETS)[shape], quick)
 
 

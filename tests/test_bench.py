@@ -161,6 +161,18 @@ def test_the_suites_mfu_divides_by_the_products_own_peak(monkeypatch):
                                          rel=1e-3, abs=1e-4)
 
 
+def test_step_ablation_tiny_shape_is_the_tiny_preset_model():
+    """--shape tiny: configs/tiny.json's model as the learning rows train it (data/shakespeare's vocabulary)."""
+    from bench import step_ablation
+
+    preset = json.loads((REPO / "configs" / "tiny.json").read_text())["model"]
+    cfg = step_ablation.shape_config("tiny", quick=False)
+    assert cfg.vocab_size == step_ablation.TINY_VOCAB and cfg.cutoffs == preset["cutoffs"]
+    assert (cfg.n_layer, cfg.d_model, cfg.tgt_len, cfg.mem_len, cfg.dropout) == (
+        preset["n_layer"], preset["d_model"], preset["tgt_len"], preset["mem_len"], preset["dropout"])
+    assert step_ablation.shape_config("tiny", quick=True).n_layer == 1
+
+
 def test_step_ablation_times_every_variant_beside_the_unchanged_step():
     """bench/step_ablation.py (where a CPU step's time goes) trains every variant at toy size, and each of its
     replaced names still exists in the code it patches (a renamed one fails instead of measuring nothing)."""
