@@ -336,11 +336,12 @@ def time_precisions(cfg: RunConfig, device: torch.device, dtypes: tuple[str, ...
     The precisions take turns, repeat after repeat, for about `seconds` (at least MIN_TURNS each), and each
     keeps its best time: a burst of load from other processes then hits both alike instead of the one measured
     while it lasted. `decided`, given the best times after EARLY_TURNS turns, may end it there: the caller's
-    question is already answered (clearly_decided). On a CPU the steps run on ONE thread and are timed in that thread's CPU
-    seconds (time.thread_time; a CPU's autograd runs on the calling thread): the time the process spends preempted
-    is not counted, and no thread waits at a barrier for a preempted one. On a shared 2-core machine at load average
-    10-15, configs/tiny.json's fp32 / bf16 ratio timed by the wall clock on 2 threads ranged 0.40-2.38 (8 starts),
-    enough to flip a clear choice, which the run keeps to its end; timed so, 1.24-1.66 (docs/performance.md).
+    question is already answered (clearly_decided). On a CPU the steps run on ONE thread and are timed in that
+    thread's CPU seconds (time.thread_time; a CPU's autograd runs on the calling thread): the time the process
+    spends preempted is not counted, and no thread waits at a barrier for a preempted one. On a shared 2-core
+    machine at load average 10-15, configs/tiny.json's fp32 / bf16 ratio timed by the wall clock on 2 threads
+    ranged 0.40-2.38 (8 starts), enough to flip a clear choice, which the run keeps to its end; timed so,
+    1.24-1.66 (docs/performance.md).
     """
     make_step = _model_step if cfg.model.vocab_size is not None else _layer_step
     on_cpu = device.type == "cpu"
