@@ -246,6 +246,9 @@ def test_partial_last_predicts_every_token_once(corpus):
     (dict(world_size=2, micro_batch=3), "micro_batch: 3 does not divide the 4 streams of each of 2 ranks"),
     (dict(tgt_len=125), "streams of 125 tokens, too short for tgt_len 125"),
     (dict(tgt_len=63, roll=True), "too short for roll with tgt_len 63"),
+    # One stream: no "1 streams", and no advice to use fewer of them.
+    (dict(n_streams=1, micro_batch=1, tgt_len=N_TOKENS), f"{N_TOKENS} tokens in one stream, too short for tgt_len "
+     f"{N_TOKENS} \\(needs {N_TOKENS + 1}\\); use a shorter tgt_len or a split with more text$"),
     (dict(rank=2, world_size=2), "rank 2 is outside 0..1"),
     (dict(roll=True, partial_last=True), "partial_last .* cannot be combined with roll"),
 ])

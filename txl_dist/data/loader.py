@@ -118,10 +118,12 @@ class StreamLoader:
         stream_len = n_tokens // self.n_streams
         need = 2 * self.tgt_len if self.roll else self.tgt_len + 1  # with roll, the latest offset must fit too
         if stream_len < need:
-            raise SplitTooShort(
-                f"{where}: {n_tokens} tokens give {self.n_streams} streams of {stream_len} tokens, too short "
-                f"for {'roll with ' if self.roll else ''}tgt_len {self.tgt_len} (needs {need}); "
-                "use fewer streams or a shorter tgt_len")
+            cut = (f"give {self.n_streams} streams of {stream_len} tokens" if self.n_streams > 1 else
+                   "in one stream")
+            remedy = "fewer streams or a shorter tgt_len" if self.n_streams > 1 else \
+                "a shorter tgt_len or a split with more text"
+            raise SplitTooShort(f"{where}: {n_tokens} tokens {cut}, too short for {'roll with ' if self.roll else ''}"
+                                f"tgt_len {self.tgt_len} (needs {need}); use {remedy}")
         return stream_len
 
     # ------------------------------------------------------------------------------------------------
