@@ -126,9 +126,9 @@ OPTIMIZERS = (
 
 
 def draw_engine(rng: random.Random, case: Case) -> dict[str, Any]:
-    """The engine's further options, drawn after the rest (a seed's earlier draws keep their values): fp16 and
-    "auto" precision and attention beside the explicit ones, the schedule, the optimizer, clipping, and the
-    gradient sums' dtype at ZeRO 2-3."""
+    """The engine's further options, drawn after the rest of the case (whose other draws kept the values they had
+    before these were added; the cases after it differ): fp16 and "auto" precision and attention beside the
+    explicit ones, the schedule, the optimizer, clipping, and the gradient sums' dtype at ZeRO 2-3."""
     engine: dict[str, Any] = {}
     if rng.random() < 0.25:
         case.precision = rng.choice(["fp16", "auto"])
