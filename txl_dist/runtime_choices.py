@@ -33,7 +33,7 @@ import logging
 import platform
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -307,12 +307,10 @@ def choose_attn_impl(cfg: RunConfig, device: torch.device, dtype: torch.dtype,
     candidates = candidates_for(device, dtype, training=True, dropatt=m.dropatt)
     if len(candidates) == 1:
         return candidates[0], "device"
-    on_cpu = device.type == "cpu"
-    # On a CPU as the precisions are timed (time_precisions): one thread, in its CPU seconds.
-    with torch_threads(1) if on_cpu else contextlib.nullcontext():
+    with timing_clock(device) as clock:  # on a CPU as the precisions are timed: one thread, its CPU seconds
         seconds = time_impls(candidates, batch=cfg.micro_batch(), n_head=m.n_head, d_head=m.d_head,
                              qlen=m.tgt_len, klen=m.tgt_len + m.mem_len, device=device, dtype=dtype, training=True,
-                             clock=time.thread_time if on_cpu else time.perf_counter)
+                             clock=clock)
     measured["attn_s"] = {name: float(s) for name, s in seconds.items()}
     fastest = min(seconds, key=seconds.get)
     usual = attention.resolve_attn_impl("auto", device, dtype)
@@ -344,9 +342,7 @@ def time_precisions(cfg: RunConfig, device: torch.device, dtypes: tuple[str, ...
     1.24-1.66 (docs/performance.md).
     """
     make_step = _model_step if cfg.model.vocab_size is not None else _layer_step
-    on_cpu = device.type == "cpu"
-    clock = time.thread_time if on_cpu else time.perf_counter
-    with torch_threads(1) if on_cpu else contextlib.nullcontext():
+    with timing_clock(device) as clock:
         steps = {name: make_step(cfg, device, DTYPES[name]) for name in dtypes}
         for step in steps.values():
             step()  # warm-up: kernel selection, allocations
@@ -361,6 +357,18 @@ def time_precisions(cfg: RunConfig, device: torch.device, dtypes: tuple[str, ...
             if rounds == EARLY_TURNS and decided is not None and decided(best):
                 break
     return best
+
+
+@contextlib.contextmanager
+def timing_clock(device: torch.device) -> Iterator[Callable[[], float]]:
+    """The clock start-up's timings read on `device`, inside the setting they run in: on a CPU one torch thread
+    and that thread's CPU seconds (time.thread_time: time preempted is not counted; time_precisions says why),
+    elsewhere the wall clock."""
+    if device.type != "cpu":
+        yield time.perf_counter
+        return
+    with torch_threads(1):
+        yield time.thread_time
 
 
 def _model_step(cfg: RunConfig, device: torch.device, dtype: torch.dtype) -> Callable[[], None]:
