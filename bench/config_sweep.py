@@ -73,7 +73,7 @@ class Case:
         values += [f"{k}={json.dumps(v)}" for k, v in self.engine.items()]
         if self.activation_checkpointing:
             values.append('deepspeed.activation_checkpointing={"partition_activations": false}')
-        return [arg for value in (*values, *extra) for arg in ("--set", value)]
+        return set_arguments((*values, *extra))
 
     def text(self) -> str:
         m = self.model
@@ -166,7 +166,14 @@ def refusal(log: Path) -> str:
     return lines[-1] if lines else ""
 
 
-def train_command(case: Case, world: int, port: int) -> list[str]:
+def set_arguments(values) -> list[str]:
+    """launch/train.py's `--set` arguments for `key=value` strings."""
+    return [arg for value in values for arg in ("--set", value)]
+
+
+def train_command(world: int, port: int | None = None) -> list[str]:
+    """launch/train.py with configs/tiny.json underneath: in this process's Python on 1 rank, through torchrun
+    (rendezvous on `port`) on more."""
     if world == 1:
         return [sys.executable, "launch/train.py", "--config", "configs/tiny.json"]
     torchrun = str(Path(sys.executable).with_name("torchrun"))
@@ -179,17 +186,17 @@ def run_case(case: Case, folder: Path, corpus: Path, port: int) -> dict[str, Any
     record: dict[str, Any] = {"case": asdict(case), "failed": []}
     data = ["--set", f"data.path={corpus}"]
     straight, resumed, elastic = folder / "straight", folder / "resumed", folder / "elastic"
-    status = run(train_command(case, case.world, port) + data + case.sets(straight), folder / "straight.log")
+    status = run(train_command(case.world, port) + data + case.sets(straight), folder / "straight.log")
     if status == 2 and refusal(folder / "straight.log"):
         return record | {"verdict": "refused", "refusal": refusal(folder / "straight.log")}
     if status != 0:
         return record | {"verdict": "fail", "failed": [f"straight run: exit status {status}"]}
-    stopped = run(train_command(case, case.world, port) + data + case.sets(resumed, f"train.exit_step={EXIT_STEP}"),
+    stopped = run(train_command(case.world, port) + data + case.sets(resumed, f"train.exit_step={EXIT_STEP}"),
                   folder / "stopped.log")
     if case.world > 1 and stopped == 0:
         shutil.copytree(resumed, elastic)
         shutil.rmtree(elastic / "tracking", ignore_errors=True)  # the elastic run's journal starts empty
-    finished = run(train_command(case, case.world, port) + data + case.sets(resumed), folder / "resumed.log")
+    finished = run(train_command(case.world, port) + data + case.sets(resumed), folder / "resumed.log")
     if stopped != 0 or finished != 0:
         record["failed"].append(f"stop and resume: exit status {stopped}, {finished}")
     expected, got = (journal_losses(run_dir / "tracking" / "metrics.jsonl") for run_dir in (straight, resumed))
@@ -197,7 +204,7 @@ def run_case(case: Case, folder: Path, corpus: Path, port: int) -> dict[str, Any
         record["failed"].append(f"resumed losses differ: straight {[expected.get(s) for s in range(1, STEPS + 1)]}, "
                                 f"resumed {[got.get(s) for s in range(1, STEPS + 1)]}")
     if case.world > 1 and elastic.is_dir():
-        status = run(train_command(case, 1, port) + data + case.sets(elastic), folder / "elastic.log")
+        status = run(train_command(1) + data + case.sets(elastic), folder / "elastic.log")
         after = journal_losses(elastic / "tracking" / "metrics.jsonl")
         if status != 0 or not after or not all(math.isfinite(v) for v in after.values()):
             record["failed"].append(f"elastic resume on 1 rank: exit status {status}, losses {after}")

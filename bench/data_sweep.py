@@ -35,7 +35,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.config_sweep import refusal, run, sweep, sweep_arguments
+from bench.config_sweep import refusal, run, set_arguments, sweep, sweep_arguments, train_command
 
 _WORD_RNG = random.Random(0)
 WORDS = ["the", "king", "queen", "\u03a9", "na\u00efve", "\u65e5\u672c", "\U0001f642", "x" * 30, "co-op", "\t",
@@ -181,8 +181,7 @@ def train(rng: random.Random, corpus: Path, folder: Path, record: dict[str, Any]
             "train.precision=fp32", "model.attn_impl=matmul", "tracking.enabled=false"]
     record["train"] = [corpus.name, *sets[2:]]
     log = folder / "train.log"
-    status = run([sys.executable, "launch/train.py", "--config", "configs/tiny.json",
-                  *(arg for value in sets for arg in ("--set", value))], log)
+    status = run(train_command(1) + set_arguments(sets), log)
     if status == 2 and refusal(log):
         record["train_refusal"] = refusal(log)
     elif status != 0:
