@@ -118,10 +118,11 @@ class StreamLoader:
         stream_len = n_tokens // self.n_streams
         need = 2 * self.tgt_len if self.roll else self.tgt_len + 1  # with roll, the latest offset must fit too
         if stream_len < need:
-            cut = (f"give {self.n_streams} streams of {stream_len} tokens" if self.n_streams > 1 else
-                   "in one stream")
-            remedy = "fewer streams or a shorter tgt_len" if self.n_streams > 1 else \
-                "a shorter tgt_len or a split with more text"
+            if self.n_streams > 1:
+                cut = f"give {self.n_streams} streams of {stream_len} tokens"
+                remedy = "fewer streams or a shorter tgt_len"
+            else:
+                cut, remedy = "in one stream", "a shorter tgt_len or a split with more text"
             raise SplitTooShort(f"{where}: {n_tokens} tokens {cut}, too short for {'roll with ' if self.roll else ''}"
                                 f"tgt_len {self.tgt_len} (needs {need}); use {remedy}")
         return stream_len
