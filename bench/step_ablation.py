@@ -30,8 +30,8 @@ import torch.nn.functional as F
 
 from bench.suite import (DTYPES, MFU_PRESETS, REPO, flops_per_token, matmul_peak_call, our_training,
                          preset_layer_config, speed_config)
-from txl_dist.config import load_config
 from bench.timing import interleaved
+from txl_dist.config import load_config
 
 SHAPES = ("comparison", "tiny", *(name for name, _ in MFU_PRESETS))
 TINY_VOCAB = 4096
