@@ -1,9 +1,10 @@
 """The model under DeepSpeed ZeRO-3 (parameters partitioned, gathered per module) with DeepSpeed's activation
 checkpointing: losses and gradients over two segments (with mems) must equal plain PyTorch.
 
-This guards the model-side contract: every parameter is used inside its own module's forward, the output is
-a NamedTuple that ZeRO-3's hooks can see, tied and shared (untie_r false) parameters work. One process
-(world size 1): what is checked here is the model, not data parallelism."""
+This guards the model-side contract: every parameter is used inside its own module's forward or named by the
+module that reads it (`borrowed_parameters()`, registered as the engine does: txl_dist.engine.
+register_borrowed_parameters), the output is a NamedTuple that ZeRO-3's hooks can see, tied and shared (untie_r
+false) parameters work. One process (world size 1): what is checked here is the model, not data parallelism."""
 import json
 import os
 import subprocess
@@ -20,7 +21,7 @@ import torch
 import deepspeed
 from deepspeed.utils import safe_get_full_grad
 from txl_dist.config import ModelConfig
-from txl_dist.engine import skip_shm_comm_build
+from txl_dist.engine import register_borrowed_parameters, skip_shm_comm_build
 from txl_dist.model import TransformerXL
 from txl_dist.model.softmax import tail_plan
 
@@ -56,6 +57,7 @@ expected = {"losses": losses, "grads": {n: p.grad.tolist() for n, p in plain.nam
 ds = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
       "steps_per_print": 10**9}
 model.set_activation_checkpointing(deepspeed.checkpointing.checkpoint)
+register_borrowed_parameters(model)
 engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
                                   config=dict(ds, zero_allow_untested_optimizer=True))
 deepspeed.checkpointing.configure(None, deepspeed_config=ds)

@@ -159,6 +159,26 @@ def test_elastic_resume_2_to_1_continues_the_loss(corpus, tmp_path, stage, bf16)
     assert (tmp_path / "from2" / "checkpoints" / "step_00000002_universal" / "zero").is_dir()
 
 
+def test_a_zero3_fp16_run_whose_first_step_after_resume_overflows_trains_on(corpus, tmp_path):
+    """Found by `python -m bench.config_sweep --seed 303` (case 1). The adaptive softmax reads its output tables and
+    projections itself, never calling their modules, so ZeRO-3 gathers them as "external parameters" of the
+    softmax, which DeepSpeed 0.19.8 registers only when a forward finds one partitioned. After a checkpoint load
+    the small (persistent) ones were already gathered, so the first step's trace of the softmax lacked them; an
+    fp16 overflow's skipped step partitioned them again, the next step registered them, and its backward failed
+    with DeepSpeed's "tracing error ... expected the next 4 parameters in the parameter fetch queue". A restart
+    failed the same way. A loss scale of 2**32 makes every step here overflow."""
+    ds = {"zero_optimization": {"stage": 3}, "fp16": {"initial_scale_power": 32}}
+
+    def cfg(**train):
+        return tiny_config(corpus, tmp_path / "run", model={"dropout": 0.0}, deepspeed=ds,
+                           train={"max_steps": 3, "precision": "fp16", "max_nonfinite": 100, **train})
+
+    (first,) = run_ranks(train_jobs, 1, [(cfg(exit_step=1), "none")])[0]
+    (resumed,) = run_ranks(train_jobs, 1, [(cfg(), "auto")])[0]
+    assert first["code"] == resumed["code"] == 0, resumed
+    assert sorted(resumed["losses"]) == [2, 3]
+
+
 # ----------------------------------------------------------------------------------------------------
 # Per-rank mems
 

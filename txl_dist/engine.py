@@ -150,6 +150,7 @@ def build_engine(model_fn: Callable[[], nn.Module], ds_config: dict[str, Any], *
         # again on the gathered weights from a reseeded RNG (one full gather, once, at start-up).
         with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
             _reinitialize(model, seed)
+        register_borrowed_parameters(model)
     else:
         model = model_fn()
         # The same draws as under ZeRO-3 on a CPU: weights depend on the seed alone. On a GPU zero.Init's
@@ -174,6 +175,22 @@ def build_engine(model_fn: Callable[[], nn.Module], ds_config: dict[str, Any], *
         # k. A resumed run then loads the scheduler's state from its checkpoint, which replaces this.
         engine.lr_scheduler.step()
     return engine
+
+
+def register_borrowed_parameters(model: nn.Module) -> None:
+    """Tell ZeRO-3 which weights each module's forward reads from its submodules without calling them (the
+    modules' `borrowed_parameters()`: the adaptive softmax's tables and projections, the input projections).
+
+    ZeRO-3 gathers a module's own weights when the module is called. DeepSpeed 0.19.8 registers a weight read
+    from elsewhere only when a forward finds it partitioned, so what it knew depended on what a checkpoint load
+    or a skipped fp16 step had left gathered, and a step whose reads differed from the trace recorded at the
+    first step failed in its backward ("tracing error ... expected the next 4 parameters in the parameter
+    fetch queue": a resumed fp16 run whose first step overflowed, tests/test_trainer.py). Named up front, the
+    set is the same in every step of every run."""
+    for module in model.modules():
+        borrowed = getattr(module, "borrowed_parameters", None)
+        for param in borrowed() if callable(borrowed) else ():
+            deepspeed.zero.register_external_parameter(module, param)
 
 
 def announce_optimizer_op_build(ds_config: dict[str, Any]) -> str | None:

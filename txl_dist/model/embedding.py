@@ -43,6 +43,11 @@ class AdaptiveEmbedding(nn.Module):
                 self.emb_layers.append(nn.Embedding(table_rows[i], d_emb_i))
                 self.emb_projs.append(nn.Parameter(torch.empty(d_model, d_emb_i)))
 
+    def borrowed_parameters(self) -> list[nn.Parameter]:
+        """The submodules' parameters that forward reads itself: the projections (emb_projs, a ParameterList
+        that is never called; the tables are called). See ProjectedAdaptiveLogSoftmax.borrowed_parameters."""
+        return list(self.emb_projs)
+
     def padded_rows(self) -> dict[str, int]:
         """State-dict names (relative to this module) of the tables stored padded -> their real row count."""
         sizes = [self.vocab_size] if self.div_val == 1 else [self.cutoff_ends[i + 1] - self.cutoff_ends[i]

@@ -170,6 +170,12 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
                 self.out_layers.append(nn.Linear(d_emb_i, table_rows[i]))
                 self.out_projs.append(nn.Parameter(torch.empty(d_model, d_emb_i)))
 
+    def borrowed_parameters(self) -> list[nn.Parameter]:
+        """The submodules' parameters that forward reads itself, never calling their modules: the output
+        tables (out_layers) and the projections (out_projs). A wrapper that gathers a module's weights when
+        the module is called (DeepSpeed's ZeRO-3) must be told of them."""
+        return [*self.out_layers.parameters(), *self.out_projs]
+
     # ------------------------------------------------------------------------------------------------
     # Parameters of one cluster
 
