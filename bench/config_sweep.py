@@ -4,7 +4,7 @@ Each case draws a model (layers, widths, heads, d_embed, div_val, cutoffs, tying
 same_length, clamp_len, dropout, dropatt, attention path, vocabulary padding, tgt_len, mem_len), a world
 size (1 or 2 ranks), a ZeRO stage (0-3), a precision (fp32, bf16, fp16, "auto"), a micro batch, activation
 checkpointing on or off, evaluation memory settings, and the engine's schedule, optimizer, clipping and
-gradient sums' dtype (`draw_engine`), then runs launch/train.py for 6 steps three times:
+gradient sums' dtype, fp16's loss scaling (`draw_engine`), then runs launch/train.py for 6 steps three times:
 
 - straight, with a checkpoint at step 3;
 - stopped at step 3 (`train.exit_step`), then resumed: its per-step losses must equal the straight run's bit
@@ -128,7 +128,8 @@ OPTIMIZERS = (
 def draw_engine(rng: random.Random, case: Case) -> dict[str, Any]:
     """The engine's further options, drawn after the rest of the case (whose other draws kept the values they had
     before these were added; the cases after it differ): fp16 and "auto" precision and attention beside the
-    explicit ones, the schedule, the optimizer, clipping, and the gradient sums' dtype at ZeRO 2-3."""
+    explicit ones, the schedule, the optimizer, clipping, the gradient sums' dtype at ZeRO 2-3, and fp16's
+    dynamic loss scaling (scales high enough to overflow and skip steps)."""
     engine: dict[str, Any] = {}
     if rng.random() < 0.25:
         case.precision = rng.choice(["fp16", "auto"])
@@ -142,6 +143,11 @@ def draw_engine(rng: random.Random, case: Case) -> dict[str, Any]:
         engine["deepspeed.gradient_clipping"] = clip
     if case.precision in ("bf16", "fp16") and case.stage >= 2 and rng.random() < 0.5:
         engine["deepspeed.data_types"] = {"grad_accum_dtype": rng.choice(["fp32", case.precision])}
+    if case.precision == "fp16" and rng.random() < 0.5:
+        # Loss scales that overflow: skipped steps before, at and after the resume (sweep seed 303 found a
+        # ZeRO-3 failure only there).
+        engine["deepspeed.fp16"] = {"initial_scale_power": rng.choice([16, 24, 32]),
+                                    "hysteresis": rng.choice([1, 2]), "loss_scale_window": rng.choice([2, 1000])}
     return engine
 
 

@@ -328,6 +328,21 @@ def train_jobs(jobs: list[tuple[dict, str]]) -> list[dict]:
 
 
 
+def allow_fp16_on_this_cpu() -> None:
+    """Let DeepSpeed (and the product's check that reads it) take fp16 on a CPU without oneDNN's fp16 kernels
+    (AVX512-FP16 or AMX-FP16; an AMD EPYC has neither): torch computes in fp16 there too, only slowly. For
+    tests of fp16's loss scaling, which must run whatever the CI machine's CPU. Call it in the rank's process."""
+    from deepspeed.accelerator import get_accelerator
+
+    get_accelerator().is_fp16_supported = lambda: True
+
+
+def train_jobs_in_fp16_anywhere(jobs: list[tuple[dict, str]]) -> list[dict]:
+    """train_jobs, with fp16 allowed on this CPU (allow_fp16_on_this_cpu)."""
+    allow_fp16_on_this_cpu()
+    return train_jobs(jobs)
+
+
 def without_cuda_toolkit(monkeypatch, torch_cuda: str = "13.0") -> None:
     """Make txl_dist.engine see DeepSpeed's FusedAdam as the CUDA op it is on a GPU (this machine's
     accelerator is the CPU, whose FusedAdam is a C++ op), on a machine without a CUDA toolkit (CUDA_HOME

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from dist_helpers import learnable_stream, run_ranks, tiny_config, train_jobs, write_corpus
+from dist_helpers import learnable_stream, run_ranks, tiny_config, train_jobs, train_jobs_in_fp16_anywhere, write_corpus
 from txl_dist.checkpoint import read_latest, read_run_info, rank_file
 from txl_dist.config import config_from_dict
 
@@ -173,8 +173,8 @@ def test_a_zero3_fp16_run_whose_first_step_after_resume_overflows_trains_on(corp
         return tiny_config(corpus, tmp_path / "run", model={"dropout": 0.0}, deepspeed=ds,
                            train={"max_steps": 3, "precision": "fp16", "max_nonfinite": 100, **train})
 
-    (first,) = run_ranks(train_jobs, 1, [(cfg(exit_step=1), "none")])[0]
-    (resumed,) = run_ranks(train_jobs, 1, [(cfg(), "auto")])[0]
+    (first,) = run_ranks(train_jobs_in_fp16_anywhere, 1, [(cfg(exit_step=1), "none")])[0]
+    (resumed,) = run_ranks(train_jobs_in_fp16_anywhere, 1, [(cfg(), "auto")])[0]
     assert first["code"] == resumed["code"] == 0, resumed
     assert sorted(resumed["losses"]) == [2, 3]
 

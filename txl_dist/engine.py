@@ -34,6 +34,8 @@ from .config import ConfigError, RunConfig
 from .deepspeed_import import deepspeed  # first: deepspeed's own modules need no MLflow
 
 from deepspeed.accelerator import get_accelerator  # noqa: E402
+from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer  # noqa: E402
+from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer  # noqa: E402
 
 log = logging.getLogger(distributed.LOGGER_NAME)
 
@@ -175,6 +177,38 @@ def build_engine(model_fn: Callable[[], nn.Module], ds_config: dict[str, Any], *
         # k. A resumed run then loads the scheduler's state from its checkpoint, which replaces this.
         engine.lr_scheduler.step()
     return engine
+
+
+def backward(engine, loss: torch.Tensor) -> float:
+    """engine.backward(loss), with the loss scaled where DeepSpeed 0.19.8 leaves it unscaled: fp16 at ZeRO 0.
+    Returns the factor the loss was multiplied by here (1.0 elsewhere), for deepspeed_grad_norm.
+
+    There DeepSpeed wraps the optimizer in FP16_Optimizer or FP16_UnfusedOptimizer, whose step() divides the
+    gradients by the loss scale (2**16 at first), but engine.backward scales the loss only for ZeRO's own
+    optimizers and runs loss.backward() on the loss as it is. Every fp16 update at ZeRO 0 came out 65536
+    times too small (with SGD the fp16 weights did not move at all; Adam's eps swallowed most of the
+    gradient), and no overflow was ever seen, so the scale kept growing. Scaled here as the wrappers' own
+    backward() scales it (DeepSpeed pull request 8393 makes the same change upstream; tests/test_engine.py
+    fails if a DeepSpeed that scales it too would scale it twice)."""
+    optimizer = engine.optimizer
+    factor = 1.0
+    if engine.fp16_enabled() and isinstance(optimizer, (FP16_Optimizer, FP16_UnfusedOptimizer)):
+        scaling = optimizer.loss_scale_config
+        if getattr(scaling, "use_grad_scaling", True):  # FP16_UnfusedOptimizer's backward asks it too
+            factor = float(scaling.cur_scale)
+            loss = loss.float() * factor
+    engine.backward(loss)
+    return factor
+
+
+def deepspeed_grad_norm(engine, loss_factor: float):
+    """engine.get_global_grad_norm() after engine.step(), of the unscaled gradients. loss_factor: what
+    backward() returned for the step's micro batches. FP16_UnfusedOptimizer reports the norm of the gradients
+    as the scaled loss left them (FP16_Optimizer and ZeRO's optimizers divide by their scale first)."""
+    norm = engine.get_global_grad_norm()
+    if norm is not None and loss_factor != 1.0 and isinstance(engine.optimizer, FP16_UnfusedOptimizer):
+        norm = norm / loss_factor
+    return norm
 
 
 def register_borrowed_parameters(model: nn.Module) -> None:

@@ -5,7 +5,7 @@ One optimizer step, on every rank (docs/architecture.md, "Flow of one step"):
 for each of the g micro batches (the rank's streams, m at a time, at the same time position):
     mems = bank.get(streams, reset)            # the chunk's memory; None after a wrap
     out  = engine(input_ids, labels, mems)     # per-token NLL [m, T], new mems (detached)
-    engine.backward(out.nll.mean())
+    backward(engine, out.nll.mean())           # engine.backward (fp16 at ZeRO 0: the loss scaled first)
     bank.put(streams, out.mems)
     engine.step()                              # DeepSpeed steps the optimizer after the g-th micro batch
 ```
@@ -42,8 +42,8 @@ from .config import RunConfig
 from .curves import RunCurves
 from .data import StreamLoader
 from .distributed import DistEnv
-from .engine import build_engine, deepspeed_config, global_grad_norm, gradient_traffic_note, model_dtype, \
-    skipped_unless_finite, zero_stage
+from .engine import backward, build_engine, deepspeed_config, deepspeed_grad_norm, global_grad_norm, \
+    gradient_traffic_note, model_dtype, skipped_unless_finite, zero_stage
 from .errors import RunFailed, one_line
 from .flops import flops_per_token, small_head_warning
 from .evaluate import Evaluator, batch_to_device
@@ -351,7 +351,7 @@ class Trainer:
             # At ZeRO 0-2 the first collective of a micro batch is in its backward: a rank stuck in the forward
             # stays behind this (n, 0), before any note between steps, (n, k >= 1).
             note_progress((begun, 0), f"{where}, its forward done")
-            engine.backward(out.nll.mean())
+            loss_factor = backward(engine, out.nll.mean())
             self.bank.put(mb.stream_ids, out.mems)
             nll_sum = out.nll.detach().double().sum()
             finite = torch.isfinite(nll_sum)  # 0-d, on the device: no sync here
@@ -373,7 +373,7 @@ class Trainer:
         distributed.all_reduce_sum(sums)
         # The norm (DeepSpeed's at ZeRO 1-3 and bf16/fp16, else our own) rides along in the same transfer when
         # it is a device tensor.
-        norm = own_norm if own_norm is not None else engine.get_global_grad_norm()
+        norm = own_norm if own_norm is not None else deepspeed_grad_norm(engine, loss_factor)
         norm_on_device = isinstance(norm, torch.Tensor)
         tail = [norm.detach().reshape(1).to(sums.device, torch.float64)] if norm_on_device else []
         host = torch.cat([sums, flags.double(), *tail]).tolist()  # the one host sync of the step
