@@ -152,8 +152,11 @@ def draw_engine(rng: random.Random, case: Case) -> dict[str, Any]:
 
 
 def run(cmd: list[str], log: Path) -> int | str:
-    """Exit status of `cmd` (run in the repository, output into `log`), or "timeout"."""
-    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1")
+    """Exit status of `cmd` (run in the repository, output into `log`), or "timeout". The repository comes first
+    on PYTHONPATH: a sweep tests the tree it runs from, even where `import txl_dist` would otherwise find an
+    editable install of another checkout (a sweep run from a clone once tested edits made meanwhile)."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1", PYTHONPATH=path)
     with open(log, "w") as out:
         try:
             return subprocess.run(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,

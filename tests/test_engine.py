@@ -300,9 +300,12 @@ def test_bf16_runs_accumulate_gradients_in_fp32_at_zero_2_and_3():
 
 
 def _one_sgd_step(cases):
-    """Runs on one rank: per case (name, precision, initial_scale_power), one step of SGD (lr 1, so the update
-    is minus the gradient) at ZeRO 0 through the product's backward; the weights' update, whether DeepSpeed
-    applied the step, and the gradient norm the trainer reports."""
+    """Runs on one rank: per case (name, ZeRO stage, precision, initial_scale_power), one step of SGD (lr 100:
+    the update is -100 x the gradient, far above a 16-bit weight's spacing) through the product's backward; the
+    weights' update (read as fp32 values of the model's weights), whether DeepSpeed applied the step, and the
+    gradient norm the trainer reports."""
+    import deepspeed
+
     from dist_helpers import allow_fp16_on_this_cpu
     from txl_dist import distributed, engine as eng
     from txl_dist.model import TransformerXL
@@ -312,41 +315,55 @@ def _one_sgd_step(cases):
     cfg = config_from_dict(BASE)
     cfg.model.dropout = 0.0
     tokens = torch.from_numpy(np.random.default_rng(0).integers(0, 50, size=(2, 7)))
+
+    def weights(engine):
+        params = list(engine.module.parameters())
+        with deepspeed.zero.GatheredParameters(params):  # ZeRO-3: the whole tensors, else a no-op
+            return [p.detach().double().clone() for p in params]
+
     out = {}
-    for name, precision, power in cases:
+    for name, stage, precision, power in cases:
         ds = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-              "zero_optimization": {"stage": 0}, "optimizer": {"type": "SGD", "params": {"lr": 1.0}},
-              "steps_per_print": 10**9}
-        if precision == "fp16":
-            ds["fp16"] = {"enabled": True, "initial_scale_power": power}
+              "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
+              "optimizer": {"type": "SGD", "params": {"lr": 100.0}}, "steps_per_print": 10**9}
+        if precision != "fp32":
+            ds[precision] = {"enabled": True} | ({"initial_scale_power": power} if power else {})
         engine = eng.build_engine(lambda: TransformerXL(cfg.model), ds, seed=7)
-        before = [p.detach().double().clone() for p in engine.module.parameters()]
+        before = weights(engine)
         factor = eng.backward(engine, engine(tokens[:, :6], labels=tokens[:, 1:]).nll.mean())
         own_norm = eng.global_grad_norm(engine)
         engine.step()
         norm = own_norm if own_norm is not None else eng.deepspeed_grad_norm(engine, factor)
-        update = torch.cat([(p.detach().double() - b).flatten() for p, b in zip(engine.module.parameters(), before)])
+        update = torch.cat([(a - b).flatten() for a, b in zip(weights(engine), before)])
         out[name] = {"update": update.numpy(), "applied": engine.was_step_applied(), "norm": float(norm)}
     distributed.destroy_process_group()
     return out
 
 
-def test_fp16_at_zero_0_updates_the_weights_as_fp32_does():
-    """DeepSpeed 0.19.8's engine.backward leaves the loss unscaled at ZeRO 0 in fp16 while its FP16 optimizer
-    wrappers divide the gradients by the loss scale: every update came out 65536 times too small (here,
-    with SGD, no fp16 weight moved at all) and no overflow was ever detected. txl_dist.engine.backward
-    scales the loss; if a DeepSpeed that scales it itself came along, the scale would be applied twice, the
-    first step would overflow and this test would fail."""
-    (res,) = run_ranks(_one_sgd_step, 1, [("fp32", "fp32", None), ("fp16", "fp16", 16),
-                                          ("fp16_overflowing", "fp16", 32)])
-    fp32, fp16 = res["fp32"], res["fp16"]
-    assert fp32["applied"] and fp16["applied"]
-    assert np.abs(fp32["update"]).max() > 1e-5  # the comparison is between steps that move the weights
-    # fp16 rounds the weights (the update's error is about their spacing, ~1e-5 at these sizes)
-    assert np.linalg.norm(fp16["update"] - fp32["update"]) < 0.05 * np.linalg.norm(fp32["update"])
-    np.testing.assert_allclose(fp16["norm"], fp32["norm"], rtol=1e-2)  # the norm of the unscaled gradient
+def test_every_precision_at_every_zero_stage_takes_fp32s_first_step():
+    """One SGD step from the same weights on the same batch moves the weights as fp32 at ZeRO 0 does, in bf16
+    and fp16 at ZeRO 0-3, and reports the same gradient norm.
+
+    Found in fp16 at ZeRO 0: DeepSpeed 0.19.8's engine.backward leaves the loss unscaled there while its FP16
+    optimizer wrappers divide the gradients by the loss scale, so every update came out 65536 times too small
+    (no fp16 weight moved here) and no overflow was ever detected. txl_dist.engine.backward scales the loss; a
+    DeepSpeed that scaled it too would apply the scale twice, and the first step would overflow."""
+    cases = [("fp32", 0, "fp32", None)] + [(f"{precision}_zero{stage}", stage, precision, None)
+                                         for precision in ("bf16", "fp16") for stage in (0, 1, 2, 3)]
+    cases.append(("fp16_zero0_overflowing", 0, "fp16", 32))
+    (res,) = run_ranks(_one_sgd_step, 1, cases, timeout=600)
+    fp32 = res["fp32"]
+    assert fp32["applied"] and np.abs(fp32["update"]).max() > 1e-2  # steps that move the weights
+    for name, _, precision, _ in cases[1:-1]:
+        got = res[name]
+        # Measured: the updates differ from fp32's by 0.07% in fp16 and 0.7% in bf16 (a gradient computed
+        # in 16 bits); the norms by 0.02% and 0.4%.
+        tolerance = 0.01 if precision == "fp16" else 0.05
+        error = np.linalg.norm(got["update"] - fp32["update"]) / np.linalg.norm(fp32["update"])
+        assert got["applied"] and error < tolerance, (name, error)
+        np.testing.assert_allclose(got["norm"], fp32["norm"], rtol=tolerance / 2, err_msg=name)
     # A scale of 2**32 overflows fp16's gradients: the step is skipped, nothing moves.
-    overflowing = res["fp16_overflowing"]
+    overflowing = res["fp16_zero0_overflowing"]
     assert not overflowing["applied"] and not np.any(overflowing["update"])
 
 
