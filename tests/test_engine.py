@@ -300,7 +300,8 @@ def test_bf16_runs_accumulate_gradients_in_fp32_at_zero_2_and_3():
 
 
 def _one_sgd_step(cases):
-    """Runs on one rank: per case (name, ZeRO stage, precision, initial_scale_power), one step of SGD (lr 100:
+    """Runs on one rank: per case (name, ZeRO stage, precision, initial_scale_power, gradient_clipping), one step
+    of SGD (lr 100:
     the update is -100 x the gradient, far above a 16-bit weight's spacing) through the product's backward; the
     weights' update (read as fp32 values of the model's weights), whether DeepSpeed applied the step, and the
     gradient norm the trainer reports."""
@@ -322,10 +323,11 @@ def _one_sgd_step(cases):
             return [p.detach().double().clone() for p in params]
 
     out = {}
-    for name, stage, precision, power in cases:
+    for name, stage, precision, power, clip in cases:
         ds = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
               "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
-              "optimizer": {"type": "SGD", "params": {"lr": 100.0}}, "steps_per_print": 10**9}
+              "optimizer": {"type": "SGD", "params": {"lr": 100.0}}, "gradient_clipping": clip,
+              "steps_per_print": 10**9}
         if precision != "fp32":
             ds[precision] = {"enabled": True} | ({"initial_scale_power": power} if power else {})
         engine = eng.build_engine(lambda: TransformerXL(cfg.model), ds, seed=7)
@@ -342,20 +344,26 @@ def _one_sgd_step(cases):
 
 def test_every_precision_at_every_zero_stage_takes_fp32s_first_step():
     """One SGD step from the same weights on the same batch moves the weights as fp32 at ZeRO 0 does, in bf16
-    and fp16 at ZeRO 0-3, and reports the same gradient norm.
+    and fp16 at ZeRO 0-3, with and without clipping (to 0.1, a seventh of the norm), and reports the same
+    gradient norm.
 
     Found in fp16 at ZeRO 0: DeepSpeed 0.19.8's engine.backward leaves the loss unscaled there while its FP16
     optimizer wrappers divide the gradients by the loss scale, so every update came out 65536 times too small
     (no fp16 weight moved here) and no overflow was ever detected. txl_dist.engine.backward scales the loss; a
     DeepSpeed that scaled it too would apply the scale twice, and the first step would overflow."""
-    cases = [("fp32", 0, "fp32", None)] + [(f"{precision}_zero{stage}", stage, precision, None)
-                                         for precision in ("bf16", "fp16") for stage in (0, 1, 2, 3)]
-    cases.append(("fp16_zero0_overflowing", 0, "fp16", 32))
+    cases = [(f"{precision}_zero{stage}_clip{clip}", stage, precision, None, clip) for clip in (0.0, 0.1)
+             for precision in ("fp32", "bf16", "fp16") for stage in ((0,) if precision == "fp32" else (0, 1, 2, 3))]
+    cases.append(("fp16_zero0_overflowing", 0, "fp16", 32, 0.0))
     (res,) = run_ranks(_one_sgd_step, 1, cases, timeout=600)
-    fp32 = res["fp32"]
-    assert fp32["applied"] and np.abs(fp32["update"]).max() > 1e-2  # steps that move the weights
-    for name, _, precision, _ in cases[1:-1]:
-        got = res[name]
+    for clip in (0.0, 0.1):
+        fp32 = res[f"fp32_zero0_clip{clip}"]
+        assert fp32["applied"] and np.abs(fp32["update"]).max() > 1e-2  # steps that move the weights
+    # Clipping shrinks the step to 0.1 / the norm (lr 100 x 0.1 = 10 in all), the norm is of the unclipped gradient
+    clipped, unclipped = res["fp32_zero0_clip0.1"], res["fp32_zero0_clip0.0"]
+    np.testing.assert_allclose(np.linalg.norm(clipped["update"]), 10.0, rtol=1e-3)
+    assert clipped["norm"] == unclipped["norm"] > 0.5
+    for name, _, precision, _, clip in cases[:-1]:
+        got, fp32 = res[name], res[f"fp32_zero0_clip{clip}"]
         # Measured: the updates differ from fp32's by 0.07% in fp16 and 0.7% in bf16 (a gradient computed
         # in 16 bits); the norms by 0.02% and 0.4%.
         tolerance = 0.01 if precision == "fp16" else 0.05
