@@ -379,7 +379,7 @@ def global_grad_norm(engine) -> torch.Tensor | None:
     fp32 stage-0 engine reports None (docs/architecture.md). There the gradients are complete and identical on every
     rank once the last micro batch's backward has run, so call this BEFORE engine.step(): it computes the
     norm itself when DeepSpeed will not, and returns None when DeepSpeed will (read it after the step with
-    engine.get_global_grad_norm()).
+    deepspeed_grad_norm).
     """
     if engine.zero_optimization_stage() > 0 or engine.bfloat16_enabled() or engine.fp16_enabled():
         return None
