@@ -179,6 +179,29 @@ def test_a_zero3_fp16_run_whose_first_step_after_resume_overflows_trains_on(corp
     assert sorted(resumed["losses"]) == [2, 3]
 
 
+def test_a_zero3_fp16_checkpoint_whose_steps_all_overflowed_resumes_on_another_world_size(corpus, tmp_path):
+    """Found by `python -m bench.config_sweep --seed 304` (case 64). Every step before the save was skipped (a
+    loss scale of 2**32), so DeepSpeed 0.19.8's ZeRO-3 optimizer files held no Adam state, and its universal
+    conversion failed with "KeyError: 0": neither an elastic resume nor launch/eval.py on another world size
+    could read the checkpoint. The conversion now gives such files the state Adam starts from
+    (txl_dist.safe_load.with_never_stepped_state)."""
+    ds = {"zero_optimization": {"stage": 3}, "fp16": {"initial_scale_power": 32}}
+
+    def cfg(run, **train):
+        return tiny_config(corpus, tmp_path / run, model={"dropout": 0.0}, deepspeed=ds,
+                           train={"max_steps": 3, "precision": "fp16", "max_nonfinite": 100, **train})
+
+    first, straight = run_ranks(train_jobs_in_fp16_anywhere, 2, [(cfg("run", exit_step=1), "none"),
+                                                                (cfg("straight"), "none")])[0]
+    (resumed,) = run_ranks(train_jobs_in_fp16_anywhere, 1, [(cfg("run"), "auto")])[0]
+    assert first["code"] == straight["code"] == resumed["code"] == 0, resumed
+    assert (tmp_path / "run" / "checkpoints" / "step_00000001_universal" / "zero").is_dir()
+    # Nothing stepped: the weights are the first ones, on 1 rank as on 2.
+    assert sorted(resumed["losses"]) == [2, 3]
+    for step in (2, 3):
+        np.testing.assert_allclose(resumed["losses"][step], straight["losses"][step], rtol=1e-3)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Per-rank mems
 

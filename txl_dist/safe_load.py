@@ -267,7 +267,43 @@ def restricted_process_pool(*args: Any, **kwargs: Any) -> ProcessPoolExecutor:
 
 def _conversion_worker_start(parent: int | None) -> None:
     end_with_parent(parent)
+    # One thread: the pool's processes are the parallelism, and a forked worker's first multithreaded kernel
+    # (a zeros_like of an optimizer group, with_never_stepped_state) hung in OpenMP's pool of the converter.
+    torch.set_num_threads(1)
+    _restrict_for_conversion()
+
+
+def _restrict_for_conversion() -> None:
+    """Restrict every later torch.load of this process for good, and give the conversion the Adam state of a
+    ZeRO-3 optimizer that never stepped (with_never_stepped_state)."""
     restrict_this_process()
+    torch.load = torch.serialization.load = _conversion_load
+
+
+def _conversion_load(*args: Any, **kwargs: Any) -> Any:
+    return with_never_stepped_state(load_weights_only(*args, **kwargs))
+
+
+def with_never_stepped_state(obj: Any) -> Any:
+    """`obj`, a loaded file; a ZeRO-3 optimizer file whose Adam never stepped given the state Adam starts from.
+
+    Every step of a run can be skipped before its first save (fp16 loss-scale overflows: at a scale of 2**32
+    the first ~17), and then DeepSpeed 0.19.8's ZeRO-3 optimizer files hold no state at all. Its universal
+    conversion reads each group's exp_avg and exp_avg_sq ("KeyError: 0") and its universal load the step of
+    group 0. Adam's first step makes zeros and step 0 of a missing state, so the fill loads as a fresh start
+    would. Other files, and other optimizers' (no "betas"), come back as they are."""
+    optimizer = obj.get("optimizer_state_dict") if isinstance(obj, dict) else None
+    inner = optimizer.get("optimizer_state_dict") if isinstance(optimizer, dict) else None
+    if not isinstance(inner, dict) or "fp32_flat_groups" not in optimizer or inner.get("state") is None:
+        return obj
+    groups = inner.get("param_groups") or [{}]
+    if "betas" not in groups[0]:
+        return obj
+    for index, fp32 in enumerate(optimizer["fp32_flat_groups"]):
+        if index not in inner["state"]:
+            inner["state"][index] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(fp32),
+                                     "exp_avg_sq": torch.zeros_like(fp32)}
+    return obj
 
 
 def ds_to_universal(args: list[str]) -> None:
@@ -287,8 +323,8 @@ def ds_to_universal(args: list[str]) -> None:
         parsed = conversion.parse_arguments()
     finally:
         sys.argv = saved_argv
-    with restricted_torch_loads():
-        conversion.main(parsed)
+    _restrict_for_conversion()  # for good: this process is the conversion's
+    conversion.main(parsed)
 
 
 def _saving_views_compactly(save: Any) -> Any:
