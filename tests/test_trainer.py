@@ -159,6 +159,13 @@ def test_elastic_resume_2_to_1_continues_the_loss(corpus, tmp_path, stage, bf16)
     assert (tmp_path / "from2" / "checkpoints" / "step_00000002_universal" / "zero").is_dir()
 
 
+def _zero3_fp16_overflowing(corpus, run_dir, **train):
+    """A 3-step ZeRO-3 fp16 run at a loss scale of 2**32, at which every step here overflows and is skipped."""
+    return tiny_config(corpus, run_dir, model={"dropout": 0.0},
+                       deepspeed={"zero_optimization": {"stage": 3}, "fp16": {"initial_scale_power": 32}},
+                       train={"max_steps": 3, "precision": "fp16", "max_nonfinite": 100, **train})
+
+
 def test_a_zero3_fp16_run_whose_first_step_after_resume_overflows_trains_on(corpus, tmp_path):
     """Found by `python -m bench.config_sweep --seed 303` (case 1). The adaptive softmax reads its output tables and
     projections itself, never calling their modules, so ZeRO-3 gathers them as "external parameters" of the
@@ -167,14 +174,10 @@ def test_a_zero3_fp16_run_whose_first_step_after_resume_overflows_trains_on(corp
     fp16 overflow's skipped step partitioned them again, the next step registered them, and its backward failed
     with DeepSpeed's "tracing error ... expected the next 4 parameters in the parameter fetch queue". A restart
     failed the same way. A loss scale of 2**32 makes every step here overflow."""
-    ds = {"zero_optimization": {"stage": 3}, "fp16": {"initial_scale_power": 32}}
-
-    def cfg(**train):
-        return tiny_config(corpus, tmp_path / "run", model={"dropout": 0.0}, deepspeed=ds,
-                           train={"max_steps": 3, "precision": "fp16", "max_nonfinite": 100, **train})
-
-    (first,) = run_ranks(train_jobs_in_fp16_anywhere, 1, [(cfg(exit_step=1), "none")])[0]
-    (resumed,) = run_ranks(train_jobs_in_fp16_anywhere, 1, [(cfg(), "auto")])[0]
+    stopped = _zero3_fp16_overflowing(corpus, tmp_path / "run", exit_step=1)
+    whole = _zero3_fp16_overflowing(corpus, tmp_path / "run")
+    (first,) = run_ranks(train_jobs_in_fp16_anywhere, 1, [(stopped, "none")])[0]
+    (resumed,) = run_ranks(train_jobs_in_fp16_anywhere, 1, [(whole, "auto")])[0]
     assert first["code"] == resumed["code"] == 0, resumed
     assert sorted(resumed["losses"]) == [2, 3]
 
@@ -185,11 +188,8 @@ def test_a_zero3_fp16_checkpoint_whose_steps_all_overflowed_resumes_on_another_w
     conversion failed with "KeyError: 0": neither an elastic resume nor launch/eval.py on another world size
     could read the checkpoint. The conversion now gives such files the state Adam starts from
     (txl_dist.safe_load.with_never_stepped_state)."""
-    ds = {"zero_optimization": {"stage": 3}, "fp16": {"initial_scale_power": 32}}
-
     def cfg(run, **train):
-        return tiny_config(corpus, tmp_path / run, model={"dropout": 0.0}, deepspeed=ds,
-                           train={"max_steps": 3, "precision": "fp16", "max_nonfinite": 100, **train})
+        return _zero3_fp16_overflowing(corpus, tmp_path / run, **train)
 
     first, straight = run_ranks(train_jobs_in_fp16_anywhere, 2, [(cfg("run", exit_step=1), "none"),
                                                                 (cfg("straight"), "none")])[0]
