@@ -170,6 +170,9 @@ def build_engine(model_fn: Callable[[], nn.Module], ds_config: dict[str, Any], *
     announce_optimizer_op_build(ds_config)
     with dropped_deepspeed_warning(_SCHEDULER_NOT_STARTED):  # the step() below starts it
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    forget_state_initialization_step(engine.optimizer)
+    if engine.fp16_enabled():
+        grow_the_loss_scale_after_the_step(engine.optimizer)
     if engine.lr_scheduler is not None:
         # DeepSpeed builds the scheduler at iteration -1, whose learning rate is 0 whatever warmup_min_ratio
         # says, and moves it after each optimizer step: the first step would train at lr 0 and the schedule
@@ -177,6 +180,60 @@ def build_engine(model_fn: Callable[[], nn.Module], ds_config: dict[str, Any], *
         # k. A resumed run then loads the scheduler's state from its checkpoint, which replaces this.
         engine.lr_scheduler.step()
     return engine
+
+
+def forget_state_initialization_step(optimizer) -> None:
+    """Undo the step DeepSpeed 0.19.8's FP16_Optimizer and FP16_UnfusedOptimizer (bf16 and fp16 at ZeRO 0) take
+    when built: they step the optimizer once with zero gradients to create its state. Adam counts that step,
+    so every update used the bias correction of one step later: the first real update came out ~0.74 of fp32's,
+    the 4th-6th ~0.95 (found by the config sweep's fp32 twin, bench/twin_check.py); decoupled weight decay
+    shrank the fp32 master weights once at the configured learning rate; coupled decay left Adam's moments
+    non-zero. ZeRO 1-3 no longer take that step (DeepSpeed pull request 5104). Here the optimizer's state is
+    dropped, so torch's and DeepSpeed's Adam create it afresh at the first real step, and the master weights
+    are copied again from the 16-bit weights they were cloned from (the wrappers never copy back before a real
+    step)."""
+    if isinstance(optimizer, FP16_Optimizer):
+        pairs = list(zip(optimizer.fp16_groups_flat, optimizer.fp32_groups_flat))
+    elif isinstance(optimizer, FP16_UnfusedOptimizer):
+        pairs = [pair for low, high in zip(optimizer.fp16_groups, optimizer.fp32_groups) for pair in zip(low, high)]
+    else:
+        return
+    with torch.no_grad():
+        for low, master in pairs:
+            master.copy_(low)
+    optimizer.optimizer.state.clear()
+
+
+def grow_the_loss_scale_after_the_step(optimizer) -> None:
+    """Make DeepSpeed 0.19.8's fp16 optimizers (its FP16 wrappers at ZeRO 0, its ZeRO 1-3 optimizers) unscale a step's
+    gradients by the loss scale they were scaled with. Each step() grows the dynamic scale (after loss_scale_window
+    steps without an overflow) before it unscales and clips, so such a step divided its gradients by twice their
+    scale: its update was halved (unless clipping shrank it anyway, which judged the norm right: the scale cancels),
+    and at ZeRO 3 (and in FP16_Optimizer) the reported gradient norm too (tests/test_engine.py; the config sweep's
+    fp32 twin, bench/twin_check.py, sees it with a window of 2). Here a growth waits until the step is done; a shrink
+    after an overflow, which no unscale follows, happens at once. The scale's state (scale, iteration, last overflow)
+    ends each step as before, so checkpoints are unchanged. Every one of these optimizers calls its own _update_scale
+    inside step()."""
+    if not callable(getattr(optimizer, "_update_scale", None)):
+        return
+    update_scale, step = optimizer._update_scale, optimizer.step
+    pending: list[bool] = []
+
+    def update_scale_after_the_step(skip: bool) -> None:
+        if skip:
+            update_scale(skip)
+        else:
+            pending.append(skip)
+
+    def step_then_update_scale(*args, **kwargs):
+        try:
+            return step(*args, **kwargs)
+        finally:
+            while pending:
+                update_scale(pending.pop())
+
+    optimizer._update_scale = update_scale_after_the_step
+    optimizer.step = step_then_update_scale
 
 
 def backward(engine, loss: torch.Tensor) -> float:
