@@ -7,6 +7,9 @@ checkpointing on or off, evaluation memory settings, and the engine's schedule, 
 gradient sums' dtype, fp16's loss scaling (`draw_engine`), then runs launch/train.py for 6 steps three times:
 
 - straight, with a checkpoint at step 3;
+- its fp32 twin (`Case.twin`: fp32, ZeRO 0, no activation checkpointing; skipped where the case is that
+  already), whose first loss, first gradient norm and last three steps' update the case's must match
+  (bench/twin_check.py): a configuration that trains wrong the same way every time passes the resume check;
 - stopped at step 3 (`train.exit_step`), then resumed: its per-step losses must equal the straight run's bit
   for bit (where the precision or the attention path is "auto", the two fresh starts must also choose alike:
   each times the candidates anew);
@@ -74,6 +77,15 @@ class Case:
         if self.activation_checkpointing:
             values.append('deepspeed.activation_checkpointing={"partition_activations": false}')
         return set_arguments((*values, *extra))
+
+    def twin(self) -> "Case":
+        """The same case in fp32 at ZeRO 0 without activation checkpointing (bench/twin_check.py): the same ranks,
+        seed, batches, model and optimizer; an "auto" attention path becomes matmul (fp32's timings may pick
+        another)."""
+        engine = {k: v for k, v in self.engine.items() if k not in ("deepspeed.data_types", "deepspeed.fp16")}
+        model = self.model | ({"attn_impl": "matmul"} if self.model["attn_impl"] == "auto" else {})
+        return Case(model=model, world=self.world, stage=0, precision="fp32", micro_batch=self.micro_batch,
+                    activation_checkpointing=False, eval=self.eval, generate=self.generate, engine=engine)
 
     def text(self) -> str:
         m = self.model
@@ -200,6 +212,9 @@ def run_case(case: Case, folder: Path, corpus: Path, port: int) -> dict[str, Any
         return record | {"verdict": "refused", "refusal": refusal(folder / "straight.log")}
     if status != 0:
         return record | {"verdict": "fail", "failed": [f"straight run: exit status {status}"]}
+    if (twin := case.twin()) != case:
+        record["twin"] = learns_like_twin(case, twin, straight, folder / "twin", data, port)
+        record["failed"] += [f"learns unlike fp32 at ZeRO 0: {line}" for line in record["twin"].get("problems", [])]
     stopped = run(train_command(case.world, port) + data + case.sets(resumed, f"train.exit_step={EXIT_STEP}"),
                   folder / "stopped.log")
     if case.world > 1 and stopped == 0:
@@ -228,6 +243,27 @@ def run_case(case: Case, folder: Path, corpus: Path, port: int) -> dict[str, Any
         if status != 0:
             record["failed"].append(f"{name}: exit status {status}")
     return record | {"verdict": "fail" if record["failed"] else "pass"}
+
+
+def learns_like_twin(case: Case, twin: Case, run_dir: Path, twin_dir: Path, extra: list[str], port: int
+                     ) -> dict[str, Any]:
+    """Train the case's fp32 ZeRO 0 twin and compare the two runs (bench/twin_check.py) -> its figures and
+    "problems"; a twin that fails to train or compare is a problem too."""
+    log = twin_dir.with_suffix(".log")
+    status = run(train_command(twin.world, port) + extra + twin.sets(twin_dir), log)
+    if status != 0:
+        return {"problems": [f"the twin's run: exit status {status}"]}
+    compare_log = twin_dir.with_name("twin_check.log")
+    status = run([sys.executable, "-m", "bench.twin_check", str(run_dir), str(twin_dir),
+                  "--steps", str(EXIT_STEP), str(STEPS)], compare_log)
+    lines = compare_log.read_text(errors="replace").splitlines()
+    try:
+        figures = json.loads(lines[-1])
+    except (IndexError, ValueError):
+        figures = {}
+    if status != 0 or "error" in figures or not figures:
+        return figures | {"problems": [f"the comparison: exit status {status}, {figures.get('error', lines[-1:])}"]}
+    return figures
 
 
 def corpus_vocab(corpus: Path) -> int | None:

@@ -230,19 +230,26 @@ def test_soak_report_samples_a_process_and_reports_what_is_missing(tmp_path):
     assert "  - train.log holds 0 job(s), not 2\n" in out and "  - no disk samples" in out
 
 
-def test_config_sweep_runs_a_case_through_train_resume_eval_generate_and_export(tmp_path):
-    """One drawn case (seed 1 on 1 rank: ZeRO 0, fp32) through every step the sweep takes; a tool that failed
-    or a resumed loss that differed from the straight run's would make it FAIL and exit 1."""
+def test_config_sweep_runs_a_case_through_train_twin_resume_eval_generate_and_export(tmp_path):
+    """One drawn case (seed 3 on 1 rank: ZeRO 0, bf16, AdamW with weight decay) through every step the sweep
+    takes; a tool that failed, a resumed loss that differed from the straight run's, or an update unlike its fp32
+    twin's would make it FAIL and exit 1 (as it did before DeepSpeed's optimizer state initialization step was
+    undone: the twin's 4th-6th steps moved the weights ~5% further)."""
     from corpus_helpers import make_corpus, synthetic_stream
+
+    from bench.twin_check import BOUNDS
 
     corpus = make_corpus(tmp_path / "corpus", {split: synthetic_stream(20_000, 1000, seed=i)
                                                for i, split in enumerate(("train", "valid", "test"))})
-    out = run_bench("config_sweep", "--cases", 1, "--seed", 1, "--world", 1, "--corpus", corpus,
+    out = run_bench("config_sweep", "--cases", 1, "--seed", 3, "--world", 1, "--corpus", corpus,
                     "--out", tmp_path / "out", timeout=600)
     assert "1 passed, 0 refused, 0 failed" in out, out
     record = json.loads((tmp_path / "out" / "results.jsonl").read_text())
     assert record["verdict"] == "pass" and record["case"]["world"] == 1 and record["failed"] == []
-    assert not (tmp_path / "out" / "seed1_case000").exists()  # a passing case's folder goes (no --keep)
+    twin, (low, high) = record["twin"], BOUNDS["bf16"][3]
+    assert (record["case"]["stage"], twin["precision"], twin["skipped_steps"]) == (0, "bf16", 0)
+    assert twin["problems"] == [] and low <= twin["update_norm_ratio"] <= high, twin
+    assert not (tmp_path / "out" / "seed3_case000").exists()  # a passing case's folder goes (no --keep)
 
 
 def test_config_sweep_refuses_a_folder_that_is_no_corpus(tmp_path):
@@ -275,9 +282,50 @@ def test_config_sweep_fails_a_case_whose_resumed_losses_differ(tmp_path, monkeyp
 
     monkeypatch.setattr(config_sweep, "run", fake_run)
     case = config_sweep.draw(random.Random(1), 1000, 1)
+    assert case.twin() == case  # fp32 at ZeRO 0: no twin to train
     record = config_sweep.run_case(case, tmp_path, tmp_path / "corpus", port=29999)
     assert record["verdict"] == "fail"
     assert [f.split(":")[0] for f in record["failed"]] == ["resumed losses differ"]
+
+
+def test_config_sweep_fails_a_case_that_learns_unlike_its_fp32_twin(tmp_path, monkeypatch):
+    """The verdict's own logic, with the processes replaced: the runs agree with each other, and the twin's
+    comparison (bench/twin_check.py) reports a problem, or cannot compare."""
+    import random
+
+    from bench import config_sweep
+
+    commands = []
+
+    def fake_run(cmd, log, problems):
+        commands.append(cmd)
+        run_dir = next((Path(a.split("=", 1)[1]) for a in cmd if a.startswith("run.dir=")), None)
+        log.write_text(json.dumps({"problems": problems}) + "\n" if "bench.twin_check" in cmd else "")
+        if run_dir is not None:
+            journal = run_dir / "tracking" / "metrics.jsonl"
+            journal.parent.mkdir(parents=True, exist_ok=True)
+            stopped = any(a.startswith("train.exit_step=") for a in cmd)
+            steps = range(1, 4) if stopped else range(4 if journal.exists() else 1, 7)
+            with open(journal, "a") as f:
+                for s in steps:
+                    f.write(json.dumps({"step": s, "metrics": {"train/loss": 8.0 - s / 10}}) + "\n")
+        return 0
+
+    case = config_sweep.draw(random.Random(3), 1000, 1)  # bf16 at ZeRO 0
+    twin = case.twin()
+    assert (twin.precision, twin.stage, twin.activation_checkpointing, twin.model) == ("fp32", 0, False, case.model)
+    for problems, failed in (([], []), (["steps 4-6 moved the weights 0.95x as far as the twin's"],
+                                        ["learns unlike fp32 at ZeRO 0: steps 4-6 moved the weights 0.95x as far "
+                                         "as the twin's"])):
+        monkeypatch.setattr(config_sweep, "run", lambda cmd, log: fake_run(cmd, log, problems))
+        folder = tmp_path / str(len(failed))
+        folder.mkdir()
+        record = config_sweep.run_case(case, folder, tmp_path / "corpus", port=29999)
+        assert record["failed"] == failed and record["verdict"] == ("fail" if failed else "pass")
+        assert any("train.precision=fp32" in cmd and f"run.dir={folder / 'twin'}" in cmd for cmd in commands)
+    monkeypatch.setattr(config_sweep, "run", lambda cmd, log: log.write_text("Traceback\n") and 1)
+    record = config_sweep.learns_like_twin(case, twin, tmp_path / "a", tmp_path / "b", [], 29999)
+    assert record["problems"] == ["the twin's run: exit status 1"]
 
 
 def test_data_sweep_runs_a_case_through_every_data_prep_command(tmp_path):
