@@ -60,12 +60,19 @@ def weights_and_info(run_dir: Path, step: int):
 
 
 def update(run_dir: Path, first: int, last: int):
-    """Each parameter's change from checkpoint `first` to `last`, flattened into one vector; the later run.json."""
+    """Each parameter's change from checkpoint `first` to `last`, flattened into one vector."""
     import torch
 
     before, _ = weights_and_info(run_dir, first)
-    after, info = weights_and_info(run_dir, last)
-    return torch.cat([(after[name] - before[name]).flatten() for name in sorted(after)]), info
+    after, _ = weights_and_info(run_dir, last)
+    return torch.cat([(after[name] - before[name]).flatten() for name in sorted(after)])
+
+
+def run_info(run_dir: Path, step: int) -> dict:
+    """run.json of the run's checkpoint at `step` (the precision it ran in, its skipped steps)."""
+    from txl_dist import checkpoint as ckpt
+
+    return ckpt.read_run_info(run_dir / "checkpoints" / ckpt.tag_for(step))
 
 
 def relative(a: float | None, b: float | None) -> float | None:
@@ -79,16 +86,17 @@ def compare(run_dir: Path, twin_dir: Path, first: int, last: int) -> dict:
     import torch
 
     ours, twins = first_step(run_dir), first_step(twin_dir)
-    delta, info = update(run_dir, first, last)
-    twin_delta, _ = update(twin_dir, first, last)
+    info = run_info(run_dir, last)
     precision = info["run_choices"]["precision"]
     figures = {"precision": precision, "loss_1": [ours["loss"], twins["loss"]],
                "grad_norm_1": [ours["grad_norm"], twins["grad_norm"]],
                "loss_1_rel": relative(ours["loss"], twins["loss"]),
                "grad_norm_1_rel": relative(ours["grad_norm"], twins["grad_norm"]),
                "skipped_steps": info["nonfinite_steps"]}
-    norm, twin_norm = float(delta.norm()), float(twin_delta.norm())
-    if not info["nonfinite_steps"]:
+    twin_norm = 0.0
+    if not info["nonfinite_steps"]:  # else no periodic checkpoint need exist (none is saved amid skipped steps)
+        delta, twin_delta = update(run_dir, first, last), update(twin_dir, first, last)
+        norm, twin_norm = float(delta.norm()), float(twin_delta.norm())
         figures["update_norm_ratio"] = norm / twin_norm if twin_norm else None
         cosine = float(torch.dot(delta, twin_delta) / (norm * twin_norm)) if norm * twin_norm else None
         figures["update_cosine"] = cosine
