@@ -32,6 +32,44 @@ def _variant(corpus, ckpt, stage, bf16, **sections):
 
 
 # ----------------------------------------------------------------------------------------------------
+# The reference under the config sweep's fp32 twin
+
+
+def test_the_trainer_in_fp32_at_zero_0_trains_as_a_plain_torch_loop(corpus, tmp_path):
+    """The config sweep takes fp32 at ZeRO 0 as right (its twin, bench/twin_check.py); this holds that to an
+    independent loop: the trainer (DeepSpeed, 2 micro steps of 2 streams, clipping, WarmupCosineLR, torch's
+    AdamW, the memory bank) against bench/learning_vs_reference.py's plain loop (one batch of the 4 streams,
+    torch.optim.AdamW, clip_grad_norm_, the schedule's learning rates computed on their own), from the same
+    weights on the same batches with dropout off: the same loss at every step and the same final weights."""
+    from bench.learning_vs_reference import settings_from, train_batches, train_ours
+    from txl_dist.checkpoint import load_fp32_weights
+    from txl_dist.model import TransformerXL
+
+    steps = 6  # one pass over the 4 streams
+    raw = tiny_config(corpus, tmp_path / "run", model={"dropout": 0.0}, train={"max_steps": steps},
+                      deepspeed={"train_micro_batch_size_per_gpu": 2})
+    ((job,),) = run_ranks(train_jobs, 1, [(raw, "none")], timeout=300)
+    cfg = config_from_dict(raw)
+    cfg.model.vocab_size = VOCAB  # the trainer takes it from the corpus
+    settings = settings_from(cfg, steps, threads=1)
+    inputs, labels = train_batches(settings)
+    model = TransformerXL(cfg.model)
+    torch.manual_seed(cfg.train.seed)  # the trainer's initialization (txl_dist.engine.build_engine)
+    model.reset_parameters()
+    initial = [p.detach().clone() for p in model.parameters()]
+    plain = train_ours(settings, model, 0, inputs, labels, checkpoints=[steps])
+    assert job["code"] == 0 and sorted(job["losses"]) == list(range(1, steps + 1))
+    moved = max(float((p.detach() - q).abs().max()) for p, q in zip(model.parameters(), initial))
+    assert moved > 3e-3  # the steps moved the weights (lr up to 3e-3): the comparison compares something
+    np.testing.assert_allclose([job["losses"][s] for s in range(1, steps + 1)], plain["train_loss"], rtol=1e-5)
+    trained = TransformerXL(cfg.model)
+    ckpt_dir = tmp_path / "run" / "checkpoints"
+    load_fp32_weights(trained, ckpt_dir / read_latest(ckpt_dir), zero_stage=0)
+    for (name, ours), theirs in zip(trained.named_parameters(), model.parameters()):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-6, msg=name)
+
+
+# ----------------------------------------------------------------------------------------------------
 # Exact resume
 
 
