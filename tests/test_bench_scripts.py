@@ -259,6 +259,26 @@ def test_config_sweep_refuses_a_folder_that_is_no_corpus(tmp_path):
     assert "scripts/shakespeare_corpus.sh" in err.stderr
 
 
+def _fake_sweep_process(cmd, log, *, off_at_resumed_step_5=False, problems=(), commands=None) -> int:
+    """config_sweep.run's stand-in: each "train" appends its steps' losses to its run's metrics journal (the
+    resumed run's step 5 one last bit off if asked), the twin's comparison prints `problems`; exit status 0."""
+    if commands is not None:
+        commands.append(cmd)
+    log.write_text(json.dumps({"problems": list(problems)}) + "\n" if "bench.twin_check" in cmd else "")
+    run_dir = next((Path(a.split("=", 1)[1]) for a in cmd if a.startswith("run.dir=")), None)
+    if run_dir is not None:
+        journal = run_dir / "tracking" / "metrics.jsonl"
+        journal.parent.mkdir(parents=True, exist_ok=True)
+        stopped = any(a.startswith("train.exit_step=") for a in cmd)
+        steps = range(1, 4) if stopped else range(4 if journal.exists() else 1, 7)
+        with open(journal, "a") as f:
+            for s in steps:
+                off = off_at_resumed_step_5 and s == 5 and run_dir.name == "resumed"
+                f.write(json.dumps({"step": s, "metrics": {"train/loss": 8.0 - s / 10 + (1e-15 if off else 0.0)}})
+                        + "\n")
+    return 0
+
+
 def test_config_sweep_fails_a_case_whose_resumed_losses_differ(tmp_path, monkeypatch):
     """The verdict's own logic, with the processes replaced: each "train" writes a metrics journal, and the
     resumed run's step 5 differs from the straight run's in the last bit."""
@@ -266,21 +286,8 @@ def test_config_sweep_fails_a_case_whose_resumed_losses_differ(tmp_path, monkeyp
 
     from bench import config_sweep
 
-    def fake_run(cmd, log):
-        log.write_text("")
-        run_dir = next((Path(a.split("=", 1)[1]) for a in cmd if a.startswith("run.dir=")), None)
-        if run_dir is not None:
-            journal = run_dir / "tracking" / "metrics.jsonl"
-            journal.parent.mkdir(parents=True, exist_ok=True)
-            stopped = any(a.startswith("train.exit_step=") for a in cmd)
-            steps = range(1, 4) if stopped else range(4 if journal.exists() else 1, 7)
-            with open(journal, "a") as f:
-                for s in steps:
-                    loss = 8.0 - s / 10 + (1e-15 if s == 5 and run_dir.name == "resumed" else 0.0)
-                    f.write(json.dumps({"step": s, "metrics": {"train/loss": loss}}) + "\n")
-        return 0
-
-    monkeypatch.setattr(config_sweep, "run", fake_run)
+    monkeypatch.setattr(config_sweep, "run",
+                        lambda cmd, log: _fake_sweep_process(cmd, log, off_at_resumed_step_5=True))
     case = config_sweep.draw(random.Random(1), 1000, 1)
     assert case.twin() == case  # fp32 at ZeRO 0: no twin to train
     record = config_sweep.run_case(case, tmp_path, tmp_path / "corpus", port=29999)
@@ -296,28 +303,14 @@ def test_config_sweep_fails_a_case_that_learns_unlike_its_fp32_twin(tmp_path, mo
     from bench import config_sweep
 
     commands = []
-
-    def fake_run(cmd, log, problems):
-        commands.append(cmd)
-        run_dir = next((Path(a.split("=", 1)[1]) for a in cmd if a.startswith("run.dir=")), None)
-        log.write_text(json.dumps({"problems": problems}) + "\n" if "bench.twin_check" in cmd else "")
-        if run_dir is not None:
-            journal = run_dir / "tracking" / "metrics.jsonl"
-            journal.parent.mkdir(parents=True, exist_ok=True)
-            stopped = any(a.startswith("train.exit_step=") for a in cmd)
-            steps = range(1, 4) if stopped else range(4 if journal.exists() else 1, 7)
-            with open(journal, "a") as f:
-                for s in steps:
-                    f.write(json.dumps({"step": s, "metrics": {"train/loss": 8.0 - s / 10}}) + "\n")
-        return 0
-
     case = config_sweep.draw(random.Random(3), 1000, 1)  # bf16 at ZeRO 0
     twin = case.twin()
     assert (twin.precision, twin.stage, twin.activation_checkpointing, twin.model) == ("fp32", 0, False, case.model)
     for problems, failed in (([], []), (["steps 4-6 moved the weights 0.95x as far as the twin's"],
                                         ["learns unlike fp32 at ZeRO 0: steps 4-6 moved the weights 0.95x as far "
                                          "as the twin's"])):
-        monkeypatch.setattr(config_sweep, "run", lambda cmd, log: fake_run(cmd, log, problems))
+        monkeypatch.setattr(config_sweep, "run",
+                            lambda cmd, log: _fake_sweep_process(cmd, log, problems=problems, commands=commands))
         folder = tmp_path / str(len(failed))
         folder.mkdir()
         record = config_sweep.run_case(case, folder, tmp_path / "corpus", port=29999)
