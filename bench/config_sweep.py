@@ -21,7 +21,7 @@ product refuses with one `error:` line (exit status 2) counts as refused, not fa
 its folder under --out when it fails (or always with --keep).
 
     python -m bench.config_sweep [--cases 40] [--seed 0] [--minutes 45] [--corpus data/shakespeare]
-        [--world 1|2] [--out DIR] [--keep]
+        [--world 1|2] [--precision fp32|bf16|fp16|auto] [--out DIR] [--keep]
 
 The corpus needs its tokenizer (generate.py encodes a prompt): `bash scripts/shakespeare_corpus.sh` builds
 data/shakespeare. A case takes ~30-60 s on 2 cores. Exit status 0 when no case failed, 1 when one did (the
@@ -281,6 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--corpus", type=Path, default=REPO / "data" / "shakespeare",
                     help="a prepared corpus with its tokenizer (default data/shakespeare)")
     ap.add_argument("--world", type=int, choices=(1, 2), help="every case on this many ranks (default: drawn)")
+    ap.add_argument("--precision", choices=("fp32", "bf16", "fp16", "auto"),
+                    help="only the drawn cases in this precision (the others are drawn and passed over)")
     return ap
 
 
@@ -346,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def run_one(rng: random.Random, i: int, folder: Path) -> tuple[dict[str, Any], str]:
         case = draw(rng, vocab, args.world)
+        while args.precision and case.precision != args.precision:
+            case = draw(rng, vocab, args.world)
         return run_case(case, folder, corpus, port=29700 + (args.seed * 131 + i) % 250), case.text()
 
     return sweep(args, run_one)

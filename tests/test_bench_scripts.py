@@ -252,6 +252,17 @@ def test_config_sweep_runs_a_case_through_train_twin_resume_eval_generate_and_ex
     assert not (tmp_path / "out" / "seed3_case000").exists()  # a passing case's folder goes (no --keep)
 
 
+def test_config_sweep_runs_only_the_cases_drawn_in_the_precision_asked(tmp_path, monkeypatch):
+    from bench import config_sweep
+
+    seen = []
+    monkeypatch.setattr(config_sweep, "corpus_vocab", lambda corpus: 1000)
+    monkeypatch.setattr(config_sweep, "run_case", lambda case, folder, corpus, port: seen.append(case) or
+                        {"case": {}, "failed": [], "verdict": "pass"})
+    assert config_sweep.main(["--cases", "4", "--seed", "5", "--precision", "fp16", "--out", str(tmp_path)]) == 0
+    assert len(seen) == 4 and {case.precision for case in seen} == {"fp16"}
+
+
 def test_config_sweep_refuses_a_folder_that_is_no_corpus(tmp_path):
     err = subprocess.run([sys.executable, "-m", "bench.config_sweep", "--corpus", str(tmp_path)], cwd=REPO,
                          env=bench_env(), capture_output=True, text=True, timeout=60)
