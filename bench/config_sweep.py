@@ -213,7 +213,7 @@ def run_case(case: Case, folder: Path, corpus: Path, port: int) -> dict[str, Any
     if status != 0:
         return record | {"verdict": "fail", "failed": [f"straight run: exit status {status}"]}
     if (twin := case.twin()) != case:
-        record["twin"] = learns_like_twin(case, twin, straight, folder / "twin", data, port)
+        record["twin"] = learns_like_twin(twin, straight, folder / "twin", data, port)
         record["failed"] += [f"learns unlike fp32 at ZeRO 0: {line}" for line in record["twin"].get("problems", [])]
     stopped = run(train_command(case.world, port) + data + case.sets(resumed, f"train.exit_step={EXIT_STEP}"),
                   folder / "stopped.log")
@@ -245,10 +245,9 @@ def run_case(case: Case, folder: Path, corpus: Path, port: int) -> dict[str, Any
     return record | {"verdict": "fail" if record["failed"] else "pass"}
 
 
-def learns_like_twin(case: Case, twin: Case, run_dir: Path, twin_dir: Path, extra: list[str], port: int
-                     ) -> dict[str, Any]:
-    """Train the case's fp32 ZeRO 0 twin and compare the two runs (bench/twin_check.py) -> its figures and
-    "problems"; a twin that fails to train or compare is a problem too."""
+def learns_like_twin(twin: Case, run_dir: Path, twin_dir: Path, extra: list[str], port: int) -> dict[str, Any]:
+    """Train a case's fp32 ZeRO 0 twin and compare it with the case's run in `run_dir` (bench/twin_check.py) ->
+    the comparison's figures and "problems"; a twin that fails to train or compare is a problem too."""
     log = twin_dir.with_suffix(".log")
     status = run(train_command(twin.world, port) + extra + twin.sets(twin_dir), log)
     if status != 0:

@@ -47,8 +47,8 @@ def first_step(run_dir: Path) -> dict[str, float | None]:
     raise FileNotFoundError(f"{run_dir}: no step 1 in its metrics journal")
 
 
-def weights_and_info(run_dir: Path, step: int):
-    """The fp32 weights of the run's checkpoint at `step` (as launch/export.py reads them) and its run.json."""
+def weights(run_dir: Path, step: int) -> dict:
+    """The fp32 weights of the run's checkpoint at `step`, as launch/export.py reads them."""
     from txl_dist import checkpoint as ckpt
     from txl_dist.model import TransformerXL
     from txl_dist.startup import open_export
@@ -56,15 +56,14 @@ def weights_and_info(run_dir: Path, step: int):
     with open_export(str(run_dir / "checkpoints" / ckpt.tag_for(step))) as (tag_dir, run_info, model_cfg):
         model = TransformerXL(model_cfg)
         ckpt.load_fp32_weights(model, tag_dir, run_info["zero_stage"])
-    return {name: p.detach().double() for name, p in model.named_parameters()}, run_info
+    return {name: p.detach().double() for name, p in model.named_parameters()}
 
 
 def update(run_dir: Path, first: int, last: int):
     """Each parameter's change from checkpoint `first` to `last`, flattened into one vector."""
     import torch
 
-    before, _ = weights_and_info(run_dir, first)
-    after, _ = weights_and_info(run_dir, last)
+    before, after = weights(run_dir, first), weights(run_dir, last)
     return torch.cat([(after[name] - before[name]).flatten() for name in sorted(after)])
 
 
@@ -93,24 +92,22 @@ def compare(run_dir: Path, twin_dir: Path, first: int, last: int) -> dict:
                "loss_1_rel": relative(ours["loss"], twins["loss"]),
                "grad_norm_1_rel": relative(ours["grad_norm"], twins["grad_norm"]),
                "skipped_steps": info["nonfinite_steps"]}
-    twin_norm = 0.0
-    if not info["nonfinite_steps"]:  # else no periodic checkpoint need exist (none is saved amid skipped steps)
-        delta, twin_delta = update(run_dir, first, last), update(twin_dir, first, last)
-        norm, twin_norm = float(delta.norm()), float(twin_delta.norm())
-        figures["update_norm_ratio"] = norm / twin_norm if twin_norm else None
-        cosine = float(torch.dot(delta, twin_delta) / (norm * twin_norm)) if norm * twin_norm else None
-        figures["update_cosine"] = cosine
     loss_bound, norm_bound, least_cosine, (low, high) = BOUNDS[precision]
     problems = []
     if figures["loss_1_rel"] is None or figures["loss_1_rel"] > loss_bound:
         problems.append(f"step 1 loss {ours['loss']} against the twin's {twins['loss']}")
     if figures["grad_norm_1_rel"] is not None and figures["grad_norm_1_rel"] > norm_bound:
         problems.append(f"step 1 gradient norm {ours['grad_norm']} against the twin's {twins['grad_norm']}")
-    ratio, cosine = figures.get("update_norm_ratio"), figures.get("update_cosine")
-    if "update_norm_ratio" in figures and twin_norm and not (ratio is not None and low <= ratio <= high):
-        problems.append(f"steps {first + 1}-{last} moved the weights {ratio}x as far as the twin's")
-    if "update_cosine" in figures and twin_norm and not (cosine is not None and cosine >= least_cosine):
-        problems.append(f"steps {first + 1}-{last} moved the weights at a cosine of {cosine} to the twin's")
+    if not info["nonfinite_steps"]:  # else no periodic checkpoint need exist (none is saved amid skipped steps)
+        delta, twin_delta = update(run_dir, first, last), update(twin_dir, first, last)
+        norm, twin_norm = float(delta.norm()), float(twin_delta.norm())
+        ratio = norm / twin_norm if twin_norm else None
+        cosine = float(torch.dot(delta, twin_delta) / (norm * twin_norm)) if norm * twin_norm else None
+        figures |= {"update_norm_ratio": ratio, "update_cosine": cosine}
+        if twin_norm and not low <= ratio <= high:  # a twin that did not move leaves nothing to compare
+            problems.append(f"steps {first + 1}-{last} moved the weights {ratio}x as far as the twin's")
+        if twin_norm and (cosine is None or cosine < least_cosine):
+            problems.append(f"steps {first + 1}-{last} moved the weights at a cosine of {cosine} to the twin's")
     return figures | {"problems": problems}
 
 

@@ -328,7 +328,7 @@ def test_config_sweep_fails_a_case_that_learns_unlike_its_fp32_twin(tmp_path, mo
         assert record["failed"] == failed and record["verdict"] == ("fail" if failed else "pass")
         assert any("train.precision=fp32" in cmd and f"run.dir={folder / 'twin'}" in cmd for cmd in commands)
     monkeypatch.setattr(config_sweep, "run", lambda cmd, log: log.write_text("Traceback\n") and 1)
-    record = config_sweep.learns_like_twin(case, twin, tmp_path / "a", tmp_path / "b", [], 29999)
+    record = config_sweep.learns_like_twin(twin, tmp_path / "a", tmp_path / "b", [], 29999)
     assert record["problems"] == ["the twin's run: exit status 1"]
 
 

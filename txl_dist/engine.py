@@ -217,20 +217,23 @@ def grow_the_loss_scale_after_the_step(optimizer) -> None:
     if not callable(getattr(optimizer, "_update_scale", None)):
         return
     update_scale, step = optimizer._update_scale, optimizer.step
-    pending: list[bool] = []
+    deferred = False
 
     def update_scale_after_the_step(skip: bool) -> None:
+        nonlocal deferred
         if skip:
             update_scale(skip)
         else:
-            pending.append(skip)
+            deferred = True
 
     def step_then_update_scale(*args, **kwargs):
+        nonlocal deferred
         try:
             return step(*args, **kwargs)
         finally:
-            while pending:
-                update_scale(pending.pop())
+            if deferred:
+                deferred = False
+                update_scale(False)
 
     optimizer._update_scale = update_scale_after_the_step
     optimizer.step = step_then_update_scale
