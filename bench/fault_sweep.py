@@ -160,7 +160,7 @@ def first_step_seconds(log: Path, started: float) -> float:
 
 
 class Job:
-    """One launch of the case's training command, in a session of its own (so that all of it can be signalled)."""
+    """One launch of the case's training command."""
 
     def __init__(self, case: Case, corpus: Path, run_dir: Path, log: Path, port: int) -> None:
         self.case, self.log = case, log
@@ -168,7 +168,7 @@ class Job:
         self.out = open(log, "w")
         self.started = time.time()
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=self.out, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True)  # a Ctrl-C to the sweep stays the sweep's
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")
@@ -179,12 +179,37 @@ class Job:
         except subprocess.TimeoutExpired:
             return "timeout"
 
+    def processes(self) -> list:
+        """The launcher and every process under it (torchrun starts its workers in sessions of their own, out of
+        the launcher's process group)."""
+        import psutil
+
+        try:
+            launcher = psutil.Process(self.proc.pid)
+            return [launcher, *launcher.children(recursive=True)]
+        except psutil.Error:
+            return []
+
+    def signal_all(self, signum: int) -> None:
+        import psutil
+
+        for process in self.processes():
+            try:
+                process.send_signal(signum)
+            except psutil.Error:
+                pass
+
     def end(self) -> None:
         """Kill whatever of the job is left (a stopped rank, an orphan) and close its log."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        import psutil
+
+        left = self.processes()
+        for process in left:
+            try:
+                process.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(left, timeout=30)
         self.proc.wait()
         self.out.close()
 
@@ -208,10 +233,8 @@ def inject(job: Job, fault: Fault) -> str | None:
     try:
         if fault.kind in ONE_RANK:
             os.kill(pids[fault.rank], ONE_RANK[fault.kind])
-        elif fault.kind == "kill-job":
-            os.killpg(job.proc.pid, signal.SIGKILL)
-        elif fault.kind == "int-all":
-            os.killpg(job.proc.pid, signal.SIGINT)
+        elif fault.kind in ("kill-job", "int-all"):
+            job.signal_all(signal.SIGKILL if fault.kind == "kill-job" else signal.SIGINT)
         else:  # term-launcher, usr1-launcher: torchrun
             os.kill(job.proc.pid, signal.SIGTERM if fault.kind == "term-launcher" else signal.SIGUSR1)
     except ProcessLookupError:
@@ -337,6 +360,10 @@ def run_case(case: Case, faults: list[Fault], folder: Path, corpus: Path, port: 
             record["faults"].append(outcome)
             if outcome["landed"] and outcome["ended_after_s"] is None:
                 record["failed"].append(f"{fault.text()}: the job had not ended {END_WITHIN_S} s after it")
+            named = re.search(rf"error: .*\brank {fault.rank}\b", job.text())
+            if fault.kind in ("kill-rank", "stop-rank") and outcome["exit"] not in (0, None) and not named:
+                record["failed"].append(f"{fault.text()}: the job ended (exit status {outcome['exit']}) without "
+                                        f"an error line naming rank {fault.rank}")
             if fault.kind in STOPS and (n := outcome["stopped_after_step"]) is not None \
                     and checkpoint.tag_for(n) not in checkpoint.inventory(ckpt_dir).complete:
                 record["failed"].append(f"{fault.text()}: stopped after step {n} without its checkpoint")

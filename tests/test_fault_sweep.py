@@ -1,0 +1,70 @@
+"""bench/fault_sweep.py: one real case (a crash mid-run, the restart continuing it), and its checks, which must
+flag what the product promises not to do after a fault (a resumed step that differs, a leftover of a save)."""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+from test_bench_scripts import run_bench
+
+from bench import fault_sweep
+
+
+def test_a_job_killed_after_step_2_restarts_and_ends_as_the_straight_run(tmp_path):
+    """Seed 8 on 1 rank draws one fault: the whole job SIGKILLed right after step 2's progress line (its save
+    of step 2 in flight or done). The restart must resume from the newest complete tag and give every metric
+    of the straight run bit for bit, in the journal and in MLflow, with a clean checkpoint folder."""
+    from corpus_helpers import make_corpus, synthetic_stream
+
+    corpus = make_corpus(tmp_path / "corpus", {split: synthetic_stream(20_000, 1000, seed=i)
+                                               for i, split in enumerate(("train", "valid", "test"))})
+    out = run_bench("fault_sweep", "--cases", 1, "--seed", 8, "--world", 1, "--corpus", corpus,
+                    "--out", tmp_path / "out", timeout=600)
+    assert "1 passed, 0 refused, 0 failed" in out, out
+    record = json.loads((tmp_path / "out" / "results.jsonl").read_text())
+    (fault,) = record["faults"]
+    assert fault["fault"].startswith("kill-job after step 2") and fault["landed"] and fault["exit"] == -9, fault
+    assert record["failed"] == []
+
+
+def _journal(run_dir: Path, rows: list[tuple[int, dict]]) -> None:
+    path = run_dir / "tracking" / "metrics.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"step": s, "metrics": m}) + "\n" for s, m in rows))
+
+
+def test_the_metrics_check_flags_a_step_trained_again_unlike_the_first_time(tmp_path):
+    straight = [(s, {"train/loss": 8.0 - s / 10, "train/tokens_per_s": 100.0 * s}) for s in (1, 2, 3)]
+    _journal(tmp_path / "straight", straight + [(3, {"valid/loss": 7.5})])
+    # A crash after step 3, resumed from step 2: step 3 logged twice; timings differ, which is allowed.
+    again = [(3, {"train/loss": 8.0 - 3 / 10, "train/tokens_per_s": 1.0})]
+    _journal(tmp_path / "faulty", straight + again + [(3, {"valid/loss": 7.5})])
+    assert fault_sweep.check_metrics(tmp_path / "straight", tmp_path / "faulty") == []
+
+    off = [(3, {"train/loss": 8.0 - 3 / 10 + 1e-15})]
+    _journal(tmp_path / "faulty", straight + off + [(3, {"valid/loss": 7.5})])
+    (problem,) = fault_sweep.check_metrics(tmp_path / "straight", tmp_path / "faulty")
+    assert "1 journal value(s) differ" in problem and "train/loss at step 3" in problem
+
+    _journal(tmp_path / "faulty", straight)  # the validation of step 3 never logged
+    (problem,) = fault_sweep.check_metrics(tmp_path / "straight", tmp_path / "faulty")
+    assert "missing from the journal, first (3, 'valid/loss')" in problem
+
+
+def test_the_folder_check_flags_a_leftover_save_and_a_stale_latest(tmp_path):
+    ckpt = tmp_path / "run" / "checkpoints"
+    (ckpt / f".saving-step_{fault_sweep.STEPS:08d}").mkdir(parents=True)
+    (ckpt / "latest").write_text("step_00000008")
+    problems = fault_sweep.check_folder(tmp_path / "run")
+    assert any("leftovers ['.saving-step_00000010']" in p for p in problems), problems
+    assert any("latest names step_00000008, not step_00000010" in p for p in problems), problems
+
+
+def test_one_rank_draws_neither_launcher_faults_nor_hangs_and_no_case_times_its_choices():
+    for seed in range(60):
+        case, faults = fault_sweep.draw_case(random.Random(seed), 1000, 1)
+        assert case.world == 1 and case.precision != "auto" and case.model["attn_impl"] != "auto"
+        assert all(f.kind not in fault_sweep.LAUNCHER_ONLY for f in faults)
+    kinds = {f.kind for seed in range(200) for f in fault_sweep.draw_case(random.Random(seed), 1000, 2)[1]}
+    assert kinds == set(fault_sweep.KILLS + fault_sweep.STOPS)
