@@ -13,7 +13,9 @@ validation every EVAL_INTERVAL, and draws one or two faults:
   or to torchrun, SIGUSR1 to torchrun (it dies of it; its workers see their launcher gone), SIGINT to every
   process (Ctrl-C);
 - when: during start-up (a random share of the time the straight run took to its first step), right after a
-  random step's progress line, or while a random checkpoint's staging folder exists (a save in flight).
+  random step's progress line, or while a random checkpoint's staging folder exists (a save in flight);
+- where a 2-rank case draws it, the jobs after the first fault run on 1 rank: the restart of a job that lost a
+  node, on the nodes left, through DeepSpeed's universal checkpoint (an elastic resume).
 
 A faulted job must end on its own within END_WITHIN_S (a hang is a failure), a stop request must leave a
 complete checkpoint of the step it names (`stopping after step N`), and each restart must resume from the
@@ -21,11 +23,13 @@ newest complete checkpoint on disk. Once the last restart has finished:
 
 - every value of the deterministic metrics (train loss, learning rate, gradient norm, tokens seen, validation
   and test figures) in the metrics journal, every copy logged by a job that trained a step again included,
-  equals the straight run's bit for bit, and every step has its loss;
+  equals the straight run's bit for bit, and every step has its loss (after an elastic resume, whose ranks
+  sum in another order, the steps it trained need only a finite loss);
 - the MLflow run is the one the first job opened, FINISHED, and its `train/loss` history holds the straight
   run's values only; `python -m txl_dist.tracking replay` of the run folder succeeds;
-- the checkpoint folder holds no leftover (interrupted save, replacement, removal), no incomplete tag, at most
-  KEEP complete tags, the newest at STEPS and named by `latest`, each one verifying against its checksums.
+- the checkpoint folder holds no leftover (interrupted save, replacement, removal, conversion), no incomplete
+  tag, no universal copy of a tag it no longer keeps, at most KEEP complete tags, the newest at STEPS and named
+  by `latest`, each one verifying against its checksums.
 
     python -m bench.fault_sweep [--cases 40] [--seed 0] [--minutes 45] [--corpus data/shakespeare] [--world 1|2]
         [--out DIR] [--keep]
@@ -36,6 +40,7 @@ under --out), 2 on bad arguments. docs/reliability.md, "Random faults", has what
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import random
 import re
@@ -43,7 +48,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +74,7 @@ ONE_RANK = {"kill-rank": signal.SIGKILL, "stop-rank": signal.SIGSTOP, "term-work
             "usr1-worker": signal.SIGUSR1}
 """Faults that signal one rank's process, and their signals."""
 STOPPING = re.compile(r"stopping after step (\d+)")
-RESUMED = re.compile(r"resumed from (\S+) at step (\d+)")
+RESUMED = re.compile(r"resumed from (\S+) at step (\d+) \((same world size|elastic)")
 MLFLOW_RUN = re.compile(r"MLflow run ([0-9a-f]{32}) \((\w+)\)")
 DETERMINISTIC = ("train/loss", "train/lr", "train/grad_norm", "train/tokens_seen", "train/nonfinite_steps")
 """Journal metrics a resumed run must repeat exactly, besides every valid/* and test/* figure."""
@@ -105,16 +110,19 @@ def draw_fault(rng: random.Random, world: int) -> Fault:
     return Fault(kind, trigger, at, delay, rng.randrange(world))
 
 
-def draw_case(rng: random.Random, vocab: int, world: int | None) -> tuple[Case, list[Fault]]:
+def draw_case(rng: random.Random, vocab: int, world: int | None) -> tuple[Case, list[Fault], bool]:
+    """A case, its faults, and whether the jobs after the first fault run on 1 rank (a 2-rank case only: the
+    restart of a job that lost a node, on the nodes left)."""
     case = draw(rng, vocab, world or rng.choice([1, 2, 2]))
     if case.precision == "auto":
         case.precision = "fp32"
     if case.model["attn_impl"] == "auto":
         case.model["attn_impl"] = "matmul"
+    elastic = case.world > 1 and rng.random() < 0.3
     faults = [draw_fault(rng, case.world)]
     if rng.random() < 0.3:
-        faults.append(draw_fault(rng, case.world))
-    return case, faults
+        faults.append(draw_fault(rng, 1 if elastic else case.world))
+    return case, faults, elastic
 
 
 def sets(case: Case, run_dir: Path) -> list[str]:
@@ -294,13 +302,24 @@ def check_folder(run_dir: Path) -> list[str]:
     for tag in inv.complete:
         if (problem := checkpoint.verify(ckpt_dir / tag)) is not None:
             problems.append(f"{tag} does not verify: {problem}")
+    stray = [p.name for p in ckpt_dir.glob(f"step_*{checkpoint.UNIVERSAL_SUFFIX}")
+             if p.name.removesuffix(checkpoint.UNIVERSAL_SUFFIX) not in inv.complete]
+    if stray:
+        problems.append(f"universal copies of tags no longer kept: {stray}")
     return problems
 
 
-def check_metrics(straight: Path, faulty: Path) -> list[str]:
-    """The faulted run's journal and MLflow run against the straight run's -> problems."""
+def check_metrics(straight: Path, faulty: Path, exact_through: int = STEPS) -> list[str]:
+    """The faulted run's journal against the straight run's -> problems. Steps after `exact_through` (the step an
+    elastic resume continued from: fewer ranks sum in another order) need only a finite loss."""
     expected, got = (journal_values(run / "tracking" / "metrics.jsonl") for run in (straight, faulty))
     problems = []
+    loose = [s for s in range(exact_through + 1, STEPS + 1) if not all(
+        math.isfinite(v) for v in got.get((s, "train/loss"), [math.nan]))]
+    if loose:
+        problems.append(f"after the elastic resume at step {exact_through}, no finite loss at steps {loose}")
+    expected = {k: v for k, v in expected.items() if k[0] <= exact_through}
+    got = {k: v for k, v in got.items() if k[0] <= exact_through}
     differ = sorted(k for k, vs in got.items() if k not in expected or any(v != expected[k][0] for v in vs))
     if differ:
         step, key = differ[0]
@@ -312,8 +331,9 @@ def check_metrics(straight: Path, faulty: Path) -> list[str]:
     return problems
 
 
-def check_mlflow(run_dir: Path, run_id: str | None, straight: Path) -> list[str]:
-    """The MLflow run: the first job's, FINISHED, its train/loss history the straight run's values."""
+def check_mlflow(run_dir: Path, run_id: str | None, straight: Path, exact_through: int = STEPS) -> list[str]:
+    """The MLflow run: the first job's, FINISHED, its train/loss history the straight run's values (up to
+    `exact_through`, as in check_metrics), a value at every step."""
     from mlflow.tracking import MlflowClient
 
     if run_id is None:
@@ -323,7 +343,8 @@ def check_mlflow(run_dir: Path, run_id: str | None, straight: Path) -> list[str]
     problems = [] if run.info.status == "FINISHED" else [f"MLflow run {run_id} is {run.info.status}"]
     expected = journal_values(straight / "tracking" / "metrics.jsonl")
     history = client.get_metric_history(run_id, "train/loss")
-    wrong = [(m.step, m.value) for m in history if m.value != expected.get((m.step, "train/loss"), [None])[0]]
+    wrong = [(m.step, m.value) for m in history
+             if m.step <= exact_through and m.value != expected.get((m.step, "train/loss"), [None])[0]]
     steps = {m.step for m in history}
     if wrong or steps != set(range(1, STEPS + 1)):
         problems.append(f"MLflow's train/loss: {len(wrong)} value(s) unlike the straight run's (first {wrong[:1]}), "
@@ -331,8 +352,11 @@ def check_mlflow(run_dir: Path, run_id: str | None, straight: Path) -> list[str]
     return problems
 
 
-def run_case(case: Case, faults: list[Fault], folder: Path, corpus: Path, port: int) -> dict[str, Any]:
-    record: dict[str, Any] = {"case": asdict(case), "faults": [], "failed": []}
+def run_case(case: Case, faults: list[Fault], folder: Path, corpus: Path, port: int, elastic: bool = False
+             ) -> dict[str, Any]:
+    """The straight run, the faulted jobs and the last restart (after the first fault on 1 rank where `elastic`),
+    and the checks -> the case's record: "verdict" pass / refused / fail, "failed" what failed."""
+    record: dict[str, Any] = {"case": asdict(case), "elastic": elastic, "faults": [], "failed": []}
     straight, faulty = folder / "straight", folder / "faulty"
     job = Job(case, corpus, straight, folder / "straight.log", port)
     status = job.wait(RUN_TIMEOUT_S)
@@ -343,12 +367,13 @@ def run_case(case: Case, faults: list[Fault], folder: Path, corpus: Path, port: 
         return record | {"verdict": "fail", "failed": [f"straight run: exit status {status}"]}
     startup_s = first_step_seconds(job.log, job.started)
     ckpt_dir = faulty / "checkpoints"
-    run_id = None
+    run_id, exact_through = None, STEPS
     for i, fault in enumerate([*faults, None]):
         from txl_dist import checkpoint
 
         newest = (checkpoint.inventory(ckpt_dir).complete or [None])[-1]
-        job = Job(case, corpus, faulty, folder / f"job{i}.log", port + 1 + i)
+        job_case = replace(case, world=1) if elastic and i > 0 else case
+        job = Job(job_case, corpus, faulty, folder / f"job{i}.log", port + 1 + i)
         if fault is None:
             status = job.wait(RUN_TIMEOUT_S)
             job.end()
@@ -370,6 +395,8 @@ def run_case(case: Case, faults: list[Fault], folder: Path, corpus: Path, port: 
         text = job.text()
         resumed = RESUMED.search(text)
         trained = re.search(rf" step \d+/{STEPS} ", text) is not None
+        if job_case is not case and exact_through == STEPS and (resumed or trained):
+            exact_through = int(resumed.group(2)) if resumed and resumed.group(3) == "elastic" else 0
         if newest is not None and (Path(resumed.group(1)).name != newest if resumed else trained):
             record["failed"].append(f"job {i} resumed from {resumed.group(1) if resumed else 'nothing'}, "
                                     f"the newest complete tag was {newest}")
@@ -379,7 +406,9 @@ def run_case(case: Case, faults: list[Fault], folder: Path, corpus: Path, port: 
             record["failed"].append(f"the last job logged to MLflow run {m.group(1)}, the first to {run_id}")
         if record["failed"]:
             return record | {"verdict": "fail"}
-    record["failed"] += check_folder(faulty) + check_metrics(straight, faulty) + check_mlflow(faulty, run_id, straight)
+    record["exact_through"] = exact_through
+    record["failed"] += (check_folder(faulty) + check_metrics(straight, faulty, exact_through)
+                         + check_mlflow(faulty, run_id, straight, exact_through))
     replay = subprocess.run([sys.executable, "-m", "txl_dist.tracking", "replay", str(faulty)], cwd=REPO,
                             env=child_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     if replay.returncode != 0:
@@ -410,10 +439,11 @@ def main(argv: list[str] | None = None) -> int:
                      "prepare` wrote")
 
     def run_one(rng: random.Random, i: int, folder: Path) -> tuple[dict[str, Any], str]:
-        case, faults = draw_case(rng, vocab, args.world)
+        case, faults, elastic = draw_case(rng, vocab, args.world)
         port = 29300 + (args.seed * 97 + i * 4) % 360
         text = f"{case.text()}; " + ", then ".join(f.text() for f in faults)
-        return run_case(case, faults, folder, corpus, port), text
+        text += ", restarted on 1 rank" if elastic else ""
+        return run_case(case, faults, folder, corpus, port, elastic), text
 
     return sweep(args, run_one)
 

@@ -52,19 +52,40 @@ def test_the_metrics_check_flags_a_step_trained_again_unlike_the_first_time(tmp_
     assert "missing from the journal, first (3, 'valid/loss')" in problem
 
 
-def test_the_folder_check_flags_a_leftover_save_and_a_stale_latest(tmp_path):
+def test_after_an_elastic_resume_only_the_steps_before_it_must_repeat_exactly(tmp_path):
+    steps = range(1, fault_sweep.STEPS + 1)
+    _journal(tmp_path / "straight", [(s, {"train/loss": 8.0 - s / 10}) for s in steps])
+    # 2 ranks trained steps 1-3, 1 rank resumed from step 2's checkpoint: from step 3 on, sums in another order.
+    two_ranks = [(s, {"train/loss": 8.0 - s / 10}) for s in (1, 2, 3)]
+    one_rank = [(s, {"train/loss": 8.0 - s / 10 + 1e-5}) for s in steps if s > 2]
+    _journal(tmp_path / "faulty", two_ranks + one_rank)
+    assert fault_sweep.check_metrics(tmp_path / "straight", tmp_path / "faulty", exact_through=2) == []
+    (problem,) = fault_sweep.check_metrics(tmp_path / "straight", tmp_path / "faulty", exact_through=3)
+    assert "differ from the straight run's, first train/loss at step 3" in problem
+    one_rank[1] = (4, {"train/loss": float("nan")})
+    _journal(tmp_path / "faulty", two_ranks + one_rank)
+    (problem,) = fault_sweep.check_metrics(tmp_path / "straight", tmp_path / "faulty", exact_through=2)
+    assert "no finite loss at steps [4]" in problem
+
+
+def test_the_folder_check_flags_leftovers_a_stale_latest_and_a_stray_universal_copy(tmp_path):
     ckpt = tmp_path / "run" / "checkpoints"
     (ckpt / f".saving-step_{fault_sweep.STEPS:08d}").mkdir(parents=True)
+    (ckpt / "step_00000004_universal").mkdir()
     (ckpt / "latest").write_text("step_00000008")
     problems = fault_sweep.check_folder(tmp_path / "run")
     assert any("leftovers ['.saving-step_00000010']" in p for p in problems), problems
     assert any("latest names step_00000008, not step_00000010" in p for p in problems), problems
+    assert any("universal copies of tags no longer kept: ['step_00000004_universal']" in p for p in problems)
 
 
 def test_one_rank_draws_neither_launcher_faults_nor_hangs_and_no_case_times_its_choices():
     for seed in range(60):
-        case, faults = fault_sweep.draw_case(random.Random(seed), 1000, 1)
-        assert case.world == 1 and case.precision != "auto" and case.model["attn_impl"] != "auto"
+        case, faults, elastic = fault_sweep.draw_case(random.Random(seed), 1000, 1)
+        assert case.world == 1 and case.precision != "auto" and case.model["attn_impl"] != "auto" and not elastic
         assert all(f.kind not in fault_sweep.LAUNCHER_ONLY for f in faults)
-    kinds = {f.kind for seed in range(200) for f in fault_sweep.draw_case(random.Random(seed), 1000, 2)[1]}
-    assert kinds == set(fault_sweep.KILLS + fault_sweep.STOPS)
+    draws = [fault_sweep.draw_case(random.Random(seed), 1000, 2) for seed in range(200)]
+    assert {f.kind for _, faults, _ in draws for f in faults} == set(fault_sweep.KILLS + fault_sweep.STOPS)
+    # A restart on 1 rank meets only the faults a job on 1 rank can have.
+    later = [f for _, faults, elastic in draws if elastic for f in faults[1:]]
+    assert later and all(f.kind not in fault_sweep.LAUNCHER_ONLY for f in later)
