@@ -233,9 +233,10 @@ def fired(job: Job, fault: Fault, ckpt_dir: Path, startup_s: float) -> bool:
 
 
 def inject(job: Job, fault: Fault) -> str | None:
-    """Send the fault's signal(s); None once sent, else why not yet (the ranks are not started yet)."""
-    world = job.case.world
-    pids = rank_pids(job.proc.pid, world)
+    """Send the fault's signal(s); None once sent, else why not (the ranks not started yet, the job over)."""
+    if job.proc.poll() is not None:
+        return "the job had ended"
+    pids = rank_pids(job.proc.pid, job.case.world)
     if fault.kind in ONE_RANK and fault.rank not in pids:
         return "ranks not started"
     try:
