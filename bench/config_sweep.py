@@ -273,13 +273,34 @@ def corpus_vocab(corpus: Path) -> int | None:
     return int(json.loads(manifest.read_text())["tokenizer"]["vocab_size"])
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m bench.config_sweep", description=__doc__.split("\n\n")[0],
-                                 epilog="example: python -m bench.config_sweep --cases 40 --seed 3 --minutes 45")
+def training_sweep_parser(prog: str, doc: str | None) -> argparse.ArgumentParser:
+    """The options of a sweep that trains on a corpus (this one, bench/fault_sweep.py)."""
+    ap = argparse.ArgumentParser(prog=f"python -m {prog}", description=(doc or "").split("\n\n")[0],
+                                 epilog=f"example: python -m {prog} --cases 40 --seed 3 --minutes 45")
     sweep_arguments(ap)
     ap.add_argument("--corpus", type=Path, default=REPO / "data" / "shakespeare",
                     help="a prepared corpus with its tokenizer (default data/shakespeare)")
     ap.add_argument("--world", type=int, choices=(1, 2), help="every case on this many ranks (default: drawn)")
+    return ap
+
+
+def parse_training_sweep(parser: argparse.ArgumentParser, argv: list[str] | None
+                         ) -> tuple[argparse.Namespace, Path, int]:
+    """(the arguments, the corpus folder, its vocabulary size); bad ones end the process with status 2."""
+    args = parser.parse_args(argv)
+    if args.cases < 1 or args.minutes <= 0:
+        parser.error("--cases and --minutes must be positive, e.g. --cases 40 --minutes 45")
+    corpus = args.corpus.resolve()
+    vocab = corpus_vocab(corpus)
+    if vocab is None:
+        parser.error(f"--corpus {corpus}: no prepared corpus with its tokenizer there; build one with `bash "
+                     "scripts/shakespeare_corpus.sh` (data/shakespeare) or pass a folder `python -m data_prep "
+                     "prepare` wrote")
+    return args, corpus, vocab
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = training_sweep_parser("bench.config_sweep", __doc__)
     ap.add_argument("--precision", choices=("fp32", "bf16", "fp16", "auto"),
                     help="only the drawn cases in this precision (the others are drawn and passed over)")
     return ap
@@ -334,16 +355,7 @@ def sweep_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.cases < 1 or args.minutes <= 0:
-        parser.error("--cases and --minutes must be positive, e.g. --cases 40 --minutes 45")
-    corpus = args.corpus.resolve()
-    vocab = corpus_vocab(corpus)
-    if vocab is None:
-        parser.error(f"--corpus {corpus}: no prepared corpus with its tokenizer there; build one with `bash "
-                     "scripts/shakespeare_corpus.sh` (data/shakespeare) or pass a folder `python -m data_prep "
-                     "prepare` wrote")
+    args, corpus, vocab = parse_training_sweep(build_parser(), argv)
 
     def run_one(rng: random.Random, i: int, folder: Path) -> tuple[dict[str, Any], str]:
         case = draw(rng, vocab, args.world)

@@ -39,7 +39,6 @@ under --out), 2 on bad arguments. docs/reliability.md, "Random faults", has what
 """
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import random
@@ -52,8 +51,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from bench.config_sweep import (REPO, Case, corpus_vocab, draw, refusal, sweep, sweep_arguments,
-                                train_command)
+from bench.config_sweep import (REPO, Case, draw, parse_training_sweep, refusal, sweep, train_command,
+                                training_sweep_parser)
 from bench.soak_report import read_jsonl
 
 STEPS, CHECKPOINT_INTERVAL, KEEP, EVAL_INTERVAL = 10, 2, 2, 4
@@ -417,27 +416,8 @@ def run_case(case: Case, faults: list[Fault], folder: Path, corpus: Path, port: 
     return record | {"verdict": "fail" if record["failed"] else "pass"}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m bench.fault_sweep", description=__doc__.split("\n\n")[0],
-                                 epilog="example: python -m bench.fault_sweep --cases 40 --seed 3 --minutes 45")
-    sweep_arguments(ap)
-    ap.add_argument("--corpus", type=Path, default=REPO / "data" / "shakespeare",
-                    help="a prepared corpus with its tokenizer (default data/shakespeare)")
-    ap.add_argument("--world", type=int, choices=(1, 2), help="every case on this many ranks (default: drawn)")
-    return ap
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.cases < 1 or args.minutes <= 0:
-        parser.error("--cases and --minutes must be positive, e.g. --cases 40 --minutes 45")
-    corpus = args.corpus.resolve()
-    vocab = corpus_vocab(corpus)
-    if vocab is None:
-        parser.error(f"--corpus {corpus}: no prepared corpus with its tokenizer there; build one with `bash "
-                     "scripts/shakespeare_corpus.sh` (data/shakespeare) or pass a folder `python -m data_prep "
-                     "prepare` wrote")
+    args, corpus, vocab = parse_training_sweep(training_sweep_parser("bench.fault_sweep", __doc__), argv)
 
     def run_one(rng: random.Random, i: int, folder: Path) -> tuple[dict[str, Any], str]:
         case, faults, elastic = draw_case(rng, vocab, args.world)
