@@ -36,6 +36,19 @@ def run_bench(name: str, *args: str, timeout: float = 120, expect: int = 0) -> s
     return run([sys.executable, "-m", f"bench.{name}", *map(str, args)], timeout, expect)
 
 
+def one_sweep_case(sweep: str, seed: int, tmp_path: Path) -> dict:
+    """bench.<sweep> (a sweep that trains) run for one case of `seed` on 1 rank, on a synthetic corpus; the case
+    must pass. Its record."""
+    from corpus_helpers import make_corpus, synthetic_stream
+
+    corpus = make_corpus(tmp_path / "corpus", {split: synthetic_stream(20_000, 1000, seed=i)
+                                               for i, split in enumerate(("train", "valid", "test"))})
+    out = run_bench(sweep, "--cases", 1, "--seed", seed, "--world", 1, "--corpus", corpus, "--out", tmp_path / "out",
+                    timeout=600)
+    assert "1 passed, 0 refused, 0 failed" in out, out
+    return json.loads((tmp_path / "out" / "results.jsonl").read_text())
+
+
 RATIO = r"\d+\.\d+x"
 
 
@@ -235,16 +248,9 @@ def test_config_sweep_runs_a_case_through_train_twin_resume_eval_generate_and_ex
     takes; a tool that failed, a resumed loss that differed from the straight run's, or an update unlike its fp32
     twin's would make it FAIL and exit 1 (as it did before DeepSpeed's optimizer state initialization step was
     undone: the twin's 4th-6th steps moved the weights ~5% further)."""
-    from corpus_helpers import make_corpus, synthetic_stream
-
     from bench.twin_check import BOUNDS
 
-    corpus = make_corpus(tmp_path / "corpus", {split: synthetic_stream(20_000, 1000, seed=i)
-                                               for i, split in enumerate(("train", "valid", "test"))})
-    out = run_bench("config_sweep", "--cases", 1, "--seed", 3, "--world", 1, "--corpus", corpus,
-                    "--out", tmp_path / "out", timeout=600)
-    assert "1 passed, 0 refused, 0 failed" in out, out
-    record = json.loads((tmp_path / "out" / "results.jsonl").read_text())
+    record = one_sweep_case("config_sweep", 3, tmp_path)
     assert record["verdict"] == "pass" and record["case"]["world"] == 1 and record["failed"] == []
     twin, (low, high) = record["twin"], BOUNDS["bf16"][3]
     assert (record["case"]["stage"], twin["precision"], twin["skipped_steps"]) == (0, "bf16", 0)

@@ -6,7 +6,7 @@ import json
 import random
 from pathlib import Path
 
-from test_bench_scripts import run_bench
+from test_bench_scripts import one_sweep_case
 
 from bench import fault_sweep
 
@@ -15,14 +15,7 @@ def test_a_job_killed_after_step_2_restarts_and_ends_as_the_straight_run(tmp_pat
     """Seed 8 on 1 rank draws one fault: the whole job SIGKILLed right after step 2's progress line (its save
     of step 2 in flight or done). The restart must resume from the newest complete tag and give every metric
     of the straight run bit for bit, in the journal and in MLflow, with a clean checkpoint folder."""
-    from corpus_helpers import make_corpus, synthetic_stream
-
-    corpus = make_corpus(tmp_path / "corpus", {split: synthetic_stream(20_000, 1000, seed=i)
-                                               for i, split in enumerate(("train", "valid", "test"))})
-    out = run_bench("fault_sweep", "--cases", 1, "--seed", 8, "--world", 1, "--corpus", corpus,
-                    "--out", tmp_path / "out", timeout=600)
-    assert "1 passed, 0 refused, 0 failed" in out, out
-    record = json.loads((tmp_path / "out" / "results.jsonl").read_text())
+    record = one_sweep_case("fault_sweep", 8, tmp_path)
     (fault,) = record["faults"]
     assert fault["fault"].startswith("kill-job after step 2") and fault["landed"] and fault["exit"] == -9, fault
     assert record["failed"] == []
