@@ -167,7 +167,8 @@ def first_step_seconds(log: Path, started: float) -> float:
 
 
 class Job:
-    """One launch of the case's training command."""
+    """One launch of the case's training command. The job is every process of it: torchrun's workers outlive a
+    torchrun that died (of SIGUSR1), see it gone, save and exit; a scheduler waits for them too."""
 
     def __init__(self, case: Case, corpus: Path, run_dir: Path, log: Path, port: int) -> None:
         self.case, self.log = case, log
@@ -176,26 +177,51 @@ class Job:
         self.started = time.time()
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=self.out, stderr=subprocess.STDOUT,
                                      start_new_session=True)  # a Ctrl-C to the sweep stays the sweep's
+        self.known: dict[int, Any] = {}
+        self.tracked_at = 0.0
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")
 
-    def wait(self, timeout: float) -> int | str:
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            return "timeout"
-
     def processes(self) -> list:
-        """The launcher and every process under it (torchrun starts its workers in sessions of their own, out of
-        the launcher's process group)."""
+        """The launcher and every process under it now (torchrun starts its workers in sessions of their own,
+        out of the launcher's process group), also remembered for when the launcher is gone."""
         import psutil
 
         try:
             launcher = psutil.Process(self.proc.pid)
-            return [launcher, *launcher.children(recursive=True)]
+            found = [launcher, *launcher.children(recursive=True)]
         except psutil.Error:
-            return []
+            found = []
+        for process in found:
+            self.known.setdefault(process.pid, process)
+        self.tracked_at = time.monotonic()
+        return found
+
+    def alive(self) -> bool:
+        """Whether any process of the job still runs (its processes looked up every 50 ms)."""
+        import psutil
+
+        if self.proc.poll() is None:
+            if time.monotonic() - self.tracked_at > 0.05:
+                self.processes()
+            return True
+        for process in self.known.values():
+            try:
+                if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                    return True
+            except psutil.Error:
+                continue
+        return False
+
+    def wait(self, timeout: float) -> int | str:
+        """The launcher's exit status once every process of the job has ended, or "timeout"."""
+        deadline = time.monotonic() + timeout
+        while self.alive():
+            if time.monotonic() > deadline:
+                return "timeout"
+            time.sleep(0.05)
+        return self.proc.returncode
 
     def signal_all(self, signum: int) -> None:
         import psutil
@@ -210,7 +236,7 @@ class Job:
         """Kill whatever of the job is left (a stopped rank, an orphan) and close its log."""
         import psutil
 
-        left = self.processes()
+        left = list({p.pid: p for p in [*self.known.values(), *self.processes()]}.values())
         for process in left:
             try:
                 process.kill()
@@ -235,6 +261,7 @@ def inject(job: Job, fault: Fault) -> str | None:
     """Send the fault's signal(s); None once sent, else why not (the ranks not started yet, the job over)."""
     if job.proc.poll() is not None:
         return "the job had ended"
+    job.processes()  # each process of the job known before any of them dies
     pids = rank_pids(job.proc.pid, job.case.world)
     if fault.kind in ONE_RANK and fault.rank not in pids:
         return "ranks not started"
@@ -254,7 +281,7 @@ def faulted_run(job: Job, fault: Fault, ckpt_dir: Path, startup_s: float) -> dic
     """Watch the job, inject the fault at its moment, wait for the job's end -> what happened."""
     due = None
     sent = None
-    while job.proc.poll() is None:
+    while job.alive():
         now = time.monotonic()
         if sent is None and due is None and fired(job, fault, ckpt_dir, startup_s):
             due = now + fault.delay_s
@@ -266,7 +293,7 @@ def faulted_run(job: Job, fault: Fault, ckpt_dir: Path, startup_s: float) -> dic
             break
         time.sleep(POLL_S if fault.trigger == "save" else 5 * POLL_S)
     status = job.proc.poll()
-    ended_s = round(time.monotonic() - sent, 1) if sent is not None and status is not None else None
+    ended_s = round(time.monotonic() - sent, 1) if sent is not None and not job.alive() else None
     job.end()
     text = job.text()
     stopped = STOPPING.search(text)
