@@ -8,6 +8,8 @@ KIND (the fault happens on rank RANK only):
   kill-in-save   SIGKILL itself while writing its DeepSpeed file of the checkpoint of step STEP
   enospc-in-save its DeepSpeed file of the checkpoint of step STEP fails with ENOSPC (a full disk)
   slow-save      each of its DeepSpeed files of the checkpoint of step STEP takes SLOW_SAVE_S longer (slow storage)
+  kill-before-latest  rank 0: SIGKILL itself as soon as its save of step STEP has renamed the staging folder to
+                 the tag, before it writes `latest` and removes tags past checkpoint.keep
   hang-in-save   its first DeepSpeed file of the checkpoint of step STEP is never written (a file system that
                  stopped answering: the process lives on and beats)
   hang-in-verify resuming from the checkpoint of step STEP, its share of the checksums never returns (a file system
@@ -117,6 +119,19 @@ def install(kind: str, rank: int, step: int) -> None:
             return real_save(obj, f, *args, **kwargs)
 
         torch.save = faulty_save
+        return
+
+    if kind == "kill-before-latest":
+        from txl_dist import checkpoint
+
+        real_move = checkpoint._move_into_place
+
+        def move_then_die(ckpt_dir, staging_dir, tag_dir):
+            real_move(ckpt_dir, staging_dir, tag_dir)
+            if tag_dir.name == f"step_{step:08d}":
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        checkpoint._move_into_place = move_then_die
         return
 
     if kind == "hang-in-verify":

@@ -115,6 +115,31 @@ def test_a_job_killed_in_its_final_test_leaves_no_checkpoint_that_skips_it(corpu
     _assert_same_weights(_weights(run_dir, STEPS), straight)
 
 
+def test_a_job_killed_before_its_last_save_wrote_latest_is_mended_by_the_restart_with_nothing_to_do(
+        corpus, tmp_path, straight):
+    # Found by bench/fault_sweep.py (seed 1003 case 17): the save of the last step renamed its folder, then its
+    # job ended; the restart had nothing to train, so no save mended `latest` (still naming the tag before, which
+    # DeepSpeed's zero_to_fp32.py in the folder would convert) or removed the tag past checkpoint.keep.
+    run_dir = tmp_path / "run"
+    config = _config(corpus, run_dir)  # a checkpoint every 2 steps, keep 3
+    procs = _start(config, f"kill-before-latest:0:{STEPS}")
+    assert procs[0].wait(120) == -signal.SIGKILL
+    assert procs[1].wait(TIMEOUT_S + 60) == 1
+    ckpt = run_dir / "checkpoints"
+    tags = [f"step_{s:08d}" for s in range(2, STEPS + 1, 2)]
+    assert inventory(ckpt).complete == tags and read_latest(ckpt) == tags[-2]
+    restart = _start(config)
+    assert _finish(restart) == [0, 0], restart[0].output[-3000:]
+    assert f"nothing to do: the checkpoint is at step {STEPS}" in restart[0].output
+    assert f"`latest` named {tags[-2]}; it names {tags[-1]} now" in restart[0].output
+    assert f"removed {tags[0]}: checkpoint.keep keeps the newest 3 tag(s)" in restart[0].output
+    assert read_latest(ckpt) == tags[-1] and inventory(ckpt).complete == tags[1:]
+    _assert_same_weights(_weights(run_dir, STEPS), straight)
+    # The next restart finds nothing to mend and says nothing of it.
+    again = _start(config)
+    assert _finish(again) == [0, 0] and "`latest` named" not in again[0].output and "removed" not in again[0].output
+
+
 @pytest.mark.parametrize("fault, rank", [("kill-in-save", 1), ("enospc-in-save", 1), ("enospc-in-save", 0)])
 def test_a_fault_in_the_middle_of_a_save_keeps_the_previous_checkpoint(corpus, tmp_path, straight, fault, rank):
     run_dir = tmp_path / "run"

@@ -366,6 +366,22 @@ def prune(ckpt_dir: str | os.PathLike, keep: int) -> list[str]:
     return removed
 
 
+def mend_interrupted_commit(ckpt_dir: str | os.PathLike, tag: str, keep: int) -> tuple[str | None, list[str]]:
+    """Finish what the save of `tag`, the newest complete tag, may not have done before its job ended: `latest`
+    naming it, and retention. A job killed between a save's rename of its folder and these two steps leaves
+    `latest` naming an older tag and one tag more than checkpoint.keep; the next save mends both, but a job that
+    resumes with nothing left to train makes none, and tools that read `latest` (DeepSpeed's zero_to_fp32.py in
+    the folder) would take the older tag. Rank 0 of a job that resumed from `tag` calls it. Returns (what `latest`
+    named before, where it was rewritten, else None; the tags retention removed)."""
+    ckpt_dir = Path(ckpt_dir)
+    rewritten = None
+    if (named := read_latest(ckpt_dir)) != tag:
+        atomic_write(ckpt_dir / LATEST, tag + "\n")
+        fsync_dir(ckpt_dir)
+        rewritten = named or "nothing"
+    return rewritten, prune(ckpt_dir, keep)
+
+
 _said_kept: set[Path] = set()
 """The tags prune has said it keeps for a reader (in this process), until it removes them: a long evaluation
 spans many saves, and the line at each of them said nothing new."""

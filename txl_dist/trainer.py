@@ -489,6 +489,29 @@ class Trainer:
         log.info("resumed from %s at step %d (%s)", tag_dir, self.step,
                  "same world size" if same_world else
                  f"elastic: {run_info['world_size']} -> {self.env.world_size} ranks")
+        if self.env.is_main:
+            self._mend_interrupted_commit(tag_dir)
+
+    def _mend_interrupted_commit(self, tag_dir: Path) -> None:
+        """Resumed from the newest tag of this run's own folder: `latest` and retention as its save left them
+        when its job ended in between (checkpoint.mend_interrupted_commit). A failure is only warned of, as a
+        save's retention is: the run does not need either."""
+        ckpt_dir = self.cfg.checkpoint_dir()
+        try:
+            if tag_dir.parent.resolve() != ckpt_dir.resolve() or \
+                    checkpoint.inventory(ckpt_dir).complete[-1:] != [tag_dir.name]:
+                return
+            named, removed = checkpoint.mend_interrupted_commit(ckpt_dir, tag_dir.name, self.cfg.checkpoint.keep)
+        except OSError as e:
+            log.warning("checkpoint folder %s: could not bring `latest` and retention up to date (%s)", ckpt_dir,
+                        one_line(e))
+            return
+        if named is not None:
+            log.warning("checkpoint folder %s: `latest` named %s; it names %s now, the tag this job resumed from "
+                        "(the job that saved it ended before writing `latest`)", ckpt_dir, named, tag_dir.name)
+        if removed:
+            log.warning("checkpoint folder %s: removed %s: checkpoint.keep keeps the newest %d tag(s)", ckpt_dir,
+                        ", ".join(removed), self.cfg.checkpoint.keep)
 
     def close(self, status: str = "FINISHED") -> None:
         """End the MLflow run with `status` (and the line saying how the job ended) and close what start-up
