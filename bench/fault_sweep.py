@@ -302,6 +302,17 @@ def faulted_run(job: Job, fault: Fault, ckpt_dir: Path, startup_s: float) -> dic
             "last_line": next((ln for ln in reversed(text.splitlines()) if "error:" in ln), "")[-300:]}
 
 
+def names_the_rank(text: str, rank: int) -> bool:
+    """Whether a job's output names `rank` as the one lost or hung: a peer's `error:` line, or torchrun's root
+    cause. A rank lost early in its start-up (before the product's rendezvous) leaves its peers waiting to join it
+    for the group's timeout; torchrun ends them sooner (its SIGTERM, which a start-up keeps for after the first
+    step, then SIGKILL 30 s later) and reports the rank that died first."""
+    if re.search(rf"error: .*\brank {rank}\b", text):
+        return True
+    cause = text.partition("Root Cause (first observed failure):")[2]
+    return re.search(rf"^\s*rank\s*: {rank} \(local_rank", cause, flags=re.MULTILINE) is not None
+
+
 def journal_values(path: Path) -> dict[tuple[int, str], list[float]]:
     """{(step, metric): every value the journal holds for it} for the metrics a resumed run must repeat."""
     values: dict[tuple[int, str], list[float]] = {}
@@ -412,10 +423,10 @@ def run_case(case: Case, faults: list[Fault], folder: Path, corpus: Path, port: 
             record["faults"].append(outcome)
             if outcome["landed"] and outcome["ended_after_s"] is None:
                 record["failed"].append(f"{fault.text()}: the job had not ended {END_WITHIN_S} s after it")
-            named = re.search(rf"error: .*\brank {fault.rank}\b", job.text())
-            if fault.kind in ("kill-rank", "stop-rank") and outcome["exit"] not in (0, None) and not named:
+            if fault.kind in ("kill-rank", "stop-rank") and outcome["exit"] not in (0, None) \
+                    and not names_the_rank(job.text(), fault.rank):
                 record["failed"].append(f"{fault.text()}: the job ended (exit status {outcome['exit']}) without "
-                                        f"an error line naming rank {fault.rank}")
+                                        f"a line naming rank {fault.rank}")
             if fault.kind in STOPS and (n := outcome["stopped_after_step"]) is not None \
                     and checkpoint.tag_for(n) not in checkpoint.inventory(ckpt_dir).complete:
                 record["failed"].append(f"{fault.text()}: stopped after step {n} without its checkpoint")

@@ -82,3 +82,12 @@ def test_one_rank_draws_neither_launcher_faults_nor_hangs_and_no_case_times_its_
     # A restart on 1 rank meets only the faults a job on 1 rank can have.
     later = [f for _, faults, elastic in draws if elastic for f in faults[1:]]
     assert later and all(f.kind not in fault_sweep.LAUNCHER_ONLY for f in later)
+
+
+def test_a_lost_rank_counts_as_named_by_a_peer_or_by_torchruns_root_cause():
+    peer = "07:07:20 error: rank 0 (host vm, pid 12608) stopped responding: no heartbeat for 30 s; stopping\n"
+    assert fault_sweep.names_the_rank(peer, 0) and not fault_sweep.names_the_rank(peer, 1)
+    torchrun = ("Failures:\n  time      : 2026-12-07_08:01:16\n  rank      : 1 (local_rank: 1)\n  exitcode  : -9\n"
+                "Root Cause (first observed failure):\n  time      : 2026-12-07_08:00:46\n"
+                "  rank      : 0 (local_rank: 0)\n  exitcode  : -9 (pid: 19067)  (SIGKILL)\n")
+    assert fault_sweep.names_the_rank(torchrun, 0) and not fault_sweep.names_the_rank(torchrun, 1)
