@@ -507,8 +507,8 @@ class Trainer:
                         one_line(e))
             return
         if named is not None:
-            log.warning("checkpoint folder %s: `latest` named %s; it names %s now, the tag this job resumed from "
-                        "(the job that saved it ended before writing `latest`)", ckpt_dir, named, tag_dir.name)
+            log.warning("checkpoint folder %s: `latest` named %s; it names %s now, the tag this job resumed from",
+                        ckpt_dir, named, tag_dir.name)
         if removed:
             log.warning("checkpoint folder %s: removed %s: checkpoint.keep keeps the newest %d tag(s)", ckpt_dir,
                         ", ".join(removed), self.cfg.checkpoint.keep)
