@@ -34,8 +34,9 @@ newest complete checkpoint on disk. Once the last restart has finished:
     python -m bench.fault_sweep [--cases 40] [--seed 0] [--minutes 45] [--corpus data/shakespeare] [--world 1|2]
         [--out DIR] [--keep]
 
-A case takes ~1-2 minutes on 2 cores. Exit status 0 when no case failed, 1 when one did (their folders kept
-under --out), 2 on bad arguments. docs/reliability.md, "Random faults", has what sweeps found.
+A case takes ~20-60 s on 2 cores (one with a hung rank ~2 minutes). Exit status 0 when no case failed, 1 when
+one did (their folders kept under --out), 2 on bad arguments. docs/reliability.md, "Random faults", has what
+sweeps found.
 """
 from __future__ import annotations
 
