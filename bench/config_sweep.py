@@ -163,15 +163,19 @@ def draw_engine(rng: random.Random, case: Case) -> dict[str, Any]:
     return engine
 
 
-def run(cmd: list[str], log: Path) -> int | str:
-    """Exit status of `cmd` (run in the repository, output into `log`), or "timeout". The repository comes first
-    on PYTHONPATH: a sweep tests the tree it runs from, even where `import txl_dist` would otherwise find an
-    editable install of another checkout (a sweep run from a clone once tested edits made meanwhile)."""
+def child_env() -> dict[str, str]:
+    """The environment of a sweep's commands. The repository comes first on PYTHONPATH: a sweep tests the tree it
+    runs from, even where `import txl_dist` would otherwise find an editable install of another checkout (a sweep
+    run from a clone once tested edits made meanwhile)."""
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1", PYTHONPATH=path)
+    return dict(os.environ, DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1", PYTHONPATH=path)
+
+
+def run(cmd: list[str], log: Path) -> int | str:
+    """Exit status of `cmd` (run in the repository with child_env(), output into `log`), or "timeout"."""
     with open(log, "w") as out:
         try:
-            return subprocess.run(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+            return subprocess.run(cmd, cwd=REPO, env=child_env(), stdout=out, stderr=subprocess.STDOUT,
                                   timeout=CASE_TIMEOUT_S).returncode
         except subprocess.TimeoutExpired:
             return "timeout"

@@ -52,7 +52,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from bench.config_sweep import (REPO, Case, draw, parse_training_sweep, refusal, sweep, train_command,
+from bench.config_sweep import (REPO, Case, child_env, draw, parse_training_sweep, refusal, sweep, train_command,
                                 training_sweep_parser)
 from bench.soak_report import read_jsonl
 
@@ -131,23 +131,15 @@ def sets(case: Case, run_dir: Path) -> list[str]:
                      f"train.collective_timeout_s={COLLECTIVE_TIMEOUT_S}")
 
 
-def child_env() -> dict[str, str]:
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    return dict(os.environ, DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1", PYTHONPATH=path)
-
-
-def rank_pids(launcher: int, world: int) -> dict[int, int]:
-    """{rank: pid} of the job's training processes (the launcher itself on 1 rank)."""
+def rank_pids(processes: list, world: int) -> dict[int, int]:
+    """{rank: pid} of the job's training processes among `processes` (Job.processes(): the launcher first, which
+    is the one training process on 1 rank)."""
     if world == 1:
-        return {0: launcher}
+        return {0: processes[0].pid} if processes else {}
     import psutil
 
     pids = {}
-    try:
-        children = psutil.Process(launcher).children(recursive=True)
-    except psutil.Error:
-        return {}
-    for child in children:
+    for child in processes[1:]:
         try:
             if "launch/train.py" in " ".join(child.cmdline()):
                 pids[int(child.environ()["RANK"])] = child.pid
@@ -262,8 +254,7 @@ def inject(job: Job, fault: Fault) -> str | None:
     """Send the fault's signal(s); None once sent, else why not (the ranks not started yet, the job over)."""
     if job.proc.poll() is not None:
         return "the job had ended"
-    job.processes()  # each process of the job known before any of them dies
-    pids = rank_pids(job.proc.pid, job.case.world)
+    pids = rank_pids(job.processes(), job.case.world)  # each process of the job known before any of them dies
     if fault.kind in ONE_RANK and fault.rank not in pids:
         return "ranks not started"
     try:
@@ -348,10 +339,12 @@ def check_folder(run_dir: Path) -> list[str]:
     return problems
 
 
-def check_metrics(straight: Path, faulty: Path, exact_through: int = STEPS) -> list[str]:
-    """The faulted run's journal against the straight run's -> problems. Steps after `exact_through` (the step an
-    elastic resume continued from: fewer ranks sum in another order) need only a finite loss."""
-    expected, got = (journal_values(run / "tracking" / "metrics.jsonl") for run in (straight, faulty))
+def check_metrics(expected: dict[tuple[int, str], list[float]], faulty: Path, exact_through: int = STEPS
+                  ) -> list[str]:
+    """The faulted run's journal against the straight run's values (journal_values) -> problems. Steps after
+    `exact_through` (the step an elastic resume continued from: fewer ranks sum in another order) need only a
+    finite loss."""
+    got = journal_values(faulty / "tracking" / "metrics.jsonl")
     problems = []
     loose = [s for s in range(exact_through + 1, STEPS + 1) if not all(
         math.isfinite(v) for v in got.get((s, "train/loss"), [math.nan]))]
@@ -370,9 +363,10 @@ def check_metrics(straight: Path, faulty: Path, exact_through: int = STEPS) -> l
     return problems
 
 
-def check_mlflow(run_dir: Path, run_id: str | None, straight: Path, exact_through: int = STEPS) -> list[str]:
-    """The MLflow run: the first job's, FINISHED, its train/loss history the straight run's values (up to
-    `exact_through`, as in check_metrics), a value at every step."""
+def check_mlflow(run_dir: Path, run_id: str | None, expected: dict[tuple[int, str], list[float]],
+                 exact_through: int = STEPS) -> list[str]:
+    """The MLflow run: the first job's, FINISHED, its train/loss history the straight run's values (`expected`,
+    up to `exact_through`, as in check_metrics), a value at every step."""
     from mlflow.tracking import MlflowClient
 
     if run_id is None:
@@ -380,7 +374,6 @@ def check_mlflow(run_dir: Path, run_id: str | None, straight: Path, exact_throug
     client = MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow.db'}")
     run = client.get_run(run_id)
     problems = [] if run.info.status == "FINISHED" else [f"MLflow run {run_id} is {run.info.status}"]
-    expected = journal_values(straight / "tracking" / "metrics.jsonl")
     history = client.get_metric_history(run_id, "train/loss")
     wrong = [(m.step, m.value) for m in history
              if m.step <= exact_through and m.value != expected.get((m.step, "train/loss"), [None])[0]]
@@ -395,6 +388,8 @@ def run_case(case: Case, faults: list[Fault], folder: Path, corpus: Path, port: 
              ) -> dict[str, Any]:
     """The straight run, the faulted jobs and the last restart (after the first fault on 1 rank where `elastic`),
     and the checks -> the case's record: "verdict" pass / refused / fail, "failed" what failed."""
+    from txl_dist import checkpoint
+
     record: dict[str, Any] = {"case": asdict(case), "elastic": elastic, "faults": [], "failed": []}
     straight, faulty = folder / "straight", folder / "faulty"
     job = Job(case, corpus, straight, folder / "straight.log", port)
@@ -408,8 +403,6 @@ def run_case(case: Case, faults: list[Fault], folder: Path, corpus: Path, port: 
     ckpt_dir = faulty / "checkpoints"
     run_id, exact_through = None, STEPS
     for i, fault in enumerate([*faults, None]):
-        from txl_dist import checkpoint
-
         newest = (checkpoint.inventory(ckpt_dir).complete or [None])[-1]
         job_case = replace(case, world=1) if elastic and i > 0 else case
         job = Job(job_case, corpus, faulty, folder / f"job{i}.log", port + 1 + i)
@@ -446,8 +439,9 @@ def run_case(case: Case, faults: list[Fault], folder: Path, corpus: Path, port: 
         if record["failed"]:
             return record | {"verdict": "fail"}
     record["exact_through"] = exact_through
-    record["failed"] += (check_folder(faulty) + check_metrics(straight, faulty, exact_through)
-                         + check_mlflow(faulty, run_id, straight, exact_through))
+    expected = journal_values(straight / "tracking" / "metrics.jsonl")
+    record["failed"] += (check_folder(faulty) + check_metrics(expected, faulty, exact_through)
+                         + check_mlflow(faulty, run_id, expected, exact_through))
     replay = subprocess.run([sys.executable, "-m", "txl_dist.tracking", "replay", str(faulty)], cwd=REPO,
                             env=child_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     if replay.returncode != 0:

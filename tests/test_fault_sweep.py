@@ -27,21 +27,25 @@ def _journal(run_dir: Path, rows: list[tuple[int, dict]]) -> None:
     path.write_text("".join(json.dumps({"step": s, "metrics": m}) + "\n" for s, m in rows))
 
 
+def _straight(tmp_path: Path) -> dict:
+    return fault_sweep.journal_values(tmp_path / "straight" / "tracking" / "metrics.jsonl")
+
+
 def test_the_metrics_check_flags_a_step_trained_again_unlike_the_first_time(tmp_path):
     straight = [(s, {"train/loss": 8.0 - s / 10, "train/tokens_per_s": 100.0 * s}) for s in (1, 2, 3)]
     _journal(tmp_path / "straight", straight + [(3, {"valid/loss": 7.5})])
     # A crash after step 3, resumed from step 2: step 3 logged twice; timings differ, which is allowed.
     again = [(3, {"train/loss": 8.0 - 3 / 10, "train/tokens_per_s": 1.0})]
     _journal(tmp_path / "faulty", straight + again + [(3, {"valid/loss": 7.5})])
-    assert fault_sweep.check_metrics(tmp_path / "straight", tmp_path / "faulty") == []
+    assert fault_sweep.check_metrics(_straight(tmp_path), tmp_path / "faulty") == []
 
     off = [(3, {"train/loss": 8.0 - 3 / 10 + 1e-15})]
     _journal(tmp_path / "faulty", straight + off + [(3, {"valid/loss": 7.5})])
-    (problem,) = fault_sweep.check_metrics(tmp_path / "straight", tmp_path / "faulty")
+    (problem,) = fault_sweep.check_metrics(_straight(tmp_path), tmp_path / "faulty")
     assert "1 journal value(s) differ" in problem and "train/loss at step 3" in problem
 
     _journal(tmp_path / "faulty", straight)  # the validation of step 3 never logged
-    (problem,) = fault_sweep.check_metrics(tmp_path / "straight", tmp_path / "faulty")
+    (problem,) = fault_sweep.check_metrics(_straight(tmp_path), tmp_path / "faulty")
     assert "missing from the journal, first (3, 'valid/loss')" in problem
 
 
@@ -52,12 +56,12 @@ def test_after_an_elastic_resume_only_the_steps_before_it_must_repeat_exactly(tm
     two_ranks = [(s, {"train/loss": 8.0 - s / 10}) for s in (1, 2, 3)]
     one_rank = [(s, {"train/loss": 8.0 - s / 10 + 1e-5}) for s in steps if s > 2]
     _journal(tmp_path / "faulty", two_ranks + one_rank)
-    assert fault_sweep.check_metrics(tmp_path / "straight", tmp_path / "faulty", exact_through=2) == []
-    (problem,) = fault_sweep.check_metrics(tmp_path / "straight", tmp_path / "faulty", exact_through=3)
+    assert fault_sweep.check_metrics(_straight(tmp_path), tmp_path / "faulty", exact_through=2) == []
+    (problem,) = fault_sweep.check_metrics(_straight(tmp_path), tmp_path / "faulty", exact_through=3)
     assert "differ from the straight run's, first train/loss at step 3" in problem
     one_rank[1] = (4, {"train/loss": float("nan")})
     _journal(tmp_path / "faulty", two_ranks + one_rank)
-    (problem,) = fault_sweep.check_metrics(tmp_path / "straight", tmp_path / "faulty", exact_through=2)
+    (problem,) = fault_sweep.check_metrics(_straight(tmp_path), tmp_path / "faulty", exact_through=2)
     assert "no finite loss at steps [4]" in problem
 
 

@@ -376,10 +376,15 @@ def mend_interrupted_commit(ckpt_dir: str | os.PathLike, tag: str, keep: int) ->
     ckpt_dir = Path(ckpt_dir)
     rewritten = None
     if (named := read_latest(ckpt_dir)) != tag:
-        atomic_write(ckpt_dir / LATEST, tag + "\n")
-        fsync_dir(ckpt_dir)
+        write_latest(ckpt_dir, tag)
         rewritten = named or "nothing"
     return rewritten, prune(ckpt_dir, keep)
+
+
+def write_latest(ckpt_dir: Path, tag: str) -> None:
+    """`latest` names `tag`, atomically and durably."""
+    atomic_write(ckpt_dir / LATEST, tag + "\n")
+    fsync_dir(ckpt_dir)
 
 
 _said_kept: set[Path] = set()
@@ -601,8 +606,7 @@ def _save_into(engine, ckpt_dir: Path, tag: str, staging: Path, *, rank: int, wo
         for d in (staging / STATE_DIR, staging):
             fsync_dir(d)
         _move_into_place(ckpt_dir, staging, ckpt_dir / tag)
-        atomic_write(ckpt_dir / LATEST, tag + "\n")
-        fsync_dir(ckpt_dir)
+        write_latest(ckpt_dir, tag)
 
     _agree(commit, f"checkpoint {tag} could not be committed", lambda: phase("committed"))
 
