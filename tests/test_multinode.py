@@ -55,10 +55,15 @@ def test_torchrun_restarts_the_workers_of_two_nodes_after_a_lost_rank(corpus, tm
               f"else exec {python} launch/train.py {args}; fi")
     agents = _agents(worker, free_port(), ["--max-restarts", "1"])
     codes = [agent.wait(timeout=240) for agent in agents]
-    output = "".join(agent.output[-4000:] for agent in agents)
-    assert codes == [0, 0], output
-    assert "was lost" in output  # the first attempt: rank 0 named the killed rank
-    assert "resumed from" in output and "step_00000004" in output, output
+    node0, node1 = (agent.output for agent in agents)
+    assert codes == [0, 0], node0[-4000:] + node1[-4000:]
+    # Node 0's first attempt ends by whichever acts first: rank 0 names the killed rank and fails (its agent restarts
+    # it, counting a restart), or node 0's agent sees node 1's agent waiting in the next round and restarts rank 0
+    # before it noticed (a membership change, not counted: rank 0 starts again with restart count 0).
+    named = "was lost" in node0
+    restarted_for_the_other_node = node0.count("rank 0: restart count 0") == 2
+    assert named or restarted_for_the_other_node, node0
+    assert "resumed from" in node0 and "step_00000004" in node0, node0
     assert read_latest(run / "checkpoints") == "step_00000010"
 
 
