@@ -826,6 +826,9 @@ def test_an_evaluation_whose_launcher_is_gone_stops_with_one_line_and_leaves_no_
 EVAL_SIGNALLED_EARLY = """
 import os, signal, sys
 sys.path.insert(0, os.getcwd())
+# Ctrl-C as in a terminal, also where pytest runs as a shell's background job (`pytest &`), which starts with SIGINT
+# ignored: the evaluation keeps that, as a script's `eval ... &` asks, and would finish as if never interrupted.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from txl_dist.stop_request import catch_sigterm_early
 catch_sigterm_early()  # as launch/eval.py starts
 os.kill(os.getpid(), getattr(signal, sys.argv.pop(1)))  # during the slow imports that follow
