@@ -1,10 +1,13 @@
-"""bench/fault_sweep.py: one real case (a crash mid-run, the restart continuing it), and its checks, which must
-flag what the product promises not to do after a fault (a resumed step that differs, a leftover of a save)."""
+"""bench/fault_sweep.py: real cases (a crash mid-run, a full disk; the restart continuing each), and its checks,
+which must flag what the product promises not to do after a fault (a resumed step that differs, a leftover of a
+save)."""
 from __future__ import annotations
 
 import json
 import random
 from pathlib import Path
+
+import pytest
 
 from test_bench_scripts import one_sweep_case
 
@@ -95,3 +98,58 @@ def test_a_lost_rank_counts_as_named_by_a_peer_or_by_torchruns_root_cause():
                 "Root Cause (first observed failure):\n  time      : 2026-12-07_08:00:46\n"
                 "  rank      : 0 (local_rank: 0)\n  exitcode  : -9 (pid: 19067)  (SIGKILL)\n")
     assert fault_sweep.names_the_rank(torchrun, 0) and not fault_sweep.names_the_rank(torchrun, 1)
+
+
+def test_a_disk_filled_after_step_1_ends_the_job_in_one_line_and_the_restart_ends_as_the_straight_run(tmp_path):
+    """Seed 9 turns its one fault into a full disk: the faulted run's folder on a tmpfs of its own, filled to the
+    last byte right after step 1's progress line, freed only once the job has ended. The save of step 2 cannot
+    be written: the job must end saying so in an `error:` line, and the restart (space freed) must give every
+    metric of the straight run."""
+    if why := fault_sweep.tmpfs_unavailable():
+        pytest.skip(f"cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN): {why}")
+    record = one_sweep_case("fault_sweep", 9, tmp_path)
+    (fault,) = record["faults"]
+    assert fault["fault"].startswith("fill-disk to 0 bytes free, freed at the end, after step 1"), fault
+    assert fault["landed"] and fault["exit"] == 1 and fault["full_after_step"] == 1, fault
+    assert "step_00000002 could not be saved: rank 0: [Errno 28] No space left on device" in fault["last_line"]
+    assert record["failed"] == [] and record["may_miss"] == []  # the restart trained every step again
+
+
+def test_a_disk_draw_of_its_own_leaves_every_other_case_as_drawn_without_it():
+    """Full-disk faults come from a stream of their own: a machine that cannot mount a tmpfs (or --disk-share 0) runs
+    the same cases with their other faults, and the disk takes the first fault's moment."""
+    turned = 0
+    for seed in range(80):
+        plain = fault_sweep.draw_case(random.Random(seed), 1000, None)
+        case, faults, elastic = fault_sweep.draw_case(random.Random(seed), 1000, None, random.Random(f"disk {seed}"))
+        assert (case, faults[1:], elastic) == (plain[0], plain[1][1:], plain[2])
+        if faults[0].kind == "fill-disk":
+            turned += 1
+            before = plain[1][0]
+            assert (faults[0].trigger, faults[0].at, faults[0].delay_s) == (before.trigger, before.at, before.delay_s)
+            assert (faults[0].leave_bytes > 0) + (faults[0].leave_of_tag > 0) <= 1
+        else:
+            assert faults[0] == plain[1][0]
+    assert 8 <= turned <= 32  # DISK_SHARE of 80
+
+
+def test_steps_a_full_disk_kept_from_the_journal_may_be_missing_and_no_other(tmp_path):
+    steps = range(1, fault_sweep.STEPS + 1)
+    _journal(tmp_path / "straight", [(s, {"train/loss": 8.0 - s / 10}) for s in steps] + [(4, {"valid/loss": 7.0})])
+    # Full after step 3, the job ended (its save of step 4 failed), and the restart resumed from step 2: steps 3..
+    # logged again. Had it finished on the full disk instead, steps 4-10 stay missing and may.
+    _journal(tmp_path / "faulty", [(s, {"train/loss": 8.0 - s / 10}) for s in (1, 2, 3)])
+    missing = fault_sweep.check_metrics(_straight(tmp_path), tmp_path / "faulty", may_miss=frozenset(range(4, 11)))
+    assert missing == []
+    (problem,) = fault_sweep.check_metrics(_straight(tmp_path), tmp_path / "faulty", may_miss=frozenset(range(5, 11)))
+    assert "missing from the journal, first (4, 'train/loss')" in problem
+
+
+def test_a_full_disk_counts_as_said_only_by_an_error_line_naming_it():
+    said = ("10:25:23 error: checkpoint step_00000002 could not be saved: rank 0: [Errno 28] No space left on device: "
+            "0 bytes free on the file system of /r/checkpoints, a checkpoint needs about 946.5 KiB; free space or "
+            "lower checkpoint.keep")
+    assert fault_sweep.FULL_DISK.search(said)
+    assert not fault_sweep.FULL_DISK.search("10:25:23 error: a collective failed: a rank was lost or stopped")
+    warning = "warning: the run's log file R/logs/train.log cannot be written ([Errno 28] No space left on device)"
+    assert not fault_sweep.FULL_DISK.search(warning)
