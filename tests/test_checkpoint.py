@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -731,6 +732,45 @@ def test_a_save_onto_a_really_full_file_system_says_no_space_left(small_file_sys
     with pytest.raises(OSError, match=r"rank-00000.pt: \[Errno 28\] No space left on device \("):
         checkpoint.write_rank_state(state, {"mems": torch.zeros(1 << 17)})
     assert list(small_file_system.iterdir()) == []
+
+
+def _staged(ckpt: Path, tag: str) -> Path:
+    staging = ckpt / (checkpoint.STAGING_PREFIX + tag)
+    (staging / checkpoint.STATE_DIR).mkdir(parents=True)
+    (staging / "mp_rank_00_model_states.pt").write_bytes(b"w" * 100)
+    return staging
+
+
+def test_a_commit_on_a_full_disk_names_the_file_it_could_not_write(small_file_system, tmp_path, monkeypatch):
+    """Found by the fault sweep's full disk (seed 1006 case 7): the save of step 10 failed in its commit with
+    `could not be committed: rank 0: [Errno 28] No space left on device`, naming no file: a write's ENOSPC
+    carries none. run.json on a really full tmpfs, and `latest` after the tag went into place."""
+    ckpt = small_file_system / "checkpoints"
+    staging = _staged(ckpt, "step_00000010")
+    with open(small_file_system / "filler", "wb", buffering=0) as f:  # every byte left
+        with pytest.raises(OSError):
+            while True:
+                f.write(b"f" * 4096)
+    run_file = staging / checkpoint.STATE_DIR / checkpoint.RUN_FILE
+    big = {"files": {f"f{i}": "0" * 64 for i in range(200)}}  # more than a page's slack
+    with pytest.raises(OSError, match="^" + re.escape(f"{run_file}: [Errno 28] No space left on device")):
+        checkpoint._commit(ckpt, staging, "step_00000010", big)
+    assert not (ckpt / "step_00000010").exists() and not (ckpt / checkpoint.LATEST).exists()
+
+    ckpt = tmp_path / "checkpoints"
+    staging = _staged(ckpt, "step_00000010")
+    written = checkpoint.atomic_write
+
+    def latest_on_a_full_disk(path, data):
+        if Path(path).name == checkpoint.LATEST:
+            raise OSError(28, "No space left on device")  # as write() raises it: no file named
+        return written(path, data)
+
+    monkeypatch.setattr(checkpoint, "atomic_write", latest_on_a_full_disk)
+    with pytest.raises(OSError) as failed:
+        checkpoint._commit(ckpt, staging, "step_00000010", {"files": {}})
+    assert str(failed.value) == f"{ckpt / checkpoint.LATEST}: [Errno 28] No space left on device"
+    assert (ckpt / "step_00000010").is_dir()  # complete: the next start resumes from it and writes `latest`
 
 
 def test_deepspeeds_tensor_parallel_warning_on_an_elastic_load_is_not_shown(tmp_path):

@@ -600,15 +600,34 @@ def _save_into(engine, ckpt_dir: Path, tag: str, staging: Path, *, rank: int, wo
         manifest = {}
         for part in digests:
             manifest.update(part)
-        info = dict(run_info, version=RUN_INFO_VERSION, tag=tag, step=step,
-                    files={name: manifest[name] for name in sorted(manifest)})
-        atomic_write(staging / STATE_DIR / RUN_FILE, json.dumps(info, indent=2, sort_keys=True) + "\n")
-        for d in (staging / STATE_DIR, staging):
-            fsync_dir(d)
-        _move_into_place(ckpt_dir, staging, ckpt_dir / tag)
-        write_latest(ckpt_dir, tag)
+        _commit(ckpt_dir, staging, tag, dict(run_info, version=RUN_INFO_VERSION, tag=tag, step=step,
+                                              files={name: manifest[name] for name in sorted(manifest)}))
 
     _agree(commit, f"checkpoint {tag} could not be committed", lambda: phase("committed"))
+
+
+def _commit(ckpt_dir: Path, staging: Path, tag: str, info: dict[str, Any]) -> None:
+    """Rank 0's end of a save: run.json, the rename into place, then `latest`."""
+    run_file = staging / STATE_DIR / RUN_FILE
+    with _naming(run_file):
+        atomic_write(run_file, json.dumps(info, indent=2, sort_keys=True) + "\n")
+    for d in (staging / STATE_DIR, staging):
+        fsync_dir(d)
+    _move_into_place(ckpt_dir, staging, ckpt_dir / tag)
+    with _naming(ckpt_dir / LATEST):
+        write_latest(ckpt_dir, tag)
+
+
+@contextmanager
+def _naming(path: Path) -> Iterator[None]:
+    """An OSError that names no file (a write's ENOSPC on a full disk) names `path`, as the save's other errors
+    do (`<file>: [Errno 28] No space left on device`)."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is not None:
+            raise
+        raise OSError(f"{path}: {one_line(e)}") from None
 
 
 def write_rank_state(path: Path, rank_state: dict[str, Any]) -> None:
