@@ -7,6 +7,8 @@
 KIND (the fault happens on rank RANK only):
   kill-in-save   SIGKILL itself while writing its DeepSpeed file of the checkpoint of step STEP
   enospc-in-save its DeepSpeed file of the checkpoint of step STEP fails with ENOSPC (a full disk)
+  enospc-in-script-copy  rank 0 (ZeRO 1-3): DeepSpeed's copy of zero_to_fp32.py into the checkpoint folder, in the
+                 save of step STEP, fails with ENOSPC after writing part of the file
   slow-save      each of its DeepSpeed files of the checkpoint of step STEP takes SLOW_SAVE_S longer (slow storage)
   kill-before-latest  rank 0: SIGKILL itself as soon as its save of step STEP has renamed the staging folder to
                  the tag, before it writes `latest` and removes tags past checkpoint.keep
@@ -119,6 +121,23 @@ def install(kind: str, rank: int, step: int) -> None:
             return real_save(obj, f, *args, **kwargs)
 
         torch.save = faulty_save
+        return
+
+    if kind == "enospc-in-script-copy":
+        from txl_dist.deepspeed_import import deepspeed  # noqa: F401  (first: as the product imports it)
+        from deepspeed.runtime import engine as ds_engine
+
+        real_copy = ds_engine.copyfile
+
+        def copy_onto_a_full_disk(src, dst, *args, **kwargs):
+            if (Path(dst).parent / staging).is_dir():
+                Path(dst).write_bytes(Path(src).read_bytes()[:4096])  # what the disk took
+                full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                full.filename, full.filename2 = src, dst  # as shutil's copy raises it
+                raise full
+            return real_copy(src, dst, *args, **kwargs)
+
+        ds_engine.copyfile = copy_onto_a_full_disk
         return
 
     if kind == "kill-before-latest":

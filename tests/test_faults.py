@@ -140,8 +140,11 @@ def test_a_job_killed_before_its_last_save_wrote_latest_is_mended_by_the_restart
     assert _finish(again) == [0, 0] and "`latest` named" not in again[0].output and "removed" not in again[0].output
 
 
-@pytest.mark.parametrize("fault, rank", [("kill-in-save", 1), ("enospc-in-save", 1), ("enospc-in-save", 0)])
+@pytest.mark.parametrize("fault, rank", [("kill-in-save", 1), ("enospc-in-save", 1), ("enospc-in-save", 0),
+                                         ("enospc-in-script-copy", 0)])
 def test_a_fault_in_the_middle_of_a_save_keeps_the_previous_checkpoint(corpus, tmp_path, straight, fault, rank):
+    """enospc-in-script-copy: before, rank 0's failed copy of DeepSpeed's zero_to_fp32.py raised out of DeepSpeed's
+    save while rank 1 waited in its last barrier, and the job hung for checkpoint.timeout_s (an hour)."""
     run_dir = tmp_path / "run"
     ckpt = run_dir / "checkpoints"
     config = _config(corpus, run_dir)
@@ -152,12 +155,15 @@ def test_a_fault_in_the_middle_of_a_save_keeps_the_previous_checkpoint(corpus, t
     for survivor in survivors:  # one line each, no C++ trace of the backend or the store
         assert "TCPStore.cpp" not in survivor.output and "frame #" not in survivor.output, survivor.output[-3000:]
     (line,) = _errors(procs[0])
-    if fault == "enospc-in-save":
+    if fault.startswith("enospc"):
         # The ranks agree on the failure; rank 0 says it for the job, once (rank 1 prints nothing).
         assert f"checkpoint step_00000004 could not be saved: rank {rank}" in line and "No space left" in line
         assert _errors(procs[1]) == []
     else:
         assert "rank 1" in line and "lost" in line, line
+    if fault == "enospc-in-script-copy":
+        assert f"{ckpt / 'zero_to_fp32.py'}: [Errno 28] No space left on device (DeepSpeed's recovery script)" in line
+        assert not (ckpt / "zero_to_fp32.py").exists()  # not a script cut short
     assert read_latest(ckpt) == "step_00000002"
     assert inventory(ckpt).complete == ["step_00000002"]
     # ENOSPC: rank 0 gave the space back at once; a crash leaves the partial tag to the next start.

@@ -735,20 +735,50 @@ class _WriteRecorder:
             self.error = self.error or f"{path}: {one_line(e)}"
             return None
 
+    def recorded_copy(self, copy_scripts: Callable[[str], None]) -> Callable[[str], None]:
+        """DeepSpeed's copy of its recovery scripts (RECOVERY_SCRIPTS) into the checkpoint folder, which rank 0
+        makes in each ZeRO 1-3 save, recorded as a write is. Raised, it left rank 0 out of DeepSpeed's last
+        barrier, where the others waited for it, and the job hung for checkpoint.timeout_s (a full disk, fault
+        sweep seed 1006 case 55). A script copied in part is removed: a later save copies it again."""
+
+        def copy(save_path: str) -> None:
+            if self.error is not None:
+                return
+            try:
+                copy_scripts(save_path)
+            except OSError as e:
+                for script in RECOVERY_SCRIPTS:
+                    Path(save_path, script).unlink(missing_ok=True)
+                if e.filename2 is not None:  # shutil's copy names both files
+                    self.error = f"{e.filename2}: [Errno {e.errno}] {e.strerror} (DeepSpeed's recovery script)"
+                else:
+                    self.error = f"DeepSpeed's recovery scripts in {save_path}: {one_line(e)}"
+
+        return copy
+
     def __getattr__(self, name):
         return getattr(self._inner, name)
+
+
+RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
+"""What DeepSpeed copies into the checkpoint folder at each ZeRO 1-3 save (rank 0)."""
 
 
 @contextmanager
 def _recorded_writes(engine) -> Iterator[_WriteRecorder]:
     recorder = _WriteRecorder(engine.checkpoint_engine)
     engine.checkpoint_engine = recorder
+    copy_scripts = getattr(engine, "_copy_recovery_script", None)
+    if copy_scripts is not None:
+        engine._copy_recovery_script = recorder.recorded_copy(copy_scripts)
     try:
         yield recorder
-    except (OSError, RuntimeError) as e:  # outside the checkpoint engine (DeepSpeed's script copy, ...)
+    except (OSError, RuntimeError) as e:  # elsewhere in DeepSpeed's save: this rank misses its barriers left
         recorder.error = recorder.error or one_line(e)
     finally:
         engine.checkpoint_engine = recorder._inner
+        if copy_scripts is not None:
+            del engine._copy_recovery_script  # the class's method again
 
 
 @contextmanager
