@@ -140,3 +140,25 @@ def test_a_record_that_cannot_be_formatted_is_shown_and_the_log_file_goes_on(tmp
         detach_log_file(log)
     assert "--- Logging error ---" in capfd.readouterr().err
     assert (tmp_path / "train.log").read_text().endswith("step 2\n")
+
+
+def test_a_local_store_on_a_full_disk_is_refused_as_a_full_disk_and_leaves_no_empty_database(small_file_system,
+                                                                                             tmp_path):
+    """Found by the fault sweep (seed 1007 case 33: the disk full as a 1-rank job started): SQLite's "database or
+    disk is full" was refused as a wrong URI (`MLflow cannot use it ...; use http(s)://host:port ...`), and the
+    store file it had begun stayed behind."""
+    from txl_dist.tracking.errors import TrackingError
+    from txl_dist.write_faults import mount_point
+
+    with open(small_file_system / "filler", "wb", buffering=0) as f:  # every byte left
+        with pytest.raises(OSError):
+            while True:
+                f.write(b"f" * 4096)
+    database = small_file_system / "mlflow.db"
+    with pytest.raises(TrackingError) as refused:
+        create_tracker(cfg_for(f"sqlite:///{database}", "full"), 0, tmp_path / "run")
+    line = str(refused.value)
+    assert line.startswith(f"tracking.uri sqlite:///{database}: its file system is full (") and "disk is full" in line
+    assert line.endswith(f"; free space on {mount_point(database)}, or put the store elsewhere (tracking.uri "
+                         "sqlite:///path/to/mlflow.db or http(s)://host:port)")
+    assert not database.exists()

@@ -54,6 +54,7 @@ from urllib.parse import urlsplit
 
 from txl_dist.config import TrackingConfig
 from txl_dist.output_paths import OutputError, check_output_folder
+from txl_dist.write_faults import mount_point
 
 from .continuation import STAGING_DIR, Opening, ResumePoint, finish_switch, plan_opening, stage_switch
 from .errors import TrackingError
@@ -204,9 +205,9 @@ class MlflowTracker(Tracker):
         try:
             self._client = MlflowClient(tracking_uri=self.uri)
         except Exception as e:  # noqa: BLE001 - MLflow's store registry raises several kinds for a URI it cannot use
-            raise TrackingError(f"tracking.uri {self.shown_uri}: MLflow cannot use it ({_one_line(e)}); use "
-                                "http(s)://host:port (a server), sqlite:///path/to/mlflow.db, or leave it out "
-                                "(sqlite in run.dir)") from None
+            if new_store is not None:
+                new_store.unlink(missing_ok=True)
+            raise TrackingError(_unusable_store(self.shown_uri, self.uri, e)) from None
         if holds_secret:
             _scrub_library_logs()
         if new_store is None:
@@ -773,6 +774,19 @@ class MlflowTracker(Tracker):
                 "stays in the journal")
         logger.warning("tracking: %s; %s (`python -m txl_dist.tracking replay %s` sends it)", message, then,
                        self.run_dir)
+
+
+def _unusable_store(shown: str, uri: str, error: BaseException) -> str:
+    """The refusal of a tracking.uri MLflow could not open; a local store on a full disk says so (SQLite's
+    "database or disk is full"), not that the URI is wrong."""
+    detail = _one_line(error)
+    if uri.startswith("sqlite:///") and ("disk is full" in detail or "No space left on device" in detail):
+        database = Path(uri[len("sqlite:///"):])
+        return (f"tracking.uri {shown}: its file system is full ({detail}); free space on "
+                f"{mount_point(database)}, or put the store elsewhere (tracking.uri sqlite:///path/to/mlflow.db "
+                "or http(s)://host:port)")
+    return (f"tracking.uri {shown}: MLflow cannot use it ({detail}); use http(s)://host:port (a server), "
+            "sqlite:///path/to/mlflow.db, or leave it out (sqlite in run.dir)")
 
 
 def _check_folder_usable(path: Path) -> None:
