@@ -403,7 +403,7 @@ def faulted_run(job: Job, fault: Fault, ckpt_dir: Path, startup_s: float, disk: 
         if sent is None and due is None and fired(job, fault, ckpt_dir, startup_s):
             due = now + fault.delay_s
         if sent is None and due is not None and now >= due:
-            logged = last_step(job.text())
+            logged = last_step(job.text()) if fault.kind == "fill-disk" else None
             if inject(job, fault, disk, tag_bytes) is None:
                 sent, full_after = now, logged
         if sent is not None and disk is not None and fault.freed_after_s is not None \

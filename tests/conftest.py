@@ -52,12 +52,11 @@ def stop_signals_put_back():
 @pytest.fixture
 def small_file_system(tmp_path):
     """A 256 KiB tmpfs (a real file system that fills up), or a skip where this process may not mount one."""
+    from bench.fault_sweep import mount_tmpfs
+
     mount_point = tmp_path / "small"
-    mount_point.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount_point)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN): {mounted.stderr.strip()}")
+    if why := mount_tmpfs(mount_point, 256 << 10):
+        pytest.skip(f"cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN): {why}")
     try:
         yield mount_point
     finally:

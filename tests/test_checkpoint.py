@@ -901,11 +901,10 @@ def real_zero1_tag(tmp_path_factory):
 
 
 def _tmpfs(where: Path, size_bytes: int) -> Path:
-    where.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(where)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN): {mounted.stderr.strip()}")
+    from bench.fault_sweep import mount_tmpfs
+
+    if why := mount_tmpfs(where, size_bytes):
+        pytest.skip(f"cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN): {why}")
     return where
 
 

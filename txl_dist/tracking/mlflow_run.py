@@ -780,8 +780,8 @@ def _unusable_store(shown: str, uri: str, error: BaseException) -> str:
     """The refusal of a tracking.uri MLflow could not open; a local store on a full disk says so (SQLite's
     "database or disk is full"), not that the URI is wrong."""
     detail = _one_line(error)
-    if uri.startswith("sqlite:///") and ("disk is full" in detail or "No space left on device" in detail):
-        database = Path(uri[len("sqlite:///"):])
+    database = sqlite_database(uri)
+    if database is not None and ("disk is full" in detail or "No space left on device" in detail):
         return (f"tracking.uri {shown}: its file system is full ({detail}); free space on "
                 f"{mount_point(database)}, or put the store elsewhere (tracking.uri sqlite:///path/to/mlflow.db "
                 "or http(s)://host:port)")
