@@ -9,6 +9,9 @@ KIND (the fault happens on rank RANK only):
   enospc-in-save its DeepSpeed file of the checkpoint of step STEP fails with ENOSPC (a full disk)
   enospc-in-script-copy  rank 0 (ZeRO 1-3): DeepSpeed's copy of zero_to_fp32.py into the checkpoint folder, in the
                  save of step STEP, fails with ENOSPC after writing part of the file
+  fail-in-save   DeepSpeed's save of step STEP raises a RuntimeError on it between its two barriers, not in a write
+                 (out of memory gathering its state): the other ranks go on to DeepSpeed's last barrier; prints
+                 `fail-in-save at <time.time()>`
   slow-save      each of its DeepSpeed files of the checkpoint of step STEP takes SLOW_SAVE_S longer (slow storage)
   kill-before-latest  rank 0: SIGKILL itself as soon as its save of step STEP has renamed the staging folder to
                  the tag, before it writes `latest` and removes tags past checkpoint.keep
@@ -121,6 +124,21 @@ def install(kind: str, rank: int, step: int) -> None:
             return real_save(obj, f, *args, **kwargs)
 
         torch.save = faulty_save
+        return
+
+    if kind == "fail-in-save":
+        from txl_dist.deepspeed_import import deepspeed  # noqa: F401  (first: as the product imports it)
+        from deepspeed.runtime.engine import DeepSpeedEngine
+
+        real_save_checkpoint = DeepSpeedEngine._save_checkpoint
+
+        def failing_save_checkpoint(self, save_dir, tag, *args, **kwargs):
+            if tag == staging:
+                print(f"fail-in-save at {time.time()}", flush=True)
+                raise RuntimeError("fail-in-save: out of memory gathering this rank's state")
+            return real_save_checkpoint(self, save_dir, tag, *args, **kwargs)
+
+        DeepSpeedEngine._save_checkpoint = failing_save_checkpoint
         return
 
     if kind == "enospc-in-script-copy":

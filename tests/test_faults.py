@@ -177,6 +177,32 @@ def test_a_fault_in_the_middle_of_a_save_keeps_the_previous_checkpoint(corpus, t
     _assert_same_weights(_weights(run_dir, STEPS), straight)
 
 
+@pytest.mark.parametrize("rank", [1, 0])
+def test_a_save_that_fails_on_one_rank_outside_its_writes_ends_the_job_at_once(corpus, tmp_path, straight, rank):
+    """An error inside DeepSpeed's save that is not a write (out of memory gathering the state): the rank leaves
+    DeepSpeed's save between its barriers. Before, it went on to agree on the failure, its collective met the
+    others' barrier, and every rank waited for checkpoint.timeout_s, then ended with a traceback."""
+    run_dir = tmp_path / "run"
+    ckpt = run_dir / "checkpoints"
+    config = _config(corpus, run_dir, checkpoint={"timeout_s": 120})
+    procs = _start(config, f"fail-in-save:{rank}:4")
+    assert _finish(procs, timeout=300) == [1, 1], procs[0].output[-3000:]
+    failed_at = float(next(line for line in procs[rank].lines if line.startswith("fail-in-save at ")).split()[-1])
+    assert time.time() - failed_at < TIMEOUT_S / 2
+    for p in procs:
+        (line,) = _errors(p)
+        assert (f"checkpoint step_00000004 could not be saved: DeepSpeed's save failed on rank {rank} (RuntimeError: "
+                "fail-in-save: out of memory gathering this rank's state); the checkpoint before it is kept") in line
+        assert "Traceback" not in p.output and "frame #" not in p.output, p.output[-3000:]
+    if rank == 1:
+        assert "rank 1 (host" in _errors(procs[0])[0]
+    assert read_latest(ckpt) == "step_00000002" and inventory(ckpt).complete == ["step_00000002"]
+    restart = _start(config)
+    assert _finish(restart) == [0, 0], restart[0].output[-3000:]
+    assert not list(ckpt.glob(".saving-*"))
+    _assert_same_weights(_weights(run_dir, STEPS), straight)
+
+
 def test_a_save_slower_than_the_collective_timeout_completes(corpus, tmp_path):
     """Rank 0 writes its 2 DeepSpeed files (ZeRO 1) for longer than train.collective_timeout_s: the other rank waits
     for it within checkpoint.timeout_s (every wait of a save, DeepSpeed's barrier inside it included, is on the

@@ -57,7 +57,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -578,8 +578,16 @@ def _save_into(engine, ckpt_dir: Path, tag: str, staging: Path, *, rank: int, wo
     step = step_of(tag)
     _agree(lambda: _prepare_staging(ckpt_dir, staging, min_free_bytes) if rank == 0 else None,
            f"checkpoint {tag} could not be saved", lambda: phase("staging folder made"))
-    with _recorded_writes(engine) as recorder, _deepspeed_barriers_on_control_group(phase):
-        engine.save_checkpoint(str(ckpt_dir), tag=staging.name, save_latest=False)
+    try:
+        with _recorded_writes(engine) as recorder, _deepspeed_barriers_on_control_group(phase):
+            engine.save_checkpoint(str(ckpt_dir), tag=staging.name, save_latest=False)
+    except (OSError, RuntimeError) as e:  # not in a write (recorded): out of memory gathering the state, a bug
+        if watchdog.is_collective_failure(e):
+            raise  # a peer failed or was lost: the entry point names it
+        # This rank has left DeepSpeed's save between its barriers; agreeing would pair this rank's next collective
+        # with another's barrier, and every rank would wait for checkpoint.timeout_s (fault_job's fail-in-save).
+        _fail_alone(SaveFailed(f"checkpoint {tag} could not be saved: DeepSpeed's save failed on rank {rank} "
+                               f"({type(e).__name__}: {one_line(e)}); the checkpoint before it is kept"))
     own_error = recorder.error
 
     def write_own_state() -> None:
@@ -773,8 +781,6 @@ def _recorded_writes(engine) -> Iterator[_WriteRecorder]:
         engine._copy_recovery_script = recorder.recorded_copy(copy_scripts)
     try:
         yield recorder
-    except (OSError, RuntimeError) as e:  # elsewhere in DeepSpeed's save: this rank misses its barriers left
-        recorder.error = recorder.error or one_line(e)
     finally:
         engine.checkpoint_engine = recorder._inner
         if copy_scripts is not None:
@@ -1222,7 +1228,8 @@ def load_engine(engine, source: EngineSource) -> None:
     except Exception as e:
         if watchdog.is_collective_failure(e):
             raise  # a peer failed or was lost: the entry point names it
-        _fail_alone(source, e)
+        _fail_alone(LoadFailed(f"{source.load_dir / source.tag}: DeepSpeed's load failed ({one_line(e)}); "
+                               "its files verified at start: check the file system, then restart"))
     if path is None:
         raise CheckpointError(f"{source.load_dir / source.tag}: DeepSpeed found no checkpoint to load")
     optimizer = getattr(engine, "optimizer", None)  # DeepSpeed's wrapper (ZeRO, bf16) holds the torch optimizer
@@ -1261,15 +1268,13 @@ def steps_with_their_params(optimizer) -> int:
     return moved
 
 
-def _fail_alone(source: EngineSource, error: Exception) -> None:
-    """Leave the process group and raise LoadFailed for a load that failed on this rank.
+def _fail_alone(failure: RunFailed) -> NoReturn:
+    """Leave the process group and raise `failure`, for a DeepSpeed load or save that failed on this rank.
 
-    DeepSpeed's load runs collectives on the default group (ZeRO partitions are gathered): the other ranks may
-    be waiting in one that this rank will never join, where agreeing on the failure (distributed.together, on
-    the control group) would leave everyone until train.collective_timeout_s. Leaving the group publishes this
-    rank's line: the others stop within a heartbeat ("rank r ... stopped after an error: ...")."""
-    failure = LoadFailed(f"{source.load_dir / source.tag}: DeepSpeed's load failed ({one_line(error)}); "
-                         "its files verified at start: check the file system, then restart")
+    Both run collectives (ZeRO partitions gathered, barriers): the other ranks may be waiting in one that this
+    rank will never join, where agreeing on the failure (distributed.together, on the control group) would leave
+    everyone until train.collective_timeout_s or checkpoint.timeout_s. Leaving the group publishes this rank's
+    line: the others stop within a heartbeat ("rank r ... stopped after an error: ...")."""
     distributed.destroy_process_group(failure)
     raise failure from None
 
