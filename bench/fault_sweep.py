@@ -20,12 +20,16 @@ validation every EVAL_INTERVAL, and draws one or two faults:
   cases), the first fault is a full disk instead, at the same moment: the faulted run's folder lives on a tmpfs
   of its own, which a filler file fills to no byte, a few KiB, or part of a checkpoint's size left free; the
   filler is removed a drawn while later (space came back) or only once the job has ended (the user freed space
-  before restarting).
+  before restarting);
+- in a share of the other cases (--raise-share, drawn apart too), the first fault is an error instead, raised
+  on one rank at the same moment: that rank's main thread raises a RuntimeError at its N-th call into a Python
+  function of txl_dist, launch/ or DeepSpeed (N drawn from 1 to 2000; bench/sweep_hooks/sitecustomize.py), as a
+  bug or an out-of-memory error would.
 
 A faulted job must end on its own within END_WITHIN_S (a hang is a failure), a stop request must leave a
 complete checkpoint of the step it names (`stopping after step N`), and each restart must resume from the
-newest complete checkpoint on disk. A job that a full disk ended must say so in an `error:` line. Once the last
-restart has finished:
+newest complete checkpoint on disk. A job that a full disk ended must say so in an `error:` line, and one that
+a raised error ended must print that error. Once the last restart has finished:
 
 - every value of the deterministic metrics (train loss, learning rate, gradient norm, tokens seen, validation
   and test figures) in the metrics journal, every copy logged by a job that trained a step again included,
@@ -40,7 +44,7 @@ restart has finished:
   by `latest`, each one verifying against its checksums.
 
     python -m bench.fault_sweep [--cases 40] [--seed 0] [--minutes 45] [--corpus data/shakespeare] [--world 1|2]
-        [--out DIR] [--keep] [--disk-share 0.25]
+        [--out DIR] [--keep] [--disk-share 0.25] [--raise-share 0.25]
 
 Full-disk faults need a tmpfs mount (root or CAP_SYS_ADMIN); where none can be mounted, or with --disk-share
 0, those cases keep their other faults.
@@ -68,6 +72,8 @@ from typing import Any
 from bench.config_sweep import (REPO, Case, child_env, draw, parse_training_sweep, refusal, sweep, train_command,
                                 training_sweep_parser)
 from bench.soak_report import read_jsonl
+from bench.sweep_hooks.sitecustomize import MARK as RAISED
+from bench.sweep_hooks.sitecustomize import RAISE_AFTER_CALLS_ENV
 
 STEPS, CHECKPOINT_INTERVAL, KEEP, EVAL_INTERVAL = 10, 2, 2, 4
 COLLECTIVE_TIMEOUT_S = 30
@@ -84,15 +90,20 @@ LAUNCHER_ONLY = ("term-launcher", "usr1-launcher", "kill-rank", "stop-rank")
 """Faults of a job on 2 ranks only (1 rank runs without torchrun, and kill-rank is kill-job there)."""
 KILLS = ("kill-rank", "kill-job", "stop-rank")
 ONE_RANK = {"kill-rank": signal.SIGKILL, "stop-rank": signal.SIGSTOP, "term-worker": signal.SIGTERM,
-            "usr1-worker": signal.SIGUSR1}
+            "usr1-worker": signal.SIGUSR1, "raise-rank": signal.SIGUSR2}
 """Faults that signal one rank's process, and their signals."""
 STOPPING = re.compile(r"stopping after step (\d+)")
 RESUMED = re.compile(r"resumed from (\S+) at step (\d+) \((same world size|elastic)")
 MLFLOW_RUN = re.compile(r"MLflow run ([0-9a-f]{32}) \((\w+)\)")
 DISK_SHARE = 0.25
 """Of the cases where a tmpfs can be mounted: those whose first fault is a full disk."""
+RAISE_SHARE = 0.25
+"""Of the cases whose first fault is not a full disk: those where it is an error raised on one rank instead."""
+SWEEP_HOOKS = Path(__file__).resolve().parent / "sweep_hooks"
+"""Its sitecustomize.py arms raise-rank's error in the faulted job's processes."""
 FULL_DISK = re.compile(r"error: .*(No space left on device|Errno 28|disk is full|free space)")
 JOURNAL_STOPPED = "tracking: cannot write the metrics journal"
+
 DETERMINISTIC = ("train/loss", "train/lr", "train/grad_norm", "train/tokens_seen", "train/nonfinite_steps")
 """Journal metrics a resumed run must repeat exactly, besides every valid/* and test/* figure."""
 
@@ -100,7 +111,7 @@ DETERMINISTIC = ("train/loss", "train/lr", "train/grad_norm", "train/tokens_seen
 @dataclass
 class Fault:
     kind: str
-    """One of STOPS or KILLS."""
+    """One of STOPS or KILLS, "fill-disk" or "raise-rank"."""
     trigger: str
     """"start-up", "step" or "save"."""
     at: float
@@ -116,6 +127,9 @@ class Fault:
     """fill-disk: the share of the newest checkpoint's size (the straight run's where the job has none) left free"""
     freed_after_s: float | None = None
     """fill-disk: the filler removed this long after the fill, the job still running; None: once it has ended"""
+    raise_after_calls: int = 0
+    """raise-rank: the rank's main thread raises at its this-many-th call into txl_dist, launch/ or DeepSpeed code
+    after the fault's moment"""
 
     def text(self) -> str:
         where = {"start-up": f"{self.at:.2f} of the straight run's time to step 1", "step": f"after step {self.at:g}",
@@ -125,6 +139,8 @@ class Fault:
             left = f"{self.leave_of_tag:.2f} of a checkpoint" if self.leave_of_tag else f"{self.leave_bytes} bytes"
             freed = f"freed after {self.freed_after_s:.1f} s" if self.freed_after_s is not None else "freed at the end"
             rank = f" to {left} free, {freed},"
+        if self.kind == "raise-rank":
+            rank += f" at its call {self.raise_after_calls}"
         return f"{self.kind}{rank} {where} (+{self.delay_s * 1e3:.0f} ms)"
 
 
@@ -145,11 +161,19 @@ def draw_disk_fault(rng: random.Random, fault: Fault) -> Fault:
                    freed_after_s=rng.choice([None, None, rng.uniform(0.2, 3.0)]))
 
 
+def draw_raise_fault(rng: random.Random, fault: Fault, world: int) -> Fault:
+    """`fault` turned into an error raised on one rank at the same moment."""
+    return replace(fault, kind="raise-rank", rank=rng.randrange(world),
+                   raise_after_calls=rng.choice([1, rng.randint(2, 50), rng.randint(50, 2000)]))
+
+
 def draw_case(rng: random.Random, vocab: int, world: int | None, disk_rng: random.Random | None = None,
-              disk_share: float = DISK_SHARE) -> tuple[Case, list[Fault], bool]:
+              disk_share: float = DISK_SHARE, raise_rng: random.Random | None = None,
+              raise_share: float = RAISE_SHARE) -> tuple[Case, list[Fault], bool]:
     """A case, its faults, and whether the jobs after the first fault run on 1 rank (a 2-rank case only: the
     restart of a job that lost a node, on the nodes left). `disk_rng` (its own stream: the other draws stay the
-    same without it) turns the first fault into a full disk in `disk_share` of the cases."""
+    same without it) turns the first fault into a full disk in `disk_share` of the cases; `raise_rng` (another)
+    turns it into an error raised on one rank in `raise_share` of the others."""
     case = draw(rng, vocab, world or rng.choice([1, 2, 2]))
     if case.precision == "auto":
         case.precision = "fp32"
@@ -161,6 +185,8 @@ def draw_case(rng: random.Random, vocab: int, world: int | None, disk_rng: rando
         faults.append(draw_fault(rng, 1 if elastic else case.world))
     if disk_rng is not None and disk_rng.random() < disk_share:
         faults[0] = draw_disk_fault(disk_rng, faults[0])
+    elif raise_rng is not None and raise_rng.random() < raise_share:
+        faults[0] = draw_raise_fault(raise_rng, faults[0], case.world)
     return case, faults, elastic
 
 
@@ -202,12 +228,18 @@ class Job:
     """One launch of the case's training command. The job is every process of it: torchrun's workers outlive a
     torchrun that died (of SIGUSR1), see it gone, save and exit; a scheduler waits for them too."""
 
-    def __init__(self, case: Case, corpus: Path, run_dir: Path, log: Path, port: int) -> None:
+    def __init__(self, case: Case, corpus: Path, run_dir: Path, log: Path, port: int, raise_after_calls: int = 0
+                 ) -> None:
+        """raise_after_calls: arm raise-rank's hook (bench/sweep_hooks) in the job's processes."""
         self.case, self.log = case, log
         cmd = train_command(case.world, port) + ["--set", f"data.path={corpus}"] + sets(case, run_dir)
+        env = child_env()
+        if raise_after_calls:
+            env = dict(env, PYTHONPATH=os.pathsep.join([str(SWEEP_HOOKS), env["PYTHONPATH"]]),
+                       **{RAISE_AFTER_CALLS_ENV: str(raise_after_calls)})
         self.out = open(log, "w")
         self.started = time.time()
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=self.out, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self.out, stderr=subprocess.STDOUT,
                                      start_new_session=True)  # a Ctrl-C to the sweep stays the sweep's
         self.known: dict[int, Any] = {}
         self.tracked_at = 0.0
@@ -552,7 +584,8 @@ def _faulted_jobs(record: dict[str, Any], case: Case, faults: list[Fault], folde
     for i, fault in enumerate([*faults, None]):
         newest = (checkpoint.inventory(ckpt_dir).complete or [None])[-1]
         job_case = replace(case, world=1) if elastic and i > 0 else case
-        job = Job(job_case, corpus, faulty, folder / f"job{i}.log", port + 1 + i)
+        job = Job(job_case, corpus, faulty, folder / f"job{i}.log", port + 1 + i,
+                  fault.raise_after_calls if fault is not None else 0)
         if fault is None:
             status = job.wait(RUN_TIMEOUT_S)
             job.end()
@@ -569,6 +602,10 @@ def _faulted_jobs(record: dict[str, Any], case: Case, faults: list[Fault], folde
                     and not names_the_rank(job.text(), fault.rank):
                 record["failed"].append(f"{fault.text()}: the job ended (exit status {outcome['exit']}) without "
                                         f"a line naming rank {fault.rank}")
+            if fault.kind == "raise-rank" and outcome["landed"] and outcome["exit"] not in (0, None) \
+                    and RAISED not in job.text():
+                record["failed"].append(f"{fault.text()}: the job ended (exit status {outcome['exit']}) without "
+                                        "saying what the rank raised")
             if fault.kind == "fill-disk" and outcome["landed"] and outcome["exit"] not in (0, None) \
                     and not FULL_DISK.search(job.text()):
                 record["failed"].append(f"{fault.text()}: the job ended (exit status {outcome['exit']}) without "
@@ -611,9 +648,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = training_sweep_parser("bench.fault_sweep", __doc__)
     parser.add_argument("--disk-share", type=float, default=DISK_SHARE,
                         help=f"the share of cases whose first fault is a full disk (default {DISK_SHARE}; 0: none)")
+    parser.add_argument("--raise-share", type=float, default=RAISE_SHARE,
+                        help=f"of the others, the share whose first fault is an error raised on one rank (default "
+                             f"{RAISE_SHARE}; 0: none)")
     args, corpus, vocab = parse_training_sweep(parser, argv)
-    if not 0 <= args.disk_share <= 1:
-        parser.error("--disk-share must lie in [0, 1], e.g. --disk-share 0.25")
+    for name in ("disk_share", "raise_share"):
+        if not 0 <= getattr(args, name) <= 1:
+            parser.error(f"--{name.replace('_', '-')} must lie in [0, 1], e.g. --{name.replace('_', '-')} 0.25")
     disk = args.disk_share > 0
     if disk and (why := tmpfs_unavailable()):
         print(f"no full-disk faults: cannot mount a tmpfs here ({why})")
@@ -621,7 +662,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def run_one(rng: random.Random, i: int, folder: Path) -> tuple[dict[str, Any], str]:
         disk_rng = random.Random(f"disk {args.seed} {i}") if disk else None
-        case, faults, elastic = draw_case(rng, vocab, args.world, disk_rng, args.disk_share)
+        raise_rng = random.Random(f"raise {args.seed} {i}") if args.raise_share > 0 else None
+        case, faults, elastic = draw_case(rng, vocab, args.world, disk_rng, args.disk_share, raise_rng,
+                                          args.raise_share)
         port = 29300 + (args.seed * 97 + i * 4) % 360
         text = f"{case.text()}; " + ", then ".join(f.text() for f in faults)
         text += ", restarted on 1 rank" if elastic else ""

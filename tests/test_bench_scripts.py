@@ -36,15 +36,15 @@ def run_bench(name: str, *args: str, timeout: float = 120, expect: int = 0) -> s
     return run([sys.executable, "-m", f"bench.{name}", *map(str, args)], timeout, expect)
 
 
-def one_sweep_case(sweep: str, seed: int, tmp_path: Path) -> dict:
-    """bench.<sweep> (a sweep that trains) run for one case of `seed` on 1 rank, on a synthetic corpus; the case
-    must pass. Its record."""
+def one_sweep_case(sweep: str, seed: int, tmp_path: Path, *options: str) -> dict:
+    """bench.<sweep> (a sweep that trains) run for one case of `seed` on 1 rank, on a synthetic corpus, with the
+    sweep's `options`; the case must pass. Its record."""
     from corpus_helpers import make_corpus, synthetic_stream
 
     corpus = make_corpus(tmp_path / "corpus", {split: synthetic_stream(20_000, 1000, seed=i)
                                                for i, split in enumerate(("train", "valid", "test"))})
     out = run_bench(sweep, "--cases", 1, "--seed", seed, "--world", 1, "--corpus", corpus, "--out", tmp_path / "out",
-                    timeout=600)
+                    *options, timeout=600)
     assert "1 passed, 0 refused, 0 failed" in out, out
     return json.loads((tmp_path / "out" / "results.jsonl").read_text())
 

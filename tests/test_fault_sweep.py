@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import random
+import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,7 @@ def test_a_job_killed_after_step_2_restarts_and_ends_as_the_straight_run(tmp_pat
     """Seed 8 on 1 rank draws one fault: the whole job SIGKILLed right after step 2's progress line (its save
     of step 2 in flight or done). The restart must resume from the newest complete tag and give every metric
     of the straight run bit for bit, in the journal and in MLflow, with a clean checkpoint folder."""
-    record = one_sweep_case("fault_sweep", 8, tmp_path)
+    record = one_sweep_case("fault_sweep", 8, tmp_path, "--raise-share", "0")
     (fault,) = record["faults"]
     assert fault["fault"].startswith("kill-job after step 2") and fault["landed"] and fault["exit"] == -9, fault
     assert record["failed"] == []
@@ -107,7 +109,7 @@ def test_a_disk_filled_after_step_1_ends_the_job_in_one_line_and_the_restart_end
     metric of the straight run."""
     if why := fault_sweep.tmpfs_unavailable():
         pytest.skip(f"cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN): {why}")
-    record = one_sweep_case("fault_sweep", 9, tmp_path)
+    record = one_sweep_case("fault_sweep", 9, tmp_path, "--raise-share", "0")
     (fault,) = record["faults"]
     assert fault["fault"].startswith("fill-disk to 0 bytes free, freed at the end, after step 1"), fault
     assert fault["landed"] and fault["exit"] == 1 and fault["full_after_step"] == 1, fault
@@ -115,14 +117,36 @@ def test_a_disk_filled_after_step_1_ends_the_job_in_one_line_and_the_restart_end
     assert record["failed"] == [] and record["may_miss"] == []  # the restart trained every step again
 
 
+def test_an_error_raised_on_the_rank_after_step_2_ends_the_job_with_it_and_the_restart_ends_as_the_straight_run(
+        tmp_path):
+    """Seed 8's fault turned into an error: right after step 2's progress line, the rank's main thread raises at
+    its next call into txl_dist, launch/ or DeepSpeed (bench/sweep_hooks/sitecustomize.py, armed by SIGUSR2). The
+    job must end at once printing the error, and the restart must give every metric of the straight run."""
+    record = one_sweep_case("fault_sweep", 8, tmp_path, "--raise-share", "1", "--disk-share", "0")
+    (fault,) = record["faults"]
+    assert re.match(r"raise-rank of rank 0 at its call \d+ after step 2 ", fault["fault"]), fault
+    assert fault["landed"] and fault["exit"] == 1 and fault["ended_after_s"] < 30, fault
+    assert record["failed"] == []  # among the checks: the job's output holds the error (here in its traceback)
+
+
 def test_a_disk_draw_of_its_own_leaves_every_other_case_as_drawn_without_it():
     """Full-disk faults come from a stream of their own: a machine that cannot mount a tmpfs (or --disk-share 0) runs
     the same cases with their other faults, and the disk takes the first fault's moment."""
-    turned = 0
+    turned = raises = 0
     for seed in range(80):
         plain = fault_sweep.draw_case(random.Random(seed), 1000, None)
         case, faults, elastic = fault_sweep.draw_case(random.Random(seed), 1000, None, random.Random(f"disk {seed}"))
         assert (case, faults[1:], elastic) == (plain[0], plain[1][1:], plain[2])
+        # Errors raised on a rank come from a stream of their own too, and only where the disk was not drawn.
+        raised = fault_sweep.draw_case(random.Random(seed), 1000, None, random.Random(f"disk {seed}"), 0.25,
+                                       random.Random(f"raise {seed}"), 0.25)
+        assert (raised[0], raised[1][1:], raised[2]) == (plain[0], plain[1][1:], plain[2])
+        if faults[0].kind == "fill-disk" or raised[1][0].kind != "raise-rank":
+            assert raised[1][0] == faults[0]
+        else:
+            assert replace(raised[1][0], kind=plain[1][0].kind, rank=plain[1][0].rank, raise_after_calls=0) \
+                == plain[1][0] and raised[1][0].raise_after_calls >= 1
+            raises += 1
         if faults[0].kind == "fill-disk":
             turned += 1
             before = plain[1][0]
@@ -131,6 +155,7 @@ def test_a_disk_draw_of_its_own_leaves_every_other_case_as_drawn_without_it():
         else:
             assert faults[0] == plain[1][0]
     assert 8 <= turned <= 32  # DISK_SHARE of 80
+    assert 6 <= raises <= 26  # RAISE_SHARE of the rest
 
 
 def test_steps_a_full_disk_kept_from_the_journal_may_be_missing_and_no_other(tmp_path):
