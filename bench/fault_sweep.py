@@ -406,6 +406,8 @@ def inject(job: Job, fault: Fault, disk: RunDisk | None = None, tag_bytes: int =
     pids = rank_pids(job.processes(), job.case.world)  # each process of the job known before any of them dies
     if fault.kind in ONE_RANK and fault.rank not in pids:
         return "ranks not started"
+    if fault.kind == "raise-rank" and not catches(pids[fault.rank], signal.SIGUSR2):
+        return "the rank's hook not installed yet"  # SIGUSR2's default action would end the process
     try:
         if fault.kind in ONE_RANK:
             os.kill(pids[fault.rank], ONE_RANK[fault.kind])
@@ -416,6 +418,17 @@ def inject(job: Job, fault: Fault, disk: RunDisk | None = None, tag_bytes: int =
     except ProcessLookupError:
         return "the process had ended"
     return None
+
+
+def catches(pid: int, signum: int) -> bool:
+    """Whether process `pid` has a handler for `signum` now (Linux: SigCgt in /proc/<pid>/status); True where that
+    cannot be read."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return True
+    caught = re.search(r"^SigCgt:\s*([0-9a-fA-F]+)", status, flags=re.MULTILINE)
+    return caught is None or bool(int(caught.group(1), 16) >> (signum - 1) & 1)
 
 
 def last_step(text: str) -> int:

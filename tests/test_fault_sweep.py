@@ -4,8 +4,10 @@ save)."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -178,3 +180,19 @@ def test_a_full_disk_counts_as_said_only_by_an_error_line_naming_it():
     assert not fault_sweep.FULL_DISK.search("10:25:23 error: a collective failed: a rank was lost or stopped")
     warning = "warning: the run's log file R/logs/train.log cannot be written ([Errno 28] No space left on device)"
     assert not fault_sweep.FULL_DISK.search(warning)
+
+
+def test_raise_rank_waits_for_its_hook_seen_in_the_process_signal_mask():
+    """SIGUSR2 before the hook is installed (a rank just started) would end the process by its default action."""
+    import signal
+    import subprocess
+    import sys
+
+    assert fault_sweep.catches(os.getpid(), signal.SIGINT)  # Python's own handler
+    bare = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        time.sleep(0.5)
+        assert not fault_sweep.catches(bare.pid, signal.SIGUSR2)
+    finally:
+        bare.kill()
+        bare.wait()
