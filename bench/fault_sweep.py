@@ -224,6 +224,15 @@ def first_step_seconds(log: Path, started: float) -> float:
     return 10.0
 
 
+LIVE_JOBS: set[Job] = set()
+"""The jobs started and not yet ended: what an interrupted sweep must end (each runs in a session of its own)."""
+
+
+def end_live_jobs() -> None:
+    for job in list(LIVE_JOBS):
+        job.end()
+
+
 class Job:
     """One launch of the case's training command. The job is every process of it: torchrun's workers outlive a
     torchrun that died (of SIGUSR1), see it gone, save and exit; a scheduler waits for them too."""
@@ -243,6 +252,7 @@ class Job:
                                      start_new_session=True)  # a Ctrl-C to the sweep stays the sweep's
         self.known: dict[int, Any] = {}
         self.tracked_at = 0.0
+        LIVE_JOBS.add(self)
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")
@@ -299,6 +309,8 @@ class Job:
     def end(self) -> None:
         """Kill whatever of the job is left (a stopped rank, an orphan) and close its log."""
         import psutil
+
+        LIVE_JOBS.discard(self)
 
         left = list({p.pid: p for p in [*self.known.values(), *self.processes()]}.values())
         for process in left:
@@ -567,9 +579,11 @@ def run_case(case: Case, faults: list[Fault], folder: Path, corpus: Path, port: 
     and the checks -> the case's record: "verdict" pass / refused / fail, "failed" what failed."""
     record: dict[str, Any] = {"case": asdict(case), "elastic": elastic, "faults": [], "failed": []}
     straight = folder / "straight"
-    job = Job(case, corpus, straight, folder / "straight.log", port)
-    status = job.wait(RUN_TIMEOUT_S)
-    job.end()
+    try:
+        job = Job(case, corpus, straight, folder / "straight.log", port)
+        status = job.wait(RUN_TIMEOUT_S)
+    finally:
+        end_live_jobs()
     if status == 2 and refusal(job.log):
         return record | {"verdict": "refused", "refusal": refusal(job.log)}
     if status != 0:
@@ -581,6 +595,7 @@ def run_case(case: Case, faults: list[Fault], folder: Path, corpus: Path, port: 
         return _faulted_jobs(record, case, faults, folder, corpus, port, elastic, disk,
                              first_step_seconds(job.log, job.started))
     finally:
+        end_live_jobs()  # an interrupted sweep's (a Ctrl-C, SIGTERM): before its tmpfs goes
         if disk is not None:
             disk.release()
 
@@ -683,7 +698,15 @@ def main(argv: list[str] | None = None) -> int:
         text += ", restarted on 1 rank" if elastic else ""
         return run_case(case, faults, folder, corpus, port, elastic), text
 
-    return sweep(args, run_one)
+    def interrupted(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupted)  # as Ctrl-C: the case's jobs ended, its tmpfs unmounted
+    try:
+        return sweep(args, run_one)
+    except KeyboardInterrupt:
+        print("interrupted: the case's jobs ended, its folder kept", flush=True)
+        return 130
 
 
 if __name__ == "__main__":

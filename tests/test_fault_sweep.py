@@ -7,6 +7,9 @@ import json
 import os
 import random
 import re
+import signal
+import subprocess
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -184,10 +187,6 @@ def test_a_full_disk_counts_as_said_only_by_an_error_line_naming_it():
 
 def test_raise_rank_waits_for_its_hook_seen_in_the_process_signal_mask():
     """SIGUSR2 before the hook is installed (a rank just started) would end the process by its default action."""
-    import signal
-    import subprocess
-    import sys
-
     assert fault_sweep.catches(os.getpid(), signal.SIGINT)  # Python's own handler
     bare = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
@@ -196,3 +195,35 @@ def test_raise_rank_waits_for_its_hook_seen_in_the_process_signal_mask():
     finally:
         bare.kill()
         bare.wait()
+
+
+def test_a_sweep_stopped_by_sigterm_ends_its_jobs_and_unmounts_its_disk(tmp_path):
+    """The jobs run in sessions of their own (a Ctrl-C to the sweep stays the sweep's) and the faulted run's folder
+    on a tmpfs: a sweep ended by SIGTERM (or Ctrl-C) ends its jobs' processes and unmounts its tmpfs first."""
+    import psutil
+
+    from corpus_helpers import make_corpus, synthetic_stream
+
+    corpus = make_corpus(tmp_path / "corpus", {split: synthetic_stream(20_000, 1000, seed=i)
+                                               for i, split in enumerate(("train", "valid", "test"))})
+    out = tmp_path / "out"
+    disk = fault_sweep.tmpfs_unavailable() is None
+    sweep = subprocess.Popen([sys.executable, "-m", "bench.fault_sweep", "--cases", "1", "--seed", "9", "--world", "1",
+                              "--corpus", str(corpus), "--out", str(out), "--raise-share", "0"], cwd=fault_sweep.REPO,
+                             env=fault_sweep.child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def mounted() -> bool:
+        return str(out) in Path("/proc/mounts").read_text()
+
+    def trainers() -> list:
+        return [p for p in psutil.process_iter(["cmdline"]) if str(out) in " ".join(p.info["cmdline"] or [])]
+
+    deadline = time.monotonic() + 240
+    while not (mounted() if disk else trainers()):  # seed 9's faulted run on its tmpfs, or the straight run
+        assert sweep.poll() is None and time.monotonic() < deadline, sweep.communicate()[0][-3000:]
+        time.sleep(0.2)
+    assert trainers()
+    sweep.send_signal(signal.SIGTERM)
+    assert sweep.wait(120) == 130, sweep.communicate()[0][-3000:]
+    assert "interrupted: the case's jobs ended" in sweep.communicate()[0]
+    assert not trainers() and not mounted()
