@@ -72,8 +72,8 @@ from typing import Any
 from bench.config_sweep import (REPO, Case, child_env, draw, parse_training_sweep, refusal, sweep, train_command,
                                 training_sweep_parser)
 from bench.soak_report import read_jsonl
+from bench.sweep_hooks.sitecustomize import ANNOUNCED, RAISE_AFTER_CALLS_ENV
 from bench.sweep_hooks.sitecustomize import MARK as RAISED
-from bench.sweep_hooks.sitecustomize import RAISE_AFTER_CALLS_ENV
 
 STEPS, CHECKPOINT_INTERVAL, KEEP, EVAL_INTERVAL = 10, 2, 2, 4
 COLLECTIVE_TIMEOUT_S = 30
@@ -483,6 +483,21 @@ def faulted_run(job: Job, fault: Fault, ckpt_dir: Path, startup_s: float, disk: 
             "last_line": next((ln for ln in reversed(text.splitlines()) if "error:" in ln), "")[-300:]}
 
 
+def raise_problems(fault: Fault, outcome: dict[str, Any], text: str) -> list[str]:
+    """What raise-rank's job did wrong with the error it raised (outcome["raised"] says whether it came: a job
+    may end before the rank's N-th call): a job that failed must print it, and one that went on must say it
+    went on despite it (a warning), not swallow it."""
+    outcome["raised"] = ANNOUNCED in text
+    if not outcome["raised"]:
+        if outcome["exit"] not in (0, None):
+            return [f"{fault.text()}: the job failed (exit status {outcome['exit']}) before the error was raised"]
+        return []
+    if RAISED not in text:
+        how = "went on" if outcome["exit"] in (0, None) else f"ended (exit status {outcome['exit']})"
+        return [f"{fault.text()}: the job {how} without saying what the rank raised"]
+    return []
+
+
 def names_the_rank(text: str, rank: int) -> bool:
     """Whether a job's output names `rank` as the one lost or hung: a peer's `error:` line, or torchrun's root
     cause. A rank lost early in its start-up (before the product's rendezvous) leaves its peers waiting to join it
@@ -630,10 +645,8 @@ def _faulted_jobs(record: dict[str, Any], case: Case, faults: list[Fault], folde
                     and not names_the_rank(job.text(), fault.rank):
                 record["failed"].append(f"{fault.text()}: the job ended (exit status {outcome['exit']}) without "
                                         f"a line naming rank {fault.rank}")
-            if fault.kind == "raise-rank" and outcome["landed"] and outcome["exit"] not in (0, None) \
-                    and RAISED not in job.text():
-                record["failed"].append(f"{fault.text()}: the job ended (exit status {outcome['exit']}) without "
-                                        "saying what the rank raised")
+            if fault.kind == "raise-rank" and outcome["landed"]:
+                record["failed"] += raise_problems(fault, outcome, job.text())
             if fault.kind == "fill-disk" and outcome["landed"] and outcome["exit"] not in (0, None) \
                     and not FULL_DISK.search(job.text()):
                 record["failed"].append(f"{fault.text()}: the job ended (exit status {outcome['exit']}) without "

@@ -130,7 +130,7 @@ def test_an_error_raised_on_the_rank_after_step_2_ends_the_job_with_it_and_the_r
     record = one_sweep_case("fault_sweep", 8, tmp_path, "--raise-share", "1", "--disk-share", "0")
     (fault,) = record["faults"]
     assert re.match(r"raise-rank of rank 0 at its call \d+ after step 2 ", fault["fault"]), fault
-    assert fault["landed"] and fault["exit"] == 1 and fault["ended_after_s"] < 30, fault
+    assert fault["landed"] and fault["raised"] and fault["exit"] == 1 and fault["ended_after_s"] < 30, fault
     assert record["failed"] == []  # among the checks: the job's output holds the error (here in its traceback)
 
 
@@ -227,3 +227,19 @@ def test_a_sweep_stopped_by_sigterm_ends_its_jobs_and_unmounts_its_disk(tmp_path
     assert sweep.wait(120) == 130, sweep.communicate()[0][-3000:]
     assert "interrupted: the case's jobs ended" in sweep.communicate()[0]
     assert not trainers() and not mounted()
+
+
+def test_a_raised_error_must_be_said_unless_the_job_ended_before_it_came():
+    fault = fault_sweep.Fault("raise-rank", "step", 2, 0.0, 1, raise_after_calls=40)
+    came = "raise-rank: raising in f (x.py:1)\n"
+    said = came + "12:00:00 error: rank 1 (host h, pid 1) stopped after an error: raise-rank: injected in f (x.py:1)\n"
+    assert fault_sweep.raise_problems(fault, {"exit": 1}, said) == []
+    warned = came + "12:00:00 warning: tracking: raise-rank: injected in f (x.py:1); training goes on\n"
+    assert fault_sweep.raise_problems(fault, {"exit": 0}, warned) == []
+    assert fault_sweep.raise_problems(fault, {"exit": 0}, "the job ended first\n") == []  # the call never came
+    (swallowed,) = fault_sweep.raise_problems(fault, {"exit": 0}, came)
+    assert "the job went on without saying what the rank raised" in swallowed
+    (unsaid,) = fault_sweep.raise_problems(fault, {"exit": 1}, came)
+    assert "ended (exit status 1) without saying what the rank raised" in unsaid
+    (early,) = fault_sweep.raise_problems(fault, {"exit": 1}, "")
+    assert "failed (exit status 1) before the error was raised" in early

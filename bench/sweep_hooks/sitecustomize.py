@@ -14,6 +14,9 @@ import sys
 RAISE_AFTER_CALLS_ENV = "TXL_SWEEP_RAISE_AFTER_CALLS"
 MARK = "raise-rank: injected"
 """How the raised error's message begins: the sweep looks for it in the job's output."""
+ANNOUNCED = "raise-rank: raising"
+"""What the hook prints to stderr as it raises: the sweep tells a job that ended before the call came from one
+that swallowed the error."""
 WATCHED = (f"{os.sep}txl_dist{os.sep}", f"{os.sep}launch{os.sep}", f"{os.sep}deepspeed{os.sep}")
 
 
@@ -31,7 +34,9 @@ def _arm(calls: int) -> None:
         if left > 0:
             return None
         sys.settrace(None)
-        raise RuntimeError(f"{MARK} in {frame.f_code.co_name} ({where}:{frame.f_lineno})")
+        place = f"in {frame.f_code.co_name} ({where}:{frame.f_lineno})"
+        print(f"{ANNOUNCED} {place}", file=sys.stderr, flush=True)
+        raise RuntimeError(f"{MARK} {place}")
 
     sys.settrace(trace)
 
