@@ -140,6 +140,28 @@ def test_a_precision_the_device_lacks_is_refused_before_the_model_is_built(monke
     check_deepspeed_config(ds, 2)
 
 
+def test_an_error_of_the_rank_itself_while_deepspeed_reads_the_config_is_not_a_refusal(monkeypatch):
+    """A refusal is the same on every rank reading the same config, so a node's other ranks stay silent about it
+    before the ranks connect. A device that failed, or a bug, on one rank (a RuntimeError) must not become one:
+    that rank ended silently with exit 2 while the others waited for it (fault sweep seed 2001, case 11)."""
+    from deepspeed.runtime import config as ds_config_module
+
+    ds = handed_over(EVERY_SECTION)
+
+    def failing(self, *args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(ds_config_module.DeepSpeedConfig, "__init__", failing)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        check_deepspeed_config(ds, 2)
+
+    def refusing(self, *args, **kwargs):
+        raise ds_config_module.DeepSpeedConfigError("no such thing")
+
+    monkeypatch.setattr(ds_config_module.DeepSpeedConfig, "__init__", refusing)
+    assert refusal(ds).endswith("refuses it: no such thing")
+
+
 @pytest.mark.parametrize("torch_adam", [True, False], ids=["torch-adamw", "deepspeed-cpu-adam"])
 def test_a_config_with_every_section_this_project_uses_passes(torch_adam):
     ds = with_values(handed_over(EVERY_SECTION), {"optimizer.params.torch_adam": torch_adam})

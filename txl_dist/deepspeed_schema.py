@@ -231,9 +231,19 @@ def _read_as_deepspeed(ds: dict, world_size: int, reading: _Reading) -> ds_confi
         return _DeepSpeedConfigAtWorldSize(reading.view(copy.deepcopy(ds), ()), world_size)
     except pydantic.ValidationError as e:
         raise ConfigError(_validation_error_line(e, ds, reading)) from None
-    except Exception as e:  # DeepSpeedConfig refuses with assertions, ValueErrors and its own error type
+    except CONFIG_REFUSALS as e:
         _check_scalar_types(ds, reading)  # a value of the wrong type explains the refusal better than it does
         raise ConfigError(f"deepspeed: {_DS_VERSION} refuses it: {one_line(e)}") from e
+
+
+CONFIG_REFUSALS = (AssertionError, ValueError, ds_config_module.DeepSpeedConfigError, TypeError, LookupError,
+                   AttributeError, ArithmeticError)
+"""What DeepSpeedConfig raises on a config it refuses: its assertions, ValueErrors and own error type, and what
+a value of the wrong kind or shape makes its code raise. Not a RuntimeError or an OSError (a device that failed,
+out of memory, a bug): a refusal is the same on every rank that reads the same config, so before the ranks
+connect only a node's first rank prints it (distributed.refused_alike_by_this_nodes_first_rank); an error of
+one rank's own, turned into one, ended that rank in silence (exit 2) while the others waited for it to join
+(fault sweep seed 2001, cases 11 and 25)."""
 
 
 def _check_unread_keys(ds: dict, reading: _Reading, config: ds_config_module.DeepSpeedConfig) -> None:
