@@ -12,6 +12,8 @@ KIND (the fault happens on rank RANK only):
   fail-in-save   DeepSpeed's save of step STEP raises a RuntimeError on it between its two barriers, not in a write
                  (out of memory gathering its state): the other ranks go on to DeepSpeed's last barrier; prints
                  `fail-in-save at <time.time()>`
+  fail-before-join  its start-up fails (a RuntimeError: a device that failed) just before it joins the others at
+                 the rendezvous store, where they wait for it; prints `fail-before-join at <time.time()>` (STEP: 0)
   slow-save      each of its DeepSpeed files of the checkpoint of step STEP takes SLOW_SAVE_S longer (slow storage)
   kill-before-latest  rank 0: SIGKILL itself as soon as its save of step STEP has renamed the staging folder to
                  the tag, before it writes `latest` and removes tags past checkpoint.keep
@@ -124,6 +126,16 @@ def install(kind: str, rank: int, step: int) -> None:
             return real_save(obj, f, *args, **kwargs)
 
         torch.save = faulty_save
+        return
+
+    if kind == "fail-before-join":
+        from txl_dist import rendezvous
+
+        def failing_join(*args, **kwargs):
+            print(f"fail-before-join at {time.time()}", flush=True)
+            raise RuntimeError("fail-before-join: CUDA error: no CUDA-capable device is detected")
+
+        rendezvous.join = failing_join
         return
 
     if kind == "fail-in-save":

@@ -203,6 +203,21 @@ def test_a_save_that_fails_on_one_rank_outside_its_writes_ends_the_job_at_once(c
     _assert_same_weights(_weights(run_dir, STEPS), straight)
 
 
+def test_a_rank_that_fails_before_it_joins_ends_the_waiting_rank_at_once_naming_it(corpus, tmp_path):
+    """Rank 1 fails in its start-up before the rendezvous (srun's layout: rank 0 hosts the store). Before, rank 0
+    waited in the join for the timeout (train.collective_timeout_s, ten minutes by default; under srun nothing
+    else ends it), then said rank 1 did not join, not why."""
+    procs = _start(_config(corpus, tmp_path / "run"), "fail-before-join:1:0")
+    codes = _finish(procs, timeout=TIMEOUT_S + 120)
+    failed_at = float(next(line for line in procs[1].lines if line.startswith("fail-before-join at ")).split()[-1])
+    assert codes == [1, 1], procs[0].output[-3000:]
+    (line,) = _errors(procs[0])
+    assert re.search(r"error: rank 1 \(host [^)]+\) failed while starting, before it joined the others: "
+                     r"fail-before-join: CUDA error: no CUDA-capable device is detected; stopping$", line), line
+    assert time.time() - failed_at < TIMEOUT_S / 2  # the join's timeout is longer than TIMEOUT_S
+    assert "fail-before-join: CUDA error" in procs[1].output  # rank 1 says it too (its traceback)
+
+
 def test_a_save_slower_than_the_collective_timeout_completes(corpus, tmp_path):
     """Rank 0 writes its 2 DeepSpeed files (ZeRO 1) for longer than train.collective_timeout_s: the other rank waits
     for it within checkpoint.timeout_s (every wait of a save, DeepSpeed's barrier inside it included, is on the

@@ -173,3 +173,40 @@ def test_a_task_too_many_is_refused_at_once_by_a_store_rank_0_hosts():
     with pytest.raises(JoinFailed, match=r"^rank 1 \(host [^)]+\) joined the job twice: another process \(host "):
         join("127.0.0.1", port, 1, 2, timedelta(seconds=20), {})
     assert time.monotonic() - began < 5
+
+
+@pytest.mark.parametrize("agent", [True, False], ids=["torchruns-store", "rank-0s-store"])
+def test_a_rank_that_fails_before_it_joins_stops_the_waiting_ranks_at_once_with_its_line(agent, monkeypatch):
+    """Without the line, rank 0 would wait out the join's timeout (train.collective_timeout_s, ten minutes by
+    default) for a rank that ended during its start-up, and then name it as missing without saying why."""
+    import threading
+    import time
+
+    from txl_dist import rendezvous
+
+    monkeypatch.setattr(rendezvous, "_joined", False)  # another test's join in this process
+    environ = AGENT if agent else {}
+    agents_store = _agent_store() if agent else None  # torchrun's, up before the workers start
+    port = agents_store.port if agent else free_port()
+    failed = []
+
+    def joining():
+        try:
+            join("127.0.0.1", port, 0, 2, timedelta(seconds=30), environ)
+        except JoinFailed as e:
+            failed.append((str(e), time.monotonic()))
+
+    thread = threading.Thread(target=joining)
+    thread.start()
+    threading.Event().wait(1.0)  # rank 0 waits in the join
+    line = "rank 1 (host h) failed while starting, before it joined the others: CUDA error; stopping"
+    told_at = time.monotonic()
+    assert rendezvous.tell_failure("127.0.0.1", port, 1, line, environ)
+    thread.join(10)
+    assert failed and failed[0][0] == line and failed[0][1] - told_at < 5, failed
+    # Rank 0 outside torchrun hosts the store: nobody waits in it for rank 0, and there is no store to reach.
+    assert not rendezvous.tell_failure("127.0.0.1", free_port(), 0, line, {})
+    # torchrun's store outlives a round: with nobody joined yet, a line would stop the round its restart starts.
+    fresh = _agent_store()
+    assert not rendezvous.tell_failure("127.0.0.1", fresh.port, 1, line, AGENT)
+    assert join("127.0.0.1", fresh.port, 0, 1, timedelta(seconds=5), AGENT) is not None

@@ -383,11 +383,14 @@ def destroy_process_group(error: BaseException | None = None) -> None:
     with status 1 when that takes over TEARDOWN_AFTER_FAILURE_S (logging its line first).
     """
     global _control_group, _control_timeout_s, _collective_timeout
-    line = _failure_line(error if error is not None else sys.exc_info()[1])
+    error = error if error is not None else sys.exc_info()[1]
+    line = _failure_line(error)
     collective_failed = watchdog.explained()
     watchdog.stop(line)
     _control_group = _control_timeout_s = _collective_timeout = None
     if not dist.is_initialized():
+        if line is not None and not isinstance(error, (KeyboardInterrupt, rendezvous.JoinFailed)):
+            _tell_the_joined(line)
         return
     if (line is None and not collective_failed) or dist.get_world_size() < 2:
         dist.destroy_process_group()
@@ -419,6 +422,20 @@ def _abort_groups() -> None:
             logging.getLogger(LOGGER_NAME).debug("aborting the process groups failed (%s); destroying them", e)
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _tell_the_joined(line: str) -> None:
+    """A failure before this rank joined the job: the ranks waiting for it to join stop at once with its line
+    (rendezvous.tell_failure). Not a stop signal (KeyboardInterrupt: the launcher or scheduler sends it to every
+    rank) nor a failed join (the others time out, or refused it themselves)."""
+    try:
+        env = discover()
+    except Exception:  # noqa: BLE001 - no launch environment to read: nobody to tell
+        return
+    if env.world_size > 1:
+        rendezvous.tell_failure(env.master_addr, env.master_port, env.rank,
+                                f"rank {env.rank} (host {socket.gethostname()}) failed while starting, before it "
+                                f"joined the others: {line}; stopping")
 
 
 def _failure_line(error: BaseException | None) -> str | None:

@@ -51,6 +51,10 @@ ROUND_QUIET_S = 2.5
 at least once a second) is an earlier round's: its processes are gone."""
 
 
+TELL_WITHIN_S = 3.0
+"""How long a rank that failed before joining tries to leave its line in the store (tell_failure)."""
+
+
 class JoinFailed(RunFailed):
     """Not every rank of the job joined its store within the timeout."""
 
@@ -108,7 +112,44 @@ def join(master_addr: str, master_port: int, rank: int, world_size: int, timeout
     except dist.DistError as e:  # the store's host went away meanwhile
         raise JoinFailed(f"rank {rank} lost {where}, while the ranks joined ({type(e).__name__}: {one_line(e)}); "
                          "stopping") from None
+    global _joined
+    _joined = True
     return Joined(group_store(store, keys), keys) if agent else Joined(store, None)
+
+
+_joined = False
+"""Whether this process has joined the job's store with every other rank (join returned)."""
+
+
+def tell_failure(master_addr: str, master_port: int, rank: int, line: str,
+                 environ: Mapping[str, str] | None = None) -> bool:
+    """Leave `line` (why this rank fails, before it has joined) where the ranks waiting in join read it: they stop
+    at once with it, where they would wait for this rank until the join's timeout (train.collective_timeout_s,
+    ten minutes by default; under srun nothing else ends them). The key is the one a refused world size uses; the
+    first line left there wins. Within TELL_WITHIN_S, and False, where no store answers (rank 0 hosts it outside
+    torchrun: then nobody waits in it yet; or it is gone) or, in torchrun's, where no rank has joined this round. A rank that has joined tells nobody here: the others
+    are past the join, and the watchdog names it."""
+    environ = os.environ if environ is None else environ
+    agent = environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    if _joined or (rank == 0 and not agent):
+        return False
+    try:
+        store = dist.TCPStore(master_addr, master_port, is_master=False, wait_for_workers=False,
+                              timeout=timedelta(seconds=TELL_WITHIN_S))
+        if agent:
+            base = f"txl_join/{environ.get('TORCHELASTIC_RUN_ID', '')}/agent"
+            keys = f"{base}/{store.add(f'{base}/generation', 0)}"
+            if not store.add(f"{keys}/count", 0):
+                # Nobody waits in this generation yet, and torchrun's store outlives the round: a line left now
+                # would stop the round its restart starts. The ones to come wait out the timeout, as before.
+                return False
+            refusal = f"{keys}/refused"
+        else:
+            refusal = f"{_base(environ)}/refused"
+        store.compare_set(refusal, "", line)
+        return True
+    except (RuntimeError, OSError):  # no store there (DistNetworkError, a timeout): nobody to tell
+        return False
 
 
 def group_store(store: dist.Store, keys: str) -> dist.Store:
