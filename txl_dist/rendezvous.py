@@ -73,7 +73,7 @@ def join(master_addr: str, master_port: int, rank: int, world_size: int, timeout
     agent does); JoinFailed when they have not within `timeout`. A store that cannot listen (its port taken)
     raises the store's own error. An agent's store comes back under this group's keys (group_store)."""
     environ = os.environ if environ is None else environ
-    agent = environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    agent = _uses_agent_store(environ)
     hosts = rank == 0 and not agent
     deadline = time.monotonic() + timeout.total_seconds()
     host = socket.gethostname()
@@ -127,17 +127,17 @@ def tell_failure(master_addr: str, master_port: int, rank: int, line: str,
     at once with it, where they would wait for this rank until the join's timeout (train.collective_timeout_s,
     ten minutes by default; under srun nothing else ends them). The key is the one a refused world size uses; the
     first line left there wins. Within TELL_WITHIN_S, and False, where no store answers (rank 0 hosts it outside
-    torchrun: then nobody waits in it yet; or it is gone) or, in torchrun's, where no rank has joined this round. A rank that has joined tells nobody here: the others
-    are past the join, and the watchdog names it."""
+    torchrun: then nobody waits in it yet; or it is gone) or, in torchrun's, where no rank has joined this round.
+    A rank that has joined tells nobody here: the others are past the join, and the watchdog names it."""
     environ = os.environ if environ is None else environ
-    agent = environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    agent = _uses_agent_store(environ)
     if _joined or (rank == 0 and not agent):
         return False
     try:
         store = dist.TCPStore(master_addr, master_port, is_master=False, wait_for_workers=False,
                               timeout=timedelta(seconds=TELL_WITHIN_S))
         if agent:
-            base = f"txl_join/{environ.get('TORCHELASTIC_RUN_ID', '')}/agent"
+            base = _agent_base(environ)
             keys = f"{base}/{store.add(f'{base}/generation', 0)}"
             if not store.add(f"{keys}/count", 0):
                 # Nobody waits in this generation yet, and torchrun's store outlives the round: a line left now
@@ -202,7 +202,7 @@ def _join_agent_round(store: dist.TCPStore, environ: Mapping[str, str], rank: in
     round's (torchrun stops its processes before it starts the next round, which then takes seconds to import),
     so the rank opens the next generation, and any that joined the old one move on to it. In this round's
     generation, a rank taken twice or another world size is refused as under a store rank 0 hosts."""
-    base = f"txl_join/{environ.get('TORCHELASTIC_RUN_ID', '')}/agent"
+    base = _agent_base(environ)
     while True:
         generation = store.add(f"{base}/generation", 0)
         keys = f"{base}/{generation}"
@@ -285,6 +285,16 @@ def _await_port(host: str, port: int, deadline: float, failure: Callable[[str], 
                 warn(now - start, one_line(e))
                 warn = None
             time.sleep(CONNECT_RETRY_S)
+
+
+def _uses_agent_store(environ: Mapping[str, str]) -> bool:
+    """Whether the ranks meet in torchrun's agent's store (which outlives them) rather than one rank 0 hosts."""
+    return environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+
+
+def _agent_base(environ: Mapping[str, str]) -> str:
+    """Keys of this launch in torchrun's agent's store; the rounds of its restarts are generations under it."""
+    return f"txl_join/{environ.get('TORCHELASTIC_RUN_ID', '')}/agent"
 
 
 def _base(environ: Mapping[str, str]) -> str:
