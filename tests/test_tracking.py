@@ -212,6 +212,41 @@ def test_unreachable_store_at_start_is_a_clear_error(tmp_path, monkeypatch):
         create_tracker(cfg_for(uri, "nowhere"), 0, tmp_path)
 
 
+def test_an_error_of_our_own_code_while_opening_is_a_failure_not_advice_about_the_store(tmp_path, monkeypatch):
+    # Found by the fault sweep (an error raised at a random call): a bug while opening the run was refused as
+    # "cannot open an MLflow run (...); start the server, fix tracking.uri", advice for a store that was fine.
+    from txl_dist.tracking import mlflow_run
+
+    monkeypatch.setattr(mlflow_run.MlflowTracker, "_experiment_id", lambda self: flatten_params(None))
+    run_dir = tmp_path / "run"
+    with pytest.raises(AttributeError, match="'NoneType' object has no attribute 'items'"):
+        create_tracker(TrackingConfig(system_metrics=False), 0, run_dir)
+    assert not (run_dir / "mlflow.db").exists()  # the store it began goes with it, as after a refusal
+
+    def out_of_memory(self):
+        raise MemoryError()
+
+    monkeypatch.setattr(mlflow_run.MlflowTracker, "_experiment_id", out_of_memory)
+    with pytest.raises(MemoryError):
+        create_tracker(TrackingConfig(system_metrics=False), 0, run_dir)
+    assert not (run_dir / "mlflow.db").exists()
+
+
+def test_whose_error_it_is_follows_the_innermost_frame():
+    from mlflow import MlflowClient
+
+    from txl_dist.tracking.errors import not_the_stores
+
+    with pytest.raises(AttributeError) as ours:
+        flatten_params(None)
+    assert not_the_stores(ours.value)
+    with pytest.raises(Exception) as mlflows:
+        MlflowClient(tracking_uri="nosuchscheme://host/x").search_experiments()
+    assert not not_the_stores(mlflows.value)
+    assert not not_the_stores(RuntimeError("never raised: no traceback"))
+    assert not_the_stores(MemoryError())
+
+
 def test_server_going_away_warns_once_and_training_goes_on(mlflow_server, client, experiment, tmp_path,  # noqa: F811
                                                            monkeypatch, caplog):
     # With MLflow's own HTTP settings (7 retries doubling from 2 s, 120 s timeouts), which used to hold the

@@ -57,7 +57,7 @@ from txl_dist.output_paths import OutputError, check_output_folder
 from txl_dist.write_faults import mount_point
 
 from .continuation import STAGING_DIR, Opening, ResumePoint, finish_switch, plan_opening, stage_switch
-from .errors import TrackingError
+from .errors import TrackingError, not_the_stores
 from .journal import TrackingFolder, _Batch, _DeliveryLog, _Journal, _JournalSummary, _OutboxItem, _summarize
 from .secrets import _one_line, _quiet_store_tracebacks, _remember_secrets, _scrub_library_logs, scrub_secrets, \
     shown_uri
@@ -207,6 +207,8 @@ class MlflowTracker(Tracker):
         except Exception as e:  # noqa: BLE001 - MLflow's store registry raises several kinds for a URI it cannot use
             if new_store is not None:
                 new_store.unlink(missing_ok=True)
+            if not_the_stores(e):
+                raise
             raise TrackingError(_unusable_store(self.shown_uri, self.uri, e)) from None
         if holds_secret:
             _scrub_library_logs()
@@ -226,7 +228,7 @@ class MlflowTracker(Tracker):
                                             "choose another run.dir") from None
                     raise
                 self._system_monitor = self._start_system_metrics() if cfg.system_metrics else None
-        except TrackingError:
+        except BaseException:  # a refusal, or a failure of the process: the store it began goes with it
             if new_store is not None:
                 new_store.unlink(missing_ok=True)
             raise
@@ -278,6 +280,8 @@ class MlflowTracker(Tracker):
         except TrackingError:
             raise
         except Exception as e:
+            if not_the_stores(e):
+                raise
             # from None: the cause's text quotes the request URL, credentials included; its first line,
             # scrubbed, is in the message.
             raise TrackingError(
