@@ -501,6 +501,22 @@ def test_an_elastic_resume_reads_only_the_rank_files_that_held_its_streams(tmp_p
         assert torch.equal(bank.stream_mems(s)[0], expected)
 
 
+def test_a_rank_file_that_cannot_be_unpickled_is_refused_but_running_out_of_memory_is_not(tmp_path, monkeypatch):
+    tag = tmp_path / checkpoint.tag_for(2)
+    (tag / checkpoint.STATE_DIR).mkdir(parents=True)
+    checkpoint.rank_file(tag, 0).write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match="cannot be read .*; resume another tag"):
+        checkpoint.load_rank_states(tag, [0])
+    torch.save({"rank": 0}, checkpoint.rank_file(tag, 0))
+
+    def out_of_memory(*args, **kwargs):
+        raise MemoryError()
+
+    monkeypatch.setattr(torch, "load", out_of_memory)
+    with pytest.raises(MemoryError):  # the file is fine: "resume another tag" would be wrong advice
+        checkpoint.load_rank_states(tag, [0])
+
+
 def test_rng_states_round_trip_through_a_weights_only_file(tmp_path):
     checkpoint.seed_rng(5, rank=1)
     state = checkpoint.rng_state()

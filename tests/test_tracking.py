@@ -235,16 +235,16 @@ def test_an_error_of_our_own_code_while_opening_is_a_failure_not_advice_about_th
 def test_whose_error_it_is_follows_the_innermost_frame():
     from mlflow import MlflowClient
 
-    from txl_dist.tracking.errors import not_the_stores
+    from txl_dist.errors import failure_of_the_process
 
     with pytest.raises(AttributeError) as ours:
         flatten_params(None)
-    assert not_the_stores(ours.value)
+    assert failure_of_the_process(ours.value)
     with pytest.raises(Exception) as mlflows:
         MlflowClient(tracking_uri="nosuchscheme://host/x").search_experiments()
-    assert not not_the_stores(mlflows.value)
-    assert not not_the_stores(RuntimeError("never raised: no traceback"))
-    assert not_the_stores(MemoryError())
+    assert not failure_of_the_process(mlflows.value)
+    assert not failure_of_the_process(RuntimeError("never raised: no traceback"))
+    assert failure_of_the_process(MemoryError())
 
 
 def test_server_going_away_warns_once_and_training_goes_on(mlflow_server, client, experiment, tmp_path,  # noqa: F811

@@ -64,7 +64,7 @@ import torch
 
 from . import distributed, watchdog
 from .atomic import atomic_path, atomic_write, fsync_dir, fsync_file
-from .errors import EXIT_REFUSED, Refused, RunFailed, one_line, where_relative
+from .errors import EXIT_REFUSED, Refused, RunFailed, failure_of_the_process, one_line, where_relative
 from .host import usable_cpus
 from .scratch import owned_scratch, owner_lock, remove_abandoned
 from .streams import ranks_holding
@@ -1289,6 +1289,8 @@ def load_rank_states(tag_dir: str | os.PathLike, ranks: Iterable[int]) -> list[d
         try:
             states.append(torch.load(path, map_location="cpu", weights_only=True))
         except Exception as e:  # a corrupt or foreign file: unpickling errors have many types
+            if failure_of_the_process(e):
+                raise
             raise CheckpointError(f"{path}: cannot be read ({one_line(e)}); resume another tag") from None
     return states
 

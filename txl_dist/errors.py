@@ -15,6 +15,7 @@ Standard library only: every package may import this module.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 EXIT_REFUSED = 2
 EXIT_FAILED = 1
@@ -22,6 +23,7 @@ EXIT_INTERRUPTED = 130
 """A second Ctrl-C: stopped at once, without saving (128 + SIGINT, as a shell reports it)."""
 EXIT_TERMINATED = 143
 """SIGTERM to a job with nothing to save (evaluation, export, generation): stopped at once (128 + SIGTERM)."""
+_PACKAGE = Path(__file__).resolve().parent
 LOGGER_NAME = "txl_dist"
 """The project's logger, through which those lines (and warnings) are printed."""
 
@@ -53,3 +55,19 @@ def where_relative(path: str | os.PathLike) -> str:
     """' (looked for /abs/path)' for a relative path that was not found, '' for an absolute one: the folder
     a relative path resolved against is not always the one the user thinks (a batch job's)."""
     return "" if os.path.isabs(path) else f" (looked for {os.path.abspath(path)})"
+
+
+def failure_of_the_process(error: BaseException) -> bool:
+    """Whether an error met while reading an input (a tracking store, a checkpoint file) is the process's own
+    rather than the input's: out of memory, or raised in this package's code (the innermost frame of its
+    traceback under txl_dist/), a bug. Those propagate as failures; a refusal would send the user to fix an input
+    that is fine (start the server, resume another tag). What the libraries reading the input raise is the
+    input's."""
+    if isinstance(error, MemoryError):
+        return True
+    tb = error.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return Path(tb.tb_frame.f_code.co_filename).resolve().is_relative_to(_PACKAGE)

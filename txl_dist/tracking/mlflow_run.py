@@ -53,11 +53,12 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from txl_dist.config import TrackingConfig
+from txl_dist.errors import failure_of_the_process
 from txl_dist.output_paths import OutputError, check_output_folder
 from txl_dist.write_faults import mount_point
 
 from .continuation import STAGING_DIR, Opening, ResumePoint, finish_switch, plan_opening, stage_switch
-from .errors import TrackingError, not_the_stores
+from .errors import TrackingError
 from .journal import TrackingFolder, _Batch, _DeliveryLog, _Journal, _JournalSummary, _OutboxItem, _summarize
 from .secrets import _one_line, _quiet_store_tracebacks, _remember_secrets, _scrub_library_logs, scrub_secrets, \
     shown_uri
@@ -207,7 +208,7 @@ class MlflowTracker(Tracker):
         except Exception as e:  # noqa: BLE001 - MLflow's store registry raises several kinds for a URI it cannot use
             if new_store is not None:
                 new_store.unlink(missing_ok=True)
-            if not_the_stores(e):
+            if failure_of_the_process(e):
                 raise
             raise TrackingError(_unusable_store(self.shown_uri, self.uri, e)) from None
         if holds_secret:
@@ -280,7 +281,7 @@ class MlflowTracker(Tracker):
         except TrackingError:
             raise
         except Exception as e:
-            if not_the_stores(e):
+            if failure_of_the_process(e):
                 raise
             # from None: the cause's text quotes the request URL, credentials included; its first line,
             # scrubbed, is in the message.

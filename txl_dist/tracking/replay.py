@@ -17,8 +17,10 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from txl_dist.errors import failure_of_the_process
+
 from .continuation import superseded_folders
-from .errors import ReplayError, TrackingError, not_the_stores
+from .errors import ReplayError, TrackingError
 from .journal import TrackingFolder, _Batch, _DeliveryLog, _summarize
 from .mlflow_run import LOCAL_DB
 from .secrets import _one_line, _quiet_store_tracebacks, _remember_secrets, _scrub_library_logs, shown_uri
@@ -105,7 +107,7 @@ def _replay_locked(folder: TrackingFolder, run_id: str, store: _Store, report: R
         try:
             client = MlflowClient(tracking_uri=store.uri)
         except Exception as e:  # noqa: BLE001 - a file that is no sqlite database, a URI MLflow has no store for
-            if not_the_stores(e):
+            if failure_of_the_process(e):
                 raise
             raise TrackingError(f"replay: MLflow cannot use {report.uri} ({_one_line(e)}); pass the --uri of the "
                                 "store that holds the run") from None
@@ -147,7 +149,7 @@ def _check_replay_target(client, folder: TrackingFolder, run_id: str, shown: str
         except TrackingError:
             raise
         except Exception as e:
-            if not_the_stores(e):
+            if failure_of_the_process(e):
                 raise
             raise TrackingError(f"replay: cannot reach {shown} ({_one_line(e)}); start the server or pass the "
                                 "right --uri") from None
