@@ -187,15 +187,16 @@ def export(checkpoint: str, out: str, hf: str | None = None, overwrite: bool = F
             if tokenizer:
                 atomic_write(Path(hf) / TOKENIZER_NAME, tokenizer[1])
             finished.append(Path(hf))
-    except (OSError, KeyboardInterrupt) as e:  # the folders were checked at the start: a full disk, a read-only
-        # remount, a folder removed; or SIGTERM, Ctrl-C (the file being written is removed: atomic.atomic_path)
+    except BaseException as e:  # the folders were checked at the start: a full disk, a read-only remount, a
+        # folder removed; SIGTERM, Ctrl-C (the file being written is removed: atomic.atomic_path); or a bug, out of
+        # memory: whatever ends it, no unfinished folder keeps a config that would make it look finished
         unfinished = [folder for folder in folders if folder not in finished]
         unfinish_exports([(folder, name) for folder, name in configs if folder in unfinished])
         left = " and ".join(str(folder) for folder in unfinished)
         if isinstance(e, Terminated):
             raise Terminated(f"export stopped {e.by} while writing {unfinished[0]}; {left} hold(s) no complete "
                              "export (no config), run the export again", by=e.by) from None
-        if isinstance(e, KeyboardInterrupt):
+        if not isinstance(e, OSError):  # Ctrl-C, or an error of the process: its traceback
             raise
         line = write_fault_line(e, unfinished[0], "export to a folder elsewhere") or one_line(e, limit=500)
         raise RunFailed(f"export failed: {line}; {left} hold(s) no complete export (no config), run the export "

@@ -125,6 +125,32 @@ def test_an_export_that_fails_after_the_weights_leaves_no_old_config_beside_them
     assert (out / "model_config.json").is_file()
 
 
+def test_an_export_that_fails_with_any_error_leaves_no_config_in_the_folder_it_did_not_finish(trained, tmp_path,
+                                                                                             monkeypatch):
+    """Found by raising an error at a random call of launch/export.py: only an OSError or a stop signal removed the
+    config of the folder being written. An error in the HuggingFace folder's tokenizer write (after its weights and
+    config.json) left a folder that looked finished without its tokenizer."""
+    import launch.export as export
+
+    _, run = trained
+    out, hf = tmp_path / "native", tmp_path / "hf"
+    real_write = export.atomic_write
+
+    def tokenizer_write_fails_in_hf(path, data):
+        if Path(path).parent == hf:
+            raise RuntimeError("a bug")
+        return real_write(path, data)
+
+    with monkeypatch.context() as m:
+        m.setattr(export, "atomic_write", tokenizer_write_fails_in_hf)
+        with pytest.raises(RuntimeError, match="a bug"):
+            export.main(["--checkpoint", str(run), "--out", str(out), "--hf", str(hf)])
+    assert sorted(p.name for p in hf.iterdir()) == ["model.safetensors"]  # no config.json: not an export
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors", "model_config.json", "tokenizer.model"]
+    assert export.main(["--checkpoint", str(run), "--out", str(out), "--hf", str(hf)]) == 0  # no --overwrite needed
+    assert sorted(p.name for p in hf.iterdir()) == ["config.json", "model.safetensors", "tokenizer.model"]
+
+
 def test_export_with_stdout_on_a_full_disk_still_succeeds(trained, tmp_path, monkeypatch, capfd):
     from launch.export import main
 
@@ -161,6 +187,33 @@ def test_interop_onto_a_full_disk_is_one_line_exit_1(trained, tmp_path, monkeypa
                     f"free space on {mount_point(out)} or choose another OUT_DIR"), line
     assert list(out.iterdir()) == []
     assert main([command, str(src), str(out)]) == 0
+
+
+@pytest.mark.parametrize("command", ["to-hf", "from-hf"])
+def test_a_conversion_that_fails_with_any_error_leaves_no_config(trained, tmp_path, monkeypatch, command):
+    """Only an OSError removed the new config when the tokenizer's write after it failed: a Ctrl-C or an error of
+    the process there left a folder that looked finished without its tokenizer."""
+    import txl_dist.interop.__main__ as interop
+    from launch.export import main as export
+
+    _, run = trained
+    assert export(["--checkpoint", str(run), "--out", str(tmp_path / "native"), "--hf", str(tmp_path / "hf")]) == 0
+    src = tmp_path / ("native" if command == "to-hf" else "hf")
+    out = tmp_path / "converted"
+    real_write = interop.atomic_write
+
+    def tokenizer_write_fails(path, data):
+        if Path(path).name == interop.TOKENIZER_NAME:
+            raise KeyboardInterrupt
+        return real_write(path, data)
+
+    with monkeypatch.context() as m:
+        m.setattr(interop, "atomic_write", tokenizer_write_fails)
+        with pytest.raises(KeyboardInterrupt):
+            interop.main([command, str(src), str(out)])
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+    assert interop.main([command, str(src), str(out)]) == 0
+    assert len(list(out.iterdir())) == 3
 
 
 # ----------------------------------------------------------------------------------------------------

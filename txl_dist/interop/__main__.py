@@ -100,10 +100,13 @@ def main(argv: list[str] | None = None) -> int:
             out = to_hf(model, args.out_dir, extra_config=extra or None)
         if tokenizer is not None:  # OUT_DIR is then all launch/generate.py --model needs, as after export
             atomic_write(out_tokenizer, tokenizer)
-    except OSError as e:  # the input was fine: a fault of the machine, and each file is written whole or not at all
+    except BaseException as e:  # each file is written whole or not at all; whatever ends it, no config stays
         with contextlib.suppress(OSError):  # best effort: the disk is failing
             out_config.unlink(missing_ok=True)
-        # Where the error names its file, the line names the file system to free space on, as data_prep's do.
+        if not isinstance(e, OSError):  # Ctrl-C, or an error of the process: its traceback
+            raise
+        # The input was fine: a fault of the machine. Where the error names its file, the line names the file
+        # system to free space on, as data_prep's do.
         named = write_fault_line(e, args.out_dir, "choose another OUT_DIR") if e.filename is not None else None
         _exit(EXIT_FAILED, f"writing {args.out_dir} failed: {named or one_line(e, limit=2000)}")
     print(f"wrote {out}")
