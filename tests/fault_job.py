@@ -102,11 +102,11 @@ def install(kind: str, rank: int, step: int) -> None:
     if kind == "sigterm-in-export":
         from txl_dist.interop import native
 
-        def half_written(model, filename, metadata=None):
+        def half_written(tensors, filename, metadata=None):
             Path(filename).write_bytes(b"half a file")
             os.kill(os.getpid(), signal.SIGTERM)
 
-        native.save_model = half_written
+        native.save_file = half_written
         return
     if kind in ("kill-in-save", "enospc-in-save", "slow-save", "hang-in-save"):
         real_save = torch.save

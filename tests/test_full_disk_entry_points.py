@@ -88,7 +88,7 @@ def test_export_onto_a_full_disk_is_one_line_exit_1_and_a_rerun_works(trained, t
     _, run = trained
     out = tmp_path / "exported"
     with monkeypatch.context() as m:
-        m.setattr(native, "save_model", safetensors_disk_full)
+        m.setattr(native, "save_file", safetensors_disk_full)
         assert main(["--checkpoint", str(run), "--out", str(out)]) == EXIT_FAILED
     line = one_error_line(capfd, caplog)
     assert line.startswith(f"error: export failed: {out / 'model.safetensors'}: [Errno 28] No space left on device; "
@@ -166,7 +166,7 @@ def test_export_with_stdout_on_a_full_disk_still_succeeds(trained, tmp_path, mon
 
 
 @pytest.mark.parametrize("command, writer", [("to-hf", "txl_dist.interop.hf_files.save_file"),
-                                             ("from-hf", "txl_dist.interop.native.save_model")])
+                                             ("from-hf", "txl_dist.interop.native.save_file")])
 def test_interop_onto_a_full_disk_is_one_line_exit_1(trained, tmp_path, monkeypatch, capfd, caplog, command,
                                                      writer):
     from launch.export import main as export

@@ -294,6 +294,25 @@ def test_native_round_trip(tmp_path):
     assert_same_model(model, load_native(tmp_path / "native"))
 
 
+def test_native_weights_are_the_same_file_each_time_and_tied_tensors_are_stored_once(tmp_path):
+    """safetensors' save_model listed the tied names it dropped in the header's metadata, which it writes in a
+    random order: two exports of one checkpoint differed in their bytes. A file written so still loads."""
+    from safetensors import safe_open
+    from safetensors.torch import save_model
+
+    model = small_model(CONFIGS["div1_cutoffs_projs"])  # tied weights and projections
+    first = (save_native(model, tmp_path / "a") / "model.safetensors").read_bytes()
+    assert all((save_native(model, tmp_path / "b") / "model.safetensors").read_bytes() == first for _ in range(3))
+    with safe_open(tmp_path / "a" / "model.safetensors", "pt") as f:
+        stored, metadata = set(f.keys()), f.metadata()
+    assert metadata == {"format": "pt"}
+    names = set(model.state_dict())
+    assert stored < names and len(stored) == len({t.data_ptr() for t in model.state_dict().values()})
+    assert_same_model(model, load_native(tmp_path / "a"))
+    save_model(model, str(tmp_path / "a" / "model.safetensors"), metadata={"format": "pt"})  # an older export
+    assert_same_model(model, load_native(tmp_path / "a"))
+
+
 def test_native_folder_records_the_tokenizer_digest_and_the_conversions_carry_it(tmp_path, capsys):
     """launch/export.py records the checkpoint's tokenizer sha256 in model_config.json (and config.json); the model
     loads as before, an older folder without it too, and from-hf / to-hf carry it to the folder they write."""

@@ -1,7 +1,7 @@
 """Our own model folder: `model_config.json` (ModelConfig as JSON) + `model.safetensors` (our state_dict).
 
-This is what `from-hf` writes and `to-hf` reads. Tied weights are stored once (safetensors' save_model
-drops the duplicates of shared tensors and load_model restores them), in the dtype the model had.
+This is what `from-hf` writes and `to-hf` reads. Tied weights are stored once, under the first of their names
+(safetensors' load_model restores the others), in the dtype the model had.
 
 model_config.json may also hold `tokenizer_sha256`, the sha256 of the SentencePiece model the weights were
 trained with (launch/export.py records the checkpoint's): launch/generate.py --model checks the tokenizer it
@@ -19,8 +19,9 @@ import json
 import re
 from pathlib import Path
 
+import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_model, save_model
+from safetensors.torch import load_model, save_file
 
 from txl_dist.atomic import atomic_path, atomic_write
 from txl_dist.config import ConfigError, ModelConfig, model_config_from_dict, read_json_object
@@ -120,6 +121,20 @@ def recorded_eod_id(src_dir: str | Path) -> int | None:
         return None
 
 
+def _tied_stored_once(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict with each group of tied tensors under one name, the first in sorted order, as safetensors'
+    save_model keeps it (load_model restores the others from the model). save_model also lists the dropped names
+    in the file header's metadata, which safetensors writes in a random order (a hash map), so two exports of one
+    checkpoint differed in their bytes; without that list they are the same file."""
+    state = model.state_dict()
+    tied: dict[tuple, list[str]] = {}
+    for name, tensor in state.items():
+        where = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
+                 tensor.stride())
+        tied.setdefault(where, []).append(name)
+    return {min(names): state[min(names)] for names in tied.values()}
+
+
 def save_native(model: TransformerXL, out_dir: str | Path, tokenizer_sha256: str | None = None,
                 eod_id: int | None = None) -> Path:
     """Write model_config.json + model.safetensors of `model` into out_dir (created if needed);
@@ -133,7 +148,7 @@ def save_native(model: TransformerXL, out_dir: str | Path, tokenizer_sha256: str
         config[EOD_ID_KEY] = check_eod_id(eod_id, "eod_id", model.config.vocab_size)
     out.mkdir(parents=True, exist_ok=True)
     with atomic_path(out / WEIGHTS_NAME) as tmp, safetensors_write(out / WEIGHTS_NAME):  # a full disk: OSError
-        save_model(model, str(tmp), metadata={"format": "pt"})
+        save_file(_tied_stored_once(model), str(tmp), metadata={"format": "pt"})
     atomic_write(out / MODEL_CONFIG_NAME, json.dumps(config, indent=2) + "\n")
     return out
 
