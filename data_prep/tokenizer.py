@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import math
 import os
 import random
 import re
@@ -144,7 +145,8 @@ def train_tokenizer(sentences: Iterable[str], out: str | os.PathLike, opts: Trai
     check_trainer_options(opts)
     spm.set_random_generator_seed(opts.seed)
     model = io.BytesIO()
-    feed = _RecordingFeed(sentences, min(opts.sample_sentences, RENUMBER_SAMPLE_SENTENCES), opts.seed)
+    feed = _RecordingFeed(sentences, min(opts.sample_sentences, RENUMBER_SAMPLE_SENTENCES), opts.seed,
+                          train_on=opts.sample_sentences)
     try:
         _train_off_main_thread(
             feed, model_writer=model,
@@ -271,18 +273,26 @@ class _Cancelled(Exception):
 
 class _RecordingFeed:
     """The sentences for SentencePiece, keeping what their reading raised: SentencePiece aborts on it but turns
-    it into a RuntimeError of several lines (an input's one-line refusal inside its own C++ message). It also
-    keeps a uniform sample of at most `keep` of them (reservoir sampling, seeded), which the pieces are
-    counted on: the sentences are read once, as they stream by."""
+    it into a RuntimeError of several lines (an input's one-line refusal inside its own C++ message).
 
-    def __init__(self, sentences: Iterable[str], keep: int = 0, seed: int = 0):
+    It hands SentencePiece a uniform sample of at most `train_on` of them, seeded, in the order they were read
+    (all of them where there are no more): SentencePiece's own sampling (input_sentence_size) draws from a
+    generator its seed does not reach (sentencepiece 0.2: set_random_generator_seed changed nothing), so each
+    run of the same command trained another tokenizer. Handed no more than that, it samples nothing. The whole
+    split is read before the first sentence is handed over. It also keeps a second uniform sample, of at most
+    `keep` sentences (reservoir sampling, seeded), which the pieces are counted on."""
+
+    def __init__(self, sentences: Iterable[str], keep: int = 0, seed: int = 0, train_on: int | None = None):
         self.sentences = sentences
         self.error: BaseException | None = None
         self.count = 0
-        """Sentences handed to SentencePiece so far."""
+        """Sentences read so far."""
         self.keep = keep
         self.sample: list[str] = []
         self._rng = random.Random(seed)
+        self.train_on = train_on
+        self._training_sample = _SkippingReservoir(train_on, random.Random(f"sentencepiece sample {seed}")) \
+            if train_on is not None else None
         self._cancelled = threading.Event()
         self.finished = False
         """Whether the feed has ended (all read, failed or cancelled)."""
@@ -303,12 +313,55 @@ class _RecordingFeed:
                     if j < self.keep:
                         self.sample[j] = sentence
                 self.count += 1
-                yield sentence
+                if self._training_sample is None:
+                    yield sentence
+                else:
+                    self._training_sample.offer(sentence)
+            if self._training_sample is not None:
+                for sentence in self._training_sample.in_order():
+                    if self._cancelled.is_set():
+                        raise _Cancelled()
+                    yield sentence
         except BaseException as e:  # noqa: BLE001 - also Ctrl-C and SIGTERM, re-raised as they were
             self.error = e
             raise
         finally:
             self.finished = True
+
+
+class _SkippingReservoir:
+    """A uniform sample of at most `size` of the items offered (reservoir sampling that draws how many items to
+    skip, Li's algorithm L: O(size * log(n / size)) draws for n items instead of one per item); in_order()
+    gives them in the order they were offered."""
+
+    def __init__(self, size: int, rng: random.Random):
+        self.size, self._rng = size, rng
+        self._items: list[tuple[int, str]] = []
+        self._offered = 0
+        self._w = 1.0
+        self._next = size  # the index of the next item to take once the reservoir is full
+
+    def _uniform(self) -> float:
+        return 1.0 - self._rng.random()  # in (0, 1]: its log is finite
+
+    def _skip(self) -> None:
+        self._w *= math.exp(math.log(self._uniform()) / self.size)
+        self._next += (math.floor(math.log(self._uniform()) / math.log1p(-self._w)) if self._w < 1.0 else 0) + 1
+
+    def offer(self, item: str) -> None:
+        i = self._offered
+        self._offered += 1
+        if i < self.size:
+            self._items.append((i, item))
+            if i + 1 == self.size:
+                self._next = i
+                self._skip()
+        elif i == self._next:
+            self._items[self._rng.randrange(self.size)] = (i, item)
+            self._skip()
+
+    def in_order(self) -> list[str]:
+        return [item for _, item in sorted(self._items, key=lambda pair: pair[0])]
 
 
 def _sp_message(e: Exception) -> str:

@@ -134,16 +134,18 @@ def test_an_interrupt_while_sentencepiece_reads_stops_its_reading_first(monkeypa
 
     def reading(sentence_iterator, **options):
         try:
-            for sentence in sentence_iterator:
-                read.append(sentence)
-                if len(read) == 10:
-                    os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while SentencePiece reads
+            for _ in sentence_iterator:  # the feed reads the whole split, to draw the sample it hands over
+                pass
         finally:
             stopped.set()
 
     def endless():
         while True:
-            yield from _sentences()
+            for sentence in _sentences():
+                read.append(sentence)
+                if len(read) == 10:
+                    os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the training thread reads
+                yield sentence
 
     monkeypatch.setattr(tokenizer.spm.SentencePieceTrainer, "train", reading)
     with pytest.raises(KeyboardInterrupt):

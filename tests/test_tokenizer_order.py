@@ -168,3 +168,48 @@ def test_prepare_renumbers_the_model_it_trains_and_keeps_a_given_one(tmp_path, m
     assert main([str(a) for a in ["prepare", "--out", tmp_path / "reused", "--tokenizer-model", given, *common]]) == 0
     assert (tmp_path / "reused" / "tokenizer.model").read_bytes() == given.read_bytes()
     assert not original  # nothing was renumbered
+
+
+SAME_MODEL_ELSEWHERE = """
+import hashlib, sys
+sys.path.insert(0, sys.argv[1])
+from data_prep.tokenizer import TrainerOptions, train_tokenizer
+import random
+rng = random.Random(0)
+words = ["".join(rng.choice("etaoinshrdlucmfw") for _ in range(rng.randint(2, 8))) for _ in range(800)]
+lines = [" ".join(rng.choices(words, k=10)) for _ in range(6000)]
+path = train_tokenizer(iter(lines), sys.argv[2], TrainerOptions(vocab_size=400, sample_sentences=1000, seed=3))
+print(hashlib.sha256(path.read_bytes()).hexdigest())
+"""
+
+
+def test_a_sampled_training_gives_the_same_tokenizer_in_every_process(tmp_path):
+    """SentencePiece's own sampling (input_sentence_size) ignored its seed: each run of prepare on a split of more
+    sentences than --tokenizer-sample trained another tokenizer, so another corpus."""
+    import subprocess
+    import sys
+
+    digests = {subprocess.run([sys.executable, "-c", SAME_MODEL_ELSEWHERE, str(Path(__file__).resolve().parents[1]),
+                               str(tmp_path / f"{i}.model")], check=True, capture_output=True, text=True).stdout
+               for i in range(3)}
+    assert len(digests) == 1, digests
+
+
+def test_the_training_sample_is_uniform_and_in_the_order_read():
+    import random
+
+    n, size, runs = 40, 8, 4000
+    taken = np.zeros(n)
+    for seed in range(runs):
+        reservoir = tokenizer._SkippingReservoir(size, random.Random(seed))
+        for i in range(n):
+            reservoir.offer(f"{i:03d}")
+        sample = reservoir.in_order()
+        assert len(sample) == size and sample == sorted(sample) and len(set(sample)) == size
+        taken[[int(s) for s in sample]] += 1
+    share = taken / runs  # each item: size / n = 0.2, binomial standard deviation 0.0063
+    assert np.abs(share - size / n).max() < 0.03, share
+    reservoir = tokenizer._SkippingReservoir(size, random.Random(0))
+    for i in range(5):
+        reservoir.offer(str(i))
+    assert reservoir.in_order() == ["0", "1", "2", "3", "4"]  # fewer than size: all of them, as read
