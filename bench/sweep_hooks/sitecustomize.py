@@ -1,9 +1,9 @@
-"""The fault sweep's raise-rank fault (bench/fault_sweep.py), imported by every Python process of a job started
-with this folder first on PYTHONPATH and RAISE_AFTER_CALLS_ENV set.
+"""The fault sweep's raise-rank fault (bench/fault_sweep.py, bench/entry_fault_probe.py), imported by every Python
+process of a job started with this folder first on PYTHONPATH and RAISE_AFTER_CALLS_ENV set.
 
-On SIGUSR2 the main thread's RAISE_AFTER_CALLS_ENV-th call into a Python function of txl_dist, launch/ or
-DeepSpeed raises a RuntimeError at the function's first line: what a bug, or torch's out-of-memory error, does on
-one rank at a random point. The signal handler only sets the trace; the exception itself comes from a call, never
+On SIGUSR2 the main thread's RAISE_AFTER_CALLS_ENV-th call into a Python function of txl_dist, launch/, data_prep
+or DeepSpeed raises a RuntimeError at the function's first line: what a bug, or torch's out-of-memory error, does
+on one rank at a random point. The signal handler only sets the trace; the exception itself comes from a call, never
 from between two bytecodes of a `finally` or a lock's acquire (as a Ctrl-C's could)."""
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ MARK = "raise-rank: injected"
 ANNOUNCED = "raise-rank: raising"
 """What the hook prints to stderr as it raises: the sweep tells a job that ended before the call came from one
 that swallowed the error."""
-WATCHED = (f"{os.sep}txl_dist{os.sep}", f"{os.sep}launch{os.sep}", f"{os.sep}deepspeed{os.sep}")
+WATCHED = (f"{os.sep}txl_dist{os.sep}", f"{os.sep}launch{os.sep}", f"{os.sep}deepspeed{os.sep}",
+           f"{os.sep}data_prep{os.sep}")
 
 
 def _arm(calls: int) -> None:

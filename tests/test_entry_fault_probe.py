@@ -1,0 +1,86 @@
+"""bench/entry_fault_probe.py: its verdicts on made-up outcomes, and one real case."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.entry_fault_probe import Case, Setup, check, draw_case, result_problems
+
+REPO = Path(__file__).resolve().parents[1]
+EXPORT = Case("export", "", 10, 0.5)
+
+
+def outcome(raised: bool, exit_status: int, printed: bool = True, ended_after_s: float | None = 1.0) -> dict:
+    return {"raised": raised, "exit": exit_status, "error_printed": printed, "ended_after_s": ended_after_s,
+            "stdout": ""}
+
+
+@pytest.fixture
+def setup(tmp_path) -> Setup:
+    """A set-up whose undisturbed export wrote two small folders."""
+    s = Setup(tmp_path / "setup", tmp_path / "corpus")
+    for folder, config in [("native", "model_config.json"), ("hf", "config.json")]:
+        (s.reference(EXPORT) / folder).mkdir(parents=True)
+        (s.reference(EXPORT) / folder / "model.safetensors").write_bytes(b"weights")
+        (s.reference(EXPORT) / folder / config).write_text("{}")
+    return s
+
+
+def test_a_raised_error_must_fail_the_command_print_it_and_leave_no_finished_looking_folder(setup, tmp_path):
+    out = tmp_path / "out"
+    (out / "native").mkdir(parents=True)
+    (out / "native" / "model.safetensors").write_bytes(b"new weights")  # no config: not an export
+    assert check(setup, EXPORT, out, outcome(True, 1)) == []
+    assert check(setup, EXPORT, out, outcome(True, 0)) == ["the error was raised and the command succeeded: swallowed"]
+    assert check(setup, EXPORT, out, outcome(True, 1, printed=False)) == [
+        "the command failed (exit status 1) without printing the error"]
+    assert check(setup, EXPORT, out, outcome(True, None, ended_after_s=None)) == [
+        "the command had not ended 60 s after the error"]
+    (out / "native" / "model_config.json").write_text("{}")  # a config beside other weights than the export's
+    assert check(setup, EXPORT, out, outcome(True, 1)) == [
+        "left native/model_config.json beside files unlike the undisturbed run's"]
+    (out / "native" / "model.safetensors").write_bytes(b"weights")  # the finished export: fine to keep
+    (out / "hf").mkdir()
+    (out / "hf" / ".model.safetensors.123.tmp").write_bytes(b"half")
+    assert check(setup, EXPORT, out, outcome(True, 1)) == ["left hf/.model.safetensors.123.tmp"]
+
+
+def test_a_command_the_error_never_reached_must_succeed_with_the_undisturbed_result(setup, tmp_path):
+    out = tmp_path / "out"
+    assert check(setup, EXPORT, out, outcome(False, 1)) == ["failed (exit status 1) although no error was raised"]
+    out.mkdir()
+    assert result_problems(setup, EXPORT, out, "") == ["its result differs from the undisturbed run's"]
+    for folder in ("native", "hf"):
+        (out / folder).mkdir()
+        for f in (setup.reference(EXPORT) / folder).iterdir():
+            (out / folder / f.name).write_bytes(f.read_bytes())
+    assert check(setup, EXPORT, out, outcome(False, 0)) == []
+
+
+def test_the_draw_depends_on_the_seed_only():
+    import random
+
+    def draws_of(seed):
+        rng = random.Random(f"entry faults {seed}")
+        return [draw_case(rng, ("eval", "prepare")) for _ in range(20)]
+
+    draws = [draws_of(seed) for seed in (1, 1, 2)]
+    assert draws[0] == draws[1] != draws[2]
+    assert {c.entry for c in draws[0]} == {"eval", "prepare"}
+    assert {c.variant for c in draws[0] if c.entry == "eval"} <= {"rank 0", "rank 1"}
+
+
+@pytest.mark.skipif(not (REPO / "data" / "shakespeare" / "manifest.json").is_file(),
+                    reason="needs data/shakespeare (bash scripts/shakespeare_corpus.sh)")
+def test_a_real_case_of_export(tmp_path):
+    """The set-up (a 2-rank training run, the undisturbed export) and two cases, end to end (~30 s)."""
+    p = subprocess.run([sys.executable, "-m", "bench.entry_fault_probe", "--cases", "2", "--seed", "3", "--entries",
+                        "export", "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [r["verdict"] for r in rows] == ["pass", "pass"] and all(r["signalled"] for r in rows), rows
+    assert "0 case(s) failed" in p.stdout
