@@ -13,7 +13,8 @@ A case passes when:
 - where the error was raised (the hook announces it on stderr), the command failed (exit status not 0) within
   END_WITHIN_S, printed the error, and left nothing that looks like a result: no eval `--json-out` file, no
   model folder with its config unless the folder is the undisturbed export byte for byte, no corpus manifest,
-  no temporary file;
+  no temporary file; or, raised once its result was complete (in its closing report), it succeeded with the
+  undisturbed result and a warning that names the error;
 - where the command ended before the N-th call came, it succeeded with the undisturbed result;
 - the same command run again, without the fault, succeeds and gives the undisturbed result (byte for byte for
   files; eval's JSON, generate's JSON output and the corpus manifest's splits and tokenizer as values).
@@ -272,8 +273,11 @@ def result_problems(setup: Setup, case: Case, out: Path, stdout: str) -> list[st
 def check(setup: Setup, case: Case, out: Path, outcome: dict[str, Any]) -> list[str]:
     problems = []
     if outcome["raised"]:
-        if outcome["exit"] == 0:
-            problems.append("the error was raised and the command succeeded: swallowed")
+        if outcome["exit"] == 0:  # after its result was complete (a closing report): it must say so
+            if not outcome["error_printed"]:
+                problems.append("the error was raised and the command succeeded without a word: swallowed")
+            else:
+                problems += result_problems(setup, case, out, outcome["stdout"])
         elif outcome["ended_after_s"] is None:
             problems.append(f"the command had not ended {END_WITHIN_S} s after the error")
         elif not outcome["error_printed"]:
@@ -342,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
             case = draw_case(rng, entries)
             record = {"index": i, **run_case(setup, case, root / f"case{i:03d}")}
             results.write(json.dumps(record) + "\n")
-            how = (f"raised in {record['where']}; exit {record['exit']} {record['ended_after_s']} s later"
+            how = (f"raised {record['where']}; exit {record['exit']} {record['ended_after_s']} s later"
                    if record["raised"] else f"not raised (exit {record['exit']})")
             print(f"case {i}: {record['verdict'].upper()} {case.text()}: {how}"
                   + "".join(f"\n  - {p}" for p in record["problems"]), flush=True)

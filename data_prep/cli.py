@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -14,10 +15,10 @@ from data_prep.tokenizer import MODEL_TYPES, TRAINING_OPTIONS, TRAINING_THREADS,
     check_trained_with
 from data_prep.errors import PrepError, access_fault_line
 from txl_dist.cli_args import ArgumentParser
-from txl_dist.errors import EXIT_FAILED, EXIT_REFUSED, EXIT_TERMINATED, Refused
+from txl_dist.errors import EXIT_FAILED, EXIT_REFUSED, EXIT_TERMINATED, Refused, RunFailed, one_line
 from txl_dist.host import raise_open_file_limit, usable_cpus
-from txl_dist.stop_request import Terminated, stop_at_once
-from txl_dist.write_faults import write_fault_line  # the one line of a failed write, shared
+from txl_dist.stop_request import Terminated, finish_despite_sigterm, stop_at_once
+from txl_dist.write_faults import print_result, write_fault_line  # the one line of a failed write, shared
 
 if TYPE_CHECKING:  # for an annotation only: each command imports what it uses when it runs
     from txl_dist.data.format import Manifest
@@ -340,7 +341,7 @@ def _run(args: argparse.Namespace, command: list[str], recorded: dict, training:
     if args.command == "fetch-corpus":
         from data_prep.fetch import fetch_corpus
         out = fetch_corpus(args.name, args.out, overwrite=args.overwrite, cache_dir=args.cache_dir)
-        print(f"wrote {args.name} to {out}")
+        _closing(out, f"wrote {args.name} to {out}")
     elif args.command in ("prepare", "train-tokenizer"):
         from data_prep.prepare import InputSpec, prepare, train_tokenizer_job
         from data_prep.shards import parse_shard
@@ -362,7 +363,7 @@ def _run(args: argparse.Namespace, command: list[str], recorded: dict, training:
         if args.command == "train-tokenizer":
             out = train_tokenizer_job(spec, args.out, trainer, overwrite=args.overwrite, progress=not args.quiet,
                                       verbose=args.verbose)
-            print(f"wrote tokenizer {out}")
+            _closing(out, f"wrote tokenizer {out}")
             return 0
         if args.source:
             from data_prep.mix import parse_source, prepare_mixture
@@ -376,7 +377,7 @@ def _run(args: argparse.Namespace, command: list[str], recorded: dict, training:
                                        train_tokens=args.train_tokens, overwrite=args.overwrite, command=command,
                                        args=recorded, progress=not args.quiet,
                                        space_check=not args.no_space_check)
-            print(_wrote_mixture(args.out, manifest))
+            _closing(args.out, lambda: _wrote_mixture(args.out, manifest))
             return 0
         if args.plan:
             from data_prep.prepare import plan_job
@@ -384,7 +385,7 @@ def _run(args: argparse.Namespace, command: list[str], recorded: dict, training:
                 raise PrepError("--plan writes the plan every --shard task reads: run it once, without --shard")
             path, made = plan_job(spec, args.out, overwrite=args.overwrite, command=command, args=recorded,
                                   progress=not args.quiet, num_proc=args.num_proc)
-            print(f"wrote plan {path}" if made else f"kept plan {path}: it fits these inputs and options")
+            _closing(path, f"wrote plan {path}" if made else f"kept plan {path}: it fits these inputs and options")
             return 0
         out = prepare(spec, args.out, tokenizer_model=args.tokenizer_model, eod_piece=args.eod_piece,
                       trainer=trainer, num_proc=args.num_proc, world_size=args.world_size,
@@ -395,24 +396,24 @@ def _run(args: argparse.Namespace, command: list[str], recorded: dict, training:
         from data_prep.plan_file import PLAN_FILE
         if args.shard:
             planned = " (following its plan.json)" if (Path(args.out) / PLAN_FILE).exists() else ""
-            print(f"wrote shard {out}{planned}")
+            _closing(out, f"wrote shard {out}{planned}")
         else:
             from data_prep.report import written_summary
-            print(written_summary(out, time.monotonic() - started))
+            _closing(out, lambda: written_summary(out, time.monotonic() - started))
     elif args.command == "finalize":
         from data_prep.prepare import finalize
         out = finalize(args.parts, args.out, world_size=args.world_size, n_streams=args.n_streams,
                        eval_streams=args.eval_streams, overwrite=args.overwrite, command=command, args=recorded,
                        progress=not args.quiet, space_check=not args.no_space_check)
         from data_prep.report import written_summary
-        print(written_summary(out, time.monotonic() - started))
+        _closing(out, lambda: written_summary(out, time.monotonic() - started))
     elif args.command == "mix":
         from data_prep.mix import mix, parse_source
         manifest = mix([parse_source(s) for s in args.source], args.out, train_tokens=args.train_tokens,
                        seed=args.seed, world_size=args.world_size, n_streams=args.n_streams,
                        eval_streams=args.eval_streams, overwrite=args.overwrite, index=args.index, command=command,
                        args=recorded, progress=not args.quiet, space_check=not args.no_space_check)
-        print(_wrote_mixture(args.out, manifest))
+        _closing(args.out, lambda: _wrote_mixture(args.out, manifest))
     elif args.command == "verify":
         from data_prep.report import verify_report
         print(verify_report(args.corpus, progress=not args.quiet))
@@ -424,8 +425,24 @@ def _run(args: argparse.Namespace, command: list[str], recorded: dict, training:
         from data_prep.relayout import relayout
         relayout(args.corpus, world_size=args.world_size, n_streams=args.n_streams, eval_streams=args.eval_streams,
                  command=command, args=recorded, progress=not args.quiet, space_check=not args.no_space_check)
-        print(f"relaid {args.corpus} for world size {args.world_size}, {args.n_streams} streams")
+        _closing(args.corpus, f"relaid {args.corpus} for world size {args.world_size}, {args.n_streams} streams")
     return 0
+
+
+def _closing(out: str | os.PathLike, report: str | Callable[[], str]) -> None:
+    """Print the closing report of a command whose output `out` is complete by now. From here on a SIGTERM or
+    SIGUSR1 is ignored (finish_despite_sigterm), and what fails while reporting (stdout on a full disk, a Ctrl-C,
+    an error while reading the output back for its summary) is one warning that names the output: the command
+    succeeds, since its output is the result. Before, such a failure ended the job with exit 1 (or "interrupted;
+    nothing was written") beside a finished corpus, which a run again refused as existing."""
+    finish_despite_sigterm()
+    try:
+        print_result(report() if callable(report) else report)
+    except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - any of them leaves the output as it is
+        why = one_line(e) if isinstance(e, RunFailed) else f"{type(e).__name__}{': ' if str(e) else ''}{one_line(e)}"
+        with contextlib.suppress(OSError):
+            print(f"warning: wrote {out} (complete); its report could not be printed: {why}", file=sys.stderr,
+                  flush=True)
 
 
 def _wrote_mixture(out: str, manifest: Manifest) -> str:

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from dist_helpers import run_ranks, sentencepiece_corpus, tiny_config
+from txl_dist.data import read_manifest
 from txl_dist.errors import EXIT_FAILED
 from txl_dist.write_faults import mount_point, write_fault_line
 
@@ -297,3 +298,33 @@ def test_prepare_whose_tokenizer_copy_fails_names_the_output(trained, tmp_path, 
     assert err[0].endswith(f"tokenizer.model: [Errno 28] No space left on device; free space on "
                            f"{mount_point(tmp_path)} or choose another --out"), err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("failure", ["stdout on a full disk", "an error in the summary", "Ctrl-C in the summary"])
+def test_a_failure_after_the_corpus_is_complete_is_a_warning_and_the_corpus_stays(trained, tmp_path, monkeypatch,
+                                                                                   capsys, failure):
+    """Found by raising an error at a random call of prepare (bench/entry_fault_probe.py): the closing summary reads
+    the finished corpus back, and an error there ended the job with exit 1 (a Ctrl-C: "interrupted; nothing was
+    written") beside the complete corpus, which the same command then refused as existing."""
+    import data_prep.report as report
+    from data_prep.cli import main
+
+    corpus, _ = trained
+    out = tmp_path / "out"
+    argv = ["prepare", "--out", str(out), "--train", str(corpus.parent / "raw" / "train" / "00.txt"),
+            "--tokenizer-model", str(corpus / "tokenizer.model"), "--num-proc", "1", "--quiet"]
+    if failure == "stdout on a full disk":
+        with stdout_on_a_full_disk():
+            assert main(argv) == 0
+        said = "the standard output cannot be written ([Errno 28] No space left on device)"
+    else:
+        def summary_fails(*args, **kwargs):
+            raise RuntimeError("a bug") if failure == "an error in the summary" else KeyboardInterrupt
+
+        monkeypatch.setattr(report, "written_summary", summary_fails)
+        assert main(argv) == 0
+        said = "RuntimeError: a bug" if failure == "an error in the summary" else "KeyboardInterrupt"
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"warning: wrote {out} (complete); its report could not be printed: "), err
+    assert said in err[0], err
+    assert read_manifest(out).splits["train"].n_tokens > 0
