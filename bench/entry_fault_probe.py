@@ -272,13 +272,13 @@ def result_problems(setup: Setup, case: Case, out: Path, stdout: str) -> list[st
 
 def check(setup: Setup, case: Case, out: Path, outcome: dict[str, Any]) -> list[str]:
     problems = []
-    if outcome["raised"]:
-        if outcome["exit"] == 0:  # after its result was complete (a closing report): it must say so
-            if not outcome["error_printed"]:
-                problems.append("the error was raised and the command succeeded without a word: swallowed")
-            else:
-                problems += result_problems(setup, case, out, outcome["stdout"])
-        elif outcome["ended_after_s"] is None:
+    if outcome["raised"] and outcome["exit"] == 0:  # after its result was complete (a closing report): said so?
+        if not outcome["error_printed"]:
+            problems.append("the error was raised and the command succeeded without a word: swallowed")
+        else:
+            problems += result_problems(setup, case, out, outcome["stdout"])
+    elif outcome["raised"]:
+        if outcome["ended_after_s"] is None:
             problems.append(f"the command had not ended {END_WITHIN_S} s after the error")
         elif not outcome["error_printed"]:
             problems.append(f"the command failed (exit status {outcome['exit']}) without printing the error")

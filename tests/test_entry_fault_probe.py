@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -50,6 +51,18 @@ def test_a_raised_error_must_fail_the_command_print_it_and_leave_no_finished_loo
     (out / "hf").mkdir()
     (out / "hf" / ".model.safetensors.123.tmp").write_bytes(b"half")
     assert check(setup, EXPORT, out, outcome(True, 1)) == ["left hf/.model.safetensors.123.tmp"]
+
+
+def test_an_error_met_once_the_result_was_complete_may_end_in_success_if_it_said_so(setup, tmp_path):
+    prepare = Case("prepare", "reuse", 10, 0.5)
+    (setup.reference(prepare) / "corpus").mkdir(parents=True)
+    (setup.reference(prepare) / "corpus" / "manifest.json").write_text(json.dumps({"splits": {"train": 1}}))
+    out = tmp_path / "out"
+    shutil.copytree(setup.reference(prepare), out)  # the finished corpus, its manifest included: no leftover
+    assert check(setup, prepare, out, outcome(True, 0)) == []
+    assert check(setup, prepare, out, outcome(True, 0, printed=False)) == [
+        "the error was raised and the command succeeded without a word: swallowed"]
+    assert check(setup, prepare, out, outcome(True, 1)) == ["left corpus/manifest.json"]
 
 
 def test_a_command_the_error_never_reached_must_succeed_with_the_undisturbed_result(setup, tmp_path):
