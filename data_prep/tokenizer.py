@@ -275,8 +275,8 @@ class _RecordingFeed:
     """The sentences for SentencePiece, keeping what their reading raised: SentencePiece aborts on it but turns
     it into a RuntimeError of several lines (an input's one-line refusal inside its own C++ message).
 
-    It hands SentencePiece a uniform sample of at most `train_on` of them, seeded, in the order they were read
-    (all of them where there are no more): SentencePiece's own sampling (input_sentence_size) draws from a
+    Given `train_on`, it hands SentencePiece a uniform sample of at most that many of them, seeded, in the order
+    they were read (all of them where there are no more): SentencePiece's own sampling (input_sentence_size) draws from a
     generator its seed does not reach (sentencepiece 0.2: set_random_generator_seed changed nothing), so each
     run of the same command trained another tokenizer. Handed no more than that, it samples nothing. The whole
     split is read before the first sentence is handed over. It also keeps a second uniform sample, of at most
@@ -290,7 +290,6 @@ class _RecordingFeed:
         self.keep = keep
         self.sample: list[str] = []
         self._rng = random.Random(seed)
-        self.train_on = train_on
         self._training_sample = _SkippingReservoir(train_on, random.Random(f"sentencepiece sample {seed}")) \
             if train_on is not None else None
         self._cancelled = threading.Event()
