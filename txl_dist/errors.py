@@ -23,7 +23,6 @@ EXIT_INTERRUPTED = 130
 """A second Ctrl-C: stopped at once, without saving (128 + SIGINT, as a shell reports it)."""
 EXIT_TERMINATED = 143
 """SIGTERM to a job with nothing to save (evaluation, export, generation): stopped at once (128 + SIGTERM)."""
-_PACKAGE = Path(__file__).resolve().parent
 LOGGER_NAME = "txl_dist"
 """The project's logger, through which those lines (and warnings) are printed."""
 
@@ -55,6 +54,9 @@ def where_relative(path: str | os.PathLike) -> str:
     """' (looked for /abs/path)' for a relative path that was not found, '' for an absolute one: the folder
     a relative path resolved against is not always the one the user thinks (a batch job's)."""
     return "" if os.path.isabs(path) else f" (looked for {os.path.abspath(path)})"
+
+
+_PACKAGE = Path(__file__).resolve().parent
 
 
 def failure_of_the_process(error: BaseException) -> bool:
