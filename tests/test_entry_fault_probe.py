@@ -90,13 +90,18 @@ def test_the_draw_depends_on_the_seed_only():
     assert {c.variant for c in draws[0] if c.entry == "eval"} <= {"rank 0", "rank 1"}
 
 
-@pytest.mark.skipif(not (REPO / "data" / "shakespeare" / "manifest.json").is_file(),
-                    reason="needs data/shakespeare (bash scripts/shakespeare_corpus.sh)")
 def test_a_real_case_of_export(tmp_path):
-    """The set-up (a 2-rank training run, the undisturbed export) and two cases, end to end (~30 s)."""
+    """The set-up (a 2-rank training run, the undisturbed export) and two cases, end to end (~20 s)."""
+    from corpus_helpers import make_corpus, synthetic_stream
+
+    corpus = make_corpus(tmp_path / "corpus", {split: synthetic_stream(20_000, 4096, seed=i)
+                                               for i, split in enumerate(("train", "valid", "test"))},
+                         vocab_size=4096)  # configs/tiny.json's cutoffs: [1000, 2000]
+    out = tmp_path / "out"
     p = subprocess.run([sys.executable, "-m", "bench.entry_fault_probe", "--cases", "2", "--seed", "3", "--entries",
-                        "export", "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=600)
+                        "export", "--corpus", str(corpus), "--out", str(out)], cwd=REPO, capture_output=True,
+                       text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert [r["verdict"] for r in rows] == ["pass", "pass"] and all(r["signalled"] for r in rows), rows
     assert "0 case(s) failed" in p.stdout
