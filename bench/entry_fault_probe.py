@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.config_sweep import REPO, child_env
+from bench.config_sweep import REPO, child_env, train_command
 from bench.fault_sweep import catches
 from bench.sweep_hooks.sitecustomize import ANNOUNCED, RAISE_AFTER_CALLS_ENV
 from bench.sweep_hooks.sitecustomize import MARK as RAISED
@@ -53,8 +53,9 @@ END_WITHIN_S = 60
 """A command must have ended this long after its error was raised."""
 RUN_TIMEOUT_S = 300
 MAX_CALLS = 3000
-CONFIGS = {"export": ("model_config.json", "config.json"), "interop": ("config.json", "model_config.json")}
-"""The file that makes each of an entry's output folders a finished model folder."""
+VARIANTS = {"eval": ("rank 0", "rank 1"), "interop": ("to-hf", "from-hf"), "prepare": ("reuse", "train")}
+"""What a case of an entry draws besides: eval the rank raised on, interop the direction, prepare the tokenizer
+(reused or trained). The other entries have none."""
 
 
 @dataclass(frozen=True)
@@ -71,10 +72,13 @@ class Case:
         return f"{what}: an error at call {self.calls}, {self.at_share:.0%} into the run"
 
 
+EXPORT = Case("export", "", 0, 0)
+"""The undisturbed export, whose folders interop's cases convert."""
+
+
 def draw_case(rng: random.Random, entries: tuple[str, ...]) -> Case:
     entry = rng.choice(entries)
-    variant = {"eval": lambda: f"rank {rng.randint(0, 1)}", "interop": lambda: rng.choice(["to-hf", "from-hf"]),
-               "prepare": lambda: rng.choice(["reuse", "train"])}.get(entry, lambda: "")()
+    variant = rng.choice(VARIANTS[entry]) if entry in VARIANTS else ""
     return Case(entry, variant, rng.randint(1, MAX_CALLS), rng.uniform(0.0, 1.1))
 
 
@@ -105,7 +109,7 @@ class Setup:
             return [py, "launch/generate.py", "--checkpoint", str(self.run_dir), "--prompt", "The king",
                     "--max-new-tokens", "24", "--seed", "1", "--json"]
         if case.entry == "interop":
-            src = self.folder / "reference" / "export" / ("native" if case.variant == "to-hf" else "hf")
+            src = self.reference(EXPORT) / ("native" if case.variant == "to-hf" else "hf")
             return [py, "-m", "txl_dist.interop", case.variant, str(src), str(out / "converted")]
         tokenizer = (["--tokenizer-model", str(self.corpus / "tokenizer.model")] if case.variant == "reuse" else
                      ["--vocab-size", "512", "--tokenizer-sample", "2000"])
@@ -120,17 +124,15 @@ class Setup:
 
     def prepare(self, entries: tuple[str, ...]) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
-        train = [str(Path(sys.executable).with_name("torchrun")), "--nproc_per_node", "2", "--master_port",
-                 str(free_port()), "launch/train.py", "--config", "configs/tiny.json", "--set",
-                 f"data.path={self.corpus}", "--set", f"run.dir={self.run_dir}", "--set", "train.max_steps=4",
-                 "--set", "checkpoint.interval=4", "--set", "eval.max_segments=4", "--set", "tracking.enabled=false"]
+        train = [*train_command(2, free_port()), "--set", f"data.path={self.corpus}", "--set",
+                 f"run.dir={self.run_dir}", "--set", "train.max_steps=4", "--set", "checkpoint.interval=4", "--set",
+                 "eval.max_segments=4", "--set", "tracking.enabled=false"]
         if run(train, self.folder / "train.log")[0] != 0:
             raise SystemExit(f"the set-up's training run failed: {self.folder / 'train.log'}")
         write_raw_text(self.raw, seed=0)
-        needed = [Case("export", "", 0, 0)] if "interop" in entries else []
+        needed = [EXPORT] if "interop" in entries else []  # interop converts the undisturbed export
         for entry in entries:
-            needed += [Case(entry, v, 0, 0) for v in {"eval": ["rank 0"], "interop": ["to-hf", "from-hf"],
-                                                      "prepare": ["reuse", "train"]}.get(entry, [""])]
+            needed += [Case(entry, v, 0, 0) for v in VARIANTS.get(entry, ("",))]
         for case in dict.fromkeys(needed):
             out = self.reference(case)
             shutil.rmtree(out, ignore_errors=True)
