@@ -276,11 +276,11 @@ class _RecordingFeed:
     it into a RuntimeError of several lines (an input's one-line refusal inside its own C++ message).
 
     Given `train_on`, it hands SentencePiece a uniform sample of at most that many of them, seeded, in the order
-    they were read (all of them where there are no more): SentencePiece's own sampling (input_sentence_size) draws from a
-    generator its seed does not reach (sentencepiece 0.2: set_random_generator_seed changed nothing), so each
-    run of the same command trained another tokenizer. Handed no more than that, it samples nothing. The whole
-    split is read before the first sentence is handed over. It also keeps a second uniform sample, of at most
-    `keep` sentences (reservoir sampling, seeded), which the pieces are counted on."""
+    they were read (all of them where there are no more): SentencePiece's own sampling (input_sentence_size)
+    draws from a generator its seed does not reach (sentencepiece 0.2: set_random_generator_seed changed
+    nothing), so each run of the same command trained another tokenizer. Handed no more than that, it samples
+    nothing. The whole split is read before the first sentence is handed over. It also keeps a second uniform
+    sample, of at most `keep` sentences (reservoir sampling, seeded), which the pieces are counted on."""
 
     def __init__(self, sentences: Iterable[str], keep: int = 0, seed: int = 0, train_on: int | None = None):
         self.sentences = sentences
@@ -338,7 +338,8 @@ class _SkippingReservoir:
         self._items: list[tuple[int, str]] = []
         self._offered = 0
         self._w = 1.0
-        self._next = size  # the index of the next item to take once the reservoir is full
+        self._next = 0
+        """Once the reservoir is full: the index of the next item it takes (drawn by _skip)."""
 
     def _uniform(self) -> float:
         return 1.0 - self._rng.random()  # in (0, 1]: its log is finite

@@ -325,6 +325,7 @@ def test_a_failure_after_the_corpus_is_complete_is_a_warning_and_the_corpus_stay
         assert main(argv) == 0
         said = "RuntimeError: a bug" if failure == "an error in the summary" else "KeyboardInterrupt"
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(f"warning: wrote {out} (complete); its report could not be printed: "), err
+    assert len(err) == 1, err
+    assert err[0].startswith(f"warning: wrote {out} (complete); its report could not be printed: "), err
     assert said in err[0], err
     assert read_manifest(out).splits["train"].n_tokens > 0
