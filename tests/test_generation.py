@@ -530,6 +530,62 @@ def test_streamed_text_never_splits_a_character_and_joins_into_the_one_call_text
     assert "".join(parts) == text and session.finish_text() == [""]
 
 
+def forced_ids_session(byte_tokenizer, monkeypatch, ids):
+    """A session that has read 'the king' and whose samples are `ids`, in order."""
+    tok, small = byte_tokenizer
+    force_samples(monkeypatch, ids)
+    session = GenerationSession(small, seed=0, tokenizer=tok)
+    session.feed("the king")
+    return session
+
+
+@pytest.mark.parametrize("cut", ["every token", "before the end", "after it", "between the ends", "in a character",
+                                 "one call"])
+def test_streamed_text_keeps_the_blank_line_between_documents_wherever_a_call_ends(byte_tokenizer, monkeypatch, cut):
+    tok, _ = byte_tokenizer
+    # A document ends after " the queen" (twice: an empty document between), then " 日" (byte pieces) begins one.
+    ids = tok.encode(" the queen", False) + [tok.eod_id, tok.eod_id] + tok.encode(" 日 lord", False)
+    end, n = ids.index(tok.eod_id), len(ids)
+    whole = tok.decode(tok.encode("the king") + ids)
+    assert whole == "the king the queen\n\n日 lord"
+    first_byte = next(i for i, token in enumerate(ids) if tok.processor.is_byte(token))
+    calls = {"every token": [1] * n, "before the end": [end, n - end], "after it": [end + 1, n - end - 1],
+             "between the ends": [end + 1, 1, n - end - 2], "in a character": [first_byte + 1, n - first_byte - 1],
+             "one call": [n]}[cut]
+    session = forced_ids_session(byte_tokenizer, monkeypatch, ids)
+    parts = [session.sample_text(k)[0] for k in calls]
+    assert "the king" + "".join(parts) + session.finish_text()[0] == whole, parts
+
+
+def test_text_sampled_after_a_fed_end_of_document_starts_with_the_blank_line(byte_tokenizer, monkeypatch, tmp_path):
+    tok, _ = byte_tokenizer
+    session = forced_ids_session(byte_tokenizer, monkeypatch, tok.encode(" lord", False) * 2)
+    session.feed([tok.eod_id])
+    assert session.sample_text(1) == ["\n\nlord"]
+    # A restored session continues the same text; one whose first text starts a document shows no blank line.
+    torch.save(session.state_dict(), tmp_path / "session.pt")
+    restored = GenerationSession(session.model, seed=0, tokenizer=tok)
+    restored.load_state_dict(torch.load(tmp_path / "session.pt", weights_only=True))
+    assert restored.sample_text(1) == [" lord"]
+    fresh = GenerationSession(session.model, seed=0, tokenizer=tok)
+    fresh.feed("")
+    force_samples(monkeypatch, tok.encode(" lord", False))
+    assert fresh.sample_text(1) == ["lord"]
+
+
+def test_a_saved_state_of_the_former_layout_still_continues_its_text(byte_tokenizer, monkeypatch):
+    tok, small = byte_tokenizer
+    session = forced_session(byte_tokenizer, monkeypatch, " 日本")
+    assert session.sample_text(2) == [" "]                     # the first byte of 日 held back
+    state = session.state_dict()
+    context, held = state.pop("unshown_text")[0]
+    former = {**state, "unshown_text_ids": [context[-1:] + held], "last_tokens": torch.tensor([held[-1]])}
+    del former["text_context"]
+    restored = GenerationSession(small, seed=0, tokenizer=tok)
+    restored.load_state_dict(former)
+    assert restored.sample_text(5) == ["日本"]
+
+
 def test_what_is_still_held_back_at_the_end_comes_out_as_decode_gives_it(byte_tokenizer, monkeypatch, tmp_path):
     tok, _ = byte_tokenizer
     whole = forced_session(byte_tokenizer, monkeypatch, " 日本")

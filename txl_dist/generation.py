@@ -221,12 +221,13 @@ class GenerationSession:
         """float32 [batch, vocab] on the CPU: the distribution of each stream's next token."""
         self.n_tokens = 0
         """Tokens each stream has read (prompt and sampled)."""
-        self.last_tokens: torch.Tensor | None = None
-        """int64 [batch]: each stream's latest token (text is decoded after it, so that pieces join)."""
-        self.unshown: list[list[int]] | None = None
-        """Per stream: the token sample_text's next text continues, then the sampled ids whose text it held back
-        (the first bytes of a character spelled in byte pieces); None: nothing held back, the text continues
-        last_tokens."""
+        self.text_context: list[list[int]] | None = None
+        """Per stream: the last ids read, as few as the text after them needs (Tokenizer.text_context): text is
+        decoded after them, so that pieces join and a new document starts after a blank line."""
+        self.unshown: list[tuple[list[int], list[int]]] | None = None
+        """Per stream: the ids sample_text's next text continues (as text_context), and the sampled ids whose
+        text it held back (the first bytes of a character spelled in byte pieces); None: nothing held back,
+        the text continues text_context."""
         self._batch_size = 0
 
     # -- properties --------------------------------------------------------------------------------
@@ -275,7 +276,12 @@ class GenerationSession:
             last = out.hidden[:, -1]                                               # [B, d_model]
             self.next_log_probs = self.model.log_probs(last).float().cpu()         # [B, V]
         self.n_tokens += n
-        self.last_tokens = ids[:, -1].clone()                                      # [B]
+        earlier = self.text_context or [[] for _ in range(ids.shape[0])]
+        if self.tokenizer is None:
+            self.text_context = [row[-1:] for row in ids[:, -1:].tolist()]
+        else:
+            self.text_context = [self.tokenizer.text_context(before + row) for before, row in
+                                 zip(earlier, ids.tolist())]
         return self.next_log_probs
 
     def sample(self, n: int, sampling: SamplingSettings = SamplingSettings()) -> torch.Tensor:
@@ -305,15 +311,15 @@ class GenerationSession:
         """
         if self.tokenizer is None:
             raise GenerationError("sample_text needs a tokenizer: GenerationSession(model, tokenizer=...)")
-        pending = self._pending_text_ids()
+        pending = self._pending_text()
         ids = self.sample(n, sampling)                                             # [B, n]
         texts, self.unshown = [], []
-        for earlier, row in zip(pending, ids.tolist()):
-            context, unseen = earlier[:1], earlier[1:] + row
+        for (context, earlier), row in zip(pending, ids.tolist()):
+            unseen = earlier + row
             held = self.tokenizer.unfinished_tail(unseen)
             shown = unseen[:len(unseen) - held]
             texts.append(self.tokenizer.decode_after(context, shown))
-            self.unshown.append((shown[-1:] or context) + unseen[len(shown):])
+            self.unshown.append((self.tokenizer.text_context(context + shown), unseen[len(shown):]))
         return texts
 
     def finish_text(self) -> list[str]:
@@ -321,17 +327,17 @@ class GenerationSession:
         is U+FFFD): call it when sampling ends; "" for a stream with nothing held back."""
         if self.tokenizer is None:
             raise GenerationError("finish_text needs a tokenizer: GenerationSession(model, tokenizer=...)")
-        unshown = self.unshown if self.unshown is not None else [[]] * self.batch_size
-        texts = [self.tokenizer.decode_after(ids[:1], ids[1:]) for ids in unshown]
+        unshown = self.unshown if self.unshown is not None else [([], [])] * self.batch_size
+        texts = [self.tokenizer.decode_after(context, held) for context, held in unshown]
         self.unshown = None
         return texts
 
-    def _pending_text_ids(self) -> list[list[int]]:
-        """Per stream: the token the next text continues, then the ids whose text is held back."""
+    def _pending_text(self) -> list[tuple[list[int], list[int]]]:
+        """Per stream: the ids the next text continues, and the ids whose text is held back."""
         if self.unshown is not None:
-            return [list(ids) for ids in self.unshown]
-        last = self.last_tokens.tolist() if self.last_tokens is not None else [None] * self.batch_size
-        return [[token] if token is not None else [] for token in last]
+            return [(list(context), list(held)) for context, held in self.unshown]
+        contexts = self.text_context or [[] for _ in range(self.batch_size)]
+        return [(list(context), []) for context in contexts]
 
     def expand(self, batch_size: int) -> None:
         """Make `batch_size` streams of the one stream read so far (they share its mems and next token)."""
@@ -343,9 +349,9 @@ class GenerationSession:
         if self.mems is not None:
             self.mems = [m.expand(batch_size, -1, -1).contiguous() for m in self.mems]  # [B, mlen, d_model]
         self.next_log_probs = self.next_log_probs.expand(batch_size, -1).contiguous()   # [B, V]
-        self.last_tokens = self.last_tokens.expand(batch_size).clone()                 # [B]
+        self.text_context = [list(self.text_context[0]) for _ in range(batch_size)]
         if self.unshown is not None:
-            self.unshown = [list(self.unshown[0]) for _ in range(batch_size)]
+            self.unshown = [(list(self.unshown[0][0]), list(self.unshown[0][1])) for _ in range(batch_size)]
         self._batch_size = batch_size
 
     # -- state -------------------------------------------------------------------------------------
@@ -360,8 +366,8 @@ class GenerationSession:
             "batch_size": self.batch_size,
             "mems": None if self.mems is None else [m.detach().cpu() for m in self.mems],
             "next_log_probs": None if self.next_log_probs is None else self.next_log_probs.clone(),
-            "last_tokens": None if self.last_tokens is None else self.last_tokens.clone(),
-            "unshown_text_ids": None if self.unshown is None else [list(ids) for ids in self.unshown],
+            "text_context": None if self.text_context is None else [list(ids) for ids in self.text_context],
+            "unshown_text": None if self.unshown is None else [[list(c), list(h)] for c, h in self.unshown],
             "rng_state": self.generator.get_state(),
         }
 
@@ -389,10 +395,7 @@ class GenerationSession:
         self._batch_size = state["batch_size"]
         self.mems = None if mems is None else [m.to(self.device) for m in mems]
         self.next_log_probs = None if log_probs is None else log_probs.float().cpu().clone()
-        self.last_tokens = None if state["last_tokens"] is None else state["last_tokens"].long().cpu().clone()
-        # Absent from the states of earlier versions of this file: nothing held back.
-        unshown = state.get("unshown_text_ids")
-        self.unshown = None if unshown is None else [list(ids) for ids in unshown]
+        self.text_context, self.unshown = _text_state(state)
         self.generator.set_state(state["rng_state"])
 
     # -- helpers -----------------------------------------------------------------------------------
@@ -412,6 +415,20 @@ class GenerationSession:
             raise GenerationError(f"token ids must be in [0, {vocab}), got {int(ids.min())}..{int(ids.max())}")
         self._batch_size = ids.shape[0]
         return ids
+
+
+def _text_state(state: dict[str, Any]) -> tuple[list[list[int]] | None, list[tuple[list[int], list[int]]] | None]:
+    """A saved state's text_context and unshown, also from states of earlier versions of this file (which
+    kept each stream's last token, and the one token before what was held back)."""
+    if "text_context" in state:
+        contexts = state["text_context"]
+        unshown = state["unshown_text"]
+        return (None if contexts is None else [list(ids) for ids in contexts],
+                None if unshown is None else [(list(c), list(h)) for c, h in unshown])
+    last = state["last_tokens"]
+    contexts = None if last is None else [[token] for token in last.tolist()]
+    unshown = state.get("unshown_text_ids")                                        # absent: nothing held back
+    return contexts, None if unshown is None else [(list(ids[:1]), list(ids[1:])) for ids in unshown]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -509,6 +526,14 @@ class Tokenizer:
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         decoder.decode(tail_bytes, final=False)
         return len(decoder.getstate()[0])  # the bytes it waits on: a valid start of a character, unfinished
+
+    def text_context(self, ids: Sequence[int]) -> list[int]:
+        """The fewest of the last ids that later text continues as it continues all of them: the last id, and
+        before trailing end-of-document ids the last text id (decode puts the blank line after its document)."""
+        if not ids or ids[-1] != self.eod_id:
+            return list(ids[-1:])
+        text = next((token for token in reversed(ids) if token != self.eod_id), None)
+        return [self.eod_id] if text is None else [text, self.eod_id]
 
     def decode_after(self, before: Sequence[int], ids: Sequence[int]) -> str:
         """The text of ids as it continues the text of `before` (a leading space survives: SentencePiece
