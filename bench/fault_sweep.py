@@ -450,11 +450,15 @@ def last_step(text: str) -> int:
 
 def faulted_run(job: Job, fault: Fault, ckpt_dir: Path, startup_s: float, disk: RunDisk | None = None,
                 tag_bytes: int = 0) -> dict[str, Any]:
-    """Watch the job, inject the fault at its moment, wait for the job's end -> what happened ("full_after_step":
-    for a full disk, the last step the job had logged before it)."""
+    """Watch the job, inject the fault at its moment, wait for the job's end -> what happened (for a full disk,
+    "full_after_step": the last step the job had logged before it; "saved_before_full": the step of the newest
+    checkpoint complete right after it, 0 if none: the first save after it is the one the disk cannot take, which
+    a loaded machine may put later than the step the fault came after)."""
+    from txl_dist import checkpoint
+
     due = None
     sent = None
-    full_after = None
+    full_after = saved_before = None
     while job.alive():
         now = time.monotonic()
         if sent is None and due is None and fired(job, fault, ckpt_dir, startup_s):
@@ -463,6 +467,9 @@ def faulted_run(job: Job, fault: Fault, ckpt_dir: Path, startup_s: float, disk: 
             logged = last_step(job.text()) if fault.kind == "fill-disk" else None
             if inject(job, fault, disk, tag_bytes) is None:
                 sent, full_after = now, logged
+                if fault.kind == "fill-disk":
+                    complete = checkpoint.inventory(ckpt_dir).complete if ckpt_dir.is_dir() else []
+                    saved_before = checkpoint.step_of(complete[-1]) if complete else 0
         if sent is not None and disk is not None and fault.freed_after_s is not None \
                 and now - sent >= fault.freed_after_s:
             disk.free()
@@ -480,6 +487,7 @@ def faulted_run(job: Job, fault: Fault, ckpt_dir: Path, startup_s: float, disk: 
     stopped = STOPPING.search(text)
     return {"fault": fault.text(), "landed": sent is not None, "exit": status, "ended_after_s": ended_s,
             "stopped_after_step": int(stopped.group(1)) if stopped else None, "full_after_step": full_after,
+            "saved_before_full": saved_before,
             "last_line": next((ln for ln in reversed(text.splitlines()) if "error:" in ln), "")[-300:]}
 
 
