@@ -282,6 +282,12 @@ def test_session_refusals(model):
         session.sample(1)
     with pytest.raises(GenerationError, match=r"token ids must be in \[0, 50\)"):
         session.feed([1, 50])
+    with pytest.raises(GenerationError, match=r"token ids must be integers, got torch.float32"):
+        session.feed([1.7, 2.0])                          # not truncated to [1, 2]
+    with pytest.raises(GenerationError, match=r"integer ids \[n\] or \[batch, n\]: expected sequence of length 2"):
+        session.feed([[1, 2], [3]])
+    with pytest.raises(GenerationError, match=r"must be \[n\] or \[batch, n\] with n >= 1"):
+        session.feed([])
     with pytest.raises(GenerationError, match="temperature must be > 0"):
         SamplingSettings(temperature=0.0).check()
     with pytest.raises(GenerationError, match="top_p must be in"):

@@ -401,7 +401,14 @@ class GenerationSession:
     # -- helpers -----------------------------------------------------------------------------------
 
     def _as_batch(self, token_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
-        ids = torch.as_tensor(token_ids, dtype=torch.long).cpu()
+        try:
+            ids = torch.as_tensor(token_ids)
+        except (TypeError, ValueError, RuntimeError) as e:  # ragged rows, strings, None
+            raise GenerationError(f"tokens to feed must be integer ids [n] or [batch, n]: {e}") from None
+        # A cast to int64 would truncate floats silently (1.7 -> 1); an empty list's dtype is float.
+        if ids.numel() and (ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool):
+            raise GenerationError(f"token ids must be integers, got {ids.dtype}")
+        ids = ids.long().cpu()
         if ids.dim() == 1:
             ids = ids.view(1, -1).expand(max(self.batch_size, 1), -1)              # [B, n]
         if ids.dim() != 2 or ids.shape[1] == 0:
