@@ -113,6 +113,14 @@ def test_overrides_are_typed_and_reach_nested_deepspeed_keys(tmp_path):
     (["train.max_steps"], "expected section.key=value"),
     (["deepspeed.gradient_clipping=-1"], "deepspeed.gradient_clipping: must be >= 0, got -1"),
     (["deepspeed.gradient_clipping=-0.5"], "deepspeed.gradient_clipping: must be >= 0, got -0.5"),
+    # Each of these reached the model or the engine and failed there with a traceback (exit 1).
+    (["model.d_model=129"], "model.d_model: 129 must be even"),
+    (["model.mem_len=1000000000000"], "model.mem_len: 1000000000000 tokens is beyond 1048576"),
+    (["model.tgt_len=1048577"], "model.tgt_len: 1048577 tokens is beyond 1048576"),
+    (["eval.mem_len=1048577"], "eval.mem_len: 1048577 tokens is beyond"),
+    (["eval.tgt_len=1048577"], "eval.tgt_len: 1048577 tokens is beyond"),
+    (["deepspeed.timers=null"], "deepspeed.timers: must be a JSON object, got null"),
+    (["deepspeed.data_types=3"], "deepspeed.data_types: must be a JSON object, got 3"),
 ])
 def test_bad_values_are_refused_with_one_line_naming_the_key(overrides, message):
     with pytest.raises(ConfigError) as info:
@@ -157,6 +165,26 @@ def test_bad_files_are_refused(tmp_path):
     bad.write_text(json.dumps([1, 2]))
     with pytest.raises(ConfigError, match="top level must be a JSON object"):
         load_config(bad)
+
+
+def test_set_strips_the_value_as_it_strips_the_key():
+    cfg = load_config(CONFIGS[0].parent / "tiny.json", ["data.path= /data/ptb ", " train.max_steps = 20"])
+    assert cfg.data.path == "/data/ptb" and cfg.train.max_steps == 20
+
+
+def test_a_null_structure_key_and_the_value_it_stands_for_are_the_same_model():
+    """d_embed null is d_model, tie_projs null is [false, true, ...]: a config that writes them out fits a
+    checkpoint saved with null (large.json writes d_embed out)."""
+    from txl_dist.startup import changed_structure
+
+    saved = RunConfig().to_dict()["model"] | {"d_model": 128, "d_embed": None, "cutoffs": [10, 20], "tie_projs": None}
+    written = saved | {"d_embed": 128, "tie_projs": [False, True, True]}
+    assert changed_structure(saved, written) == [] and changed_structure(written, saved) == []
+    assert changed_structure(saved, saved | {"d_embed": 64, "tie_projs": [False, False, True]}) == ["d_embed",
+                                                                                                  "tie_projs"]
+    # What a null implies changes with d_model or cutoffs, which are named alone.
+    assert changed_structure(saved, saved | {"d_model": 256, "cutoffs": [10]}) == ["cutoffs", "d_model"]
+    assert changed_structure(written, saved | {"d_model": 256}) == ["d_embed", "d_model"]
 
 
 def test_tie_projs_default_and_length_check():

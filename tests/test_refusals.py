@@ -417,6 +417,14 @@ case("config.wrong-type.boolean")(train_with(checkpoint={"fallback": "yes"}))
 case("config.wrong-type.list")(train_with(model={"cutoffs": 32}))
 case("config.range.negative-seed")(train_with(train={"seed": -1}))
 case("config.range.dropout")(train_with(model={"dropout": 1.5}))
+case("config.odd-d-model")(train_with(model={"d_model": 33}))
+
+
+@case("config.range.length")
+def _(s):
+    s.train(None, "--set", f"model.mem_len={10**12}")
+
+
 case("config.flex-with-dropatt")(train_with(model={"attn_impl": "flex", "dropatt": 0.1}))
 case("config.flex-training-on-cpu")(train_with(model={"attn_impl": "flex"}))
 case("config.triton-on-cpu")(train_with(model={"attn_impl": "triton"}))
@@ -448,6 +456,13 @@ case("config.vocab-size-and-cutoffs-differ-from-corpus")(train_with(model={"voca
 
 case("deepspeed.unknown-key.top-level")(train_with(deepspeed={"gradient_cliping": 1.0}))
 case("deepspeed.scheduler-params-not-an-object")(train_with(deepspeed={"scheduler": {"params": None}}))
+
+
+@case("deepspeed.section-not-an-object")
+def _(s):
+    s.train(None, "--set", "deepspeed.timers=null")
+
+
 case("deepspeed.scheduler-negative-learning-rate")(
     train_with(deepspeed={"scheduler": {"params": {"cos_min_ratio": -1}}}))
 case("deepspeed.scheduler-ratio-above-one")(

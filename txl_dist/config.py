@@ -32,6 +32,8 @@ MAX_SEED = 2**63 - 1
 MAX_WIDTH = 2**20
 """The widest model dimension (d_model, d_inner, d_embed, n_head x d_head) this code builds."""
 MAX_LAYERS = 2**12
+MAX_LENGTH = 2**20
+"""The longest segment or memory (tgt_len, mem_len, in tokens) this code builds."""
 MAX_TIMEOUT_S = 30 * 24 * 3600
 
 
@@ -84,7 +86,7 @@ class ModelConfig:
     n_layer: int = 2
     """Number of Transformer-XL layers."""
     d_model: int = 128
-    """Hidden size of the residual stream."""
+    """Hidden size of the residual stream (even: the sinusoid position embeddings pair a sine and a cosine)."""
     n_head: int = 4
     """Number of attention heads."""
     d_head: int = 32
@@ -110,7 +112,7 @@ class ModelConfig:
     untie_r: bool = True
     """Each layer has its own u (r_w_bias) and v (r_r_bias); false: all layers share one pair."""
     tgt_len: int = 64
-    """Training segment length (tokens predicted per stream per step)."""
+    """Training segment length (tokens predicted per stream per step; at most 2^20, as every length here)."""
     mem_len: int = 64
     """Training memory length: hidden states kept from previous segments (0 = no recurrence)."""
     clamp_len: int = -1
@@ -144,12 +146,20 @@ class ModelConfig:
         return MemorySettings(self.mem_len, self.clamp_len, self.same_length)
 
     def resolved_d_embed(self) -> int:
-        return self.d_model if self.d_embed is None else self.d_embed
+        return resolve_d_embed(self.d_embed, self.d_model)
 
     def resolved_tie_projs(self) -> list[bool]:
-        if self.tie_projs is None:
-            return [False] + [True] * len(self.cutoffs)
-        return list(self.tie_projs)
+        return resolve_tie_projs(self.tie_projs, self.cutoffs)
+
+
+def resolve_d_embed(d_embed: int | None, d_model: int) -> int:
+    """What model.d_embed null means: d_model."""
+    return d_model if d_embed is None else d_embed
+
+
+def resolve_tie_projs(tie_projs: list[bool] | None, cutoffs: list[int]) -> list[bool]:
+    """What model.tie_projs null means: the head's projection untied, every tail cluster's tied."""
+    return [False] + [True] * len(cutoffs) if tie_projs is None else list(tie_projs)
 
 
 @dataclass
@@ -323,8 +333,11 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     deepspeed: dict[str, Any] = field(default_factory=dict)
-    """Handed to deepspeed.initialize unchanged, after gradient_accumulation_steps is derived and, in bf16/fp16 runs
-    at ZeRO 2-3, `data_types.grad_accum_dtype` is set to fp32 when the section leaves it out."""
+    """Handed to deepspeed.initialize once the values the rules below fill in are there: gradient_accumulation_steps
+    derived, bf16/fp16 `enabled` set by train.precision when it names one, and where the section leaves them out
+    `data_types.grad_accum_dtype` fp32 (bf16/fp16 at ZeRO 2-3), `scheduler.params.total_num_steps`,
+    `timers.throughput` off; `zero_optimization.overlap_comm` off on one rank, `checkpoint.load_universal` on an
+    elastic resume."""
 
     # Derived values are methods, not stored fields: they cannot go stale.
     def n_streams(self) -> int:
@@ -630,6 +643,7 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
     if section not in SECTIONS and section != "deepspeed":
         known = list(SECTIONS) + ["deepspeed"]
         raise ConfigError(f"--set {key}: unknown section '{section}'{_suggest(section, known)}")
+    text = text.strip()  # as the key is: "data.path= /x" means /x, not a folder named " /x"
     try:
         value = json.loads(text)
     except json.JSONDecodeError:
@@ -792,6 +806,8 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"train.exit_step: {t.exit_step} must be in 1..train.max_steps ({t.max_steps}) or null")
     _positive("eval.tgt_len", e.tgt_len)
     _non_negative("eval.mem_len", e.mem_len)
+    for key, length in (("eval.tgt_len", e.tgt_len), ("eval.mem_len", e.mem_len)):
+        _at_most_max_length(key, length)
     _non_negative("eval.interval", e.interval)
     if e.n_streams is not None:
         _positive("eval.n_streams", e.n_streams)
@@ -858,7 +874,12 @@ def validate_model(m: ModelConfig) -> None:
     if m.n_head * m.d_head > MAX_WIDTH:
         raise ConfigError(f"model.n_head x model.d_head: {m.n_head * m.d_head} is beyond {MAX_WIDTH}, the largest "
                           "width this code builds")
+    if m.d_model % 2:
+        raise ConfigError(f"model.d_model: {m.d_model} must be even (the sinusoid position embeddings pair a sine "
+                          "and a cosine per frequency)")
     _non_negative("model.mem_len", m.mem_len)
+    for key in ("tgt_len", "mem_len"):
+        _at_most_max_length(f"model.{key}", getattr(m, key))
     if m.d_embed is not None:
         _positive("model.d_embed", m.d_embed)
     for key in ("dropout", "dropatt"):
@@ -922,7 +943,7 @@ def validate_deepspeed(ds: dict[str, Any], max_steps: int) -> None:
             raise ConfigError(f"deepspeed.{alias}: not supported here; use deepspeed.{name} (the precision this "
                               "project reads to choose the dtype of the model and its mems)")
     for key in ("zero_optimization", "bf16", "fp16", "optimizer", "scheduler", "activation_checkpointing",
-                "checkpoint"):
+                "checkpoint", "timers", "data_types"):
         if key in ds and not isinstance(ds[key], dict):
             raise ConfigError(f"deepspeed.{key}: must be a JSON object, got {json.dumps(ds[key])}")
     if "optimizer" in ds and not isinstance(ds["optimizer"].get("type"), str):
@@ -1051,3 +1072,9 @@ def _positive(key: str, v: float) -> None:
 def _non_negative(key: str, v: float) -> None:
     if v < 0:
         raise ConfigError(f"{key}: must be >= 0, got {v}")
+
+
+def _at_most_max_length(key: str, tokens: int) -> None:
+    if tokens > MAX_LENGTH:
+        raise ConfigError(f"{key}: {tokens} tokens is beyond {MAX_LENGTH}, the longest this code builds (a "
+                          f"[{MAX_LENGTH}, {MAX_LENGTH}] attention score tensor is already 4 TiB in fp32)")

@@ -48,7 +48,7 @@ import numpy as np
 from . import checkpoint, distributed, runtime_choices
 from .checkpoint import CheckpointError, EngineSource
 from .config import ConfigError, RunConfig, apply_override, changed_settings, check_cutoffs, config_from_dict, \
-    default_value, load_config, model_config_from_dict, precision_of
+    default_value, load_config, model_config_from_dict, precision_of, resolve_d_embed, resolve_tie_projs
 from .data import CorpusError, Manifest, SplitTooShort, StreamLoader, read_manifest
 from .data.index_split import split_files
 from .data.manifest import sha256_file
@@ -70,6 +70,26 @@ T = TypeVar("T")
 # Model settings a checkpoint's weights are tied to; the others (dropout, mem_len, ...) may change on resume.
 MODEL_STRUCTURE = ("vocab_size", "n_layer", "d_model", "n_head", "d_head", "d_inner", "d_embed", "div_val",
                    "cutoffs", "tie_weight", "tie_projs", "pre_lnorm", "untie_r", "pad_vocab_multiple")
+
+
+def changed_structure(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """The MODEL_STRUCTURE keys whose values differ between two `model` sections, sorted. A null and the value it
+    stands for are the same (d_embed null and d_embed d_model build the same model); null on both sides is the
+    same setting (what it implies differs only through d_model or cutoffs, named themselves). A key newer than a
+    section counts as its default (the shape a checkpoint saved before the key was added has)."""
+    def value(model: dict[str, Any], key: str) -> Any:
+        return model.get(key, default_value("model", key))
+
+    def meant(model: dict[str, Any], key: str) -> Any:
+        if key == "d_embed":
+            return resolve_d_embed(value(model, key), value(model, "d_model"))
+        if key == "tie_projs":
+            return resolve_tie_projs(value(model, key), value(model, "cutoffs"))
+        return value(model, key)
+
+    return sorted(k for k in MODEL_STRUCTURE if value(saved, k) != value(now, k) and meant(saved, k) != meant(now, k))
+
+
 # Bytes per parameter of a checkpoint before any exists to measure: fp32 weights or masters + Adam's two
 # moments, plus the bf16/fp16 copy (an over-estimate for fp32 runs, which is the safe side).
 CHECKPOINT_BYTES_PER_PARAM = 18
@@ -282,8 +302,7 @@ def check_checkpoint_fits(cfg: RunConfig, manifest: Manifest, run_info: dict[str
                         f"has {run_info['n_streams']}; keep it to resume (any world size dividing it works)")
     saved_model = run_info["config"]["model"]
     model = dataclasses.asdict(cfg.model)
-    # A key newer than the checkpoint counts as its default (the shape the checkpoint was saved with).
-    changed_model = sorted(k for k in MODEL_STRUCTURE if saved_model.get(k, default_value("model", k)) != model[k])
+    changed_model = changed_structure(saved_model, model)
     if changed_model:
         problems.append(f"model settings differ: {', '.join('model.' + k for k in changed_model)}; the weights "
                         "only fit the model they were trained as")
