@@ -121,6 +121,7 @@ def test_overrides_are_typed_and_reach_nested_deepspeed_keys(tmp_path):
     (["eval.tgt_len=1048577"], "eval.tgt_len: 1048577 tokens is beyond"),
     (["deepspeed.timers=null"], "deepspeed.timers: must be a JSON object, got null"),
     (["deepspeed.data_types=3"], "deepspeed.data_types: must be a JSON object, got 3"),
+    (["deepspeed.zero_optimization.stage=1.0"], "deepspeed.zero_optimization.stage: must be 0, 1, 2 or 3, got 1.0"),
 ])
 def test_bad_values_are_refused_with_one_line_naming_the_key(overrides, message):
     with pytest.raises(ConfigError) as info:

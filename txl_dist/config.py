@@ -961,7 +961,7 @@ def validate_deepspeed(ds: dict[str, Any], max_steps: int) -> None:
             f"deepspeed.train_micro_batch_size_per_gpu: {m} does not divide train_batch_size {s}")
     zero = ds.get("zero_optimization", {})
     stage = zero.get("stage", 0)
-    if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
+    if not isinstance(stage, int) or isinstance(stage, bool) or stage not in (0, 1, 2, 3):  # 1.0 == 1: not a stage
         raise ConfigError(f"deepspeed.zero_optimization.stage: must be 0, 1, 2 or 3, got {json.dumps(stage)}")
     # DeepSpeed ignores an offload its stage does not do, silently: the run would not offload as asked.
     for offload, lowest in (("offload_optimizer", 1), ("offload_param", 3)):
