@@ -73,10 +73,10 @@ def check_output(out: Path, overwrite: bool, marker: str | None = None) -> None:
     before any work starts). With `marker` (a key of REPLACEABLE) --overwrite replaces only a folder holding
     that file, or an empty one: anything else may be someone's data."""
     if out.exists() or out.is_symlink():
+        if not out.is_dir():  # said with or without --overwrite: it would not replace one
+            raise PrepError(f"{out} exists and is not a folder; remove it or choose another output")
         if not overwrite:
             raise PrepError(f"{out} already exists; pass --overwrite to replace it")
-        if not out.is_dir():
-            raise PrepError(f"{out} exists and is not a folder; remove it or choose another output")
         check_not_current_dir(out)
         if marker is not None:
             _check_replaceable(out, marker)

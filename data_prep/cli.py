@@ -343,7 +343,7 @@ def _run(args: argparse.Namespace, command: list[str], recorded: dict, training:
         out = fetch_corpus(args.name, args.out, overwrite=args.overwrite, cache_dir=args.cache_dir)
         _closing(out, f"wrote {args.name} to {out}")
     elif args.command in ("prepare", "train-tokenizer"):
-        from data_prep.prepare import InputSpec, prepare, train_tokenizer_job
+        from data_prep.prepare import InputSpec, check_seed, prepare, train_tokenizer_job
         from data_prep.shards import parse_shard
         from data_prep.sources import ReadOptions
         spec = InputSpec(train=args.train, valid=args.valid, test=args.test, valid_fraction=args.valid_fraction,
@@ -357,6 +357,10 @@ def _run(args: argparse.Namespace, command: list[str], recorded: dict, training:
                                  add_dummy_prefix=args.add_dummy_prefix, seed=args.seed)
         if args.num_proc < 1:
             raise PrepError(f"--num-proc must be >= 1, got {args.num_proc}")
+        check_seed(args.seed)  # else a traceback of numpy or SentencePiece, after the inputs are read
+        if args.command == "prepare" and args.train_tokens is not None and not args.source:
+            raise PrepError("--train-tokens is the length of a mixture: give it with --source (or to `mix`); a "
+                            "corpus prepared from --train holds all of its text")
         # --plan reads only the inputs, and prep.sh runs it before its tokenizer job has written the model
         if args.command == "prepare" and args.tokenizer_model is not None and not args.plan:
             check_trained_with(args.tokenizer_model, training)
@@ -376,7 +380,7 @@ def _run(args: argparse.Namespace, command: list[str], recorded: dict, training:
                                        n_streams=args.n_streams, eval_streams=args.eval_streams,
                                        train_tokens=args.train_tokens, overwrite=args.overwrite, command=command,
                                        args=recorded, progress=not args.quiet,
-                                       space_check=not args.no_space_check)
+                                       space_check=not args.no_space_check, work_dir=args.work_dir)
             _closing(args.out, lambda: _wrote_mixture(args.out, manifest))
             return 0
         if args.plan:

@@ -44,6 +44,7 @@ Held-out splits are copied either way: they are small, and each source's must st
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import os
 import sys
@@ -61,7 +62,7 @@ from data_prep.errors import PrepError
 from data_prep.layout import CHUNK_TOKENS, SplitWriter, check_fits, split_layouts
 from data_prep.paths import check_output_apart, read_corpus_manifest
 from txl_dist.output_paths import same_place
-from data_prep.prepare import InputSpec, prepare, provenance, train_tokenizer_job
+from data_prep.prepare import InputSpec, check_seed, check_work_dir, prepare, provenance, train_tokenizer_job
 from data_prep.sources import check_disjoint, resolve_sources
 from data_prep.space import check_free_space, estimate_note, input_text_bytes, size_text, token_bytes
 from data_prep.tokenizer import TrainerOptions, describe_tokenizer
@@ -75,6 +76,8 @@ from txl_dist.data.format import (
     check_source_name,
     index_tokens_sha256,
     sha256_file,
+    token_dtype,
+    update_tokens_sha256,
     write_manifest,
 )
 from txl_dist.data.index_split import source_reference
@@ -356,14 +359,8 @@ def mix(specs: Sequence[SourceSpec], out: str | os.PathLike, *, train_tokens: in
     With `index` the train split is an index of document ranges into the sources instead of a copy. With
     `space_check` a job refused up front when out's disk cannot hold what it will write (_check_mix_space)."""
     out = Path(out)
-    if not specs:
-        raise PrepError("no source: pass --source NAME=CORPUS_DIR:WEIGHT at least once")
-    if len({s.name for s in specs}) != len(specs):
-        raise PrepError("--source: two sources have the same name; give each its own")
-    if len(specs) > 255:
-        raise PrepError(f"--source: {len(specs)} sources; at most 255 are supported")
-    if seed < 0:
-        raise PrepError(f"--seed must be >= 0, got {seed}")
+    check_sources(specs)
+    check_seed(seed)
     check_train_tokens(train_tokens, n_streams)
     for s in specs:
         if same_place(s.corpus, out):
@@ -373,6 +370,11 @@ def mix(specs: Sequence[SourceSpec], out: str | os.PathLike, *, train_tokens: in
                             "whole; keep the sources the index points at outside the mixture's folder")
     check_output_apart(out, [(f"--source {s.name}", s.corpus) for s in specs])
     _check_distinct_corpora(specs)
+    if train_tokens is None:  # the default length, from the manifests: before the scan reads any token
+        trains = [read_corpus_manifest(s.corpus).splits.get("train") for s in specs]
+        n_default = sum(t.n_tokens for t in trains if t is not None)
+        check_train_tokens(n_default, n_streams, f"the default length (no --train-tokens), the sources' {n_default} "
+                                                 "train tokens,")
     check_output(out, overwrite, marker="manifest.json")
     if space_check:
         _check_mix_space(specs, out, train_tokens, index)
@@ -382,12 +384,31 @@ def mix(specs: Sequence[SourceSpec], out: str | os.PathLike, *, train_tokens: in
                     command=command, args=args, progress=progress)
 
 
-def check_train_tokens(train_tokens: int | None, n_streams: int) -> None:
+def check_sources(specs: Sequence[SourceSpec]) -> None:
+    """What the --source list itself must be, checked before any work (by mix, and by prepare --source before
+    it prepares a source): a name names one source (its held-out splits, its scratch corpus), and every weight
+    must leave its source a share (1e-20 beside 1e308 normalized to 0: a source named but never mixed)."""
+    if not specs:
+        raise PrepError("no source: pass --source NAME=CORPUS_DIR:WEIGHT at least once")
+    if len({s.name for s in specs}) != len(specs):
+        raise PrepError("--source: two sources have the same name; give each its own")
+    if len(specs) > 255:
+        raise PrepError(f"--source: {len(specs)} sources; at most 255 are supported")
+    for s, share in zip(specs, normalized_weights([s.weight for s in specs])):
+        if share == 0:
+            raise PrepError(f"--source {s.name}: weight {s.weight!r} is too small beside the largest, "
+                            f"{max(s.weight for s in specs)!r}: its share of the mixture is 0 in floating point; "
+                            "give weights closer together")
+
+
+def check_train_tokens(train_tokens: int | None, n_streams: int, what: str | None = None) -> None:
     """--train-tokens that no run of the mixture's --n-streams streams could train on is refused before any work
-    (before, `--train-tokens 5` gave a mixture of one document that training refused as too short)."""
+    (before, `--train-tokens 5` gave a mixture of one document that training refused as too short). `what`
+    names a length that was not given as --train-tokens (mix's default, the sources' train tokens)."""
     need = MIN_STREAM_TOKENS * n_streams
     if train_tokens is not None and train_tokens < need:
-        raise PrepError(f"--train-tokens {train_tokens} is below {need}, the least any run of the mixture's "
+        length = what or f"--train-tokens {train_tokens}"
+        raise PrepError(f"{length} is below {need}, the least any run of the mixture's "
                         f"--n-streams {n_streams} streams trains on ({MIN_STREAM_TOKENS} per stream, model.tgt_len 1); "
                         "a run needs deepspeed.train_batch_size x (model.tgt_len + 1) tokens, e.g. 8 x 65 = 520 for "
                         "configs/tiny.json")
@@ -441,7 +462,7 @@ def _mix(specs: Sequence[SourceSpec], out: Path, scratch: Path, *, train_tokens:
         if parts:
             check_fits(split, sum(s.manifest.splits[split].n_tokens for s in parts), layouts[split], str(out))
 
-    vocab, dtype = first.tokenizer.vocab_size, first.dtype
+    vocab, dtype = first.tokenizer.vocab_size, mixture_dtype([s.manifest for s in sources])
     with atomic_dir(out, overwrite=overwrite, marker="manifest.json") as tmp:
         (tmp / first.tokenizer.file).parent.mkdir(parents=True, exist_ok=True)
         (tmp / first.tokenizer.file).write_bytes((sources[0].spec.corpus / first.tokenizer.file).read_bytes())
@@ -461,6 +482,14 @@ def _mix(specs: Sequence[SourceSpec], out: Path, scratch: Path, *, train_tokens:
         manifest = Manifest(tokenizer=first.tokenizer, dtype=dtype, splits=splits, provenance=prov, mixture=mixture)
         write_manifest(tmp, manifest)
     return manifest
+
+
+def mixture_dtype(manifests: Sequence[Manifest]) -> str:
+    """The dtype the mixture is written in: the sources' when they share one; else (a tokenizer of 65,536 pieces,
+    whose corpora an earlier version wrote as int32, beside a uint16 one) the current format's, which every id
+    of the tokenizer fits."""
+    dtypes = {m.dtype for m in manifests}
+    return dtypes.pop() if len(dtypes) == 1 else token_dtype(manifests[0].tokenizer.vocab_size)
 
 
 def _write_train(tmp: Path, sources: list[_Source], seed: int, n_target: int, n_tokens: int, layout, dtype: str,
@@ -600,19 +629,23 @@ def _write_held_out(tmp: Path, split: str, parts: list[_Source], layouts: dict, 
         entry = s.manifest.splits[split]
         name = f"{split}/{s.spec.name}"
         writer = SplitWriter(tmp, name, entry.n_tokens, layouts[name], dtype, vocab)
+        # The manifest hashed the tokens in the source's dtype, which may not be the mixture's (an int32 corpus
+        # of an older version beside a uint16 one): checked in the source's, recorded in the mixture's.
+        source_hash = hashlib.sha256()
         with TokenReader(s.spec.corpus, s.manifest, split, verify=True) as reader, \
                 tqdm(total=entry.n_tokens, unit=" tok", unit_scale=True, desc=f"copy {name}",
                      disable=not progress, file=sys.stderr) as bar:
             for tokens in reader.chunks(0, entry.n_tokens):
+                update_tokens_sha256(source_hash, tokens, s.manifest.dtype)
                 writer.write(tokens, str(s.spec.corpus))
                 whole.write(tokens, str(s.spec.corpus))
                 bar.update(len(tokens))
         files, tokens_sha256 = writer.close()
-        if tokens_sha256 != entry.tokens_sha256:
+        if (copied := source_hash.hexdigest()) != entry.tokens_sha256:
             raise PrepError(f"{s.spec.corpus / 'manifest.json'}: split {split}: the copied tokens hash to "
-                            f"{tokens_sha256[:12]}... but the manifest's tokens_sha256 is {entry.tokens_sha256[:12]}"
+                            f"{copied[:12]}... but the manifest's tokens_sha256 is {entry.tokens_sha256[:12]}"
                             "...: the manifest does not describe these tokens; re-run prepare")
-        out[name] = dataclasses.replace(entry, layout=layouts[name], files=files)
+        out[name] = dataclasses.replace(entry, layout=layouts[name], files=files, tokens_sha256=tokens_sha256)
     files, tokens_sha256 = whole.close()
     counts = {k: sum(getattr(s.manifest.splits[split], k) for s in parts)
               for k in ("n_tokens", "n_documents", "n_bytes", "n_chars")}
@@ -623,23 +656,31 @@ def prepare_mixture(sources: Sequence[SourceSpec], spec: InputSpec, out: str | o
                     tokenizer_model: str | os.PathLike | None, eod_piece: str | None, trainer: TrainerOptions,
                     num_proc: int, world_size: int, n_streams: int, eval_streams: int | None,
                     train_tokens: int | None, overwrite: bool, command: Sequence[str] | None,
-                    args: dict[str, Any] | None, progress: bool, space_check: bool = True) -> Manifest:
+                    args: dict[str, Any] | None, progress: bool, space_check: bool = True,
+                    work_dir: str | os.PathLike | None = None) -> Manifest:
     """`prepare --source NAME=FILES:WEIGHT ...`: raw text to a mixture in one step.
 
     One tokenizer for all sources (trained on all their training documents, or --tokenizer-model), each
     source prepared on its own with the held-out fractions of `spec` (so each has its own valid/test), then
     mixed. The per-source corpora live in an owned scratch folder beside `out` (`.<out>.sources-*`), removed
-    at the end, and by the next job for `out` when this one is killed.
+    at the end, and by the next job for `out` when this one is killed; with `work_dir`, their token streams
+    while they are prepared go there (as `prepare --work-dir`'s do).
     """
     out = Path(out)
     if spec.train or spec.valid or spec.test:
         raise PrepError("--source gives each source's files: drop --train/--valid/--test (hold out documents "
                         "of every source with --valid-fraction/--test-fraction)")
-    check_train_tokens(train_tokens, n_streams)  # before hours of preparing the sources, not in mix() after them
+    # Before hours of preparing the sources, not in mix() after them.
+    check_sources(sources)
+    check_seed(spec.seed)
+    check_train_tokens(train_tokens, n_streams)
+    split_layouts(["train"], world_size, n_streams, eval_streams)  # the sources are prepared for 1 stream
     check_output(out, overwrite, marker="manifest.json")
+    if work_dir is not None:
+        check_work_dir(Path(work_dir), out)
     _check_source_files(sources, spec, out, tokenizer_model)
     if space_check:
-        _check_mixture_space(sources, spec, out, tokenizer_model, eod_piece, trainer, train_tokens)
+        _check_mixture_space(sources, spec, out, tokenizer_model, eod_piece, trainer, train_tokens, work_dir)
     with owned_scratch(out, "sources") as work:
         if tokenizer_model is None:  # on what each source's prepare below keeps for training
             tokenizer_model = train_tokenizer_job(spec, work / "tokenizer.model", trainer, progress=progress,
@@ -647,10 +688,12 @@ def prepare_mixture(sources: Sequence[SourceSpec], spec: InputSpec, out: str | o
         trained_by: dict[str, SourceSpec] = {}  # train tokens_sha256 -> the first source that gave them
         for s in sources:
             try:
+                # One stream per split: mix lays every split out for the mixture's streams and checks that each
+                # fits them, so a source too small for them alone is mixed as it would be by hand.
                 prepare(dataclasses.replace(spec, train=[str(s.corpus)]), work / s.name,
                         tokenizer_model=tokenizer_model, eod_piece=eod_piece, trainer=trainer, num_proc=num_proc,
-                        world_size=world_size, n_streams=n_streams, eval_streams=eval_streams, command=command,
-                        args=args, progress=progress, space_check=False)  # checked for the whole job above
+                        world_size=1, n_streams=1, work_dir=work_dir, command=command, args=args, progress=progress,
+                        space_check=False)  # checked for the whole job above
             except PrepError as e:  # which source it was (e.g. one too small for the held-out fractions)
                 raise PrepError(f"--source {s.name}: {e}") from None
             # Two sources of the same text (a copied file) would be mixed twice, as mix refuses for a copied
@@ -682,9 +725,10 @@ def _check_source_files(sources: Sequence[SourceSpec], spec: InputSpec, out: Pat
 
 def _check_mixture_space(sources: Sequence[SourceSpec], spec: InputSpec, out: Path,
                          tokenizer_model: str | os.PathLike | None, eod_piece: str | None, trainer: TrainerOptions,
-                         train_tokens: int | None) -> None:
-    """All on out's file system: the per-source corpora, while the last one is made its token stream too, and
-    then the mixture (as large as the sources, or --train-tokens' worth plus the held-out documents)."""
+                         train_tokens: int | None, work_dir: str | os.PathLike | None = None) -> None:
+    """On out's file system: the per-source corpora, while the last one is made its token stream too (in
+    `work_dir` when given), and then the mixture (as large as the sources, or --train-tokens' worth plus the
+    held-out documents)."""
     vocab_size = trainer.vocab_size if tokenizer_model is None else describe_tokenizer(tokenizer_model,
                                                                                        eod_piece).vocab_size
     n_input = [input_text_bytes(resolve_sources([str(s.corpus)], f"--source {s.name}", spec.format),
@@ -694,10 +738,14 @@ def _check_mixture_space(sources: Sequence[SourceSpec], spec: InputSpec, out: Pa
     held_out = spec.valid_fraction + spec.test_fraction
     mixture = corpora if train_tokens is None else int(
         train_tokens * token_bytes(1, vocab_size) + held_out * corpora)
-    check_free_space([(out.parent, corpora, f"the sources' corpora: {estimate_note(sum(n_input), vocab_size)}"),
-                      (out.parent, max(largest, mixture), "then the mixture, or a source's token stream while it is "
-                                                          "laid out")],
-                     "prepare --source", "give --out on another file system")
+    needs = [(out.parent, corpora, f"the sources' corpora: {estimate_note(sum(n_input), vocab_size)}")]
+    if work_dir is None:
+        needs.append((out.parent, max(largest, mixture), "then the mixture, or a source's token stream while it is "
+                                                         "laid out"))
+    else:
+        needs += [(out.parent, mixture, "then the mixture"),
+                  (Path(work_dir), largest, "a source's token stream while it is laid out")]
+    check_free_space(needs, "prepare --source", "give --out (or --work-dir) on another file system")
 
 
 def _check_mix_space(specs: Sequence[SourceSpec], out: Path, train_tokens: int | None, index: bool) -> None:
@@ -708,7 +756,7 @@ def _check_mix_space(specs: Sequence[SourceSpec], out: Path, train_tokens: int |
     ends (8 bytes per source document, kept until the end). An index copies no train token."""
     manifests = [read_corpus_manifest(s.corpus) for s in specs]  # a bad one is refused here as it would be later
     trains = [(s.weight, m.splits["train"]) for s, m in zip(specs, manifests) if "train" in m.splits]
-    dtype = manifests[0].dtype  # one tokenizer for all (checked after the scan)
+    dtype = mixture_dtype(manifests)  # one tokenizer for all (checked after the scan)
     itemsize = np.dtype(dtype).itemsize
     n_tokens = train_tokens if train_tokens is not None else sum(t.n_tokens for _, t in trains)
     shares = normalized_weights([w for w, _ in trains])

@@ -68,6 +68,17 @@ from txl_dist.data.format import (
 )
 
 
+SEED_LIMIT = 2**32
+"""Seeds are in [0, 2**32): SentencePiece's seed is an unsigned 32-bit integer and numpy takes no negative one
+(both were tracebacks, after the inputs were read); mix takes the same range, so that a seed is valid for every
+data_prep command alike."""
+
+
+def check_seed(seed: int) -> None:
+    if not 0 <= seed < SEED_LIMIT:
+        raise PrepError(f"--seed must be in 0..{SEED_LIMIT - 1}, got {seed}")
+
+
 @dataclass
 class InputSpec:
     """What a job reads: file patterns per split, hold-out fractions, how files become documents."""
@@ -189,7 +200,7 @@ def prepare(spec: InputSpec, out: str | os.PathLike, *, tokenizer_model: str | o
     if shard is not None and (out / PLAN_FILE).exists():  # refused before any work unless it fits
         planned = load_for_shard(out / PLAN_FILE, spec.plan_key(), sources)
     if work_dir is not None:
-        _check_work_dir(Path(work_dir), target)
+        check_work_dir(Path(work_dir), target)
     if space_check:
         _check_prepare_space(sources, spec.read.text_field, vocab_size, target, work_dir, shard)
     if work_dir is not None:
@@ -222,7 +233,7 @@ def _work_folder(work_dir: str | os.PathLike | None, target: Path, tmp: Path) ->
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _check_work_dir(work_dir: Path, target: Path) -> None:
+def check_work_dir(work_dir: Path, target: Path) -> None:
     """The output is built beside `target` and swapped in at the end: a work folder inside it would create the
     output before the job ran (then refused as existing) or be replaced under the job's feet."""
     work, out = work_dir.resolve(), target.resolve()

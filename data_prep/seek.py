@@ -97,9 +97,11 @@ def count_lines(chunk: bytes) -> int:
     return n + (1 if chunk and chunk[-1:] not in (b"\n", b"\r") else 0)
 
 
-def split_lines(chunk: bytes, errors: str) -> pa.Array:
-    """The lines of a chunk (see count_lines) as documents: what `datasets`' text loader makes of them."""
-    text = chunk.decode("utf-8", errors)  # a chunk ends after "\n" or at the file's end: no split character
+def split_lines(chunk: bytes, errors: str, first: bool = False) -> pa.Array:
+    """The lines of a chunk (see count_lines) as documents: what `datasets`' text loader makes of them. The
+    `first` chunk of a file loses a leading byte order mark, as that loader (utf-8-sig) drops it."""
+    # a chunk ends after "\n" or at the file's end: no split character
+    text = chunk.decode("utf-8-sig" if first else "utf-8", errors)
     if "\r" in text:
         text = text.replace("\r\n", "\n").replace("\r", "\n")
     lines = text.split("\n")
@@ -265,7 +267,7 @@ def _lines_from(source: Source, offset: int, opts: ReadOptions) -> Iterator[pa.A
                 checker.feed(chunk, at)
             end = at + len(chunk)
             if source.kind == TEXT:
-                yield split_lines(chunk, opts.errors)
+                yield split_lines(chunk, opts.errors, at == 0)
                 continue
             docs = parse_json_chunk(chunk, opts.text_field, at == 0)
             if docs is None:

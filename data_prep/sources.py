@@ -374,7 +374,8 @@ def _read_group(group: Sequence[Source], opts: ReadOptions, batch_rows: int, lab
             files = [glob.escape(str(s.path.resolve())) for s in group]
             kwargs = {}
             if kind == TEXT:
-                kwargs = {"sample_by": "line" if opts.line_docs else "document",
+                # utf-8-sig: a file's leading byte order mark is no text, as _read_text_file reads it
+                kwargs = {"sample_by": "line" if opts.line_docs else "document", "encoding": "utf-8-sig",
                           "encoding_errors": opts.errors}
             elif kind == PARQUET:
                 kwargs = {"columns": [opts.text_field]}

@@ -216,6 +216,36 @@ def test_an_output_below_a_file_is_refused_as_a_file(model, plays, tmp_path, cap
     assert untouched(tmp_path, {"train.txt", "link"}) and file.read_bytes() == plays[0].read_bytes()
 
 
+def test_an_output_that_is_a_file_is_refused_as_a_file_with_or_without_overwrite(model, plays, tmp_path, capsys):
+    """Without --overwrite it said "pass --overwrite to replace it", which then refused it as no folder."""
+    file = Path(shutil.copy(plays[0], tmp_path / "out"))
+    for extra in ([], ["--overwrite"]):
+        msg = fail(capsys, *prepare_args(file, model, plays[1], extra=extra))
+        assert msg == f"error: {file} exists and is not a folder; remove it or choose another output"
+    assert untouched(tmp_path, {"out"}) and file.read_bytes() == plays[0].read_bytes()
+
+
+@pytest.mark.parametrize("seed", [-1, 2**32])
+def test_a_seed_outside_32_bits_is_refused_before_any_work(model, plays, tmp_path, capsys, seed):
+    """Was a traceback of numpy (-1, holding documents out) or SentencePiece (training), exit 1, after the
+    inputs were read; `prepare --source` refused -1 only in mix, after preparing every source."""
+    want = f"error: --seed must be in 0..4294967295, got {seed}"
+    out = tmp_path / "out"
+    lines = ["--line-docs", "--valid-fraction", 0.1, "--seed"]
+    assert fail(capsys, *prepare_args(out, model, plays[0], extra=[*lines, seed])) == want
+    assert fail(capsys, "prepare", "--out", out, "--train", plays[0], "--vocab-size", 400, *lines, seed,
+                "--quiet") == want
+    assert fail(capsys, "train-tokenizer", "--out", tmp_path / "t.model", "--train", plays[0], *lines, seed,
+                "--quiet") == want
+    assert fail(capsys, "prepare", "--out", out, "--source", f"a={plays[0]}:1", "--source", f"b={plays[1]}:1",
+                "--tokenizer-model", model, *lines, seed, "--quiet") == want
+    assert untouched(tmp_path, set())
+    # The largest seed works for both the held-out choice (numpy) and tokenizer training (SentencePiece).
+    run(*prepare_args(out, model, plays[0], extra=[*lines, 2**32 - 1]))
+    run("train-tokenizer", "--out", tmp_path / "t.model", "--train", plays[0], "--vocab-size", 400, "--model-type",
+        "bpe", *lines, 2**32 - 1, "--quiet")
+
+
 def test_finalize_refuses_incomplete_or_mixed_shards(model, plays, tmp_path, capsys):
     run(*prepare_args(tmp_path / "parts", model, *plays[:2], extra=["--shard", "0/2"]))
     msg = fail(capsys, "finalize", tmp_path / "parts", "--out", tmp_path / "c")

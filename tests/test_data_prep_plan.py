@@ -221,6 +221,32 @@ def test_a_plain_text_file_drops_its_byte_order_mark(model, tmp_path):
     assert record.files[0]["text_bytes"] == len(read.encode())
 
 
+def test_line_docs_drop_each_files_byte_order_mark_read_whole_or_from_the_plan(model, tmp_path):
+    """With --line-docs the mark was kept in the file's first document (by `datasets`, and by the seek reader of
+    a plan's shards), so counted: n_bytes 27 / n_chars 25 against 24 / 24 without it. Now the corpus is that of
+    the file without the mark, read whole or following a plan."""
+    from data_prep.sources import ReadOptions, iter_documents, resolve_sources
+
+    body = "hello world\nthe quick fox\n"
+    (tmp_path / "plain.txt").write_text(body, encoding="utf-8")
+    (tmp_path / "marked.txt").write_text("\ufeff" + body, encoding="utf-8")
+    common = ["--line-docs", "--tokenizer-model", model, "--num-proc", 1, "--quiet"]
+    for name in ("plain", "marked"):
+        run("prepare", "--out", tmp_path / name, "--train", tmp_path / f"{name}.txt", *common)
+    run("prepare", "--plan", "--out", tmp_path / "parts", "--train", tmp_path / "marked.txt", *common)
+    run("prepare", "--out", tmp_path / "parts", "--shard", "0/1", "--train", tmp_path / "marked.txt", *common)
+    run("finalize", tmp_path / "parts", "--out", tmp_path / "planned", "--quiet")
+    split = read_manifest(tmp_path / "marked").splits["train"]
+    assert (split.n_bytes, split.n_chars) == (24, 24)
+    digests = {name: read_manifest(tmp_path / name).digest() for name in ("plain", "marked", "planned")}
+    assert len(set(digests.values())) == 1, digests
+    marked = resolve_sources([str(tmp_path / "marked.txt")], "--train")
+    opts = ReadOptions(line_docs=True)
+    assert [t for _, c in iter_documents(marked, opts) for t in c.to_pylist()] == ["hello world", "the quick fox"]
+    _, batches = seek.documents_from(marked, [scan_input(marked[0], opts)], 0, opts)
+    assert [t for _, c in batches for t in c.to_pylist()] == ["hello world", "the quick fox"]
+
+
 def test_line_counts_and_lines_are_what_datasets_reads(tmp_path, small_seeks):
     """Counted on bytes in the planning pass, split from a seek point in a shard: datasets' own lines."""
     from data_prep.sources import ReadOptions, iter_documents, resolve_sources

@@ -210,6 +210,33 @@ def test_train_tokens_sets_the_length(corpora, tmp_path):
     verify_corpus(tmp_path / "short")
 
 
+def test_the_default_length_is_held_to_the_floor_before_the_scan(tmp_path, monkeypatch, capsys):
+    """Without --train-tokens the length is the sources' train tokens: below 2 per stream it is refused as an
+    explicit one is, from the manifests (before, 600 tokens for 512 streams made streams of 1 token)."""
+    import data_prep.mix
+    from corpus_helpers import make_corpus, synthetic_stream
+
+    def no_scan(*args, **kwargs):
+        raise AssertionError("scanned a source before refusing the default length")
+
+    sources = []
+    for i in range(2):
+        make_corpus(tmp_path / f"s{i}", {"train": synthetic_stream(300, seed=i)})
+        sources += ["--source", f"s{i}={tmp_path / f's{i}'}:1"]
+    with monkeypatch.context() as patch:
+        patch.setattr(data_prep.mix, "_document_stops", no_scan)
+        for index in ([], ["--index"]):
+            assert run("mix", "--out", tmp_path / "m", *sources, "--world-size", 1, "--n-streams", 512, "--quiet",
+                       *index) == 2
+            assert capsys.readouterr().err.strip() == (
+                "error: the default length (no --train-tokens), the sources' 600 train tokens, is below 1024, the "
+                "least any run of the mixture's --n-streams 512 streams trains on (2 per stream, model.tgt_len 1); a "
+                "run needs deepspeed.train_batch_size x (model.tgt_len + 1) tokens, e.g. 8 x 65 = 520 for "
+                "configs/tiny.json")
+    assert not (tmp_path / "m").exists()
+    assert run("mix", "--out", tmp_path / "m", *sources, "--world-size", 1, "--n-streams", 300, "--quiet") == 0
+
+
 def greedy_order(streams: list[np.ndarray], weights: list[float], seed: int, asked: int):
     """The mixture's order one document at a time: (sources, documents, tokens per source, epochs begun per
     source). Next is the source with the fewest tokens per weight so far (ties by the largest weight, then the
@@ -420,7 +447,42 @@ def test_refusals(corpora, tmp_path, capsys):
     err = refused("mix", "--out", tmp_path / "a", "--source", f"sh={corpora['sh']}:1", "--source", f"p={other}:1",
                   *common)
     assert "tokenizer differs" in err and "sha256" in err
+    # A weight whose share underflows to 0 (was: mixed at share 0, with a numpy RuntimeWarning).
+    assert refused("mix", "--out", tmp_path / "a", "--source", f"sh={corpora['sh']}:1e308", "--source",
+                   f"ptb={corpora['ptb']}:1e-20", *common) == (
+        "error: --source ptb: weight 1e-20 is too small beside the largest, 1e+308: its share of the mixture is 0 in "
+        "floating point; give weights closer together")
+    assert refused("mix", "--out", tmp_path / "a", "--source", f"sh={corpora['sh']}:1", "--seed", 2**32,
+                   *common) == "error: --seed must be in 0..4294967295, got 4294967296"
     assert not (tmp_path / "a").exists()
+
+
+@pytest.mark.parametrize("index", [False, True], ids=["copy", "index"])
+def test_an_int32_corpus_of_an_earlier_version_mixes_with_a_uint16_one(tmp_path, monkeypatch, index):
+    """Same tokenizer of 65,536 pieces: an earlier version wrote its tokens as int32, this one as uint16. Each
+    held-out split is checked against its source's tokens_sha256 in the source's dtype (was: hashed in the
+    mixture's, so the valid manifest of the int32 source was blamed after the whole train split was copied),
+    and the mixture is written in uint16 whichever source comes first."""
+    import corpus_helpers
+    from corpus_helpers import make_corpus, synthetic_stream
+
+    vocab = 65536
+    streams = {name: {"train": synthetic_stream(3000, vocab, seed=k),
+                      "valid": synthetic_stream(400, vocab, seed=10 + k)} for k, name in enumerate(("new", "old"))}
+    make_corpus(tmp_path / "new", streams["new"], vocab_size=vocab)
+    monkeypatch.setattr(corpus_helpers, "token_dtype", lambda vocab_size: "int32")
+    make_corpus(tmp_path / "old", streams["old"], vocab_size=vocab)
+    assert read_manifest(tmp_path / "old").dtype == "int32" and read_manifest(tmp_path / "new").dtype == "uint16"
+    for order in (("new", "old"), ("old", "new")):
+        out = tmp_path / f"m-{'-'.join(order)}"
+        assert run("mix", "--out", out, *[a for n in order for a in ("--source", f"{n}={tmp_path / n}:1")],
+                   "--world-size", 1, "--n-streams", 2, "--quiet", *(["--index"] if index else [])) == 0
+        m = read_manifest(out)
+        assert m.dtype == "uint16"
+        for name in order:
+            np.testing.assert_array_equal(split_tokens(out, f"valid/{name}"), streams[name]["valid"])
+        np.testing.assert_array_equal(split_tokens(out, "valid"), np.concatenate([streams[n]["valid"] for n in order]))
+        verify_corpus(out)
 
 
 def test_a_write_that_fails_in_the_writer_thread_ends_the_mix_and_leaves_nothing(corpora, mixture, tmp_path,
@@ -610,3 +672,85 @@ def test_prepare_source_names_the_source_a_refusal_is_about(tmp_path, capsys):
     assert lines == [["error: --source b: holding out valid leaves no training document; use smaller fractions or "
                       "more documents"]] * 2
     assert not (tmp_path / "mix").exists()
+
+
+def test_prepare_source_refuses_what_mix_would_before_preparing_anything(tmp_path, capsys, monkeypatch):
+    """A name given twice (was: the first source prepared, then a failure naming the job's scratch folder;
+    keyed by name, one source was dropped), a weight whose share is 0 and a seed out of range are refused as
+    mix refuses them, before the tokenizer is trained or a source prepared."""
+    import data_prep.mix
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("worked before refusing the sources")
+
+    monkeypatch.setattr(data_prep.mix, "prepare", no_work)
+    monkeypatch.setattr(data_prep.mix, "train_tokenizer_job", no_work)
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.txt").write_text(f"one line of {name}\n" * 50)
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    common = ["--out", tmp_path / "m", "--line-docs", "--vocab-size", 300, "--world-size", 1, "--n-streams", 1,
+              "--quiet"]
+    for args, want in (
+            (["--source", f"a={a}:1", "--source", f"a={b}:1"],
+             "--source: two sources have the same name; give each its own"),
+            (["--source", f"a={a}:1e308", "--source", f"b={b}:1e-20"],
+             "--source b: weight 1e-20 is too small beside the largest, 1e+308: its share of the mixture is 0 in "
+             "floating point; give weights closer together"),
+            (["--source", f"a={a}:1", "--source", f"b={b}:1", "--seed", -1],
+             "--seed must be in 0..4294967295, got -1")):
+        assert run("prepare", *common, *args) == 2
+        assert capsys.readouterr().err.strip() == f"error: {want}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "b.txt"]
+
+
+def test_prepare_source_prepares_each_source_for_one_stream(tmp_path, capsys):
+    """A source too small for the mixture's streams alone (21 tokens for 32 streams) was refused, while preparing
+    both and mixing by hand worked: each source is now prepared for one stream, and mix lays every split out
+    for the mixture's streams. The result is the by-hand mixture."""
+    model = small_bpe_tokenizer(tmp_path)
+    (tmp_path / "small.txt").write_text("a small source\nof two lines\n")
+    (tmp_path / "big.txt").write_text("".join(f"line {i} of the larger source, with more words\n" for i in range(60)))
+    tok = ["--line-docs", "--tokenizer-model", model, "--num-proc", 1, "--quiet"]
+    layout = ["--world-size", 1, "--n-streams", 32]
+    assert run("prepare", "--out", tmp_path / "one", "--source", f"small={tmp_path / 'small.txt'}:1", "--source",
+               f"big={tmp_path / 'big.txt'}:1", *tok, *layout) == 0, capsys.readouterr().err
+    for name in ("small", "big"):
+        assert run("prepare", "--out", tmp_path / name, "--train", tmp_path / f"{name}.txt", *tok) == 0
+    assert read_manifest(tmp_path / "small").splits["train"].n_tokens < 32
+    assert run("mix", "--out", tmp_path / "two", "--source", f"small={tmp_path / 'small'}:1", "--source",
+               f"big={tmp_path / 'big'}:1", *layout, "--quiet") == 0
+    one, two = read_manifest(tmp_path / "one"), read_manifest(tmp_path / "two")
+    assert one.digest() == two.digest() and one.mixture == two.mixture
+    assert one.splits["train"].layout == two.splits["train"].layout
+    # Streams the ranks cannot share are still refused before any source is prepared.
+    assert run("prepare", "--out", tmp_path / "three", "--source", f"small={tmp_path / 'small.txt'}:1", *tok,
+               "--world-size", 2, "--n-streams", 3) == 2
+    assert "--n-streams" in capsys.readouterr().err and not (tmp_path / "three").exists()
+
+
+def test_prepare_train_tokens_needs_source_and_work_dir_takes_the_sources_streams(tmp_path, capsys, monkeypatch):
+    """--train-tokens without --source was ignored (a corpus of all the text); --work-dir with --source was
+    ignored (the sources' token streams went beside --out): now refused, and used, respectively."""
+    import data_prep.prepare
+
+    (tmp_path / "a.txt").write_text("".join(f"line {i} of source a\n" for i in range(40)))
+    (tmp_path / "b.txt").write_text("".join(f"line {i} of source b, longer\n" for i in range(40)))
+    model = small_bpe_tokenizer(tmp_path)
+    tok = ["--line-docs", "--tokenizer-model", model, "--num-proc", 1, "--quiet"]
+    assert run("prepare", "--out", tmp_path / "c", "--train", tmp_path / "a.txt", "--train-tokens", 100, *tok) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: --train-tokens is the length of a mixture: give it with --source (or to `mix`); a corpus prepared "
+        "from --train holds all of its text")
+    sources = ["--source", f"a={tmp_path / 'a.txt'}:1", "--source", f"b={tmp_path / 'b.txt'}:1"]
+    assert run("prepare", "--out", tmp_path / "m", *sources, "--work-dir", tmp_path / "m" / "w", *tok) == 2
+    assert f"--work-dir {tmp_path / 'm' / 'w'} is inside the output {tmp_path / 'm'}" in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()
+
+    used = []
+    owned_work_folder = data_prep.prepare.owned_work_folder
+    monkeypatch.setattr(data_prep.prepare, "owned_work_folder",
+                        lambda work_dir, out: used.append(work_dir) or owned_work_folder(work_dir, out))
+    assert run("prepare", "--out", tmp_path / "m", *sources, "--work-dir", tmp_path / "w", *tok) == 0
+    assert used == [tmp_path / "w"] * 2  # each source's token stream
+    assert list((tmp_path / "w").iterdir()) == []  # and nothing left there
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "b.txt", "m", "tok.model", "w"]
