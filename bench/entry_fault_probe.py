@@ -53,16 +53,18 @@ END_WITHIN_S = 60
 """A command must have ended this long after its error was raised."""
 RUN_TIMEOUT_S = 300
 MAX_CALLS = 3000
-VARIANTS = {"eval": ("rank 0", "rank 1"), "interop": ("to-hf", "from-hf"), "prepare": ("reuse", "train")}
+VARIANTS = {"eval": ("rank 0", "rank 1"), "interop": ("to-hf", "from-hf"), "prepare": ("reuse", "train", "sources")}
 """What a case of an entry draws besides: eval the rank raised on, interop the direction, prepare the tokenizer
-(reused or trained). The other entries have none."""
+(reused or trained) or a mixture of three sources in one step (`--source`, the tokenizer reused). The other
+entries have none."""
 
 
 @dataclass(frozen=True)
 class Case:
     entry: str
     variant: str
-    """eval: the rank raised on; interop: to-hf / from-hf; prepare: reuse / train (the tokenizer); else ''."""
+    """eval: the rank raised on; interop: to-hf / from-hf; prepare: reuse / train (the tokenizer) / sources;
+    else ''."""
     calls: int
     at_share: float
     """When, as a share of the undisturbed run's duration."""
@@ -111,10 +113,16 @@ class Setup:
         if case.entry == "interop":
             src = self.reference(EXPORT) / ("native" if case.variant == "to-hf" else "hf")
             return [py, "-m", "txl_dist.interop", case.variant, str(src), str(out / "converted")]
-        tokenizer = (["--tokenizer-model", str(self.corpus / "tokenizer.model")] if case.variant == "reuse" else
-                     ["--vocab-size", "512", "--tokenizer-sample", "2000"])
-        return [py, "-m", "data_prep", "prepare", "--out", str(out / "corpus"), "--train", str(self.raw / "train*.txt"),
-                "--valid", str(self.raw / "valid.txt"), "--test", str(self.raw / "test.txt"), "--world-size", "2",
+        tokenizer = (["--vocab-size", "512", "--tokenizer-sample", "2000"] if case.variant == "train" else
+                     ["--tokenizer-model", str(self.corpus / "tokenizer.model")])
+        if case.variant == "sources":
+            inputs = [*(a for i, weight in ((1, 2), (2, 1), (3, 1)) for a in
+                        ("--source", f"s{i}={self.raw / f'train{i}.txt'}:{weight}")),
+                      "--valid-fraction", "0.05", "--test-fraction", "0.05"]
+        else:
+            inputs = ["--train", str(self.raw / "train*.txt"), "--valid", str(self.raw / "valid.txt"), "--test",
+                      str(self.raw / "test.txt")]
+        return [py, "-m", "data_prep", "prepare", "--out", str(out / "corpus"), *inputs, "--world-size", "2",
                 "--n-streams", "4", "--num-proc", "2", "--quiet", *tokenizer]
 
     def reference(self, case: Case) -> Path:
@@ -236,7 +244,7 @@ def same_files(a: Path, b: Path) -> bool:
 
 def manifest_values(corpus: Path) -> str:
     manifest = json.loads((corpus / "manifest.json").read_text())
-    return json.dumps({k: manifest.get(k) for k in ("splits", "tokenizer", "dtype")}, sort_keys=True)
+    return json.dumps({k: manifest.get(k) for k in ("splits", "tokenizer", "dtype", "mixture")}, sort_keys=True)
 
 
 def leftovers(setup: Setup, case: Case, out: Path) -> list[str]:
@@ -247,6 +255,8 @@ def leftovers(setup: Setup, case: Case, out: Path) -> list[str]:
         found.append("result.json")
     if case.entry == "prepare" and (out / "corpus" / "manifest.json").exists():
         found.append("corpus/manifest.json")
+    if case.entry == "prepare":  # the job's scratch beside its output (prepare --source's sources, a staging)
+        found += [p.name for p in out.iterdir() if p.name.startswith(".corpus")]
     folders = {"export": [("native", "model_config.json"), ("hf", "config.json")],
                "interop": [("converted", "config.json" if case.variant == "to-hf" else "model_config.json")]}
     for folder, config in folders.get(case.entry, []):

@@ -63,6 +63,9 @@ def test_an_error_met_once_the_result_was_complete_may_end_in_success_if_it_said
     assert check(setup, prepare, out, outcome(True, 0, printed=False)) == [
         "the error was raised and the command succeeded without a word: swallowed"]
     assert check(setup, prepare, out, outcome(True, 1)) == ["left corpus/manifest.json"]
+    (out / ".corpus.sources-x1").mkdir()  # prepare --source's scratch, which a failure must remove
+    mixture = Case("prepare", "sources", 10, 0.5)
+    assert check(setup, mixture, out, outcome(True, 1)) == ["left corpus/manifest.json", "left .corpus.sources-x1"]
 
 
 def test_a_command_the_error_never_reached_must_succeed_with_the_undisturbed_result(setup, tmp_path):
