@@ -55,7 +55,7 @@ RUN_TIMEOUT_S = 300
 MAX_CALLS = 3000
 VARIANTS = {"eval": ("rank 0", "rank 1"), "interop": ("to-hf", "from-hf"), "prepare": ("reuse", "train", "sources")}
 """What a case of an entry draws besides: eval the rank raised on, interop the direction, prepare the tokenizer
-(reused or trained) or a mixture of three sources in one step (`--source`, the tokenizer reused). The other
+(reused or trained) or a mixture of three sources in one step (`--source`, one document per line, the tokenizer reused). The other
 entries have none."""
 
 
@@ -118,7 +118,7 @@ class Setup:
         if case.variant == "sources":
             inputs = [*(a for i, weight in ((1, 2), (2, 1), (3, 1)) for a in
                         ("--source", f"s{i}={self.raw / f'train{i}.txt'}:{weight}")),
-                      "--valid-fraction", "0.05", "--test-fraction", "0.05"]
+                      "--line-docs", "--valid-fraction", "0.05", "--test-fraction", "0.05"]
         else:
             inputs = ["--train", str(self.raw / "train*.txt"), "--valid", str(self.raw / "valid.txt"), "--test",
                       str(self.raw / "test.txt")]
