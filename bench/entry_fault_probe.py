@@ -55,8 +55,8 @@ RUN_TIMEOUT_S = 300
 MAX_CALLS = 3000
 VARIANTS = {"eval": ("rank 0", "rank 1"), "interop": ("to-hf", "from-hf"), "prepare": ("reuse", "train", "sources")}
 """What a case of an entry draws besides: eval the rank raised on, interop the direction, prepare the tokenizer
-(reused or trained) or a mixture of three sources in one step (`--source`, one document per line, the tokenizer reused). The other
-entries have none."""
+(reused or trained) or a mixture of three sources in one step (`--source`, one document per line, the tokenizer
+reused). The other entries have none."""
 
 
 @dataclass(frozen=True)
