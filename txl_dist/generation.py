@@ -276,10 +276,10 @@ class GenerationSession:
             last = out.hidden[:, -1]                                               # [B, d_model]
             self.next_log_probs = self.model.log_probs(last).float().cpu()         # [B, V]
         self.n_tokens += n
-        earlier = self.text_context or [[] for _ in range(ids.shape[0])]
-        if self.tokenizer is None:
-            self.text_context = [row[-1:] for row in ids[:, -1:].tolist()]
+        if self.tokenizer is None:  # no text to decode: the last id stands in
+            self.text_context = ids[:, -1:].tolist()
         else:
+            earlier = self.text_context or [[] for _ in range(ids.shape[0])]
             self.text_context = [self.tokenizer.text_context(before + row) for before, row in
                                  zip(earlier, ids.tolist())]
         return self.next_log_probs
