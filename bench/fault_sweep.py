@@ -5,7 +5,7 @@ promises after a crash or a stop request.
 The tests put each fault at one chosen point (tests/test_faults.py, tests/test_distributed_faults.py) and
 bench/soak.sh kills one rank once, mid-step. Here a case draws a model, engine and world size as
 bench/config_sweep.py does ("auto" precision and attention made explicit: a fresh start times them anew and
-may choose otherwise), trains STEPS steps with a checkpoint every CHECKPOINT_INTERVAL (keep KEEP) and a
+may choose otherwise; fp16 made bf16 where DeepSpeed refuses fp16, as on a CPU without fp16 kernels), trains STEPS steps with a checkpoint every CHECKPOINT_INTERVAL (keep KEEP) and a
 validation every EVAL_INTERVAL, and draws one or two faults:
 
 - what: SIGKILL of one rank (a crash, the OOM killer) or of the whole job (a node lost), SIGSTOP of one rank
@@ -169,14 +169,20 @@ def draw_raise_fault(rng: random.Random, fault: Fault, world: int) -> Fault:
 
 def draw_case(rng: random.Random, vocab: int, world: int | None, disk_rng: random.Random | None = None,
               disk_share: float = DISK_SHARE, raise_rng: random.Random | None = None,
-              raise_share: float = RAISE_SHARE) -> tuple[Case, list[Fault], bool]:
+              raise_share: float = RAISE_SHARE, fp16: bool = True) -> tuple[Case, list[Fault], bool]:
     """A case, its faults, and whether the jobs after the first fault run on 1 rank (a 2-rank case only: the
     restart of a job that lost a node, on the nodes left). `disk_rng` (its own stream: the other draws stay the
     same without it) turns the first fault into a full disk in `disk_share` of the cases; `raise_rng` (another)
-    turns it into an error raised on one rank in `raise_share` of the others."""
+    turns it into an error raised on one rank in `raise_share` of the others. Without `fp16` (a machine whose
+    DeepSpeed refuses it) a case drawn in fp16 runs in bf16, the other half precision, with the same faults."""
     case = draw(rng, vocab, world or rng.choice([1, 2, 2]))
     if case.precision == "auto":
         case.precision = "fp32"
+    if case.precision == "fp16" and not fp16:
+        case.precision = "bf16"
+        case.engine = {k: v for k, v in case.engine.items() if k != "deepspeed.fp16"}
+        if case.engine.get("deepspeed.data_types") == {"grad_accum_dtype": "fp16"}:
+            case.engine["deepspeed.data_types"] = {"grad_accum_dtype": "bf16"}
     if case.model["attn_impl"] == "auto":
         case.model["attn_impl"] = "matmul"
     elastic = case.world > 1 and rng.random() < 0.3
@@ -333,6 +339,15 @@ def mount_tmpfs(where: Path, size_bytes: int) -> str | None:
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(where)],
                              capture_output=True, text=True)
     return None if mounted.returncode == 0 else (mounted.stderr.strip() or f"mount: exit {mounted.returncode}")
+
+
+def fp16_supported() -> bool:
+    """Whether DeepSpeed takes fp16 in the sweep's jobs (their environment: on a CPU, only one with oneDNN's fp16
+    kernels), asked of DeepSpeed in such a process."""
+    asked = subprocess.run([sys.executable, "-c", "from deepspeed.accelerator import get_accelerator; "
+                            "print(bool(get_accelerator().is_fp16_supported()))"],
+                           cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=120)
+    return asked.stdout.strip().splitlines()[-1:] == ["True"]
 
 
 def tmpfs_unavailable() -> str | None:
@@ -709,11 +724,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no full-disk faults: cannot mount a tmpfs here ({why})")
         disk = False
 
+    fp16 = fp16_supported()
+    if not fp16:
+        print("cases drawn in fp16 run in bf16: DeepSpeed refuses fp16 on this machine")
+
     def run_one(rng: random.Random, i: int, folder: Path) -> tuple[dict[str, Any], str]:
         disk_rng = random.Random(f"disk {args.seed} {i}") if disk else None
         raise_rng = random.Random(f"raise {args.seed} {i}") if args.raise_share > 0 else None
         case, faults, elastic = draw_case(rng, vocab, args.world, disk_rng, args.disk_share, raise_rng,
-                                          args.raise_share)
+                                          args.raise_share, fp16)
         port = 29300 + (args.seed * 97 + i * 4) % 360
         text = f"{case.text()}; " + ", then ".join(f.text() for f in faults)
         text += ", restarted on 1 rank" if elastic else ""

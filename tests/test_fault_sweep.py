@@ -139,6 +139,25 @@ def test_an_error_raised_on_the_rank_after_step_2_ends_the_job_with_it_and_the_r
     assert record["failed"] == []  # among the checks: the job's output holds the error (here in its traceback)
 
 
+def test_a_machine_without_fp16_runs_the_cases_drawn_in_fp16_in_bf16_with_the_same_faults():
+    """DeepSpeed refuses fp16 on a CPU without fp16 kernels (an AMD EPYC): there a case drawn in fp16 would be
+    refused, not faulted, so it runs in bf16, without fp16's loss-scaling options, the rest of it as drawn."""
+    converted = 0
+    for seed in range(200):
+        drawn = fault_sweep.draw_case(random.Random(seed), 1000, None)
+        here = fault_sweep.draw_case(random.Random(seed), 1000, None, fp16=False)
+        if drawn[0].precision != "fp16":
+            assert here == drawn
+            continue
+        converted += 1
+        assert here[0].precision == "bf16" and "deepspeed.fp16" not in here[0].engine, here[0]
+        assert here[0].engine.get("deepspeed.data_types") in (None, {"grad_accum_dtype": "fp32"},
+                                                              {"grad_accum_dtype": "bf16"}), here[0]
+        assert (here[0].model, here[0].world, here[0].stage, here[1], here[2]) == \
+            (drawn[0].model, drawn[0].world, drawn[0].stage, drawn[1], drawn[2])
+    assert converted >= 10
+
+
 def test_a_disk_draw_of_its_own_leaves_every_other_case_as_drawn_without_it():
     """Full-disk faults come from a stream of their own: a machine that cannot mount a tmpfs (or --disk-share 0) runs
     the same cases with their other faults, and the disk takes the first fault's moment."""
