@@ -100,15 +100,16 @@ def check_outputs(out: str, hf: str | None, overwrite: bool = False) -> None:
         check_distinct_folders(out, "--out", hf, "--hf", "the HuggingFace model.safetensors would replace the "
                                "native one")
     if not overwrite:
-        check_former_export(out, "--out", native=True)
+        check_former_export(out, "--out", native=True, other=hf)
         if hf is not None:
-            check_former_export(hf, "--hf", native=False)
+            check_former_export(hf, "--hf", native=False, other=out)
 
 
-def foreign_files(folder: str | Path, *, native: bool) -> list[str]:
+def foreign_files(folder: str | Path, *, native: bool, other: str | Path | None = None) -> list[str]:
     """The entries of `folder` that make it something else than a new or empty folder or a former export of
     ours (of the native or the HuggingFace kind): the export would replace them or leave them beside its
-    weights. [] when the export may write there."""
+    weights. [] when the export may write there. other: the export's other output folder; where it is nested
+    in this one (--out X --hf X/hf), the entry that holds it is the export's own."""
     from txl_dist.interop.hf_files import CONFIG_NAME
     from txl_dist.interop.native import MODEL_CONFIG_NAME, TOKENIZER_NAME, TOKENIZER_SHA256_KEY, WEIGHTS_NAME
     from txl_dist.output_paths import PROBE_PREFIX
@@ -118,8 +119,16 @@ def foreign_files(folder: str | Path, *, native: bool) -> list[str]:
         return []
     config = MODEL_CONFIG_NAME if native else CONFIG_NAME
     ours = (config, WEIGHTS_NAME, TOKENIZER_NAME)
+    nested = Path(other).resolve() if other is not None else None
+
+    def holds_the_other_folder(entry: Path) -> bool:
+        # An export that failed or was stopped after it made the nested folder and before it wrote this one's
+        # config (which comes last) left that folder here: it must not need --overwrite to run again.
+        return nested is not None and (entry.resolve() == nested or entry.resolve() in nested.parents)
+
     names = sorted(p.name for p in folder.iterdir() if not p.name.startswith(PROBE_PREFIX) and not any(
-        p.name.startswith(f".{name}.") and p.name.endswith(".tmp") for name in ours))  # atomic_write's temporaries
+        p.name.startswith(f".{name}.") and p.name.endswith(".tmp") for name in ours)  # atomic_write's temporaries
+        and not holds_the_other_folder(p))
     if not names or set(names) <= {WEIGHTS_NAME}:  # empty, or an export stopped before it wrote its config
         return []
     if config in names:
@@ -133,11 +142,12 @@ def foreign_files(folder: str | Path, *, native: bool) -> list[str]:
     return names
 
 
-def check_former_export(folder: str, flag: str, *, native: bool) -> None:
-    """OutputError for an existing folder holding other files than a former export (foreign_files)."""
+def check_former_export(folder: str, flag: str, *, native: bool, other: str | None = None) -> None:
+    """OutputError for an existing folder holding other files than a former export (foreign_files; other: the
+    export's other output folder)."""
     from txl_dist.output_paths import OutputError
 
-    names = foreign_files(folder, native=native)
+    names = foreign_files(folder, native=native, other=other)
     if names:
         shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
         raise OutputError(f"{flag} {folder}: holds files that are not those of a former export ({shown}); the export "

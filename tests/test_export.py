@@ -128,3 +128,62 @@ def test_export_records_the_eod_id_and_to_hf_of_its_folder_writes_eos_token_id(t
         assert warnings == []
     else:
         assert len(warnings) == 1 and warnings[0].startswith("to-hf: no eos_token_id"), warnings
+
+
+def _stand_in_checkpoint(tmp_path, monkeypatch) -> None:
+    """launch/export.py reads a stand-in checkpoint of a tiny model whose corpus has a tokenizer (its reading of
+    a real one is tested in tests/test_generation.py)."""
+    import contextlib
+    import hashlib
+
+    import launch.export as export_module
+    import txl_dist.checkpoint
+    import txl_dist.startup
+    from txl_dist.config import ModelConfig
+
+    cfg = ModelConfig(vocab_size=53, n_layer=1, d_model=16, n_head=2, d_head=8, d_inner=24, tgt_len=5, mem_len=4)
+    sha = hashlib.sha256(b"tokenizer").hexdigest()
+    run_info = {"tokenizer_sha256": sha, "zero_stage": 0, "config": {"data": {"path": str(tmp_path / "corpus")}}}
+    monkeypatch.setattr(txl_dist.startup, "open_export",
+                        contextlib.contextmanager(lambda path: iter([(tmp_path / "tag", run_info, cfg)])))
+    monkeypatch.setattr(txl_dist.checkpoint, "load_fp32_weights", lambda model, tag_dir, zero_stage: None)
+    monkeypatch.setattr(export_module, "training_tokenizer", lambda corpus, sha, hf: (5, b"tokenizer"))
+
+
+@pytest.mark.parametrize("nesting, failing", [
+    ("hf-holds-out", "to_hf"),        # --out X/native --hf X: the native folder done, the HF one failed
+    ("hf-holds-out", "save_native"),  # X's former config removed first, then the native one failed
+    ("out-holds-hf", "save_native"),  # --out X --hf X/hf
+])
+def test_an_export_into_nested_folders_that_failed_runs_again_without_overwrite(tmp_path, monkeypatch, caplog,
+                                                                                nesting, failing):
+    """An export that failed midway says 'run the export again': with one folder nested in the other, the outer
+    one (its config removed) holds the inner folder, which is the export's own, not a file of the user's (it
+    was refused as one, so that the export ran again only with --overwrite)."""
+    import errno
+
+    import txl_dist.interop
+
+    _stand_in_checkpoint(tmp_path, monkeypatch)
+    outer = tmp_path / "X"
+    out, hf = (outer / "native", outer) if nesting == "hf-holds-out" else (outer, outer / "hf")
+    argv = ["--checkpoint", "run", "--out", out, "--hf", hf]
+    assert _export(argv, caplog) == (0, [])  # a former export, then one that fails over it (a full disk)
+    real = getattr(txl_dist.interop, failing)
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(txl_dist.interop, failing, disk_full)
+    status, errors = _export(argv, caplog)
+    assert status == 1 and len(errors) == 1 and errors[0].endswith("run the export again"), errors
+    assert not (outer / ("model_config.json" if outer == out else "config.json")).exists()
+    monkeypatch.setattr(txl_dist.interop, failing, real)
+    (outer / "notes.txt").write_text("mine")  # a file of the user's beside the inner folder is still refused
+    status, errors = _export(argv, caplog)
+    assert status == EXIT_REFUSED and len(errors) == 1, errors
+    listed = errors[0].split("holds files that are not those of a former export (")[1].split(")")[0].split(", ")
+    assert "notes.txt" in listed and "native" not in listed and "hf" not in listed, listed
+    (outer / "notes.txt").unlink()
+    assert _export(argv, caplog) == (0, [])
+    assert (out / "model_config.json").is_file() and (hf / "config.json").is_file()

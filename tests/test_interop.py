@@ -111,6 +111,18 @@ def test_missing_keys_take_hf_defaults():
     assert cfg.tgt_len == ModelConfig().tgt_len  # not an HF field: ours
 
 
+@pytest.mark.parametrize("tgt_len", [True, False, 0, 2.5, "64"])
+def test_a_tgt_len_that_is_no_length_takes_the_default_and_the_native_folder_loads(tmp_path, tgt_len):
+    """tgt_len is not an HF field: a value that is no positive length is left out. JSON true passed for one (an
+    int to isinstance), and from-hf wrote a native folder with "tgt_len": true that load_native refused."""
+    _, src = _hf_folder(tmp_path, CONFIGS["plain"])
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "tgt_len": tgt_len}))
+    assert model_config_from_hf(json.loads((src / "config.json").read_text())).tgt_len == ModelConfig().tgt_len
+    assert main(["from-hf", str(src), str(tmp_path / "native")]) == 0
+    assert load_native(tmp_path / "native").config.tgt_len == ModelConfig().tgt_len
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_hf_config_round_trip(name):
     cfg = CONFIGS[name]
@@ -513,6 +525,28 @@ def test_truncated_weights_are_a_one_line_refusal_naming_the_file(tmp_path, caps
     for src, name in ((hf, "model.safetensors"), (bin_hf, "pytorch_model.bin")):
         err = _cli_error(capsys, ["from-hf", str(src), str(tmp_path / "out")])
         assert err.startswith(f"error: {src / name}: cannot read the weights (")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("content, what", [
+    (lambda tensors: tensors["crit.out_layers.0.bias"], "an object of type Tensor"),
+    (lambda tensors: list(tensors.values()), "an object of type list"),
+    (lambda tensors: None, "an object of type NoneType"),
+    (lambda tensors: {**tensors, "crit.out_layers.0.bias": 3}, "a dict whose 'crit.out_layers.0.bias' is no tensor "
+                                                               "(type int)"),
+    (lambda tensors: {7: tensors["crit.out_layers.0.bias"]}, "a dict with the key 7, which is no tensor name"),
+], ids=["tensor", "list", "none", "dict-of-an-int", "int-key"])
+def test_a_pytorch_model_bin_that_holds_no_state_dict_is_a_one_line_refusal(tmp_path, capsys, content, what):
+    """weights_only unpickling lets through any plain object: one that is no name -> tensor dict was a traceback
+    (exit 1) where the name and shape checks met it."""
+    _, hf = _hf_folder(tmp_path, CONFIGS["plain"])
+    src = tmp_path / "bin"
+    src.mkdir()
+    (src / "config.json").write_text((hf / "config.json").read_text())
+    torch.save(content(load_file(hf / "model.safetensors")), src / "pytorch_model.bin")
+    err = _cli_error(capsys, ["from-hf", str(src), str(tmp_path / "out")])
+    assert err == (f"error: {src / 'pytorch_model.bin'}: holds no state dict (tensors by name) but {what}; it is not "
+                   "a model's weights file: pass the folder save_pretrained wrote")
     assert not (tmp_path / "out").exists()
 
 

@@ -114,6 +114,8 @@ def model_config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
             f"HF config.json: tie_projs {tie_projs} needs one entry per cluster ({len(cutoffs) + 1} for "
             f"cutoffs {cutoffs}); fix tie_projs")
     tgt_len = hf.get("tgt_len")  # not an HF field; the original code's configs carry it, and so do ours
+    if isinstance(tgt_len, bool):  # JSON true is no length (an int to isinstance): the default, as for 0 or 2.5
+        tgt_len = None
     cfg = ModelConfig(
         **{key: _READERS[kind](raw, key) for key, kind in SAME_NAME_FIELDS.items()},
         d_embed=_int(raw, "d_embed"),
