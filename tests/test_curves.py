@@ -68,6 +68,28 @@ def test_a_line_longer_than_a_read_block_is_skipped_and_the_lines_after_it_are_r
     assert history.points().train_loss == [4.0, 3.0]
 
 
+def test_evaluations_between_the_logged_training_steps_are_drawn(tmp_path):
+    # tracking.metrics_interval 100 logs train/tokens_seen at steps 100, 200, ...; eval.interval 50 validates
+    # at 50, 150, ... too: those evaluations were left out of the picture for want of a token count.
+    journal = tmp_path / "metrics.jsonl"
+    lines, seq = [], 0
+    for step in range(50, 401, 50):
+        if step % 100 == 0:
+            seq += 1
+            lines.append(_line(seq, step, {"train/loss": 3.0, "train/tokens_seen": 32.0 * step}))
+        seq += 1
+        lines.append(_line(seq, step, {"valid/loss": 2.0 + step / 1000}))
+    seq += 1
+    lines.append(_line(seq, 400, {"test/loss": 2.1}))
+    journal.write_text("".join(lines))
+    history = LossHistory(journal)
+    history.update()
+    points = history.points()
+    assert points.valid_tokens == [32.0 * step for step in range(50, 401, 50)]
+    assert points.valid_loss == [2.0 + step / 1000 for step in range(50, 401, 50)]
+    assert (points.test_tokens, points.test_loss) == ([32.0 * 400], [2.1])
+
+
 @pytest.mark.parametrize("steps", [1, 2, 60])
 def test_every_series_of_the_picture_shows_however_few_steps_were_logged(steps):
     # A line through one point draws nothing: the picture of a one-step run was empty axes and a legend.

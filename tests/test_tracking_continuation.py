@@ -14,6 +14,7 @@ from txl_dist.tracking import ResumePoint, TrackingError, create_tracker
 from txl_dist.tracking import mlflow_run
 from txl_dist.tracking.continuation import (STAGING_DIR, Continues, finish_switch, plan_opening, stage_switch)
 from txl_dist.tracking.journal import TrackingFolder
+from txl_dist.tracking.replay import replay
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -243,4 +244,46 @@ def test_replay_sends_what_a_left_run_lacks_to_that_run(
                           mlflow_server.uri], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "sent 2 metric values" in out.stdout
+    # Its summary says where they went: to the run left, not to the recorded continuation.
+    assert f"2 values and 1 item(s) to run {first.run_id} (a run it continues" in out.stdout  # and its status
+    assert second.run_id not in out.stdout.splitlines()[-1]
     assert history(client, first.run_id, "train/loss") == [(s, float(s)) for s in range(1, 11)]
+
+
+def test_replay_finishes_an_interrupted_switch_before_it_sends(
+        mlflow_server, client, experiment, tmp_path, monkeypatch):  # noqa: F811
+    cfg = cfg_for(mlflow_server.uri, experiment)
+    real = mlflow_run._send_metrics
+
+    def failing(client_, run_id, batches):
+        if any(b.step > 5 for b in batches):
+            raise ConnectionError("store away")
+        return real(client_, run_id, batches)
+
+    monkeypatch.setattr(mlflow_run, "_send_metrics", failing)
+    first = create_tracker(cfg, 0, tmp_path)
+    first.log_params({"a": 1})  # an outbox item: the journal's seqs start at 2, a continuation's history at 1
+    for step in range(1, 11):
+        first.log_metrics({"train/loss": float(step)}, step=step)
+        if step % 2 == 0:
+            first.log_metrics({"valid/loss": 50.0 + step}, step=step)
+        first.flush(timeout=30)
+    first.close("KILLED")
+    monkeypatch.setattr(mlflow_run, "_send_metrics", real)
+    r1, folder = first.run_id, TrackingFolder(tmp_path)
+    # A job rolling back to step 8 created R2, staged the switch and was killed after committing the journal.
+    r2 = client.create_run(client.get_experiment_by_name(experiment).experiment_id).info.run_id
+    stage_switch(folder, r2, mlflow_server.uri, Continues(r1, 8, "rollback", (r1,)), folder.dir)
+    (folder.dir / "superseded" / r1).mkdir(parents=True)
+    os.replace(folder.dir / "metrics.jsonl", folder.dir / "superseded" / r1 / "metrics.jsonl")
+    os.replace(folder.dir / STAGING_DIR / "metrics.jsonl", folder.dir / "metrics.jsonl")
+    # Before, replay sent R2's journal to R1 and marked its seqs as delivered in R1's records, where they name
+    # other values: R1's step 6 was never sent, by this replay or any later one.
+    replay(tmp_path, mlflow_server.uri)
+    assert folder.recorded_run_id() == r2 and not (folder.dir / STAGING_DIR).exists()
+    resumed = create_tracker(cfg, 0, tmp_path, resume=ResumePoint(r1, 8, frozenset({r1})))
+    assert resumed.run_id == r2 and resumed.close().ok
+    replay(tmp_path, mlflow_server.uri)
+    assert history(client, r1, "train/loss") == [(s, float(s)) for s in range(1, 11)]
+    assert history(client, r1, "valid/loss") == [(s, 50.0 + s) for s in range(2, 11, 2)]
+    assert history(client, r2, "train/loss") == [(s, float(s)) for s in range(1, 9)]

@@ -386,6 +386,30 @@ def test_a_journal_on_a_full_disk_warns_once_and_never_raises(  # noqa: F811
     assert history(client, tracker.run_id, "train/loss") == [(1, 1.0), (2, 2.0), (3, 3.0)]
 
 
+def test_a_job_killed_while_the_writer_waits_on_the_store_keeps_every_step_in_its_journal(tmp_path):
+    # The writer sat in a request to a silent server (up to a minute per call) while training went on and saved a
+    # checkpoint; then the node was lost. The journal's lines were left in its buffer until the writer's next
+    # send: steps 2..20 were lost, and the job resuming from the checkpoint at step 20 does not log them again.
+    code = (
+        "import os, signal, sys, threading\n"
+        "from txl_dist.config import TrackingConfig\n"
+        "from txl_dist.tracking import create_tracker, mlflow_run\n"
+        "silent = threading.Event()\n"
+        "mlflow_run._send_metrics = lambda *args: silent.wait()\n"
+        "uri = 'sqlite:///' + os.path.join(sys.argv[1], 'mlflow.db')\n"
+        "tracker = create_tracker(TrackingConfig(uri=uri, system_metrics=False), 0, sys.argv[1])\n"
+        "for step in range(1, 21):\n"
+        "    tracker.log_metrics({'train/loss': float(step)}, step=step)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)  # after the checkpoint of step 20\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == -9, out.stderr
+    journal = TrackingFolder(tmp_path).journal.read_text().splitlines()
+    assert [json.loads(line)["step"] for line in journal] == list(range(1, 21))
+
+
 def test_an_artifact_replaced_later_is_never_put_back_by_replay(
         mlflow_server, client, experiment, tmp_path, monkeypatch):  # noqa: F811
     from txl_dist.tracking import mlflow_run

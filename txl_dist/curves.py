@@ -20,6 +20,7 @@ to draw never stops training: RunCurves warns once and goes on.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 import logging
@@ -87,6 +88,8 @@ class LossHistory:
         self._offset = 0
         self.tokens_seen: dict[int, float] = {}
         """Step -> train/tokens_seen."""
+        self._known_steps: list[int] | None = None
+        """The steps of tokens_seen, sorted (tokens_at; rebuilt when more came)."""
         self.losses: dict[str, dict[int, float]] = {"train": {}, "valid": {}, "test": {}}
         """Per prefix (train/valid/test), step -> loss."""
 
@@ -130,12 +133,32 @@ class LossHistory:
                 # A step is journaled once per key; a later job never logs it again (the resume rule).
                 by_step.setdefault(step, float(loss))
 
+    def tokens_at(self, step: int) -> float | None:
+        """Tokens seen after `step`: the logged value, else derived from the nearest logged steps (None when
+        none is logged). train/tokens_seen comes only at the steps that log train/* (every
+        tracking.metrics_interval-th), an evaluation at any eval.interval step; every step trains the same
+        number of tokens (a resume cannot change it), so tokens seen grow linearly with the step."""
+        if step in self.tokens_seen:
+            return self.tokens_seen[step]
+        if self._known_steps is None or len(self._known_steps) != len(self.tokens_seen):
+            self._known_steps = sorted(self.tokens_seen)
+        known = self._known_steps
+        if not known:
+            return None
+        i = bisect.bisect_left(known, step)
+        if 0 < i < len(known):  # between two logged steps
+            lo, hi = known[i - 1], known[i]
+            return self.tokens_seen[lo] + (self.tokens_seen[hi] - self.tokens_seen[lo]) * (step - lo) / (hi - lo)
+        nearest = known[min(i, len(known) - 1)]  # before the first or after the last: tokens per step
+        return self.tokens_seen[nearest] * step / nearest if nearest else None
+
     def points(self) -> CurvePoints:
-        """The curves as they stand (steps without a finite loss or a known token count are left out)."""
+        """The curves as they stand (steps without a finite loss, or before any known token count, are left
+        out)."""
 
         def series(prefix: str) -> tuple[list[float], list[float]]:
-            pairs = [(self.tokens_seen[s], v) for s, v in sorted(self.losses[prefix].items())
-                     if s in self.tokens_seen and math.isfinite(v)]
+            pairs = [(tokens, v) for s, v in sorted(self.losses[prefix].items())
+                     if math.isfinite(v) and (tokens := self.tokens_at(s)) is not None]
             return [t for t, _ in pairs], [v for _, v in pairs]
 
         train_tokens, train_loss = series("train")

@@ -6,7 +6,7 @@ The journal, ``<run_dir>/tracking/`` (written by rank 0 alone):
     run_id           the MLflow run id
     uri              the tracking URI, redacted (a password or token shows as ***)
     metrics.jsonl    every batch handed to log_metrics, one line {"seq", "step", "time", "metrics"},
-                     appended (buffered) before it is queued, whether or not the store ever takes it
+                     appended (written out at once) before it is queued, whether or not the store ever takes it
     delivered.jsonl  the seqs the store accepted, one unbuffered line {"seqs": [[first, last], ...]}
                      written right after each accepted log_batch
     summary.json     what a job's opening read of the journal found, up to the journal's first line the
@@ -418,7 +418,8 @@ def _record_summary(folder: TrackingFolder, offset: int, tail: bytes, next_seq: 
 
 
 class _Journal:
-    """metrics.jsonl: appended by the training thread (buffered), flushed by the writer before it sends.
+    """metrics.jsonl: appended by the training thread, each line written out at once (a process killed after a
+    checkpoint keeps every step before it), never waiting for the store.
 
     A write that fails (a full disk) never reaches the caller: tracking does not stop training, and close()
     often runs while training's own exception is on its way out. The journal is then closed for the rest of
@@ -431,10 +432,15 @@ class _Journal:
         self.error: OSError | None = None
 
     def append(self, batch: _Batch) -> None:
+        """Write the line out now (one write call): left in the buffer until the writer's next send, it was lost
+        to a SIGKILL while the writer sat in a slow request, though a checkpoint saved meanwhile had gone past
+        its step (the resumed job does not log that step again)."""
         line = batch.to_line()
         with self._lock:
             if not self._file.closed:
                 self._guarded(self._file.write, line)
+            if not self._file.closed:
+                self._guarded(self._file.flush)
 
     def flush(self) -> None:
         with self._lock:

@@ -7,7 +7,8 @@ The URI is --uri, else the recorded one, else MLFLOW_TRACKING_URI (a recorded UR
 needs one of them). A run dir moved or copied with its default local store (RUN/mlflow.db) sends to that
 store, not to the recorded one at the old path, and points its artifact locations at RUN/mlartifacts, as a
 job there does (store.py's _relocate_local_artifacts); an explicit tracking.uri stays. It refuses (exit 2)
-while a job holds the lock.
+while a job holds the lock. A switch to a continuation run that a killed job left half done is finished first,
+as the next job would; the summary line says how much went to each run.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from txl_dist.errors import failure_of_the_process
 
-from .continuation import superseded_folders
+from .continuation import STAGING_DIR, finish_switch, superseded_folders
 from .errors import ReplayError, TrackingError
 from .journal import TrackingFolder, _Batch, _DeliveryLog, _summarize
 from .mlflow_run import LOCAL_DB
@@ -40,10 +41,25 @@ class ReplayReport:
     values: int = 0
     batches: int = 0
     items: int = 0
+    sent_to: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    """Per run that got anything, [metric values, items]: the recorded run, and the runs its continuations
+    left (tracking/superseded/)."""
+
+    def count(self, run_id: str, values: int = 0, batches: int = 0, items: int = 0) -> None:
+        self.values, self.batches, self.items = self.values + values, self.batches + batches, self.items + items
+        sent = self.sent_to.setdefault(run_id, [0, 0])
+        sent[0], sent[1] = sent[0] + values, sent[1] + items
 
     def summary(self) -> str:
-        return (f"replay: sent {self.values} metric values ({self.batches} log_metrics calls) and {self.items} "
-                f"params/artifact/status items to run {self.run_id} at {self.uri}")
+        sent = (f"replay: sent {self.values} metric values ({self.batches} log_metrics calls) and {self.items} "
+                "params/artifact/status items")
+        if set(self.sent_to) <= {self.run_id}:
+            return f"{sent} to run {self.run_id} at {self.uri}"
+        # Some went to runs the recorded one continues: name where each part went, not all to the recorded run.
+        parts = [f"{values} values and {items} item(s) to run {run_id}"
+                 + ("" if run_id == self.run_id else " (a run it continues, tracking/superseded/)")
+                 for run_id, (values, items) in self.sent_to.items()]
+        return f"{sent} at {self.uri}: {', '.join(parts)}"
 
 
 @dataclasses.dataclass
@@ -69,16 +85,18 @@ def replay(run_dir: str | os.PathLike, uri: str | None = None,
     run); ReplayError when the store fails midway (what was sent stays recorded; run it again).
     """
     folder = TrackingFolder(run_dir)
-    run_id = folder.recorded_run_id()
-    if run_id is None:
-        raise TrackingError(f"replay: {folder.run_id_file} not found; this run dir has no MLflow run (tracking "
-                            "was off, or it is not a run dir)")
-    store = _choose_store(Path(run_dir), folder, run_id, uri)
-    if _remember_secrets(store.uri):
-        _scrub_library_logs()
-    _quiet_store_tracebacks()
-    report = ReplayReport(run_id, shown_uri(store.uri))
+    report = None
     try:
+        _finish_interrupted_switch(folder)
+        run_id = folder.recorded_run_id()
+        if run_id is None:
+            raise TrackingError(f"replay: {folder.run_id_file} not found; this run dir has no MLflow run (tracking "
+                                "was off, or it is not a run dir)")
+        store = _choose_store(Path(run_dir), folder, run_id, uri)
+        if _remember_secrets(store.uri):
+            _scrub_library_logs()
+        _quiet_store_tracebacks()
+        report = ReplayReport(run_id, shown_uri(store.uri))
         _replay_locked(folder, run_id, store, report, announce)
     except OSError as e:
         # The run dir's disk is full or read-only: the lock, delivered.jsonl or the outbox cannot be written. One
@@ -86,10 +104,24 @@ def replay(run_dir: str | os.PathLike, uri: str | None = None,
         if not is_write_fault(e):
             raise
         line = write_fault_line(e, folder.dir, "move the run dir to another file system")
-        raise ReplayError(f"replay stopped after {report.values} metric values: {line}; what was sent is recorded "
-                          "(a chunk the store took but this could not record is sent again), run replay again "
-                          "then") from None
+        sent = report.values if report is not None else 0
+        raise ReplayError(f"replay stopped after {sent} metric values: {line}; what was sent is recorded (a chunk "
+                          "the store took but this could not record is sent again), run replay again then") from None
     return report
+
+
+def _finish_interrupted_switch(folder: TrackingFolder) -> None:
+    """A job killed while switching the folder to a continuation run (continuation.py): finish the switch, as the
+    next job would, before anything is read. Half switched, the folder holds the continuation's journal beside
+    the left run's id and delivery records: replay sent that journal to the left run and marked its seqs as
+    delivered in the left run's records, where they name other values, which no replay would send then."""
+    if not (folder.dir / STAGING_DIR).is_dir():
+        return
+    folder.lock("replay")
+    try:
+        finish_switch(folder)
+    finally:
+        folder.unlock()
 
 
 def _replay_locked(folder: TrackingFolder, run_id: str, store: _Store, report: ReplayReport,
@@ -249,8 +281,7 @@ def _replay_chunks(client, batches: list[_Batch], log: _DeliveryLog, report: Rep
         except OSError as e:  # os.write names no file: name it for the one line replay ends with
             e.filename = e.filename or str(log.path)
             raise
-        report.values += n
-        report.batches += len(chunk)
+        report.count(run_id, values=n, batches=len(chunk))
 
 
 def _replay_outbox(client, folder: TrackingFolder, report: ReplayReport, run_id: str) -> None:
@@ -264,4 +295,4 @@ def _replay_outbox(client, folder: TrackingFolder, report: ReplayReport, run_id:
             raise ReplayError(f"replay stopped at {item.what}: {_one_line(e)}; what was sent is recorded, run "
                               "replay again when the store answers") from None
         folder.remove(item)
-        report.items += 1
+        report.count(run_id, items=1)

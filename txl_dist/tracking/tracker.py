@@ -78,8 +78,8 @@ class Tracker:
         return True
 
     def flush_journal(self) -> None:
-        """Write the journal's buffered lines to <run_dir>/tracking/metrics.jsonl now (for readers such as
-        txl_dist/curves.py); never waits for the store."""
+        """Make sure every journaled line is in <run_dir>/tracking/metrics.jsonl (for readers such as
+        txl_dist/curves.py; each line is written out as it is logged); never waits for the store."""
 
     def ui_hint(self) -> str | None:
         """How to look at this run: the `mlflow ui` command for a local store, or the run's page on a
