@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from dist_helpers import learnable_stream, run_ranks, tiny_config, write_corpus
+from dist_helpers import learnable_corpus, learnable_stream, run_ranks, tiny_config, train_jobs, write_corpus
 from txl_dist import checkpoint
 from txl_dist.checkpoint import CheckpointError
 
@@ -28,11 +28,17 @@ def _tag(ckpt, step, complete=True, universal=False):
     (tag / "mp_rank_00_model_states.pt").write_bytes(b"weights of step %d" % step)
     if complete:
         files = {"mp_rank_00_model_states.pt": checkpoint.hash_file(tag / "mp_rank_00_model_states.pt")}
-        (tag / checkpoint.STATE_DIR / checkpoint.RUN_FILE).write_text(
-            json.dumps({"version": checkpoint.RUN_INFO_VERSION, "step": step, "files": files}))
+        (tag / checkpoint.STATE_DIR / checkpoint.RUN_FILE).write_text(json.dumps(_run_info(step, files)))
     if universal:
         (ckpt / (tag.name + checkpoint.UNIVERSAL_SUFFIX)).mkdir()
     return tag
+
+
+def _run_info(step, files):
+    """The fields of a run.json that a resume, an evaluation and an export read (checkpoint.RUN_INFO_FIELDS)."""
+    return {"version": checkpoint.RUN_INFO_VERSION, "step": step, "files": files, "world_size": 1, "n_streams": 4,
+            "zero_stage": 0, "tokenizer_sha256": "0" * 64, "manifest_digest": "1" * 64,
+            "config": {"model": {}, "train": {}, "data": {}}}
 
 
 def _names(ckpt):
@@ -105,9 +111,9 @@ def test_retention_keeps_a_tag_another_process_reads_until_the_next_save_after_i
         with caplog.at_level(logging.INFO, logger="txl_dist"):
             assert checkpoint.prune(ckpt, keep=1) == ["step_00000010"]
         assert _names(ckpt) == ["step_00000020", "step_00000020_universal", "step_00000030"]
-        assert "checkpoint: keeping step_00000020 for now: another job (an evaluation or export) is reading it; " \
-               "the first save's retention after that job lets it go removes it" in [r.getMessage() for r in
-                                                                                    caplog.records]
+        assert "checkpoint: keeping step_00000020 for now: another job (an evaluation, export or fork) is reading " \
+               "it; the first save's retention after that job lets it go removes it" in [r.getMessage() for r in
+                                                                                        caplog.records]
     finally:
         reader.communicate("", timeout=30)
     assert checkpoint.prune(ckpt, keep=1) == ["step_00000020"]  # read no more: the next save's retention
@@ -137,8 +143,8 @@ def test_a_tag_held_across_saves_is_said_kept_once_and_said_removed_when_it_goes
         assert checkpoint.prune(ckpt, keep=1) == ["step_00000060"]
     lines = [r.getMessage() for r in caplog.records if "step_00000020" in r.getMessage()]
     assert lines == [
-        "checkpoint: keeping step_00000020 for now: another job (an evaluation or export) is reading it; the first "
-        "save's retention after that job lets it go removes it",
+        "checkpoint: keeping step_00000020 for now: another job (an evaluation, export or fork) is reading it; the "
+        "first save's retention after that job lets it go removes it",
         "checkpoint: removed step_00000020, kept since an earlier save while another job read it"]
 
 
@@ -317,7 +323,7 @@ def test_a_rollback_waits_for_a_reader_to_finish_loading_a_tag_it_moves(tmp_path
     reader_done.join()
     assert moved == ["step_00000020", "step_00000030"]
     assert sorted(p.name for p in dest.iterdir()) == moved
-    assert "waiting for another job (an evaluation or export) to finish loading step_00000030" in caplog.text
+    assert "waiting for another job (an evaluation, export or fork) to finish loading step_00000030" in caplog.text
 
 
 def test_a_rollback_past_a_stuck_reader_moves_nothing(tmp_path):
@@ -454,6 +460,31 @@ def test_a_run_info_without_an_integer_version_is_damaged_not_old(tmp_path, cont
     assert str(refused.value) == (f"{path}: damaged ({what}; every run.json txl-dist writes has its integer "
                                   "version); use another tag")
     assert checkpoint.verify(tag) == str(refused.value)  # eval and export report it as the tag's damage
+
+
+@pytest.mark.parametrize("damage, what", [
+    (lambda info: info.pop("step"), "no step"),  # a key's name with a flipped bit: "stfp"
+    (lambda info: info.update(world_size="1"), "world_size '1' is not an integer"),
+    (lambda info: info.update(zero_stage=True), "zero_stage True is not an integer"),
+    (lambda info: info["config"].pop("model"), "its config has no model section"),
+    (lambda info: info.update(step=7), "step 7, but the tag is step_00000006"),
+    (lambda info: info["files"]["mp_rank_00_model_states.pt"].pop("bytes"),
+     "its entry of 'mp_rank_00_model_states.pt' is not a size and a sha256"),
+])
+def test_a_run_info_that_parses_but_lacks_what_a_resume_reads_is_damaged(tmp_path, damage, what):
+    """run.json is not in its own checksums: a damaged one that still parses passed verify, and the resume
+    failed with a traceback (KeyError: 'step', in setting newer tags aside) where its field was read. It is
+    now the tag's damage (refused in one line, or passed over by checkpoint.fallback)."""
+    tag = _tag(tmp_path, 6)
+    path = tag / "txl_state" / "run.json"
+    info = json.loads(path.read_text())
+    damage(info)
+    path.write_text(json.dumps(info))
+    expected = f"{path}: damaged ({what}); use another tag"
+    assert checkpoint.verify(tag) == expected
+    with pytest.raises(CheckpointError) as refused:
+        checkpoint.checked_run_info(tag)
+    assert str(refused.value) == expected
 
 
 def test_a_run_info_that_is_not_utf8_cannot_be_read(tmp_path):
@@ -609,6 +640,52 @@ def test_export_writes_the_fp32_weights(tmp_path, stage, bf16, model):
     if bf16:  # masters, not the bf16 copies: some weights carry more precision than bf16 has
         assert any(not torch.equal(v, v.bfloat16().float()) for v in exported.values())
     assert (tmp_path / "hf" / "config.json").is_file() and (tmp_path / "hf" / "model.safetensors").is_file()
+
+
+def _fork_while_the_source_run_saves(raw: dict, source_ckpt: Path) -> dict:
+    """A training start from another run folder (a fork) on this rank, while that run saves and prunes to one tag
+    (checkpoint.keep 1) between the fork's choice of its tag and its load; what retention removed then and after."""
+    import shutil
+
+    from txl_dist import distributed, startup, trainer
+    from txl_dist.config import config_from_dict
+
+    env = distributed.discover()
+    distributed.init_process_group(env)
+    check_loadable, pruned = startup._check_loadable, {}
+
+    def the_source_run_saves_and_prunes(source):
+        if env.is_main:
+            shutil.copytree(source_ckpt / "step_00000001", source_ckpt / "step_00000002")
+            pruned["during"] = checkpoint.prune(source_ckpt, keep=1)
+        return check_loadable(source)
+
+    startup._check_loadable = the_source_run_saves_and_prunes
+    try:
+        t = trainer.build(config_from_dict(raw), env, resume=str(source_ckpt.parent))
+        distributed.barrier()  # every rank's load has ended: their holds are gone
+        if env.is_main:
+            pruned["after"] = checkpoint.prune(source_ckpt, keep=1)
+        t.tracker.close()
+        t.close()
+        return {"step": t.step, "resumed_from": str(t.resumed_from)} | pruned
+    finally:
+        distributed.destroy_process_group()
+
+
+def test_a_fork_holds_the_other_runs_tag_until_it_is_loaded(tmp_path):
+    """A run started from another run folder's tag while that run trains: its retention removed the tag between
+    the fork's choice and its load, which failed ("DeepSpeed's load failed (AssertionError); its files verified at
+    start: check the file system"). The fork now holds the tag as an evaluation does, on every rank."""
+    corpus = learnable_corpus(tmp_path / "corpus", 4 * 49)
+    source = tiny_config(corpus, tmp_path / "source", train={"max_steps": 1}, eval={"at_end": False})
+    run_ranks(train_jobs, 1, [(source, "none")])
+    fork = tiny_config(corpus, tmp_path / "fork", train={"max_steps": 1}, eval={"at_end": False})
+    source_ckpt = tmp_path / "source" / "checkpoints"
+    results = run_ranks(_fork_while_the_source_run_saves, 2, fork, source_ckpt)
+    assert [r["step"] for r in results] == [1, 1]
+    assert results[0]["resumed_from"] == str(source_ckpt / "step_00000001")
+    assert results[0]["during"] == [] and results[0]["after"] == ["step_00000001"]
 
 
 def test_prune_never_removes_the_newest_good_tag(tmp_path):
@@ -849,6 +926,30 @@ def test_a_universal_copy_that_cannot_be_written_is_one_line_naming_the_way_out(
         f"{ckpt / 'step_00000004'}: cannot write the universal copy that a load at another world size reads beside "
         f"it (Read-only file system); make {ckpt} writable (or copy the run folder to where it can be), or load it "
         "with the world size it was saved with")
+
+
+def test_a_disk_that_fills_after_the_converter_is_a_full_disk_not_a_folder_to_make_writable(tmp_path, monkeypatch):
+    """The converter's output fitted, its record (written last) did not: the start was refused (exit 2) with
+    the advice to make the folder writable, where a full disk midway is a fault naming ENOSPC (exit 1)."""
+    import errno
+
+    ckpt = tmp_path / "checkpoints"
+    tag = _tag(ckpt, 10)
+    out = ckpt / "step_00000010_universal"
+    monkeypatch.setattr(checkpoint.subprocess, "run", _fake_converter)
+
+    def full(path, text):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(checkpoint, "atomic_write", full)
+    with pytest.raises(checkpoint.ConversionFailed) as failed:
+        checkpoint.convert_to_universal(tag, out, zero_stage=2)
+    assert not isinstance(failed.value, CheckpointError)
+    assert str(failed.value).startswith(f"{tag}: [Errno 28] No space left on device: the universal copy that a load "
+                                        f"at another world size reads beside the tag does not fit on the file "
+                                        f"system of {ckpt} (")
+    assert " free after it stopped); " in str(failed.value)
+    assert _names(ckpt) == ["step_00000010"]  # nothing of the conversion left
 
 
 def test_a_zero3_export_gathers_one_tensor_at_a_time(tmp_path):

@@ -287,7 +287,7 @@ def supersede_newer(ckpt_dir: str | os.PathLike, step: int,
             if not held.enter_context(_held_for_removal(ckpt_dir / tag, wait_s=reader_wait_s, why=(
                     f"before moving it aside (rolling back to step {step})"))):
                 raise CheckpointError(
-                    f"{ckpt_dir / tag}: another job (an evaluation or export) has been loading it for more than "
+                    f"{ckpt_dir / tag}: another job (an evaluation, export or fork) has been loading it for more than "
                     f"{reader_wait_s:.0f} s, and rolling back to step {step} moves it aside; stop that job, then "
                     "start this one again (nothing was moved)")
         dest = ckpt_dir / SUPERSEDED_DIR / time.strftime("%Y%m%d-%H%M%S")
@@ -351,8 +351,8 @@ def prune(ckpt_dir: str | os.PathLike, keep: int) -> list[str]:
             if not free:
                 if ckpt_dir / tag not in _said_kept:
                     _said_kept.add(ckpt_dir / tag)
-                    log.info("checkpoint: keeping %s for now: another job (an evaluation or export) is reading it; "
-                             "the first save's retention after that job lets it go removes it", tag)
+                    log.info("checkpoint: keeping %s for now: another job (an evaluation, export or fork) is reading "
+                             "it; the first save's retention after that job lets it go removes it", tag)
                 continue
             # Rename first: a crash while deleting must not leave a step_* folder that looks complete.
             trash = ckpt_dir / f"{REPLACED_PREFIX}{tag}{PRUNED_SUFFIX}"
@@ -473,8 +473,8 @@ def _held_for_removal(tag_dir: Path, wait_s: float = 0.0, why: str = "") -> Iter
                         return
                     if not told:
                         logging.getLogger(distributed.LOGGER_NAME).info(
-                            "checkpoint: waiting for another job (an evaluation or export) to finish loading %s %s",
-                            tag_dir.name, why)
+                            "checkpoint: waiting for another job (an evaluation, export or fork) to finish loading "
+                            "%s %s", tag_dir.name, why)
                         told = True
                     time.sleep(0.2)
                     continue
@@ -680,6 +680,13 @@ def write_error(path: str | os.PathLike, error: BaseException, saved: Any) -> st
     if not isinstance(error, OSError) and _lacks_room(Path(path).parent, _tensor_bytes(saved)):
         return f"{path}: [Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)} ({detail})"
     return f"{path}: {detail}"
+
+
+def _free_bytes(folder: Path) -> int:
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return 0  # a file system that cannot even be asked has no room to offer
 
 
 def _lacks_room(folder: Path, needed: int) -> bool:
@@ -889,11 +896,11 @@ def verify(tag_dir: str | os.PathLike, *, rank: int = 0, world_size: int = 1) ->
     """
     tag_dir = Path(tag_dir)
     try:
-        info = read_run_info(tag_dir)
+        info = checked_run_info(tag_dir)
     except CheckpointError as e:
         return str(e)
-    files = info.get("files")
-    if not isinstance(files, dict) or not files:
+    files = info["files"]
+    if not files:
         return f"{tag_dir / STATE_DIR / RUN_FILE}: lists no files to verify"
     return _check_share(tag_dir, files, rank, world_size, record=tag_dir / STATE_DIR / RUN_FILE)
 
@@ -1001,6 +1008,43 @@ def read_run_info(tag_dir: str | os.PathLike) -> dict[str, Any]:
         raise CheckpointError(f"{path}: version {version} is not {RUN_INFO_VERSION} (saved by another version of "
                               "txl-dist); use the version that wrote it")
     return info
+
+
+RUN_INFO_FIELDS = {"step": int, "world_size": int, "n_streams": int, "zero_stage": int, "tokenizer_sha256": str,
+                   "manifest_digest": str, "config": dict, "files": dict}
+"""What a resume, an evaluation or an export reads of a run.json (every save of this version writes them)."""
+RUN_INFO_CONFIG_SECTIONS = ("model", "train", "data")
+
+
+def checked_run_info(tag_dir: str | os.PathLike) -> dict[str, Any]:
+    """read_run_info of a tag that is to be used, with the fields a resume, an evaluation or an export reads
+    checked: run.json is not in its own checksums, so a damaged one that still parses (a key's name with a
+    flipped bit) is refused here as damaged, instead of failing with a KeyError where the field is read."""
+    info = read_run_info(tag_dir)
+    problem = _run_info_problem(info, Path(tag_dir).name)
+    if problem:
+        raise CheckpointError(f"{Path(tag_dir) / STATE_DIR / RUN_FILE}: damaged ({problem}); use another tag")
+    return info
+
+
+def _run_info_problem(info: dict[str, Any], tag: str) -> str | None:
+    for key, kind in RUN_INFO_FIELDS.items():
+        value = info.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            return f"no {key}" if key not in info else f"{key} {value!r:.40} is not {_KIND_NAMES[kind]}"
+    missing = [s for s in RUN_INFO_CONFIG_SECTIONS if not isinstance(info["config"].get(s), dict)]
+    if missing:
+        return f"its config has no {missing[0]} section"
+    if step_of(tag) is not None and info["step"] != step_of(tag):
+        return f"step {info['step']}, but the tag is {tag}"
+    for name, entry in info["files"].items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("bytes"), int) or isinstance(entry["bytes"], bool) \
+                or not isinstance(entry.get("sha256"), str):
+            return f"its entry of {name!r:.60} is not a size and a sha256"
+    return None
+
+
+_KIND_NAMES = {int: "an integer", str: "a string", dict: "an object"}
 
 
 @dataclass(frozen=True)
@@ -1121,6 +1165,10 @@ def convert_to_universal(tag_dir: Path, out: Path, *, zero_stage: int) -> bool:
     try:
         return _convert_to_universal(tag_dir, out, zero_stage)
     except OSError as e:  # a read-only or full file system: the bare error would name a temporary folder
+        if e.errno == errno.ENOSPC:
+            # Full midway outside the converter (its scratch folder, the copy's record): a fault, as when the
+            # converter fills it (exit 1, the full disk named), not a folder to make writable.
+            raise _no_room_for_copy(tag_dir, out.parent, _free_bytes(out.parent), "after it stopped") from None
         raise CheckpointError(
             f"{tag_dir}: cannot write the universal copy that a load at another world size reads beside it "
             f"({e.strerror or one_line(e)}); make {out.parent} writable (or copy the run folder to where it can "

@@ -125,12 +125,21 @@ class TrainStart:
     cluster_shares: list[float] | None = None
     """Fraction of the training tokens per adaptive-softmax cluster (rank 0's block, sampled): the expected
     cost of the softmax tails in the FLOPs count (txl_dist/flops.py)."""
+    hold: checkpoint.ReadHold | None = None
+    """Another run folder's tag this job starts from (a fork), held for reading until it is loaded: that run may
+    still be training, and its retention keeps the tag meanwhile (checkpoint.hold_for_reading)."""
+
+    def release_checkpoint(self) -> None:
+        """Let the other run's retention remove the tag again (once its files are loaded)."""
+        if self.hold is not None:
+            self.hold.release()
 
     def close(self) -> None:
-        """Close what start-up opened (loaders, lock); the tracker is closed by its owner, the log file by the
-        entry point (run_dir.detach_log_file)."""
+        """Close what start-up opened (loaders, lock, a hold on another run's tag); the tracker is closed by its
+        owner, the log file by the entry point (run_dir.detach_log_file)."""
         self.evaluator.close()
         self.loader.close()
+        self.release_checkpoint()
         if self.lock is not None:
             self.lock.release()
 
@@ -437,7 +446,7 @@ def _verified(candidates: list[Path], env: DistEnv, *, fallback: bool) -> tuple[
                             f"its share of checkpoint {tag_dir.name} verified")
         problems = [p for p in distributed.gather_objects(problem) if p]
         if not problems:
-            return tag_dir, checkpoint.read_run_info(tag_dir)
+            return tag_dir, checkpoint.checked_run_info(tag_dir)
         older = candidates[i + 1:]
         if not fallback or not older:
             hint = (" (checkpoint.fallback=true resumes from the newest older tag that verifies)"
@@ -665,11 +674,19 @@ def _choose_resume(start: TrainStart, env: DistEnv, resume: str) -> Resume | Non
         elif resume == "auto" and inv.complete and inv.latest != inv.complete[-1]:
             log.warning("checkpoint folder %s: `latest` names %s, the newest complete tag is %s; resuming from the "
                         "newest complete tag", ckpt_dir, inv.latest or "nothing", inv.complete[-1])
+        if resume not in ("auto", "none") and not _in_folder(checkpoint.resolve_path(resume), ckpt_dir):
+            # Another run's tag (a fork), held from its choice to the end of its load as an evaluation holds its
+            # tag: that run may still be training, and its retention removed the tag from under the load.
+            tag_dir, start.hold = checkpoint.resolve_and_hold(resume)
+            return [tag_dir]
         return checkpoint.candidate_tags(resume, ckpt_dir)
 
     candidates = _on_main(env, survey, "the checkpoint folder surveyed")
     if not candidates:
         return None
+    if not _in_folder(candidates[0], ckpt_dir):  # a fork: every node reads the tag, so every rank holds it
+        start.hold = _together(lambda: start.hold or checkpoint.hold_named_tag(candidates[0], "start this job again"),
+                               f"checkpoint {candidates[0].name} held")
     chosen = _verified(candidates, env, fallback=cfg.checkpoint.fallback and resume == "auto")
     tag_dir, run_info = chosen
     # Before the fit check: it compares the resolved precision with the checkpoint's.
@@ -680,6 +697,11 @@ def _choose_resume(start: TrainStart, env: DistEnv, resume: str) -> Resume | Non
     _ready_universal_copy(source, tag_dir, run_info, env)
     _check_loadable(source)
     return Resume(tag_dir, run_info, source)
+
+
+def _in_folder(tag_dir: Path, ckpt_dir: Path) -> bool:
+    """Whether a tag is one of this run folder's own (not another run's: a fork)."""
+    return tag_dir.parent.resolve() == ckpt_dir.resolve()
 
 
 def _set_aside_newer(start: TrainStart) -> tuple[Path, list[str]] | None:
@@ -822,7 +844,7 @@ def eval_config(checkpoint_path: str, config: str | None, overrides: list[str]) 
     """
     tag_dir, hold = checkpoint.resolve_and_hold(checkpoint_path)
     try:
-        run_info = checkpoint.read_run_info(tag_dir)
+        run_info = checkpoint.checked_run_info(tag_dir)
         if config is None:
             raw = copy.deepcopy(run_info["config"])  # apply_override edits it in place
             for item in overrides:
@@ -928,7 +950,7 @@ def open_export(checkpoint_path: str) -> Iterator[tuple[Path, dict[str, Any], An
     tag is held for reading while the block runs (load its weights inside it)."""
     tag_dir, hold = checkpoint.resolve_and_hold(checkpoint_path)
     try:
-        run_info = checkpoint.read_run_info(tag_dir)
+        run_info = checkpoint.checked_run_info(tag_dir)
         problem = checkpoint.verify(tag_dir)
         if problem:
             raise CheckpointError(f"checkpoint {tag_dir.name} is damaged: {problem}")

@@ -675,6 +675,7 @@ def _build_from(start: TrainStart, env: DistEnv) -> Trainer:
         # Together: a refusal on one rank (a rank file gone since start-up verified it) is every rank's, as the
         # entry point assumes of a refusal, and a slow rank is waited for on the control group's timeout.
         distributed.together(lambda: trainer.restore(resume), f"checkpoint {resume.tag_dir.name} loaded")
+        start.release_checkpoint()  # another run's tag (a fork): loaded, its retention may remove it again
     if env.is_main:
         _log_run_start(trainer, start, env, n_params)
     return trainer
