@@ -926,6 +926,16 @@ def _(s):
     s.eval("--checkpoint", s.trained_run(), "--json-out", s.tag / "txl_state" / "run.json")
 
 
+@case("output.eval-json-out-a-run-file")
+def _(s):
+    s.eval("--checkpoint", s.trained_run(), "--json-out", s.run_dir / "config.resolved.json")
+
+
+@case("output.eval-json-out-in-a-run-folder")
+def _(s):
+    s.eval("--checkpoint", s.trained_run(), "--json-out", s.run_dir / "logs" / "result.json")
+
+
 # Tracking
 
 
@@ -1019,6 +1029,15 @@ def test_outputs_in_a_checkpoint_its_run_folder_or_a_corpus_are_refused(tmp_path
     assert check_output_file(run / "result.json", "--json-out") == run / "result.json"
     assert check_output_file(tmp_path / "result.json", "--json-out") == tmp_path / "result.json"
     assert check_output_folder(run / "exported", "--out") == run / "exported"
+
+
+def test_a_trained_run_folder_holds_only_what_the_run_dir_layout_names(trained_run):
+    """run_dir.OWN_FILES / OWN_FOLDERS (what `--json-out` may not replace or write into) name every entry a
+    training job leaves at the top of its run folder."""
+    from txl_dist.run_dir import OWN_FILES, OWN_FOLDERS
+
+    entries = {p.name for p in trained_run.iterdir()}
+    assert {"checkpoints", "logs", "config.resolved.json"} <= entries <= {*OWN_FILES, *OWN_FOLDERS}, entries
 
 
 def test_a_run_folder_in_any_corpus_is_refused(tmp_path):

@@ -307,6 +307,9 @@ def test_default_local_store_needs_no_server(tmp_path, monkeypatch):
         run_id = t.run_id
     assert (run_dir / "mlflow.db").is_file()
     assert list(cwd.iterdir()) == []  # nothing lands in the working directory (MLflow's own default)
+    from txl_dist.run_dir import OWN_FILES, OWN_FOLDERS
+
+    assert {p.name for p in run_dir.iterdir()} <= {*OWN_FILES, *OWN_FOLDERS}  # what eval --json-out may not replace
     from mlflow import MlflowClient
 
     local = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")

@@ -2,9 +2,10 @@
 the MLflow tracker's folder refuse a place they cannot write (one line naming it) before they load weights,
 evaluate or touch a store, instead of failing there with a traceback.
 
-Nothing is created by a check. Standard library and txl_dist.errors only: every package may import this. Whether a place can be written is found out by making and removing a
-temporary entry there: os.access says yes to nearly everything for root, and knows nothing of read-only
-mounts or of /proc.
+Nothing is created by a check. Standard library and txl_dist.errors only (and txl_dist.run_dir's names, imported
+by the check that needs them: run_dir imports this module): every package may import this. Whether a place can
+be written is found out by making and removing a temporary entry there: os.access says yes to nearly
+everything for root, and knows nothing of read-only mounts or of /proc.
 """
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ def check_output_file(path: str | os.PathLike, flag: str) -> Path:
 
     Refused: a folder at `path`, a parent folder that does not exist or is not a folder, one that cannot be
     written, a file in a checkpoint, a run's checkpoints/ or a corpus (eval --json-out C/manifest.json would
-    replace the corpus' manifest). The parent is not made: a mistyped folder is more likely than a wanted new one.
+    replace the corpus' manifest), a run's own file (RUN/config.resolved.json) or one in a folder the run writes
+    (RUN/logs/, RUN/tracking/). The parent is not made: a mistyped folder is more likely than a wanted new one.
     """
     if not str(path).strip():
         raise OutputError(f"{flag}: an empty path names no file; give one, e.g. result.json")
@@ -60,6 +62,7 @@ def check_output_file(path: str | os.PathLike, flag: str) -> Path:
     if not parent.is_dir():
         raise OutputError(f"{flag} {path}: {parent} is not a folder; choose another path")
     _check_not_in_data((parent.resolve(), *parent.resolve().parents), flag, path, "a file")
+    _check_not_a_run_file(out.resolve(), flag, path)
     _probe(parent, flag, path, folder=False)
     return out
 
@@ -92,6 +95,28 @@ def _check_not_in_data(folders: tuple[Path, ...], flag: str, path: str | os.Path
                               f"which retention prunes): choose {what} outside it")
         if is_corpus(folder):
             raise OutputError(f"{flag} {path}: lies in the corpus {folder}; choose {what} outside it")
+
+
+def is_run_folder(folder: Path) -> bool:
+    """A folder a training job has used as its run.dir (txl_dist.run_dir: the resolved config or the lock)."""
+    from txl_dist.run_dir import LOCK_FILE, RESOLVED_CONFIG
+
+    return (folder / RESOLVED_CONFIG).is_file() or (folder / LOCK_FILE).is_file()
+
+
+def _check_not_a_run_file(out: Path, flag: str, path: str | os.PathLike) -> None:
+    """Refuse a file output (resolved) that would replace a run's own file (its resolved config, its MLflow
+    store, its lock) or lie in one of the folders the run writes (its logs, its tracking journal: a resume reads
+    them). The run folder itself takes other files (eval --json-out RUN/test.json, as docs/recipes.md does)."""
+    from txl_dist.run_dir import OWN_FILES, OWN_FOLDERS
+
+    if out.name in OWN_FILES and is_run_folder(out.parent):
+        raise OutputError(f"{flag} {path}: is the run {out.parent}'s own {out.name}; writing there would replace "
+                          "it: choose another file name")
+    for folder in out.parents:
+        if folder.name in OWN_FOLDERS and is_run_folder(folder.parent):
+            raise OutputError(f"{flag} {path}: lies in {folder.name}/ of the run {folder.parent}, which the run "
+                              "writes: choose a file outside it")
 
 
 def check_distinct_folders(first: str | os.PathLike, first_flag: str, second: str | os.PathLike, second_flag: str,

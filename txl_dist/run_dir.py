@@ -38,6 +38,11 @@ from .output_paths import is_corpus
 
 LOCK_FILE = ".lock"
 RESOLVED_CONFIG = "config.resolved.json"
+OWN_FILES = (RESOLVED_CONFIG, "curves.png", "mlflow.db", LOCK_FILE)
+"""The files a run writes at the top of its folder (the layout above): another program's output must not replace
+them (output_paths.check_output_file)."""
+OWN_FOLDERS = ("checkpoints", "logs", "tracking", "mlartifacts", ".corpus-hashes")
+"""The folders a run writes into (the layout above): no other program's output file belongs in them."""
 
 
 class RunDirBusy(Refused):
