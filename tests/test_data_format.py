@@ -374,6 +374,15 @@ def test_a_split_must_end_with_eod(tmp_path):
         verify_corpus(root)
 
 
+def test_a_split_of_tokens_without_any_document_is_refused(tmp_path):
+    # n_documents 0 skipped the end check: a stream with no end-of-document id at all (its manifest counting no
+    # document, or one edited to 0) passed verify.
+    tokens = np.random.default_rng(0).integers(4, 1000, 500)  # no EOD anywhere
+    root = make_corpus(tmp_path / "c", {"train": synthetic_stream(1003), "valid": tokens})
+    with pytest.raises(CorpusError, match="manifest.json: split 'valid' holds 500 tokens but n_documents is 0"):
+        verify_corpus(root)
+
+
 def test_out_of_range_token_ids_are_refused(tmp_path):
     tokens = synthetic_stream(1003)
     tokens[700] = 1000  # == vocab_size

@@ -107,3 +107,21 @@ def test_a_shorter_mem_len_at_resume_keeps_each_streams_last_positions():
         assert [tuple(t.shape) for t in got] == [(2, kept, 4)] * 2
         for layer in range(2):
             torch.testing.assert_close(got[layer], mems[layer][:, 5 - kept:], rtol=0, atol=0)
+
+
+def test_streams_saved_at_different_memory_lengths_join_one_chunk_at_the_shortest():
+    # A chunk whose memory was forgotten (non-finite values) grows it back one segment at a time while the others
+    # stay at mem_len; an elastic resume that put its streams into a micro batch with others raised torch.stack's
+    # "stack expects each tensor to be equal size" at the first step. The model takes one mlen per batch.
+    full, regrowing = _mems(2, 2, 8, 4, seed=7), _mems(2, 2, 3, 4, seed=8)
+    bank = MemoryBank()
+    bank.put([0, 1], full)
+    bank.forget([2, 3])
+    assert bank.get([2, 3], [False, False]) is None
+    bank.put([2, 3], regrowing)
+    one_chunk = MemoryBank()  # the resumed run: one micro batch of all four streams
+    one_chunk.load_state_dict(bank.state_dict())
+    got = one_chunk.get([0, 1, 2, 3], [False] * 4)
+    assert [tuple(t.shape) for t in got] == [(4, 3, 4)] * 2
+    for layer in range(2):
+        torch.testing.assert_close(got[layer], torch.cat([full[layer][:, -3:], regrowing[layer]]), rtol=0, atol=0)

@@ -61,7 +61,12 @@ class MemoryBank:
             self.forget(key)
             return None
         n_layer = len(self._loose[key[0]])
-        mems = [torch.stack([self._loose[s][layer] for s in key]) for layer in range(n_layer)]  # [m, mlen, d]
+        # The streams of a chunk may come from chunks of the saved run that were at different memory lengths (one
+        # whose memory was forgotten grows back a segment at a time): the model takes one mlen per batch, so the
+        # chunk keeps the last positions every stream has, as its streams' most recent context.
+        mlen = min(self._loose[s][0].shape[0] for s in key)
+        mems = [torch.stack([_last(self._loose[s][layer], mlen) for s in key])
+                for layer in range(n_layer)]  # [m, mlen, d]
         for s in key:
             del self._loose[s]
         self._chunks[key] = mems

@@ -26,7 +26,7 @@ import numpy as np
 from .arrow_io import MAPPED_AROUND_BYTES
 from .index_split import split_reader
 from ..streams import micro_steps_per_rank, streams_of_rank
-from .manifest import CorpusError, CorpusFault, read_manifest, sha256_file
+from .manifest import CorpusError, CorpusFault, read_manifest, tokenizer_file_sha256
 
 STATE_VERSION = 1
 READ_AHEAD_TOKENS = 1 << 15
@@ -305,9 +305,7 @@ class StreamLoader:
     def _verify_tokenizer(self) -> None:
         tok = self.manifest.tokenizer
         path = self.corpus_dir / tok.file
-        if not path.is_file():
-            raise CorpusError(f"{path}: tokenizer model is missing; re-run prepare or copy the model back")
-        if sha256_file(path) != tok.sha256:
+        if tokenizer_file_sha256(self.corpus_dir, tok) != tok.sha256:
             raise CorpusError(f"{path}: sha256 differs from the manifest's {tok.sha256[:12]}...: this is not the "
                               "tokenizer the corpus was made with; re-run prepare")
 

@@ -18,7 +18,7 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 from txl_dist.atomic import atomic_write
-from txl_dist.errors import RankFault, Refused
+from txl_dist.errors import RankFault, Refused, one_line
 from txl_dist.streams import streams_per_rank
 
 from . import hash_record
@@ -231,7 +231,12 @@ def read_manifest(corpus_dir: str | os.PathLike) -> Manifest:
     """Read and validate `corpus_dir/manifest.json`; CorpusError names the file on anything wrong."""
     corpus_dir = Path(corpus_dir)
     path = corpus_dir / MANIFEST_FILE
-    if not corpus_dir.is_dir():
+    try:
+        is_dir = corpus_dir.is_dir()  # raises for a folder on the way that this user may not search
+    except OSError as e:
+        raise CorpusError(f"{corpus_dir}: cannot be read ({one_line(e)}); check the permissions of the folders "
+                          "above it") from None
+    if not is_dir:
         if os.path.lexists(corpus_dir):  # a file (train.txt, the manifest itself), a device, a broken link
             folder = "name the folder `python -m data_prep prepare --out DIR` wrote (it holds manifest.json)"
             if not corpus_dir.is_file():
@@ -253,6 +258,9 @@ def read_manifest(corpus_dir: str | os.PathLike) -> Manifest:
                           "re-run prepare") from None
     except UnicodeDecodeError:
         raise CorpusError(f"{path}: not UTF-8 text; the manifest is corrupt, re-run prepare") from None
+    except OSError as e:  # a corpus this user may not read: one line naming the file, as for its Arrow files
+        raise CorpusError(f"{path}: cannot be read ({one_line(e)}); check the permissions of the file and of the "
+                          "folders above it") from None
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as e:
@@ -324,6 +332,19 @@ def sha256_file(path: str | os.PathLike, chunk_bytes: int = 1 << 22, mapped: Any
 
     record = hash_record.active()
     return compute() if record is None else record.sha256(path, compute)
+
+
+def tokenizer_file_sha256(corpus_dir: str | os.PathLike, tokenizer: TokenizerEntry) -> str:
+    """sha256 of the corpus' tokenizer model file (what tokenizer.sha256 must be); CorpusError (one line naming
+    the file) when it is missing or this user may not read it."""
+    path = Path(corpus_dir) / tokenizer.file
+    try:
+        if not path.is_file():
+            raise CorpusError(f"{path}: tokenizer model is missing; re-run prepare or copy the model back")
+        return sha256_file(path)
+    except OSError as e:
+        raise CorpusError(f"{path}: cannot be read ({one_line(e)}); check the permissions of the file and of the "
+                          "folders above it") from None
 
 
 def stream_length(n_tokens: int, n_streams: int) -> int:

@@ -91,7 +91,12 @@ def document_batches(corpus_dir: str | os.PathLike, manifest: Manifest, *, verif
     path = Path(corpus_dir) / mix.documents_file
     schema = documents_schema(manifest)
     rerun = "re-run `python -m data_prep mix" + (" --index`" if schema is INDEX_SCHEMA else "`")
-    if not path.is_file():
+    try:
+        is_file = path.is_file()  # raises for a folder on the way that this user may not search
+    except OSError as e:
+        raise CorpusError(f"{path}: cannot be read ({one_line(e)}); check the permissions of the file and of the "
+                          "folders above it") from None
+    if not is_file:
         raise CorpusError(f"{path}: the mixture's documents file is missing; {rerun}")
     n_tokens = manifest.splits["train"].n_tokens
     try:

@@ -10,7 +10,7 @@ import numpy as np
 
 from .arrow_io import update_tokens_sha256
 from .index_split import DocumentIndex, IndexReader, gather_unmapped, split_reader
-from .manifest import CorpusError, Manifest, read_manifest, sha256_file
+from .manifest import CorpusError, Manifest, read_manifest, tokenizer_file_sha256
 from .mixture import DeviationSpread
 
 
@@ -20,9 +20,9 @@ def verify_corpus(corpus_dir: str | os.PathLike, check_tokens: bool = True) -> d
     Checks: the manifest's schema and paths, the tokenizer file's sha256, every Arrow file's sha256,
     schema and token count. With `check_tokens` it also scans the tokens: every id is in [0, vocab_size),
     each split's stream hashes to its tokens_sha256 (what digest() stands for), and a split of n documents
-    holds at least n eod ids and ends with one (each document is followed by eod_id; the text itself may
-    contain the eod piece, so more are allowed). A mixture's record is checked against its documents file
-    (check_mixture).
+    holds at least n eod ids and ends with one, and a split of tokens has a document (each document is followed
+    by eod_id; the text itself may contain the eod piece, so more are allowed). A mixture's record is checked
+    against its documents file (check_mixture).
 
     An index split (`mix --index`) is read through its sources: opening it checks each source's manifest
     digest and the index's sha256, and every source file's sha256 as it is touched; its tokens_sha256 is
@@ -38,9 +38,7 @@ def verify_corpus(corpus_dir: str | os.PathLike, check_tokens: bool = True) -> d
     manifest = read_manifest(corpus_dir)
     tok = manifest.tokenizer
     tok_path = corpus_dir / tok.file
-    if not tok_path.is_file():
-        raise CorpusError(f"{tok_path}: tokenizer model is missing; re-run prepare or copy the model back")
-    if (got := sha256_file(tok_path)) != tok.sha256:
+    if (got := tokenizer_file_sha256(corpus_dir, tok)) != tok.sha256:
         raise CorpusError(f"{tok_path}: sha256 {got[:12]}... differs from the manifest's {tok.sha256[:12]}...: "
                           "this is not the tokenizer the corpus was made with")
     stats: dict[str, Any] = {"digest": manifest.digest(), "vocab_size": tok.vocab_size, "dtype": manifest.dtype,
@@ -96,6 +94,10 @@ def verify_corpus(corpus_dir: str | os.PathLike, check_tokens: bool = True) -> d
                                   f"but tokens_sha256 is {split.tokens_sha256[:12]}...: the manifest does not describe "
                                   "these tokens; re-run prepare")
             n_eod = int(counts[tok.eod_id])
+            if split.n_tokens and not split.n_documents:  # the end check below counts on documents to check it
+                raise CorpusError(f"{corpus_dir / 'manifest.json'}: split '{name}' holds {split.n_tokens} tokens but "
+                                  "n_documents is 0: every token belongs to a document, which ends with eod_id; the "
+                                  "manifest does not describe these tokens, re-run prepare")
             if n_eod < split.n_documents or (split.n_documents and last != tok.eod_id):
                 where = corpus_dir / split.files[-1].path if split.files else corpus_dir / "manifest.json"
                 raise CorpusError(f"{where}: split '{name}' has {split.n_documents} documents but {n_eod} eod ids "
