@@ -28,7 +28,7 @@ EXIT_UNAVAILABLE=3
 # How long a requeued job waits before it may start again is AuthInfo's cred_expire (default 120 s); the test
 # cluster shortens it so that a preemption test does not sit two minutes in Reason=BeginTime.
 CRED_EXPIRE="${TXL_SLURM_CRED_EXPIRE:-10}"
-# The first job id (the training rendezvous port is 20000 + job id % 20000: two clusters on one machine should
+# The first job id (the training rendezvous port is 20000 + job id % 12000: two clusters on one machine should
 # not count from the same number).
 FIRST_JOB_ID="${TXL_SLURM_FIRST_JOB_ID:-1}"
 

@@ -12,7 +12,10 @@
   below the kernel's ephemeral ports and is the one txl_dist.distributed derives;
 - a job with GPUs whose Python has a CPU build of torch is refused before srun;
 - TXL_MAX_RESTARTS and TXL_END_WAIT_S that are no whole number are refused before srun;
-- what eval.sbatch says of a step that ended with a signal's status (143: the ranks' own stop on SIGTERM or SIGUSR1).
+- what eval.sbatch says of a step that ended with a signal's status (143: the ranks' own stop on SIGTERM or SIGUSR1);
+- train.sbatch after its step (with a stand-in srun that saves a tag): a job started with --resume none requeues
+  after its save and is done at its last step; TXL_MAX_RESTARTS=0 on a first start (no SLURM_RESTART_COUNT
+  yet) stops without a requeue; a job started with a --resume is told to continue without it.
 """
 from __future__ import annotations
 
@@ -298,3 +301,61 @@ def _fake_slurm_tools(tmp_path, nodes: list[str], srun_body: str):
     for tool in bin_dir.iterdir():
         tool.chmod(0o755)
     return bin_dir
+
+
+def _train_sbatch(tmp_path: Path, srun_body: str, *args: str, **environ: str) -> tuple[subprocess.CompletedProcess,
+                                                                                        list[str]]:
+    """train.sbatch on one stand-in node with configs/tiny.json in tmp_path/run (train.max_steps 20), its step an
+    srun running srun_body; the process and the `scontrol requeue` calls it made."""
+    bin_dir = _fake_slurm_tools(tmp_path, ["n1"], srun_body)
+    requeues = tmp_path / "requeues"
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(scontrol.read_text().replace(
+        "#!/bin/sh\n", f"#!/bin/sh\n[ \"$1\" = requeue ] && echo \"$2\" >>{requeues}\n", 1))
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "123", "SLURM_JOB_NODELIST": "n1",
+           "SLURM_JOB_NUM_NODES": "1", "SLURM_SUBMIT_DIR": str(REPO), "DS_ACCELERATOR": "cpu"} | environ
+    done = subprocess.run(["bash", str(REPO / "launch" / "slurm" / "train.sbatch"), "--config", "configs/tiny.json",
+                           "--set", f"run.dir={tmp_path / 'run'}", "--set", "train.max_steps=20", *args], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=300)
+    return done, requeues.read_text().split() if requeues.exists() else []
+
+
+def _saves(tmp_path: Path, step: int) -> str:
+    """A stand-in step's shell lines that save a complete tag at `step` in tmp_path/run/checkpoints."""
+    state = tmp_path / "run" / "checkpoints" / f"step_{step:08d}" / "txl_state"
+    return f"mkdir -p {state}\necho '{{\"version\": 2, \"step\": {step}}}' >{state / 'run.json'}"
+
+
+@pytest.mark.parametrize("step, said, requeued", [
+    (10, "stopped at step 10 of 20 after a save; requeueing job 123 (restart 1)", ["123"]),
+    (20, "done: step_00000020 (step 20 of 20); checkpoints {ckpt}", [])])
+def test_a_job_started_with_resume_none_requeues_after_its_save_and_ends_done_at_its_last_step(tmp_path, step, said,
+                                                                                               requeued):
+    """The state after the step was read with the job's own --resume none, which a folder holding checkpoints
+    refuses: the job's own save ended it with exit status 2 and `error: --resume none: ... already holds
+    checkpoints`, not requeued (and a run that reached train.max_steps FAILED)."""
+    done, requeues = _train_sbatch(tmp_path, _saves(tmp_path, step), "--resume", "none")
+    assert done.returncode == 0, (done.stdout, done.stderr)
+    said = said.format(ckpt=tmp_path / "run" / "checkpoints")
+    assert (done.stdout.splitlines()[-1], requeues) == (f"txl-slurm: {said}", requeued), (done.stdout, done.stderr)
+
+
+def test_txl_max_restarts_0_stops_the_first_start_without_requeue(tmp_path):
+    """Slurm sets SLURM_RESTART_COUNT only once a job has been requeued: the first start's line about the cap read
+    it bare, and `set -u` ended the job after its save with `SLURM_RESTART_COUNT: unbound variable`, status 1."""
+    done, requeues = _train_sbatch(tmp_path, _saves(tmp_path, 10), TXL_MAX_RESTARTS="0")
+    assert (done.returncode, done.stderr) == (0, ""), (done.stdout, done.stderr)
+    assert done.stdout.splitlines()[-1] == ("txl-slurm: stopped at step 10 of 20; not requeueing: 0 restart(s) "
+                                            "already (TXL_MAX_RESTARTS); submit the same command to continue")
+    assert requeues == []
+
+
+def test_a_job_started_with_a_resume_is_continued_without_it(tmp_path):
+    """`submit the same command to continue` repeated the first start's --resume: a rollback again to its tag (the
+    tags saved since set aside), or --resume none refused on the folder the job had filled."""
+    done, requeues = _train_sbatch(tmp_path, f"kill -TERM $PPID\n{_saves(tmp_path, 10)}", "--resume", "none")
+    assert done.returncode == 0, (done.stdout, done.stderr)
+    assert done.stdout.splitlines()[-1] == (
+        "txl-slurm: stopped at step 10 of 20 by SIGTERM (scancel, the time limit or preemption); newest checkpoint "
+        "step_00000010; not requeueing: submit the same command without its --resume to continue")
+    assert requeues == []
