@@ -99,9 +99,14 @@ def test_forward_and_every_gradient_equal_the_reference(bh, qlen, mlen, d_head, 
     assert rel_err(out, expected) < 1e-5, rel_err(out, expected)
     for name, g_got, g_want in zip("q k v pos".split(), got, want):
         assert rel_err(g_got, g_want) < 1e-5, (name, rel_err(g_got, g_want))
-    # Position columns that no (query, key) pair reads get no gradient (the padding, the future's columns).
-    rows, cols = torch.nonzero(want[3][0] == 0, as_tuple=True)
-    assert torch.all(got[3][0][rows, cols] == 0)
+    # Position columns that no (query, key) pair reads get no gradient (the padding, the future's columns). Found
+    # from the mask, not from the reference's zeros: a row with one visible key has a gradient that is zero in
+    # exact arithmetic (p = 1, dp - delta = 0) and a rounding residue in float32 (2^-20 on an AMD EPYC).
+    visible = ~build_attn_mask(qlen, mlen, window or mlen, window is not None, DEVICE)
+    read = torch.zeros(pos.shape[1:], dtype=torch.bool, device=DEVICE)
+    i, j = torch.nonzero(visible, as_tuple=True)
+    read[i, j + qlen - 1 - i] = True
+    assert torch.all(got[3][:, ~read] == 0) and torch.all(want[3][:, ~read] == 0)
 
 
 # Triton 3.9's interpreter multiplies bf16 tiles wrongly (tl.dot reads their bits as integers: an identity times
