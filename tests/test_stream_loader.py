@@ -167,6 +167,31 @@ def test_state_from_another_layout_is_refused(corpus, change, message):
             other.load_state_dict(state)
 
 
+def test_state_whose_rolled_epoch_offset_this_numpy_draws_elsewhere_is_refused(corpus, monkeypatch):
+    """With data.roll the epoch offsets come from numpy's generator, whose streams numpy may change between
+    versions: a state saved at a position this loader would not read from is refused, not resumed elsewhere."""
+    root, _ = corpus
+    with loader(root, roll=True, seed=3) as ld:
+        take(ld, 5)
+        state = ld.state_dict()
+    with loader(root, roll=True, seed=3) as same:
+        same.load_state_dict(state)  # the same numpy: the same offsets
+    real = np.random.default_rng
+
+    class AnotherNumpy:  # draws each offset one further on than this numpy does
+        def __init__(self, seed):
+            self.generator = real(seed)
+
+        def integers(self, high):
+            return (self.generator.integers(high) + 1) % high
+
+    monkeypatch.setattr(np.random, "default_rng", AnotherNumpy)
+    with loader(root, roll=True, seed=3) as other:
+        with pytest.raises(ValueError, match=r"saved at token position \d+ .* its epoch offsets \(data.roll\) "
+                                             r"differ from the saving run's"):
+            other.load_state_dict(state)
+
+
 def test_state_from_another_corpus_is_refused(corpus, tmp_path):
     root, tokens = corpus
     other_root = make_corpus(tmp_path / "other", {"train": tokens[::-1].copy()}, layout=Layout(2, 8))

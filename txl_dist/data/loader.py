@@ -287,6 +287,15 @@ class StreamLoader:
         if not done and (window >= self.steps_in_epoch(epoch) or micro >= self.accumulation_steps):
             raise ValueError(f"loader state: window {window}, micro step {micro} do not exist in epoch {epoch} "
                              f"({self.steps_in_epoch(epoch)} windows, {self.accumulation_steps} micro steps)")
+        if not done and state["position"] is not None \
+                and state["position"] != self.epoch_offset(epoch) + window * self.tgt_len:
+            # With data.roll each epoch's offset is drawn from numpy's generator, whose streams numpy does not
+            # promise to keep across versions: a resume must read the tokens the saved run would have read.
+            raise ValueError(
+                f"loader state: saved at token position {state['position']!r} (epoch {epoch}, window {window}), but "
+                f"this loader puts that window at {self.epoch_offset(epoch) + window * self.tgt_len}: its epoch "
+                f"offsets (data.roll) differ from the saving run's (another numpy, {np.__version__} here?); "
+                "resume with the versions that saved it")
         self._epoch, self._window, self._micro, self._step = epoch, window, micro, step
 
     # ------------------------------------------------------------------------------------------------
