@@ -103,6 +103,24 @@ def fail_alone_on_rank_1() -> None:
         distributed.destroy_process_group()
 
 
+def interrupted_on_rank_1() -> None:
+    """Both ranks run as an entry point does (entry.guarded); rank 1 stops at once on a second Ctrl-C while rank 0
+    waits in a control-group barrier, where its own Ctrl-C would wait too (Python runs a signal's handler between
+    bytecodes, not inside a collective)."""
+    from txl_dist.entry import exit_process, guarded
+
+    def scenario() -> int:
+        env = _join(TIMEOUT_S)
+        distributed.barrier()
+        _say(ready=env.rank, pid=os.getpid())
+        if env.rank == 1:
+            raise KeyboardInterrupt  # what stop_request raises on a Ctrl-C 2 s or more after the first
+        distributed.barrier()
+        return 0
+
+    exit_process(guarded(scenario, logging.getLogger(distributed.LOGGER_NAME)))
+
+
 def leave_then_call_the_helpers() -> None:
     """Rank 1 leaves the job after its own failure where torch's abort leaves the groups initialized (torch 2.6
     aborts NCCL groups only: gloo's stay, with a warning), then calls the helpers that distributed.together
@@ -453,6 +471,21 @@ def test_a_rank_failing_alone_stops_the_others_at_once_with_its_error(job):
     lines = rank0.lines_naming(1)
     assert len(lines) == 1, rank0.stderr()
     assert f"pid {pid1}) stopped after an error: the shard is corrupt" in lines[0]
+
+
+def test_a_rank_stopped_by_ctrl_c_is_named_as_interrupted_not_as_an_error_called_keyboardinterrupt(job):
+    """Before, the rank still in the barrier ended with `rank 1 (...) stopped after an error: KeyboardInterrupt`
+    (found with a terminal's second Ctrl-C during a slow save of a 2-rank job)."""
+    rank0, rank1 = job("interrupted_on_rank_1")
+    rank0.wait_for("ready")
+    pid1 = rank1.wait_for("ready")["pid"]
+    assert rank1.exit_status(timeout=30) == 130
+    assert rank0.exit_status(timeout=30) == 1
+    lines = rank0.lines_naming(1)
+    assert len(lines) == 1, rank0.stderr()
+    assert lines[0].endswith(f"pid {pid1}) stopped after an error: interrupted (Ctrl-C): stopped at once, without "
+                             "saving"), lines[0]
+    assert "Traceback" not in rank0.stderr() + rank1.stderr()
 
 
 def test_a_rank_that_left_the_job_runs_no_more_collectives(job):

@@ -10,6 +10,7 @@ import os
 import re
 import signal
 import socket
+import subprocess
 import sys
 import time
 
@@ -573,6 +574,35 @@ def test_a_stop_signal_during_start_up_is_kept_and_honoured_after_the_first_step
     assert _finish(procs) == [0, 0], procs[0].output[-3000:]
     assert "stopping after step 1 (SIGUSR1): saving a checkpoint" in procs[0].output
     assert inventory(run_dir / "checkpoints").complete == ["step_00000001"]
+
+
+LAUNCHER_GONE_IN_START_UP = """
+import os, subprocess, sys, time
+# torchrun: this process's command line names it, so its worker counts it as its launcher
+worker = subprocess.Popen([sys.executable, "-c", sys.argv[1], str(os.getpid()), sys.argv[2]])
+while not os.path.exists(sys.argv[2]):
+    time.sleep(0.01)
+os._exit(0)  # gone while its worker starts (SIGUSR1 to torchrun, any signal to the deepspeed runner)
+"""
+WORKER_IN_START_UP = """
+import os, sys, time
+from txl_dist import stop_request
+stop_request.catch_stop_signals()  # the first line of launch/train.py
+open(sys.argv[2], "w").close()
+while os.getppid() == int(sys.argv[1]):  # the imports, the corpus' hashing: its launcher dies meanwhile
+    time.sleep(0.01)
+print(stop_request.StopRequest().reason(), flush=True)  # what the first step asks
+"""
+
+
+def test_a_launcher_gone_during_the_start_up_stops_training_after_its_first_step(tmp_path):
+    """Before, the launchers were looked for as training began; the worker, reparented by then, had none: killing
+    the deepspeed runner while its workers started (measured: 1 s after they existed) left them training every
+    step to the end, orphans."""
+    done = subprocess.run([sys.executable, "-c", LAUNCHER_GONE_IN_START_UP, WORKER_IN_START_UP,
+                           str(tmp_path / "started")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    said = done.stdout.strip()
+    assert said.startswith("its launcher (torchrun, host ") and said.endswith(" is gone"), done.stdout + done.stderr
 
 
 def _with_evals(corpus, run_dir) -> str:

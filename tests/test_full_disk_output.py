@@ -97,7 +97,8 @@ def test_the_closing_summary_does_not_promise_a_replay_the_failed_journal_cannot
 def test_next_save_step_is_the_next_interval_multiple_or_the_jobs_last_step():
     from txl_dist.space_watch import next_save_step
 
-    assert [next_save_step(s, 100, 300) for s in (1, 99, 100, 250, 299)] == [100, 100, 200, 300, 300]
+    # A step that saves is its own next save: the trainer looks at the space before that save.
+    assert [next_save_step(s, 100, 300) for s in (1, 99, 100, 101, 250, 299)] == [100, 100, 100, 200, 300, 300]
     assert next_save_step(20, 0, 300) == 300  # checkpoint.interval 0: only the last step saves
     assert next_save_step(20, 1000, 300) == 300
 
@@ -126,6 +127,27 @@ def test_rank_zero_warns_once_per_shortage_before_the_save_that_would_fail(tmp_p
         "free space before then, or that save fails and the job ends, losing every step of this job",
         f"step 150: {tmp_path / 'checkpoints'} has 1.0 MiB free, the next checkpoint (step 200) needs about "
         "10.5 MiB: free space before then, or that save fails and the job ends, losing the steps since step_00000100"]
+
+
+def test_no_warning_names_a_later_save_at_a_step_whose_own_save_comes_next(tmp_path, monkeypatch, caplog):
+    """Before, the progress line of step 20 (checkpoint.interval 20) on a full disk warned `the next checkpoint
+    (step 40) ...: free space before then`, and the save of step 20 failed a moment later."""
+    import shutil
+
+    from txl_dist import space_watch
+
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(space_watch.shutil, "disk_usage", lambda path: usage._replace(free=1 << 20))
+    watch = space_watch.SpaceWatch(tmp_path / "checkpoints")
+    need = 10 << 20
+    with caplog.at_level(logging.WARNING, logger="txl_dist"):
+        for step in (20, 300):  # a multiple of the interval; the job's last step
+            watch.check(need, step, space_watch.next_save_step(step, 20, 300), "the steps since step_00000010")
+        assert caplog.records == []  # the save that follows says what it lacks
+        watch.check(need, 30, space_watch.next_save_step(30, 20, 300), "the steps since step_00000020")
+    assert [r.getMessage() for r in caplog.records] == [
+        f"step 30: {tmp_path / 'checkpoints'} has 1.0 MiB free, the next checkpoint (step 40) needs about 10.5 MiB: "
+        "free space before then, or that save fails and the job ends, losing the steps since step_00000020"]
 
 
 def test_a_record_that_cannot_be_formatted_is_shown_and_the_log_file_goes_on(tmp_path, capfd):

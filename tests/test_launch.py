@@ -218,3 +218,40 @@ def test_a_ctrl_c_that_stops_at_once_is_one_line_and_exit_130():
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert lines[-1] == "error: interrupted (Ctrl-C): stopped at once, without saving", done.stderr
     assert "Traceback" not in done.stderr
+
+
+SLOW_TORCH_IMPORT = '''
+import sys, time
+class SlowTorch:  # `import torch` on a cold network file system: it takes long enough for two presses of Ctrl-C
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            sys.meta_path.remove(self)
+            print("importing torch", flush=True)
+            time.sleep(120)
+        return None
+sys.meta_path.insert(0, SlowTorch())
+'''
+
+
+def test_a_second_ctrl_c_during_the_imports_of_training_is_one_line_and_exit_130(tmp_path):
+    """launch/train.py keeps stop signals from its first line on; a second Ctrl-C raised KeyboardInterrupt out of
+    the imports above main(), where no entry point catches it: a traceback through torch's import instead of
+    the line."""
+    import os
+    import time
+
+    from txl_dist.stop_request import FORCE_AFTER_S
+
+    (tmp_path / "sitecustomize.py").write_text(SLOW_TORCH_IMPORT)
+    path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
+    proc = Launch([sys.executable, "launch/train.py", "--config", "configs/tiny.json"],
+                  launcher_env() | {"PYTHONPATH": path})
+    proc.wait_for("importing torch", timeout=60)
+    proc.proc.send_signal(signal.SIGINT)
+    proc.wait_for("Ctrl-C: saving a checkpoint at the next step boundary", timeout=30)
+    time.sleep(FORCE_AFTER_S + 0.2)  # the user insisting (the process clocks the first press before it prints)
+    proc.proc.send_signal(signal.SIGINT)
+    assert proc.wait(60) == 130, proc.output
+    lines = [line for line in proc.lines if line.strip()]
+    assert lines[-1].rstrip("\n") == "error: interrupted (Ctrl-C): stopped at once, without saving", proc.output
+    assert "Traceback" not in proc.output

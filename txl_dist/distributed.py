@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from . import rendezvous, watchdog
-from .errors import EXIT_FAILED, LOGGER_NAME, Refused, RunFailed, one_line
+from .errors import EXIT_FAILED, INTERRUPTED, LOGGER_NAME, Refused, RunFailed, one_line
 from .host import cpus_per_rank, raise_open_file_limit
 
 DEFAULT_MASTER_PORT = 29500
@@ -441,6 +441,8 @@ def _tell_the_joined(line: str) -> None:
 def _failure_line(error: BaseException | None) -> str | None:
     if error is None or isinstance(error, Refused) or (isinstance(error, SystemExit) and not error.code):
         return None
+    if type(error) is KeyboardInterrupt:  # a bare Ctrl-C: its one_line would be the class name alone
+        return INTERRUPTED
     return one_line(error)
 
 

@@ -20,10 +20,10 @@ from collections.abc import Callable
 from typing import NoReturn
 
 from . import distributed
-from .errors import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_REFUSED, EXIT_TERMINATED, RankFault, Refused, RunFailed,
-                     one_line)
+from .errors import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_REFUSED, EXIT_TERMINATED, INTERRUPTED, RankFault, Refused,
+                     RunFailed, one_line)
 from .run_dir import detach_log_file
-from .stop_request import Terminated
+from .stop_request import Terminated, note_job_started
 from .write_faults import print_result  # noqa: F401  (torch-free; the entry points import it from here)
 
 
@@ -31,6 +31,7 @@ def guarded(job: Callable[[], int], log: logging.Logger) -> int:
     """Run an entry point's job on this rank, turn its errors into one line and an exit status, and leave
     the process group (if the job joined one)."""
     alone: BaseException | None = None  # a failure the other ranks do not know of
+    note_job_started()  # from now on a KeyboardInterrupt unwinds into the except clauses below
     try:
         return job()
     except Refused as e:  # raised on every rank together (startup agrees), or before the ranks connect
@@ -50,7 +51,7 @@ def guarded(job: Callable[[], int], log: logging.Logger) -> int:
     except KeyboardInterrupt as e:  # training's second Ctrl-C (txl_dist/stop_request.py), other jobs' first
         alone = e
         if os.environ.get("RANK", "0") == "0":  # every rank of a terminal's job has it: one line
-            log.error("error: interrupted (Ctrl-C): stopped at once, without saving")
+            log.error("error: %s", INTERRUPTED)
         return EXIT_INTERRUPTED
     except Exception as e:
         lost = distributed.explain_failure(e)  # also tells the other ranks

@@ -21,6 +21,8 @@ EXIT_REFUSED = 2
 EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130
 """A second Ctrl-C: stopped at once, without saving (128 + SIGINT, as a shell reports it)."""
+INTERRUPTED = "interrupted (Ctrl-C): stopped at once, without saving"
+"""What a job stopped by Ctrl-C says (its rank 0; the other ranks name the rank it stopped)."""
 EXIT_TERMINATED = 143
 """SIGTERM to a job with nothing to save (evaluation, export, generation): stopped at once (128 + SIGTERM)."""
 LOGGER_NAME = "txl_dist"

@@ -20,10 +20,10 @@ SAVE_MARGIN = 1.05
 
 
 def next_save_step(step: int, interval: int, last: int) -> int:
-    """The step of the next checkpoint after `step`: the next multiple of checkpoint.interval (0: none), else
-    the job's last step."""
+    """The step of the next checkpoint from `step` on: the next multiple of checkpoint.interval (0: none), else
+    the job's last step; `step` itself when it saves (the trainer looks at the space before that step's save)."""
     if interval:
-        return min(last, (step // interval + 1) * interval)
+        return min(last, -(-step // interval) * interval)
     return last
 
 
@@ -38,6 +38,8 @@ class SpaceWatch:
     def check(self, need_bytes: int, step: int, save_step: int, since: str) -> None:
         """need_bytes: the expected checkpoint size; save_step: the step of the next save; since: what that save
         failing would lose, e.g. 'the steps since step 1000'."""
+        if save_step <= step:  # this step's save comes next, checks the space itself and says what it lacks
+            return
         need = int(need_bytes * SAVE_MARGIN)
         try:  # before the first save the folder may not exist yet: its run folder's file system then
             free = shutil.disk_usage(self.folder if self.folder.is_dir() else self.folder.parent).free

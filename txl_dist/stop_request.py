@@ -6,13 +6,17 @@ entry point catches them from its first line on (catch_stop_signals): a signal t
 (imports, the engine build) is kept and honoured after the first step, and one that comes after training
 (while the MLflow run closes) does not kill the process. A second Ctrl-C, FORCE_AFTER_S or more after the
 first, stops at once without saving (KeyboardInterrupt): the one that torchrun forwards on top of the
-terminal's, milliseconds later, does not count.
+terminal's, milliseconds later, does not count. One that comes before the entry point's job has begun (the
+imports of launch/train.py, seconds on a cold file system) ends the process in its handler, with the line and
+the exit status entry.guarded gives it: nothing is there yet to unwind, and nothing to catch it.
 
 The launchers handle signals sent to them alone badly: `deepspeed` (single node) has no handler and dies,
 leaving its launch process and the workers running as orphans; torchrun dies of SIGUSR1 unless it is
 started with `--signals-to-handle` naming it. So each worker also watches its launcher processes (the
 ancestors whose command line is torchrun's, the deepspeed runner's or its launch module's): when one of
-them has gone, the worker stops as if it had been signalled, saves, and exits 0, and no orphan stays.
+them has gone, the worker stops as if it had been signalled, saves, and exits 0, and no orphan stays. They are
+noted as the entry point starts (catch_stop_signals): one that ends during the start-up is no ancestor any more
+once the worker, reparented, looks for it.
 Linux only (/proc); elsewhere only the signals are watched.
 
 The jobs that have nothing to save (an evaluation, an export, generation, python -m data_prep) stop at once instead
@@ -27,11 +31,15 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NoReturn
+
+from .errors import EXIT_INTERRUPTED, INTERRUPTED
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 RANKS_NAMED = 4
@@ -50,8 +58,12 @@ it had come during start-up: launch/slurm/train.sbatch sets it for srun when its
 the step started (the ranks cannot be signalled before they exist, nor safely before their handlers are set)."""
 
 _early_signal: int | None = None
+_early_launchers: LauncherWatch | None = None
+"""The launchers noted by the first catch_stop_signals, for the StopRequests of this process."""
 _first_interrupt: float | None = None
 """When the first Ctrl-C of this process came (time.monotonic())."""
+_job_started = False
+"""Whether the entry point's job has begun (note_job_started): from then on a KeyboardInterrupt is caught."""
 
 
 def _note_interrupt(signum: int) -> None:
@@ -70,18 +82,47 @@ def _note_interrupt(signum: int) -> None:
         raise KeyboardInterrupt
 
 
+def note_job_started() -> None:
+    """The entry point's job begins (entry.guarded): a second Ctrl-C from now on raises KeyboardInterrupt, which
+    unwinds the job and which the entry point turns into its line and exit status."""
+    global _job_started
+    _job_started = True
+
+
+def _interrupted_before_the_job() -> NoReturn:
+    """A second Ctrl-C before the job began (the entry point's imports): a KeyboardInterrupt there would end the
+    process with a traceback, since no entry point catches it yet; the line and exit status it would give."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    if os.environ.get("RANK", "0") == "0":  # as entry.guarded: every rank of a terminal's job has it
+        os.write(2, f"error: {INTERRUPTED}\n".encode())
+    os._exit(EXIT_INTERRUPTED)
+
+
 def _keep_early(signum, frame) -> None:
     global _early_signal
-    _note_interrupt(signum)
+    try:
+        _note_interrupt(signum)
+    except KeyboardInterrupt:
+        if not _job_started:
+            _interrupted_before_the_job()
+        raise
     _early_signal = signum
 
 
 def catch_stop_signals() -> None:
     """From now on a stop signal is kept, not fatal: the next StopRequest picks it up (entry points call
-    this first, so that a signal during start-up stops the job after its first step, with a checkpoint)."""
-    global _early_signal
+    this first, so that a signal during start-up stops the job after its first step, with a checkpoint). The
+    first call also notes the launchers of this process, so that one that ends during the start-up stops the
+    job after its first step too."""
+    global _early_signal, _early_launchers
     for sig in STOP_SIGNALS:
         signal.signal(sig, _keep_early)
+    if _early_launchers is None:
+        _early_launchers = LauncherWatch()
     pending = getattr(signal, "SIG" + os.environ.pop(PENDING_SIGNAL_ENV, ""), None)
     if pending in STOP_SIGNALS and _early_signal is None:
         _early_signal = pending
@@ -226,7 +267,8 @@ class StopRequest:
         global _early_signal
         self.signal: int | None = _early_signal
         _early_signal = None
-        self._launchers = LauncherWatch()
+        # Noted later than the entry point's start, a launcher that has ended is not found among the ancestors.
+        self._launchers = _early_launchers if _early_launchers is not None else LauncherWatch()
         self._previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._handle)
