@@ -3,6 +3,8 @@ comes is named (tests/test_faults.py runs it through launch/train.py)."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from datetime import timedelta
 
 import pytest
@@ -210,3 +212,40 @@ def test_a_rank_that_fails_before_it_joins_stops_the_waiting_ranks_at_once_with_
     fresh = _agent_store()
     assert not rendezvous.tell_failure("127.0.0.1", fresh.port, 1, line, AGENT)
     assert join("127.0.0.1", fresh.port, 0, 1, timedelta(seconds=5), AGENT) is not None
+
+
+LAUNCHER_GONE_BEFORE_THE_JOIN = """
+import os, subprocess, sys, time
+# torchrun: this process's command line names it, so its worker counts it as its launcher
+worker = subprocess.Popen([sys.executable, "-c", sys.argv[1], str(os.getpid()), sys.argv[2], sys.argv[3]])
+while not os.path.exists(sys.argv[2]):
+    time.sleep(0.01)
+os._exit(0)  # torchrun dying of SIGUSR1 while its workers start: its agent's store goes with it
+"""
+WORKER_JOINING = """
+import os, sys, time
+from datetime import timedelta
+from txl_dist import stop_request
+stop_request.catch_stop_signals()  # the first line of launch/train.py
+from txl_dist.rendezvous import JoinFailed, join
+open(sys.argv[2], "w").close()
+while os.getppid() == int(sys.argv[1]):
+    time.sleep(0.01)
+started = time.monotonic()
+try:
+    join("127.0.0.1", int(sys.argv[3]), 1, 2, timedelta(seconds=120), {"TORCHELASTIC_USE_AGENT_STORE": "True"})
+except JoinFailed as e:
+    print(f"{time.monotonic() - started:.1f} {e}", flush=True)
+"""
+
+
+def test_a_rank_whose_launcher_died_with_its_store_stops_at_once_naming_the_launcher(tmp_path):
+    """torchrun killed while its workers start takes its agent's store along: a worker that cannot reach it
+    stopped only at the join's timeout (10 minutes by default), with advice about MASTER_ADDR and firewalls."""
+    done = subprocess.run([sys.executable, "-c", LAUNCHER_GONE_BEFORE_THE_JOIN, WORKER_JOINING,
+                           str(tmp_path / "started"), str(free_port())], capture_output=True, text=True, timeout=180)
+    waited, _, line = done.stdout.strip().partition(" ")
+    assert re.match(r"^rank 1 \(host [^)]+\) could not reach the rendezvous store at 127\.0\.0\.1:\d+ .*: its launcher "
+                    r"\(torchrun, host [^)]+\) is gone \(it ended before the ranks joined\); stopping$", line), \
+        done.stdout + done.stderr
+    assert float(waited) < 60  # not the join's 120 s

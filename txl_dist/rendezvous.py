@@ -39,6 +39,7 @@ from typing import NamedTuple
 import torch.distributed as dist
 
 from .errors import LOGGER_NAME, RunFailed, one_line
+from .stop_request import launcher_gone_since_the_start
 
 WARNING_SHARE = 0.5
 """Rank 0 names the ranks it still waits for once this share of the timeout has passed."""
@@ -95,7 +96,9 @@ def join(master_addr: str, master_port: int, rank: int, world_size: int, timeout
         _await_port(master_addr, master_port, deadline, lambda last: JoinFailed(
             f"rank {rank} (host {host}) could not reach {where}, within {timeout.total_seconds():.0f} s: "
             f"{why(last)}; stopping"),
-            warn_at=deadline - timeout.total_seconds() * WARNING_SHARE, warn=warn if rank == lowest_client else None)
+            warn_at=deadline - timeout.total_seconds() * WARNING_SHARE, warn=warn if rank == lowest_client else None,
+            launcher_gone=lambda gone: JoinFailed(f"rank {rank} (host {host}) could not reach {where}: {gone} is "
+                                                  "gone (it ended before the ranks joined); stopping"))
     # The host's own client goes over loopback (its server listens on every interface): a MASTER_ADDR that
     # does not lead back to it (a name it cannot resolve) is then told by the ranks that cannot reach it.
     store = dist.TCPStore(LOOPBACK if hosts else master_addr, master_port, world_size, is_master=hosts,
@@ -268,9 +271,13 @@ def _host_of(store: dist.TCPStore, keys: str, rank: int) -> str:
 
 
 def _await_port(host: str, port: int, deadline: float, failure: Callable[[str], Exception], *,
-                warn_at: float = math.inf, warn: Callable[[float, str], None] | None = None) -> None:
+                warn_at: float = math.inf, warn: Callable[[float, str], None] | None = None,
+                launcher_gone: Callable[[str], Exception] | None = None) -> None:
     """Return once `host:port` accepts a connection; raise failure(the last try's error) at the deadline.
-    warn(seconds waited, the last try's error) is called once, at the first failed try after `warn_at`."""
+    warn(seconds waited, the last try's error) is called once, at the first failed try after `warn_at`.
+    launcher_gone('its launcher (...)') is raised at a failed try once a launcher of this process has ended
+    (torchrun killed while its workers started takes its store along: waiting out the deadline, 10 minutes by
+    default, would end in advice about addresses)."""
     start = time.monotonic()
     while True:
         left = deadline - time.monotonic()
@@ -279,6 +286,8 @@ def _await_port(host: str, port: int, deadline: float, failure: Callable[[str], 
                 return
         except OSError as e:
             now = time.monotonic()
+            if launcher_gone is not None and (gone := launcher_gone_since_the_start()) is not None:
+                raise launcher_gone(gone) from None
             if now + CONNECT_RETRY_S >= deadline:
                 raise failure(one_line(e)) from None
             if warn is not None and now >= warn_at:

@@ -113,6 +113,12 @@ def _keep_early(signum, frame) -> None:
     _early_signal = signum
 
 
+def launcher_gone_since_the_start() -> str | None:
+    """'its launcher (...)' when one of the launchers noted by catch_stop_signals has ended, else None (and None
+    before that call): for waits of the start-up that would otherwise outlast it, such as the rendezvous."""
+    return _early_launchers.check() if _early_launchers is not None else None
+
+
 def catch_stop_signals() -> None:
     """From now on a stop signal is kept, not fatal: the next StopRequest picks it up (entry points call
     this first, so that a signal during start-up stops the job after its first step, with a checkpoint). The
