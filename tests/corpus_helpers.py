@@ -166,3 +166,33 @@ def peak_rss_since_reset() -> int:
     """VmHWM in bytes (reset to the current RSS by writing 5 to /proc/self/clear_refs)."""
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
+
+
+def open_as_an_unprivileged_user(corpus: Path, hidden: Path) -> str:
+    """What opening `corpus`'s train split prints in a process that permission bits stop (as root: one without
+    CAP_DAC_OVERRIDE, through setpriv), with `hidden` (a file or folder) made unreadable meanwhile: 'refused: '
+    and the CorpusError, or nothing. Skips the test where root cannot drop the capability."""
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    unprivileged = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--inh-caps",
+                    "-dac_override,-dac_read_search"] if os.geteuid() == 0 else []  # root ignores permission bits
+    if unprivileged and subprocess.run([*unprivileged, "true"], capture_output=True).returncode != 0:
+        pytest.skip("running as root and setpriv cannot drop CAP_DAC_OVERRIDE here")
+    code = ("import sys; from txl_dist.data import CorpusError, StreamLoader\n"
+            "try:\n"
+            "    StreamLoader(sys.argv[1], 'train', rank=0, world_size=1, n_streams=8, micro_batch=8, tgt_len=10)\n"
+            "except CorpusError as e:\n"
+            "    print('refused:', e)\n")
+    mode = hidden.stat().st_mode
+    hidden.chmod(0)
+    try:
+        done = subprocess.run([*unprivileged, sys.executable, "-c", code, str(corpus)], capture_output=True,
+                              text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    finally:
+        hidden.chmod(mode)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout

@@ -95,23 +95,10 @@ def test_export_records_the_eod_id_and_to_hf_of_its_folder_writes_eos_token_id(t
     digest, so that `python -m txl_dist.interop to-hf` of it writes the eos_token_id export --hf writes; where
     export cannot read the corpus, neither folder has it (export warns, and so does a later to-hf).
     The checkpoint is stood in for (its reading is tested in tests/test_generation.py)."""
-    import contextlib
-    import hashlib
-
     import launch.export as export_module
-    import txl_dist.checkpoint
-    import txl_dist.startup
-    from txl_dist.config import ModelConfig
     from txl_dist.interop.__main__ import main as interop
 
-    cfg = ModelConfig(vocab_size=53, n_layer=1, d_model=16, n_head=2, d_head=8, d_inner=24, tgt_len=5, mem_len=4)
-    sha = hashlib.sha256(b"tokenizer").hexdigest()
-    run_info = {"tokenizer_sha256": sha, "zero_stage": 0, "config": {"data": {"path": str(tmp_path / "corpus")}}}
-    monkeypatch.setattr(txl_dist.startup, "open_export",
-                        contextlib.contextmanager(lambda path: iter([(tmp_path / "tag", run_info, cfg)])))
-    monkeypatch.setattr(txl_dist.checkpoint, "load_fp32_weights", lambda model, tag_dir, zero_stage: None)
-    monkeypatch.setattr(export_module, "training_tokenizer",
-                        lambda corpus, sha, hf: (5, b"tokenizer") if corpus_readable else None)
+    sha = _stand_in_checkpoint(tmp_path, monkeypatch, corpus_readable)
     native, hf = tmp_path / "native", tmp_path / "hf"
     export_module.export("run", str(native), str(hf))
     recorded = json.loads((native / "model_config.json").read_text())
@@ -130,9 +117,9 @@ def test_export_records_the_eod_id_and_to_hf_of_its_folder_writes_eos_token_id(t
         assert len(warnings) == 1 and warnings[0].startswith("to-hf: no eos_token_id"), warnings
 
 
-def _stand_in_checkpoint(tmp_path, monkeypatch) -> None:
-    """launch/export.py reads a stand-in checkpoint of a tiny model whose corpus has a tokenizer (its reading of
-    a real one is tested in tests/test_generation.py)."""
+def _stand_in_checkpoint(tmp_path, monkeypatch, corpus_readable: bool = True) -> str:
+    """launch/export.py reads a stand-in checkpoint of a tiny model whose corpus has a tokenizer, or one it cannot
+    read (its reading of a real one is tested in tests/test_generation.py); the tokenizer's sha256."""
     import contextlib
     import hashlib
 
@@ -147,7 +134,9 @@ def _stand_in_checkpoint(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(txl_dist.startup, "open_export",
                         contextlib.contextmanager(lambda path: iter([(tmp_path / "tag", run_info, cfg)])))
     monkeypatch.setattr(txl_dist.checkpoint, "load_fp32_weights", lambda model, tag_dir, zero_stage: None)
-    monkeypatch.setattr(export_module, "training_tokenizer", lambda corpus, sha, hf: (5, b"tokenizer"))
+    monkeypatch.setattr(export_module, "training_tokenizer",
+                        lambda corpus, sha, hf: (5, b"tokenizer") if corpus_readable else None)
+    return sha
 
 
 @pytest.mark.parametrize("nesting, failing", [

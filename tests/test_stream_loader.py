@@ -9,11 +9,11 @@ import itertools
 import json
 import os
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
-from corpus_helpers import edit_manifest, flip_bytes, make_corpus, mapped_rss, synthetic_stream
+from corpus_helpers import (edit_manifest, flip_bytes, make_corpus, mapped_rss, open_as_an_unprivileged_user,
+                            synthetic_stream)
 
 from txl_dist.data import CorpusError, Layout, StreamLoader
 
@@ -403,27 +403,10 @@ def test_a_file_cut_shorter_during_the_run_is_one_line_not_a_bus_error(tmp_path)
 def test_a_corpus_folder_this_user_may_not_search_is_one_line(tmp_path):
     # Path.is_file() raises for EACCES (not for a missing file): the loader let a bare PermissionError out, and a
     # training start said only "error: <file>: Permission denied".
-    import subprocess
-    import sys
-
-    unprivileged = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--inh-caps",
-                    "-dac_override,-dac_read_search"] if os.geteuid() == 0 else []  # root ignores permission bits
-    if unprivileged and subprocess.run([*unprivileged, "true"], capture_output=True).returncode != 0:
-        pytest.skip("running as root and setpriv cannot drop CAP_DAC_OVERRIDE here")
     root = make_corpus(tmp_path / "c", {"train": synthetic_stream(N_TOKENS, seed=3)}, layout=Layout(2, 8))
-    code = ("import sys; from txl_dist.data import CorpusError, StreamLoader\n"
-            "try:\n"
-            "    StreamLoader(sys.argv[1], 'train', rank=0, world_size=1, n_streams=8, micro_batch=8, tgt_len=10)\n"
-            "except CorpusError as e:\n"
-            "    print('refused:', e)\n")
-    (root / "train").chmod(0)
-    try:
-        done = subprocess.run([*unprivileged, sys.executable, "-c", code, str(root)], capture_output=True, text=True,
-                              timeout=120, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
-    finally:
-        (root / "train").chmod(0o755)
-    assert done.stdout.startswith(f"refused: {root / 'train' / '00000.arrow'}: cannot be read ("), done.stderr[-2000:]
-    assert "Permission denied" in done.stdout and "folders above it" in done.stdout
+    said = open_as_an_unprivileged_user(root, root / "train")
+    assert said.startswith(f"refused: {root / 'train' / '00000.arrow'}: cannot be read ("), said
+    assert "Permission denied" in said and "folders above it" in said
 
 
 @pytest.mark.parametrize("victim, fix", [("manifest.json", "of the file and of the folders above it"),
@@ -432,27 +415,9 @@ def test_a_corpus_folder_this_user_may_not_search_is_one_line(tmp_path):
 def test_a_manifest_or_tokenizer_this_user_may_not_read_is_one_line(tmp_path, victim, fix):
     # read_manifest caught a missing manifest but not EACCES, and the tokenizer's check none: a training start
     # ended in a PermissionError traceback where the corpus' Arrow files are refused in one line.
-    import subprocess
-    import sys
-
-    unprivileged = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--inh-caps",
-                    "-dac_override,-dac_read_search"] if os.geteuid() == 0 else []  # root ignores permission bits
-    if unprivileged and subprocess.run([*unprivileged, "true"], capture_output=True).returncode != 0:
-        pytest.skip("running as root and setpriv cannot drop CAP_DAC_OVERRIDE here")
     root = make_corpus(tmp_path / "c", {"train": synthetic_stream(N_TOKENS, seed=3)}, layout=Layout(2, 8))
-    code = ("import sys; from txl_dist.data import CorpusError, StreamLoader\n"
-            "try:\n"
-            "    StreamLoader(sys.argv[1], 'train', rank=0, world_size=1, n_streams=8, micro_batch=8, tgt_len=10)\n"
-            "except CorpusError as e:\n"
-            "    print('refused:', e)\n")
     path = (root / victim).resolve()
     named = root if victim == ".." else path  # a folder above the corpus: the corpus folder cannot be read
-    mode = path.stat().st_mode
-    path.chmod(0)
-    try:
-        done = subprocess.run([*unprivileged, sys.executable, "-c", code, str(root)], capture_output=True, text=True,
-                              timeout=120, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
-    finally:
-        path.chmod(mode)
-    assert done.stdout.startswith(f"refused: {named}: cannot be read ("), done.stderr[-2000:]
-    assert "Permission denied" in done.stdout and done.stdout.rstrip().endswith(f"check the permissions {fix}")
+    said = open_as_an_unprivileged_user(root, path)
+    assert said.startswith(f"refused: {named}: cannot be read ("), said
+    assert "Permission denied" in said and said.rstrip().endswith(f"check the permissions {fix}")

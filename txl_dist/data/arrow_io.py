@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import one_line
-from .manifest import DTYPES, CorpusError, CorpusFault, FileEntry, Manifest, sha256_file
+from .manifest import DTYPES, CorpusError, CorpusFault, FileEntry, Manifest, is_readable_file, sha256_file
 
 MAPPED_AROUND_BYTES = 1 << 21
 """How far from a token it reads a page fault may map the file's pages: fault-around maps 64 KiB, and a large
@@ -273,12 +273,7 @@ def drop_pages(lo: int, hi: int, region: tuple[int, int]) -> None:
 
 
 def _check_file(entry: FileEntry, path: Path, verify: bool) -> None:
-    try:
-        is_file = path.is_file()  # raises for a folder on the way that this user may not search
-    except OSError as e:
-        raise CorpusError(f"{path}: cannot be read ({one_line(e)}); check the permissions of the file and of the "
-                          "folders above it") from None
-    if not is_file:
+    if not is_readable_file(path):
         if path.is_dir():
             raise CorpusError(f"{path}: is a folder, not a file (the manifest lists an Arrow file there); re-run "
                               "prepare")

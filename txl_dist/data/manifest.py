@@ -334,6 +334,16 @@ def sha256_file(path: str | os.PathLike, chunk_bytes: int = 1 << 22, mapped: Any
     return compute() if record is None else record.sha256(path, compute)
 
 
+def is_readable_file(path: Path) -> bool:
+    """path.is_file(), with the error it raises for a folder on the way that this user may not search turned into
+    a CorpusError naming the file (a training start ended in a PermissionError traceback)."""
+    try:
+        return path.is_file()
+    except OSError as e:
+        raise CorpusError(f"{path}: cannot be read ({one_line(e)}); check the permissions of the file and of the "
+                          "folders above it") from None
+
+
 def tokenizer_file_sha256(corpus_dir: str | os.PathLike, tokenizer: TokenizerEntry) -> str:
     """sha256 of the corpus' tokenizer model file (what tokenizer.sha256 must be); CorpusError (one line naming
     the file) when it is missing or this user may not read it."""

@@ -23,7 +23,7 @@ import pyarrow as pa
 
 from ..errors import one_line
 from .arrow_io import drop_pages
-from .manifest import CorpusError, Manifest, sha256_file
+from .manifest import CorpusError, Manifest, is_readable_file, sha256_file
 
 DOCUMENTS_FILE = "mixture/train-documents.arrow"
 DOCUMENTS_SCHEMA = pa.schema([("stop", pa.int64()), ("source", pa.uint8())])
@@ -91,12 +91,7 @@ def document_batches(corpus_dir: str | os.PathLike, manifest: Manifest, *, verif
     path = Path(corpus_dir) / mix.documents_file
     schema = documents_schema(manifest)
     rerun = "re-run `python -m data_prep mix" + (" --index`" if schema is INDEX_SCHEMA else "`")
-    try:
-        is_file = path.is_file()  # raises for a folder on the way that this user may not search
-    except OSError as e:
-        raise CorpusError(f"{path}: cannot be read ({one_line(e)}); check the permissions of the file and of the "
-                          "folders above it") from None
-    if not is_file:
+    if not is_readable_file(path):
         raise CorpusError(f"{path}: the mixture's documents file is missing; {rerun}")
     n_tokens = manifest.splits["train"].n_tokens
     try:
