@@ -496,6 +496,11 @@ def _(s):
 def _(s):
     s.train(None, "--set", "run.dir=null")
 
+
+@case("config.empty-data-path")
+def _(s):
+    s.train(None, "--set", "data.path=")
+
 case("deepspeed.offload-at-a-stage-that-ignores-it")(
     train_with(deepspeed={"zero_optimization": {"stage": 1, "offload_param": {"device": "cpu"}}}))
 case("deepspeed.offload-nvme-without-path")(
@@ -878,6 +883,12 @@ def _(s):
     (s.root / "file").write_text("a regular file\n")
     s.values["run"] = str(s.root / "file" / "run")
     s.train(s.config(run={"dir": s.values["run"]}))
+
+
+@case("run-folder.log-file-unusable")
+def _(s):
+    (s.run_dir / "logs" / "train.log").mkdir(parents=True)
+    s.train()
 
 
 @case("run-folder.is-the-corpus")

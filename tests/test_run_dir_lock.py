@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -88,6 +90,44 @@ def test_a_requeued_job_takes_over_its_earlier_starts_lock_after_the_wait(holder
         lock.release()
 
 
+WAITING_HOLDER = """
+import sys, time
+from pathlib import Path
+from txl_dist.run_dir import RunDirBusy, acquire_lock
+print("waiting", flush=True)
+while True:
+    try:
+        lock = acquire_lock(Path(sys.argv[1]))
+        break
+    except RunDirBusy:
+        time.sleep(0.01)
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_requeued_job_does_not_take_over_a_lock_another_job_took_during_its_wait(holder, tmp_path, monkeypatch):
+    """The earlier start releases its lock while the requeued job waits for it, and another job takes it at
+    once: that job's lock is refused, not replaced (two jobs would write the run folder)."""
+    run = holder("42", 0)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")} | {"SLURM_JOB_ID": "43"}
+    other = subprocess.Popen([sys.executable, "-c", WAITING_HOLDER, str(run)], stdout=subprocess.PIPE, text=True,
+                             env=env, cwd=REPO)
+    try:
+        assert other.stdout.readline().strip() == "waiting"
+        monkeypatch.setenv("SLURM_JOB_ID", "42")
+        monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+        # The earlier start ends while this job waits (its first look comes 2 s in): job 43 takes the lock first.
+        earlier_start = json.loads((run / LOCK_FILE).read_text())["pid"]
+        threading.Timer(0.5, os.kill, (earlier_start, signal.SIGKILL)).start()
+        with pytest.raises(RunDirBusy, match=r"in use by another job \(training on host .*, Slurm job 43\)"):
+            acquire_lock(run, stale_after_s=4)
+        assert other.stdout.readline().strip() == "held"  # job 43 holds it, under its own lock file
+        assert json.loads((run / LOCK_FILE).read_text())["slurm_job_id"] == "43"
+    finally:
+        other.kill()
+        other.wait(30)
+
 def test_without_a_wait_a_requeued_job_is_refused(holder, monkeypatch):
     run = holder("42", 0)
     monkeypatch.setenv("SLURM_JOB_ID", "42")
@@ -129,6 +169,20 @@ def test_a_lock_granted_over_a_running_job_on_another_node_is_refused(tmp_path, 
     assert lock.held and json.loads((run / LOCK_FILE).read_text())["slurm_job_id"] == "1002"
     lock.release()
 
+
+def test_a_lock_released_by_a_job_that_still_runs_elsewhere_is_taken(tmp_path, monkeypatch):
+    """A job on another host that released the lock (its training ended; its Slurm job goes on with other work)
+    leaves no record behind: only a holder that did not release its lock (it holds it, or died) is asked about."""
+    run = tmp_path / "run"
+    release_on_gpu7 = ("import socket, sys; from pathlib import Path; socket.gethostname = lambda: 'gpu7'; "
+                       "from txl_dist.run_dir import acquire_lock; acquire_lock(Path(sys.argv[1])).release()")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")} | {"SLURM_JOB_ID": "1001"}
+    subprocess.run([sys.executable, "-c", release_on_gpu7, str(run)], env=env, cwd=REPO, check=True)
+    fake_scontrol(tmp_path, monkeypatch, "RUNNING")  # job 1001 still runs
+    monkeypatch.setenv("SLURM_JOB_ID", "1002")
+    lock = acquire_lock(run)
+    assert lock.held and json.loads((run / LOCK_FILE).read_text())["slurm_job_id"] == "1002"
+    lock.release()
 
 def test_the_record_of_a_job_on_this_host_or_outside_slurm_asks_nobody(tmp_path, monkeypatch):
     import socket

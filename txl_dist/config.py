@@ -785,6 +785,9 @@ def _suggest(word: str, choices: list[str]) -> str:
 def validate(cfg: RunConfig) -> None:
     if not cfg.run.dir.strip():
         raise ConfigError("run.dir: must name a folder (e.g. runs/my-run)")
+    if not cfg.data.path.strip():  # "" resolves to the working folder: start-up named run.dir as lying in it
+        raise ConfigError("data.path: must name a corpus folder (the one `python -m data_prep prepare --out DIR` "
+                          "wrote, holding manifest.json)")
     if cfg.tracking.experiment is not None and not cfg.tracking.experiment.strip():
         raise ConfigError("tracking.experiment: must name an experiment, or be null (MLFLOW_EXPERIMENT_NAME, else "
                           f"'txl-dist'), got {json.dumps(cfg.tracking.experiment)}")

@@ -16,7 +16,8 @@ ends, so a dead job never keeps it (except on a network file system whose lock o
 requeued Slurm job then takes over its own earlier start's lock, see acquire_lock). The file also says who
 holds it, for the refusal message, and for one more check: on a file system whose locks are local to each node
 (Lustre -o localflock, NFS local_lock=flock) a job on another node gets the lock while its holder runs, so a
-lock granted over the record of another Slurm job on another host that scontrol says is running is refused.
+lock granted over the record of another Slurm job on another host that scontrol says is running is refused
+(a holder that releases the lock clears its record: only one that holds it, or died, leaves one).
 On file systems without flock support the job warns and goes on unlocked.
 
 Standard library only (and txl_dist's errors and output_paths, which are too).
@@ -135,6 +136,12 @@ class RunLock:
 
     def release(self) -> None:
         if self._fd is not None:
+            try:
+                # The record names a holder no more: left there, a job on another node would be refused while
+                # this Slurm job goes on with other work (_running_elsewhere). One that dies keeps its record.
+                os.ftruncate(self._fd, 0)
+            except OSError:
+                pass
             os.close(self._fd)  # closing the descriptor drops the flock
             self._fd = None
 
@@ -255,6 +262,8 @@ def _take_over(run_dir: Path, path: Path, holder: dict, purpose: str, wait_s: fl
         if _try_flock(fd, run_dir):
             return _held(fd, path, purpose)
         os.close(fd)
+        _refuse_unless_earlier_start(run_dir, path)
+    _refuse_unless_earlier_start(run_dir, path)  # the last look before the lock file is replaced
     path.unlink(missing_ok=True)
     fd = _open_lock_file(run_dir, path)
     if not _try_flock(fd, run_dir):
@@ -262,6 +271,16 @@ def _take_over(run_dir: Path, path: Path, holder: dict, purpose: str, wait_s: fl
         raise _busy(run_dir, _read_holder(path))
     log.warning("run.dir %s: took over the lock of %s", run_dir, _describe(holder))
     return _held(fd, path, purpose)
+
+
+def _refuse_unless_earlier_start(run_dir: Path, path: Path) -> None:
+    """RunDirBusy when the lock, still held, is no longer an earlier start's of this job: the earlier start
+    released it during the wait and another job took it, whose lock must not be replaced. A record that names no
+    holder is the moment between a release (which clears it) and the close, or between a new holder's lock and
+    its record: the next try tells."""
+    holder = _read_holder(path)
+    if holder is not None and not _earlier_start_of_this_job(holder):
+        raise _busy(run_dir, holder)
 
 
 def _busy(run_dir: Path, holder: dict | None) -> RunDirBusy:
@@ -337,11 +356,17 @@ _log_file: RunLogFile | None = None
 def attach_log_file(logger: logging.Logger, path: Path) -> None:
     """Append the logger's records to `path` too (same format as the console), until detach_log_file();
     one file per process: attaching another detaches the previous one. The entry point detaches it after
-    it has logged how the job ended, so the run's log says why a job stopped."""
+    it has logged how the job ended, so the run's log says why a job stopped. RunDirUnusable when the file
+    cannot be opened (logs/ a file, the log file a folder, either of them not writable)."""
     global _log_file
     detach_log_file(logger)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handler = RunLogFile(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handler = RunLogFile(path)
+    except OSError as e:
+        what = f": {e.filename}" if e.filename and os.path.abspath(e.filename) != os.path.abspath(path) else ""
+        raise RunDirUnusable(f"{path}: the run's log file cannot be opened ({e.strerror or one_line(e)}{what}); "
+                             "move what is there aside or choose another run.dir") from None
     console = next((h for h in logger.handlers if h.formatter is not None), None)
     handler.setFormatter(console.formatter if console else logging.Formatter("%(asctime)s %(message)s"))
     logger.addHandler(handler)

@@ -219,6 +219,11 @@ def read_data_path(cfg: RunConfig) -> Manifest:
     usual cause is a corpus moved, or a checkpoint (its data.path) evaluated on another machine, where a new
     `prepare` is not the fix."""
     if not os.path.lexists(cfg.data.path):
+        home = os.path.expanduser(cfg.data.path)
+        if home != cfg.data.path:  # a shell would expand `--out ~/x` in the advice below: the next start fails again
+            raise CorpusError(f"data.path: {cfg.data.path} does not exist: a ~ is not expanded in data.path (it names "
+                              f"a folder called {cfg.data.path.split('/')[0]} here); write the full path, e.g. "
+                              f"--set data.path={home}")
         raise CorpusError(f"data.path: {cfg.data.path} does not exist; point it at the folder the corpus was "
                           f"prepared in (--set data.path=DIR), or prepare it there (`python -m data_prep prepare "
                           f"--out {cfg.data.path}`)")
@@ -502,6 +507,10 @@ def start_training(cfg: RunConfig, env: DistEnv, resume: str = "auto", *, log_fi
         start.lock = _together(lambda: acquire_lock(run_dir.path, stale_after_s=resolved.train.collective_timeout_s)
                                if env.is_main else None, "the run folder locked")
         check_run_dir_shared(run_dir.path, env)
+        # Together: a log file one rank cannot open is refused on every rank, not left to the next collective.
+        # Before the corpus' lines: the relayout advice belongs in the log a batch job's user reads.
+        _together(lambda: attach_log_file(log, run_dir.log_file(env.rank)) if log_file else None,
+                  "the run's log file opened")
         if hashes.hashed or hashes.remembered or hashes.taken:
             taken = f" ({len(hashes.taken)} more hashed by other ranks)" if hashes.taken else ""
             log.info("corpus: %d file(s) verified by sha256%s, %d unchanged since an earlier start of this run",
@@ -509,8 +518,6 @@ def start_training(cfg: RunConfig, env: DistEnv, resume: str = "auto", *, log_fi
         if env.is_main and (warning := layout_warning(resolved, manifest, loader, env.world_size,
                                                       sum(Path(p).stat().st_size for p in hashes.hashed))):
             log.warning("%s", warning)
-        if log_file:
-            attach_log_file(log, run_dir.log_file(env.rank))
         start.resume = _choose_resume(start, env, resume)
         if start.choices is None:  # a new run: nothing recorded to reuse
             _agree_choices(start, env, None)
