@@ -273,3 +273,55 @@ def test_deepspeed_waits_for_the_device_only_where_it_pays():
     timed = {**EVERY_SECTION, "timers": {"throughput": {"enabled": True, "synchronized": False}}}
     assert handed_over(timed)["timers"] == timed["timers"]
     check_deepspeed_config(one, 1)  # as DeepSpeed reads them
+
+
+@pytest.mark.parametrize("key", ["partition_activations", "cpu_checkpointing", "contiguous_memory_optimization"])
+def test_activation_checkpointing_that_empties_a_layers_inputs_is_refused(key):
+    """DeepSpeed's checkpoint then empties every tensor a layer was given once its forward has run; the layers share
+    the position embeddings, so the second layer's forward failed with a traceback ("both arguments to linear need
+    to be at least 1D"), after the model was built."""
+    ds = with_values(handed_over(EVERY_SECTION), {f"activation_checkpointing.{key}": True})
+    message = refusal(ds)
+    assert message.startswith(f"deepspeed.activation_checkpointing.{key}: true is not supported here"), message
+    assert "\n" not in message
+    check_deepspeed_config(with_values(ds, {f"activation_checkpointing.{key}": False}), 2)
+    for harmless in ({"number_checkpoints": 1}, {"profile": True}, {"synchronize_checkpoint_boundary": True}):
+        check_deepspeed_config(with_values(handed_over(EVERY_SECTION),
+                                           {f"activation_checkpointing.{k}": v for k, v in harmless.items()}), 2)
+
+
+@pytest.mark.parametrize("stage, optimizer, expected", [
+    pytest.param(2, "SGD", "'SGD' (torch.optim.sgd.SGD) is not an optimizer DeepSpeed", id="sgd-at-zero-2"),
+    pytest.param(1, "RMSprop", "ZeRO stage 1 refuses it inside deepspeed.initialize", id="rmsprop-at-zero-1"),
+    pytest.param(3, "SGD", "set deepspeed.zero_allow_untested_optimizer true", id="sgd-at-zero-3"),
+    pytest.param(0, "LBFGS", "'LBFGS' needs a closure at every step", id="lbfgs"),
+    pytest.param(0, "SparseAdam", "'SparseAdam' takes sparse gradients only", id="sparse-adam"),
+])
+def test_an_optimizer_deepspeed_builds_and_cannot_step_is_refused(stage, optimizer, expected):
+    """These passed the checks and failed after the model was built: an untested optimizer at ZeRO 1-3 with an
+    AssertionError inside deepspeed.initialize, LBFGS (no closure) and SparseAdam (dense gradients) at the first
+    step."""
+    section = {**EVERY_SECTION, "zero_optimization": {"stage": stage},
+               "optimizer": {"type": optimizer, "params": {"lr": 0.01}}}
+    message = refusal(handed_over(section))
+    assert message.startswith("deepspeed.optimizer.type: ") and expected in message, message
+    if stage:
+        # What DeepSpeed asks for: it then trains with it; so does ZeRO 0 and a tested optimizer at the same stage.
+        check_deepspeed_config(handed_over({**section, "zero_allow_untested_optimizer": True}), 2)
+        check_deepspeed_config(handed_over({**section, "zero_optimization": {"stage": 0}}), 2)
+        check_deepspeed_config(handed_over({**section, "optimizer": {"type": "Adagrad", "params": {"lr": 0.01}}}), 2)
+
+
+@pytest.mark.parametrize("scheduler, params, expected", [
+    pytest.param("OneCycle", {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3, "cycle_first_step_size": 0},
+                 "OneCycle refuses them: cycle_first_step_size must be positive", id="one-cycle"),
+    pytest.param("LRRangeTest", {"lr_range_test_step_size": 0}, "LRRangeTest refuses them: lr_range_test_step_size",
+                 id="lr-range-test"),
+])
+def test_every_schedule_is_built_at_start_up(scheduler, params, expected):
+    """DeepSpeed's OneCycle and LRRangeTest refused these inside deepspeed.initialize, after the model was built."""
+    section = {**EVERY_SECTION, "scheduler": {"type": scheduler, "params": params}}
+    message = refusal(handed_over(section))
+    assert message.startswith("deepspeed.scheduler.params: DeepSpeed's ") and expected in message, message
+    fine = {key: value for key, value in params.items() if not key.endswith("step_size")}
+    check_deepspeed_config(handed_over({**section, "scheduler": {"type": scheduler, "params": fine}}), 2)

@@ -554,6 +554,21 @@ case("deepspeed.optimizer-value")(train_with(deepspeed={"optimizer": {"params": 
 case("deepspeed.optimizer-switch-not-a-boolean")(train_with(deepspeed={"optimizer": {"params": {"fused": "no"}}}))
 case("deepspeed.unknown-key.activation_checkpointing")(
     train_with(deepspeed={"activation_checkpointing": {"partition_activation": True}}))
+case("deepspeed.activation-checkpointing-empties-inputs")(
+    train_with(deepspeed={"activation_checkpointing": {"partition_activations": True}}))
+
+
+@case("deepspeed.optimizer-untested-at-zero")
+def _(s):
+    s.train(None, "--set", 'deepspeed.optimizer={"type": "SGD", "params": {"lr": 0.01}}',
+            "--set", "deepspeed.zero_optimization.stage=2")
+
+
+@case("deepspeed.optimizer-cannot-step")
+def _(s):
+    s.train(None, "--set", 'deepspeed.optimizer={"type": "LBFGS", "params": {"lr": 0.01}}')
+
+
 case("deepspeed.wrong-type")(train_with(deepspeed={"gradient_clipping": "1.0"}))
 case("deepspeed.unknown-optimizer")(train_with(deepspeed={"optimizer": {"type": "AdamWW"}}))
 case("deepspeed.grad-accum-dtype-at-stage-0")(train_with(deepspeed={

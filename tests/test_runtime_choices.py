@@ -76,6 +76,20 @@ def test_auto_precision_on_cpu_picks_bf16_only_when_measured_faster_by_a_margin(
     assert (choices.peak_flops, choices.peak_note) == (1.07e11, "")
 
 
+@pytest.mark.parametrize("major, expected", [(8, "bf16"), (9, "bf16"), (7, "fp32")])
+def test_auto_precision_on_cuda_picks_bf16_only_where_the_gpu_has_it(tmp_path, monkeypatch, major, expected):
+    """torch.cuda.is_bf16_supported() counts a GPU that can merely hold bf16 tensors (compute capability 7.x: V100,
+    T4, without bf16 tensor cores) as supporting it, and "auto" trained such a GPU in emulated bf16. torch's own
+    function runs here, on a CUDA device of that capability as torch's stand-ins describe it."""
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("Props", (), {"major": major}))
+    monkeypatch.setattr(torch.cuda, "_check_bf16_tensor_supported", lambda device: True, raising=False)
+    precision, origin = runtime_choices.choose_precision(_cfg(tmp_path, precision="auto"), torch.device("cuda"), {})
+    assert (precision, origin) == (expected, "device")
+
+
 @pytest.mark.parametrize("vocab_size", [None, VOCAB])  # one layer before the corpus is read; then the model
 def test_the_real_measurement_runs_at_the_run_shapes(tmp_path, vocab_size):
     cfg = _cfg(tmp_path)

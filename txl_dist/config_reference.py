@@ -73,14 +73,19 @@ project adds (txl_dist/config.py, `validate_deepspeed`):
 | `deepspeed.data_types.grad_accum_dtype` | left out in a bf16/fp16 run at ZeRO 2-3: `"fp32"` (micro-batch gradients summed in fp32; in bf16, 32 + 0.125 rounds back to 32; docs/performance.md). `"bf16"` keeps DeepSpeed's own default (the sum rounded at every micro step). Refused: another dtype than the model's at stage 0 (DeepSpeed sums in the model's dtype only) and `"fp32"` for bf16 at stage 1 (DeepSpeed's BF16_Optimizer, whose checkpoints its zero_to_fp32 cannot export: use stage 2) |
 | `deepspeed.timers.throughput` | left out: `{{"enabled": false}}` (DeepSpeed's timer, on by default, waits for the device twice per micro step for a number this project never prints); a config that names it keeps it |
 | `deepspeed.zero_optimization.overlap_comm` | at ZeRO 1-2 on one rank: false whatever the config says (on a GPU it waits for the device after every micro step's backward, and one rank has no reduction to overlap it with); on more ranks as configured |
-| `deepspeed.activation_checkpointing` | present: every layer is recomputed in the backward pass |
+| `deepspeed.activation_checkpointing` | present: every layer is recomputed in the backward pass. Refused: \
+`partition_activations`, `cpu_checkpointing` and `contiguous_memory_optimization` true (DeepSpeed then empties \
+the tensors a layer is given after its forward, and the layers share the position embeddings and read the mems) |
 | `deepspeed.scheduler.params.total_num_steps` | leave it out: it follows `train.max_steps` |
-| `deepspeed.scheduler` (WarmupLR, WarmupDecayLR, WarmupCosineLR) | its params are checked by building the scheduler at start-up (DeepSpeed refuses e.g. `warmup_num_steps: 0`; it warms up over max(2, n) steps); optimizer step k (from 0) trains at the schedule's iteration k (DeepSpeed alone would train the first step at lr 0). \
+| `deepspeed.scheduler` (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest) | its params are checked by building the scheduler at start-up (DeepSpeed refuses e.g. `warmup_num_steps: 0`; it warms up over max(2, n) steps); optimizer step k (from 0) trains at the schedule's iteration k (DeepSpeed alone would train the first step at lr 0). \
 A value a schedule computes with must be a number (or a list of them, one per param group, for its lr and \
 momentum bounds; null only where DeepSpeed's default is null): another passes the building and would fail \
 mid-run, when the schedule first reaches it |
 | `deepspeed.optimizer.params` | a JSON object, the optimizer's keyword arguments; checked at start-up by \
 building the optimizer DeepSpeed would build for `optimizer.type` |
+| `deepspeed.optimizer.type` | refused: a torch.optim class whose step needs a closure (LBFGS) or sparse gradients \
+(SparseAdam), and at ZeRO 1-3 one DeepSpeed's ZeRO has not tested (SGD, RMSprop, ...: all but Adam, AdamW, \
+Adagrad and DeepSpeed's own) unless `deepspeed.zero_allow_untested_optimizer` is true |
 | `deepspeed.bf16.check_grad_overflow`, `deepspeed.zero_optimization.compute_grad_norm` | must stay true (the non-finite guard, `train.max_nonfinite`, needs them) |
 """
 

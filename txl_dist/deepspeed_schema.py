@@ -28,6 +28,7 @@ from deepspeed.runtime import config as ds_config_module  # noqa: E402
 from deepspeed.runtime import lr_schedules  # noqa: E402
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel, get_scalar_param  # noqa: E402
 from deepspeed.runtime.engine import DeepSpeedEngine  # noqa: E402
+from deepspeed.runtime.zero.utils import ZERO_SUPPORTED_OPTIMIZERS  # noqa: E402
 
 
 def check_deepspeed_config(ds: dict[str, Any], world_size: int) -> None:
@@ -52,6 +53,7 @@ def check_deepspeed_config(ds: dict[str, Any], world_size: int) -> None:
     _check_scalar_types(ds, reading)
     _check_precision_supported(config)
     _check_gradient_accumulation_dtype(config)
+    _check_activation_checkpointing(ds)
     _check_optimizer(ds, config)
     _check_scheduler(ds)
 
@@ -91,6 +93,30 @@ def _check_gradient_accumulation_dtype(config: ds_config_module.DeepSpeedConfig)
             "deepspeed.data_types.grad_accum_dtype: fp32 with a bf16 model at ZeRO stage 1 makes "
             f"{_DS_VERSION} use its BF16_Optimizer, whose checkpoints its zero_to_fp32 cannot export; use "
             "deepspeed.zero_optimization.stage 2 (fp32 sums, the usual checkpoints) or remove grad_accum_dtype")
+
+
+_INPUT_EMPTYING_CHECKPOINTING = ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization")
+"""activation_checkpointing switches with which DeepSpeed's checkpoint empties every floating-point tensor a layer
+was given (`arg.data = torch.empty([])`) once the layer's forward has run, keeping a partition or a CPU copy for its
+backward (contiguous_memory_optimization needs partition_activations). Megatron's layers take only their input
+there; a Transformer-XL layer is also given the position embeddings all layers share and its memory, so the next
+layer failed in its forward ("both arguments to linear need to be at least 1D") and the mems would be lost."""
+
+
+def _check_activation_checkpointing(ds: dict) -> None:
+    section = ds.get("activation_checkpointing")
+    if not isinstance(section, dict):
+        return
+    for key in _INPUT_EMPTYING_CHECKPOINTING:
+        if section.get(key) is not True:
+            continue
+        why = (f"{_DS_VERSION} then empties the tensors each layer is given once its forward has run, and the "
+               "Transformer-XL layers share the position embeddings and read the mems, so the next layer's forward "
+               "fails")
+        if key == "contiguous_memory_optimization":
+            why = f"it needs partition_activations, which is not supported here ({why})"
+        raise ConfigError(f"deepspeed.activation_checkpointing.{key}: true is not supported here: {why}; leave it "
+                          "out (every layer is still recomputed in the backward pass)")
 
 
 _DS_VERSION = f"DeepSpeed {deepspeed.__version__}"
@@ -356,6 +382,29 @@ def _check_optimizer(ds: dict, config: ds_config_module.DeepSpeedConfig) -> None
         _check_arguments(params, cls, key="deepspeed.optimizer.params", what=what, taken=taken, own=set(own))
         _check_flags(params, cls, taken)
         _check_optimizer_values(cls, {k: v for k, v in params.items() if k not in taken}, own, what)
+        _check_optimizer_steps_here(name, cls, config)
+
+
+def _check_optimizer_steps_here(name: str, cls: type, config: ds_config_module.DeepSpeedConfig) -> None:
+    """Refuse an optimizer class DeepSpeed builds and then cannot step: one whose step() needs a closure (DeepSpeed
+    calls step() without one), SparseAdam (the model's gradients are dense), and at ZeRO 1-3 a class its ZeRO has
+    not tested unless zero_allow_untested_optimizer says so. Each failed after the model was built: the first two
+    at the first step, the last inside deepspeed.initialize (an AssertionError)."""
+    if not isinstance(cls, type):  # mup's optimizers are functions that build a torch class
+        return
+    closure = inspect.signature(cls.step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise ConfigError(f"deepspeed.optimizer.type: {name!r} needs a closure at every step (it evaluates the loss "
+                          f"itself), which {_DS_VERSION} never passes; use AdamW (\"torch_adam\": true) or another "
+                          "torch.optim class")
+    if issubclass(cls, torch.optim.SparseAdam):
+        raise ConfigError(f"deepspeed.optimizer.type: {name!r} takes sparse gradients only, and the model's are "
+                          "dense; use AdamW (\"torch_adam\": true) or Adam")
+    if config.zero_enabled and cls not in ZERO_SUPPORTED_OPTIMIZERS and not config.zero_allow_untested_optimizer:
+        raise ConfigError(f"deepspeed.optimizer.type: {name!r} ({cls.__module__}.{cls.__qualname__}) is not an "
+                          f"optimizer {_DS_VERSION}'s ZeRO has tested, and ZeRO stage {config.zero_optimization_stage}"
+                          " refuses it inside deepspeed.initialize; set deepspeed.zero_allow_untested_optimizer true "
+                          "to train with it anyway, use AdamW (\"torch_adam\": true), Adam or Adagrad, or ZeRO stage 0")
 
 
 def _check_flags(params: dict, cls: type, taken: set[str]) -> None:
@@ -496,10 +545,11 @@ def _check_scheduler(ds: dict) -> None:
         _check_scheduler_values(name, params)
 
 
-_BUILT_TO_CHECK = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
-"""Schedulers whose constructors read nothing of the optimizer but its learning rates: built here on a stand-in
-optimizer, so that DeepSpeed's own value checks refuse at start-up, not inside deepspeed.initialize after the
-model is built (and on a cluster, after the queue)."""
+_BUILT_TO_CHECK = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
+"""Schedulers whose constructors read nothing of the optimizer but its learning rates and param groups (OneCycle
+also whether its defaults have betas: the stand-in's have none, so momentum cycling is left out of the check):
+built here on a stand-in optimizer, so that DeepSpeed's own value checks refuse at start-up, not inside
+deepspeed.initialize after the model is built (and on a cluster, after the queue)."""
 
 
 def _check_scheduler_values(name: str, params: dict) -> None:

@@ -185,6 +185,7 @@ PEAK_TABLE: tuple[tuple[str, dict[str, float], str], ...] = (
     ("L40S", {"bf16": 362.05e12, "fp16": 362.05e12, "fp32": 91.6e12}, "NVIDIA L40S datasheet"),
     ("L4", {"bf16": 121e12, "fp16": 121e12, "fp32": 30.3e12}, "NVIDIA L4 datasheet"),
     ("A10", {"bf16": 125e12, "fp16": 125e12, "fp32": 31.2e12}, "NVIDIA A10 datasheet"),
+    ("V100 PCIe", {"fp16": 112e12, "fp32": 14e12}, "NVIDIA V100 datasheet (PCIe)"),
     ("V100", {"fp16": 125e12, "fp32": 15.7e12}, "NVIDIA V100 datasheet (SXM2)"),
 )
 

@@ -11,10 +11,11 @@ timing noise); a run and its resume that disagreed would break the bitwise-exact
   in it) and the attention is chosen again;
 - the trainer records the choices in every checkpoint's run.json.
 
-precision "auto": bf16 on a CUDA device that supports it, else fp32; on a CPU bf16 only where the model's
-forward+backward at the run's shapes (one layer's when the vocabulary is not known yet) runs at least
-BF16_MIN_SPEEDUP times faster than in fp32 (AMX or AVX512-BF16 machines; on CPUs without bf16 units bf16 is
-several times slower). fp16 is never chosen (it needs loss scaling and, on a CPU, kernels few have).
+precision "auto": bf16 on a CUDA device that supports it (compute capability 8.0 and above; a V100 or T4 only
+emulates it, without bf16 tensor cores), else fp32; on a CPU bf16 only where the model's forward+backward at
+the run's shapes (one layer's when the vocabulary is not known yet) runs at least BF16_MIN_SPEEDUP times faster
+than in fp32 (AMX or AVX512-BF16 machines; on CPUs without bf16 units bf16 is several times slower).
+fp16 is never chosen (it needs loss scaling and, on a CPU, kernels few have).
 attn_impl "auto": of `candidate_attn_impls` timed at the run's shapes by `time_attn_impls`
 (txl_dist/model/attention.py), the device's usual path (the static rule `resolve_attn_impl`) unless another is
 ATTN_MIN_SPEEDUP times faster (then the fastest); the static rule alone where those are not available.
@@ -242,7 +243,9 @@ def _kind_text(kind: dict[str, Any] | None) -> str:
 def choose_precision(cfg: RunConfig, device: torch.device, measured: dict[str, Any]) -> tuple[str, str]:
     """("bf16" or "fp32", origin) for precision "auto"; the numbers behind it go into `measured`."""
     if device.type == "cuda":
-        return ("bf16" if torch.cuda.is_bf16_supported() else "fp32"), "device"
+        # Not torch's default, which counts a GPU that only emulates bf16 (compute capability below 8.0: V100, T4,
+        # without bf16 tensor cores) as supporting it; PEAK_TABLE has no bf16 peak for them either.
+        return ("bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp32"), "device"
     if device.type != "cpu":
         return "fp32", "device"
     seconds = _timed_precisions(cfg, device, "bf16", measured, threshold=BF16_MIN_SPEEDUP)
