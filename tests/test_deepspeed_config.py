@@ -12,7 +12,8 @@ from txl_dist.config import ConfigError, config_from_dict, load_config
 from txl_dist.deepspeed_schema import check_deepspeed_config
 from txl_dist.engine import deepspeed_config
 
-CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.json"))
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((REPO / "configs").glob("*.json"))
 
 # Every section this project uses: ZeRO-3 with the optimizer offloaded to the CPU, activation checkpointing,
 # bf16, WarmupCosineLR (deepspeed_config adds total_num_steps, gradient_accumulation_steps and, with
@@ -224,6 +225,31 @@ def test_a_gradient_accumulation_dtype_deepspeed_cannot_run_is_refused(stage, se
     assert message.startswith("deepspeed.data_types.grad_accum_dtype: ") and expected in message, message
     for accum in ("bf16", "fp32"):  # what a stage 2-3 bf16 run may ask for
         check_deepspeed_config(with_values(handed_over(EVERY_SECTION), {"data_types.grad_accum_dtype": accum}), 2)
+
+
+@pytest.mark.parametrize("stage, accum", [(0, "fp32"), (1, "fp32")])
+def test_auto_precision_is_checked_for_bf16_too_before_it_is_decided(stage, accum):
+    """precision "auto" is decided after the ranks connect: the start-up check read the section as fp32, so a
+    gradient sum's dtype DeepSpeed refuses only for a bf16 model (NotImplementedError inside deepspeed.initialize at
+    ZeRO 0; its BF16_Optimizer at ZeRO 1) passed, on a machine where auto then picks bf16 (any recent GPU)."""
+    from txl_dist.startup import check_run_config
+
+    raw = json.loads((REPO / "configs" / "tiny.json").read_text())
+    raw["deepspeed"]["zero_optimization"] = {"stage": stage}
+    raw["deepspeed"]["data_types"] = {"grad_accum_dtype": accum}
+    for precision in ("fp32", "auto"):
+        raw["train"]["precision"] = precision
+        if precision == "fp32":
+            check_run_config(config_from_dict(copy.deepcopy(raw)), 1)  # in fp32 the section is fine
+            continue
+        with pytest.raises(ConfigError) as refused:
+            check_run_config(config_from_dict(copy.deepcopy(raw)), 1)
+        message = str(refused.value)
+        assert message.startswith("deepspeed.data_types.grad_accum_dtype: fp32 with a bf16 model") and \
+            message.endswith('(train.precision "auto" may pick bf16 for this run; name a precision to train in, or '
+                             "change the deepspeed section)"), message
+    raw["deepspeed"]["zero_optimization"] = {"stage": 2}  # fp32 sums of a bf16 model: fine at ZeRO 2
+    check_run_config(config_from_dict(copy.deepcopy(raw)), 1)
 
 
 def test_deepspeed_imports_without_mlflow_or_the_inductor_and_mlflow_still_imports_afterwards():

@@ -240,6 +240,10 @@ def _kind_text(kind: dict[str, Any] | None) -> str:
             f"world size {kind.get('world_size')}")
 
 
+AUTO_PRECISIONS = ("fp32", "bf16")
+"""What precision "auto" can pick (choose_precision)."""
+
+
 def choose_precision(cfg: RunConfig, device: torch.device, measured: dict[str, Any]) -> tuple[str, str]:
     """("bf16" or "fp32", origin) for precision "auto"; the numbers behind it go into `measured`."""
     if device.type == "cuda":

@@ -178,6 +178,24 @@ def check_run_config(cfg: RunConfig, world_size: int) -> None:
     ds_config = deepspeed_config(cfg, world_size)
     check_deepspeed_config(ds_config, world_size)
     check_optimizer_op_available(ds_config)
+    if cfg.train.precision == "auto":
+        _check_each_auto_precision(cfg, world_size)
+
+
+def _check_each_auto_precision(cfg: RunConfig, world_size: int) -> None:
+    """precision "auto" is decided after the ranks connect, and the check above read the section as fp32: what
+    DeepSpeed refuses only for a bf16 model (a grad_accum_dtype that is not the model's at ZeRO 0, fp32 sums at
+    ZeRO 1) would fail inside deepspeed.initialize, or train another way, where "auto" picks bf16 (any GPU with
+    bf16 units, a CPU that measures it faster)."""
+    for precision in runtime_choices.AUTO_PRECISIONS:
+        picked = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=precision))
+        try:
+            check_deepspeed_config(deepspeed_config(picked, world_size), world_size)
+        except ConfigError as e:
+            if e.args[0].startswith("train.precision / "):  # DeepSpeed cannot train in it here: auto will not pick it
+                continue
+            raise ConfigError(f"{e} (train.precision \"auto\" may pick {precision} for this run; name a precision "
+                              "to train in, or change the deepspeed section)") from None
 
 
 def check_has_optimizer(cfg: RunConfig) -> None:
