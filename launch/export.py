@@ -26,6 +26,7 @@ nothing, and the next export writes into it without --overwrite.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import logging
@@ -168,7 +169,9 @@ def export(checkpoint: str, out: str, hf: str | None = None, overwrite: bool = F
 
     check_outputs(out, hf, overwrite)
     with open_export(checkpoint) as (tag_dir, run_info, model_cfg):  # held: a training run's retention waits
-        model = TransformerXL(model_cfg)
+        # The folders are read elsewhere (another machine, the CPU): the attention path the run trained with
+        # ('triton' runs on CUDA only) changes speed, not the weights, so they record "auto".
+        model = TransformerXL(dataclasses.replace(model_cfg, attn_impl="auto"))
         ckpt.load_fp32_weights(model, tag_dir, run_info["zero_stage"])
     model.eval()
     tokenizer_sha256 = run_info["tokenizer_sha256"]

@@ -117,7 +117,7 @@ def test_export_records_the_eod_id_and_to_hf_of_its_folder_writes_eos_token_id(t
         assert len(warnings) == 1 and warnings[0].startswith("to-hf: no eos_token_id"), warnings
 
 
-def _stand_in_checkpoint(tmp_path, monkeypatch, corpus_readable: bool = True) -> str:
+def _stand_in_checkpoint(tmp_path, monkeypatch, corpus_readable: bool = True, attn_impl: str = "auto") -> str:
     """launch/export.py reads a stand-in checkpoint of a tiny model whose corpus has a tokenizer, or one it cannot
     read (its reading of a real one is tested in tests/test_generation.py); the tokenizer's sha256."""
     import contextlib
@@ -128,7 +128,8 @@ def _stand_in_checkpoint(tmp_path, monkeypatch, corpus_readable: bool = True) ->
     import txl_dist.startup
     from txl_dist.config import ModelConfig
 
-    cfg = ModelConfig(vocab_size=53, n_layer=1, d_model=16, n_head=2, d_head=8, d_inner=24, tgt_len=5, mem_len=4)
+    cfg = ModelConfig(vocab_size=53, n_layer=1, d_model=16, n_head=2, d_head=8, d_inner=24, tgt_len=5, mem_len=4,
+                      attn_impl=attn_impl)
     sha = hashlib.sha256(b"tokenizer").hexdigest()
     run_info = {"tokenizer_sha256": sha, "zero_stage": 0, "config": {"data": {"path": str(tmp_path / "corpus")}}}
     monkeypatch.setattr(txl_dist.startup, "open_export",
@@ -137,6 +138,25 @@ def _stand_in_checkpoint(tmp_path, monkeypatch, corpus_readable: bool = True) ->
     monkeypatch.setattr(export_module, "training_tokenizer",
                         lambda corpus, sha, hf: (5, b"tokenizer") if corpus_readable else None)
     return sha
+
+
+@pytest.mark.parametrize("trained_with", ["triton", "flex", "sdpa"])
+def test_an_exported_folder_runs_on_the_cpu_whatever_attention_the_run_trained_with(tmp_path, monkeypatch,
+                                                                                       trained_with):
+    """The folder recorded the run's attn_impl: one trained with 'triton' (CUDA only) loaded as a model whose
+    forward on a CPU raised. The path changes speed, not the weights: the folder records "auto"."""
+    import torch
+
+    import launch.export as export_module
+    from txl_dist.interop import load_native
+
+    _stand_in_checkpoint(tmp_path, monkeypatch, attn_impl=trained_with)
+    export_module.export("run", str(tmp_path / "native"))
+    assert json.loads((tmp_path / "native" / "model_config.json").read_text())["attn_impl"] == "auto"
+    model = load_native(tmp_path / "native").eval()
+    with torch.no_grad():
+        ids = torch.zeros(2, 5, dtype=torch.long)
+        assert torch.isfinite(model(ids, labels=ids).nll).all()
 
 
 @pytest.mark.parametrize("nesting, failing", [
