@@ -5,8 +5,9 @@ promises after a crash or a stop request.
 The tests put each fault at one chosen point (tests/test_faults.py, tests/test_distributed_faults.py) and
 bench/soak.sh kills one rank once, mid-step. Here a case draws a model, engine and world size as
 bench/config_sweep.py does ("auto" precision and attention made explicit: a fresh start times them anew and
-may choose otherwise; fp16 made bf16 where DeepSpeed refuses fp16, as on a CPU without fp16 kernels), trains STEPS steps with a checkpoint every CHECKPOINT_INTERVAL (keep KEEP) and a
-validation every EVAL_INTERVAL, and draws one or two faults:
+may choose otherwise; fp16 made bf16 where DeepSpeed refuses fp16, as on a CPU without fp16 kernels), trains
+STEPS steps with a checkpoint every CHECKPOINT_INTERVAL (keep KEEP) and a validation every EVAL_INTERVAL, and
+draws one or two faults:
 
 - what: SIGKILL of one rank (a crash, the OOM killer) or of the whole job (a node lost), SIGSTOP of one rank
   (a hang; 2 ranks only: one rank alone has no neighbour to notice), or a stop request: SIGTERM to one worker
