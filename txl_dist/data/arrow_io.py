@@ -286,7 +286,8 @@ def _check_file(entry: FileEntry, path: Path, verify: bool) -> None:
     try:
         got = sha256_file(path)
     except OSError as e:
-        raise CorpusError(f"{path}: cannot be read ({one_line(e)}); check the file and its permissions") from None
+        raise CorpusError(f"{path}: cannot be read ({e.strerror or one_line(e)}); check the file and its "
+                          "permissions") from None
     if got != entry.sha256:
         raise CorpusError(f"{path}: sha256 {got[:12]}... differs from the manifest's {entry.sha256[:12]}...: "
                           "the file is corrupt, truncated or replaced; re-run prepare")
@@ -296,7 +297,8 @@ def _map(path: Path) -> pa.MemoryMappedFile:
     try:
         return pa.memory_map(str(path), "r")
     except (pa.ArrowException, OSError) as e:
-        raise CorpusError(f"{path}: cannot be read ({one_line(e)}); check the file and its permissions") from None
+        raise CorpusError(f"{path}: cannot be read ({e.strerror or one_line(e)}); check the file and its "
+                          "permissions") from None
 
 
 def _token_arrays(mapped: pa.MemoryMappedFile, path: Path, dtype: str) -> list[np.ndarray]:

@@ -234,8 +234,8 @@ def read_manifest(corpus_dir: str | os.PathLike) -> Manifest:
     try:
         is_dir = corpus_dir.is_dir()  # raises for a folder on the way that this user may not search
     except OSError as e:
-        raise CorpusError(f"{corpus_dir}: cannot be read ({one_line(e)}); check the permissions of the folders "
-                          "above it") from None
+        raise CorpusError(f"{corpus_dir}: cannot be read ({e.strerror or one_line(e)}); check the permissions of "
+                          "the folders above it") from None
     if not is_dir:
         if os.path.lexists(corpus_dir):  # a file (train.txt, the manifest itself), a device, a broken link
             folder = "name the folder `python -m data_prep prepare --out DIR` wrote (it holds manifest.json)"
@@ -259,8 +259,8 @@ def read_manifest(corpus_dir: str | os.PathLike) -> Manifest:
     except UnicodeDecodeError:
         raise CorpusError(f"{path}: not UTF-8 text; the manifest is corrupt, re-run prepare") from None
     except OSError as e:  # a corpus this user may not read: one line naming the file, as for its Arrow files
-        raise CorpusError(f"{path}: cannot be read ({one_line(e)}); check the permissions of the file and of the "
-                          "folders above it") from None
+        raise CorpusError(f"{path}: cannot be read ({e.strerror or one_line(e)}); check the permissions of the "
+                          "file and of the folders above it") from None
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as e:
@@ -340,8 +340,8 @@ def is_readable_file(path: Path) -> bool:
     try:
         return path.is_file()
     except OSError as e:
-        raise CorpusError(f"{path}: cannot be read ({one_line(e)}); check the permissions of the file and of the "
-                          "folders above it") from None
+        raise CorpusError(f"{path}: cannot be read ({e.strerror or one_line(e)}); check the permissions of the "
+                          "file and of the folders above it") from None
 
 
 def tokenizer_file_sha256(corpus_dir: str | os.PathLike, tokenizer: TokenizerEntry) -> str:
@@ -353,8 +353,8 @@ def tokenizer_file_sha256(corpus_dir: str | os.PathLike, tokenizer: TokenizerEnt
             raise CorpusError(f"{path}: tokenizer model is missing; re-run prepare or copy the model back")
         return sha256_file(path)
     except OSError as e:
-        raise CorpusError(f"{path}: cannot be read ({one_line(e)}); check the permissions of the file and of the "
-                          "folders above it") from None
+        raise CorpusError(f"{path}: cannot be read ({e.strerror or one_line(e)}); check the permissions of the "
+                          "file and of the folders above it") from None
 
 
 def stream_length(n_tokens: int, n_streams: int) -> int:
