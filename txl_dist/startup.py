@@ -183,10 +183,11 @@ def check_run_config(cfg: RunConfig, world_size: int) -> None:
 
 
 def _check_each_auto_precision(cfg: RunConfig, world_size: int) -> None:
-    """precision "auto" is decided after the ranks connect, and the check above read the section as fp32: what
-    DeepSpeed refuses only for a bf16 model (a grad_accum_dtype that is not the model's at ZeRO 0, fp32 sums at
-    ZeRO 1) would fail inside deepspeed.initialize, or train another way, where "auto" picks bf16 (any GPU with
-    bf16 units, a CPU that measures it faster)."""
+    """precision "auto" is decided after the ranks connect, and the check above read the section as written (fp32
+    unless it enables bf16 itself), while the engine gets it in the precision auto picks: what DeepSpeed refuses
+    only for a bf16 model (a grad_accum_dtype that is not the model's at ZeRO 0, fp32 sums at ZeRO 1) would fail
+    inside deepspeed.initialize, or train another way, where "auto" picks bf16 (any GPU with bf16 units, a CPU
+    that measures it faster)."""
     for precision in runtime_choices.AUTO_PRECISIONS:
         picked = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=precision))
         try:

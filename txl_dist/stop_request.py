@@ -116,7 +116,7 @@ def _keep_early(signum, frame) -> None:
 def launcher_gone_since_the_start() -> str | None:
     """'its launcher (...)' when one of the launchers noted by catch_stop_signals has ended, else None (and None
     before that call): for waits of the start-up that would otherwise outlast it, such as the rendezvous."""
-    return _early_launchers.check() if _early_launchers is not None else None
+    return _early_launchers.gone() if _early_launchers is not None else None
 
 
 def catch_stop_signals() -> None:

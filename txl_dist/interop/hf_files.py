@@ -47,23 +47,23 @@ def _load_one(path: Path) -> dict[str, torch.Tensor]:
         raise unreadable_weights(path, e) from None
     # A pickle may hold anything weights_only allows (a bare tensor, a list, a checkpoint dict with an optimizer
     # state): the name and shape checks downstream would fail on it with a traceback, not a refusal.
-    if not isinstance(loaded, dict) or not all(isinstance(name, str) and isinstance(value, torch.Tensor)
-                                               for name, value in loaded.items()):
-        raise HFFormatError(f"{path}: holds no state dict (tensors by name) but {describe_pickle(loaded)}; it is "
-                            "not a model's weights file: pass the folder save_pretrained wrote")
+    if (instead := not_a_state_dict(loaded)) is not None:
+        raise HFFormatError(f"{path}: holds no state dict (tensors by name) but {instead}; it is not a model's "
+                            "weights file: pass the folder save_pretrained wrote")
     return loaded
 
 
-def describe_pickle(value: Any) -> str:
-    """A few words on what a weights pickle holds instead of a state dict: its type, and for a dict the first
-    entry that is not a tensor under a name."""
-    if isinstance(value, dict):
-        for name, item in value.items():
-            if not isinstance(name, str):
-                return f"a dict with the key {name!r}, which is no tensor name"
-            if not isinstance(item, torch.Tensor):
-                return f"a dict whose {name!r} is no tensor (type {type(item).__name__})"
-    return f"an object of type {type(value).__name__}"
+def not_a_state_dict(value: Any) -> str | None:
+    """None for a state dict (tensors by name); else a few words on what a weights pickle holds instead: its type,
+    and for a dict the first entry that is not a tensor under a name."""
+    if not isinstance(value, dict):
+        return f"an object of type {type(value).__name__}"
+    for name, item in value.items():
+        if not isinstance(name, str):
+            return f"a dict with the key {name!r}, which is no tensor name"
+        if not isinstance(item, torch.Tensor):
+            return f"a dict whose {name!r} is no tensor (type {type(item).__name__})"
+    return None
 
 
 def unreadable_weights(path: Path, error: BaseException) -> HFFormatError:

@@ -427,20 +427,19 @@ class _Journal:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        # Each line reaches the file as it is appended (one write call, up to the buffer's size): left in the
+        # buffer until the writer's next send, it was lost to a SIGKILL while the writer sat in a slow request,
+        # though a checkpoint saved meanwhile had gone past its step (the resumed job does not log it again).
         self._file = open(path, "a", encoding="utf-8", buffering=JOURNAL_BUFFER_BYTES)
+        self._file.reconfigure(line_buffering=True)
         self._lock = threading.Lock()
         self.error: OSError | None = None
 
     def append(self, batch: _Batch) -> None:
-        """Write the line out now (one write call): left in the buffer until the writer's next send, it was lost
-        to a SIGKILL while the writer sat in a slow request, though a checkpoint saved meanwhile had gone past
-        its step (the resumed job does not log that step again)."""
         line = batch.to_line()
         with self._lock:
             if not self._file.closed:
                 self._guarded(self._file.write, line)
-            if not self._file.closed:
-                self._guarded(self._file.flush)
 
     def flush(self) -> None:
         with self._lock:

@@ -38,15 +38,21 @@ class ReplayReport:
     run_id: str
     uri: str
     """Shown form (redacted)."""
-    values: int = 0
     batches: int = 0
-    items: int = 0
     sent_to: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     """Per run that got anything, [metric values, items]: the recorded run, and the runs its continuations
     left (tracking/superseded/)."""
 
+    @property
+    def values(self) -> int:
+        return sum(values for values, _ in self.sent_to.values())
+
+    @property
+    def items(self) -> int:
+        return sum(items for _, items in self.sent_to.values())
+
     def count(self, run_id: str, values: int = 0, batches: int = 0, items: int = 0) -> None:
-        self.values, self.batches, self.items = self.values + values, self.batches + batches, self.items + items
+        self.batches += batches
         sent = self.sent_to.setdefault(run_id, [0, 0])
         sent[0], sent[1] = sent[0] + values, sent[1] + items
 
